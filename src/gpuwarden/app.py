@@ -1,0 +1,97 @@
+"""Wiring: build a node (store, probe, registry, launchers, queue roots) from a config."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuwarden.broker import Broker
+from gpuwarden.config import Config
+from gpuwarden.core.model import LaunchMode
+from gpuwarden.eventlog import EventLog
+from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.gpu.select import open_probe
+from gpuwarden.gpu.sim import SimGpuConfig
+from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.launch.host import HostLauncher
+from gpuwarden.registry import Registry
+from gpuwarden.statelock import StateLock
+from gpuwarden.store.base import Store
+from gpuwarden.store.sqlite import SqliteStore
+
+
+def sim_config(config: Config) -> SimGpuConfig:
+    s = config.sim_gpu
+    return SimGpuConfig(
+        count=s.count,
+        vram_bytes=config.sim_vram_bytes,
+        name=s.name,
+        release_delay_s=s.release_delay_s,
+    )
+
+
+def open_store(config: Config) -> Store:
+    """The store named by the config (SQLite in the state directory for now)."""
+    return SqliteStore(config.db_path)
+
+
+def make_probe(config: Config, *, mock_gpu: bool) -> GpuProbe:
+    kind = "sim" if mock_gpu else config.gpu
+    return open_probe(kind, state_dir=config.state_dir, sim=sim_config(config))
+
+
+@dataclass
+class Node:
+    broker: Broker
+    store: Store
+    probe: GpuProbe
+    lock: StateLock
+
+    def close(self) -> None:
+        self.probe.close()
+        self.store.close()
+        self.lock.release()
+
+
+@contextlib.contextmanager
+def open_node(
+    config: Config,
+    *,
+    mock_gpu: bool,
+    events: EventLog | None = None,
+    extra_roots: list[Path] | None = None,
+) -> Iterator[Node]:
+    """Take the state directory's lock and build a ready broker (recovery not run)."""
+    lock = StateLock(config.state_dir)
+    lock.acquire()
+    try:
+        registry = Registry.load(config.module_paths)
+        roots = [
+            QueueRoot.open(p, create=config.create_queue_roots)
+            for p in [*config.queue_roots, *(extra_roots or [])]
+        ]
+        store = open_store(config)
+        try:
+            probe = make_probe(config, mock_gpu=mock_gpu)
+        except BaseException:
+            store.close()
+            raise
+    except BaseException:
+        lock.release()
+        raise
+    broker = Broker(
+        config=config,
+        store=store,
+        probe=probe,
+        registry=registry,
+        launchers={LaunchMode.HOST: HostLauncher()},
+        roots=roots,
+        events=events,
+    )
+    node = Node(broker=broker, store=store, probe=probe, lock=lock)
+    try:
+        yield node
+    finally:
+        node.close()

@@ -1,0 +1,736 @@
+"""The node broker: the single writer of its node's attempt state.
+
+Each :meth:`Broker.tick` reads top to bottom: take in new bundles, drain the
+completions that worker threads posted, pass cancel requests on, plan and start
+attempts, write the results of finished bundles, publish status and events.
+Worker threads only run launchers; they never touch the store or the broker's
+state, they post a :class:`LaunchResult` that the loop drains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from hashlib import sha256
+from pathlib import Path
+from typing import Any
+
+from gpuwarden.config import Config
+from gpuwarden.core import policy
+from gpuwarden.core.classify import AttemptFacts, Outcome, classify
+from gpuwarden.core.model import Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import BundleError, GpuProbeError, GpuwardenError, TransitionError
+from gpuwarden.eventlog import EventLog, NullLog
+from gpuwarden.gpu.base import GpuProbe, GpuReading
+from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake.jobs import prepare
+from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, attempt_marker
+from gpuwarden.launch.host import find_attempt_processes, stop_processes
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import (
+    BundleRecord,
+    DuplicateBundleError,
+    DuplicateJobError,
+    NodeStatus,
+    Store,
+    Submission,
+)
+
+log = logging.getLogger("gpuwarden.broker")
+
+#: how many of a job's own environment variables pass from the broker to the job
+_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV")
+
+
+@dataclass
+class _Running:
+    """An attempt this broker started and has not drained yet (loop-owned)."""
+
+    job: Job
+    attempt: Attempt
+    jobtype: JobType
+    attempt_dir: Path
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    stop_reason: str | None = None  # "cancel" or "shutdown"
+
+
+class Broker:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        store: Store,
+        probe: GpuProbe,
+        registry: Registry,
+        launchers: Mapping[LaunchMode, Launcher],
+        roots: list[QueueRoot] | None = None,
+        events: EventLog | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.probe = probe
+        self.registry = registry
+        self.launchers = dict(launchers)
+        self.roots = list(roots or [])
+        self.events = events or NullLog()
+        self.clock = clock
+        self.node = config.node_name
+        self.accepting = True
+        self._running: dict[str, _Running] = {}
+        self._completions: queue.Queue[LaunchResult] = queue.Queue()
+        self._last_error: dict[str, Any] | None = None
+        self._last_status = 0.0
+        self._last_bundle_check = 0.0
+        self._readings: list[GpuReading] = []
+        self._probe_error = ""
+        self._waits: dict[str, str] = {}
+        self._event_cursor = store.last_event_id()
+        self._jobs_dir = config.state_dir / "jobs"
+        #: names this broker's processes: stable across restarts of the same node and
+        #: state directory, so recovery finds (only) what an earlier run left
+        self.instance = f"{self.node}-{sha256(str(config.state_dir).encode()).hexdigest()[:10]}"
+        self._staging_dir = config.state_dir / "staging"
+
+    # -- the loop -----------------------------------------------------------
+
+    def tick(self) -> None:
+        """One pass of the loop. A failing step is recorded and the loop goes on."""
+        for step in (
+            self._intake,
+            self._drain,
+            self._pass_cancels,
+            self._schedule,
+            self._finish_bundles,
+            self._publish,
+        ):
+            try:
+                step(self.clock())
+            except Exception as exc:  # the loop must outlive any one step
+                self._record_error(step.__name__.strip("_"), exc)
+
+    def run(self, stop: threading.Event, *, force: threading.Event | None = None) -> None:
+        """Tick until ``stop`` is set, then shut down gracefully (``force`` cuts the grace)."""
+        self._emit("broker_started", pid=os.getpid(), probe=self.probe.kind)
+        while not stop.is_set():
+            self.tick()
+            stop.wait(self.config.broker.poll_interval_s)
+        self.shutdown(self.config.broker.shutdown_grace_s, force=force)
+
+    def shutdown(self, grace_s: float, *, force: threading.Event | None = None) -> None:
+        """Stop intake, give running attempts ``grace_s`` to finish, then stop them
+        and record them failed with that reason. Returns once all are drained."""
+        self.accepting = False
+        self._emit("broker_stopping", running=len(self._running), grace_s=grace_s)
+        deadline = self.clock() + grace_s
+        while self._running and self.clock() < deadline:
+            if force is not None and force.is_set():
+                break
+            self._drain(self.clock())
+            time.sleep(min(0.05, self.config.broker.poll_interval_s))
+        for run in self._running.values():
+            run.stop_reason = "shutdown"
+            run.stop.set()
+        for run in list(self._running.values()):
+            if run.thread is not None:
+                run.thread.join()
+        self._drain(self.clock())
+        self._finish_bundles(self.clock(), force=True)
+        self._emit("broker_stopped")
+        self._publish(self.clock(), force=True, stopped=True)
+
+    # -- recovery -----------------------------------------------------------
+
+    def recover(self) -> None:
+        """At start: end the attempts an earlier run left running, and decide what
+        happens to every bundle left in ``processing/`` (each logged)."""
+        now = self.clock()
+        for job in self.store.running_jobs():
+            marker = attempt_marker(self.instance, job.id, job.attempts)
+            reaped, survivors = stop_processes(
+                find_attempt_processes(marker), self.config.broker.kill_grace_s
+            )
+            jobtype = self.registry.types.get(job.type)
+            verdict = classify(
+                AttemptFacts(exit_code=None, interrupted=True),
+                attempt=job.attempts,
+                max_retries=jobtype.max_retries if jobtype else 0,
+            )
+            reason = verdict.reason
+            if survivors:
+                reason += f"; processes {survivors} survived SIGKILL"
+            try:
+                self.store.finish_attempt(
+                    job.id,
+                    job.attempts,
+                    target=verdict.target,
+                    now=now,
+                    outcome=verdict.outcome.value,
+                    reason=reason,
+                    result=self._result_extra(job, None, None, {"message": reason}),
+                )
+            except TransitionError as exc:
+                self._record_error("recover", exc)
+                continue
+            self._emit("attempt_recovered", job=job.id, attempt=job.attempts, reaped=reaped)
+        for root in self.roots:
+            for path in sorted(root.processing.glob("*.zip")):
+                rec = self.store.get_bundle(str(root.path), path.name)
+                if rec is None:
+                    self._emit(
+                        "bundle_recovered",
+                        bundle=path.name,
+                        action="never recorded: reading it again",
+                    )
+                    self._ingest(root, path, now)
+                elif rec.finished_at is not None:
+                    self._emit(
+                        "bundle_recovered",
+                        bundle=path.name,
+                        action="result already written: removed",
+                    )
+                    path.unlink(missing_ok=True)
+                else:
+                    self._emit(
+                        "bundle_recovered",
+                        bundle=path.name,
+                        action="its jobs are in the store: continuing",
+                    )
+
+    # -- intake -------------------------------------------------------------
+
+    def _intake(self, now: float) -> None:
+        if not self.accepting:
+            return
+        for root in self.roots:
+            for path in root.pending():
+                try:
+                    claimed = root.claim(path)
+                except BundleError as exc:
+                    self._reject_duplicate_name(root, path, str(exc), now)
+                    continue
+                except FileNotFoundError:
+                    continue  # another reader took it
+                self._ingest(root, claimed, now)
+
+    def _staging_for(self, root: QueueRoot, name: str) -> Path:
+        tag = sha256(str(root.path).encode()).hexdigest()[:12]
+        return self._staging_dir / tag / name
+
+    def _ingest(self, root: QueueRoot, path: Path, now: float) -> None:
+        """Read one bundle from ``processing/`` and accept its jobs, all or none."""
+        staging = self._staging_for(root, path.name)
+        if staging.exists():
+            shutil.rmtree(staging)  # a partial extraction from a crashed run
+        specs: tuple[JobSpec, ...] = ()
+        try:
+            staging.parent.mkdir(parents=True, exist_ok=True)
+            specs = bundles.extract_bundle(path, staging, self._limits())
+            prepared = [prepare(self.registry, s) for s in specs]
+            self.store.submit(
+                prepared,
+                now=now,
+                origin=Submission(
+                    input_dir=str(staging / "inputs"),
+                    queue_root=str(root.path),
+                    bundle=path.name,
+                ),
+            )
+        except (DuplicateJobError, DuplicateBundleError) as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            self._reject(root, path, specs, f"duplicate: {exc}", now, duplicate=True)
+        except GpuwardenError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            self._reject(root, path, specs, exc.message, now)
+        else:
+            self._emit("bundle_accepted", bundle=path.name, jobs=[s.id for s in specs])
+
+    def _reject(
+        self,
+        root: QueueRoot,
+        path: Path,
+        specs: tuple[JobSpec, ...],
+        reason: str,
+        now: float,
+        *,
+        duplicate: bool = False,
+    ) -> None:
+        """Fail every job of an unreadable bundle into ``failed/``, touching nothing
+        already accepted; the input bundle is kept beside the result."""
+        results: list[tuple[dict[str, Any], Path | None]] = [
+            (
+                {
+                    "id": s.id,
+                    "type": s.type,
+                    "status": "failed",
+                    "reason": f"the bundle was refused: {reason}",
+                    "attempts": 0,
+                },
+                None,
+            )
+            for s in specs
+        ] or [({"id": "bundle", "status": "failed", "reason": reason, "attempts": 0}, None)]
+        stem = path.name.removesuffix(".zip")
+        result_name = f"{stem}.duplicate-{int(now)}.zip" if duplicate else path.name
+        result = bundles.write_result_bundle(root.failed, result_name, results)
+        root.move_to_failed(path, f"{result_name.removesuffix('.zip')}.input.zip")
+        if not duplicate:
+            self.store.record_rejected_bundle(
+                str(root.path), path.name, now=now, reason=reason, result_path=str(result)
+            )
+        else:
+            self.store.add_event(
+                Event(
+                    ts=now, kind="bundle_rejected", detail={"bundle": path.name, "reason": reason}
+                )
+            )
+
+    def _reject_duplicate_name(self, root: QueueRoot, path: Path, reason: str, now: float) -> None:
+        self._reject(root, path, (), reason, now, duplicate=True)
+
+    def _limits(self) -> bundles.BundleLimits:
+        zip_bytes, entries, unpacked, jobs = self.config.bundle_limits_bytes()
+        return bundles.BundleLimits(
+            max_zip_bytes=zip_bytes,
+            max_entries=entries,
+            max_unpacked_bytes=unpacked,
+            max_jobs=jobs,
+        )
+
+    # -- attempts -----------------------------------------------------------
+
+    def _schedule(self, now: float) -> None:
+        if not self.accepting:
+            return
+        queued = self.store.queued_jobs()
+        if not queued:
+            self._waits.clear()
+            return
+        types: dict[str, JobType] = {}
+        entries: list[policy.QueuedJob] = []
+        for job in queued:
+            jobtype = self.registry.types.get(job.type)
+            if jobtype is None:
+                self.store.transition(
+                    job.id,
+                    JobState.FAILED,
+                    now=now,
+                    reason=f"job type {job.type} is not known to this broker (module removed?)",
+                )
+                continue
+            types[job.id] = jobtype
+            entries.append(
+                policy.QueuedJob(
+                    id=job.id,
+                    type=job.type,
+                    lane=jobtype.lane,
+                    vram_bytes=job.vram_bytes or jobtype.vram_bytes,
+                    priority=job.priority,
+                    seq=job.seq,
+                )
+            )
+        needs_gpu = any(e.lane is Lane.VRAM for e in entries)
+        if needs_gpu:
+            self._read_probe()
+        snapshot = policy.Snapshot(
+            queued=tuple(entries),
+            gpus=tuple(self._gpu_states()),
+            running_cpu=sum(1 for r in self._running.values() if r.jobtype.lane is Lane.CPU),
+            cpu_slots=self.config.broker.cpu_slots,
+            accepting=self.accepting,
+            vram_paused=f"the GPU probe failed: {self._probe_error}" if self._probe_error else "",
+        )
+        jobs = {j.id: j for j in queued}
+        self._waits = {}
+        for decision in policy.plan(snapshot, now):
+            if isinstance(decision, policy.Wait):
+                self._waits[decision.job_id] = decision.reason
+            else:
+                self._start(jobs[decision.job_id], types[decision.job_id], decision.gpu_uuid, now)
+
+    def _read_probe(self) -> None:
+        try:
+            self._readings = self.probe.read()
+            self._probe_error = ""
+        except GpuProbeError as exc:
+            self._readings = []
+            self._probe_error = exc.message
+
+    def _gpu_states(self) -> list[policy.GpuState]:
+        running: dict[str, list[str]] = {}
+        for r in self._running.values():
+            if r.attempt.gpu_uuid:
+                running.setdefault(r.attempt.gpu_uuid, []).append(r.job.id)
+        return [
+            policy.GpuState(
+                uuid=g.uuid,
+                total_bytes=g.total_bytes,
+                used_bytes=g.used_bytes,
+                running=tuple(running.get(g.uuid, ())),
+            )
+            for g in self._readings
+        ]
+
+    def _start(self, job: Job, jobtype: JobType, gpu: str | None, now: float) -> None:
+        launcher = self.launchers.get(jobtype.launch)
+        if launcher is None:
+            self.store.transition(
+                job.id,
+                JobState.FAILED,
+                now=now,
+                reason=f"launch mode {jobtype.launch.value!r} of {jobtype.name} is not "
+                f"available on this node (available: {', '.join(m.value for m in self.launchers)})",
+            )
+            return
+        try:
+            job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
+        except TransitionError:
+            return  # cancelled by a client between the snapshot and now
+        attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
+        run = _Running(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
+        try:
+            request = self._request(run, gpu)
+        except (OSError, GpuwardenError) as exc:
+            self._completions.put(
+                LaunchResult(
+                    job_id=job.id,
+                    attempt=attempt.number,
+                    exit_code=None,
+                    started_at=now,
+                    ended_at=self.clock(),
+                    launch_error=f"could not prepare the attempt: {exc}",
+                )
+            )
+            self._running[job.id] = run
+            return
+        run.thread = threading.Thread(
+            target=self._work,
+            args=(launcher, request, run.stop),
+            name=f"attempt-{job.id}-{attempt.number}",
+            daemon=True,
+        )
+        self._running[job.id] = run
+        self._waits.pop(job.id, None)
+        run.thread.start()
+
+    def _request(self, run: _Running, gpu: str | None) -> LaunchRequest:
+        """Lay out the attempt's directories and build its launch request."""
+        job, jobtype = run.job, run.jobtype
+        out_dir = run.attempt_dir / "out"
+        scratch = run.attempt_dir / "scratch"
+        for d in (out_dir, scratch):
+            d.mkdir(parents=True, exist_ok=True)
+        input_dir = Path(job.input_dir) if job.input_dir else run.attempt_dir / "inputs"
+        input_dir.mkdir(parents=True, exist_ok=True)
+        params = dict(job.params)
+        for spec in jobtype.params:
+            if spec.type.value == "input" and spec.name in params:
+                params[spec.name] = str(input_dir / params[spec.name])
+        params_path = run.attempt_dir / "params.json"
+        params_path.write_text(json.dumps(params, indent=2))
+        env = {k: v for k, v in os.environ.items() if k in _PASS_ENV}
+        env.update(self.probe.job_env(gpu))
+        env.update(
+            {
+                "PYTHONUNBUFFERED": "1",
+                "GPUWARDEN_JOB_ID": job.id,
+                "GPUWARDEN_JOB_TYPE": job.type,
+                "GPUWARDEN_ATTEMPT_NUMBER": str(run.attempt.number),
+                "GPUWARDEN_PARAMS": str(params_path),
+                "GPUWARDEN_INPUT_DIR": str(input_dir),
+                "GPUWARDEN_OUTPUT_DIR": str(out_dir),
+                "GPUWARDEN_SCRATCH_DIR": str(scratch),
+                "GPUWARDEN_RESULT": str(run.attempt_dir / "message.json"),
+            }
+        )
+        return LaunchRequest(
+            job_id=job.id,
+            attempt=run.attempt.number,
+            argv=self.registry.argv(jobtype),
+            cwd=jobtype.module_dir,
+            env=env,
+            attempt_dir=str(run.attempt_dir),
+            timeout_s=jobtype.timeout_s,
+            clip_chars=self.config.broker.clip_chars,
+            kill_grace_s=self.config.broker.kill_grace_s,
+            instance=self.instance,
+        )
+
+    def _work(self, launcher: Launcher, request: LaunchRequest, stop: threading.Event) -> None:
+        """Worker thread: run the attempt, post the result. Touches nothing else."""
+        try:
+            result = launcher.run(request, stop)
+        except Exception as exc:  # a launcher bug must still end the attempt
+            result = LaunchResult(
+                job_id=request.job_id,
+                attempt=request.attempt,
+                exit_code=None,
+                started_at=time.time(),
+                ended_at=time.time(),
+                launch_error=f"the launcher failed: {exc!r}",
+            )
+        self._completions.put(result)
+
+    def _drain(self, now: float) -> None:
+        while True:
+            try:
+                result = self._completions.get_nowait()
+            except queue.Empty:
+                return
+            run = self._running.get(result.job_id)
+            if run is None or run.attempt.number != result.attempt:
+                self._emit(
+                    "stale_report", job=result.job_id, attempt=result.attempt, action="dropped"
+                )
+                continue
+            del self._running[result.job_id]
+            self._complete(run, result, now)
+
+    def _complete(self, run: _Running, result: LaunchResult, now: float) -> None:
+        out_dir = run.attempt_dir / "out"
+        missing = tuple(o for o in run.job.outputs if not (out_dir / o).exists())
+        stderr_tail = next(
+            (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
+        )[:300]
+        facts = AttemptFacts(
+            exit_code=result.exit_code,
+            timed_out=result.timed_out,
+            stopped=result.stopped,
+            cancel_requested=run.stop_reason == "cancel",
+            shutting_down=run.stop_reason == "shutdown",
+            launch_error=result.launch_error,
+            missing_outputs=missing,
+            timeout_s=run.jobtype.timeout_s,
+            stderr_tail=stderr_tail,
+        )
+        verdict = classify(facts, attempt=run.attempt.number, max_retries=run.jobtype.max_retries)
+        reason = verdict.reason
+        if result.survivors:
+            reason += f"; processes {list(result.survivors)} survived SIGKILL (check the host)"
+        message = _read_message(run.attempt_dir / "message.json")
+        extra = self._result_extra(
+            run.job,
+            run,
+            result,
+            {"message": message or reason, "outcome": verdict.outcome.value},
+        )
+        if result.pid is not None:
+            self.store.set_attempt_pid(run.job.id, run.attempt.number, result.pid)
+        try:
+            self.store.finish_attempt(
+                run.job.id,
+                run.attempt.number,
+                target=verdict.target,
+                now=now,
+                outcome=verdict.outcome.value,
+                reason=reason,
+                exit_code=result.exit_code,
+                stdout=result.stdout,
+                stderr=result.stderr,
+                result=extra,
+            )
+        except TransitionError as exc:
+            self._emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
+        if verdict.outcome is Outcome.SUCCEEDED or verdict.target.terminal:
+            self._last_bundle_check = 0.0  # look at its bundle on this tick
+
+    def _result_extra(
+        self,
+        job: Job,
+        run: _Running | None,
+        result: LaunchResult | None,
+        fields: dict[str, Any],
+    ) -> dict[str, Any]:
+        """What a job's result.json holds beyond the job row itself."""
+        jobtype = self.registry.types.get(job.type)
+        extra: dict[str, Any] = dict(fields)
+        if jobtype is not None:
+            extra["module_fingerprint"] = self.registry.module_of(jobtype).fingerprint
+        if run is not None and result is not None:
+            out_dir = run.attempt_dir / "out"
+            extra["output_dir"] = str(out_dir)
+            extra["outputs"] = sorted(
+                str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
+            )
+            extra["gpu"] = run.attempt.gpu_uuid
+            extra["started_at"] = result.started_at
+            extra["ended_at"] = result.ended_at
+        return extra
+
+    def _pass_cancels(self, now: float) -> None:
+        if not self._running:
+            return
+        for job in self.store.running_jobs():
+            run = self._running.get(job.id)
+            if run is not None and job.cancel_requested and run.stop_reason is None:
+                run.stop_reason = "cancel"
+                run.stop.set()
+                self._emit("cancel_passed_on", job=job.id, attempt=run.attempt.number)
+
+    # -- results ------------------------------------------------------------
+
+    def _finish_bundles(self, now: float, *, force: bool = False) -> None:
+        if not force and now - self._last_bundle_check < 0.5:
+            return
+        self._last_bundle_check = now
+        roots = {str(r.path): r for r in self.roots}
+        for rec in self.store.open_bundles():
+            root = roots.get(rec.queue_root)
+            if root is None:
+                continue
+            jobs = [self.store.get_job(i) for i in rec.job_ids]
+            if all(j is not None and j.state.terminal for j in jobs):
+                self._write_result(root, rec, [j for j in jobs if j is not None], now)
+
+    def _write_result(
+        self, root: QueueRoot, rec: BundleRecord, jobs: list[Job], now: float
+    ) -> None:
+        results: list[tuple[dict[str, Any], Path | None]] = []
+        for job in jobs:
+            body = result_json(job, self.store.attempts(job.id))
+            out = job.result.get("output_dir")
+            results.append((body, Path(out) if out and job.state is JobState.DONE else None))
+        all_done = all(j.state is JobState.DONE for j in jobs)
+        dest = root.outbox if all_done else root.failed
+        path = bundles.write_result_bundle(dest, rec.name, results)
+        self.store.finish_bundle(
+            rec.queue_root,
+            rec.name,
+            now=now,
+            outcome="done" if all_done else "failed",
+            result_path=str(path),
+        )
+        root.remove_from_processing(rec.name)
+        shutil.rmtree(self._staging_for(root, rec.name), ignore_errors=True)
+        self._emit("bundle_finished", bundle=rec.name, result=str(path))
+
+    # -- status and events --------------------------------------------------
+
+    def _publish(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
+        for event in self.store.events(after_id=self._event_cursor):
+            self.events.write(event)
+            self._event_cursor = event.id or self._event_cursor
+        if not force and now - self._last_status < self.config.broker.status_interval_s:
+            return
+        self._last_status = now
+        self._read_probe()
+        self.store.put_node_status(
+            NodeStatus(
+                node=self.node, pid=os.getpid(), updated_at=now, payload=self.status(stopped)
+            )
+        )
+
+    def status(self, stopped: bool = False) -> dict[str, Any]:
+        """What ``gpuwarden status`` shows of this node."""
+        ledger: dict[str, list[dict[str, Any]]] = {}
+        for r in self._running.values():
+            if r.attempt.gpu_uuid:
+                ledger.setdefault(r.attempt.gpu_uuid, []).append(
+                    {
+                        "job": r.job.id,
+                        "type": r.job.type,
+                        "vram_bytes": r.job.vram_bytes or r.jobtype.vram_bytes,
+                    }
+                )
+        return {
+            "stopped": stopped,
+            "accepting": self.accepting,
+            "probe": self.probe.kind,
+            "probe_error": self._probe_error,
+            "gpus": [
+                {
+                    "uuid": g.uuid,
+                    "name": g.name,
+                    "total_bytes": g.total_bytes,
+                    "used_bytes": g.used_bytes,
+                    "processes": [{"pid": p.pid, "used_bytes": p.used_bytes} for p in g.processes],
+                }
+                for g in self._readings
+            ],
+            "ledger": ledger,
+            "queues": {str(r.path): r.depth() for r in self.roots},
+            "running": [
+                {
+                    "job": r.job.id,
+                    "type": r.job.type,
+                    "attempt": r.attempt.number,
+                    "gpu": r.attempt.gpu_uuid,
+                    "started_at": r.attempt.started_at,
+                }
+                for r in self._running.values()
+            ],
+            "waiting": dict(list(self._waits.items())[:50]),
+            "last_error": self._last_error,
+        }
+
+    def _emit(self, kind: str, **detail: Any) -> None:
+        job = detail.pop("job", None)
+        self.store.add_event(Event(ts=self.clock(), kind=kind, job_id=job, detail=detail))
+
+    def _record_error(self, where: str, exc: Exception) -> None:
+        log.exception("broker step %s failed", where)
+        self._last_error = {"ts": self.clock(), "where": where, "message": f"{exc}"}
+        try:
+            self._emit("loop_error", where=where, message=str(exc))
+        except Exception:  # the store itself may be what failed
+            self.events.write(
+                {"ts": self.clock(), "event": "loop_error", "where": where, "message": str(exc)}
+            )
+
+    # -- helpers for run-once and tests ---------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def wait_reason(self, job_id: str) -> str | None:
+        return self._waits.get(job_id)
+
+
+def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:
+    """The ``result.json`` of one job: status, message or reason, attempts, timings,
+    exit code, clipped output, and the fingerprint of the module's ``src/``."""
+    last = attempts[-1] if attempts else None
+    started = job.result.get("started_at")
+    ended = job.result.get("ended_at")
+    return {
+        "id": job.id,
+        "type": job.type,
+        "status": job.state.value,
+        "message": job.result.get("message", job.reason),
+        "reason": job.reason,
+        "attempts": len(attempts),
+        "exit_code": job.exit_code,
+        "timings": {
+            "submitted_at": job.submitted_at,
+            "started_at": started,
+            "ended_at": ended,
+            "finished_at": job.updated_at,
+            "queued_s": round(started - job.submitted_at, 3) if started else None,
+            "run_s": round(ended - started, 3) if started and ended else None,
+        },
+        "stdout": last.stdout if last else "",
+        "stderr": last.stderr if last else "",
+        "outputs": job.result.get("outputs", []),
+        "module_fingerprint": job.result.get("module_fingerprint"),
+        "gpu": job.result.get("gpu"),
+    }
+
+
+def _read_message(path: Path) -> str | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    msg = data.get("message") if isinstance(data, dict) else None
+    return str(msg)[:2000] if msg is not None else None

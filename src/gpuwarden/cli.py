@@ -1,0 +1,681 @@
+"""The ``gpuwarden`` command line: one small function per sub-command.
+
+Every global flag can also come from the environment (shown in ``--help``).
+``main(argv)`` is callable from tests; a user's mistake prints one clear line,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from gpuwarden import __version__
+from gpuwarden.app import open_node, open_store
+from gpuwarden.broker import result_json
+from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
+from gpuwarden.core.model import GIB, Job, JobSpec, JobType, format_bytes
+from gpuwarden.core.params import coerce_text
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import GpuwardenError, UserError, ValidationError
+from gpuwarden.eventlog import EventLog, NullLog
+from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake.jobs import new_job_id, prepare
+from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import Submission
+
+#: a broker whose status is older than this is reported as not running
+STALE_AFTER_S = 120.0
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+# -- argument parsing ---------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpuwarden",
+        description="A GPU job broker: a durable queue, VRAM admission, sandboxed launches.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=os.environ.get(CONFIG_ENV),
+        help=f"TOML config file (env {CONFIG_ENV}); none needed for run-once",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=os.environ.get(STATE_DIR_ENV),
+        help=f"state directory, overrides the config (env {STATE_DIR_ENV})",
+    )
+    p.add_argument(
+        "--mock-gpu",
+        action="store_true",
+        default=os.environ.get("GPUWARDEN_MOCK_GPU", "") not in ("", "0"),
+        help="use the simulated GPU instead of NVML (env GPUWARDEN_MOCK_GPU=1)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the broker does")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def job_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("type", help="job type, module.type (see `gpuwarden types`)")
+        sp.add_argument("--id", dest="job_id", help="job id (default: generated)")
+        sp.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
+        sp.add_argument("--vram-gib", type=float, help="VRAM footprint for this job (vram lane)")
+        sp.add_argument(
+            "--input",
+            dest="inputs",
+            action="append",
+            default=[],
+            type=Path,
+            metavar="FILE",
+            help="an input file for the job (repeatable); named by its file name",
+        )
+        sp.add_argument(
+            "--want",
+            dest="outputs",
+            action="append",
+            default=[],
+            metavar="PATH",
+            help="an output the job must write (repeatable); it fails without it",
+        )
+        sp.add_argument(
+            "-p",
+            "--param",
+            dest="kv",
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help="a job parameter; parameters can also be given as --NAME VALUE",
+        )
+
+    sp = sub.add_parser(
+        "run-once",
+        help="run one job on this machine and show its result",
+        description="Submit one job, run a broker until it ends, and show the result. "
+        "Job parameters follow as --NAME VALUE.",
+        allow_abbrev=False,
+    )
+    job_args(sp)
+    sp.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    sp.set_defaults(func=cmd_run_once)
+
+    sp = sub.add_parser("serve", help="run the broker", allow_abbrev=False)
+    sp.add_argument("--log", type=Path, help="append JSON events to this file (default stdout)")
+    sp.add_argument(
+        "--queue", dest="queues", action="append", default=[], type=Path, help="extra queue root"
+    )
+    sp.set_defaults(func=cmd_serve)
+
+    sp = sub.add_parser(
+        "submit",
+        help="submit a job (into a queue root, or straight into the store)",
+        description="Submit a job. With --queue, write a bundle into the queue root's "
+        "inbox/ (the broker picks it up); without, insert it into the store.",
+        allow_abbrev=False,
+    )
+    job_args(sp)
+    sp.add_argument("--queue", type=Path, help="queue root to drop the bundle into")
+    sp.add_argument("--wait", action="store_true", help="wait for the result and show it")
+    sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds (default 3600)")
+    sp.add_argument("--results-dir", type=Path, help="with --wait: copy the outputs here")
+    sp.set_defaults(func=cmd_submit)
+
+    sp = sub.add_parser("status", help="the broker's GPUs, ledger, queues and health")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_status)
+
+    sp = sub.add_parser("jobs", help="list jobs")
+    sp.add_argument("--state", choices=[s.value for s in JobState], action="append")
+    sp.add_argument("--limit", type=int, default=50)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_jobs)
+
+    sp = sub.add_parser("show", help="one job: its attempts and events")
+    sp.add_argument("job")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_show)
+
+    sp = sub.add_parser("cancel", help="cancel a queued or running job")
+    sp.add_argument("job")
+    sp.set_defaults(func=cmd_cancel)
+
+    sp = sub.add_parser("types", help="list the job types of the registered modules")
+    sp.set_defaults(func=cmd_types)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    args.extra = extra
+    if extra and args.command not in ("run-once", "submit"):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        code: int = args.func(args)
+        return code
+    except UserError as exc:
+        err.print(f"[bold red]error:[/] {exc.message}", markup=True)
+        return 2
+    except GpuwardenError as exc:
+        err.print(f"[bold red]error:[/] {exc.message}", markup=True)
+        cause = exc.__cause__
+        while cause is not None:
+            err.print(f"  caused by: {cause}")
+            cause = cause.__cause__
+        return 1
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+
+
+# -- helpers --------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, state_dir=args.state_dir)
+
+
+def _job_params(jobtype: JobType, args: argparse.Namespace) -> dict[str, Any]:
+    """Parameters from ``--NAME VALUE`` words and ``-p NAME=VALUE`` options."""
+    pairs: list[tuple[str, str | None]] = []
+    words = list(args.extra)
+    while words:
+        word = words.pop(0)
+        if not word.startswith("--") or len(word) < 3:
+            raise ValidationError(
+                f"unexpected argument {word!r}; job parameters are given as --NAME VALUE"
+            )
+        name, eq, value = word[2:].partition("=")
+        if not eq:
+            spec = jobtype.param(name.replace("-", "_"))
+            boolean = spec is not None and spec.type.value == "boolean"
+            nxt = words[0] if words else None
+            if boolean and (nxt is None or nxt.startswith("--")):
+                value = "true"
+            elif nxt is None:
+                raise ValidationError(f"--{name} needs a value")
+            else:
+                value = words.pop(0)
+        pairs.append((name, value))
+    for item in args.kv:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValidationError(f"-p {item!r}: write it as NAME=VALUE")
+        pairs.append((name, value))
+    params: dict[str, Any] = {}
+    for name, value in pairs:
+        key = name.replace("-", "_")
+        spec = jobtype.param(key)
+        if spec is None:
+            known = ", ".join(f"--{p.name}" for p in jobtype.params) or "none"
+            raise ValidationError(
+                f"{jobtype.name} has no parameter {name!r}; its parameters: {known}"
+            )
+        params[key] = coerce_text(spec, value or "")
+    for path in args.inputs:
+        if not path.is_file():
+            raise ValidationError(f"input file {path} does not exist")
+    return params
+
+
+def _spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
+    jobtype = registry.get(args.type)
+    params = _job_params(jobtype, args)
+    spec = JobSpec(
+        id=args.job_id or new_job_id(jobtype.name),
+        type=jobtype.name,
+        params=params,
+        inputs=tuple(p.name for p in args.inputs),
+        outputs=tuple(args.outputs),
+        priority=args.priority,
+        vram_bytes=int(args.vram_gib * GIB) if args.vram_gib is not None else None,
+    )
+    return prepare(registry, spec)
+
+
+def _copy_inputs(inputs: list[Path], dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in inputs:
+        shutil.copy2(path, dest / path.name)
+
+
+def _age(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    if s < 120:
+        return f"{s:.0f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    if s < 172800:
+        return f"{s / 3600:.0f}h"
+    return f"{s / 86400:.0f}d"
+
+
+def _print_result(result: dict[str, Any], outputs_dir: Path | None, *, kept: bool) -> None:
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="bold", min_width=9)
+    grid.add_column()
+    colour = "green" if result["status"] == "done" else "red"
+    grid.add_row("job", result["id"])
+    grid.add_row("status", f"[{colour}]{result['status']}[/]")
+    grid.add_row("message", result.get("message") or result.get("reason") or "")
+    if result.get("status") != "done" and result.get("reason"):
+        grid.add_row("reason", result["reason"])
+    grid.add_row("attempts", str(result.get("attempts")))
+    out.print(grid)
+    if outputs_dir is None:
+        return
+    for rel in result.get("outputs", []):
+        path = outputs_dir / rel
+        out.print(
+            f"[bold]output[/]    {path}" + ("" if kept else "  (removed on exit; --keep keeps it)")
+        )
+        out.print(f"[bold]content[/]   {_preview(path)}")
+    if result.get("status") != "done" and result.get("stderr"):
+        out.print("[bold]stderr[/]")
+        out.print(result["stderr"], markup=False)
+
+
+def _preview(path: Path, limit: int = 2000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return f"(cannot read: {exc})"
+    try:
+        text = data[:limit].decode()
+    except UnicodeDecodeError:
+        return f"({len(data)} bytes of binary data)"
+    return text + ("..." if len(data) > limit else "")
+
+
+# -- commands -------------------------------------------------------------------
+
+
+def cmd_run_once(args: argparse.Namespace) -> int:
+    base = load_config(args.config) if args.config else None
+    tmp = Path(tempfile.mkdtemp(prefix="gpuwarden-run-"))
+    try:
+        raw = base.model_dump() if base else {}
+        raw.update({"state_dir": tmp / "state", "queue_roots": []})
+        config = Config.model_validate(raw)
+        if base is None:
+            config = config.model_copy(update={"module_paths": load_config(None).module_paths})
+        with open_node(
+            config,
+            mock_gpu=args.mock_gpu,
+            events=EventLog(stream=sys.stderr) if args.verbose else NullLog(),
+        ) as node:
+            spec = _spec(node.broker.registry, args)
+            input_dir = tmp / "inputs"
+            _copy_inputs(args.inputs, input_dir)
+            node.store.submit([spec], now=time.time(), origin=Submission(input_dir=str(input_dir)))
+            job = _drive(node.broker, spec.id)
+            result = result_json(job, node.store.attempts(job.id))
+        outputs: Path | None = None
+        if "output_dir" in job.result:
+            outputs = tmp / "outputs"
+            shutil.copytree(job.result["output_dir"], outputs, dirs_exist_ok=True)
+        _print_result(result, outputs, kept=args.keep)
+        if args.keep:
+            out.print(f"[bold]kept[/]      {tmp}")
+        return 0 if job.state is JobState.DONE else 1
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _drive(broker: Any, job_id: str) -> Job:
+    """Tick the broker until the job ends, saying what it waits for."""
+    store = broker.store
+    stop = threading.Event()
+    with err.status(f"job {job_id}: starting", spinner="dots") as status:
+        while True:
+            broker.tick()
+            job = store.get_job(job_id)
+            assert job is not None
+            if job.state.terminal:
+                broker.shutdown(0.0)
+                return job  # type: ignore[no-any-return]
+            reason = broker.wait_reason(job_id)
+            status.update(
+                f"job {job_id}: {job.state.value}" + (f" (waiting: {reason})" if reason else "")
+            )
+            stop.wait(0.02)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = _config(args)
+    events = EventLog(args.log) if args.log else EventLog(stream=sys.stdout)
+    stop = threading.Event()
+    force = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            force.set()
+            err.print("second signal: stopping running jobs now")
+        else:
+            stop.set()
+            err.print(
+                f"stopping: no new jobs; running jobs get up to "
+                f"{config.broker.shutdown_grace_s:g} s (signal again to stop them now)"
+            )
+
+    with open_node(config, mock_gpu=args.mock_gpu, events=events, extra_roots=args.queues) as node:
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        b = node.broker
+        err.print(
+            f"gpuwarden {__version__} serving on node {config.node_name} (PID {os.getpid()})\n"
+            f"  state dir   {config.state_dir}\n"
+            f"  gpu probe   {node.probe.kind}\n"
+            f"  job types   {', '.join(sorted(b.registry.types)) or 'none'}\n"
+            f"  queue roots {', '.join(str(r.path) for r in b.roots) or 'none'}"
+        )
+        b.recover()
+        b.run(stop, force=force)
+    events.close()
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    if args.queue is not None:
+        return _submit_to_queue(args)
+    config = _config(args)
+    registry = Registry.load(config.module_paths)
+    spec = _spec(registry, args)
+    store = open_store(config)
+    try:
+        input_dir = config.state_dir / "inputs" / spec.id
+        if args.inputs:
+            _copy_inputs(args.inputs, input_dir)
+        store.submit(
+            [spec],
+            now=time.time(),
+            origin=Submission(input_dir=str(input_dir) if args.inputs else None),
+        )
+        out.print(f"submitted {spec.id} ({spec.type}) to {config.state_dir}")
+        if not args.wait:
+            return 0
+        deadline = time.monotonic() + args.wait_timeout
+        with err.status(f"waiting for job {spec.id} to end (is `gpuwarden serve` running?)"):
+            while True:
+                job = store.get_job(spec.id)
+                assert job is not None
+                if job.state.terminal:
+                    break
+                if time.monotonic() > deadline:
+                    err.print(f"gave up waiting after {args.wait_timeout:g} s; job is {job.state}")
+                    return 1
+                time.sleep(0.1)
+        result = result_json(job, store.attempts(job.id))
+        outputs = Path(job.result["output_dir"]) if "output_dir" in job.result else None
+        if outputs is not None and args.results_dir:
+            shutil.copytree(outputs, args.results_dir, dirs_exist_ok=True)
+            outputs = args.results_dir
+        _print_result(result, outputs, kept=True)
+        return 0 if job.state is JobState.DONE else 1
+    finally:
+        store.close()
+
+
+def _submit_to_queue(args: argparse.Namespace) -> int:
+    root = QueueRoot.open(args.queue, create=False)
+    try:
+        config = _config(args)
+        paths = config.module_paths
+    except GpuwardenError:
+        paths = load_config(None).module_paths
+    spec = _spec(Registry.load(paths), args)
+    files = {p.name: p for p in args.inputs}
+    path = bundles.write_bundle(root.inbox, [spec], files, now=time.time())
+    out.print(f"submitted {spec.id} ({spec.type}) as {path}")
+    if not args.wait:
+        return 0
+    with err.status(f"waiting for {path.name} in {root.outbox} or {root.failed}"):
+        result_path = root.wait_for_result(path.name, args.wait_timeout)
+    if result_path is None:
+        err.print(f"no result after {args.wait_timeout:g} s; is a broker watching {root.path}?")
+        return 1
+    results = bundles.read_result_bundle(result_path)
+    result = results.get(spec.id) or next(iter(results.values()))
+    dest = args.results_dir or Path(tempfile.mkdtemp(prefix=f"gpuwarden-{spec.id}-"))
+    bundles.extract_outputs(result_path, spec.id, dest)
+    _print_result(result, dest, kept=True)
+    out.print(f"[bold]result[/]   {result_path}")
+    return 0 if result.get("status") == "done" else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if not config.db_path.exists():
+        err.print(f"no broker has run on state directory {config.state_dir}")
+        return 1
+    store = open_store(config)
+    try:
+        statuses = store.node_statuses()
+        counts = store.count_by_state()
+    finally:
+        store.close()
+    if args.json:
+        out.print_json(
+            json.dumps(
+                {
+                    "nodes": [
+                        {"node": s.node, "pid": s.pid, "updated_at": s.updated_at, **s.payload}
+                        for s in statuses
+                    ],
+                    "jobs": {k.value: v for k, v in counts.items()},
+                }
+            )
+        )
+    healthy = bool(statuses)
+    if not statuses:
+        err.print(f"no broker status in {config.state_dir}: start `gpuwarden serve`")
+    for s in statuses:
+        age = time.time() - s.updated_at
+        problem = ""
+        if s.payload.get("stopped"):
+            problem = "the broker has stopped"
+        elif age > STALE_AFTER_S:
+            problem = f"status is {age:.0f} s old: the broker is not running or is stuck"
+        if problem:
+            healthy = False
+        if not args.json:
+            _print_status(s.node, s.pid, age, s.payload, problem)
+    if not args.json:
+        out.print(
+            "jobs: " + ", ".join(f"{k.value} {v}" for k, v in sorted(counts.items())) or "none"
+        )
+    return 0 if healthy else 1
+
+
+def _print_status(node: str, pid: int | None, age: float, p: dict[str, Any], problem: str) -> None:
+    state = f"[red]{problem}[/]" if problem else "[green]running[/]"
+    out.print(f"[bold]node {node}[/]  PID {pid}  status {age:.1f} s old  {state}")
+    out.print(
+        f"probe: {p.get('probe')}"
+        + (f"  [red]error: {p['probe_error']}[/]" if p.get("probe_error") else "")
+    )
+    gpus = Table("GPU", "name", "total", "used", "held by jobs", title=None)
+    for g in p.get("gpus", []):
+        held = sum(e["vram_bytes"] for e in p.get("ledger", {}).get(g["uuid"], []))
+        gpus.add_row(
+            g["uuid"],
+            g["name"],
+            format_bytes(g["total_bytes"]),
+            format_bytes(g["used_bytes"]),
+            format_bytes(held),
+        )
+    out.print(gpus)
+    if p.get("ledger"):
+        ledger = Table("GPU", "job", "type", "VRAM")
+        for uuid, entries in p["ledger"].items():
+            for e in entries:
+                ledger.add_row(uuid, e["job"], e["type"], format_bytes(e["vram_bytes"]))
+        out.print(ledger)
+    queues = Table("queue root", "inbox", "processing", "outbox", "failed")
+    for root, depth in p.get("queues", {}).items():
+        queues.add_row(
+            root, *(str(depth.get(k, 0)) for k in ("inbox", "processing", "outbox", "failed"))
+        )
+    if p.get("queues"):
+        out.print(queues)
+    running = Table("running job", "type", "attempt", "GPU", "for")
+    for r in p.get("running", []):
+        running.add_row(
+            r["job"], r["type"], str(r["attempt"]), r["gpu"] or "-", _age(r["started_at"])
+        )
+    out.print(running if p.get("running") else "running: none")
+    if p.get("last_error"):
+        e = p["last_error"]
+        out.print(f"[red]last loop error[/] ({_age(e['ts'])} ago, in {e['where']}): {e['message']}")
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    store = open_store(_config(args))
+    try:
+        states = frozenset(JobState(s) for s in args.state) if args.state else None
+        jobs = store.list_jobs(states=states, limit=args.limit)
+    finally:
+        store.close()
+    if args.json:
+        out.print_json(json.dumps([_job_json(j) for j in jobs]))
+        return 0
+    table = Table("job", "state", "type", "attempts", "age", "reason")
+    for j in jobs:
+        table.add_row(j.id, j.state.value, j.type, str(j.attempts), _age(j.submitted_at), j.reason)
+    out.print(table if jobs else "no jobs")
+    return 0
+
+
+def _job_json(j: Job) -> dict[str, Any]:
+    return {
+        "id": j.id,
+        "state": j.state.value,
+        "type": j.type,
+        "priority": j.priority,
+        "attempts": j.attempts,
+        "submitted_at": j.submitted_at,
+        "updated_at": j.updated_at,
+        "reason": j.reason,
+        "exit_code": j.exit_code,
+        "bundle": j.bundle,
+        "params": j.params,
+    }
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    store = open_store(_config(args))
+    try:
+        job = store.get_job(args.job)
+        if job is None:
+            raise UserError(f"no job with id {args.job!r} (see `gpuwarden jobs`)")
+        attempts = store.attempts(job.id)
+        events = store.events(job_id=job.id)
+    finally:
+        store.close()
+    if args.json:
+        data = _job_json(job)
+        data["attempts_detail"] = [
+            a.__getstate__() if False else _attempt_json(a) for a in attempts
+        ]
+        data["events"] = [e.to_json() for e in events]
+        out.print_json(json.dumps(data))
+        return 0
+    out.print(f"[bold]{job.id}[/]  {job.type}  [bold]{job.state.value}[/]  priority {job.priority}")
+    if job.reason:
+        out.print(f"reason: {job.reason}")
+    out.print(f"params: {json.dumps(job.params)}")
+    table = Table("attempt", "node", "GPU", "started", "ran", "exit", "outcome", "reason")
+    for a in attempts:
+        ran = f"{a.ended_at - a.started_at:.2f}s" if a.ended_at else "running"
+        table.add_row(
+            str(a.number),
+            a.node,
+            a.gpu_uuid or "-",
+            _age(a.started_at) + " ago",
+            ran,
+            "-" if a.exit_code is None else str(a.exit_code),
+            a.outcome or "-",
+            a.reason,
+        )
+    out.print(table)
+    ev = Table("when", "event", "change", "detail")
+    for e in events:
+        change = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else ""
+        ev.add_row(
+            time.strftime("%H:%M:%S", time.localtime(e.ts)), e.kind, change, json.dumps(e.detail)
+        )
+    out.print(ev)
+    return 0
+
+
+def _attempt_json(a: Any) -> dict[str, Any]:
+    return {
+        "number": a.number,
+        "node": a.node,
+        "gpu": a.gpu_uuid,
+        "started_at": a.started_at,
+        "ended_at": a.ended_at,
+        "exit_code": a.exit_code,
+        "outcome": a.outcome,
+        "reason": a.reason,
+    }
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    store = open_store(_config(args))
+    try:
+        job = store.request_cancel(args.job, now=time.time())
+    finally:
+        store.close()
+    if job.state is JobState.CANCELLED:
+        out.print(f"{job.id} cancelled (it had not started)")
+    else:
+        out.print(f"{job.id} is running: the broker will stop it and record it cancelled")
+    return 0
+
+
+def cmd_types(args: argparse.Namespace) -> int:
+    config = _config(args)
+    registry = Registry.load(config.module_paths)
+    table = Table("type", "lane", "launch", "VRAM", "timeout", "parameters")
+    for t in sorted(registry.types.values(), key=lambda t: t.name):
+        params = ", ".join(f"{p.name}:{p.type.value}{'' if p.required else '?'}" for p in t.params)
+        table.add_row(
+            t.name,
+            t.lane.value,
+            t.launch.value,
+            format_bytes(t.vram_bytes) if t.vram_bytes else "-",
+            f"{t.timeout_s:g}s",
+            params,
+        )
+    out.print(table)
+    return 0

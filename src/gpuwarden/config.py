@@ -1,0 +1,170 @@
+"""The configuration: one TOML file, validated at start.
+
+Relative paths in a config file resolve against the directory that holds the
+file; with no config file they resolve against the current directory. Errors
+name the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuwarden.core.model import GIB, MIB
+from gpuwarden.errors import ConfigError
+
+CONFIG_ENV = "GPUWARDEN_CONFIG"
+STATE_DIR_ENV = "GPUWARDEN_STATE_DIR"
+MODULES_ENV = "GPUWARDEN_MODULES"
+
+ProbeKind = Literal["auto", "nvml", "nvidia-smi", "sim", "none"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SimGpuSettings(_Section):
+    """``[sim_gpu]``: the simulated GPU used with ``--mock-gpu`` or ``gpu = "sim"``."""
+
+    count: Annotated[int, Field(ge=1, le=64)] = 1
+    vram_gib: Annotated[float, Field(gt=0, le=4096)] = 24.0
+    name: str = "gpuwarden simulated GPU"
+    release_delay_s: Annotated[float, Field(ge=0, le=600)] = 0.2
+
+
+class BrokerSettings(_Section):
+    """``[broker]``: the broker loop."""
+
+    poll_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.1
+    cpu_slots: Annotated[int, Field(ge=1, le=1024)] = 4
+    shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = 20.0
+    kill_grace_s: Annotated[float, Field(ge=0, le=600)] = 5.0
+    status_interval_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    clip_chars: Annotated[int, Field(ge=256, le=10_000_000)] = 16384
+
+
+class LimitSettings(_Section):
+    """``[limits]``: what a bundle may hold."""
+
+    max_bundle_mib: Annotated[float, Field(gt=0)] = 1024.0
+    max_entries: Annotated[int, Field(ge=1)] = 10_000
+    max_unpacked_mib: Annotated[float, Field(gt=0)] = 4096.0
+    max_jobs_per_bundle: Annotated[int, Field(ge=1)] = 1000
+
+
+class Config(_Section):
+    """The whole configuration. See SPEC.md, "Configuration", for every key."""
+
+    state_dir: Path = Path()
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1)
+    gpu: ProbeKind = "auto"
+    module_paths: list[Path] = Field(default_factory=list)
+    queue_roots: list[Path] = Field(default_factory=list)
+    create_queue_roots: bool = True
+    sim_gpu: SimGpuSettings = SimGpuSettings()
+    broker: BrokerSettings = BrokerSettings()
+    limits: LimitSettings = LimitSettings()
+
+    @property
+    def sim_vram_bytes(self) -> int:
+        return int(self.sim_gpu.vram_gib * GIB)
+
+    @property
+    def db_path(self) -> Path:
+        return self.state_dir / "gpuwarden.db"
+
+    def bundle_limits_bytes(self) -> tuple[int, int, int, int]:
+        lim = self.limits
+        return (
+            int(lim.max_bundle_mib * MIB),
+            lim.max_entries,
+            int(lim.max_unpacked_mib * MIB),
+            lim.max_jobs_per_bundle,
+        )
+
+
+def default_state_dir() -> Path:
+    if env := os.environ.get(STATE_DIR_ENV):
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "gpuwarden"
+
+
+def default_module_paths() -> list[Path]:
+    """``$GPUWARDEN_MODULES`` (colon-separated), else ``./modules`` if it exists, plus
+    the ``modules/`` folder of the source checkout gpuwarden was installed from."""
+    if env := os.environ.get(MODULES_ENV):
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    paths: list[Path] = []
+    cwd_modules = Path.cwd() / "modules"
+    if cwd_modules.is_dir():
+        paths.append(cwd_modules)
+    checkout = Path(__file__).resolve().parents[2] / "modules"
+    if checkout.is_dir() and checkout.resolve() not in {p.resolve() for p in paths}:
+        paths.append(checkout)
+    return paths
+
+
+def load_config(path: Path | None, *, state_dir: Path | None = None) -> Config:
+    """Read and validate ``path`` (or the defaults when None). ``state_dir``, when
+    given (``--state-dir``), wins over the file."""
+    raw: dict[str, Any] = {}
+    base = Path.cwd()
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        base = path.resolve().parent
+    try:
+        config = Config.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(_explain(exc, path)) from None
+    updates: dict[str, Any] = {}
+    if state_dir is not None:
+        updates["state_dir"] = state_dir.resolve()
+    elif "state_dir" in raw:
+        updates["state_dir"] = (base / config.state_dir).resolve()
+    else:
+        updates["state_dir"] = default_state_dir().resolve()
+    if "module_paths" in raw:
+        updates["module_paths"] = [(base / p).resolve() for p in config.module_paths]
+    else:
+        updates["module_paths"] = default_module_paths()
+    updates["queue_roots"] = [(base / p).resolve() for p in config.queue_roots]
+    return config.model_copy(update=updates)
+
+
+def _explain(exc: pydantic.ValidationError, path: Path | None) -> str:
+    where = f"config {path}" if path else "config"
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            section = _section_for(err["loc"][:-1])
+            allowed = ", ".join(sorted(section.model_fields)) if section else "?"
+            lines.append(f"unknown key {loc!r}; allowed keys here: {allowed}")
+        else:
+            lines.append(f"key {loc!r}: {err['msg']} (got {err.get('input')!r})")
+    return f"{where} is not valid:\n  " + "\n  ".join(lines)
+
+
+def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type):
+            return None
+        if not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model

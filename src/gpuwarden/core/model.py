@@ -1,0 +1,156 @@
+"""Job, job type and attempt values. Frozen, built from rows, changed by ``evolve``."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Self
+
+from gpuwarden.core.states import JobState
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+class Lane(StrEnum):
+    VRAM = "vram"  # needs a GPU and VRAM admission
+    CPU = "cpu"  # runs beside, never admitted against VRAM
+
+
+class LaunchMode(StrEnum):
+    HOST = "host"
+    CONTAINER = "container"
+    SERVE = "serve"
+
+
+class ParamType(StrEnum):
+    STRING = "string"
+    INTEGER = "integer"
+    NUMBER = "number"
+    BOOLEAN = "boolean"
+    #: a path to one of the job's input files; the job receives the absolute path
+    INPUT = "input"
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    name: str
+    type: ParamType
+    required: bool = False
+    default: Any = None
+    description: str = ""
+    choices: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class JobType:
+    """One ``[types.NAME]`` table of a module's ``module.toml``."""
+
+    name: str  # "module.type"
+    module: str
+    module_dir: str
+    lane: Lane
+    launch: LaunchMode
+    command: tuple[str, ...]
+    vram_bytes: int = 0
+    ram_bytes: int = 0
+    coresident: bool = False
+    timeout_s: float = 3600.0
+    max_retries: int = 2
+    params: tuple[ParamSpec, ...] = ()
+    description: str = ""
+
+    def param(self, name: str) -> ParamSpec | None:
+        return next((p for p in self.params if p.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a client submits: validated against the job type before it is stored."""
+
+    id: str
+    type: str
+    params: dict[str, Any] = field(default_factory=dict)
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    priority: int = 0
+    vram_bytes: int | None = None  # per-job footprint override (ad-hoc jobs)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: str
+    type: str
+    state: JobState
+    priority: int
+    params: dict[str, Any]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    vram_bytes: int | None
+    submitted_at: float
+    updated_at: float
+    seq: int = 0  # arrival order, assigned by the store
+    attempts: int = 0
+    reason: str = ""
+    exit_code: int | None = None
+    bundle: str | None = None
+    queue_root: str | None = None
+    input_dir: str | None = None
+    cancel_requested: bool = False
+    result: dict[str, Any] = field(default_factory=dict)
+
+    def evolve(self, **changes: Any) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    job_id: str
+    number: int
+    node: str
+    gpu_uuid: str | None
+    started_at: float
+    ended_at: float | None = None
+    exit_code: int | None = None
+    outcome: str | None = None
+    reason: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    pid: int | None = None
+
+    def evolve(self, **changes: Any) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One row of the event log: a transition, or something the broker did."""
+
+    ts: float
+    kind: str
+    job_id: str | None = None
+    from_state: str | None = None
+    to_state: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ts": self.ts, "event": self.kind}
+        if self.job_id is not None:
+            out["job"] = self.job_id
+        if self.from_state is not None:
+            out["from"] = self.from_state
+        if self.to_state is not None:
+            out["to"] = self.to_state
+        out.update(self.detail)
+        return out
+
+
+def format_bytes(n: int | float) -> str:
+    """``25769803776`` -> ``"24.0 GiB"``."""
+    if abs(n) >= GIB:
+        return f"{n / GIB:.1f} GiB"
+    if abs(n) >= MIB:
+        return f"{n / MIB:.0f} MiB"
+    return f"{int(n)} B"

@@ -1,0 +1,67 @@
+"""One error hierarchy for gpuwarden.
+
+Every class's docstring is its default message. Errors that reach a person say
+what was wrong and, where it helps, what to do; the CLI prints them without a
+traceback.
+"""
+
+from __future__ import annotations
+
+
+class GpuwardenError(Exception):
+    """Something went wrong in gpuwarden."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class UserError(GpuwardenError):
+    """The request was not valid. A user's mistake: printed without a traceback."""
+
+
+class ConfigError(UserError):
+    """The configuration is not valid."""
+
+
+class ModuleError(UserError):
+    """A module's module.toml is not valid."""
+
+
+class ValidationError(UserError):
+    """A job's specification is not valid."""
+
+
+class BundleError(UserError):
+    """A bundle could not be read."""
+
+
+class QueueRootError(UserError):
+    """A queue root is missing or not writable."""
+
+
+class UnknownJobError(UserError):
+    """No job with that id."""
+
+
+class StateDirLockedError(UserError):
+    """Another broker already owns this state directory."""
+
+
+class TransitionError(GpuwardenError):
+    """A job state change that the transition table forbids, or that lost a race."""
+
+
+class GpuProbeError(GpuwardenError):
+    """The GPU probe could not read the devices."""
+
+
+class SimOutOfMemoryError(GpuwardenError):
+    """CUDA out of memory (simulated GPU)."""
+
+
+class LaunchError(GpuwardenError):
+    """The job's process could not be started."""

@@ -1,0 +1,1 @@
+"""GPU probes: NVML, nvidia-smi, and the simulated GPU, behind one port."""

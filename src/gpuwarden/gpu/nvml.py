@@ -1,0 +1,97 @@
+"""The ``GpuProbe`` for a real NVIDIA host, through NVML (package ``nvidia-ml-py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pynvml
+
+from gpuwarden.errors import GpuProbeError
+from gpuwarden.gpu.base import GpuReading, ProcessUsage
+
+_NO_DRIVER_HINT = (
+    "Install the NVIDIA driver on this host, or start gpuwarden with --mock-gpu "
+    "to use its simulated GPU."
+)
+
+
+def _text(value: Any) -> str:
+    """NVML returns ``bytes`` in older bindings and ``str`` in newer ones."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _init_error(exc: Exception) -> GpuProbeError:
+    if isinstance(exc, pynvml.NVMLError_LibraryNotFound):
+        why = "the NVML library (libnvidia-ml.so) was not found"
+    elif isinstance(exc, pynvml.NVMLError_DriverNotLoaded):
+        why = "the NVIDIA kernel driver is not loaded"
+    elif isinstance(exc, pynvml.NVMLError_NoPermission):
+        why = "this user may not access the NVIDIA driver"
+    else:
+        why = f"NVML could not start ({exc})"
+    return GpuProbeError(f"No NVIDIA driver was found: {why}. {_NO_DRIVER_HINT}")
+
+
+class NvmlProbe:
+    """Reads the host's NVIDIA GPUs through NVML.
+
+    Constructing it starts NVML; it raises ``GpuProbeError`` when there is no
+    usable driver. Every NVML error while reading is raised as ``GpuProbeError``.
+    """
+
+    kind = "nvml"
+
+    def __init__(self) -> None:
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise _init_error(exc) from exc
+        except OSError as exc:  # a broken library, not one NVML names
+            raise _init_error(exc) from exc
+        self._open = True
+
+    def read(self) -> list[GpuReading]:
+        if not self._open:
+            raise GpuProbeError("the NVML probe was closed")
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+            return [self._read_one(i, driver) for i in range(pynvml.nvmlDeviceGetCount())]
+        except pynvml.NVMLError as exc:
+            raise GpuProbeError(f"NVML could not read the GPUs: {exc}") from exc
+
+    @staticmethod
+    def _read_one(index: int, driver: str) -> GpuReading:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        try:
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except pynvml.NVMLError_NotSupported:
+            procs = []
+        by_pid: dict[int, int] = {}
+        for p in procs:
+            # usedGpuMemory is None where the driver cannot attribute memory
+            # (Windows WDDM, some containers): the process is shown with 0.
+            used = p.usedGpuMemory
+            by_pid[int(p.pid)] = by_pid.get(int(p.pid), 0) + (int(used) if used else 0)
+        return GpuReading(
+            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            name=_text(pynvml.nvmlDeviceGetName(handle)),
+            total_bytes=int(mem.total),
+            used_bytes=int(mem.used),
+            processes=tuple(ProcessUsage(pid, n) for pid, n in sorted(by_pid.items())),
+            index=index,
+            driver=driver,
+        )
+
+    def job_env(self, gpu_uuid: str | None) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": gpu_uuid or ""}
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError as exc:
+                raise GpuProbeError(f"NVML did not shut down cleanly: {exc}") from exc

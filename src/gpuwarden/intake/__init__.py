@@ -1,0 +1,1 @@
+"""Intake: queue roots and bundles (the HTTP API comes later)."""

@@ -1,0 +1,56 @@
+"""Checks every job spec against the registry before anything is stored."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import replace
+from pathlib import PurePosixPath
+
+from gpuwarden.core.model import JobSpec, Lane
+from gpuwarden.core.params import validate_params
+from gpuwarden.errors import ValidationError
+from gpuwarden.registry import Registry
+
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def new_job_id(type_name: str, now: float | None = None) -> str:
+    """``echo-20261129T074212Z-3f9a1c``: readable, sortable, unique."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    module = type_name.split(".", 1)[0]
+    return f"{module}-{stamp}-{secrets.token_hex(3)}"
+
+
+def safe_relpath(path: str, what: str) -> str:
+    """A relative POSIX path with no ``..``, no absolute start, no backslash or NUL."""
+    if not path or "\\" in path or "\0" in path:
+        raise ValidationError(f"{what} {path!r} is not a valid relative path")
+    p = PurePosixPath(path)
+    if p.is_absolute() or ".." in p.parts:
+        raise ValidationError(f"{what} {path!r} must be a relative path without '..'")
+    return str(p)
+
+
+def prepare(registry: Registry, spec: JobSpec) -> JobSpec:
+    """Validate ``spec`` for its job type and return it with defaults filled in.
+    Raise :class:`ValidationError` saying what is wrong and what to do."""
+    if not JOB_ID.match(spec.id):
+        raise ValidationError(
+            f"job id {spec.id!r} is not valid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    jobtype = registry.get(spec.type)
+    inputs = tuple(safe_relpath(p, "input") for p in spec.inputs)
+    outputs = tuple(safe_relpath(p, "output") for p in spec.outputs)
+    params = validate_params(jobtype, spec.params, inputs)
+    if spec.vram_bytes is not None:
+        if jobtype.lane is not Lane.VRAM:
+            raise ValidationError(
+                f"job {spec.id}: a VRAM footprint was given, but {jobtype.name} runs on the "
+                "cpu lane and never takes GPU memory"
+            )
+        if spec.vram_bytes <= 0:
+            raise ValidationError(f"job {spec.id}: the VRAM footprint must be > 0")
+    return replace(spec, params=params, inputs=inputs, outputs=outputs)

@@ -1,0 +1,1 @@
+"""Launchers: how an attempt's process is started, watched and stopped."""

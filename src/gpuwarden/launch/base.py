@@ -1,0 +1,71 @@
+"""The Launcher port. A launcher runs one attempt to its end in a worker thread."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+#: environment variable that marks every process of an attempt ("JOB_ID/ATTEMPT");
+#: used to find and stop processes that left the attempt's process group.
+ATTEMPT_ENV = "GPUWARDEN_ATTEMPT"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRequest:
+    job_id: str
+    attempt: int
+    argv: tuple[str, ...]
+    cwd: str
+    env: dict[str, str]
+    #: directory of this attempt: the launcher writes stdout.log and stderr.log here
+    attempt_dir: str
+    timeout_s: float
+    #: stdout and stderr are clipped to this many characters in the result
+    clip_chars: int = 16384
+    #: seconds between SIGTERM and SIGKILL when the attempt is stopped
+    kill_grace_s: float = 5.0
+    #: the broker instance (node and state directory) that owns the attempt, so that
+    #: two brokers on one host never take each other's processes for their own
+    instance: str = ""
+
+    @property
+    def marker(self) -> str:
+        return attempt_marker(self.instance, self.job_id, self.attempt)
+
+
+def attempt_marker(instance: str, job_id: str, attempt: int) -> str:
+    """The value of ``ATTEMPT_ENV`` for one attempt of one broker instance."""
+    return f"{instance}/{job_id}/{attempt}"
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchResult:
+    job_id: str
+    attempt: int
+    exit_code: int | None
+    started_at: float
+    ended_at: float
+    pid: int | None = None
+    timed_out: bool = False
+    #: the attempt was stopped because ``stop`` was set (cancel or shutdown)
+    stopped: bool = False
+    #: the process could not be started at all (a launch error, not the job's fault)
+    launch_error: str | None = None
+    stdout: str = ""
+    stderr: str = ""
+    #: pids that were still alive at the stop and were confirmed gone afterwards
+    reaped: tuple[int, ...] = field(default_factory=tuple)
+    #: pids that outlived SIGKILL: their memory must not be counted free
+    survivors: tuple[int, ...] = field(default_factory=tuple)
+
+
+class Launcher(Protocol):
+    def run(self, req: LaunchRequest, stop: threading.Event) -> LaunchResult:
+        """Run the attempt to its end and return its result. Blocks: called on a
+        worker thread. When ``stop`` is set, or ``req.timeout_s`` passes, stop the
+        whole process tree (SIGTERM, then SIGKILL after ``kill_grace_s``). Return
+        only once every process of the attempt is confirmed gone. Never raise for
+        a failure of the job itself; a process that cannot be started gives a
+        result with ``launch_error`` set."""
+        ...

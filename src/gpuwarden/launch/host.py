@@ -1,0 +1,486 @@
+"""The host launcher: runs an attempt as a plain process on this host, no isolation.
+
+The attempt's process starts in its own session (so its own process group), with
+exactly the request's environment plus ``ATTEMPT_ENV=<job_id>/<attempt>``, and its
+stdout and stderr go to ``stdout.log`` and ``stderr.log`` in the attempt
+directory (files, never pipes: a job that prints a lot cannot block on a full
+pipe).
+
+An attempt ends only when every process of it is gone. At the end (normal exit,
+timeout or stop) the launcher stops, and confirms gone:
+
+- every process in the attempt's process group;
+- every descendant of the main process, from snapshots taken while the job runs
+  (a grandchild may have left the group with ``setsid``);
+- every process whose environment carries the attempt's marker, which catches
+  processes that left both the group and the parent chain (double fork).
+
+Only a process that both leaves the group and replaces its environment (for
+example ``env -i``) right after a double fork can escape all three.
+
+A zombie counts as gone: it holds no memory, only a process-table entry, and
+reaping it is its parent's (or init's) job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import psutil
+
+from gpuwarden.core.clip import join_clipped
+from gpuwarden.launch.base import ATTEMPT_ENV, LaunchRequest, LaunchResult
+
+__all__ = [
+    "KILL_CONFIRM_S",
+    "HostLauncher",
+    "find_attempt_processes",
+    "read_clipped",
+    "stop_processes",
+]
+
+log = logging.getLogger(__name__)
+
+#: how often the launcher checks the main process, the stop event and the deadline
+POLL_S = 0.05
+#: first and longest interval between snapshots of the process tree while a job
+#: runs; the interval doubles from the first to the longest (trees form early)
+SNAPSHOT_FIRST_S = 0.1
+SNAPSHOT_MAX_S = 1.0
+#: how often the process table is rescanned while stopping (new forks)
+RESCAN_S = 0.2
+#: longest wait, after SIGKILL, for every process to be confirmed gone
+KILL_CONFIRM_S = 10.0
+
+_ProcSet = set[psutil.Process]
+
+
+# ---------------------------------------------------------------------------
+# reading clipped output
+
+
+def read_clipped(path: Path, limit: int) -> str:
+    """Return the text of the file at ``path``, clipped to at most ``limit``
+    characters (plus the clip marker) the way :func:`gpuwarden.core.clip.clip`
+    clips: the first half and the last half with a marker between that says how
+    many bytes were cut.
+
+    Only the head and the tail of the file are read (at most ``4 * limit``
+    bytes, enough for ``limit`` UTF-8 characters), never the whole file. Bytes
+    that are not valid UTF-8 become U+FFFD. A missing file reads as ``""``.
+    """
+    if limit < 0:
+        raise ValueError("limit must be >= 0")
+    head_n = limit // 2
+    tail_n = limit - head_n
+    # every UTF-8 character is at most 4 bytes: these windows hold enough characters
+    head_window = 4 * head_n
+    tail_window = 4 * tail_n
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        return ""
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= head_window + tail_window:
+            data = f.read(head_window + tail_window)
+            text = data.decode("utf-8", errors="surrogateescape")
+            if len(text) <= limit:
+                return _readable(text)
+            head = text[:head_n]
+            tail = text[len(text) - tail_n :]
+            size = len(data)
+        else:
+            head_text = f.read(head_window).decode("utf-8", errors="surrogateescape")
+            f.seek(size - tail_window)
+            tail_text = f.read(tail_window).decode("utf-8", errors="surrogateescape")
+            head = head_text[:head_n]
+            tail = tail_text[len(tail_text) - tail_n :]
+    omitted = size - _nbytes(head) - _nbytes(tail)
+    return join_clipped(_readable(head), _readable(tail), omitted)
+
+
+def _nbytes(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogateescape"))
+
+
+def _readable(text: str) -> str:
+    """Turn the bytes that surrogateescape kept into U+FFFD."""
+    return text.encode("utf-8", errors="surrogateescape").decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------
+# finding and stopping processes
+
+
+def _is_gone(proc: psutil.Process) -> bool:
+    """True if ``proc`` has exited: no such process (or its pid was reused), or a zombie."""
+    try:
+        if not proc.is_running():
+            return True
+        return bool(proc.status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.AccessDenied:
+        return False
+
+
+def _carries_marker(proc: psutil.Process, marker: str) -> bool:
+    try:
+        return proc.environ().get(ATTEMPT_ENV) == marker
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return False
+
+
+def _all_processes() -> list[psutil.Process]:
+    """Every process on the host except this one (no shared psutil cache: thread-safe)."""
+    me = os.getpid()
+    procs = []
+    for pid in psutil.pids():
+        if pid == me:
+            continue
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    return procs
+
+
+def find_attempt_processes(marker: str) -> list[psutil.Process]:
+    """Return the live processes whose environment carries ``ATTEMPT_ENV=marker``.
+
+    Processes whose environment cannot be read (another user's, or exited while
+    looking) are skipped, and so are zombies. The broker can call this at a
+    restart to find what is left of attempts it ran before.
+    """
+    return [p for p in _all_processes() if _carries_marker(p, marker) and not _is_gone(p)]
+
+
+def _signal(procs: Iterable[psutil.Process], sig: signal.Signals) -> None:
+    for p in procs:
+        # psutil checks that the pid was not reused before it signals
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            p.send_signal(sig)
+
+
+def _killpg(pgid: int | None, sig: signal.Signals) -> None:
+    if pgid is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+
+
+def _pause(procs: Iterable[psutil.Process], seconds: float, keep: int | None) -> None:
+    """Sleep ``seconds``, reaping those of ``procs`` that are this process's
+    children (psutil.wait_procs) — except pid ``keep``, which a Popen owns."""
+    waitable = [p for p in procs if p.pid != keep]
+    if waitable:
+        psutil.wait_procs(waitable, timeout=seconds)
+    else:
+        time.sleep(seconds)
+
+
+def _terminate(
+    collect: Callable[[], _ProcSet],
+    grace_s: float,
+    *,
+    pgid: int | None = None,
+    keep: int | None = None,
+) -> tuple[list[int], list[int]]:
+    """Stop every process ``collect()`` returns, and the group ``pgid``:
+    SIGTERM, up to ``grace_s`` for them to exit, then SIGKILL, and wait until
+    each is confirmed gone (or :data:`KILL_CONFIRM_S` passes). ``collect`` is
+    called again while stopping, so processes forked in the meantime are stopped
+    too. Return (reaped, survivors) as pids; reaped are those that were alive
+    and are now gone. ``keep`` is a pid that must not be reaped here (a Popen's)."""
+    seen: _ProcSet = {p for p in collect() if not _is_gone(p)}
+    if not seen:
+        return [], []
+    _killpg(pgid, signal.SIGTERM)
+    _signal(seen, signal.SIGTERM)
+
+    # grace: wait for them to exit by themselves; SIGTERM newcomers
+    end = time.monotonic() + max(grace_s, 0.0)
+    next_scan = time.monotonic() + RESCAN_S
+    while True:
+        alive = {p for p in seen if not _is_gone(p)}
+        now = time.monotonic()
+        if now >= next_scan or not alive:
+            fresh = {p for p in collect() if not _is_gone(p)} - seen
+            if fresh:
+                _killpg(pgid, signal.SIGTERM)
+                _signal(fresh, signal.SIGTERM)
+                seen |= fresh
+                alive |= fresh
+            next_scan = now + RESCAN_S
+        if not alive or now >= end:
+            break
+        _pause(alive, min(POLL_S, end - now), keep)
+
+    # kill: SIGKILL what is left until none is found alive
+    ceiling = time.monotonic() + KILL_CONFIRM_S
+    while True:
+        alive = {p for p in seen | collect() if not _is_gone(p)}
+        if not alive:
+            break
+        seen |= alive
+        _killpg(pgid, signal.SIGKILL)
+        _signal(alive, signal.SIGKILL)
+        if time.monotonic() >= ceiling:
+            break
+        _pause(alive, POLL_S, keep)
+        alive = {p for p in alive if not _is_gone(p)}
+        if alive and time.monotonic() >= ceiling:
+            break
+
+    survivors = sorted(p.pid for p in seen if not _is_gone(p))
+    reaped = sorted({p.pid for p in seen} - set(survivors))
+    return reaped, survivors
+
+
+def stop_processes(
+    procs: Iterable[psutil.Process], grace_s: float, *, marker: str | None = None
+) -> tuple[list[int], list[int]]:
+    """Stop ``procs``: SIGTERM, wait up to ``grace_s``, SIGKILL, then wait until
+    each is confirmed gone (a zombie counts as gone), for at most
+    :data:`KILL_CONFIRM_S` after the SIGKILL.
+
+    With ``marker``, processes carrying ``ATTEMPT_ENV=marker`` are looked up
+    again while stopping and stopped too (they may fork while being stopped).
+    Return ``(reaped, survivors)``: the pids that were alive and are now gone,
+    and those still alive after SIGKILL (stuck in the kernel, for example).
+    """
+    given = set(procs)
+
+    def collect() -> _ProcSet:
+        found = {p for p in given if not _is_gone(p)}
+        if marker is not None:
+            found.update(find_attempt_processes(marker))
+        return found
+
+    return _terminate(collect, grace_s)
+
+
+# ---------------------------------------------------------------------------
+# the launcher
+
+
+class _Tree:
+    """What is known of one attempt's processes: the main process and the
+    descendants seen in snapshots while it ran."""
+
+    def __init__(self, main_pid: int, marker: str) -> None:
+        self.main_pid = main_pid
+        self.marker = marker
+        self.descendants: _ProcSet = set()
+
+    def snapshot(self) -> None:
+        """Add every live descendant of the main process, and of the descendants
+        seen before (whose parent may have exited), to ``descendants``."""
+        parents: dict[int, list[psutil.Process]] = {}
+        for p in _all_processes():
+            with contextlib.suppress(psutil.Error):
+                parents.setdefault(p.ppid(), []).append(p)
+        roots = [self.main_pid] + [p.pid for p in self.descendants if not _is_gone(p)]
+        todo = list(roots)
+        found: set[int] = set(roots)
+        while todo:
+            for child in parents.get(todo.pop(), []):
+                if child.pid not in found and child.pid != self.main_pid:
+                    found.add(child.pid)
+                    self.descendants.add(child)
+                    todo.append(child.pid)
+
+    def collect(self) -> _ProcSet:
+        """Every live process of the attempt except the main one: remembered
+        descendants, members of its process group, and marker carriers."""
+        found = {p for p in self.descendants if not _is_gone(p)}
+        for p in _all_processes():
+            if p.pid == self.main_pid:
+                continue
+            try:
+                in_group = os.getpgid(p.pid) == self.main_pid
+            except OSError:
+                continue
+            if (in_group or _carries_marker(p, self.marker)) and not _is_gone(p):
+                found.add(p)
+        return found
+
+
+def _main_exited(pid: int) -> bool:
+    """True once the child ``pid`` has exited, without reaping it: the zombie keeps
+    the pid, and with it the process-group id, from being reused until the end."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _describe_start_error(argv0: str, exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        reason = exc.strerror or str(exc)
+        if exc.filename not in (None, argv0):
+            reason = f"{reason} ({exc.filename})"
+    else:
+        reason = str(exc)
+    return f"cannot start {argv0!r}: {reason}"
+
+
+class HostLauncher:
+    """Runs an attempt as a plain host process (launch mode ``host``).
+
+    Thread-safe: several attempts may run at once, each on its own worker thread;
+    the launcher holds no state between calls.
+    """
+
+    def run(self, req: LaunchRequest, stop: threading.Event) -> LaunchResult:
+        """Run ``req.argv`` to its end and return the result; blocks.
+
+        The process starts in its own session, in ``req.cwd``, with exactly
+        ``req.env`` plus ``ATTEMPT_ENV=req.marker``, stdin from ``/dev/null`` and
+        stdout/stderr to ``stdout.log``/``stderr.log`` in ``req.attempt_dir``.
+        When ``req.timeout_s`` passes (``timed_out``) or ``stop`` is set
+        (``stopped``), the whole tree is stopped: SIGTERM, then SIGKILL after
+        ``req.kill_grace_s``. A ``timeout_s`` that is not a positive finite number
+        means no timeout. After a normal exit, processes the job left behind are
+        stopped the same way. The call returns only once every process of the
+        attempt is confirmed gone; ``reaped`` lists those that were stopped.
+
+        ``exit_code`` is the main process's return code as :mod:`subprocess`
+        gives it: ``-N`` when it was ended by signal ``N`` (``-9`` for SIGKILL).
+        A process that cannot be started gives ``launch_error`` and no exit code;
+        if ``stop`` is already set, nothing is started (``stopped``, no exit code).
+        If a process survives SIGKILL for :data:`KILL_CONFIRM_S`, its pid is noted
+        at the end of ``stderr`` and an error is logged.
+        """
+        started_at = time.time()
+        attempt_dir = Path(req.attempt_dir)
+        out_path = attempt_dir / "stdout.log"
+        err_path = attempt_dir / "stderr.log"
+
+        def failed_to_start(message: str) -> LaunchResult:
+            return LaunchResult(
+                job_id=req.job_id,
+                attempt=req.attempt,
+                exit_code=None,
+                started_at=started_at,
+                ended_at=time.time(),
+                launch_error=message,
+            )
+
+        if not req.argv:
+            return failed_to_start("cannot start: the command is empty")
+        if stop.is_set():
+            return LaunchResult(
+                job_id=req.job_id,
+                attempt=req.attempt,
+                exit_code=None,
+                started_at=started_at,
+                ended_at=time.time(),
+                stopped=True,
+            )
+        try:
+            attempt_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return failed_to_start(f"cannot create attempt directory {attempt_dir}: {exc}")
+
+        env = dict(req.env)
+        env[ATTEMPT_ENV] = req.marker
+        try:
+            with out_path.open("wb") as out_f, err_path.open("wb") as err_f:
+                proc = subprocess.Popen(
+                    list(req.argv),
+                    cwd=req.cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_f,
+                    stderr=err_f,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+        except (OSError, ValueError, TypeError) as exc:
+            return failed_to_start(_describe_start_error(req.argv[0], exc))
+
+        main = _main_proc(proc.pid)
+        tree = _Tree(proc.pid, req.marker)
+        timed_out = stopped = False
+        reaped: list[int] = []
+        survivors: list[int] = []
+        try:
+            timed_out, stopped = self._watch(proc, tree, req.timeout_s, stop)
+        finally:
+            # whatever happened above, the attempt's processes must not outlive it
+            def collect() -> _ProcSet:
+                found = tree.collect()
+                if main is not None and not _is_gone(main):
+                    found.add(main)
+                return found
+
+            reaped, survivors = _terminate(collect, req.kill_grace_s, pgid=proc.pid, keep=proc.pid)
+            # the main process is reaped only now: until here its zombie held its
+            # pid, so the process-group id could not be reused by another process
+            exit_code = None if proc.pid in survivors else proc.wait()
+
+        stderr = read_clipped(err_path, req.clip_chars)
+        if survivors:
+            log.error(
+                "attempt %s: processes %s survived SIGKILL; not confirmed gone",
+                req.marker,
+                survivors,
+            )
+            stderr += (
+                f"\n[gpuwarden: processes {', '.join(map(str, survivors))} survived "
+                f"SIGKILL for {KILL_CONFIRM_S:g} s; the attempt is not confirmed gone]\n"
+            )
+        return LaunchResult(
+            job_id=req.job_id,
+            attempt=req.attempt,
+            exit_code=exit_code,
+            started_at=started_at,
+            ended_at=time.time(),
+            pid=proc.pid,
+            timed_out=timed_out,
+            stopped=stopped,
+            stdout=read_clipped(out_path, req.clip_chars),
+            stderr=stderr,
+            reaped=tuple(reaped),
+            survivors=tuple(survivors),
+        )
+
+    @staticmethod
+    def _watch(
+        proc: subprocess.Popen[bytes], tree: _Tree, timeout_s: float, stop: threading.Event
+    ) -> tuple[bool, bool]:
+        """Wait for the main process to exit, the deadline, or ``stop``; snapshot
+        the tree meanwhile. Return (timed_out, stopped)."""
+        start = time.monotonic()
+        deadline = start + timeout_s if math.isfinite(timeout_s) and timeout_s > 0 else None
+        interval = SNAPSHOT_FIRST_S
+        next_snapshot = start
+        while True:
+            now = time.monotonic()
+            if now >= next_snapshot:
+                tree.snapshot()
+                next_snapshot = now + interval
+                interval = min(interval * 2, SNAPSHOT_MAX_S)
+            if _main_exited(proc.pid):
+                return False, False
+            if stop.is_set():
+                return False, True
+            if deadline is not None and now >= deadline:
+                return True, False
+            wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - now))
+            stop.wait(wait)
+
+
+def _main_proc(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None

@@ -1,0 +1,1 @@
+"""The Store port and its adapters. Nothing above this package imports a database driver."""

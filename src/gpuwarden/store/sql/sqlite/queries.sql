@@ -1,0 +1,106 @@
+-- Named queries for the SQLite store. Each block starts with "-- name: NAME".
+
+-- name: next_seq
+SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs;
+
+-- name: insert_job
+INSERT INTO jobs (id, seq, type, state, priority, params, inputs, outputs, vram_bytes,
+                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir)
+VALUES (:id, :seq, :type, 'queued', :priority, :params, :inputs, :outputs, :vram_bytes,
+        :spec_hash, :now, :now, :bundle, :queue_root, :input_dir);
+
+-- name: job_ids_existing
+SELECT id FROM jobs WHERE id IN (SELECT value FROM json_each(:ids));
+
+-- name: get_job
+SELECT * FROM jobs WHERE id = :id;
+
+-- name: list_jobs
+SELECT * FROM jobs ORDER BY seq DESC LIMIT :limit;
+
+-- name: list_jobs_in_states
+SELECT * FROM jobs WHERE state IN (SELECT value FROM json_each(:states))
+ORDER BY seq DESC LIMIT :limit;
+
+-- name: queued_jobs
+SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT :limit;
+
+-- name: running_jobs
+SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
+
+-- name: count_by_state
+SELECT state, COUNT(*) AS n FROM jobs GROUP BY state;
+
+-- name: transition_job
+UPDATE jobs
+   SET state = :target, updated_at = :now, reason = :reason,
+       exit_code = COALESCE(:exit_code, exit_code),
+       result = COALESCE(:result, result),
+       cancel_requested = CASE WHEN :target = 'queued' THEN cancel_requested ELSE 0 END
+ WHERE id = :id AND state IN (SELECT value FROM json_each(:sources));
+
+-- name: start_job
+UPDATE jobs SET state = 'running', updated_at = :now, attempts = attempts + 1, reason = ''
+ WHERE id = :id AND state = 'queued' AND cancel_requested = 0;
+
+-- name: insert_attempt
+INSERT INTO attempts (job_id, number, node, gpu_uuid, started_at)
+VALUES (:job_id, :number, :node, :gpu_uuid, :now);
+
+-- name: set_attempt_pid
+UPDATE attempts SET pid = :pid WHERE job_id = :job_id AND number = :number;
+
+-- name: finish_attempt
+UPDATE attempts
+   SET ended_at = :now, exit_code = :exit_code, outcome = :outcome, reason = :reason,
+       stdout = :stdout, stderr = :stderr
+ WHERE job_id = :job_id AND number = :number AND ended_at IS NULL
+   AND number = (SELECT attempts FROM jobs WHERE id = :job_id AND state = 'running');
+
+-- name: attempts
+SELECT * FROM attempts WHERE job_id = :job_id ORDER BY number;
+
+-- name: mark_cancel_requested
+UPDATE jobs SET cancel_requested = 1, updated_at = :now
+ WHERE id = :id AND state = 'running';
+
+-- name: insert_event
+INSERT INTO events (ts, kind, job_id, from_state, to_state, detail)
+VALUES (:ts, :kind, :job_id, :from_state, :to_state, :detail);
+
+-- name: last_event_id
+SELECT COALESCE(MAX(id), 0) FROM events;
+
+-- name: events_all
+SELECT * FROM events WHERE id > :after_id ORDER BY id LIMIT :limit;
+
+-- name: events_for_job
+SELECT * FROM events WHERE job_id = :job_id AND id > :after_id ORDER BY id LIMIT :limit;
+
+-- name: insert_bundle
+INSERT INTO bundles (queue_root, name, job_ids, received_at)
+VALUES (:queue_root, :name, :job_ids, :now);
+
+-- name: insert_rejected_bundle
+INSERT INTO bundles (queue_root, name, job_ids, received_at, finished_at, outcome, result_path)
+VALUES (:queue_root, :name, '[]', :now, :now, 'rejected', :result_path)
+ON CONFLICT (queue_root, name) DO NOTHING;
+
+-- name: get_bundle
+SELECT * FROM bundles WHERE queue_root = :queue_root AND name = :name;
+
+-- name: open_bundles
+SELECT * FROM bundles WHERE finished_at IS NULL ORDER BY received_at, name;
+
+-- name: finish_bundle
+UPDATE bundles SET finished_at = :now, outcome = :outcome, result_path = :result_path
+ WHERE queue_root = :queue_root AND name = :name;
+
+-- name: put_node_status
+INSERT INTO node_status (node, pid, updated_at, payload)
+VALUES (:node, :pid, :updated_at, :payload)
+ON CONFLICT (node) DO UPDATE
+   SET pid = excluded.pid, updated_at = excluded.updated_at, payload = excluded.payload;
+
+-- name: node_statuses
+SELECT * FROM node_status ORDER BY node;

@@ -1,0 +1,45 @@
+"""Shared fixtures. Store backends are parametrised so that every backend runs the
+same contract suite (PostgreSQL joins the list when its adapter exists)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwarden.store.base import Store
+from gpuwarden.store.sqlite import SqliteStore
+
+REPO = Path(__file__).resolve().parents[1]
+MODULES = REPO / "modules"
+
+STORE_BACKENDS = ["sqlite"]
+
+
+@pytest.fixture(params=STORE_BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "sqlite":
+        s: Store = SqliteStore(tmp_path / "store.db")
+    else:  # pragma: no cover - no other backend yet
+        raise AssertionError(request.param)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def gpuwarden_cmd() -> list[str]:
+    """The CLI as a user runs it, in a subprocess."""
+    return [sys.executable, "-m", "gpuwarden"]
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    for key in list(os.environ):
+        if key.startswith("GPUWARDEN_"):
+            monkeypatch.delenv(key)
+    return dict(os.environ)

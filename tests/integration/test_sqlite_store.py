@@ -1,0 +1,73 @@
+"""SQLite-specific checks: pragmas, migrations, several processes on one file."""
+
+from __future__ import annotations
+
+import multiprocessing
+import sqlite3
+from pathlib import Path
+
+from gpuwarden.core.model import JobSpec
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import TransitionError
+from gpuwarden.store.queries import load_migrations, load_queries
+from gpuwarden.store.sqlite import SqliteStore
+
+
+def test_pragmas_and_migrations(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    try:
+        db = sqlite3.connect(tmp_path / "s.db")
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        versions = [v for v, _, _ in load_migrations("sqlite")]
+        assert store.schema_version() == max(versions)
+        assert store.migrate() == []  # idempotent
+        db.close()
+    finally:
+        store.close()
+    reopened = SqliteStore(tmp_path / "s.db")
+    assert reopened.migrate() == []
+    reopened.close()
+
+
+def test_every_named_query_parses(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    store.close()
+    db = sqlite3.connect(tmp_path / "s.db")
+    for name, sql in load_queries("sqlite").items():
+        db.execute(f"EXPLAIN {sql}", {k: None for k in _params(sql)}), name
+    db.close()
+
+
+def _params(sql: str) -> set[str]:
+    import re
+
+    return set(re.findall(r":(\w+)", sql))
+
+
+def _start_in_child(path: str, q: "multiprocessing.Queue[str]") -> None:
+    store = SqliteStore(Path(path))
+    try:
+        store.start_attempt("a", node="child", gpu_uuid=None, now=2.0)
+        q.put("won")
+    except TransitionError:
+        q.put("lost")
+    finally:
+        store.close()
+
+
+def test_two_processes_start_a_job_once(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    store = SqliteStore(path)
+    store.submit([JobSpec(id="a", type="echo.echo", params={})], now=1.0)
+    ctx = multiprocessing.get_context("spawn")
+    q: multiprocessing.Queue[str] = ctx.Queue()
+    procs = [ctx.Process(target=_start_in_child, args=(str(path), q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    results = sorted(q.get(timeout=5) for _ in procs)
+    assert results == ["lost", "lost", "won"]
+    job = store.get_job("a")
+    assert job is not None and job.state is JobState.RUNNING and job.attempts == 1
+    store.close()
