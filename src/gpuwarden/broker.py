@@ -47,7 +47,10 @@ from gpuwarden.store.base import (
 
 log = logging.getLogger("gpuwarden.broker")
 
-#: how many of a job's own environment variables pass from the broker to the job
+#: status is written at most this often, even while things change
+_MIN_STATUS_GAP_S = 0.25
+
+#: the broker's environment variables that pass on to a job
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV")
 
 
@@ -91,6 +94,7 @@ class Broker:
         self._completions: queue.Queue[LaunchResult] = queue.Queue()
         self._last_error: dict[str, Any] | None = None
         self._last_status = 0.0
+        self._status_dirty = True  # something changed since the last status
         self._last_bundle_check = 0.0
         self._readings: list[GpuReading] = []
         self._probe_error = ""
@@ -254,6 +258,7 @@ class Broker:
             self._reject(root, path, specs, exc.message, now)
         else:
             self._emit("bundle_accepted", bundle=path.name, jobs=[s.id for s in specs])
+        self._status_dirty = True
 
     def _reject(
         self,
@@ -421,6 +426,7 @@ class Broker:
         )
         self._running[job.id] = run
         self._waits.pop(job.id, None)
+        self._status_dirty = True
         run.thread.start()
 
     def _request(self, run: _Running, gpu: str | None) -> LaunchRequest:
@@ -494,6 +500,7 @@ class Broker:
                 )
                 continue
             del self._running[result.job_id]
+            self._status_dirty = True
             self._complete(run, result, now)
 
     def _complete(self, run: _Running, result: LaunchResult, now: float) -> None:
@@ -620,8 +627,11 @@ class Broker:
         for event in self.store.events(after_id=self._event_cursor):
             self.events.write(event)
             self._event_cursor = event.id or self._event_cursor
-        if not force and now - self._last_status < self.config.broker.status_interval_s:
+        since = now - self._last_status
+        due = since >= self.config.broker.status_interval_s
+        if not (force or due or (self._status_dirty and since >= _MIN_STATUS_GAP_S)):
             return
+        self._status_dirty = False
         self._last_status = now
         self._read_probe()
         self.store.put_node_status(

@@ -42,7 +42,9 @@ from gpuwarden.store.base import Submission
 #: a broker whose status is older than this is reported as not running
 STALE_AFTER_S = 120.0
 
-out = Console(highlight=False, soft_wrap=True)
+#: piped output (scripts, logs) gets wide tables instead of cells cut to 80 columns
+_PIPE_WIDTH = 200
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else _PIPE_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -468,7 +470,7 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
     dest = args.results_dir or Path(tempfile.mkdtemp(prefix=f"gpuwarden-{spec.id}-"))
     bundles.extract_outputs(result_path, spec.id, dest)
     _print_result(result, dest, kept=True)
-    out.print(f"[bold]result[/]   {result_path}")
+    out.print(f"[bold]result[/]    {result_path}")
     return 0 if result.get("status") == "done" else 1
 
 

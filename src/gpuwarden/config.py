@@ -124,6 +124,10 @@ def load_config(path: Path | None, *, state_dir: Path | None = None) -> Config:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {path} is not UTF-8 text") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
         base = path.resolve().parent
     try:
         config = Config.model_validate(raw)

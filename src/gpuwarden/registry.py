@@ -79,6 +79,10 @@ def parse_module(path: Path) -> Module:
         raise ModuleError(f"{toml_path}: missing (every module folder needs one)") from None
     except tomllib.TOMLDecodeError as exc:
         raise ModuleError(f"{toml_path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ModuleError(f"{toml_path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise ModuleError(f"{toml_path}: cannot be read: {exc.strerror}") from None
     try:
         meta = _ModuleToml.model_validate(raw)
     except pydantic.ValidationError as exc:
@@ -91,7 +95,7 @@ def parse_module(path: Path) -> Module:
             f"{toml_path}: key 'module.name' is {meta.module.name!r} but the folder is "
             f"{path.name!r}; they must match"
         )
-    if not _NAME.match(meta.module.name):
+    if not _NAME.fullmatch(meta.module.name):
         raise ModuleError(
             f"{toml_path}: key 'module.name' must be lower-case letters, digits and _ "
             f"(got {meta.module.name!r})"
@@ -99,7 +103,7 @@ def parse_module(path: Path) -> Module:
     types: list[JobType] = []
     for tname, t in meta.types.items():
         where = f"{toml_path}: [types.{tname}]"
-        if not _NAME.match(tname):
+        if not _NAME.fullmatch(tname):
             raise ModuleError(f"{where}: a type name must be lower-case letters, digits and _")
         if t.lane == "vram" and t.vram_gib <= 0:
             raise ModuleError(f"{where}: key 'vram_gib' must be > 0 on the vram lane")
@@ -137,7 +141,7 @@ def parse_module(path: Path) -> Module:
 
 
 def _param(where: str, name: str, p: _ParamToml) -> ParamSpec:
-    if not re.match(r"^[a-z][a-z0-9_]{0,63}$", name):
+    if not _NAME.fullmatch(name):
         raise ModuleError(f"{where}: parameter name {name!r} must be lower-case letters, digits, _")
     spec = ParamSpec(
         name=name,
@@ -151,6 +155,11 @@ def _param(where: str, name: str, p: _ParamToml) -> ParamSpec:
         raise ModuleError(f"{where}.params.{name}: a required parameter cannot have a default")
     if p.default is not None and not value_fits(spec, p.default):
         raise ModuleError(f"{where}.params.{name}: key 'default' {p.default!r} is not a {p.type}")
+    if p.default is not None and p.choices and p.default not in p.choices:
+        raise ModuleError(
+            f"{where}.params.{name}: key 'default' {p.default!r} is not one of its "
+            f"choices {p.choices!r}"
+        )
     return spec
 
 

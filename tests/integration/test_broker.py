@@ -308,9 +308,11 @@ def test_recovery_rereads_a_bundle_never_recorded(tmp_path: Path) -> None:
 
 
 def test_second_broker_on_same_state_dir_refused(node: Node, tmp_path: Path) -> None:
-    with pytest.raises(StateDirLockedError, match=f"PID {os.getpid()}"):
-        with open_node(make_config(tmp_path), mock_gpu=True):
-            pass
+    with (
+        pytest.raises(StateDirLockedError, match=f"PID {os.getpid()}"),
+        open_node(make_config(tmp_path), mock_gpu=True),
+    ):
+        pass
 
 
 def test_result_bundle_is_a_valid_zip_with_result_json(node: Node) -> None:

@@ -44,7 +44,7 @@ def _params(sql: str) -> set[str]:
     return set(re.findall(r":(\w+)", sql))
 
 
-def _start_in_child(path: str, q: "multiprocessing.Queue[str]") -> None:
+def _start_in_child(path: str, q: multiprocessing.Queue[str]) -> None:
     store = SqliteStore(Path(path))
     try:
         store.start_attempt("a", node="child", gpu_uuid=None, now=2.0)

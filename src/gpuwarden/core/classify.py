@@ -57,7 +57,11 @@ def classify(facts: AttemptFacts, *, attempt: int, max_retries: int) -> Verdict:
             return Verdict(
                 outcome, JobState.QUEUED, f"{reason}; retrying ({attempt}/{max_retries})"
             )
-        return Verdict(outcome, JobState.FAILED, f"{reason}; gave up after {attempt} attempts")
+        return Verdict(
+            outcome,
+            JobState.FAILED,
+            f"{reason}; gave up after {attempt} attempt{'s' if attempt != 1 else ''}",
+        )
     target = {
         Outcome.SUCCEEDED: JobState.DONE,
         Outcome.CANCELLED: JobState.CANCELLED,

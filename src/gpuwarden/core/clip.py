@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def clip_marker(omitted: int) -> str:
-    return f"\n[... {omitted} bytes clipped ...]\n"
+    return f"\n[... {omitted} characters clipped ...]\n"
 
 
 def clip(text: str, limit: int) -> str:

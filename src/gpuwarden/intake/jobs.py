@@ -30,13 +30,15 @@ def safe_relpath(path: str, what: str) -> str:
     p = PurePosixPath(path)
     if p.is_absolute() or ".." in p.parts:
         raise ValidationError(f"{what} {path!r} must be a relative path without '..'")
+    if not p.parts or str(p) == ".":
+        raise ValidationError(f"{what} {path!r} must name a file, not the folder itself")
     return str(p)
 
 
 def prepare(registry: Registry, spec: JobSpec) -> JobSpec:
     """Validate ``spec`` for its job type and return it with defaults filled in.
     Raise :class:`ValidationError` saying what is wrong and what to do."""
-    if not JOB_ID.match(spec.id):
+    if not JOB_ID.fullmatch(spec.id):
         raise ValidationError(
             f"job id {spec.id!r} is not valid: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"

@@ -1,0 +1,354 @@
+"""Acceptance: the real CLI in subprocesses, with real broker and job processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TEST_MODULES = REPO / "tests" / "modules"
+GW = [sys.executable, "-m", "gpuwarden"]
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def run(
+    *args: str | Path, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GW, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env(),
+    )
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def write_config(tmp: Path, *, grace: float = 20, extra: str = "") -> Path:
+    cfg = tmp / "gpuwarden.toml"
+    cfg.write_text(
+        f"""
+state_dir = "state"
+node_name = "accept"
+gpu = "sim"
+module_paths = ["{REPO / "modules"}", "{TEST_MODULES}"]
+queue_roots = ["queues/demo"]
+{extra}
+[sim_gpu]
+release_delay_s = 0
+
+[broker]
+poll_interval_s = 0.05
+status_interval_s = 0.2
+shutdown_grace_s = {grace}
+kill_grace_s = 0.3
+"""
+    )
+    return cfg
+
+
+class Broker:
+    """``gpuwarden serve`` in a subprocess."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config = config
+        self.log = log
+        self.stderr = config.parent / "serve.stderr"
+        self.proc = subprocess.Popen(
+            [*GW, "--config", str(config), "serve", "--log", str(log)],
+            stdout=subprocess.DEVNULL,
+            stderr=self.stderr.open("w"),
+            env=env(),
+            start_new_session=True,
+        )
+        wait_for(lambda: self.events("broker_started") or self.proc.poll() is not None, "serve")
+        assert self.proc.poll() is None, self.stderr.read_text()
+
+    def events(self, kind: str | None = None) -> list[dict[str, object]]:
+        if not self.log.exists():
+            return []
+        rows = [json.loads(ln) for ln in self.log.read_text().splitlines() if ln.strip()]
+        return [r for r in rows if kind is None or r["event"] == kind]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    b = Broker(write_config(tmp_path), tmp_path / "events.jsonl")
+    yield b
+    if b.proc.poll() is None:
+        b.stop(signal.SIGKILL)
+
+
+def test_run_once_prints_status_message_output_and_content() -> None:
+    r = run("--mock-gpu", "run-once", "echo.echo", "--text", "hello", "--output", "out/hello.txt")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"status\s+done", r.stdout)
+    assert "wrote 5 characters to out/hello.txt" in r.stdout
+    m = re.search(r"output\s+(\S+hello\.txt)", r.stdout)
+    assert m, r.stdout
+    assert re.search(r"content\s+hello", r.stdout)
+    assert not Path(m.group(1)).exists()  # the temporary directory is removed
+
+
+def test_run_once_keep_keeps_the_directory() -> None:
+    r = run("--mock-gpu", "run-once", "echo.echo", "--text", "kept", "--keep")
+    assert r.returncode == 0, r.stderr
+    kept = Path(re.search(r"^kept\s+(\S+)", r.stdout, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    try:
+        assert (kept / "outputs" / "echo.txt").read_text() == "kept"
+    finally:
+        import shutil
+
+        shutil.rmtree(kept)
+
+
+def test_run_once_reports_a_failing_job() -> None:
+    r = run("--mock-gpu", "run-once", "echo.echo", "--text", "x", "--exit-code", "4")
+    assert r.returncode == 1
+    assert re.search(r"status\s+failed", r.stdout) and "exited with code 4" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["nope.nope"], "unknown job type 'nope.nope'"),
+        (["echo.echo"], "missing required parameter 'text'"),
+        (["echo.echo", "--text", "x", "--colour", "red"], "has no parameter 'colour'"),
+        (["echo.echo", "--text", "x", "--sleep-s", "soon"], "--sleep_s must be a number"),
+        (["echo.echo", "--text", "x", "--output", "../escape"], None),
+        (["echo.echo", "--text", "x", "--id", "bad id!"], "job id 'bad id!' is not valid"),
+        (["echo.echo", "--text", "x", "--vram-gib", "4"], "runs on the cpu lane"),
+    ],
+)
+def test_run_once_bad_input_is_a_clear_error(args: list[str], expected: str | None) -> None:
+    r = run("--mock-gpu", "run-once", *args)
+    if expected is None:  # refused by the module itself: a failed job, not a crash
+        assert r.returncode == 1 and "must stay inside the output directory" in r.stdout
+        return
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert expected in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_config_errors_name_the_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('state_dir = "s"\n[broker]\npoll_intervall_s = 1\n')
+    r = run("--config", cfg, "serve")
+    assert r.returncode == 2
+    assert "unknown key 'broker.poll_intervall_s'" in r.stderr and "poll_interval_s" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_queue_root_is_a_clear_error(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, extra="create_queue_roots = false")
+    r = run("--config", cfg, "serve")
+    assert r.returncode == 2 and "queues/demo" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "queues").exists()
+
+
+def test_serve_submit_status_jobs_show(broker: Broker, tmp_path: Path) -> None:
+    cfg = broker.config
+    queue = tmp_path / "queues" / "demo"
+    r = run(
+        "--config",
+        cfg,
+        "submit",
+        "--queue",
+        queue,
+        "echo.echo",
+        "--text",
+        "hello",
+        "--wait",
+        "--id",
+        "q1",
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"status\s+done", r.stdout) and re.search(r"content\s+hello", r.stdout)
+    assert list((queue / "outbox").glob("q1-*.zip"))
+    assert list((queue / "processing").iterdir()) == []
+
+    # the example client knows only the bundle format
+    c = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "queue_client.py"), str(queue), "from a client"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env(),
+    )
+    assert c.returncode == 0, c.stdout + c.stderr
+    assert "done - wrote 13 characters to echo.txt" in c.stdout
+
+    # straight into the store
+    r = run("--config", cfg, "submit", "echo.echo", "--text", "direct", "--id", "d1", "--wait")
+    assert r.returncode == 0 and re.search(r"content\s+direct", r.stdout), r.stdout + r.stderr
+
+    wait_for(lambda: run("--config", cfg, "status").returncode == 0, "a fresh status")
+    s = run("--config", cfg, "status")
+    assert "GPU-sim" in s.stdout and "24.0 GiB" in s.stdout and "queues/demo" in s.stdout
+    sj = json.loads(run("--config", cfg, "status", "--json").stdout)
+    assert sj["nodes"][0]["node"] == "accept" and sj["jobs"]["done"] == 3
+
+    jobs = run("--config", cfg, "jobs")
+    assert "q1" in jobs.stdout and "d1" in jobs.stdout and "done" in jobs.stdout
+    show = run("--config", cfg, "show", "q1")
+    assert (
+        show.returncode == 0
+        and "queued -> running" in show.stdout
+        and "running -> done" in show.stdout
+    )
+    assert run("--config", cfg, "show", "nope").returncode == 2
+
+    assert broker.stop() == 0
+    stopped = run("--config", cfg, "status")
+    assert stopped.returncode == 1 and "stopped" in stopped.stdout
+
+
+def test_cancel_through_the_cli(broker: Broker) -> None:
+    cfg = broker.config
+    r = run(
+        "--config",
+        cfg,
+        "submit",
+        "testmods.sleep",
+        "--seconds",
+        "1.4",
+        "--ignore-term",
+        "--id",
+        "c1",
+    )
+    assert r.returncode == 0, r.stderr
+    wait_for(
+        lambda: bool(
+            broker.events("transition")
+            and any(
+                e.get("job") == "c1" and e.get("to") == "running"
+                for e in broker.events("transition")
+            )
+        ),
+        "c1 running",
+    )
+    r = run("--config", cfg, "cancel", "c1")
+    assert r.returncode == 0 and "will stop it" in r.stdout
+    wait_for(
+        lambda: any(e.get("job") == "c1" and e.get("to") == "cancelled" for e in broker.events()),
+        "cancel",
+    )
+    again = run("--config", cfg, "cancel", "c1")
+    assert again.returncode == 2 and "already ended" in again.stderr
+
+
+def test_second_broker_refused_with_pid(broker: Broker) -> None:
+    r = run("--config", broker.config, "serve")
+    assert r.returncode == 2
+    assert f"PID {broker.proc.pid}" in r.stderr
+
+
+def test_status_without_a_broker_exits_1(tmp_path: Path) -> None:
+    r = run("--state-dir", tmp_path / "nothing", "status")
+    assert r.returncode == 1 and "no broker" in r.stderr
+
+
+def test_sigterm_gives_grace_then_fails_running_job(tmp_path: Path) -> None:
+    b = Broker(write_config(tmp_path, grace=0.3), tmp_path / "events.jsonl")
+    try:
+        r = run(
+            "--config",
+            b.config,
+            "submit",
+            "testmods.sleep",
+            "--seconds",
+            "1.4",
+            "--ignore-term",
+            "--id",
+            "g1",
+        )
+        assert r.returncode == 0
+        wait_for(
+            lambda: any(e.get("job") == "g1" and e.get("to") == "running" for e in b.events()),
+            "g1 running",
+        )
+        assert b.stop(signal.SIGTERM) == 0
+    finally:
+        if b.proc.poll() is None:
+            b.stop(signal.SIGKILL)
+    show = json.loads(run("--config", b.config, "show", "g1", "--json").stdout)
+    assert show["state"] == "failed" and "shut down" in show["reason"]
+
+
+def test_broker_killed_mid_job_then_restarted_finishes_the_job(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path)
+    queue = tmp_path / "queues" / "demo"
+    b = Broker(cfg, tmp_path / "events.jsonl")
+    r = run(
+        "--config",
+        cfg,
+        "submit",
+        "--queue",
+        queue,
+        "testmods.sleep",
+        "--seconds",
+        "1",
+        "--id",
+        "k1",
+    )
+    assert r.returncode == 0, r.stderr
+    wait_for(
+        lambda: any(e.get("job") == "k1" and e.get("to") == "running" for e in b.events()),
+        "k1 running",
+    )
+    pid_file = tmp_path / "state" / "jobs" / "k1" / "attempt-1" / "out" / "pid"
+    wait_for(pid_file.exists, "the job's pid")
+    job_pid = int(pid_file.read_text())
+    assert b.stop(signal.SIGKILL) == -signal.SIGKILL  # the fault really happened
+    assert list((queue / "processing").glob("k1-*.zip"))
+
+    b2 = Broker(cfg, tmp_path / "events2.jsonl")
+    try:
+        wait_for(
+            lambda: bool(list((queue / "outbox").glob("k1-*.zip"))), "k1's result after restart"
+        )
+        assert list((queue / "processing").iterdir()) == []
+        recovered = b2.events("attempt_recovered")
+        assert recovered and recovered[0]["job"] == "k1"
+        # the orphaned job process of the killed broker is gone too
+        wait_for(lambda: not _alive(job_pid), "the old job process to be gone", timeout=10)
+    finally:
+        b2.stop()
+    show = json.loads(run("--config", cfg, "show", "k1", "--json").stdout)
+    assert show["state"] == "done" and show["attempts"] == 2
+    assert show["attempts_detail"][0]["outcome"] == "interrupted"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

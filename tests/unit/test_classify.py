@@ -1,0 +1,208 @@
+"""Failure classification: an ended attempt's facts -> the job's next state and reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwarden.core.classify import INFRASTRUCTURE, AttemptFacts, Outcome, Verdict, classify
+from gpuwarden.core.states import JobState
+
+LAUNCH = AttemptFacts(exit_code=None, launch_error="runtime docker not found")
+INTERRUPTED = AttemptFacts(exit_code=None, interrupted=True)
+
+LAUNCH_REASON = "launch error: runtime docker not found"
+INTERRUPTED_REASON = "the broker stopped unexpectedly while the job ran"
+
+
+def test_infrastructure_outcomes() -> None:
+    assert frozenset({Outcome.LAUNCH_ERROR, Outcome.INTERRUPTED}) == INFRASTRUCTURE
+
+
+def test_succeeded() -> None:
+    assert classify(AttemptFacts(exit_code=0), attempt=1, max_retries=2) == Verdict(
+        Outcome.SUCCEEDED, JobState.DONE, "done"
+    )
+
+
+@pytest.mark.parametrize("code", [1, 2, 3, 137, 255, -9])
+def test_job_failed(code: int) -> None:
+    assert classify(AttemptFacts(exit_code=code), attempt=1, max_retries=5) == Verdict(
+        Outcome.JOB_FAILED, JobState.FAILED, f"the job exited with code {code}"
+    )
+
+
+def test_job_failed_with_stderr_tail() -> None:
+    facts = AttemptFacts(exit_code=1, stderr_tail="ValueError: bad prompt")
+    verdict = classify(facts, attempt=1, max_retries=2)
+    assert verdict.reason == "the job exited with code 1: ValueError: bad prompt"
+    assert verdict.target is JobState.FAILED
+
+
+def test_missing_output_fails_an_exit_zero_attempt() -> None:
+    facts = AttemptFacts(exit_code=0, missing_outputs=("a.txt", "dir/b.json"))
+    assert classify(facts, attempt=1, max_retries=2) == Verdict(
+        Outcome.MISSING_OUTPUT,
+        JobState.FAILED,
+        "the job exited 0 but did not write the output(s) asked for: a.txt, dir/b.json",
+    )
+
+
+def test_non_zero_exit_wins_over_missing_outputs() -> None:
+    facts = AttemptFacts(exit_code=2, missing_outputs=("a.txt",))
+    verdict = classify(facts, attempt=1, max_retries=2)
+    assert verdict.outcome is Outcome.JOB_FAILED
+    assert verdict.reason == "the job exited with code 2"
+
+
+@pytest.mark.parametrize(("timeout_s", "shown"), [(60.0, "60"), (0.5, "0.5"), (3600.0, "3600")])
+def test_timed_out(timeout_s: float, shown: str) -> None:
+    facts = AttemptFacts(exit_code=-15, timed_out=True, timeout_s=timeout_s)
+    assert classify(facts, attempt=1, max_retries=3) == Verdict(
+        Outcome.TIMED_OUT,
+        JobState.FAILED,
+        f"timed out after {shown} s; its processes were stopped and confirmed gone",
+    )
+
+
+def test_cancelled_while_running() -> None:
+    facts = AttemptFacts(exit_code=-15, stopped=True, cancel_requested=True)
+    assert classify(facts, attempt=1, max_retries=2) == Verdict(
+        Outcome.CANCELLED,
+        JobState.CANCELLED,
+        "cancelled while running; its processes were stopped",
+    )
+
+
+def test_stopped_for_shutdown() -> None:
+    facts = AttemptFacts(exit_code=-15, stopped=True, shutting_down=True)
+    assert classify(facts, attempt=1, max_retries=2) == Verdict(
+        Outcome.SHUTDOWN,
+        JobState.FAILED,
+        "the broker shut down while the job ran; it was stopped after the grace period",
+    )
+
+
+def test_stopped_without_any_request_counts_as_shutdown() -> None:
+    verdict = classify(AttemptFacts(exit_code=None, stopped=True), attempt=1, max_retries=2)
+    assert verdict.outcome is Outcome.SHUTDOWN
+    assert verdict.target is JobState.FAILED
+
+
+def test_cancel_requested_but_finished_first_is_judged_by_its_exit() -> None:
+    done = classify(AttemptFacts(exit_code=0, cancel_requested=True), attempt=1, max_retries=2)
+    assert done.target is JobState.DONE
+    failed = classify(AttemptFacts(exit_code=4, cancel_requested=True), attempt=1, max_retries=2)
+    assert failed.outcome is Outcome.JOB_FAILED
+    assert failed.target is JobState.FAILED
+
+
+def test_cancel_wins_over_a_non_zero_exit_when_stopped() -> None:
+    facts = AttemptFacts(exit_code=1, stopped=True, cancel_requested=True, stderr_tail="x")
+    assert classify(facts, attempt=1, max_retries=2).target is JobState.CANCELLED
+
+
+# --- infrastructure failures: retried up to max_retries, then given up --------------
+
+
+@pytest.mark.parametrize(
+    ("facts", "reason"),
+    [(LAUNCH, LAUNCH_REASON), (INTERRUPTED, INTERRUPTED_REASON)],
+    ids=["launch_error", "interrupted"],
+)
+def test_infrastructure_retry_sequence(facts: AttemptFacts, reason: str) -> None:
+    outcome = Outcome.LAUNCH_ERROR if facts.launch_error else Outcome.INTERRUPTED
+    assert classify(facts, attempt=1, max_retries=2) == Verdict(
+        outcome, JobState.QUEUED, f"{reason}; retrying (1/2)"
+    )
+    assert classify(facts, attempt=2, max_retries=2) == Verdict(
+        outcome, JobState.QUEUED, f"{reason}; retrying (2/2)"
+    )
+    assert classify(facts, attempt=3, max_retries=2) == Verdict(
+        outcome, JobState.FAILED, f"{reason}; gave up after 3 attempts"
+    )
+
+
+def test_no_retries_allowed() -> None:
+    verdict = classify(LAUNCH, attempt=1, max_retries=0)
+    assert verdict.target is JobState.FAILED
+    assert verdict.reason == f"{LAUNCH_REASON}; gave up after 1 attempt"
+
+
+@pytest.mark.parametrize("max_retries", range(5))
+@pytest.mark.parametrize("attempt", range(1, 8))
+def test_infrastructure_retried_while_attempt_within_max(attempt: int, max_retries: int) -> None:
+    for facts in (LAUNCH, INTERRUPTED):
+        verdict = classify(facts, attempt=attempt, max_retries=max_retries)
+        assert verdict.outcome in INFRASTRUCTURE
+        if attempt <= max_retries:
+            assert verdict.target is JobState.QUEUED
+            assert verdict.reason.endswith(f"; retrying ({attempt}/{max_retries})")
+        else:
+            assert verdict.target is JobState.FAILED
+            plural = "" if attempt == 1 else "s"
+            assert verdict.reason.endswith(f"; gave up after {attempt} attempt{plural}")
+
+
+@pytest.mark.parametrize("max_retries", [0, 1, 3, 100])
+@pytest.mark.parametrize("attempt", [1, 2, 5])
+def test_own_failure_timeout_and_stop_are_never_retried(attempt: int, max_retries: int) -> None:
+    for facts in (
+        AttemptFacts(exit_code=1),
+        AttemptFacts(exit_code=-9, timed_out=True, timeout_s=10),
+        AttemptFacts(exit_code=0, missing_outputs=("x",)),
+        AttemptFacts(exit_code=None, stopped=True, shutting_down=True),
+        AttemptFacts(exit_code=None, stopped=True, cancel_requested=True),
+    ):
+        verdict = classify(facts, attempt=attempt, max_retries=max_retries)
+        assert verdict.target is not JobState.QUEUED
+        assert verdict.target in {JobState.FAILED, JobState.CANCELLED}
+        assert "retrying" not in verdict.reason
+
+
+def test_launch_error_wins_over_everything_else() -> None:
+    facts = AttemptFacts(
+        exit_code=1,
+        timed_out=True,
+        stopped=True,
+        cancel_requested=True,
+        interrupted=True,
+        launch_error="image refused",
+        missing_outputs=("x",),
+    )
+    verdict = classify(facts, attempt=1, max_retries=1)
+    assert verdict.outcome is Outcome.LAUNCH_ERROR
+    assert verdict.reason == "launch error: image refused; retrying (1/1)"
+
+
+def test_interrupted_wins_over_stop_and_exit() -> None:
+    facts = AttemptFacts(exit_code=1, stopped=True, cancel_requested=True, interrupted=True)
+    assert classify(facts, attempt=1, max_retries=1).outcome is Outcome.INTERRUPTED
+
+
+def test_stop_wins_over_timeout() -> None:
+    facts = AttemptFacts(exit_code=None, stopped=True, cancel_requested=True, timed_out=True)
+    assert classify(facts, attempt=1, max_retries=1).outcome is Outcome.CANCELLED
+
+
+def test_timeout_wins_over_exit_code_and_missing_outputs() -> None:
+    facts = AttemptFacts(exit_code=1, timed_out=True, timeout_s=5, missing_outputs=("x",))
+    assert classify(facts, attempt=1, max_retries=1).outcome is Outcome.TIMED_OUT
+
+
+def test_every_verdict_targets_a_state_a_running_job_may_move_to() -> None:
+    from gpuwarden.core.states import allowed
+
+    cases = [
+        AttemptFacts(exit_code=0),
+        AttemptFacts(exit_code=1),
+        AttemptFacts(exit_code=0, missing_outputs=("x",)),
+        AttemptFacts(exit_code=None, timed_out=True),
+        AttemptFacts(exit_code=None, stopped=True, cancel_requested=True),
+        AttemptFacts(exit_code=None, stopped=True),
+        LAUNCH,
+        INTERRUPTED,
+    ]
+    for facts in cases:
+        for attempt in (1, 5):
+            verdict = classify(facts, attempt=attempt, max_retries=2)
+            assert allowed(JobState.RUNNING, verdict.target), (facts, verdict)

@@ -1,0 +1,279 @@
+"""Intake checks on job specs before anything is stored."""
+
+from __future__ import annotations
+
+import calendar
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwarden.core.model import GIB, JobSpec
+from gpuwarden.errors import UserError, ValidationError
+from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare, safe_relpath
+from gpuwarden.registry import Registry
+
+MODULES = Path(__file__).parents[2] / "modules"
+
+ECHO_DEFAULTS = {"output": "echo.txt", "sleep_s": 0, "exit_code": 0}
+
+
+@pytest.fixture(scope="module")
+def registry() -> Registry:
+    return Registry.load([MODULES])
+
+
+@pytest.fixture
+def vram_registry(tmp_path: Path) -> Registry:
+    """A vram-lane type with an input parameter, beside the shipped modules."""
+    mod = tmp_path / "ocr"
+    (mod / "src").mkdir(parents=True)
+    (mod / "src" / "main.py").write_text("")
+    (mod / "module.toml").write_text(
+        """
+[module]
+name = "ocr"
+
+[types.read]
+lane = "vram"
+vram_gib = 4
+command = ["{python}", "src/main.py"]
+
+[types.read.params.scan]
+type = "input"
+required = true
+"""
+    )
+    return Registry.load([tmp_path, MODULES])
+
+
+def invalid(registry: Registry, spec: JobSpec) -> str:
+    with pytest.raises(ValidationError) as info:
+        prepare(registry, spec)
+    assert isinstance(info.value, UserError)
+    return str(info.value)
+
+
+def echo(
+    job_id: str = "job-1",
+    *,
+    params: dict[str, Any] | None = None,
+    inputs: tuple[str, ...] = (),
+    outputs: tuple[str, ...] = (),
+    priority: int = 0,
+    vram_bytes: int | None = None,
+) -> JobSpec:
+    return JobSpec(
+        id=job_id,
+        type="echo.echo",
+        params={"text": "hi"} if params is None else params,
+        inputs=inputs,
+        outputs=outputs,
+        priority=priority,
+        vram_bytes=vram_bytes,
+    )
+
+
+# --- success --------------------------------------------------------------------------
+
+
+def test_prepare_fills_defaults(registry: Registry) -> None:
+    spec = echo(priority=3)
+    out = prepare(registry, spec)
+    assert out.params == {"text": "hi", **ECHO_DEFAULTS}
+    assert out.id == "job-1"
+    assert out.type == "echo.echo"
+    assert out.priority == 3
+    assert out.vram_bytes is None
+    assert spec.params == {"text": "hi"}  # the given spec is not changed
+
+
+def test_prepare_keeps_given_params(registry: Registry) -> None:
+    params = {"text": "x", "output": "o/out.txt", "sleep_s": 0.5, "exit_code": 3}
+    assert prepare(registry, echo(params=params)).params == params
+
+
+def test_prepare_normalises_inputs_and_outputs(registry: Registry) -> None:
+    out = prepare(
+        registry,
+        echo(inputs=("a.txt", "./b.txt", "dir//c.txt"), outputs=("out/", "x/./y.json")),
+    )
+    assert out.inputs == ("a.txt", "b.txt", "dir/c.txt")
+    assert out.outputs == ("out", "x/y.json")
+
+
+def test_prepare_reports_param_problems(registry: Registry) -> None:
+    assert invalid(registry, echo(params={"txt": "hi"})) == (
+        "job type echo.echo: unknown parameter 'txt' (allowed: exit_code, output, sleep_s, "
+        "text); missing required parameter 'text' (string)"
+    )
+
+
+# --- job ids --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "job_id",
+    ["", "-lead", ".lead", "_lead", "a b", "a/b", "a\\b", "x" * 129, "é", "a\nb", "a:b"],
+)
+def test_bad_job_id(registry: Registry, job_id: str) -> None:
+    assert invalid(registry, echo(job_id)) == (
+        f"job id {job_id!r} is not valid: use 1-128 letters, digits, '.', '_' or '-', "
+        "starting with a letter or digit"
+    )
+
+
+def test_job_id_with_trailing_newline_is_refused(registry: Registry) -> None:
+    assert invalid(registry, echo("job\n")).startswith("job id 'job\\n' is not valid")
+
+
+@pytest.mark.parametrize("job_id", ["a", "9", "A.b_c-1", "x" * 128, "echo-20261129T074212Z-3f9a1c"])
+def test_good_job_id(registry: Registry, job_id: str) -> None:
+    assert prepare(registry, echo(job_id)).id == job_id
+
+
+def test_job_id_checked_before_the_type(registry: Registry) -> None:
+    spec = JobSpec(id="bad id", type="nope.x")
+    assert invalid(registry, spec).startswith("job id 'bad id' is not valid")
+
+
+# --- type -----------------------------------------------------------------------------
+
+
+def test_unknown_type(registry: Registry) -> None:
+    spec = JobSpec(id="j1", type="nope.x", params={"text": "hi"})
+    assert invalid(registry, spec) == "unknown job type 'nope.x'; known types: echo.echo"
+
+
+# --- paths ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "../x", "a/../../x", "a/..", "/"])
+def test_unsafe_input_escapes(registry: Registry, path: str) -> None:
+    assert invalid(registry, echo(inputs=(path,))) == (
+        f"input {path!r} must be a relative path without '..'"
+    )
+
+
+@pytest.mark.parametrize("path", ["a\\b", "..\\x", "", "a\0b"])
+def test_unsafe_input_malformed(registry: Registry, path: str) -> None:
+    assert invalid(registry, echo(inputs=(path,))) == (
+        f"input {path!r} is not a valid relative path"
+    )
+
+
+@pytest.mark.parametrize("path", ["/tmp/out", "../out", "x/../../out"])
+def test_unsafe_output_escapes(registry: Registry, path: str) -> None:
+    assert invalid(registry, echo(outputs=(path,))) == (
+        f"output {path!r} must be a relative path without '..'"
+    )
+
+
+@pytest.mark.parametrize("path", ["out\\file", ""])
+def test_unsafe_output_malformed(registry: Registry, path: str) -> None:
+    assert invalid(registry, echo(outputs=(path,))) == (
+        f"output {path!r} is not a valid relative path"
+    )
+
+
+def test_one_bad_path_among_good_ones(registry: Registry) -> None:
+    message = invalid(registry, echo(inputs=("ok.txt", "../bad.txt")))
+    assert message == "input '../bad.txt' must be a relative path without '..'"
+
+
+def test_safe_relpath_directly() -> None:
+    assert safe_relpath("a/b/c.txt", "input") == "a/b/c.txt"
+    assert safe_relpath("dots..ok", "input") == "dots..ok"  # '..' inside a name is fine
+    with pytest.raises(ValidationError) as info:
+        safe_relpath("../x", "bundle entry")
+    assert str(info.value) == "bundle entry '../x' must be a relative path without '..'"
+
+
+@pytest.mark.parametrize("path", [".", "./"])
+def test_output_naming_the_directory_itself_is_refused(registry: Registry, path: str) -> None:
+    with pytest.raises(ValidationError):
+        prepare(registry, echo(outputs=(path,)))
+
+
+# --- vram override --------------------------------------------------------------------
+
+
+def test_vram_override_on_cpu_lane_refused(registry: Registry) -> None:
+    assert invalid(registry, echo("j1", vram_bytes=GIB)) == (
+        "job j1: a VRAM footprint was given, but echo.echo runs on the cpu lane and never "
+        "takes GPU memory"
+    )
+
+
+def test_vram_override_on_vram_lane(vram_registry: Registry) -> None:
+    spec = JobSpec(
+        id="j2", type="ocr.read", params={"scan": "p1.png"}, inputs=("p1.png",), vram_bytes=GIB
+    )
+    out = prepare(vram_registry, spec)
+    assert out.vram_bytes == GIB
+    assert out.params == {"scan": "p1.png"}
+
+
+@pytest.mark.parametrize("vram", [0, -GIB])
+def test_vram_override_must_be_positive(vram_registry: Registry, vram: int) -> None:
+    spec = JobSpec(
+        id="j3", type="ocr.read", params={"scan": "p.png"}, inputs=("p.png",), vram_bytes=vram
+    )
+    assert invalid(vram_registry, spec) == "job j3: the VRAM footprint must be > 0"
+
+
+def test_input_param_matches_normalised_inputs(vram_registry: Registry) -> None:
+    spec = JobSpec(
+        id="j4", type="ocr.read", params={"scan": "pages/p.png"}, inputs=("./pages//p.png",)
+    )
+    out = prepare(vram_registry, spec)
+    assert out.inputs == ("pages/p.png",)
+    assert out.params == {"scan": "pages/p.png"}
+
+
+def test_input_param_must_name_an_input(vram_registry: Registry) -> None:
+    spec = JobSpec(id="j5", type="ocr.read", params={"scan": "q.png"}, inputs=("p.png",))
+    assert invalid(vram_registry, spec) == (
+        "job type ocr.read: parameter 'scan' names input 'q.png', which is not among the "
+        "job's inputs (p.png)"
+    )
+
+
+# --- new_job_id -----------------------------------------------------------------------
+
+
+def test_new_job_id_format() -> None:
+    now = calendar.timegm((2026, 11, 29, 7, 42, 12, 0, 0, 0))
+    job_id = new_job_id("echo.echo", now)
+    assert re.fullmatch(r"echo-20261129T074212Z-[0-9a-f]{6}", job_id), job_id
+    assert JOB_ID.match(job_id)
+
+
+def test_new_job_id_at_epoch_and_for_a_bare_name() -> None:
+    assert re.fullmatch(r"llm-19700101T000000Z-[0-9a-f]{6}", new_job_id("llm", 0.0))
+
+
+def test_new_job_id_is_unique() -> None:
+    ids = {new_job_id("echo.echo", 0.0) for _ in range(20)}
+    assert len(ids) == 20
+
+
+def test_new_job_id_sorts_by_time() -> None:
+    earlier = new_job_id("echo.echo", 1_700_000_000)
+    later = new_job_id("echo.echo", 1_700_000_001)
+    assert earlier[:-7] < later[:-7]
+
+
+def test_new_job_id_uses_the_clock_when_now_is_none() -> None:
+    before = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    job_id = new_job_id("echo.echo")
+    after = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = job_id.split("-")[1]
+    assert before <= stamp <= after
+
+
+def test_new_job_id_is_accepted_by_prepare(registry: Registry) -> None:
+    job_id = new_job_id("echo.echo")
+    assert prepare(registry, echo(job_id)).id == job_id
