@@ -24,7 +24,7 @@ from typing import Any
 
 from gpuwarden.config import Config
 from gpuwarden.core import policy
-from gpuwarden.core.classify import AttemptFacts, Outcome, classify
+from gpuwarden.core.classify import AttemptFacts, classify
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import BundleError, GpuProbeError, GpuwardenError, TransitionError
@@ -46,6 +46,9 @@ from gpuwarden.store.base import (
 )
 
 log = logging.getLogger("gpuwarden.broker")
+
+#: every open bundle is looked at this often (the loop's own changes are seen at once)
+_FULL_BUNDLE_SCAN_S = 2.0
 
 #: status is written at most this often, even while things change
 _MIN_STATUS_GAP_S = 0.25
@@ -92,6 +95,10 @@ class Broker:
         self.accepting = True
         self._running: dict[str, _Running] = {}
         self._completions: queue.Queue[LaunchResult] = queue.Queue()
+        #: set by a worker thread when it posts a completion, so the loop wakes at once
+        self._wake = threading.Event()
+        #: bundles (queue root, name) whose jobs changed since the last look
+        self._touched: set[tuple[str, str]] = set()
         self._last_error: dict[str, Any] | None = None
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
@@ -128,7 +135,8 @@ class Broker:
         self._emit("broker_started", pid=os.getpid(), probe=self.probe.kind)
         while not stop.is_set():
             self.tick()
-            stop.wait(self.config.broker.poll_interval_s)
+            self._wake.wait(self.config.broker.poll_interval_s)
+            self._wake.clear()
         self.shutdown(self.config.broker.shutdown_grace_s, force=force)
 
     def shutdown(self, grace_s: float, *, force: threading.Event | None = None) -> None:
@@ -486,6 +494,7 @@ class Broker:
                 launch_error=f"the launcher failed: {exc!r}",
             )
         self._completions.put(result)
+        self._wake.set()
 
     def _drain(self, now: float) -> None:
         while True:
@@ -548,8 +557,8 @@ class Broker:
             )
         except TransitionError as exc:
             self._emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
-        if verdict.outcome is Outcome.SUCCEEDED or verdict.target.terminal:
-            self._last_bundle_check = 0.0  # look at its bundle on this tick
+        if run.job.bundle and run.job.queue_root:
+            self._touched.add((run.job.queue_root, run.job.bundle))
 
     def _result_extra(
         self,
@@ -587,11 +596,23 @@ class Broker:
     # -- results ------------------------------------------------------------
 
     def _finish_bundles(self, now: float, *, force: bool = False) -> None:
-        if not force and now - self._last_bundle_check < 0.5:
-            return
-        self._last_bundle_check = now
+        """Write the result of each bundle whose jobs have all ended. Bundles touched
+        by this loop are looked at at once; all open ones every few seconds, since a
+        client's cancel in another process touches a bundle without the loop."""
         roots = {str(r.path): r for r in self.roots}
-        for rec in self.store.open_bundles():
+        if force or now - self._last_bundle_check >= _FULL_BUNDLE_SCAN_S:
+            self._last_bundle_check = now
+            candidates = self.store.open_bundles()
+        elif self._touched:
+            candidates = [
+                rec
+                for key in sorted(self._touched)
+                if (rec := self.store.get_bundle(*key)) is not None and rec.finished_at is None
+            ]
+        else:
+            return
+        self._touched.clear()
+        for rec in candidates:
             root = roots.get(rec.queue_root)
             if root is None:
                 continue

@@ -51,7 +51,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: how often the launcher checks the main process, the stop event and the deadline
-POLL_S = 0.05
+POLL_S = 0.01
 #: first and longest interval between snapshots of the process tree while a job
 #: runs; the interval doubles from the first to the longest (trees form early)
 SNAPSHOT_FIRST_S = 0.1
