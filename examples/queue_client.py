@@ -50,7 +50,7 @@ def main() -> int:
         for entry in zf.namelist():
             if entry.endswith("/result.json"):
                 data = json.loads(zf.read(entry))
-                print(f"{data['id']}: {data['status']} - {data['message']}")
+                print(f"{data['id']}: {data['status']} - {data.get('message') or data['reason']}")
             elif "/outputs/" in entry:
                 print(f"  {entry}: {zf.read(entry).decode(errors='replace')}")
     return 0 if result.parent.name == "outbox" else 1

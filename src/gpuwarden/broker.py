@@ -32,7 +32,7 @@ from gpuwarden.eventlog import EventLog, NullLog
 from gpuwarden.gpu.base import GpuProbe, GpuReading
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import prepare
-from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.intake.queueroot import KEPT_INPUT, QueueRoot
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, attempt_marker
 from gpuwarden.launch.host import find_attempt_processes, stop_processes
 from gpuwarden.registry import Registry
@@ -130,6 +130,10 @@ class Broker:
             except Exception as exc:  # the loop must outlive any one step
                 self._record_error(step.__name__.strip("_"), exc)
 
+    def wake(self) -> None:
+        """Make the loop tick now (a signal arrived, or a test wants it)."""
+        self._wake.set()
+
     def run(self, stop: threading.Event, *, force: threading.Event | None = None) -> None:
         """Tick until ``stop`` is set, then shut down gracefully (``force`` cuts the grace)."""
         self._emit("broker_started", pid=os.getpid(), probe=self.probe.kind)
@@ -174,7 +178,12 @@ class Broker:
             )
             jobtype = self.registry.types.get(job.type)
             verdict = classify(
-                AttemptFacts(exit_code=None, interrupted=True),
+                AttemptFacts(
+                    exit_code=None,
+                    interrupted=True,
+                    stopped=job.cancel_requested,
+                    cancel_requested=job.cancel_requested,
+                ),
                 attempt=job.attempts,
                 max_retries=jobtype.max_retries if jobtype else 0,
             )
@@ -285,7 +294,8 @@ class Broker:
                 {
                     "id": s.id,
                     "type": s.type,
-                    "status": "failed",
+                    # a duplicate leaves the accepted job untouched: this copy was refused
+                    "status": "refused" if duplicate else "failed",
                     "reason": f"the bundle was refused: {reason}",
                     "attempts": 0,
                 },
@@ -296,7 +306,7 @@ class Broker:
         stem = path.name.removesuffix(".zip")
         result_name = f"{stem}.duplicate-{int(now)}.zip" if duplicate else path.name
         result = bundles.write_result_bundle(root.failed, result_name, results)
-        root.move_to_failed(path, f"{result_name.removesuffix('.zip')}.input.zip")
+        root.move_to_failed(path, result_name.removesuffix(".zip") + KEPT_INPUT)
         if not duplicate:
             self.store.record_rejected_bundle(
                 str(root.path), path.name, now=now, reason=reason, result_path=str(result)
@@ -332,6 +342,11 @@ class Broker:
         types: dict[str, JobType] = {}
         entries: list[policy.QueuedJob] = []
         for job in queued:
+            if job.cancel_requested:  # asked while it ran; it must never run again
+                self.store.transition(
+                    job.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
+                )
+                continue
             jobtype = self.registry.types.get(job.type)
             if jobtype is None:
                 self.store.transition(
@@ -732,13 +747,14 @@ def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:
     """The ``result.json`` of one job: status, message or reason, attempts, timings,
     exit code, clipped output, and the fingerprint of the module's ``src/``."""
     last = attempts[-1] if attempts else None
+    done = job.state is JobState.DONE
     started = job.result.get("started_at")
     ended = job.result.get("ended_at")
     return {
         "id": job.id,
         "type": job.type,
         "status": job.state.value,
-        "message": job.result.get("message", job.reason),
+        "message": job.result.get("message", job.reason) if done else job.reason,
         "reason": job.reason,
         "attempts": len(attempts),
         "exit_code": job.exit_code,
@@ -752,7 +768,7 @@ def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:
         },
         "stdout": last.stdout if last else "",
         "stderr": last.stderr if last else "",
-        "outputs": job.result.get("outputs", []),
+        "outputs": job.result.get("outputs", []) if done else [],
         "module_fingerprint": job.result.get("module_fingerprint"),
         "gpu": job.result.get("gpu"),
     }

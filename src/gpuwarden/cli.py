@@ -37,7 +37,7 @@ from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.registry import Registry
-from gpuwarden.store.base import Submission
+from gpuwarden.store.base import Store, Submission
 
 #: a broker whose status is older than this is reported as not running
 STALE_AFTER_S = 120.0
@@ -67,13 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-dir",
         type=Path,
-        default=os.environ.get(STATE_DIR_ENV),
-        help=f"state directory, overrides the config (env {STATE_DIR_ENV})",
+        help=f"state directory, overrides the config (default: the config's, else "
+        f"${STATE_DIR_ENV}, else ~/.local/state/gpuwarden)",
     )
     p.add_argument(
         "--mock-gpu",
         action="store_true",
-        default=os.environ.get("GPUWARDEN_MOCK_GPU", "") not in ("", "0"),
+        default=os.environ.get("GPUWARDEN_MOCK_GPU", "").lower() in ("1", "true", "yes", "on"),
         help="use the simulated GPU instead of NVML (env GPUWARDEN_MOCK_GPU=1)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log what the broker does")
@@ -203,6 +203,17 @@ def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config, state_dir=args.state_dir)
 
 
+def _existing_store(args: argparse.Namespace) -> Store:
+    """The store of a state directory a broker has used; never creates one."""
+    config = _config(args)
+    if not config.db_path.exists():
+        raise UserError(
+            f"no gpuwarden state in {config.state_dir}: check --config or --state-dir "
+            "(or start `gpuwarden serve` there first)"
+        )
+    return open_store(config)
+
+
 def _job_params(jobtype: JobType, args: argparse.Namespace) -> dict[str, Any]:
     """Parameters from ``--NAME VALUE`` words and ``-p NAME=VALUE`` options."""
     pairs: list[tuple[str, str | None]] = []
@@ -280,7 +291,11 @@ def _age(ts: float | None) -> str:
     return f"{s / 86400:.0f}d"
 
 
-def _print_result(result: dict[str, Any], outputs_dir: Path | None, *, kept: bool) -> None:
+def _print_result(
+    result: dict[str, Any], outputs_dir: Path | None, *, kept: bool, where: str | None = None
+) -> None:
+    """Status, message and each output with a preview of its content. ``where``
+    names the outputs' place when ``outputs_dir`` is only a temporary copy."""
     grid = Table.grid(padding=(0, 1))
     grid.add_column(style="bold", min_width=9)
     grid.add_column()
@@ -296,9 +311,11 @@ def _print_result(result: dict[str, Any], outputs_dir: Path | None, *, kept: boo
         return
     for rel in result.get("outputs", []):
         path = outputs_dir / rel
-        out.print(
-            f"[bold]output[/]    {path}" + ("" if kept else "  (removed on exit; --keep keeps it)")
-        )
+        if where is not None:
+            out.print(f"[bold]output[/]    {where}/{rel}")
+        else:
+            note = "" if kept else "  (removed on exit; --keep keeps it)"
+            out.print(f"[bold]output[/]    {path}{note}")
         out.print(f"[bold]content[/]   {_preview(path)}")
     if result.get("status") != "done" and result.get("stderr"):
         out.print("[bold]stderr[/]")
@@ -357,19 +374,26 @@ def _drive(broker: Any, job_id: str) -> Job:
     """Tick the broker until the job ends, saying what it waits for."""
     store = broker.store
     stop = threading.Event()
-    with err.status(f"job {job_id}: starting", spinner="dots") as status:
-        while True:
-            broker.tick()
-            job = store.get_job(job_id)
-            assert job is not None
-            if job.state.terminal:
-                broker.shutdown(0.0)
-                return job  # type: ignore[no-any-return]
-            reason = broker.wait_reason(job_id)
-            status.update(
-                f"job {job_id}: {job.state.value}" + (f" (waiting: {reason})" if reason else "")
-            )
-            stop.wait(0.02)
+    try:
+        with err.status(f"job {job_id}: starting", spinner="dots") as status:
+            while True:
+                broker.tick()
+                job = store.get_job(job_id)
+                assert job is not None
+                if job.state.terminal:
+                    return job  # type: ignore[no-any-return]
+                reason = broker.wait_reason(job_id)
+                if reason and "this node has no GPU" in reason:
+                    raise UserError(
+                        f"{job.type} needs a GPU and none was found; "
+                        "run with --mock-gpu to use the simulated GPU"
+                    )
+                status.update(
+                    f"job {job_id}: {job.state.value}" + (f" (waiting: {reason})" if reason else "")
+                )
+                stop.wait(0.02)
+    finally:
+        broker.shutdown(0.0)  # also on Ctrl-C: the job's processes are stopped first
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -378,7 +402,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     force = threading.Event()
 
+    node_ref: list[Any] = []
+
     def on_signal(signum: int, _frame: Any) -> None:
+        for n in node_ref:
+            n.broker.wake()
         if stop.is_set():
             force.set()
             err.print("second signal: stopping running jobs now")
@@ -389,7 +417,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"{config.broker.shutdown_grace_s:g} s (signal again to stop them now)"
             )
 
-    with open_node(config, mock_gpu=args.mock_gpu, events=events, extra_roots=args.queues) as node:
+    roots = [q.resolve() for q in args.queues]
+    with open_node(config, mock_gpu=args.mock_gpu, events=events, extra_roots=roots) as node:
+        node_ref.append(node)
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         b = node.broker
@@ -467,9 +497,15 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
         return 1
     results = bundles.read_result_bundle(result_path)
     result = results.get(spec.id) or next(iter(results.values()))
-    dest = args.results_dir or Path(tempfile.mkdtemp(prefix=f"gpuwarden-{spec.id}-"))
-    bundles.extract_outputs(result_path, spec.id, dest)
-    _print_result(result, dest, kept=True)
+    if args.results_dir:
+        bundles.extract_outputs(result_path, spec.id, args.results_dir)
+        _print_result(result, args.results_dir, kept=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpuwarden-") as tmp:
+            bundles.extract_outputs(result_path, spec.id, Path(tmp))
+            _print_result(
+                result, Path(tmp), kept=False, where=f"{result_path.name}:{spec.id}/outputs"
+            )
     out.print(f"[bold]result[/]    {result_path}")
     return 0 if result.get("status") == "done" else 1
 
@@ -513,7 +549,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             _print_status(s.node, s.pid, age, s.payload, problem)
     if not args.json:
         out.print(
-            "jobs: " + ", ".join(f"{k.value} {v}" for k, v in sorted(counts.items())) or "none"
+            "jobs: " + (", ".join(f"{k.value} {v}" for k, v in sorted(counts.items())) or "none")
         )
     return 0 if healthy else 1
 
@@ -555,13 +591,18 @@ def _print_status(node: str, pid: int | None, age: float, p: dict[str, Any], pro
             r["job"], r["type"], str(r["attempt"]), r["gpu"] or "-", _age(r["started_at"])
         )
     out.print(running if p.get("running") else "running: none")
+    if p.get("waiting"):
+        waiting = Table("waiting job", "why")
+        for job, why in p["waiting"].items():
+            waiting.add_row(job, why)
+        out.print(waiting)
     if p.get("last_error"):
         e = p["last_error"]
         out.print(f"[red]last loop error[/] ({_age(e['ts'])} ago, in {e['where']}): {e['message']}")
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    store = open_store(_config(args))
+    store = _existing_store(args)
     try:
         states = frozenset(JobState(s) for s in args.state) if args.state else None
         jobs = store.list_jobs(states=states, limit=args.limit)
@@ -594,7 +635,7 @@ def _job_json(j: Job) -> dict[str, Any]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    store = open_store(_config(args))
+    store = _existing_store(args)
     try:
         job = store.get_job(args.job)
         if job is None:
@@ -653,7 +694,7 @@ def _attempt_json(a: Any) -> dict[str, Any]:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    store = open_store(_config(args))
+    store = _existing_store(args)
     try:
         job = store.request_cancel(args.job, now=time.time())
     finally:

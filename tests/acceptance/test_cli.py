@@ -270,6 +270,21 @@ def test_second_broker_refused_with_pid(broker: Broker) -> None:
     assert f"PID {broker.proc.pid}" in r.stderr
 
 
+def test_read_commands_never_create_a_state_dir(tmp_path: Path) -> None:
+    for cmd in (["jobs"], ["show", "x"], ["cancel", "x"]):
+        r = run("--state-dir", tmp_path / "typo", *cmd)
+        assert r.returncode == 2 and "no gpuwarden state in" in r.stderr, cmd
+    assert not (tmp_path / "typo").exists()
+
+
+def test_run_once_of_a_gpu_job_without_a_gpu_says_so(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'gpu = "none"\nmodule_paths = ["{TEST_MODULES}"]\n')
+    r = run("--config", cfg, "run-once", "testmods.gpu", timeout=30)
+    assert r.returncode == 2 and "needs a GPU and none was found" in r.stderr
+    assert "--mock-gpu" in r.stderr
+
+
 def test_status_without_a_broker_exits_1(tmp_path: Path) -> None:
     r = run("--state-dir", tmp_path / "nothing", "status")
     assert r.returncode == 1 and "no broker" in r.stderr

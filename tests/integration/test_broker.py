@@ -321,3 +321,29 @@ def test_result_bundle_is_a_valid_zip_with_result_json(node: Node) -> None:
     with zipfile.ZipFile(where) as zf:
         names = set(zf.namelist())
     assert "v/result.json" in names and "v/outputs/echo.txt" in names
+
+
+def test_cancel_asked_before_a_crash_is_honoured_after_restart(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    with open_node(config, mock_gpu=True) as first:
+        submit(first, echo("cx"))
+        first.store.start_attempt("cx", node="testnode", gpu_uuid=None, now=time.time())
+        first.store.request_cancel("cx", now=time.time())  # the broker died before acting
+    with open_node(config, mock_gpu=True) as second:
+        second.broker.recover()
+        for _ in range(5):
+            second.broker.tick()
+        job = second.store.get_job("cx")
+        assert job is not None and job.state is JobState.CANCELLED and job.attempts == 1
+
+
+def test_a_retried_job_with_a_cancel_request_never_runs_again(node: Node) -> None:
+    submit(node, echo("rc"))
+    node.store.start_attempt("rc", node="testnode", gpu_uuid=None, now=time.time())
+    node.store.request_cancel("rc", now=time.time())
+    node.store.finish_attempt(
+        "rc", 1, target=JobState.QUEUED, now=time.time(), outcome="launch_error", reason="retry"
+    )
+    node.broker.tick()
+    job = node.store.get_job("rc")
+    assert job is not None and job.state is JobState.CANCELLED and job.attempts == 1

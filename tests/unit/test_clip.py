@@ -77,8 +77,8 @@ def test_unicode_keeps_whole_characters() -> None:
 def test_join_clipped() -> None:
     assert join_clipped("head", "tail", 0) == "headtail"
     assert join_clipped("head", "tail", -3) == "headtail"
-    assert join_clipped("head", "tail", 42) == "head\n[... 42 characters clipped ...]\ntail"
-    assert join_clipped("", "", 5) == clip_marker(5)
+    assert join_clipped("head", "tail", 42) == "head\n[... 42 bytes clipped ...]\ntail"
+    assert join_clipped("", "", 5) == clip_marker(5, "bytes")
 
 
 def test_marker_count_matches_its_unit_for_non_ascii() -> None:

@@ -1,7 +1,7 @@
 """A template job: read parameters, write outputs, report a message, exit 0.
 
 The contract (docs/MODULE_GUIDE.md): parameters in $GPUWARDEN_PARAMS (JSON),
-inputs under $GPUWARDEN_INPUT_DIR (read-only), outputs into
+inputs under $GPUWARDEN_INPUT_DIR (treat them as read-only), outputs into
 $GPUWARDEN_OUTPUT_DIR, scratch space in $GPUWARDEN_SCRATCH_DIR, an optional
 {"message": ...} in $GPUWARDEN_RESULT; exit 0 for success. The GPU you were
 given is the only one in CUDA_VISIBLE_DEVICES.

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-def clip_marker(omitted: int) -> str:
-    return f"\n[... {omitted} characters clipped ...]\n"
+def clip_marker(omitted: int, unit: str = "characters") -> str:
+    return f"\n[... {omitted} {unit} clipped ...]\n"
 
 
 def clip(text: str, limit: int) -> str:
@@ -20,8 +20,9 @@ def clip(text: str, limit: int) -> str:
     return text[:head] + clip_marker(omitted) + (text[-tail:] if tail else "")
 
 
-def join_clipped(head: str, tail: str, omitted: int) -> str:
-    """Assemble a clipped text from a head and tail read separately (from a file)."""
+def join_clipped(head: str, tail: str, omitted: int, unit: str = "bytes") -> str:
+    """Assemble a clipped text from a head and tail read separately from a file,
+    where what was skipped is known in bytes, not characters."""
     if omitted <= 0:
         return head + tail
-    return head + clip_marker(omitted) + tail
+    return head + clip_marker(omitted, unit) + tail

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import time
 from dataclasses import replace
 from pathlib import PurePosixPath
 
@@ -16,11 +15,9 @@ from gpuwarden.registry import Registry
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-def new_job_id(type_name: str, now: float | None = None) -> str:
-    """``echo-20261129T074212Z-3f9a1c``: readable, sortable, unique."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
-    module = type_name.split(".", 1)[0]
-    return f"{module}-{stamp}-{secrets.token_hex(3)}"
+def new_job_id(type_name: str) -> str:
+    """``echo-3f9a1c0b``: the module's name and 32 random bits."""
+    return f"{type_name.split('.', 1)[0]}-{secrets.token_hex(4)}"
 
 
 def safe_relpath(path: str, what: str) -> str:

@@ -26,6 +26,10 @@ __all__ = ["SUBFOLDERS", "QueueRoot"]
 SUBFOLDERS = ("inbox", "processing", "outbox", "failed")
 
 
+#: suffix of a refused bundle's input, kept in ``failed/`` beside its result
+KEPT_INPUT = ".input.zip"
+
+
 def _is_bundle_name(name: str) -> bool:
     return not is_temp_name(name) and name.lower().endswith(".zip")
 
@@ -175,8 +179,14 @@ class QueueRoot:
         return dst
 
     def depth(self) -> dict[str, int]:
-        """How many bundles (``*.zip``, temporary names left out) each subfolder holds."""
-        return {sub: len(self._bundles(self.path / sub)) for sub in SUBFOLDERS}
+        """How many bundles (``*.zip``, temporary names left out) each subfolder holds.
+        The inputs kept beside refusals in ``failed/`` (``*.input.zip``) are not counted."""
+        return {
+            sub: sum(
+                1 for _, name, _ in self._bundles(self.path / sub) if not name.endswith(KEPT_INPUT)
+            )
+            for sub in SUBFOLDERS
+        }
 
     def _own(self, path: Path) -> Path:
         path = Path(path)

@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-#: environment variable that marks every process of an attempt ("JOB_ID/ATTEMPT");
+#: environment variable that marks every process of an attempt ("INSTANCE/JOB_ID/ATTEMPT");
 #: used to find and stop processes that left the attempt's process group.
 ATTEMPT_ENV = "GPUWARDEN_ATTEMPT"
 

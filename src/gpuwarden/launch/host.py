@@ -72,7 +72,7 @@ def read_clipped(path: Path, limit: int) -> str:
     """Return the text of the file at ``path``, clipped to at most ``limit``
     characters (plus the clip marker) the way :func:`gpuwarden.core.clip.clip`
     clips: the first half and the last half with a marker between that says how
-    many bytes were cut.
+    many bytes were cut (bytes: the part skipped is never decoded).
 
     Only the head and the tail of the file are read (at most ``4 * limit``
     bytes, enough for ``limit`` UTF-8 characters), never the whole file. Bytes
