@@ -27,7 +27,13 @@ from gpuwarden.core import policy
 from gpuwarden.core.classify import AttemptFacts, classify
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import BundleError, GpuProbeError, GpuwardenError, TransitionError
+from gpuwarden.errors import (
+    BundleError,
+    GpuProbeError,
+    GpuwardenError,
+    TransitionError,
+    ValidationError,
+)
 from gpuwarden.eventlog import EventLog, NullLog
 from gpuwarden.gpu.base import GpuProbe, GpuReading
 from gpuwarden.intake import bundle as bundles
@@ -44,17 +50,30 @@ from gpuwarden.store.base import (
     Store,
     Submission,
 )
+from gpuwarden.vram import VramBook
 
 log = logging.getLogger("gpuwarden.broker")
 
 #: every open bundle is looked at this often (the loop's own changes are seen at once)
 _FULL_BUNDLE_SCAN_S = 2.0
 
+#: at most this many wait reasons go into the status row
+_STATUS_WAITING_MAX = 1000
+
 #: status is written at most this often, even while things change
 _MIN_STATUS_GAP_S = 0.25
 
 #: the broker's environment variables that pass on to a job
 _PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV")
+
+
+@dataclass(frozen=True, slots=True)
+class _Started:
+    """Posted by a worker thread as soon as the attempt's main process runs."""
+
+    job_id: str
+    attempt: int
+    pid: int
 
 
 @dataclass
@@ -68,6 +87,11 @@ class _Running:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     stop_reason: str | None = None  # "cancel" or "shutdown"
+
+    @property
+    def holder(self) -> str:
+        """The attempt's name in the VRAM ledger."""
+        return f"{self.job.id}/{self.attempt.number}"
 
 
 class Broker:
@@ -94,7 +118,7 @@ class Broker:
         self.node = config.node_name
         self.accepting = True
         self._running: dict[str, _Running] = {}
-        self._completions: queue.Queue[LaunchResult] = queue.Queue()
+        self._completions: queue.Queue[LaunchResult | _Started] = queue.Queue()
         #: set by a worker thread when it posts a completion, so the loop wakes at once
         self._wake = threading.Event()
         #: bundles (queue root, name) whose jobs changed since the last look
@@ -105,6 +129,9 @@ class Broker:
         self._last_bundle_check = 0.0
         self._readings: list[GpuReading] = []
         self._probe_error = ""
+        self._observed_at = -1.0
+        self.vram = VramBook(config.vram)
+        self._footprints = {t: f.bytes for t, f in store.footprints().items()}
         self._waits: dict[str, str] = {}
         self._event_cursor = store.last_event_id()
         self._jobs_dir = config.state_dir / "jobs"
@@ -258,6 +285,7 @@ class Broker:
             staging.parent.mkdir(parents=True, exist_ok=True)
             specs = bundles.extract_bundle(path, staging, self._limits())
             prepared = [prepare(self.registry, s) for s in specs]
+            self.check_fits(prepared)
             self.store.submit(
                 prepared,
                 now=now,
@@ -333,12 +361,7 @@ class Broker:
     # -- attempts -----------------------------------------------------------
 
     def _schedule(self, now: float) -> None:
-        if not self.accepting:
-            return
-        queued = self.store.queued_jobs()
-        if not queued:
-            self._waits.clear()
-            return
+        queued = self.store.queued_jobs() if self.accepting else []
         types: dict[str, JobType] = {}
         entries: list[policy.QueuedJob] = []
         for job in queued:
@@ -357,57 +380,83 @@ class Broker:
                 )
                 continue
             types[job.id] = jobtype
-            entries.append(
-                policy.QueuedJob(
-                    id=job.id,
-                    type=job.type,
-                    lane=jobtype.lane,
-                    vram_bytes=job.vram_bytes or jobtype.vram_bytes,
-                    priority=job.priority,
-                    seq=job.seq,
-                )
-            )
-        needs_gpu = any(e.lane is Lane.VRAM for e in entries)
-        if needs_gpu:
-            self._read_probe()
-        snapshot = policy.Snapshot(
-            queued=tuple(entries),
-            gpus=tuple(self._gpu_states()),
-            running_cpu=sum(1 for r in self._running.values() if r.jobtype.lane is Lane.CPU),
-            cpu_slots=self.config.broker.cpu_slots,
-            accepting=self.accepting,
-            vram_paused=f"the GPU probe failed: {self._probe_error}" if self._probe_error else "",
-        )
+            entries.append(self._queued_entry(job, jobtype))
+        if len(self.vram.ledger) or any(e.lane is Lane.VRAM for e in entries):
+            self._observe(now)  # the reclaim gate needs fresh readings while memory is held
+        if not entries:
+            self._waits.clear()
+            return
+        snapshot = self._snapshot(tuple(entries))
         jobs = {j.id: j for j in queued}
         self._waits = {}
         for decision in policy.plan(snapshot, now):
             if isinstance(decision, policy.Wait):
                 self._waits[decision.job_id] = decision.reason
+            elif isinstance(decision, policy.Refuse):
+                self.store.transition(
+                    decision.job_id, JobState.FAILED, now=now, reason=decision.reason
+                )
             else:
                 self._start(jobs[decision.job_id], types[decision.job_id], decision.gpu_uuid, now)
 
-    def _read_probe(self) -> None:
+    def footprint(self, jobtype: JobType, override: int | None = None) -> int:
+        """The footprint a job is admitted with: its own or its type's declaration,
+        raised to the type's measured peak (never lowered by it)."""
+        return max(override or jobtype.vram_bytes, self._footprints.get(jobtype.name, 0))
+
+    def _queued_entry(self, job: Job, jobtype: JobType) -> policy.QueuedJob:
+        vram = jobtype.lane is Lane.VRAM
+        return policy.QueuedJob(
+            id=job.id,
+            type=job.type,
+            lane=jobtype.lane,
+            vram_bytes=self.footprint(jobtype, job.vram_bytes) if vram else 0,
+            priority=job.priority,
+            seq=job.seq,
+            coresident=jobtype.coresident,
+        )
+
+    def _snapshot(self, queued: tuple[policy.QueuedJob, ...]) -> policy.Snapshot:
+        return policy.Snapshot(
+            queued=queued,
+            gpus=self.vram.views(),
+            running_cpu=sum(1 for r in self._running.values() if r.jobtype.lane is Lane.CPU),
+            cpu_slots=self.config.broker.cpu_slots,
+            accepting=self.accepting,
+            vram_paused=f"the GPU probe failed: {self._probe_error}" if self._probe_error else "",
+        )
+
+    def _observe(self, now: float) -> None:
+        """Read the probe (once per tick at most) and let the VRAM book take it in."""
+        if self._observed_at == now:
+            return
+        self._observed_at = now
         try:
             self._readings = self.probe.read()
-            self._probe_error = ""
         except GpuProbeError as exc:
-            self._readings = []
-            self._probe_error = exc.message
+            if not self._probe_error:
+                self._emit("probe_failed", reason=exc.message)
+            self._probe_error = exc.message  # admission fails closed
+            return
+        if self._probe_error:
+            self._emit("probe_recovered")
+        self._probe_error = ""
+        for event in self.vram.observe(self._readings, now):
+            kind = event.pop("event")
+            self._emit(kind, **event)
+            self._status_dirty = True
 
-    def _gpu_states(self) -> list[policy.GpuState]:
-        running: dict[str, list[str]] = {}
-        for r in self._running.values():
-            if r.attempt.gpu_uuid:
-                running.setdefault(r.attempt.gpu_uuid, []).append(r.job.id)
-        return [
-            policy.GpuState(
-                uuid=g.uuid,
-                total_bytes=g.total_bytes,
-                used_bytes=g.used_bytes,
-                running=tuple(running.get(g.uuid, ())),
-            )
-            for g in self._readings
-        ]
+    def check_fits(self, specs: list[JobSpec]) -> None:
+        """Refuse, at submission, a job whose footprint exceeds every GPU here."""
+        self._observe(self.clock())
+        views = self.vram.views()
+        for spec in specs:
+            jobtype = self.registry.get(spec.type)
+            if jobtype.lane is not Lane.VRAM:
+                continue
+            why = policy.never_fits(self.footprint(jobtype, spec.vram_bytes), views)
+            if why is not None:
+                raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
 
     def _start(self, job: Job, jobtype: JobType, gpu: str | None, now: float) -> None:
         launcher = self.launchers.get(jobtype.launch)
@@ -426,6 +475,16 @@ class Broker:
             return  # cancelled by a client between the snapshot and now
         attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
         run = _Running(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
+        if gpu is not None:
+            self.vram.start(
+                run.holder,
+                gpu,
+                type_name=jobtype.name,
+                job_id=job.id,
+                nbytes=self.footprint(jobtype, job.vram_bytes),
+                coresident=jobtype.coresident,
+                now=now,
+            )
         try:
             request = self._request(run, gpu)
         except (OSError, GpuwardenError) as exc:
@@ -497,8 +556,12 @@ class Broker:
 
     def _work(self, launcher: Launcher, request: LaunchRequest, stop: threading.Event) -> None:
         """Worker thread: run the attempt, post the result. Touches nothing else."""
+
+        def started(pid: int) -> None:
+            self._completions.put(_Started(request.job_id, request.attempt, pid))
+
         try:
-            result = launcher.run(request, stop)
+            result = launcher.run(request, stop, started)
         except Exception as exc:  # a launcher bug must still end the attempt
             result = LaunchResult(
                 job_id=request.job_id,
@@ -518,6 +581,11 @@ class Broker:
             except queue.Empty:
                 return
             run = self._running.get(result.job_id)
+            if isinstance(result, _Started):
+                if run is not None and run.attempt.number == result.attempt:
+                    self.vram.set_pid(run.holder, result.pid)
+                    self.store.set_attempt_pid(run.job.id, run.attempt.number, result.pid)
+                continue
             if run is None or run.attempt.number != result.attempt:
                 self._emit(
                     "stale_report", job=result.job_id, attempt=result.attempt, action="dropped"
@@ -555,8 +623,8 @@ class Broker:
             result,
             {"message": message or reason, "outcome": verdict.outcome.value},
         )
-        if result.pid is not None:
-            self.store.set_attempt_pid(run.job.id, run.attempt.number, result.pid)
+        if run.attempt.gpu_uuid is not None:
+            self._measure(run, now)
         try:
             self.store.finish_attempt(
                 run.job.id,
@@ -574,6 +642,18 @@ class Broker:
             self._emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
         if run.job.bundle and run.job.queue_root:
             self._touched.add((run.job.queue_root, run.job.bundle))
+
+    def _measure(self, run: _Running, now: float) -> None:
+        """End the attempt's VRAM holding (it now waits for the reclaim gate) and,
+        if the job had its GPU to itself and used more than its footprint, raise the
+        type's stored footprint so the next jobs are admitted against it."""
+        m = self.vram.end(run.holder, now)
+        if m is None or not m.alone:
+            return
+        if m.peak_bytes > self.footprint(run.jobtype, run.job.vram_bytes):
+            raised = self.vram.round_up(m.peak_bytes)
+            if self.store.raise_footprint(run.jobtype.name, raised, now=now, job_id=run.job.id):
+                self._footprints[run.jobtype.name] = raised
 
     def _result_extra(
         self,
@@ -669,7 +749,7 @@ class Broker:
             return
         self._status_dirty = False
         self._last_status = now
-        self._read_probe()
+        self._observe(now)
         self.store.put_node_status(
             NodeStatus(
                 node=self.node, pid=os.getpid(), updated_at=now, payload=self.status(stopped)
@@ -677,33 +757,32 @@ class Broker:
         )
 
     def status(self, stopped: bool = False) -> dict[str, Any]:
-        """What ``gpuwarden status`` shows of this node."""
-        ledger: dict[str, list[dict[str, Any]]] = {}
-        for r in self._running.values():
-            if r.attempt.gpu_uuid:
-                ledger.setdefault(r.attempt.gpu_uuid, []).append(
-                    {
-                        "job": r.job.id,
-                        "type": r.job.type,
-                        "vram_bytes": r.job.vram_bytes or r.jobtype.vram_bytes,
-                    }
-                )
-        return {
-            "stopped": stopped,
-            "accepting": self.accepting,
-            "probe": self.probe.kind,
-            "probe_error": self._probe_error,
-            "gpus": [
+        """What ``gpuwarden status`` shows of this node. ``gpus`` holds the probe's
+        readings with the VRAM book's view of each: reserve, foreign memory,
+        holdings (the ledger) and whether admission there is paused."""
+        views = {v.uuid: v for v in self.vram.views()}
+        gpus = []
+        for g in self._readings:
+            view = views.get(g.uuid)
+            gpus.append(
                 {
                     "uuid": g.uuid,
                     "name": g.name,
                     "total_bytes": g.total_bytes,
                     "used_bytes": g.used_bytes,
                     "processes": [{"pid": p.pid, "used_bytes": p.used_bytes} for p in g.processes],
+                    **(view.to_json() if view else {}),
+                    "free_bytes": view.free_bytes if view else 0,
                 }
-                for g in self._readings
-            ],
-            "ledger": ledger,
+            )
+        return {
+            "stopped": stopped,
+            "accepting": self.accepting,
+            "probe": self.probe.kind,
+            "probe_error": self._probe_error,
+            "gpus": gpus,
+            "degraded": self.vram.degraded(),
+            "footprints": self._footprint_table(),
             "queues": {str(r.path): r.depth() for r in self.roots},
             "running": [
                 {
@@ -715,8 +794,20 @@ class Broker:
                 }
                 for r in self._running.values()
             ],
-            "waiting": dict(list(self._waits.items())[:50]),
+            "waiting": dict(list(self._waits.items())[:_STATUS_WAITING_MAX]),
             "last_error": self._last_error,
+        }
+
+    def _footprint_table(self) -> dict[str, dict[str, int]]:
+        """Per vram-lane type: declared, measured (0 if never) and what admission uses."""
+        return {
+            t.name: {
+                "declared_bytes": t.vram_bytes,
+                "measured_bytes": self._footprints.get(t.name, 0),
+                "effective_bytes": self.footprint(t),
+            }
+            for t in sorted(self.registry.types.values(), key=lambda t: t.name)
+            if t.lane is Lane.VRAM
         }
 
     def _emit(self, kind: str, **detail: Any) -> None:

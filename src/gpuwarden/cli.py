@@ -24,12 +24,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from gpuwarden import __version__
-from gpuwarden.app import open_node, open_store
+from gpuwarden import __version__, explain
+from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.broker import result_json
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
-from gpuwarden.core.model import GIB, Job, JobSpec, JobType, format_bytes
+from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, format_bytes
 from gpuwarden.core.params import coerce_text
+from gpuwarden.core.policy import QueuedJob, never_fits
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
 from gpuwarden.eventlog import EventLog, NullLog
@@ -161,6 +162,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("cancel", help="cancel a queued or running job")
     sp.add_argument("job")
     sp.set_defaults(func=cmd_cancel)
+
+    sp = sub.add_parser("explain", help="why a job waits (or where it runs, or how it ended)")
+    sp.add_argument("job")
+    sp.set_defaults(func=cmd_explain)
+
+    sp = sub.add_parser(
+        "preview",
+        help="would a job of this type start now, where, or what would it wait for",
+        description="Run the admission policy on what the broker last saw (or on the probe, "
+        "if no broker runs) with one more job in the queue. Submits nothing.",
+        allow_abbrev=False,
+    )
+    sp.add_argument("type", help="job type, module.type")
+    sp.add_argument("--vram-gib", type=float, help="footprint for this job (default: the type's)")
+    sp.add_argument("--priority", type=int, default=0)
+    sp.set_defaults(func=cmd_preview)
 
     sp = sub.add_parser("types", help="list the job types of the registered modules")
     sp.set_defaults(func=cmd_types)
@@ -352,6 +369,7 @@ def cmd_run_once(args: argparse.Namespace) -> int:
             events=EventLog(stream=sys.stderr) if args.verbose else NullLog(),
         ) as node:
             spec = _spec(node.broker.registry, args)
+            node.broker.check_fits([spec])
             input_dir = tmp / "inputs"
             _copy_inputs(args.inputs, input_dir)
             node.store.submit([spec], now=time.time(), origin=Submission(input_dir=str(input_dir)))
@@ -444,6 +462,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     spec = _spec(registry, args)
     store = open_store(config)
     try:
+        _refuse_if_it_never_fits(spec, registry, store, config)
         input_dir = config.state_dir / "inputs" / spec.id
         if args.inputs:
             _copy_inputs(args.inputs, input_dir)
@@ -475,6 +494,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0 if job.state is JobState.DONE else 1
     finally:
         store.close()
+
+
+def _refuse_if_it_never_fits(
+    spec: JobSpec, registry: Registry, store: Store, config: Config
+) -> None:
+    """Against the GPUs the running broker last reported (when one runs)."""
+    jobtype = registry.get(spec.type)
+    status = explain.latest_status(store, time.time())
+    if jobtype.lane is not Lane.VRAM or status is None:
+        return
+    view = explain.view_from_status(status, config.broker.cpu_slots)
+    need = explain.effective_footprint(jobtype, spec.vram_bytes, store)
+    if (why := never_fits(need, view.gpus)) is not None:
+        raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
 
 
 def _submit_to_queue(args: argparse.Namespace) -> int:
@@ -543,6 +576,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             problem = "the broker has stopped"
         elif age > STALE_AFTER_S:
             problem = f"status is {age:.0f} s old: the broker is not running or is stuck"
+        elif degraded := s.payload.get("degraded"):
+            problem = f"{len(degraded)} GPU(s) degraded: VRAM admission paused there"
+        elif s.payload.get("probe_error"):
+            problem = "the GPU probe fails: VRAM admission paused"
         if problem:
             healthy = False
         if not args.json:
@@ -561,23 +598,43 @@ def _print_status(node: str, pid: int | None, age: float, p: dict[str, Any], pro
         f"probe: {p.get('probe')}"
         + (f"  [red]error: {p['probe_error']}[/]" if p.get("probe_error") else "")
     )
-    gpus = Table("GPU", "name", "total", "used", "held by jobs", title=None)
+    gpus = Table("GPU", "name", "total", "used", "gpuwarden", "others", "reserve", "free", "state")
+    holdings = Table("GPU", "job", "type", "VRAM", "shares", "state")
     for g in p.get("gpus", []):
-        held = sum(e["vram_bytes"] for e in p.get("ledger", {}).get(g["uuid"], []))
+        held = sum(h["bytes"] for h in g.get("holdings", []))
         gpus.add_row(
             g["uuid"],
             g["name"],
             format_bytes(g["total_bytes"]),
             format_bytes(g["used_bytes"]),
             format_bytes(held),
+            format_bytes(g.get("foreign_bytes", 0)),
+            format_bytes(g.get("reserve_bytes", 0)),
+            format_bytes(g.get("free_bytes", 0)),
+            f"[red]degraded: {g['degraded']}[/]" if g.get("degraded") else "ok",
         )
+        for h in g.get("holdings", []):
+            holdings.add_row(
+                g["uuid"],
+                h.get("job_id") or "-",
+                h["type"],
+                format_bytes(h["bytes"]),
+                "yes" if h["coresident"] else "no",
+                h["state"],
+            )
     out.print(gpus)
-    if p.get("ledger"):
-        ledger = Table("GPU", "job", "type", "VRAM")
-        for uuid, entries in p["ledger"].items():
-            for e in entries:
-                ledger.add_row(uuid, e["job"], e["type"], format_bytes(e["vram_bytes"]))
-        out.print(ledger)
+    if holdings.row_count:
+        out.print(holdings)
+    footprints = Table("job type", "declared", "measured", "admitted with")
+    for name, f in p.get("footprints", {}).items():
+        footprints.add_row(
+            name,
+            format_bytes(f["declared_bytes"]),
+            format_bytes(f["measured_bytes"]) if f["measured_bytes"] else "-",
+            format_bytes(f["effective_bytes"]),
+        )
+    if footprints.row_count:
+        out.print(footprints)
     queues = Table("queue root", "inbox", "processing", "outbox", "failed")
     for root, depth in p.get("queues", {}).items():
         queues.add_row(
@@ -721,4 +778,66 @@ def cmd_types(args: argparse.Namespace) -> int:
             params,
         )
     out.print(table)
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    config = _config(args)
+    store = _existing_store(args)
+    try:
+        job = store.get_job(args.job)
+        if job is None:
+            raise UserError(f"no job with id {args.job!r} (see `gpuwarden jobs`)")
+        registry = Registry.load(config.module_paths)
+        status = explain.latest_status(store, time.time())
+        view = explain.view_from_status(status, config.broker.cpu_slots) if status else None
+        for line in explain.explain_job(job, store, registry, view):
+            out.print(line, markup=False)
+    finally:
+        store.close()
+    return 0
+
+
+def cmd_preview(args: argparse.Namespace) -> int:
+    config = _config(args)
+    registry = Registry.load(config.module_paths)
+    jobtype = registry.get(args.type)
+    override = int(args.vram_gib * GIB) if args.vram_gib is not None else None
+    if override is not None and jobtype.lane is not Lane.VRAM:
+        raise ValidationError(f"{jobtype.name} runs on the cpu lane; --vram-gib does not apply")
+    store = open_store(config) if config.db_path.exists() else None
+    try:
+        status = explain.latest_status(store, time.time()) if store else None
+        if status is not None:
+            view = explain.view_from_status(status, config.broker.cpu_slots)
+            queued = explain.queued_entries(store, registry) if store else []
+        else:
+            probe = make_probe(config, mock_gpu=args.mock_gpu)
+            try:
+                reserve = int(config.vram.reserve_gib * GIB)
+                view = explain.view_from_probe(probe, reserve, config.broker.cpu_slots)
+            finally:
+                probe.close()
+            queued = []
+        need = 0
+        if jobtype.lane is Lane.VRAM:
+            measured = store.footprints().get(jobtype.name) if store else None
+            need = max(override or jobtype.vram_bytes, measured.bytes if measured else 0)
+        me = QueuedJob(
+            id=explain.PREVIEW_ID,
+            type=jobtype.name,
+            lane=jobtype.lane,
+            vram_bytes=need,
+            priority=args.priority,
+            seq=max((q.seq for q in queued), default=0) + 1,
+            coresident=jobtype.coresident,
+        )
+        decision = explain.decide(view, [*queued, me], me.id)
+    finally:
+        if store is not None:
+            store.close()
+    if jobtype.lane is Lane.VRAM:
+        out.print(f"{jobtype.name}: footprint {format_bytes(need)}", markup=False)
+    out.print(f"{explain.describe(decision)}", markup=False)
+    out.print(f"(as seen by the {view.source}; {len(queued)} job(s) queued ahead or around it)")
     return 0

@@ -50,6 +50,20 @@ class BrokerSettings(_Section):
     clip_chars: Annotated[int, Field(ge=256, le=10_000_000)] = 16384
 
 
+class VramSettings(_Section):
+    """``[vram]``: admission against each GPU's memory."""
+
+    #: kept free on every GPU (driver, CUDA context growth, fragmentation)
+    reserve_gib: Annotated[float, Field(ge=0, le=1024)] = 0.5
+    #: how long the memory of an ended job may take to show free before the GPU
+    #: is marked degraded (reclaim gate)
+    reclaim_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    #: memory differences below this are noise, not a leak
+    tolerance_mib: Annotated[float, Field(ge=0, le=65536)] = 64.0
+    #: a measured peak is rounded up to a multiple of this before it is stored
+    measure_granularity_mib: Annotated[float, Field(gt=0, le=65536)] = 64.0
+
+
 class LimitSettings(_Section):
     """``[limits]``: what a bundle may hold."""
 
@@ -70,6 +84,7 @@ class Config(_Section):
     create_queue_roots: bool = True
     sim_gpu: SimGpuSettings = SimGpuSettings()
     broker: BrokerSettings = BrokerSettings()
+    vram: VramSettings = VramSettings()
     limits: LimitSettings = LimitSettings()
 
     @property

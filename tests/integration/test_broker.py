@@ -40,6 +40,7 @@ def make_config(tmp_path: Path, **broker: float) -> Config:
             "queue_roots": [tmp_path / "queue"],
             "sim_gpu": {"count": 2, "vram_gib": 24, "release_delay_s": 0},
             "broker": {"poll_interval_s": 0.02, "kill_grace_s": 0.3, **broker},
+            "vram": {"reserve_gib": 0, "reclaim_timeout_s": 2},
         }
     )
 
@@ -226,9 +227,9 @@ def test_vram_jobs_one_per_gpu_on_sim(node: Node) -> None:
     submit(node, *specs)
     run_until(node, lambda: node.broker.running == 2)
     status = node.broker.status()
-    held = {uuid: [e["job"] for e in entries] for uuid, entries in status["ledger"].items()}
+    held = {g["uuid"]: [h["job_id"] for h in g["holdings"]] for g in status["gpus"]}
     assert len(held) == 2 and all(len(v) == 1 for v in held.values())
-    assert "runs another job" in (node.broker.wait_reason("g2") or "")
+    assert "needs a GPU to itself" in (node.broker.wait_reason("g2") or "")
     run_until(node, lambda: all(j.state.terminal for j in node.store.list_jobs()))
     gpus = {(node.store.get_job(s.id).result or {}).get("gpu") for s in specs}  # type: ignore[union-attr]
     assert len(gpus) == 2

@@ -230,3 +230,15 @@ def test_concurrent_starts_run_a_job_once(store: Store) -> None:
         t.join()
     assert len(wins) == 1 and len(losses) == 3
     assert len(store.attempts("a")) == 1
+
+
+def test_footprints_only_ever_rise(store: Store) -> None:
+    assert store.footprints() == {}
+    assert store.raise_footprint("burn.llm", 10 * 2**30, now=1.0, job_id="a")
+    assert not store.raise_footprint("burn.llm", 8 * 2**30, now=2.0, job_id="b")  # never lower
+    assert not store.raise_footprint("burn.llm", 10 * 2**30, now=3.0, job_id="c")  # not higher
+    assert store.raise_footprint("burn.llm", 12 * 2**30, now=4.0, job_id="d")
+    fp = store.footprints()["burn.llm"]
+    assert (fp.bytes, fp.job_id, fp.updated_at) == (12 * 2**30, "d", 4.0)
+    raised = [e for e in store.events() if e.kind == "footprint_raised"]
+    assert [e.detail["previous_bytes"] for e in raised] == [None, 10 * 2**30]

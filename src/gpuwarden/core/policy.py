@@ -1,16 +1,28 @@
 """Admission and ordering: ``plan(snapshot, now) -> decisions``. Pure.
 
-The broker gathers a :class:`Snapshot` (queued jobs, GPU readings, what runs
-where) and carries out the decisions. This is the walking skeleton's policy:
-one ``vram`` job per GPU at a time, admitted only where its footprint fits the
-memory the probe shows free; ``cpu`` jobs up to ``cpu_slots`` at once. The full
-VRAM ledger, co-residence and reservations replace it in the admission work.
+The broker gathers a :class:`Snapshot` (queued jobs with their effective
+footprints, each GPU's capacity, ledger and foreign memory, cpu slots) and
+carries out the decisions. The rules (DESIGN.md, "Admission rules"):
+
+- A ``vram`` job starts on one GPU only if its footprint fits that GPU's free
+  budget: total, minus the configured reserve, minus memory held by processes
+  gpuwarden did not start, minus the ledger. Two GPUs' free memory never adds up.
+- It shares a GPU only if it and every holder there opt in to co-residence.
+- Order: higher priority first, then a job whose model is warm, then arrival.
+- The first job that cannot start gets a reservation on the GPU it fits soonest
+  (one reservation per GPU, in order). A later job may start on a reserved GPU
+  only where it cannot delay the reserved job: both co-reside, and both fit
+  beside each other once everything else there has ended.
+- A job whose footprint exceeds every GPU's total (less the reserve) is refused.
+- A degraded GPU takes no ``vram`` job; ``cpu`` jobs go on.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from gpuwarden.core.ledger import Holding, HoldState, compatible
 from gpuwarden.core.model import Lane, format_bytes
 
 
@@ -19,32 +31,74 @@ class QueuedJob:
     id: str
     type: str
     lane: Lane
-    vram_bytes: int
+    vram_bytes: int  # effective footprint: max(declared or per-job, measured)
     priority: int
     seq: int
+    coresident: bool = False
+    warm: bool = False  # its model is loaded in a warm server on this node
 
 
 @dataclass(frozen=True, slots=True)
-class GpuState:
+class GpuView:
     uuid: str
     total_bytes: int
-    used_bytes: int  # as the probe reads it: ours and foreign processes alike
-    running: tuple[str, ...] = ()  # job ids of vram attempts on this GPU
+    reserve_bytes: int = 0
+    #: memory used by processes gpuwarden did not start (and any unexplained use)
+    foreign_bytes: int = 0
+    holdings: tuple[Holding, ...] = ()
+    #: why VRAM admission is paused on this GPU, or ""
+    degraded: str = ""
+    name: str = ""
+
+    @property
+    def capacity(self) -> int:
+        """What gpuwarden may use here when none of its own holdings remain."""
+        return max(0, self.total_bytes - self.reserve_bytes - self.foreign_bytes)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(h.bytes for h in self.holdings)
 
     @property
     def free_bytes(self) -> int:
-        return max(0, self.total_bytes - self.used_bytes)
+        return max(0, self.capacity - self.held_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "uuid": self.uuid,
+            "name": self.name,
+            "total_bytes": self.total_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "foreign_bytes": self.foreign_bytes,
+            "holdings": [h.to_json() for h in self.holdings],
+            "degraded": self.degraded,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GpuView:
+        return cls(
+            uuid=d["uuid"],
+            name=d.get("name", ""),
+            total_bytes=int(d["total_bytes"]),
+            reserve_bytes=int(d.get("reserve_bytes", 0)),
+            foreign_bytes=int(d.get("foreign_bytes", 0)),
+            holdings=tuple(Holding.from_json(h) for h in d.get("holdings", [])),
+            degraded=d.get("degraded", ""),
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     queued: tuple[QueuedJob, ...]
-    gpus: tuple[GpuState, ...]
-    running_cpu: int
-    cpu_slots: int
+    gpus: tuple[GpuView, ...]
+    running_cpu: int = 0
+    cpu_slots: int = 4
     accepting: bool = True
-    #: why vram admission is paused on the whole node (e.g. the probe failed), or ""
+    #: why VRAM admission is paused on the whole node (the probe failed), or ""
     vram_paused: str = ""
+
+    def gpus_json(self) -> list[dict[str, Any]]:
+        return [g.to_json() for g in self.gpus]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,53 +111,160 @@ class Start:
 class Wait:
     job_id: str
     reason: str
+    #: the GPU held back for this job, if it got the reservation
+    reserved_gpu: str | None = None
 
 
-Decision = Start | Wait
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The job can never run on this node: fail it with the reason."""
+
+    job_id: str
+    reason: str
 
 
-def order(jobs: tuple[QueuedJob, ...]) -> list[QueuedJob]:
-    """Higher priority first, then arrival order."""
-    return sorted(jobs, key=lambda j: (-j.priority, j.seq))
+Decision = Start | Wait | Refuse
+
+
+def order(jobs: tuple[QueuedJob, ...] | list[QueuedJob]) -> list[QueuedJob]:
+    """Higher priority first, then a job whose model is warm, then arrival order."""
+    return sorted(jobs, key=lambda j: (-j.priority, not j.warm, j.seq))
+
+
+def never_fits(need: int, gpus: tuple[GpuView, ...] | list[GpuView]) -> str | None:
+    """Why a footprint can never fit one of these GPUs, or None if it can."""
+    if not gpus:
+        return None  # a node without GPUs (yet) says so in its wait reason
+    best = max(g.total_bytes - g.reserve_bytes for g in gpus)
+    if need <= best:
+        return None
+    return (
+        f"needs {format_bytes(need)} on one GPU, more than any GPU here offers "
+        f"(the largest has {format_bytes(best)} after the reserve); "
+        "it can never run on this node"
+    )
+
+
+@dataclass
+class _Gpu:
+    """A GPU during one planning pass: its view plus the starts decided so far."""
+
+    view: GpuView
+    holdings: list[Holding] = field(default_factory=list)
+    reserved_for: QueuedJob | None = None
+
+    @property
+    def free(self) -> int:
+        return max(0, self.view.capacity - sum(h.bytes for h in self.holdings))
 
 
 def plan(snapshot: Snapshot, now: float) -> list[Decision]:
-    """Decide, for every queued job, whether it starts now (and where) or waits (and why)."""
-    del now  # the skeleton's policy does not depend on time yet
+    """Decide, for every queued job, whether it starts now (and where), waits (and
+    why), or is refused (and why). One decision per queued job, in queue order."""
     decisions: list[Decision] = []
     cpu_free = snapshot.cpu_slots - snapshot.running_cpu
-    busy = {g.uuid for g in snapshot.gpus if g.running}
+    gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
     for job in order(snapshot.queued):
         if not snapshot.accepting:
             decisions.append(Wait(job.id, "the broker is shutting down"))
-            continue
-        if job.lane is Lane.CPU:
+        elif job.lane is Lane.CPU:
             if cpu_free > 0:
                 cpu_free -= 1
                 decisions.append(Start(job.id, None))
             else:
                 decisions.append(Wait(job.id, f"all {snapshot.cpu_slots} cpu slots are in use"))
-            continue
-        decisions.append(_place_vram(job, snapshot, busy))
-        if isinstance(decisions[-1], Start):
-            busy.add(decisions[-1].gpu_uuid or "")
+        else:
+            decisions.append(_place(job, snapshot, gpus, now))
     return decisions
 
 
-def _place_vram(job: QueuedJob, snapshot: Snapshot, busy: set[str]) -> Decision:
-    need = format_bytes(job.vram_bytes)
+def _place(job: QueuedJob, snapshot: Snapshot, gpus: list[_Gpu], now: float) -> Decision:
     if snapshot.vram_paused:
         return Wait(job.id, f"VRAM admission is paused: {snapshot.vram_paused}")
-    if not snapshot.gpus:
-        return Wait(job.id, f"needs {need} on one GPU; this node has no GPU")
-    fitting = [g for g in snapshot.gpus if g.uuid not in busy and g.free_bytes >= job.vram_bytes]
+    need = job.vram_bytes
+    if not gpus:
+        return Wait(job.id, f"needs {format_bytes(need)} on one GPU; this node has no GPU")
+    if (why := never_fits(need, snapshot.gpus)) is not None:
+        return Refuse(job.id, why)
+    fitting = [g for g in gpus if _can_start(job, g)]
     if fitting:
-        best = min(fitting, key=lambda g: (g.free_bytes, g.uuid))  # best fit
-        return Start(job.id, best.uuid)
-    parts = []
-    for g in snapshot.gpus:
-        if g.uuid in busy:
-            parts.append(f"{g.uuid} runs another job")
-        else:
-            parts.append(f"{g.uuid} has {format_bytes(g.free_bytes)} free")
-    return Wait(job.id, f"needs {need} on one GPU; " + "; ".join(parts))
+        best = min(fitting, key=lambda g: (g.free - need, g.view.uuid))
+        best.holdings.append(
+            Holding(
+                holder=f"{job.id}/next",
+                type=job.type,
+                bytes=need,
+                coresident=job.coresident,
+                job_id=job.id,
+                since=now,
+            )
+        )
+        return Start(job.id, best.view.uuid)
+    reserved = _reserve(job, gpus)
+    reason = f"needs {format_bytes(need)} on one GPU; " + "; ".join(_why_not(job, g) for g in gpus)
+    if reserved is not None:
+        reason += f". {reserved.view.uuid} is held back for it until it fits"
+    return Wait(job.id, reason, reserved.view.uuid if reserved else None)
+
+
+def _can_start(job: QueuedJob, g: _Gpu) -> bool:
+    if g.view.degraded or g.free < job.vram_bytes:
+        return False
+    if not compatible(job.coresident, g.holdings):
+        return False
+    head = g.reserved_for
+    return head is None or _cannot_delay(job, head, g)
+
+
+def _cannot_delay(job: QueuedJob, head: QueuedJob, g: _Gpu) -> bool:
+    """Starting ``job`` on the GPU held back for ``head`` leaves ``head`` exactly as
+    soon to start: they can share it, and both fit once everything else has ended."""
+    return (
+        job.coresident and head.coresident and job.vram_bytes + head.vram_bytes <= g.view.capacity
+    )
+
+
+def _reserve(job: QueuedJob, gpus: list[_Gpu]) -> _Gpu | None:
+    """Hold back, for the first job that cannot start, the GPU it fits soonest:
+    the one with the least of gpuwarden's memory on it among those big enough."""
+    candidates = [
+        g
+        for g in gpus
+        if g.reserved_for is None and not g.view.degraded and g.view.capacity >= job.vram_bytes
+    ]
+    if not candidates:
+        return None
+    chosen = min(candidates, key=lambda g: (sum(h.bytes for h in g.holdings), g.view.uuid))
+    chosen.reserved_for = job
+    return chosen
+
+
+def _why_not(job: QueuedJob, g: _Gpu) -> str:
+    uuid = g.view.uuid
+    if g.view.degraded:
+        return f"{uuid} is degraded ({g.view.degraded})"
+    if not compatible(job.coresident, g.holdings):
+        who = ", ".join(_holder(h) for h in g.holdings)
+        if job.coresident:
+            return f"{uuid} is held by {who}, which does not share its GPU"
+        return f"{uuid} is not empty ({who}) and {job.type} needs a GPU to itself"
+    if g.free < job.vram_bytes:
+        parts = [f"{format_bytes(h.bytes)} held by {_holder(h)}" for h in g.holdings]
+        if g.view.foreign_bytes:
+            parts.append(f"{format_bytes(g.view.foreign_bytes)} by other processes")
+        if g.view.reserve_bytes:
+            parts.append(f"{format_bytes(g.view.reserve_bytes)} kept in reserve")
+        return f"{uuid} has {format_bytes(g.free)} free" + (
+            ": " + ", ".join(parts) if parts else ""
+        )
+    head = g.reserved_for
+    if head is not None:
+        return f"{uuid} is held back for job {head.id}, which waits for it and must not be delayed"
+    return f"{uuid} cannot take it"  # pragma: no cover - every refusal above has a reason
+
+
+def _holder(h: Holding) -> str:
+    who = f"{h.type} ({h.job_id})" if h.job_id else h.type
+    if h.state is HoldState.RECLAIMING:
+        return f"{who}, ended, its memory not yet shown free"
+    return f"{who}, {h.state.value}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -61,11 +62,17 @@ class LaunchResult:
 
 
 class Launcher(Protocol):
-    def run(self, req: LaunchRequest, stop: threading.Event) -> LaunchResult:
+    def run(
+        self,
+        req: LaunchRequest,
+        stop: threading.Event,
+        on_start: Callable[[int], None] | None = None,
+    ) -> LaunchResult:
         """Run the attempt to its end and return its result. Blocks: called on a
         worker thread. When ``stop`` is set, or ``req.timeout_s`` passes, stop the
         whole process tree (SIGTERM, then SIGKILL after ``kill_grace_s``). Return
         only once every process of the attempt is confirmed gone. Never raise for
         a failure of the job itself; a process that cannot be started gives a
-        result with ``launch_error`` set."""
+        result with ``launch_error`` set. ``on_start`` is called with the main
+        process's PID as soon as it runs (the broker attributes GPU memory by it)."""
         ...

@@ -339,7 +339,12 @@ class HostLauncher:
     the launcher holds no state between calls.
     """
 
-    def run(self, req: LaunchRequest, stop: threading.Event) -> LaunchResult:
+    def run(
+        self,
+        req: LaunchRequest,
+        stop: threading.Event,
+        on_start: Callable[[int], None] | None = None,
+    ) -> LaunchResult:
         """Run ``req.argv`` to its end and return the result; blocks.
 
         The process starts in its own session, in ``req.cwd``, with exactly
@@ -407,6 +412,8 @@ class HostLauncher:
         except (OSError, ValueError, TypeError) as exc:
             return failed_to_start(_describe_start_error(req.argv[0], exc))
 
+        if on_start is not None:
+            on_start(proc.pid)
         main = _main_proc(proc.pid)
         tree = _Tree(proc.pid, req.marker)
         timed_out = stopped = False

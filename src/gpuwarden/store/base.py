@@ -56,6 +56,16 @@ class NodeStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class MeasuredFootprint:
+    """The largest VRAM peak measured for a job type (by a job alone on its GPU)."""
+
+    type: str
+    bytes: int
+    job_id: str | None
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Submission:
     """Where a group of jobs came from: a bundle in a queue root, or a direct submit."""
 
@@ -196,6 +206,18 @@ class Store(abc.ABC):
         self, queue_root: str, name: str, *, now: float, reason: str, result_path: str
     ) -> None:
         """Record a bundle refused before any of its jobs was accepted."""
+
+    # -- footprints -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def footprints(self) -> dict[str, MeasuredFootprint]:
+        """Every measured footprint, by job type."""
+
+    @abc.abstractmethod
+    def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
+        """Record ``nbytes`` as the type's measured footprint if it is larger than the
+        one stored (never lower it), with a ``footprint_raised`` event. Return whether
+        it was raised."""
 
     # -- node status --------------------------------------------------------
 

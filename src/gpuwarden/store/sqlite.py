@@ -20,6 +20,7 @@ from gpuwarden.store.base import (
     BundleRecord,
     DuplicateBundleError,
     DuplicateJobError,
+    MeasuredFootprint,
     NodeStatus,
     Store,
     Submission,
@@ -483,6 +484,37 @@ class SqliteStore(Store):
                     detail={"queue_root": queue_root, "bundle": name, "reason": reason},
                 ),
             )
+
+    # -- footprints -----------------------------------------------------------
+
+    def footprints(self) -> dict[str, MeasuredFootprint]:
+        return {
+            r["type"]: MeasuredFootprint(
+                type=r["type"], bytes=r["bytes"], job_id=r["job_id"], updated_at=r["updated_at"]
+            )
+            for r in self._read("footprints")
+        }
+
+    def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
+        with self._write() as db:
+            row = db.execute(_Q["get_footprint"], {"type": type_name}).fetchone()
+            old = int(row[0]) if row else None
+            cur = db.execute(
+                _Q["raise_footprint"],
+                {"type": type_name, "bytes": nbytes, "job_id": job_id, "now": now},
+            )
+            if cur.rowcount != 1:
+                return False
+            self._event(
+                db,
+                Event(
+                    ts=now,
+                    kind="footprint_raised",
+                    job_id=job_id,
+                    detail={"type": type_name, "bytes": nbytes, "previous_bytes": old},
+                ),
+            )
+            return True
 
     # -- node status --------------------------------------------------------
 

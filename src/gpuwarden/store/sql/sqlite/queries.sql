@@ -104,3 +104,16 @@ ON CONFLICT (node) DO UPDATE
 
 -- name: node_statuses
 SELECT * FROM node_status ORDER BY node;
+
+-- name: footprints
+SELECT * FROM footprints ORDER BY type;
+
+-- name: get_footprint
+SELECT bytes FROM footprints WHERE type = :type;
+
+-- name: raise_footprint
+INSERT INTO footprints (type, bytes, job_id, updated_at)
+VALUES (:type, :bytes, :job_id, :now)
+ON CONFLICT (type) DO UPDATE
+   SET bytes = excluded.bytes, job_id = excluded.job_id, updated_at = excluded.updated_at
+ WHERE excluded.bytes > footprints.bytes;

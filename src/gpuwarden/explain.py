@@ -1,0 +1,146 @@
+"""``explain`` and ``preview``: the broker's own policy, run on what it last saw.
+
+The broker publishes, with its status, each GPU's view (total, reserve, foreign
+memory, ledger holdings, degraded) and why each queued job waits. ``explain``
+reads that reason; ``preview`` adds a would-be job to the queue and runs
+:func:`gpuwarden.core.policy.plan` on the same view, so it answers exactly what
+the broker would decide, without submitting anything.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwarden.core import policy
+from gpuwarden.core.model import Job, JobType, Lane, format_bytes
+from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import NodeStatus, Store
+
+#: a status older than this is not trusted for a preview (the probe is read instead)
+FRESH_S = 120.0
+
+PREVIEW_ID = "(preview)"
+
+
+@dataclass(frozen=True, slots=True)
+class View:
+    """What planning is based on, and where it came from (said to the user)."""
+
+    gpus: tuple[policy.GpuView, ...]
+    cpu_slots: int
+    source: str
+    waiting: dict[str, str]
+
+
+def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
+    measured = store.footprints().get(jobtype.name)
+    return max(override or jobtype.vram_bytes, measured.bytes if measured else 0)
+
+
+def latest_status(store: Store, now: float) -> NodeStatus | None:
+    """The freshest status of a running broker, if there is one."""
+    live = [
+        s
+        for s in store.node_statuses()
+        if not s.payload.get("stopped") and now - s.updated_at <= FRESH_S
+    ]
+    return max(live, key=lambda s: s.updated_at, default=None)
+
+
+def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
+    p: dict[str, Any] = status.payload
+    gpus = tuple(policy.GpuView.from_json(g) for g in p.get("gpus", []) if "holdings" in g)
+    age = time.time() - status.updated_at
+    return View(gpus, cpu_slots, f"broker on {status.node}, {age:.0f} s ago", p.get("waiting", {}))
+
+
+def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View:
+    """No broker runs: everything the probe shows used is someone else's."""
+    gpus = tuple(
+        policy.GpuView(
+            uuid=r.uuid,
+            name=r.name,
+            total_bytes=r.total_bytes,
+            reserve_bytes=reserve_bytes,
+            foreign_bytes=r.used_bytes,
+        )
+        for r in probe.read()
+    )
+    return View(gpus, cpu_slots, f"the {probe.kind} probe now (no broker is running)", {})
+
+
+def queued_entries(store: Store, registry: Registry) -> list[policy.QueuedJob]:
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    out = []
+    for job in store.queued_jobs():
+        jobtype = registry.types.get(job.type)
+        if jobtype is None:
+            continue
+        need = 0
+        if jobtype.lane is Lane.VRAM:
+            need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+        out.append(
+            policy.QueuedJob(
+                id=job.id,
+                type=job.type,
+                lane=jobtype.lane,
+                vram_bytes=need,
+                priority=job.priority,
+                seq=job.seq,
+                coresident=jobtype.coresident,
+            )
+        )
+    return out
+
+
+def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.Decision:
+    snapshot = policy.Snapshot(queued=tuple(queued), gpus=view.gpus, cpu_slots=view.cpu_slots)
+    for d in policy.plan(snapshot, time.time()):
+        if d.job_id == job_id:
+            return d
+    raise AssertionError(f"plan gave no decision for {job_id}")  # pragma: no cover
+
+
+def describe(decision: policy.Decision) -> str:
+    if isinstance(decision, policy.Start):
+        where = f"on {decision.gpu_uuid}" if decision.gpu_uuid else "on a cpu slot"
+        return f"would start now {where}"
+    if isinstance(decision, policy.Refuse):
+        return f"would be refused: {decision.reason}"
+    return f"would wait: {decision.reason}"
+
+
+def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -> list[str]:
+    """Lines that say where a job stands and, if it waits, why."""
+    lines = [f"{job.id} ({job.type}) is {job.state.value}"]
+    jobtype = registry.types.get(job.type)
+    if jobtype is not None and jobtype.lane is Lane.VRAM:
+        need = effective_footprint(jobtype, job.vram_bytes, store)
+        declared = job.vram_bytes or jobtype.vram_bytes
+        note = "" if need == declared else f", raised by measurement from {format_bytes(declared)}"
+        share = (
+            "shares a GPU with co-resident types" if jobtype.coresident else "needs a GPU to itself"
+        )
+        lines.append(f"footprint {format_bytes(need)}{note}; it {share}")
+    if job.state.terminal:
+        lines.append(f"it ended: {job.reason}")
+        return lines
+    if job.state.value == "running":
+        attempts = store.attempts(job.id)
+        a = attempts[-1]
+        where = f"on {a.gpu_uuid}" if a.gpu_uuid else "on a cpu slot"
+        lines.append(f"attempt {a.number} runs {where} since {time.ctime(a.started_at)}")
+        return lines
+    if view is None:
+        lines.append("no broker is running here, so nothing will start it: run `gpuwarden serve`")
+        return lines
+    reason = view.waiting.get(job.id)
+    if reason is not None:
+        lines.append(f"it waits: {reason}")
+    else:
+        lines.append(describe(decide(view, queued_entries(store, registry), job.id)))
+    lines.append(f"(as seen by the {view.source})")
+    return lines

@@ -1,0 +1,232 @@
+"""The node's VRAM book: the ledger, what the probe shows, and what follows.
+
+Owned by the broker loop (never touched by worker threads). Each observation
+attributes the probe's per-process readings to gpuwarden's attempts (by the
+PIDs of their process trees), so it knows per GPU:
+
+- what each running attempt uses now (its holding grows to that if it exceeds
+  its footprint, and its peak is kept for measurement);
+- what other processes use ("foreign": counted against the budget, never
+  killed), plus memory no process accounts for beyond the GPU's idle baseline;
+- whether the memory of an ended attempt is free yet (the reclaim gate). The
+  holding stays, as ``reclaiming``, until the probe shows it free; past
+  ``reclaim_timeout_s`` the GPU is degraded and takes no VRAM job until the
+  memory is back. It clears by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from gpuwarden.config import VramSettings
+from gpuwarden.core.ledger import Holding, HoldState, Ledger
+from gpuwarden.core.model import MIB, format_bytes
+from gpuwarden.core.policy import GpuView
+from gpuwarden.gpu.base import GpuReading
+
+
+@dataclass
+class _Tracked:
+    """What the book knows of one holder beyond its ledger entry."""
+
+    main_pid: int | None = None
+    pids: set[int] = field(default_factory=set)
+    peak_bytes: int = 0
+    #: nothing else held memory on its GPU from its start on: its peak is its own
+    alone: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    type: str
+    job_id: str | None
+    peak_bytes: int
+    alone: bool
+
+
+@dataclass
+class _Gpu:
+    reading: GpuReading
+    baseline: int = 0
+    foreign: int = 0
+    degraded: str = ""
+
+
+class VramBook:
+    def __init__(self, settings: VramSettings) -> None:
+        self.settings = settings
+        self.ledger = Ledger()
+        self._tracked: dict[str, _Tracked] = {}
+        self._gpus: dict[str, _Gpu] = {}
+        self._reserve = int(settings.reserve_gib * 1024**3)
+        self._tolerance = int(settings.tolerance_mib * MIB)
+
+    # -- holdings -------------------------------------------------------------
+
+    def start(
+        self,
+        holder: str,
+        gpu: str,
+        *,
+        type_name: str,
+        job_id: str,
+        nbytes: int,
+        coresident: bool,
+        now: float,
+    ) -> None:
+        """An attempt starts on ``gpu``: hold its footprint."""
+        others = self.ledger.holdings(gpu)
+        for other in others:
+            if other.holder in self._tracked:
+                self._tracked[other.holder].alone = False
+        self.ledger.hold(
+            gpu,
+            Holding(
+                holder=holder,
+                type=type_name,
+                bytes=nbytes,
+                coresident=coresident,
+                job_id=job_id,
+                since=now,
+            ),
+        )
+        self._tracked[holder] = _Tracked(alone=not others)
+
+    def set_pid(self, holder: str, pid: int) -> None:
+        if (t := self._tracked.get(holder)) is not None:
+            t.main_pid = pid
+            t.pids.add(pid)
+
+    def end(self, holder: str, now: float) -> Measurement | None:
+        """The attempt's processes are gone: its holding waits for the probe to show
+        its memory free (reclaiming). Returns what was measured while it ran."""
+        holding = self.ledger.get(holder)
+        tracked = self._tracked.get(holder)
+        if holding is None or tracked is None:
+            return None
+        measurement = Measurement(holding.type, holding.job_id, tracked.peak_bytes, tracked.alone)
+        if not tracked.pids:  # no process ever ran: nothing to reclaim
+            self.ledger.release(holder)
+            del self._tracked[holder]
+        else:
+            self.ledger.update(holder, state=HoldState.RECLAIMING, since=now)
+        return measurement
+
+    # -- observation ------------------------------------------------------------
+
+    def observe(self, readings: list[GpuReading], now: float) -> list[dict[str, Any]]:
+        """Take a fresh probe reading into account. Returns events worth logging."""
+        events: list[dict[str, Any]] = []
+        seen = {r.uuid for r in readings}
+        for gone in set(self._gpus) - seen:
+            del self._gpus[gone]
+        for r in readings:
+            self.ledger.add_gpu(r.uuid)
+            g = self._gpus.get(r.uuid)
+            first = g is None
+            if g is None:
+                g = self._gpus[r.uuid] = _Gpu(reading=r)
+            g.reading = r
+            events += self._observe_gpu(g, first, now)
+        return events
+
+    def _observe_gpu(self, g: _Gpu, first: bool, now: float) -> list[dict[str, Any]]:
+        r = g.reading
+        usage = {p.pid: p.used_bytes for p in r.processes}
+        unattributed = max(0, r.used_bytes - sum(usage.values()))
+        holdings = self.ledger.holdings(r.uuid)
+        if first and not holdings:
+            g.baseline = unattributed  # the idle GPU: driver and context overhead
+        ours: set[int] = set()
+        events: list[dict[str, Any]] = []
+        for h in holdings:
+            t = self._tracked.get(h.holder)
+            if t is None:
+                continue
+            if h.state is HoldState.RUNNING and t.main_pid is not None:
+                t.pids |= _tree(t.main_pid)
+            ours |= t.pids
+            used = sum(usage.get(pid, 0) for pid in t.pids)
+            if h.state is HoldState.RUNNING:
+                t.peak_bytes = max(t.peak_bytes, used)
+                if used > h.bytes:  # it uses more than it declared: count what it uses
+                    self.ledger.update(h.holder, bytes=used)
+        extra = max(0, unattributed - g.baseline)
+        g.foreign = sum(u for pid, u in usage.items() if pid not in ours) + extra
+        events += self._reclaim(g, usage, extra, now)
+        return events
+
+    def _reclaim(
+        self, g: _Gpu, usage: dict[int, int], extra: int, now: float
+    ) -> list[dict[str, Any]]:
+        """Release reclaiming holdings whose memory the probe shows free; degrade
+        the GPU while one is overdue, and clear that once it is released."""
+        events: list[dict[str, Any]] = []
+        overdue: list[str] = []
+        for h in self.ledger.holdings(g.reading.uuid):
+            if h.state is not HoldState.RECLAIMING:
+                continue
+            t = self._tracked[h.holder]
+            left = sum(usage.get(pid, 0) for pid in t.pids)
+            if left <= self._tolerance and extra <= self._tolerance:
+                self.ledger.release(h.holder)
+                del self._tracked[h.holder]
+                events.append(
+                    {
+                        "event": "memory_reclaimed",
+                        "job": h.job_id,
+                        "gpu": g.reading.uuid,
+                        "after_s": round(now - h.since, 3),
+                    }
+                )
+            elif now - h.since > self.settings.reclaim_timeout_s:
+                still = left or extra
+                pids = ", ".join(str(p) for p in sorted(t.pids) if usage.get(p)) or "none listed"
+                overdue.append(
+                    f"{format_bytes(still)} of job {h.job_id} ({h.type}) still shows as used "
+                    f"{now - h.since:.0f} s after it ended (PIDs: {pids}); VRAM admission "
+                    "here is paused until it is free"
+                )
+        reason = "; ".join(overdue)
+        if reason and not g.degraded:
+            events.append({"event": "gpu_degraded", "gpu": g.reading.uuid, "reason": reason})
+        elif g.degraded and not reason:
+            events.append({"event": "gpu_recovered", "gpu": g.reading.uuid, "was": g.degraded})
+        g.degraded = reason
+        return events
+
+    # -- what the policy and status see ----------------------------------------------
+
+    def views(self) -> tuple[GpuView, ...]:
+        return tuple(
+            GpuView(
+                uuid=uuid,
+                name=g.reading.name,
+                total_bytes=g.reading.total_bytes,
+                reserve_bytes=self._reserve,
+                foreign_bytes=g.foreign,
+                holdings=self.ledger.holdings(uuid),
+                degraded=g.degraded,
+            )
+            for uuid, g in self._gpus.items()
+        )
+
+    def degraded(self) -> dict[str, str]:
+        return {uuid: g.degraded for uuid, g in self._gpus.items() if g.degraded}
+
+    def round_up(self, nbytes: int) -> int:
+        step = int(self.settings.measure_granularity_mib * MIB)
+        return math.ceil(nbytes / step) * step
+
+
+def _tree(pid: int) -> set[int]:
+    """The PID and its live descendants (processes of one attempt)."""
+    try:
+        proc = psutil.Process(pid)
+        return {pid} | {c.pid for c in proc.children(recursive=True)}
+    except psutil.Error:
+        return {pid}
