@@ -172,6 +172,8 @@ class VramBook:
                 continue
             t = self._tracked[h.holder]
             left = sum(usage.get(pid, 0) for pid in t.pids)
+            if 0 < left < h.bytes:  # part is back already: hold only what still shows
+                h = self.ledger.update(h.holder, bytes=left)
             if left <= self._tolerance and extra <= self._tolerance:
                 self.ledger.release(h.holder)
                 del self._tracked[h.holder]
