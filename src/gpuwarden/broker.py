@@ -16,6 +16,7 @@ import queue
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from hashlib import sha256
@@ -24,7 +25,7 @@ from typing import Any
 
 from gpuwarden.config import Config
 from gpuwarden.core import policy
-from gpuwarden.core.classify import AttemptFacts, classify
+from gpuwarden.core.classify import AttemptFacts, Outcome, classify
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import (
@@ -56,6 +57,9 @@ log = logging.getLogger("gpuwarden.broker")
 
 #: every open bundle is looked at this often (the loop's own changes are seen at once)
 _FULL_BUNDLE_SCAN_S = 2.0
+
+#: a type's run-time estimate looks at this many of its latest runs
+RUN_TIME_WINDOW = 20
 
 #: at most this many wait reasons go into the status row
 _STATUS_WAITING_MAX = 1000
@@ -132,6 +136,10 @@ class Broker:
         self._observed_at = -1.0
         self.vram = VramBook(config.vram)
         self._footprints = {t: f.bytes for t, f in store.footprints().items()}
+        #: per type, the run times of its latest succeeded attempts (newest last)
+        self._run_times: dict[str, deque[float]] = {}
+        for type_name, seconds in reversed(store.recent_run_times()):
+            self._run_times.setdefault(type_name, deque(maxlen=RUN_TIME_WINDOW)).append(seconds)
         self._waits: dict[str, str] = {}
         self._event_cursor = store.last_event_id()
         self._jobs_dir = config.state_dir / "jobs"
@@ -397,12 +405,17 @@ class Broker:
                     decision.job_id, JobState.FAILED, now=now, reason=decision.reason
                 )
             else:
-                self._start(jobs[decision.job_id], types[decision.job_id], decision.gpu_uuid, now)
+                self._start(jobs[decision.job_id], types[decision.job_id], decision, now)
 
     def footprint(self, jobtype: JobType, override: int | None = None) -> int:
         """The footprint a job is admitted with: its own or its type's declaration,
         raised to the type's measured peak (never lowered by it)."""
         return max(override or jobtype.vram_bytes, self._footprints.get(jobtype.name, 0))
+
+    def run_time_estimate(self, type_name: str) -> float | None:
+        """The longest of the type's latest runs: what backfilling plans with."""
+        times = self._run_times.get(type_name)
+        return max(times) if times else None
 
     def _queued_entry(self, job: Job, jobtype: JobType) -> policy.QueuedJob:
         vram = jobtype.lane is Lane.VRAM
@@ -414,6 +427,7 @@ class Broker:
             priority=job.priority,
             seq=job.seq,
             coresident=jobtype.coresident,
+            expected_s=self.run_time_estimate(jobtype.name),
         )
 
     def _snapshot(self, queued: tuple[policy.QueuedJob, ...]) -> policy.Snapshot:
@@ -458,7 +472,8 @@ class Broker:
             if why is not None:
                 raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
 
-    def _start(self, job: Job, jobtype: JobType, gpu: str | None, now: float) -> None:
+    def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> None:
+        gpu = decision.gpu_uuid
         launcher = self.launchers.get(jobtype.launch)
         if launcher is None:
             self.store.transition(
@@ -484,6 +499,8 @@ class Broker:
                 nbytes=self.footprint(jobtype, job.vram_bytes),
                 coresident=jobtype.coresident,
                 now=now,
+                expected_s=self.run_time_estimate(jobtype.name),
+                backfill_for=decision.backfill_for,
             )
         try:
             request = self._request(run, gpu)
@@ -625,6 +642,10 @@ class Broker:
         )
         if run.attempt.gpu_uuid is not None:
             self._measure(run, now)
+        if verdict.outcome is Outcome.SUCCEEDED:
+            self._run_times.setdefault(run.jobtype.name, deque(maxlen=RUN_TIME_WINDOW)).append(
+                result.ended_at - result.started_at
+            )
         try:
             self.store.finish_attempt(
                 run.job.id,

@@ -77,6 +77,8 @@ class VramBook:
         nbytes: int,
         coresident: bool,
         now: float,
+        expected_s: float | None = None,
+        backfill_for: str | None = None,
     ) -> None:
         """An attempt starts on ``gpu``: hold its footprint."""
         others = self.ledger.holdings(gpu)
@@ -92,6 +94,8 @@ class VramBook:
                 coresident=coresident,
                 job_id=job_id,
                 since=now,
+                expected_end=None if expected_s is None else now + expected_s,
+                backfill_for=backfill_for,
             ),
         )
         self._tracked[holder] = _Tracked(alone=not others)
@@ -173,7 +177,7 @@ class VramBook:
             t = self._tracked[h.holder]
             left = sum(usage.get(pid, 0) for pid in t.pids)
             if 0 < left < h.bytes:  # part is back already: hold only what still shows
-                h = self.ledger.update(h.holder, bytes=left)
+                self.ledger.update(h.holder, bytes=left)
             if left <= self._tolerance and extra <= self._tolerance:
                 self.ledger.release(h.holder)
                 del self._tracked[h.holder]

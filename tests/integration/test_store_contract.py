@@ -242,3 +242,17 @@ def test_footprints_only_ever_rise(store: Store) -> None:
     assert (fp.bytes, fp.job_id, fp.updated_at) == (12 * 2**30, "d", 4.0)
     raised = [e for e in store.events() if e.kind == "footprint_raised"]
     assert [e.detail["previous_bytes"] for e in raised] == [None, 10 * 2**30]
+
+
+def test_recent_run_times_are_succeeded_attempts_newest_first(store: Store) -> None:
+    store.submit([spec("a"), spec("b"), spec("c")], now=0.0)
+    for i, (job, outcome) in enumerate(
+        [("a", "succeeded"), ("b", "job_failed"), ("c", "succeeded")]
+    ):
+        store.start_attempt(job, node="n", gpu_uuid=None, now=10.0 * i)
+        target = JobState.DONE if outcome == "succeeded" else JobState.FAILED
+        store.finish_attempt(
+            job, 1, target=target, now=10.0 * i + 2 + i, outcome=outcome, reason=""
+        )
+    assert store.recent_run_times() == [("echo.echo", 4.0), ("echo.echo", 2.0)]
+    assert store.recent_run_times(limit=1) == [("echo.echo", 4.0)]

@@ -36,6 +36,10 @@ class Holding:
     state: HoldState = HoldState.RUNNING
     job_id: str | None = None
     since: float = 0.0
+    #: when it is expected to end (its type's run-time estimate), None if unknown
+    expected_end: float | None = None
+    #: the waiting job whose held-back GPU it was started on beside (co-resident)
+    backfill_for: str | None = None
 
     def evolve(self, **changes: Any) -> Holding:
         return dataclasses.replace(self, **changes)
@@ -49,6 +53,8 @@ class Holding:
             "state": self.state.value,
             "job_id": self.job_id,
             "since": self.since,
+            "expected_end": self.expected_end,
+            "backfill_for": self.backfill_for,
         }
 
     @classmethod
@@ -61,6 +67,8 @@ class Holding:
             state=HoldState(d["state"]),
             job_id=d.get("job_id"),
             since=float(d.get("since", 0.0)),
+            expected_end=d.get("expected_end"),
+            backfill_for=d.get("backfill_for"),
         )
 
 

@@ -11,8 +11,11 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
 - Order: higher priority first, then a job whose model is warm, then arrival.
 - The first job that cannot start gets a reservation on the GPU it fits soonest
   (one reservation per GPU, in order). A later job may start on a reserved GPU
-  only where it cannot delay the reserved job: both co-reside, and both fit
-  beside each other once everything else there has ended.
+  only where it will not delay the reserved job: either both co-reside and fit
+  beside each other, together with every job already started beside it, once
+  everything else there has ended; or it is expected to end before the reserved
+  job is expected to fit (run-time estimates per type, measured; a job without
+  an estimate, or beside a holder without one, never backfills this way).
 - A job whose footprint exceeds every GPU's total (less the reserve) is refused.
 - A degraded GPU takes no ``vram`` job; ``cpu`` jobs go on.
 """
@@ -36,6 +39,8 @@ class QueuedJob:
     seq: int
     coresident: bool = False
     warm: bool = False  # its model is loaded in a warm server on this node
+    #: how long a job of its type is expected to run (None: not known yet)
+    expected_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +110,8 @@ class Snapshot:
 class Start:
     job_id: str
     gpu_uuid: str | None
+    #: started beside the job this GPU is held back for (counts against its room)
+    backfill_for: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +193,10 @@ def _place(job: QueuedJob, snapshot: Snapshot, gpus: list[_Gpu], now: float) -> 
         return Wait(job.id, f"needs {format_bytes(need)} on one GPU; this node has no GPU")
     if (why := never_fits(need, snapshot.gpus)) is not None:
         return Refuse(job.id, why)
-    fitting = [g for g in gpus if _can_start(job, g)]
+    fitting = [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
     if fitting:
-        best = min(fitting, key=lambda g: (g.free - need, g.view.uuid))
+        best, how = min(fitting, key=lambda gh: (gh[0].free - need, gh[0].view.uuid))
+        backfill_for = how or None
         best.holdings.append(
             Holding(
                 holder=f"{job.id}/next",
@@ -197,9 +205,11 @@ def _place(job: QueuedJob, snapshot: Snapshot, gpus: list[_Gpu], now: float) -> 
                 coresident=job.coresident,
                 job_id=job.id,
                 since=now,
+                expected_end=None if job.expected_s is None else now + job.expected_s,
+                backfill_for=backfill_for,
             )
         )
-        return Start(job.id, best.view.uuid)
+        return Start(job.id, best.view.uuid, backfill_for)
     reserved = _reserve(job, gpus)
     reason = f"needs {format_bytes(need)} on one GPU; " + "; ".join(_why_not(job, g) for g in gpus)
     if reserved is not None:
@@ -207,21 +217,58 @@ def _place(job: QueuedJob, snapshot: Snapshot, gpus: list[_Gpu], now: float) -> 
     return Wait(job.id, reason, reserved.view.uuid if reserved else None)
 
 
-def _can_start(job: QueuedJob, g: _Gpu) -> bool:
-    if g.view.degraded or g.free < job.vram_bytes:
-        return False
-    if not compatible(job.coresident, g.holdings):
-        return False
-    head = g.reserved_for
-    return head is None or _cannot_delay(job, head, g)
-
-
-def _cannot_delay(job: QueuedJob, head: QueuedJob, g: _Gpu) -> bool:
-    """Starting ``job`` on the GPU held back for ``head`` leaves ``head`` exactly as
-    soon to start: they can share it, and both fit once everything else has ended."""
-    return (
-        job.coresident and head.coresident and job.vram_bytes + head.vram_bytes <= g.view.capacity
+def _fits(job: QueuedJob, capacity: int, holdings: list[Holding]) -> bool:
+    return compatible(job.coresident, holdings) and (
+        job.vram_bytes + sum(h.bytes for h in holdings) <= capacity
     )
+
+
+def _can_start(job: QueuedJob, g: _Gpu, now: float) -> str | None:
+    """None if the job cannot start on this GPU now; else ``""``, or the id of the
+    held-back job it starts beside (a co-resident backfill)."""
+    if g.view.degraded or not _fits(job, g.view.capacity, g.holdings):
+        return None
+    head = g.reserved_for
+    if head is None:
+        return ""
+    if _fits_beside(job, head, g):
+        return head.id
+    if _ends_before_head_fits(job, head, g, now):
+        return ""
+    return None
+
+
+def _fits_beside(job: QueuedJob, head: QueuedJob, g: _Gpu) -> bool:
+    """Both co-reside and, with every job already started beside the head, both fit
+    once everything else there has ended: the head is not delayed."""
+    beside = sum(h.bytes for h in g.holdings if h.backfill_for == head.id)
+    return (
+        job.coresident
+        and head.coresident
+        and job.vram_bytes + head.vram_bytes + beside <= g.view.capacity
+    )
+
+
+def _ends_before_head_fits(job: QueuedJob, head: QueuedJob, g: _Gpu, now: float) -> bool:
+    if job.expected_s is None:
+        return False
+    fits_at = head_fits_at(head, g.view.capacity, g.holdings, now)
+    return fits_at is not None and now + job.expected_s <= fits_at
+
+
+def head_fits_at(
+    head: QueuedJob, capacity: int, holdings: list[Holding], now: float
+) -> float | None:
+    """When ``head`` is expected to fit, as the holders end in their expected order;
+    None when that depends on a holder with no estimate (or past its estimate)."""
+    left = sorted(holdings, key=lambda h: h.expected_end if h.expected_end else float("inf"))
+    at = now
+    while not _fits(head, capacity, left):
+        ending = left.pop(0)
+        if ending.expected_end is None or ending.expected_end <= now:
+            return None  # unknown, or running late: no promise can be made
+        at = max(at, ending.expected_end)
+    return at
 
 
 def _reserve(job: QueuedJob, gpus: list[_Gpu]) -> _Gpu | None:

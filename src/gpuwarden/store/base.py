@@ -214,6 +214,10 @@ class Store(abc.ABC):
         """Every measured footprint, by job type."""
 
     @abc.abstractmethod
+    def recent_run_times(self, *, limit: int = 5000) -> list[tuple[str, float]]:
+        """``(job type, seconds)`` of the latest succeeded attempts, newest first."""
+
+    @abc.abstractmethod
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
         """Record ``nbytes`` as the type's measured footprint if it is larger than the
         one stored (never lower it), with a ``footprint_raised`` event. Return whether

@@ -495,6 +495,11 @@ class SqliteStore(Store):
             for r in self._read("footprints")
         }
 
+    def recent_run_times(self, *, limit: int = 5000) -> list[tuple[str, float]]:
+        return [
+            (r["type"], float(r["seconds"])) for r in self._read("recent_run_times", limit=limit)
+        ]
+
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
         with self._write() as db:
             row = db.execute(_Q["get_footprint"], {"type": type_name}).fetchone()

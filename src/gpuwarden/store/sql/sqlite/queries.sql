@@ -108,6 +108,13 @@ SELECT * FROM node_status ORDER BY node;
 -- name: footprints
 SELECT * FROM footprints ORDER BY type;
 
+-- name: recent_run_times
+SELECT j.type AS type, a.ended_at - a.started_at AS seconds
+  FROM attempts a JOIN jobs j ON j.id = a.job_id
+ WHERE a.outcome = 'succeeded' AND a.ended_at IS NOT NULL
+ ORDER BY a.ended_at DESC
+ LIMIT :limit;
+
 -- name: get_footprint
 SELECT bytes FROM footprints WHERE type = :type;
 
