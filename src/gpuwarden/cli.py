@@ -181,6 +181,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("types", help="list the job types of the registered modules")
     sp.set_defaults(func=cmd_types)
+
+    sp = sub.add_parser(
+        "demo",
+        help="run a mixed workload on a simulated GPU, on its own and through gpuwarden",
+        description="Run the same mixed workload of burn jobs on a simulated 24 GiB GPU "
+        "twice: every job at once, as services on their own do, then through gpuwarden. "
+        "Exit 0 when every job finished through gpuwarden and none crashed.",
+    )
+    sp.add_argument("--jobs", type=int, default=16, help="how many jobs (4-64, default 16)")
+    sp.add_argument("--seed", type=int, default=1, help="draws the workload (default 1)")
+    sp.add_argument(
+        "--json",
+        action="store_true",
+        help="print the figures as one JSON line on stdout (progress and table go to stderr)",
+    )
+    sp.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    sp.set_defaults(func=cmd_demo)
     return p
 
 
@@ -841,3 +858,15 @@ def cmd_preview(args: argparse.Namespace) -> int:
     out.print(f"{explain.describe(decision)}", markup=False)
     out.print(f"(as seen by the {view.source}; {len(queued)} job(s) queued ahead or around it)")
     return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gpuwarden.demo import run_demo
+
+    return run_demo(
+        err if args.json else out,
+        seed=args.seed,
+        jobs=args.jobs,
+        json_out=sys.stdout if args.json else None,
+        keep=args.keep,
+    )
