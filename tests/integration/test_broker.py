@@ -233,6 +233,11 @@ def test_vram_jobs_one_per_gpu_on_sim(node: Node) -> None:
     run_until(node, lambda: all(j.state.terminal for j in node.store.list_jobs()))
     gpus = {(node.store.get_job(s.id).result or {}).get("gpu") for s in specs}  # type: ignore[union-attr]
     assert len(gpus) == 2
+    for s in specs:  # each job's process saw exactly the GPU it was given, by UUID
+        job = node.store.get_job(s.id)
+        assert job is not None
+        seen = (Path(job.result["output_dir"]) / "gpu.txt").read_text()
+        assert seen == job.result["gpu"] and seen.startswith("GPU-")
     assert all(j.state is JobState.DONE for j in node.store.list_jobs())
 
 
