@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     for text, ok in checks:
         print(f"  {'PASS' if ok else 'FAIL'}  {text}")
     print(json.dumps({"traces": report}, separators=(", ", ": ")))
-    return 0
+    return 0 if all(ok for _, ok in checks) else 1
 
 
 if __name__ == "__main__":

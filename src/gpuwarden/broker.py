@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import shutil
+import tempfile
 import threading
 import time
 from collections import deque
@@ -26,6 +28,7 @@ from typing import Any
 from gpuwarden.config import Config
 from gpuwarden.core import policy
 from gpuwarden.core.classify import AttemptFacts, Outcome, classify
+from gpuwarden.core.ledger import HoldState
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import (
@@ -41,7 +44,13 @@ from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.intake.queueroot import KEPT_INPUT, QueueRoot
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, attempt_marker
-from gpuwarden.launch.host import find_attempt_processes, stop_processes
+from gpuwarden.launch.host import (
+    HostLauncher,
+    find_attempt_processes,
+    find_instance_processes,
+    stop_processes,
+)
+from gpuwarden.launch.serve import LoadReport, ServeError, ServeWorker
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import (
     BundleRecord,
@@ -52,6 +61,7 @@ from gpuwarden.store.base import (
     Submission,
 )
 from gpuwarden.vram import VramBook
+from gpuwarden.warm import ServerState, WarmPool, WarmServer
 
 log = logging.getLogger("gpuwarden.broker")
 
@@ -80,6 +90,18 @@ class _Started:
     pid: int
 
 
+@dataclass(frozen=True, slots=True)
+class _ServerNote:
+    """Posted by a warm server's thread: it got a PID, loaded, or is gone."""
+
+    type: str
+    epoch: int
+    what: str  # "pid", "loaded" or "gone"
+    pid: int | None = None
+    report: LoadReport | None = None
+    reason: str = ""
+
+
 @dataclass
 class _Running:
     """An attempt this broker started and has not drained yet (loop-owned)."""
@@ -91,6 +113,7 @@ class _Running:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     stop_reason: str | None = None  # "cancel" or "shutdown"
+    server: WarmServer | None = None  # the warm server it runs on (serve types)
 
     @property
     def holder(self) -> str:
@@ -122,7 +145,8 @@ class Broker:
         self.node = config.node_name
         self.accepting = True
         self._running: dict[str, _Running] = {}
-        self._completions: queue.Queue[LaunchResult | _Started] = queue.Queue()
+        self._completions: queue.Queue[LaunchResult | _Started | _ServerNote] = queue.Queue()
+        self.warm = WarmPool()
         #: set by a worker thread when it posts a completion, so the loop wakes at once
         self._wake = threading.Event()
         #: bundles (queue root, name) whose jobs changed since the last look
@@ -192,9 +216,18 @@ class Broker:
         for run in self._running.values():
             run.stop_reason = "shutdown"
             run.stop.set()
+            if run.server is not None and run.server.state is not ServerState.STOPPING:
+                self._stop_server(run.server, "the broker is shutting down")
         for run in list(self._running.values()):
             if run.thread is not None:
                 run.thread.join()
+        for server in self.warm:
+            if server.state is not ServerState.STOPPING:
+                self._stop_server(server, "the broker is shutting down", wait=True)
+        deadline = time.monotonic() + 60
+        while len(self.warm) and time.monotonic() < deadline:
+            self._drain(self.clock())
+            time.sleep(0.02)
         self._drain(self.clock())
         self._finish_bundles(self.clock(), force=True)
         self._emit("broker_stopped")
@@ -206,6 +239,12 @@ class Broker:
         """At start: end the attempts an earlier run left running, and decide what
         happens to every bundle left in ``processing/`` (each logged)."""
         now = self.clock()
+        # every process an earlier run of this instance left (attempts, warm
+        # servers) is stopped, found by its marker, never by a bare PID
+        leftovers = find_instance_processes(self.instance)
+        reaped_all, survivors_all = stop_processes(leftovers, self.config.broker.kill_grace_s)
+        if leftovers:
+            self._emit("leftovers_stopped", reaped=reaped_all, survivors=survivors_all)
         for job in self.store.running_jobs():
             marker = attempt_marker(self.instance, job.id, job.attempts)
             reaped, survivors = stop_processes(
@@ -391,11 +430,12 @@ class Broker:
             entries.append(self._queued_entry(job, jobtype))
         if len(self.vram.ledger) or any(e.lane is Lane.VRAM for e in entries):
             self._observe(now)  # the reclaim gate needs fresh readings while memory is held
-        if not entries:
+        if not entries and not len(self.warm):
             self._waits.clear()
             return
-        snapshot = self._snapshot(tuple(entries))
+        snapshot = self._snapshot(tuple(entries))  # also when only warm servers may expire
         jobs = {j.id: j for j in queued}
+        before = self._waits
         self._waits = {}
         for decision in policy.plan(snapshot, now):
             if isinstance(decision, policy.Wait):
@@ -404,8 +444,12 @@ class Broker:
                 self.store.transition(
                     decision.job_id, JobState.FAILED, now=now, reason=decision.reason
                 )
+            elif isinstance(decision, policy.Evict):
+                self._evict(decision)
             else:
                 self._start(jobs[decision.job_id], types[decision.job_id], decision, now)
+        if self._waits != before:
+            self._status_dirty = True
 
     def footprint(self, jobtype: JobType, override: int | None = None) -> int:
         """The footprint a job is admitted with: its own or its type's declaration,
@@ -428,6 +472,8 @@ class Broker:
             seq=job.seq,
             coresident=jobtype.coresident,
             expected_s=self.run_time_estimate(jobtype.name),
+            serve=jobtype.launch is LaunchMode.SERVE,
+            warm=jobtype.name in self.warm.by_type,
         )
 
     def _snapshot(self, queued: tuple[policy.QueuedJob, ...]) -> policy.Snapshot:
@@ -438,6 +484,7 @@ class Broker:
             cpu_slots=self.config.broker.cpu_slots,
             accepting=self.accepting,
             vram_paused=f"the GPU probe failed: {self._probe_error}" if self._probe_error else "",
+            warm=self.warm.views(),
         )
 
     def _observe(self, now: float) -> None:
@@ -474,6 +521,9 @@ class Broker:
 
     def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> None:
         gpu = decision.gpu_uuid
+        if jobtype.launch is LaunchMode.SERVE and gpu is not None:
+            self._start_served(job, jobtype, decision, gpu, now)
+            return
         launcher = self.launchers.get(jobtype.launch)
         if launcher is None:
             self.store.transition(
@@ -528,6 +578,268 @@ class Broker:
         self._status_dirty = True
         run.thread.start()
 
+    def _params(self, run: _Running) -> tuple[Path, dict[str, Any]]:
+        """The job's input directory, and its parameters with inputs made absolute."""
+        job = run.job
+        input_dir = Path(job.input_dir) if job.input_dir else run.attempt_dir / "inputs"
+        input_dir.mkdir(parents=True, exist_ok=True)
+        params = dict(job.params)
+        for spec in run.jobtype.params:
+            if spec.type.value == "input" and spec.name in params:
+                params[spec.name] = str(input_dir / params[spec.name])
+        return input_dir, params
+
+    def _base_env(self, gpu: str | None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k in _PASS_ENV}
+        env.update(self.probe.job_env(gpu))
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    # -- warm servers ---------------------------------------------------------
+
+    def _start_served(
+        self, job: Job, jobtype: JobType, decision: policy.Start, gpu: str, now: float
+    ) -> None:
+        """Hand the job to its type's warm server, loading one first if there is none."""
+        server = self.warm.get(jobtype.name)
+        if decision.warm and (server is None or server.state is not ServerState.IDLE):
+            return  # it changed since the plan: the next pass decides again
+        try:
+            job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
+        except TransitionError:
+            return
+        attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
+        run = _Running(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
+        for d in (attempt_dir / "out", attempt_dir / "scratch"):
+            d.mkdir(parents=True, exist_ok=True)
+        if server is None or not decision.warm:
+            server = self._new_server(jobtype, gpu, job.priority, now)
+            target = self._load_and_serve
+        else:
+            server.state = ServerState.BUSY
+            target = self._serve
+        server.priority = job.priority
+        run.server = server
+        run.thread = threading.Thread(
+            target=target,
+            args=(server, run),
+            name=f"serve-{job.id}-{attempt.number}",
+            daemon=True,
+        )
+        self._running[job.id] = run
+        self._waits.pop(job.id, None)
+        self._status_dirty = True
+        run.thread.start()
+
+    def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
+        epoch = self.warm.next_epoch()
+        log_dir = self.config.state_dir / "warm" / f"{jobtype.name}-{epoch}"
+        env = self._base_env(gpu)
+        env["GPUWARDEN_JOB_TYPE"] = jobtype.name
+        request = LaunchRequest(
+            job_id=f"warm-{jobtype.name}",
+            attempt=epoch,
+            argv=self.registry.argv(jobtype),
+            cwd=jobtype.module_dir,
+            env=env,
+            attempt_dir=str(log_dir),
+            timeout_s=math.inf,
+            clip_chars=self.config.broker.clip_chars,
+            kill_grace_s=self.config.broker.kill_grace_s,
+            instance=self.instance,
+        )
+        sockets = Path(tempfile.gettempdir()) / f"gpuwarden-{os.getuid()}-{self.instance[-10:]}"
+        sockets.mkdir(mode=0o700, exist_ok=True)
+        worker = ServeWorker(HostLauncher(), request, sockets / f"{epoch}.sock", epoch)
+        footprint = self.footprint(jobtype)
+        server = WarmServer(
+            type=jobtype,
+            gpu=gpu,
+            epoch=epoch,
+            worker=worker,
+            footprint=footprint,
+            idle_grace_s=(
+                jobtype.idle_grace_s
+                if jobtype.idle_grace_s is not None
+                else self.config.warm.idle_grace_s
+            ),
+            started_at=now,
+            priority=priority,
+        )
+        self.warm.add(server)
+        self.vram.start(
+            server.holder,
+            gpu,
+            type_name=jobtype.name,
+            job_id=None,
+            nbytes=footprint,
+            coresident=jobtype.coresident,
+            now=now,
+            state=HoldState.WARM,
+        )
+        self._emit("warm_server_starting", type=jobtype.name, gpu=gpu, epoch=epoch)
+        return server
+
+    def _load_and_serve(self, server: WarmServer, run: _Running) -> None:
+        """Worker thread: start the server's process, wait for its model, serve the job."""
+        jobtype = server.type
+        try:
+            report = server.worker.start(
+                jobtype.load_timeout_s,
+                on_pid=lambda pid: self._post(
+                    _ServerNote(jobtype.name, server.epoch, "pid", pid=pid)
+                ),
+                expected_device_bytes=jobtype.expected_device_bytes,
+            )
+        except ServeError as exc:
+            self._post(self._served_result(run, worker_error=f"it could not load: {exc}"))
+            self._post(
+                _ServerNote(jobtype.name, server.epoch, "gone", reason=f"load failed: {exc}")
+            )
+            return
+        self._post(_ServerNote(jobtype.name, server.epoch, "loaded", report=report))
+        self._serve(server, run)
+
+    def _serve(self, server: WarmServer, run: _Running) -> None:
+        """Worker thread: send one job to the server and post its result."""
+        input_dir, params = self._params(run)
+        started = time.time()
+        try:
+            report = server.worker.run_job(
+                run.job.id,
+                run.attempt.number,
+                params,
+                input_dir,
+                run.attempt_dir / "out",
+                run.attempt_dir / "scratch",
+                run.jobtype.timeout_s,
+            )
+        except ServeError as exc:
+            stopped = run.stop.is_set()
+            self._post(
+                self._served_result(
+                    run,
+                    started=started,
+                    worker_error=f"{exc}; its processes are confirmed gone",
+                    stopped=stopped,
+                )
+            )
+            self._post(_ServerNote(server.type.name, server.epoch, "gone", reason=str(exc)))
+            return
+        if report.message:
+            (run.attempt_dir / "message.json").write_text(json.dumps({"message": report.message}))
+        for stale in report.stale_dropped:
+            self._post(
+                _ServerNote(server.type.name, server.epoch, "stale", reason=json.dumps(stale))
+            )
+        self._post(
+            self._served_result(
+                run, started=started, exit_code=0 if report.ok else 1, stderr=report.error or ""
+            )
+        )
+
+    def _served_result(
+        self,
+        run: _Running,
+        *,
+        started: float | None = None,
+        exit_code: int | None = None,
+        stderr: str = "",
+        worker_error: str | None = None,
+        stopped: bool = False,
+    ) -> LaunchResult:
+        now = time.time()
+        return LaunchResult(
+            job_id=run.job.id,
+            attempt=run.attempt.number,
+            exit_code=exit_code,
+            started_at=started or now,
+            ended_at=now,
+            pid=run.server.pid if run.server else None,
+            stderr=stderr,
+            worker_error=worker_error,
+            stopped=stopped,
+        )
+
+    def _post(self, item: LaunchResult | _Started | _ServerNote) -> None:
+        self._completions.put(item)
+        self._wake.set()
+
+    def _on_server_note(self, note: _ServerNote, now: float) -> None:
+        server = self.warm.get(note.type, note.epoch)
+        if note.what == "stale":
+            self._emit(
+                "stale_report",
+                type=note.type,
+                epoch=note.epoch,
+                action="dropped",
+                report=note.reason,
+            )
+            return
+        if server is None:
+            self._emit(
+                "stale_report", type=note.type, epoch=note.epoch, action="dropped", report=note.what
+            )
+            return
+        if note.what == "pid" and note.pid is not None:
+            server.pid = note.pid
+            self.vram.set_pid(server.holder, note.pid)
+        elif note.what == "loaded" and note.report is not None:
+            server.load_s = note.report.load_s
+            self._emit(
+                "warm_server_loaded",
+                type=note.type,
+                gpu=server.gpu,
+                epoch=note.epoch,
+                load_s=round(note.report.load_s, 3),
+                device_bytes=note.report.device_bytes,
+            )
+        elif note.what == "gone":
+            self.warm.remove(server)
+            measured = self.vram.end(server.holder, now)
+            if measured is not None and measured.alone:
+                self._raise_footprint(
+                    server.type, measured.peak_bytes, None, f"warm:{server.epoch}", now
+                )
+            self._emit(
+                "warm_server_stopped",
+                type=note.type,
+                gpu=server.gpu,
+                epoch=note.epoch,
+                reason=server.stop_reason or note.reason,
+                jobs_served=server.jobs_served,
+            )
+        self._status_dirty = True
+
+    def _evict(self, decision: policy.Evict) -> None:
+        """Stop an idle warm server; its busyness is checked again right here."""
+        server = self.warm.get(decision.type)
+        if server is None or server.holder != decision.holder:
+            return
+        if server.state is not ServerState.IDLE:
+            self._emit(
+                "eviction_skipped",
+                type=server.type.name,
+                epoch=server.epoch,
+                reason=f"it is {server.state.value} now",
+            )
+            return
+        self._stop_server(server, f"evicted: {decision.reason}")
+
+    def _stop_server(self, server: WarmServer, reason: str, *, wait: bool = False) -> None:
+        server.state = ServerState.STOPPING
+        server.stop_reason = reason
+        self._emit("warm_server_stopping", type=server.type.name, epoch=server.epoch, reason=reason)
+
+        def stop() -> None:
+            server.worker.stop(reason)
+            self._post(_ServerNote(server.type.name, server.epoch, "gone", reason=reason))
+
+        thread = threading.Thread(target=stop, name=f"stop-{server.holder}", daemon=True)
+        thread.start()
+        if wait:
+            thread.join()
+
     def _request(self, run: _Running, gpu: str | None) -> LaunchRequest:
         """Lay out the attempt's directories and build its launch request."""
         job, jobtype = run.job, run.jobtype
@@ -535,19 +847,12 @@ class Broker:
         scratch = run.attempt_dir / "scratch"
         for d in (out_dir, scratch):
             d.mkdir(parents=True, exist_ok=True)
-        input_dir = Path(job.input_dir) if job.input_dir else run.attempt_dir / "inputs"
-        input_dir.mkdir(parents=True, exist_ok=True)
-        params = dict(job.params)
-        for spec in jobtype.params:
-            if spec.type.value == "input" and spec.name in params:
-                params[spec.name] = str(input_dir / params[spec.name])
+        input_dir, params = self._params(run)
         params_path = run.attempt_dir / "params.json"
         params_path.write_text(json.dumps(params, indent=2))
-        env = {k: v for k, v in os.environ.items() if k in _PASS_ENV}
-        env.update(self.probe.job_env(gpu))
+        env = self._base_env(gpu)
         env.update(
             {
-                "PYTHONUNBUFFERED": "1",
                 "GPUWARDEN_JOB_ID": job.id,
                 "GPUWARDEN_JOB_TYPE": job.type,
                 "GPUWARDEN_ATTEMPT_NUMBER": str(run.attempt.number),
@@ -597,6 +902,9 @@ class Broker:
                 result = self._completions.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(result, _ServerNote):
+                self._on_server_note(result, now)
+                continue
             run = self._running.get(result.job_id)
             if isinstance(result, _Started):
                 if run is not None and run.attempt.number == result.attempt:
@@ -618,8 +926,14 @@ class Broker:
         stderr_tail = next(
             (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
         )[:300]
+        server = run.server
+        if server is not None and result.worker_error is None:
+            server.state = ServerState.IDLE
+            server.idle_since = now
+            server.jobs_served += 1
         facts = AttemptFacts(
             exit_code=result.exit_code,
+            worker_error=result.worker_error,
             timed_out=result.timed_out,
             stopped=result.stopped,
             cancel_requested=run.stop_reason == "cancel",
@@ -669,12 +983,24 @@ class Broker:
         if the job had its GPU to itself and used more than its footprint, raise the
         type's stored footprint so the next jobs are admitted against it."""
         m = self.vram.end(run.holder, now)
-        if m is None or not m.alone:
+        if m is not None and m.alone:
+            self._raise_footprint(run.jobtype, m.peak_bytes, run.job.vram_bytes, run.job.id, now)
+
+    def _raise_footprint(
+        self, jobtype: JobType, peak: int, override: int | None, source: str, now: float
+    ) -> None:
+        """Raise the type's stored footprint to a measured peak that beat it. Never
+        above what the largest GPU here offers: a peak that only fit by eating into
+        the reserve must not lock the type out of this node for good."""
+        if peak <= self.footprint(jobtype, override):
             return
-        if m.peak_bytes > self.footprint(run.jobtype, run.job.vram_bytes):
-            raised = self.vram.round_up(m.peak_bytes)
-            if self.store.raise_footprint(run.jobtype.name, raised, now=now, job_id=run.job.id):
-                self._footprints[run.jobtype.name] = raised
+        views = self.vram.views()
+        ceiling = max((v.total_bytes - v.reserve_bytes for v in views), default=peak)
+        raised = min(self.vram.round_up(peak), ceiling)
+        if raised <= self._footprints.get(jobtype.name, 0):
+            return
+        if self.store.raise_footprint(jobtype.name, raised, now=now, job_id=source):
+            self._footprints[jobtype.name] = raised
 
     def _result_extra(
         self,
@@ -707,6 +1033,8 @@ class Broker:
             if run is not None and job.cancel_requested and run.stop_reason is None:
                 run.stop_reason = "cancel"
                 run.stop.set()
+                if run.server is not None and run.server.state is not ServerState.STOPPING:
+                    self._stop_server(run.server, f"its job {job.id} was cancelled")
                 self._emit("cancel_passed_on", job=job.id, attempt=run.attempt.number)
 
     # -- results ------------------------------------------------------------
@@ -815,6 +1143,7 @@ class Broker:
                 }
                 for r in self._running.values()
             ],
+            "warm": [s.status(self.clock()) for s in self.warm],
             "waiting": dict(list(self._waits.items())[:_STATUS_WAITING_MAX]),
             "last_error": self._last_error,
         }

@@ -835,7 +835,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
                 view = explain.view_from_probe(probe, reserve, config.broker.cpu_slots)
             finally:
                 probe.close()
-            queued = []
+            queued = explain.queued_entries(store, registry) if store else []
         need = 0
         if jobtype.lane is Lane.VRAM:
             measured = store.footprints().get(jobtype.name) if store else None

@@ -64,6 +64,15 @@ class VramSettings(_Section):
     measure_granularity_mib: Annotated[float, Field(gt=0, le=65536)] = 64.0
 
 
+class WarmSettings(_Section):
+    """``[warm]``: warm model servers (job types with ``launch = "serve"``)."""
+
+    #: an idle server is stopped after this long without a job (a type may override)
+    idle_grace_s: Annotated[float, Field(ge=0, le=30 * 24 * 3600)] = 300.0
+    #: seconds a server gets to finish its current reply when it is stopped
+    stop_grace_s: Annotated[float, Field(ge=0, le=600)] = 5.0
+
+
 class LimitSettings(_Section):
     """``[limits]``: what a bundle may hold."""
 
@@ -85,6 +94,7 @@ class Config(_Section):
     sim_gpu: SimGpuSettings = SimGpuSettings()
     broker: BrokerSettings = BrokerSettings()
     vram: VramSettings = VramSettings()
+    warm: WarmSettings = WarmSettings()
     limits: LimitSettings = LimitSettings()
 
     @property

@@ -3,8 +3,10 @@
 The broker publishes, with its status, each GPU's view (total, reserve, foreign
 memory, ledger holdings, degraded) and why each queued job waits. ``explain``
 reads that reason; ``preview`` adds a would-be job to the queue and runs
-:func:`gpuwarden.core.policy.plan` on the same view, so it answers exactly what
-the broker would decide, without submitting anything.
+:func:`gpuwarden.core.policy.plan` on the same view, without submitting
+anything. It is the broker's policy on the broker's last view, not a promise:
+run-time estimates and the broker's running cpu jobs are not published, so a
+backfill the broker would allow may show here as a wait.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class View:
     cpu_slots: int
     source: str
     waiting: dict[str, str]
+    vram_paused: str = ""
 
 
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
@@ -54,7 +57,10 @@ def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
     p: dict[str, Any] = status.payload
     gpus = tuple(policy.GpuView.from_json(g) for g in p.get("gpus", []) if "holdings" in g)
     age = time.time() - status.updated_at
-    return View(gpus, cpu_slots, f"broker on {status.node}, {age:.0f} s ago", p.get("waiting", {}))
+    paused = f"the GPU probe failed: {p['probe_error']}" if p.get("probe_error") else ""
+    return View(
+        gpus, cpu_slots, f"broker on {status.node}, {age:.0f} s ago", p.get("waiting", {}), paused
+    )
 
 
 def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View:
@@ -69,7 +75,7 @@ def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View
         )
         for r in probe.read()
     )
-    return View(gpus, cpu_slots, f"the {probe.kind} probe now (no broker is running)", {})
+    return View(gpus, cpu_slots, f"{probe.kind} probe now (no broker is running)", {})
 
 
 def queued_entries(store: Store, registry: Registry) -> list[policy.QueuedJob]:
@@ -97,9 +103,14 @@ def queued_entries(store: Store, registry: Registry) -> list[policy.QueuedJob]:
 
 
 def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.Decision:
-    snapshot = policy.Snapshot(queued=tuple(queued), gpus=view.gpus, cpu_slots=view.cpu_slots)
+    snapshot = policy.Snapshot(
+        queued=tuple(queued),
+        gpus=view.gpus,
+        cpu_slots=view.cpu_slots,
+        vram_paused=view.vram_paused,
+    )
     for d in policy.plan(snapshot, time.time()):
-        if d.job_id == job_id:
+        if not isinstance(d, policy.Evict) and d.job_id == job_id:
             return d
     raise AssertionError(f"plan gave no decision for {job_id}")  # pragma: no cover
 

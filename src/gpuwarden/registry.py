@@ -48,6 +48,11 @@ class _TypeToml(_Strict):
     max_retries: Annotated[int, Field(ge=0, le=100)] = 2
     description: str = ""
     params: dict[str, _ParamToml] = Field(default_factory=dict)
+    # serve launch mode only
+    keep_warm: bool = False
+    idle_grace_s: Annotated[float, Field(ge=0, le=30 * 24 * 3600)] | None = None
+    load_timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 600.0
+    expected_device_gib: Annotated[float, Field(gt=0, le=4096)] | None = None
 
 
 class _ModuleMeta(_Strict):
@@ -113,6 +118,17 @@ def parse_module(path: Path) -> Module:
             )
         if t.coresident and t.lane != "vram":
             raise ModuleError(f"{where}: key 'coresident' only makes sense on the vram lane")
+        serve_only = [
+            k
+            for k in ("keep_warm", "idle_grace_s", "load_timeout_s", "expected_device_gib")
+            if k in t.model_fields_set
+        ]
+        if serve_only and t.launch != "serve":
+            raise ModuleError(
+                f'{where}: key {serve_only[0]!r} applies only to launch = "serve" types'
+            )
+        if t.launch == "serve" and t.lane != "vram":
+            raise ModuleError(f'{where}: a serve type holds a model on a GPU: use lane = "vram"')
         params = tuple(_param(where, pname, p) for pname, p in t.params.items())
         types.append(
             JobType(
@@ -129,6 +145,12 @@ def parse_module(path: Path) -> Module:
                 max_retries=t.max_retries,
                 params=params,
                 description=t.description,
+                keep_warm=t.keep_warm,
+                idle_grace_s=t.idle_grace_s,
+                load_timeout_s=t.load_timeout_s,
+                expected_device_bytes=(
+                    int(t.expected_device_gib * GIB) if t.expected_device_gib else None
+                ),
             )
         )
     return Module(

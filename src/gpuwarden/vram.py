@@ -73,12 +73,13 @@ class VramBook:
         gpu: str,
         *,
         type_name: str,
-        job_id: str,
+        job_id: str | None,
         nbytes: int,
         coresident: bool,
         now: float,
         expected_s: float | None = None,
         backfill_for: str | None = None,
+        state: HoldState = HoldState.RUNNING,
     ) -> None:
         """An attempt starts on ``gpu``: hold its footprint."""
         others = self.ledger.holdings(gpu)
@@ -96,6 +97,7 @@ class VramBook:
                 since=now,
                 expected_end=None if expected_s is None else now + expected_s,
                 backfill_for=backfill_for,
+                state=state,
             ),
         )
         self._tracked[holder] = _Tracked(alone=not others)
@@ -151,11 +153,11 @@ class VramBook:
             t = self._tracked.get(h.holder)
             if t is None:
                 continue
-            if h.state is HoldState.RUNNING and t.main_pid is not None:
+            if h.state is not HoldState.RECLAIMING and t.main_pid is not None:
                 t.pids |= _tree(t.main_pid)
             ours |= t.pids
             used = sum(usage.get(pid, 0) for pid in t.pids)
-            if h.state is HoldState.RUNNING:
+            if h.state is not HoldState.RECLAIMING:
                 t.peak_bytes = max(t.peak_bytes, used)
                 if used > h.bytes:  # it uses more than it declared: count what it uses
                     self.ledger.update(h.holder, bytes=used)

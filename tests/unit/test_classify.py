@@ -15,7 +15,26 @@ INTERRUPTED_REASON = "the broker stopped unexpectedly while the job ran"
 
 
 def test_infrastructure_outcomes() -> None:
-    assert frozenset({Outcome.LAUNCH_ERROR, Outcome.INTERRUPTED}) == INFRASTRUCTURE
+    assert (
+        frozenset({Outcome.LAUNCH_ERROR, Outcome.INTERRUPTED, Outcome.WORKER_FAILED})
+        == INFRASTRUCTURE
+    )
+
+
+def test_a_failed_warm_server_is_retried_then_given_up() -> None:
+    facts = AttemptFacts(exit_code=None, worker_error="it stopped answering")
+    first = classify(facts, attempt=1, max_retries=1)
+    assert first.outcome is Outcome.WORKER_FAILED and first.target is JobState.QUEUED
+    assert first.reason == "its warm server failed: it stopped answering; retrying (1/1)"
+    last = classify(facts, attempt=2, max_retries=1)
+    assert last.target is JobState.FAILED and last.reason.endswith("gave up after 2 attempts")
+
+
+def test_a_warm_server_stopped_for_a_cancel_is_a_cancel() -> None:
+    facts = AttemptFacts(
+        exit_code=None, worker_error="stopped", stopped=True, cancel_requested=True
+    )
+    assert classify(facts, attempt=1, max_retries=3).target is JobState.CANCELLED
 
 
 def test_succeeded() -> None:

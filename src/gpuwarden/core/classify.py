@@ -21,9 +21,10 @@ class Outcome(StrEnum):
     SHUTDOWN = "shutdown"  # the broker stopped while the job ran
     LAUNCH_ERROR = "launch_error"  # infrastructure: could not start
     INTERRUPTED = "interrupted"  # infrastructure: the broker died while the job ran
+    WORKER_FAILED = "worker_failed"  # infrastructure: its warm server died or hung
 
 
-INFRASTRUCTURE = frozenset({Outcome.LAUNCH_ERROR, Outcome.INTERRUPTED})
+INFRASTRUCTURE = frozenset({Outcome.LAUNCH_ERROR, Outcome.INTERRUPTED, Outcome.WORKER_FAILED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class AttemptFacts:
     cancel_requested: bool = False
     shutting_down: bool = False
     launch_error: str | None = None
+    worker_error: str | None = None
     interrupted: bool = False
     missing_outputs: tuple[str, ...] = ()
     timeout_s: float = 0.0
@@ -74,6 +76,8 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         return Outcome.LAUNCH_ERROR, f"launch error: {f.launch_error}"
     if f.interrupted:
         return Outcome.INTERRUPTED, "the broker stopped unexpectedly while the job ran"
+    if f.worker_error is not None and not f.stopped:
+        return Outcome.WORKER_FAILED, f"its warm server failed: {f.worker_error}"
     if f.stopped and f.cancel_requested:
         return Outcome.CANCELLED, "cancelled while running; its processes were stopped"
     if f.stopped:

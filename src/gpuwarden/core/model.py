@@ -60,6 +60,12 @@ class JobType:
     max_retries: int = 2
     params: tuple[ParamSpec, ...] = ()
     description: str = ""
+    # serve launch mode: the warm server's life
+    keep_warm: bool = False
+    idle_grace_s: float | None = None  # None: the broker's default
+    load_timeout_s: float = 600.0
+    #: how much of the model must sit in device memory after load (placement check)
+    expected_device_bytes: int | None = None
 
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)

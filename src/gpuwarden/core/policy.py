@@ -41,6 +41,23 @@ class QueuedJob:
     warm: bool = False  # its model is loaded in a warm server on this node
     #: how long a job of its type is expected to run (None: not known yet)
     expected_s: float | None = None
+    #: its type runs in a warm server (launch mode ``serve``)
+    serve: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WarmView:
+    """A warm model server on this node: its model stays loaded between jobs."""
+
+    type: str
+    gpu_uuid: str
+    holder: str  # its name in the ledger
+    busy: bool  # loading, or running a job
+    idle_since: float | None = None
+    keep_warm: bool = False
+    load_s: float = 0.0  # what reloading it would cost
+    idle_grace_s: float = 300.0
+    priority: int = 0  # of the jobs it serves; a keep_warm server yields only to higher
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +118,7 @@ class Snapshot:
     accepting: bool = True
     #: why VRAM admission is paused on the whole node (the probe failed), or ""
     vram_paused: str = ""
+    warm: tuple[WarmView, ...] = ()
 
     def gpus_json(self) -> list[dict[str, Any]]:
         return [g.to_json() for g in self.gpus]
@@ -112,6 +130,8 @@ class Start:
     gpu_uuid: str | None
     #: started beside the job this GPU is held back for (counts against its room)
     backfill_for: str | None = None
+    #: handed to the type's warm server there (no new memory, no load)
+    warm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +150,18 @@ class Refuse:
     reason: str
 
 
-Decision = Start | Wait | Refuse
+@dataclass(frozen=True, slots=True)
+class Evict:
+    """Stop an idle warm server (idle past its grace, or its memory is needed).
+    The broker re-checks that it is idle just before it stops it."""
+
+    holder: str
+    type: str
+    gpu_uuid: str
+    reason: str
+
+
+Decision = Start | Wait | Refuse | Evict
 
 
 def order(jobs: tuple[QueuedJob, ...] | list[QueuedJob]) -> list[QueuedJob]:
@@ -167,10 +198,13 @@ class _Gpu:
 
 def plan(snapshot: Snapshot, now: float) -> list[Decision]:
     """Decide, for every queued job, whether it starts now (and where), waits (and
-    why), or is refused (and why). One decision per queued job, in queue order."""
-    decisions: list[Decision] = []
+    why), or is refused (and why): one decision per queued job, in queue order.
+    :class:`Evict` decisions for idle warm servers come first."""
     cpu_free = snapshot.cpu_slots - snapshot.running_cpu
     gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
+    warm = _Warm(snapshot.warm)
+    evictions = warm.expired(now)
+    decisions: list[Decision] = []
     for job in order(snapshot.queued):
         if not snapshot.accepting:
             decisions.append(Wait(job.id, "the broker is shutting down"))
@@ -180,9 +214,135 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
                 decisions.append(Start(job.id, None))
             else:
                 decisions.append(Wait(job.id, f"all {snapshot.cpu_slots} cpu slots are in use"))
+        elif job.serve and (served := warm.serve(job)) is not None:
+            decisions.append(served)
         else:
-            decisions.append(_place(job, snapshot, gpus, now))
-    return decisions
+            decision = _place(job, snapshot, gpus, now)
+            if isinstance(decision, Start) and job.serve:
+                warm.loading(job.type, decision.gpu_uuid or "")
+            elif isinstance(decision, Wait) and not snapshot.vram_paused:
+                decision, more = _evict_for(job, decision, gpus, warm, snapshot)
+                evictions += more
+            decisions.append(decision)
+    return [*evictions, *decisions]
+
+
+class _Warm:
+    """Warm servers during one planning pass."""
+
+    def __init__(self, servers: tuple[WarmView, ...]) -> None:
+        self.by_type = {w.type: w for w in servers}
+        self.taken: dict[str, str] = {}  # type -> why later jobs of it wait this pass
+        self.evicting: set[str] = set()
+
+    def expired(self, now: float) -> list[Decision]:
+        out: list[Decision] = []
+        for w in self.by_type.values():
+            if w.busy or w.keep_warm or w.idle_since is None:
+                continue
+            idle = now - w.idle_since
+            if idle >= w.idle_grace_s:
+                self.evicting.add(w.holder)
+                out.append(
+                    Evict(
+                        w.holder,
+                        w.type,
+                        w.gpu_uuid,
+                        f"idle for {idle:.0f} s (its grace is {w.idle_grace_s:g} s)",
+                    )
+                )
+        return out
+
+    def serve(self, job: QueuedJob) -> Decision | None:
+        """Hand the job to its type's warm server, or say why it waits for it.
+        None: there is no server for it (one must be loaded)."""
+        if job.type in self.taken:
+            return Wait(job.id, self.taken[job.type])
+        w = self.by_type.get(job.type)
+        if w is None or w.holder in self.evicting:
+            return None
+        if w.busy:
+            return Wait(job.id, f"waits for the warm {w.type} server on {w.gpu_uuid} (busy)")
+        self.taken[job.type] = f"waits for the warm {w.type} server on {w.gpu_uuid} (busy)"
+        return Start(job.id, w.gpu_uuid, warm=True)
+
+    def loading(self, type_name: str, gpu: str) -> None:
+        self.taken[type_name] = f"waits for its model to load on {gpu}"
+
+    def idle_on(self, gpu: str) -> list[WarmView]:
+        return [
+            w
+            for w in self.by_type.values()
+            if w.gpu_uuid == gpu
+            and not w.busy
+            and w.holder not in self.evicting
+            and w.type not in self.taken
+        ]
+
+
+def _evict_for(
+    job: QueuedJob, wait: Wait, gpus: list[_Gpu], warm: _Warm, snapshot: Snapshot
+) -> tuple[Decision, list[Decision]]:
+    """When idle warm servers stand between a waiting job and a GPU, evict the
+    cheapest to reload until it fits. A ``keep_warm`` server yields only to a job
+    of higher priority than the jobs it serves, and only if no other GPU can be
+    freed of ordinary idle servers instead."""
+    for allow_pinned in (False, True):
+        best: tuple[float, _Gpu, list[WarmView]] | None = None
+        for g in gpus:
+            if g.view.degraded or g.view.capacity < job.vram_bytes:
+                continue
+            idle = sorted(
+                (
+                    w
+                    for w in warm.idle_on(g.view.uuid)
+                    if not w.keep_warm or (allow_pinned and job.priority > w.priority)
+                ),
+                key=lambda w: (w.load_s, w.holder),
+            )
+            chosen = _fewest_to_evict(job, g, idle)
+            if chosen is not None:
+                cost = sum(w.load_s for w in chosen)
+                if best is None or cost < best[0]:
+                    best = (cost, g, chosen)
+        if best is not None:
+            _, g, chosen = best
+            names = ", ".join(f"{w.type}" for w in chosen)
+            evictions: list[Decision] = []
+            for w in chosen:
+                warm.evicting.add(w.holder)
+                why = f"its memory is needed by job {job.id} ({format_bytes(job.vram_bytes)})"
+                if w.keep_warm:
+                    why += (
+                        f", of higher priority ({job.priority} > {w.priority}), with no other room"
+                    )
+                evictions.append(Evict(w.holder, w.type, w.gpu_uuid, why))
+            if g.reserved_for is None:
+                g.reserved_for = job
+            return (
+                Wait(
+                    job.id,
+                    f"{wait.reason}. Evicting idle warm server(s) on {g.view.uuid}: {names}",
+                    g.view.uuid,
+                ),
+                evictions,
+            )
+    return wait, []
+
+
+def _fewest_to_evict(job: QueuedJob, g: _Gpu, idle: list[WarmView]) -> list[WarmView] | None:
+    """The idle servers, cheapest to reload first, whose leaving lets the job fit."""
+    if not idle:
+        return None
+    gone: set[str] = set()
+    chosen: list[WarmView] = []
+    for w in idle:
+        gone.add(w.holder)
+        chosen.append(w)
+        left = [h for h in g.holdings if h.holder not in gone]
+        if _fits(job, g.view.capacity, left):
+            return chosen
+    return None
 
 
 def _place(job: QueuedJob, snapshot: Snapshot, gpus: list[_Gpu], now: float) -> Decision:
@@ -314,4 +474,6 @@ def _holder(h: Holding) -> str:
     who = f"{h.type} ({h.job_id})" if h.job_id else h.type
     if h.state is HoldState.RECLAIMING:
         return f"{who}, ended, its memory not yet shown free"
+    if h.state is HoldState.WARM:
+        return f"{who}, warm server"
     return f"{who}, {h.state.value}"

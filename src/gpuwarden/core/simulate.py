@@ -44,7 +44,16 @@ from enum import IntEnum, StrEnum
 
 from gpuwarden.core.ledger import Holding, HoldState, Ledger
 from gpuwarden.core.model import Lane, format_bytes
-from gpuwarden.core.policy import Decision, GpuView, QueuedJob, Refuse, Snapshot, Start, Wait
+from gpuwarden.core.policy import (
+    Decision,
+    Evict,
+    GpuView,
+    QueuedJob,
+    Refuse,
+    Snapshot,
+    Start,
+    Wait,
+)
 
 #: ``plan`` or anything with its signature.
 Planner = Callable[[Snapshot, float], Sequence[Decision]]
@@ -547,6 +556,8 @@ class _Sim:
                 admitted[g.uuid] = self.ledger.held_bytes(g.uuid)
         crashed: list[_Attempt] = []
         for d in decisions:
+            if isinstance(d, Evict):
+                raise SimError(f"evicted {d.holder}, but this simulation has no warm servers")
             job = self.jobs.get(d.job_id)
             if job is None or job.state is not _St.QUEUED:
                 raise SimError(f"the planner decided about {d.job_id!r}, which is not queued")

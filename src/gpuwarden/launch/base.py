@@ -59,6 +59,8 @@ class LaunchResult:
     reaped: tuple[int, ...] = field(default_factory=tuple)
     #: pids that outlived SIGKILL: their memory must not be counted free
     survivors: tuple[int, ...] = field(default_factory=tuple)
+    #: the warm server running the job died, hung or spoke garbage (infrastructure)
+    worker_error: str | None = None
 
 
 class Launcher(Protocol):

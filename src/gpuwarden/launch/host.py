@@ -141,6 +141,24 @@ def _carries_marker(proc: psutil.Process, marker: str) -> bool:
         return False
 
 
+def _marker_of(proc: psutil.Process) -> str | None:
+    try:
+        return proc.environ().get(ATTEMPT_ENV)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+        return None
+
+
+def find_instance_processes(instance: str) -> list[psutil.Process]:
+    """Every live process of any attempt or warm server of one broker instance
+    (``ATTEMPT_ENV`` starting with ``instance/``): what a crashed run left."""
+    prefix = f"{instance}/"
+    return [
+        p
+        for p in _all_processes()
+        if (m := _marker_of(p)) is not None and m.startswith(prefix) and not _is_gone(p)
+    ]
+
+
 def _all_processes() -> list[psutil.Process]:
     """Every process on the host except this one (no shared psutil cache: thread-safe)."""
     me = os.getpid()

@@ -1,0 +1,118 @@
+"""The warm servers of one node: which type's model is loaded where, and in what
+state. Owned by the broker loop; worker threads only drive the processes.
+
+A server's life: ``loading`` (its first job waits for it) -> ``busy`` (a job
+runs on it) <-> ``idle`` -> ``stopping`` (evicted, or it failed) -> gone. While it
+exists its memory is a ``warm`` holding in the VRAM ledger; once its process is
+confirmed gone the holding goes through the reclaim gate like an attempt's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gpuwarden.core.model import JobType
+from gpuwarden.core.policy import WarmView
+from gpuwarden.launch.serve import ServeWorker
+
+
+class ServerState(StrEnum):
+    LOADING = "loading"
+    BUSY = "busy"
+    IDLE = "idle"
+    STOPPING = "stopping"
+
+
+@dataclass
+class WarmServer:
+    type: JobType
+    gpu: str
+    epoch: int
+    worker: ServeWorker
+    footprint: int
+    idle_grace_s: float
+    state: ServerState = ServerState.LOADING
+    started_at: float = 0.0
+    load_s: float | None = None
+    pid: int | None = None
+    idle_since: float | None = None
+    jobs_served: int = 0
+    priority: int = 0
+    stop_reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def holder(self) -> str:
+        """Its name in the VRAM ledger."""
+        return f"warm:{self.type.name}:{self.epoch}"
+
+    def view(self) -> WarmView:
+        return WarmView(
+            type=self.type.name,
+            gpu_uuid=self.gpu,
+            holder=self.holder,
+            busy=self.state is not ServerState.IDLE,
+            idle_since=self.idle_since if self.state is ServerState.IDLE else None,
+            keep_warm=self.type.keep_warm,
+            load_s=self.load_s or 0.0,
+            idle_grace_s=self.idle_grace_s,
+            priority=self.priority,
+        )
+
+    def status(self, now: float) -> dict[str, Any]:
+        return {
+            "type": self.type.name,
+            "gpu": self.gpu,
+            "epoch": self.epoch,
+            "state": self.state.value,
+            "footprint_bytes": self.footprint,
+            "jobs_served": self.jobs_served,
+            "load_s": self.load_s,
+            "idle_s": round(now - self.idle_since, 1)
+            if self.idle_since is not None and self.state is ServerState.IDLE
+            else None,
+            "pid": self.pid,
+            "keep_warm": self.type.keep_warm,
+        }
+
+
+class WarmPool:
+    """At most one server per job type on a node."""
+
+    def __init__(self) -> None:
+        self.by_type: dict[str, WarmServer] = {}
+        # epochs only grow, across restarts too: a report from any earlier worker
+        # (of this run or the last) carries an epoch no current server has
+        self._epochs = itertools.count(time.time_ns() // 1_000_000)
+
+    def next_epoch(self) -> int:
+        return next(self._epochs)
+
+    def add(self, server: WarmServer) -> None:
+        if server.type.name in self.by_type:
+            raise ValueError(f"{server.type.name} already has a warm server")
+        self.by_type[server.type.name] = server
+
+    def get(self, type_name: str, epoch: int | None = None) -> WarmServer | None:
+        server = self.by_type.get(type_name)
+        if server is None or (epoch is not None and server.epoch != epoch):
+            return None
+        return server
+
+    def remove(self, server: WarmServer) -> None:
+        if self.by_type.get(server.type.name) is server:
+            del self.by_type[server.type.name]
+
+    def views(self) -> tuple[WarmView, ...]:
+        return tuple(s.view() for s in self.by_type.values())
+
+    def __iter__(self) -> Iterator[WarmServer]:
+        return iter(list(self.by_type.values()))
+
+    def __len__(self) -> int:
+        return len(self.by_type)

@@ -1,0 +1,205 @@
+"""Warm model servers through the broker loop, with real worker processes on the
+simulated GPU: load once and serve many, idle and on-demand eviction (in
+injected time), keep_warm, and a worker that crashes, hangs or fails a job."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpuwarden.app import Node, open_node
+from gpuwarden.config import Config
+from gpuwarden.core.model import JobSpec
+from gpuwarden.core.states import JobState
+from gpuwarden.intake.jobs import prepare
+from tests.conftest import MODULES
+
+TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
+
+
+class Clock:
+    """Real time plus an offset the test can push forward."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+def make_config(tmp_path: Path, *, gpus: int = 1, grace: float = 300) -> Config:
+    return Config.model_validate(
+        {
+            "state_dir": tmp_path / "state",
+            "node_name": "warmnode",
+            "gpu": "sim",
+            "module_paths": [MODULES, TEST_MODULES],
+            "sim_gpu": {"count": gpus, "vram_gib": 24, "release_delay_s": 0},
+            "broker": {"poll_interval_s": 0.02, "kill_grace_s": 0.3},
+            "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
+            "warm": {"idle_grace_s": grace, "stop_grace_s": 0.5},
+        }
+    )
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def node(tmp_path: Path, clock: Clock) -> Iterator[Node]:
+    with open_node(make_config(tmp_path), mock_gpu=True) as n:
+        n.broker.clock = clock
+        yield n
+        n.broker.shutdown(0)
+
+
+def submit(node: Node, *specs: JobSpec) -> None:
+    node.store.submit([prepare(node.broker.registry, s) for s in specs], now=time.time())
+
+
+def run_until(node: Node, done: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out waiting for the broker"
+        node.broker.tick()
+        time.sleep(0.02)
+
+
+def job(node: Node, job_id: str) -> JobState:
+    j = node.store.get_job(job_id)
+    assert j is not None
+    return j.state
+
+
+def served_pid(node: Node, job_id: str) -> int:
+    j = node.store.get_job(job_id)
+    assert j is not None and j.state is JobState.DONE, j
+    return int(json.loads((Path(j.result["output_dir"]) / "served.json").read_text())["pid"])
+
+
+def events(node: Node, kind: str) -> list[dict[str, object]]:
+    return [e.detail | {"job": e.job_id} for e in node.store.events() if e.kind == kind]
+
+
+def warm(i: str, **params: object) -> JobSpec:
+    return JobSpec(id=i, type="testmods.warm", params=params)
+
+
+def test_a_burst_loads_once_and_runs_back_to_back(node: Node) -> None:
+    submit(node, *(warm(f"w{i}") for i in range(4)))
+    run_until(node, lambda: all(job(node, f"w{i}").terminal for i in range(4)))
+    pids = {served_pid(node, f"w{i}") for i in range(4)}
+    assert len(pids) == 1  # one process served them all
+    assert len(events(node, "warm_server_loaded")) == 1
+    [server] = node.broker.status()["warm"]
+    assert server["jobs_served"] == 4 and server["state"] == "idle" and server["load_s"] > 0
+    # the server's memory is a warm holding in the ledger, not per job
+    [gpu] = node.broker.status()["gpus"]
+    assert [h["state"] for h in gpu["holdings"]] == ["warm"]
+
+
+def test_idle_grace_evicts_and_reclaims_in_injected_time(node: Node, clock: Clock) -> None:
+    submit(node, warm("a"))
+    run_until(node, lambda: job(node, "a").terminal)
+    pid = served_pid(node, "a")
+    node.broker.tick()
+    assert node.broker.status()["warm"], "still warm within its grace"
+    clock.offset += 301  # past the 300 s grace, without waiting for it
+    run_until(node, lambda: not node.broker.status()["warm"])
+    [stopped] = events(node, "warm_server_stopped")
+    assert "idle for" in str(stopped["reason"])
+    run_until(node, lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie")
+    run_until(node, lambda: not node.broker.status()["gpus"][0]["holdings"])  # reclaimed
+
+
+def test_a_waiting_job_evicts_an_idle_server_on_demand(node: Node) -> None:
+    submit(node, warm("a"))
+    run_until(node, lambda: job(node, "a").terminal)
+    # 20 GiB cannot fit beside the 6 GiB warm server on the one 24 GiB GPU
+    submit(node, JobSpec(id="big", type="testmods.gpu", params={"gib": 20, "seconds": 0.1}))
+    run_until(node, lambda: job(node, "big").terminal)
+    assert job(node, "big") is JobState.DONE
+    [stopped] = events(node, "warm_server_stopped")
+    assert "needed by job big" in str(stopped["reason"])
+
+
+def test_a_busy_server_is_never_evicted(node: Node) -> None:
+    submit(node, warm("slow", sleep_s=1.5))
+    run_until(node, lambda: job(node, "slow") is JobState.RUNNING)
+    submit(node, JobSpec(id="big", type="testmods.gpu", params={"gib": 20, "seconds": 0.1}))
+    run_until(node, lambda: job(node, "slow").terminal)
+    # the server was not stopped while its job ran: the job finished on it
+    assert job(node, "slow") is JobState.DONE
+    run_until(node, lambda: job(node, "big").terminal)
+    assert job(node, "big") is JobState.DONE
+
+
+def test_keep_warm_yields_only_to_higher_priority(tmp_path: Path) -> None:
+    with open_node(make_config(tmp_path), mock_gpu=True) as n:
+        submit(n, JobSpec(id="p", type="testmods.pinned", params={}))
+        run_until(n, lambda: job(n, "p").terminal)
+        submit(n, JobSpec(id="same", type="testmods.gpu", params={"gib": 20, "seconds": 0.1}))
+        for _ in range(20):
+            n.broker.tick()
+            time.sleep(0.02)
+        assert job(n, "same") is JobState.QUEUED  # a pinned server is not evicted for it
+        assert n.broker.status()["warm"]
+        submit(
+            n,
+            JobSpec(
+                id="urgent", type="testmods.gpu", params={"gib": 20, "seconds": 0.1}, priority=5
+            ),
+        )
+        run_until(n, lambda: job(n, "urgent").terminal)
+        assert job(n, "urgent") is JobState.DONE
+        [stopped] = events(n, "warm_server_stopped")
+        assert "higher priority" in str(stopped["reason"])
+        n.broker.shutdown(0)
+
+
+def test_a_jobs_own_failure_is_not_retried_and_the_server_lives_on(node: Node) -> None:
+    submit(node, warm("ok1"))
+    run_until(node, lambda: job(node, "ok1").terminal)
+    submit(node, warm("bad", behave="fail"))
+    run_until(node, lambda: job(node, "bad").terminal)
+    bad = node.store.get_job("bad")
+    assert bad is not None and bad.state is JobState.FAILED and bad.attempts == 1
+    assert "ValueError: this job fails by request" in bad.reason
+    submit(node, warm("ok2"))
+    run_until(node, lambda: job(node, "ok2").terminal)
+    assert served_pid(node, "ok1") == served_pid(node, "ok2")
+
+
+@pytest.mark.parametrize("behave", ["crash", "hang"])
+def test_a_dead_or_hung_worker_is_replaced_and_its_job_retried(node: Node, behave: str) -> None:
+    submit(node, warm("first"))
+    run_until(node, lambda: job(node, "first").terminal)
+    old = served_pid(node, "first")
+    submit(node, warm("doomed", behave=behave))
+    run_until(node, lambda: job(node, "doomed").terminal, timeout=40)
+    doomed = node.store.get_job("doomed")
+    assert doomed is not None and doomed.state is JobState.FAILED
+    assert doomed.attempts == 2  # an infrastructure failure: retried once (max_retries = 1)
+    assert "its warm server failed" in doomed.reason
+    assert not psutil.pid_exists(old) or psutil.Process(old).status() == "zombie"
+    submit(node, warm("after"))
+    run_until(node, lambda: job(node, "after").terminal)
+    assert served_pid(node, "after") != old  # a fresh worker
+    assert len(events(node, "warm_server_loaded")) >= 2
+
+
+def test_shutdown_stops_every_server(tmp_path: Path) -> None:
+    with open_node(make_config(tmp_path), mock_gpu=True) as n:
+        submit(n, warm("a"))
+        run_until(n, lambda: job(n, "a").terminal)
+        pid = served_pid(n, "a")
+        n.broker.shutdown(0)
+        assert not n.broker.status()["warm"]
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"

@@ -1,0 +1,38 @@
+"""A warm server for tests: loads (holds its type's VRAM on the simulated GPU)
+once, then serves jobs; a job's `behave` makes it fail, crash or hang."""
+
+import json
+import os
+import time
+
+from gpuwarden.gpu import simclient
+from gpuwarden.serve.worker import serve
+
+FOOTPRINT_GIB = {"testmods.warm": 6, "testmods.warm_big": 16, "testmods.pinned": 6}
+
+
+def load(ctx):
+    gpu = simclient.attach()
+    gib = FOOTPRINT_GIB[os.environ["GPUWARDEN_JOB_TYPE"]]
+    time.sleep(float(os.environ.get("TESTMODS_LOAD_S", "0.3")))
+    gpu.allocate(int(gib * 1024**3))
+    return {"gpu": gpu, "gib": gib, "pid": os.getpid(), "jobs": 0}
+
+
+def handle(model, job):
+    behave = job.params.get("behave", "ok")
+    if behave == "crash":
+        os._exit(3)
+    if behave == "hang":
+        time.sleep(3600)
+    if behave == "fail":
+        raise ValueError("this job fails by request")
+    time.sleep(float(job.params.get("sleep_s", 0)))
+    model["jobs"] += 1
+    (job.output_dir / "served.json").write_text(
+        json.dumps({"pid": model["pid"], "jobs_before": model["jobs"] - 1})
+    )
+    return f"served by PID {model['pid']} (job {model['jobs']} of this server)"
+
+
+serve(load, handle, device_bytes=lambda m: int(m["gib"] * 1024**3))
