@@ -50,7 +50,7 @@ from gpuwarden.launch.host import (
     find_instance_processes,
     stop_processes,
 )
-from gpuwarden.launch.serve import LoadReport, ServeError, ServeWorker
+from gpuwarden.launch.serve import LoadReport, ServeError, ServeWorker, placement_check
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import (
     BundleRecord,
@@ -683,14 +683,25 @@ class Broker:
     def _load_and_serve(self, server: WarmServer, run: _Running) -> None:
         """Worker thread: start the server's process, wait for its model, serve the job."""
         jobtype = server.type
+        # On a real GPU a worker must say how much of its model is on the device. The
+        # simulated GPU has no device for a real model: a worker that reports no
+        # figure there (it runs on the CPU by design) is not checked.
+        strict = self.probe.kind != "sim"
+        expected = jobtype.expected_device_bytes
         try:
             report = server.worker.start(
                 jobtype.load_timeout_s,
                 on_pid=lambda pid: self._post(
                     _ServerNote(jobtype.name, server.epoch, "pid", pid=pid)
                 ),
-                expected_device_bytes=jobtype.expected_device_bytes,
+                expected_device_bytes=expected if strict else None,
             )
+            why = (
+                None if strict or report.device_bytes is None else placement_check(report, expected)
+            )
+            if why is not None:
+                server.worker.stop(why)
+                raise ServeError(why, kind="placement")
         except ServeError as exc:
             self._post(self._served_result(run, worker_error=f"it could not load: {exc}"))
             self._post(

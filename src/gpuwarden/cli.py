@@ -642,6 +642,19 @@ def _print_status(node: str, pid: int | None, age: float, p: dict[str, Any], pro
     out.print(gpus)
     if holdings.row_count:
         out.print(holdings)
+    warm = Table("warm server", "GPU", "state", "VRAM", "jobs served", "load", "idle", "epoch")
+    for w in p.get("warm", []):
+        warm.add_row(
+            w["type"] + (" (kept warm)" if w.get("keep_warm") else ""),
+            w["gpu"],
+            w["state"],
+            format_bytes(w["footprint_bytes"]),
+            str(w["jobs_served"]),
+            "-" if w["load_s"] is None else f"{w['load_s']:.2f}s",
+            "-" if w["idle_s"] is None else f"{w['idle_s']:.0f}s",
+            str(w["epoch"]),
+        )
+    out.print(warm if warm.row_count else "warm servers: none")
     footprints = Table("job type", "declared", "measured", "admitted with")
     for name, f in p.get("footprints", {}).items():
         footprints.add_row(

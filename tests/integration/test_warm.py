@@ -203,3 +203,42 @@ def test_shutdown_stops_every_server(tmp_path: Path) -> None:
         n.broker.shutdown(0)
         assert not n.broker.status()["warm"]
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+
+
+def test_the_placement_check_refuses_a_model_partly_on_the_cpu(node: Node) -> None:
+    submit(node, JobSpec(id="half", type="testmods.halfway", params={}))
+    run_until(node, lambda: job(node, "half").terminal)
+    half = node.store.get_job("half")
+    assert half is not None and half.state is JobState.FAILED
+    assert "only 60% of the model" in half.reason and "fell back to the CPU" in half.reason
+    assert not node.broker.status()["warm"]
+
+
+def test_garbage_on_the_socket_fails_the_worker_not_the_broker(node: Node) -> None:
+    submit(node, JobSpec(id="junk", type="testmods.garbage", params={}))
+    run_until(node, lambda: job(node, "junk").terminal)
+    junk = node.store.get_job("junk")
+    assert junk is not None and junk.state is JobState.FAILED and junk.attempts == 2
+    assert "its warm server failed" in junk.reason
+    submit(node, warm("fine"))  # the broker goes on
+    run_until(node, lambda: job(node, "fine").terminal)
+    assert job(node, "fine") is JobState.DONE
+
+
+def test_the_templates_warm_server_serves(tmp_path: Path) -> None:
+    import shutil
+
+    dest = tmp_path / "mods" / "example"
+    shutil.copytree(MODULES / "_TEMPLATE", dest)
+    toml = (dest / "module.toml").read_text().replace('name = "_TEMPLATE"', 'name = "example"')
+    (dest / "module.toml").write_text(toml)
+    config = make_config(tmp_path).model_copy(update={"module_paths": [tmp_path / "mods"]})
+    with open_node(config, mock_gpu=True) as n:
+        submit(n, JobSpec(id="t1", type="example.served", params={"prompt": "world"}))
+        submit(n, JobSpec(id="t2", type="example.served", params={"prompt": "again"}))
+        run_until(n, lambda: job(n, "t1").terminal and job(n, "t2").terminal)
+        t2 = n.store.get_job("t2")
+        assert t2 is not None and t2.state is JobState.DONE, t2
+        assert t2.result["message"] == "hello, again"
+        assert len(events(n, "warm_server_loaded")) == 1
+        n.broker.shutdown(0)

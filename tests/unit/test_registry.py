@@ -159,7 +159,10 @@ def test_template_is_valid_when_copied_and_renamed(tmp_path: Path) -> None:
     module = parse_module(dest)
     assert module.name == "example"
     assert module.path == dest.resolve()
-    assert [t.name for t in module.types] == ["example.example"]
+    assert [t.name for t in module.types] == ["example.example", "example.served"]
+    served = module.types[1]
+    assert served.launch is LaunchMode.SERVE and served.load_timeout_s == 600.0
+    assert not served.keep_warm and served.expected_device_bytes is None
     jt = module.types[0]
     assert jt.lane is Lane.VRAM
     assert jt.launch is LaunchMode.HOST

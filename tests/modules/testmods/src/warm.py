@@ -8,7 +8,14 @@ import time
 from gpuwarden.gpu import simclient
 from gpuwarden.serve.worker import serve
 
-FOOTPRINT_GIB = {"testmods.warm": 6, "testmods.warm_big": 16, "testmods.pinned": 6}
+FOOTPRINT_GIB = {
+    "testmods.warm": 6,
+    "testmods.warm_big": 16,
+    "testmods.pinned": 6,
+    "testmods.halfway": 6,
+}
+#: the share of its model a server says sits in device memory
+ON_DEVICE = {"testmods.halfway": 0.6}
 
 
 def load(ctx):
@@ -35,4 +42,9 @@ def handle(model, job):
     return f"served by PID {model['pid']} (job {model['jobs']} of this server)"
 
 
-serve(load, handle, device_bytes=lambda m: int(m["gib"] * 1024**3))
+def device_bytes(model):
+    share = ON_DEVICE.get(os.environ["GPUWARDEN_JOB_TYPE"], 1.0)
+    return int(model["gib"] * share * 1024**3)
+
+
+serve(load, handle, device_bytes=device_bytes)
