@@ -431,7 +431,10 @@ class HostLauncher:
             return failed_to_start(_describe_start_error(req.argv[0], exc))
 
         if on_start is not None:
-            on_start(proc.pid)
+            try:
+                on_start(proc.pid)
+            except Exception:  # a caller's bug must not leave the process unwatched
+                log.exception("on_start callback failed for %s", req.marker)
         main = _main_proc(proc.pid)
         tree = _Tree(proc.pid, req.marker)
         timed_out = stopped = False
