@@ -11,6 +11,10 @@ worker process with two more environment variables:
 ``GPUWARDEN_SERVE_EPOCH``   the worker's epoch, a decimal integer
 =========================  ====================================================
 
+The worker also gets ``GPUWARDEN_SCRATCH_DIR``, a scratch folder for its load
+(``<worker log dir>/scratch`` unless the broker sets another), besides the
+usual job environment (section 7) with its GPU in ``CUDA_VISIBLE_DEVICES``.
+
 The worker connects once. The broker accepts one connection, then closes the
 listening socket and removes its file; nobody else can connect.
 
@@ -80,7 +84,9 @@ Sequence
 Epochs and attempts
 -------------------
 Each worker the broker starts gets a new epoch, never reused on that node. The
-worker ignores a message whose epoch is not its own. The broker counts a
+worker ignores a message whose epoch is not its own, and one of its own epoch
+whose type it does not know; it exits with status 1 on garbage or a malformed
+``job``. The broker counts a
 ``result`` only if its epoch, job and attempt are those of the job it is
 waiting for; any other message (from an evicted or replaced worker, or for a
 superseded attempt) is dropped and logged, never recorded.
