@@ -604,6 +604,8 @@ class Broker:
         server = self.warm.get(jobtype.name)
         if decision.warm and (server is None or server.state is not ServerState.IDLE):
             return  # it changed since the plan: the next pass decides again
+        if not decision.warm and server is not None:
+            return  # one server per type: the old one is still there (stopping)
         try:
             job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
         except TransitionError:

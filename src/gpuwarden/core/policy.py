@@ -203,7 +203,7 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
     cpu_free = snapshot.cpu_slots - snapshot.running_cpu
     gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
     warm = _Warm(snapshot.warm)
-    evictions = warm.expired(now)
+    evictions = warm.expired(now, {j.type for j in snapshot.queued})
     decisions: list[Decision] = []
     for job in order(snapshot.queued):
         if not snapshot.accepting:
@@ -235,10 +235,11 @@ class _Warm:
         self.taken: dict[str, str] = {}  # type -> why later jobs of it wait this pass
         self.evicting: set[str] = set()
 
-    def expired(self, now: float) -> list[Decision]:
+    def expired(self, now: float, wanted: set[str]) -> list[Decision]:
+        """Servers idle past their grace, unless a queued job wants them now."""
         out: list[Decision] = []
         for w in self.by_type.values():
-            if w.busy or w.keep_warm or w.idle_since is None:
+            if w.busy or w.keep_warm or w.idle_since is None or w.type in wanted:
                 continue
             idle = now - w.idle_since
             if idle >= w.idle_grace_s:
@@ -259,8 +260,10 @@ class _Warm:
         if job.type in self.taken:
             return Wait(job.id, self.taken[job.type])
         w = self.by_type.get(job.type)
-        if w is None or w.holder in self.evicting:
+        if w is None:
             return None
+        if w.holder in self.evicting:  # it waits for the old one to go, then loads anew
+            return Wait(job.id, f"its warm {w.type} server on {w.gpu_uuid} is being stopped")
         if w.busy:
             return Wait(job.id, f"waits for the warm {w.type} server on {w.gpu_uuid} (busy)")
         self.taken[job.type] = f"waits for the warm {w.type} server on {w.gpu_uuid} (busy)"

@@ -32,14 +32,46 @@ cancellation, retry, foreign allocation, reclaim timeout) while anything is
 queued; its ``Start`` decisions are carried out in order, ``Refuse`` fails the
 job with the reason, ``Wait`` records the reason. The run ends when no event is
 left: a job still queued then is reported ``waiting`` with its last reason.
+
+Warm servers (launch mode ``serve``, a :class:`TraceJob` with ``serve=True``) are
+modelled the way the broker drives them (``broker._start_served``, ``_evict``):
+
+- a ``Start`` (not ``warm``) of a serve job starts a server of its type on the
+  planned GPU: the type's footprint is held as a ``warm`` holding named
+  ``warm:<type>:<epoch>`` (epochs count up from 1), the device shows the type's
+  real peak used from that moment, the model loads for ``load_s`` and then the
+  job runs for ``duration_s``. Each such start is one model load;
+- a ``Start(warm=True)`` hands the job to the type's idle server on that GPU: no
+  new memory, no load, the job runs for ``duration_s``. A server serves one job
+  at a time, and the planner sees it busy while it loads or runs one;
+- a server whose job ended (done, or the job's own failure) is idle from then on;
+  the planner is called when its idle grace (``TraceJob.idle_grace_s`` of the job
+  that started it, else ``SimOptions.idle_grace_s``) runs out, so an ``Evict``
+  for the grace lands on time even when nothing is queued;
+- an ``Evict`` stops the idle server at once: its holding turns ``reclaiming``
+  and is released ``reclaim_delay_s`` later, like an attempt's. A server whose
+  load crashed (out of memory), or whose job was cancelled, stops the same way;
+- ``QueuedJob.serve`` and ``QueuedJob.warm`` are set as the broker sets them
+  (``warm``: its type has a server, loading, busy or idle), and ``Snapshot.warm``
+  has a :class:`~gpuwarden.core.policy.WarmView` per server (``load_s`` is 0 until
+  the load is over, as in the broker, where it is the measured load time).
+
+These are planner bugs (:class:`SimError`): an ``Evict`` of a busy, unknown or
+already stopped server; a warm ``Start`` with no idle server of the type on that
+GPU; a second server of a type that has one; and a new server of a type whose
+server was evicted in the same planning pass (the broker keeps a stopping server
+in its pool until its process is gone, so ``WarmPool.add`` would raise there).
+A served job's run time (for the estimates) excludes the load, as the broker's
+``started_at`` of a served result does. Servers never leak memory.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 
 from gpuwarden.core.ledger import Holding, HoldState, Ledger
@@ -53,6 +85,7 @@ from gpuwarden.core.policy import (
     Snapshot,
     Start,
     Wait,
+    WarmView,
 )
 
 #: ``plan`` or anything with its signature.
@@ -90,6 +123,16 @@ class TraceJob:
     leak_bytes: int = 0
     #: when the client cancels it (queued: removed; running: stopped), if ever
     cancel_at_s: float | None = None
+    #: its type runs in a warm server (launch mode ``serve``); the fields below are
+    #: the type's and are taken from the job that starts a server
+    serve: bool = False
+    #: how long the server's model takes to load (before its first job runs)
+    load_s: float = 0.0
+    #: the server is never evicted for idleness, and yields its memory only to a
+    #: job of higher priority than the jobs it serves
+    keep_warm: bool = False
+    #: how long the server may stay idle before it is evicted (None: the options')
+    idle_grace_s: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -128,6 +171,8 @@ class SimOptions:
     record_history: bool = False
     #: stop processing events after this virtual time (None: run until none is left)
     until_s: float | None = None
+    #: a warm server's idle grace when its type names none (``[warm] idle_grace_s``)
+    idle_grace_s: float = 300.0
 
 
 class Outcome(StrEnum):
@@ -154,6 +199,8 @@ class JobRecord:
     oom_crashes: int = 0
     #: the GPU held back for it at its last wait, if any
     reserved_gpu: str | None = None
+    #: its last attempt was handed to an already loaded warm server
+    served_warm: bool = False
 
     @property
     def completion_s(self) -> float | None:
@@ -161,6 +208,23 @@ class JobRecord:
         if self.end_s is None or self.outcome not in (Outcome.DONE, Outcome.FAILED):
             return None
         return self.end_s - self.arrival_s
+
+
+@dataclass(slots=True)
+class ServerRecord:
+    """One warm server's life."""
+
+    holder: str  # its name in the ledger: ``warm:<type>:<epoch>``
+    type: str
+    gpu: str
+    started_s: float
+    #: when its model was loaded (None: the load crashed, or it was stopped first)
+    loaded_s: float | None = None
+    stopped_s: float | None = None
+    #: when its memory was shown free and its holding released
+    released_s: float | None = None
+    jobs_served: int = 0
+    reason: str = ""  # why it stopped
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,12 +257,15 @@ class SimResult:
     events: int
     #: GPU -> why it was degraded when the run ended
     degraded: dict[str, str]
-    #: holdings still in the ledger at the end (memory never shown free)
+    #: holdings still in the ledger at the end (memory never shown free), besides
+    #: those of warm servers still running
     leaked: tuple[Holding, ...]
     history: list[LedgerSample]
     ledger: Ledger
     #: type -> footprint learned by measurement (only types that were raised)
     footprints: dict[str, int]
+    #: every warm server started, in start order
+    servers: list[ServerRecord] = field(default_factory=list)
 
     @property
     def completions(self) -> list[float]:
@@ -223,6 +290,7 @@ class _Ev(IntEnum):
     FOREIGN_START = 4
     ARRIVE = 5
     CANCEL = 6
+    GRACE = 7  # a warm server's idle grace runs out: plan (its eviction is due)
 
 
 class _St(IntEnum):
@@ -246,6 +314,50 @@ RUN_TIME_WINDOW = 20
 
 
 @dataclass(slots=True)
+class _Server:
+    record: ServerRecord
+    declared: int  # the type's declared footprint
+    peak: int  # what its model really uses on the device
+    load_s: float
+    keep_warm: bool
+    idle_grace_s: float
+    priority: int
+    physical: int = 0
+    device_alone: bool = False
+    alone: bool = False
+    #: the attempt it loads for or runs (None: idle)
+    job: str | None = None
+    idle_since: float | None = None
+    stopped: bool = False
+
+    @property
+    def holder(self) -> str:
+        return self.record.holder
+
+    @property
+    def gpu(self) -> str:
+        return self.record.gpu
+
+    @property
+    def leak_bytes(self) -> int:
+        return 0
+
+    def view(self, now: float) -> WarmView:
+        loaded = self.record.loaded_s
+        return WarmView(
+            type=self.record.type,
+            gpu_uuid=self.gpu,
+            holder=self.holder,
+            busy=self.job is not None,
+            idle_since=self.idle_since if self.job is None else None,
+            keep_warm=self.keep_warm,
+            load_s=self.load_s if loaded is not None and loaded <= now else 0.0,
+            idle_grace_s=self.idle_grace_s,
+            priority=self.priority,
+        )
+
+
+@dataclass(slots=True)
 class _Attempt:
     holder: str
     job: _Job
@@ -257,6 +369,14 @@ class _Attempt:
     alone: bool = False
     ended: bool = False
     started: float = 0.0
+    #: when the job itself began to run (after its server's load, if any)
+    run_from: float = 0.0
+    #: the warm server it runs on (then it holds no memory of its own)
+    server: _Server | None = None
+
+    @property
+    def leak_bytes(self) -> int:
+        return self.job.trace.leak_bytes
 
 
 @dataclass(slots=True)
@@ -283,6 +403,12 @@ class _Sim:
     plan_calls: int = 0
     events: int = 0
     history: list[LedgerSample] = field(default_factory=list)
+    #: every warm server by holder, and the live one of each type
+    servers: dict[str, _Server] = field(default_factory=dict)
+    warm: dict[str, _Server] = field(default_factory=dict)
+    epoch: int = 0
+    #: a warm server's grace ran out: plan even if nothing is queued
+    wake: bool = False
 
     # --- events -------------------------------------------------------------------
 
@@ -301,7 +427,8 @@ class _Sim:
                 _, kind, _, payload = heapq.heappop(heap)
                 self.events += 1
                 self.handle(_Ev(kind), payload, now)
-            if self.queued:
+            if self.queued or self.wake:
+                self.wake = False
                 self.plan(now)
 
     def handle(self, kind: _Ev, payload: str, now: float) -> None:
@@ -316,19 +443,23 @@ class _Sim:
                 failed = attempt.job.trace.fails
                 if not failed:
                     times = self.run_times.setdefault(attempt.job.trace.type, [])
-                    times.append(now - attempt.started)
+                    times.append(now - attempt.run_from)
                     del times[:-RUN_TIME_WINDOW]
                 self.end_attempt(
                     attempt,
                     now,
                     Outcome.FAILED if failed else Outcome.DONE,
                     "the job failed (its own error; not retried)" if failed else "",
+                    server_lives=True,
                 )
         elif kind is _Ev.RELEASE:
-            self.free_memory(self.attempts[payload])
+            self.free_memory(self.user(payload), now)
+        elif kind is _Ev.GRACE:
+            server = self.servers[payload]
+            if not server.stopped and server.job is None:
+                self.wake = True
         elif kind is _Ev.RECLAIM_TIMEOUT:
-            attempt = self.attempts[payload]
-            gpu = attempt.gpu
+            gpu = self.user(payload).gpu
             if gpu is not None and self.ledger.get(payload) is not None:
                 self.degraded.setdefault(gpu, {})[payload] = (
                     f"the reclaim gate timed out: {payload}'s memory was never shown free"
@@ -349,6 +480,11 @@ class _Sim:
             got = self.foreign_got.pop(i, 0)
             self.physical[alloc.gpu] -= got
             self.foreign[alloc.gpu] -= got
+
+    def user(self, holder: str) -> _Attempt | _Server:
+        """Whoever holds (or held) ledger memory under this name."""
+        attempt = self.attempts.get(holder)
+        return attempt if attempt is not None else self.servers[holder]
 
     def gpu(self, uuid: str) -> SimGpu:
         g = self.by_uuid.get(uuid)
@@ -376,6 +512,7 @@ class _Sim:
             seq=job.seq,
             coresident=t.coresident,
             expected_s=self.estimate(t.type),
+            serve=t.serve,
         )
 
     def cancel(self, job: _Job, now: float) -> None:
@@ -389,7 +526,12 @@ class _Sim:
             self.end_attempt(self.attempts[job.holder], now, Outcome.CANCELLED, "cancelled")
 
     def start(
-        self, job: _Job, gpu: str | None, now: float, backfill_for: str | None = None
+        self,
+        job: _Job,
+        gpu: str | None,
+        now: float,
+        backfill_for: str | None = None,
+        warm: bool = False,
     ) -> _Attempt | None:
         """Start an attempt; returns it when it crashed at once (out of memory)."""
         t = job.trace
@@ -402,16 +544,19 @@ class _Sim:
         rec.reserved_gpu = None
         job.state = _St.RUNNING
         job.holder = holder = f"{t.id}/{rec.attempts}"
-        attempt = _Attempt(holder, job, gpu, started=now)
+        attempt = _Attempt(holder, job, gpu, started=now, run_from=now)
         self.attempts[holder] = attempt
+        rec.served_warm = warm
         if gpu is None:
             self.running_cpu += 1
             self.push(now + t.duration_s, _Ev.END, holder)
             return None
+        if t.serve:
+            return self.start_served(attempt, gpu, now, warm)
         need = self.footprint(t)
         others = self.ledger.holdings(gpu)
         for h in others:
-            self.attempts[h.holder].alone = False
+            self.user(h.holder).alone = False
         attempt.alone = not others
         self.ledger.hold(
             gpu,
@@ -441,6 +586,94 @@ class _Sim:
             self.ledger.update(holder, bytes=peak)
         self.push(now + t.duration_s, _Ev.END, holder)
         return None
+
+    def start_served(self, attempt: _Attempt, gpu: str, now: float, warm: bool) -> _Attempt | None:
+        """Hand the attempt to its type's idle server, or start a server for it."""
+        t = attempt.job.trace
+        if warm:
+            server = self.warm[t.type]  # checked by plan()
+            server.job = attempt.holder
+            server.idle_since = None
+            server.priority = t.priority
+            attempt.server = server
+            self.push(now + t.duration_s, _Ev.END, attempt.holder)
+            return None
+        need = self.footprint(t)
+        self.epoch += 1
+        record = ServerRecord(f"warm:{t.type}:{self.epoch}", t.type, gpu, now)
+        server = _Server(
+            record=record,
+            declared=t.vram_bytes,
+            peak=t.peak_bytes,
+            load_s=t.load_s,
+            keep_warm=t.keep_warm,
+            idle_grace_s=self.opts.idle_grace_s if t.idle_grace_s is None else t.idle_grace_s,
+            priority=t.priority,
+            job=attempt.holder,
+        )
+        self.servers[record.holder] = server
+        self.warm[t.type] = server
+        attempt.server = server
+        others = self.ledger.holdings(gpu)
+        for h in others:
+            self.user(h.holder).alone = False
+        server.alone = not others
+        self.ledger.hold(
+            gpu,
+            Holding(
+                holder=record.holder,
+                type=t.type,
+                bytes=need,
+                coresident=t.coresident,
+                state=HoldState.WARM,
+                since=now,
+            ),
+        )
+        self.model_loads += 1
+        used = self.physical[gpu]
+        free = self.gpu(gpu).total_bytes - used
+        server.device_alone = attempt.device_alone = used == 0
+        if server.peak > free:
+            server.physical = max(0, free)
+            self.physical[gpu] += server.physical
+            return attempt
+        server.physical = server.peak
+        self.physical[gpu] += server.peak
+        if self.opts.measure and server.peak > need:
+            self.ledger.update(record.holder, bytes=server.peak)
+        record.loaded_s = attempt.run_from = now + t.load_s
+        self.push(now + t.load_s + t.duration_s, _Ev.END, attempt.holder)
+        return None
+
+    def stop_server(self, server: _Server, now: float, reason: str) -> None:
+        """The server's process is gone: its holding waits for the reclaim gate."""
+        server.stopped = True
+        server.job = None
+        record = server.record
+        record.stopped_s = now
+        record.reason = reason
+        if record.loaded_s is not None and record.loaded_s > now:
+            record.loaded_s = None  # stopped while it loaded
+        if self.warm.get(record.type) is server:
+            del self.warm[record.type]
+        self.ledger.update(record.holder, state=HoldState.RECLAIMING, since=now)
+        opts = self.opts
+        if opts.measure and server.alone and server.physical == server.peak > server.declared:
+            self.learn(record.type, server.peak)
+        self.push(now + opts.reclaim_delay_s, _Ev.RELEASE, record.holder)
+        if opts.reclaim_delay_s >= opts.reclaim_timeout_s:
+            self.push(now + opts.reclaim_timeout_s, _Ev.RECLAIM_TIMEOUT, record.holder)
+
+    def idle(self, server: _Server, now: float) -> None:
+        server.job = None
+        server.idle_since = now
+        server.record.jobs_served += 1
+        if server.keep_warm:
+            return
+        due = now + server.idle_grace_s
+        while due - now < server.idle_grace_s:  # the planner's test, float for float
+            due = math.nextafter(due, math.inf)
+        self.push(due, _Ev.GRACE, server.holder)
 
     def learn(self, type_: str, peak: int) -> None:
         if peak <= self.footprints.get(type_, 0):
@@ -479,9 +712,17 @@ class _Sim:
             self.end_attempt(attempt, now, Outcome.FAILED, why)
 
     def end_attempt(
-        self, attempt: _Attempt, now: float, outcome: Outcome | None, reason: str
+        self,
+        attempt: _Attempt,
+        now: float,
+        outcome: Outcome | None,
+        reason: str,
+        *,
+        server_lives: bool = False,
     ) -> None:
-        """End an attempt: ``outcome`` None means the job will be retried."""
+        """End an attempt: ``outcome`` None means the job will be retried. A warm
+        server it ran on goes idle if ``server_lives`` (the job ran to its end, done
+        or its own failure), else it is stopped (crashed, or cancelled)."""
         attempt.ended = True
         job = attempt.job
         rec = job.record
@@ -493,6 +734,14 @@ class _Sim:
         if attempt.gpu is None:
             self.running_cpu -= 1
             return
+        server = attempt.server
+        if server is not None:
+            if server_lives:
+                self.idle(server, now)
+            else:
+                why = "its job was cancelled" if outcome is Outcome.CANCELLED else "it crashed"
+                self.stop_server(server, now, why)
+            return
         self.ledger.update(attempt.holder, state=HoldState.RECLAIMING, since=now)
         opts = self.opts
         peak = job.trace.peak_bytes
@@ -502,10 +751,10 @@ class _Sim:
         if job.trace.leak_bytes > 0 or opts.reclaim_delay_s >= opts.reclaim_timeout_s:
             self.push(now + opts.reclaim_timeout_s, _Ev.RECLAIM_TIMEOUT, attempt.holder)
 
-    def free_memory(self, attempt: _Attempt) -> None:
+    def free_memory(self, attempt: _Attempt | _Server, now: float) -> None:
         """The process is gone: the device frees all but the leaked bytes."""
         gpu = attempt.gpu or ""
-        leaked = min(attempt.job.trace.leak_bytes, attempt.physical)
+        leaked = min(attempt.leak_bytes, attempt.physical)
         self.physical[gpu] -= attempt.physical - leaked
         attempt.physical = leaked
         if leaked:  # never shown free: the holding shrinks to it, the gate times out
@@ -514,6 +763,8 @@ class _Sim:
                 self.ledger.update(attempt.holder, bytes=leaked)
             return
         self.ledger.release(attempt.holder)
+        if isinstance(attempt, _Server):
+            attempt.record.released_s = now
         marks = self.degraded.get(gpu)
         if marks is not None:
             marks.pop(attempt.holder, None)
@@ -522,7 +773,7 @@ class _Sim:
 
     # --- planning -----------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, now: float) -> Snapshot:
         ledger = self.ledger
         views = tuple(
             GpuView(
@@ -535,11 +786,22 @@ class _Sim:
             )
             for g in self.gpus
         )
+        warm = self.warm
+        # warm and the run-time estimate are read fresh each pass, as the broker does
+        queued = tuple(
+            replace(
+                q,
+                warm=q.serve and q.type in warm,
+                expected_s=self.estimate(q.type),
+            )
+            for q in self.queued.values()
+        )
         return Snapshot(
-            queued=tuple(self.queued.values()),
+            queued=queued,
             gpus=views,
             running_cpu=self.running_cpu,
             cpu_slots=self.opts.cpu_slots,
+            warm=tuple(s.view(now) for s in warm.values()),
         )
 
     def degraded_reason(self, gpu: str) -> str:
@@ -548,16 +810,19 @@ class _Sim:
 
     def plan(self, now: float) -> None:
         self.plan_calls += 1
-        decisions = self.planner(self.snapshot(), now)
+        decisions = self.planner(self.snapshot(now), now)
         started: Counter[str] = Counter()
         admitted: Counter[str] = Counter()
         if self.opts.record_history:
             for g in self.gpus:
                 admitted[g.uuid] = self.ledger.held_bytes(g.uuid)
         crashed: list[_Attempt] = []
+        evicted: dict[str, str] = {}  # type -> holder, evicted in this pass
         for d in decisions:
             if isinstance(d, Evict):
-                raise SimError(f"evicted {d.holder}, but this simulation has no warm servers")
+                self.evict(d, now)
+                evicted[d.type] = d.holder
+                continue
             job = self.jobs.get(d.job_id)
             if job is None or job.state is not _St.QUEUED:
                 raise SimError(f"the planner decided about {d.job_id!r}, which is not queued")
@@ -567,10 +832,15 @@ class _Sim:
                     raise SimError(f"{d.job_id} is a {lane} job: started on {d.gpu_uuid!r}")
                 if d.gpu_uuid is not None and d.gpu_uuid not in self.physical:
                     raise SimError(f"{d.job_id} started on unknown GPU {d.gpu_uuid!r}")
+                if d.gpu_uuid is not None and job.trace.serve:
+                    self.check_served(d, job.trace, evicted)
+                elif d.warm:
+                    raise SimError(f"{d.job_id} was started warm, but its type has no servers")
                 if d.gpu_uuid is not None:
                     started[d.gpu_uuid] += 1
-                    admitted[d.gpu_uuid] += self.footprint(job.trace)
-                attempt = self.start(job, d.gpu_uuid, now, d.backfill_for)
+                    if not d.warm:
+                        admitted[d.gpu_uuid] += self.footprint(job.trace)
+                attempt = self.start(job, d.gpu_uuid, now, d.backfill_for, d.warm)
                 if attempt is not None:
                     crashed.append(attempt)
             elif isinstance(d, Refuse):
@@ -587,6 +857,38 @@ class _Sim:
             self.crash(attempt, now)
         if self.opts.record_history:
             self.sample(now, started, admitted)
+
+    def evict(self, d: Evict, now: float) -> None:
+        server = self.servers.get(d.holder)
+        if server is None or server.stopped:
+            state = "unknown" if server is None else "already stopped"
+            raise SimError(f"evicted warm server {d.holder!r}, which is {state}")
+        if server.job is not None:
+            raise SimError(f"evicted warm server {d.holder}, which is busy with {server.job}")
+        if (d.type, d.gpu_uuid) != (server.record.type, server.gpu):
+            raise SimError(
+                f"evicted {d.holder} as a {d.type} server on {d.gpu_uuid}; it is a "
+                f"{server.record.type} server on {server.gpu}"
+            )
+        self.stop_server(server, now, f"evicted: {d.reason}")
+
+    def check_served(self, d: Start, t: TraceJob, evicted: dict[str, str]) -> None:
+        server = self.warm.get(t.type)
+        if d.warm:
+            if server is None or server.job is not None or server.gpu != d.gpu_uuid:
+                had = "no server" if server is None else f"{server.holder} on {server.gpu}"
+                busy = " (busy)" if server is not None and server.job is not None else ""
+                raise SimError(
+                    f"{d.job_id} was started warm on {d.gpu_uuid}, but {t.type} has {had}{busy}"
+                )
+        elif server is not None:
+            raise SimError(f"{d.job_id} starts a second {t.type} server while {server.holder} runs")
+        elif t.type in evicted:
+            raise SimError(
+                f"{d.job_id} starts a new {t.type} server in the pass that evicted "
+                f"{evicted[t.type]}: the broker keeps a stopping server in its pool until "
+                "its process is gone (WarmPool.add would raise)"
+            )
 
     def sample(self, now: float, started: Counter[str], admitted: Counter[str]) -> None:
         for g in self.gpus:
@@ -654,7 +956,7 @@ def simulate(
     sim.run()
     ends = [j.record.end_s for j in sim.jobs.values() if j.record.end_s is not None]
     degraded = {g: sim.degraded_reason(g) for g in uuids if sim.degraded.get(g)}
-    leaked = tuple(h for u in uuids for h in led.holdings(u))
+    leaked = tuple(h for u in uuids for h in led.holdings(u) if h.state is not HoldState.WARM)
     return SimResult(
         jobs={k: j.record for k, j in sim.jobs.items()},
         makespan_s=max(ends, default=0.0),
@@ -667,4 +969,5 @@ def simulate(
         history=sim.history,
         ledger=led,
         footprints=dict(sim.footprints),
+        servers=[s.record for s in sim.servers.values()],
     )
