@@ -1,0 +1,55 @@
+"""What the broker loop keeps per running attempt, and what worker threads post
+to it. Worker threads only ever create these messages; the loop reads them."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpuwarden.core.model import Attempt, Job, JobType
+from gpuwarden.launch.serve import LoadReport
+
+if TYPE_CHECKING:
+    from gpuwarden.warm import WarmServer
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """Posted by a worker thread as soon as the attempt's main process runs."""
+
+    job_id: str
+    attempt: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServerNote:
+    """Posted by a warm server's thread: it got a PID, loaded, or is gone."""
+
+    type: str
+    epoch: int
+    what: str  # "pid", "loaded" or "gone"
+    pid: int | None = None
+    report: LoadReport | None = None
+    reason: str = ""
+
+
+@dataclass
+class RunningAttempt:
+    """An attempt this broker started and has not drained yet (loop-owned)."""
+
+    job: Job
+    attempt: Attempt
+    jobtype: JobType
+    attempt_dir: Path
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    stop_reason: str | None = None  # "cancel" or "shutdown"
+    server: WarmServer | None = None  # the warm server it runs on (serve types)
+
+    @property
+    def holder(self) -> str:
+        """The attempt's name in the VRAM ledger."""
+        return f"{self.job.id}/{self.attempt.number}"

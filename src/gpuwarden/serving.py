@@ -1,0 +1,322 @@
+"""The warm-server half of the broker loop (launch mode ``serve``).
+
+:class:`WarmServing` is mixed into :class:`gpuwarden.broker.Broker`: these
+methods run on the loop thread, except ``_load_and_serve`` and ``_serve``, which
+run on a worker thread per job, drive a :class:`ServeWorker`, and only post
+messages (:class:`RunningAttempt` results and :class:`ServerNote`) back.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuwarden.config import Config
+from gpuwarden.core import policy
+from gpuwarden.core.ledger import HoldState
+from gpuwarden.core.model import Job, JobType
+from gpuwarden.errors import TransitionError
+from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.launch.base import LaunchRequest, LaunchResult
+from gpuwarden.launch.host import HostLauncher
+from gpuwarden.launch.serve import ServeError, ServeWorker, placement_check
+from gpuwarden.registry import Registry
+from gpuwarden.running import RunningAttempt, ServerNote, Started
+from gpuwarden.store.base import Store
+from gpuwarden.vram import VramBook
+from gpuwarden.warm import ServerState, WarmPool, WarmServer
+
+
+class WarmServing:
+    """Warm servers of one node, driven from the broker loop."""
+
+    # provided by the Broker this is mixed into
+    config: Config
+    store: Store
+    probe: GpuProbe
+    registry: Registry
+    vram: VramBook
+    warm: WarmPool
+    node: str
+    instance: str
+    _running: dict[str, RunningAttempt]
+    _waits: dict[str, str]
+    _status_dirty: bool
+    _completions: queue.Queue[LaunchResult | Started | ServerNote]
+    _wake: threading.Event
+    _jobs_dir: Path
+
+    if TYPE_CHECKING:
+
+        def _emit(self, kind: str, **detail: Any) -> None: ...
+
+        def footprint(self, jobtype: JobType, override: int | None = None) -> int: ...
+
+        def _params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]: ...
+
+        def _base_env(self, gpu: str | None) -> dict[str, str]: ...
+
+        def _raise_footprint(
+            self, jobtype: JobType, peak: int, override: int | None, source: str, now: float
+        ) -> None: ...
+
+    def _start_served(
+        self, job: Job, jobtype: JobType, decision: policy.Start, gpu: str, now: float
+    ) -> None:
+        """Hand the job to its type's warm server, loading one first if there is none."""
+        server = self.warm.get(jobtype.name)
+        if decision.warm and (server is None or server.state is not ServerState.IDLE):
+            return  # it changed since the plan: the next pass decides again
+        if not decision.warm and server is not None:
+            return  # one server per type: the old one is still there (stopping)
+        try:
+            job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
+        except TransitionError:
+            return
+        attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
+        run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
+        for d in (attempt_dir / "out", attempt_dir / "scratch"):
+            d.mkdir(parents=True, exist_ok=True)
+        if server is None or not decision.warm:
+            server = self._new_server(jobtype, gpu, job.priority, now)
+            target = self._load_and_serve
+        else:
+            server.state = ServerState.BUSY
+            target = self._serve
+        server.priority = job.priority
+        run.server = server
+        run.thread = threading.Thread(
+            target=target,
+            args=(server, run),
+            name=f"serve-{job.id}-{attempt.number}",
+            daemon=True,
+        )
+        self._running[job.id] = run
+        self._waits.pop(job.id, None)
+        self._status_dirty = True
+        run.thread.start()
+
+    def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
+        epoch = self.warm.next_epoch()
+        log_dir = self.config.state_dir / "warm" / f"{jobtype.name}-{epoch}"
+        env = self._base_env(gpu)
+        env["GPUWARDEN_JOB_TYPE"] = jobtype.name
+        request = LaunchRequest(
+            job_id=f"warm-{jobtype.name}",
+            attempt=epoch,
+            argv=self.registry.argv(jobtype),
+            cwd=jobtype.module_dir,
+            env=env,
+            attempt_dir=str(log_dir),
+            timeout_s=math.inf,
+            clip_chars=self.config.broker.clip_chars,
+            kill_grace_s=self.config.broker.kill_grace_s,
+            instance=self.instance,
+        )
+        sockets = Path(tempfile.gettempdir()) / f"gpuwarden-{os.getuid()}-{self.instance[-10:]}"
+        sockets.mkdir(mode=0o700, exist_ok=True)
+        worker = ServeWorker(HostLauncher(), request, sockets / f"{epoch}.sock", epoch)
+        footprint = self.footprint(jobtype)
+        server = WarmServer(
+            type=jobtype,
+            gpu=gpu,
+            epoch=epoch,
+            worker=worker,
+            footprint=footprint,
+            idle_grace_s=(
+                jobtype.idle_grace_s
+                if jobtype.idle_grace_s is not None
+                else self.config.warm.idle_grace_s
+            ),
+            started_at=now,
+            priority=priority,
+        )
+        self.warm.add(server)
+        self.vram.start(
+            server.holder,
+            gpu,
+            type_name=jobtype.name,
+            job_id=None,
+            nbytes=footprint,
+            coresident=jobtype.coresident,
+            now=now,
+            state=HoldState.WARM,
+        )
+        self._emit("warm_server_starting", type=jobtype.name, gpu=gpu, epoch=epoch)
+        return server
+
+    def _load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
+        """Worker thread: start the server's process, wait for its model, serve the job."""
+        jobtype = server.type
+        # On a real GPU a worker must say how much of its model is on the device. The
+        # simulated GPU has no device for a real model: a worker that reports no
+        # figure there (it runs on the CPU by design) is not checked.
+        strict = self.probe.kind != "sim"
+        expected = jobtype.expected_device_bytes
+        try:
+            report = server.worker.start(
+                jobtype.load_timeout_s,
+                on_pid=lambda pid: self._post(
+                    ServerNote(jobtype.name, server.epoch, "pid", pid=pid)
+                ),
+                expected_device_bytes=expected if strict else None,
+            )
+            why = (
+                None if strict or report.device_bytes is None else placement_check(report, expected)
+            )
+            if why is not None:
+                server.worker.stop(why)
+                raise ServeError(why, kind="placement")
+        except ServeError as exc:
+            self._post(self._served_result(run, worker_error=f"it could not load: {exc}"))
+            self._post(ServerNote(jobtype.name, server.epoch, "gone", reason=f"load failed: {exc}"))
+            return
+        self._post(ServerNote(jobtype.name, server.epoch, "loaded", report=report))
+        self._serve(server, run)
+
+    def _serve(self, server: WarmServer, run: RunningAttempt) -> None:
+        """Worker thread: send one job to the server and post its result."""
+        input_dir, params = self._params(run)
+        started = time.time()
+        try:
+            report = server.worker.run_job(
+                run.job.id,
+                run.attempt.number,
+                params,
+                input_dir,
+                run.attempt_dir / "out",
+                run.attempt_dir / "scratch",
+                run.jobtype.timeout_s,
+            )
+        except ServeError as exc:
+            stopped = run.stop.is_set()
+            self._post(
+                self._served_result(
+                    run,
+                    started=started,
+                    worker_error=f"{exc}; its processes are confirmed gone",
+                    stopped=stopped,
+                )
+            )
+            self._post(ServerNote(server.type.name, server.epoch, "gone", reason=str(exc)))
+            return
+        if report.message:
+            (run.attempt_dir / "message.json").write_text(json.dumps({"message": report.message}))
+        for stale in report.stale_dropped:
+            self._post(
+                ServerNote(server.type.name, server.epoch, "stale", reason=json.dumps(stale))
+            )
+        self._post(
+            self._served_result(
+                run, started=started, exit_code=0 if report.ok else 1, stderr=report.error or ""
+            )
+        )
+
+    def _served_result(
+        self,
+        run: RunningAttempt,
+        *,
+        started: float | None = None,
+        exit_code: int | None = None,
+        stderr: str = "",
+        worker_error: str | None = None,
+        stopped: bool = False,
+    ) -> LaunchResult:
+        now = time.time()
+        return LaunchResult(
+            job_id=run.job.id,
+            attempt=run.attempt.number,
+            exit_code=exit_code,
+            started_at=started or now,
+            ended_at=now,
+            pid=run.server.pid if run.server else None,
+            stderr=stderr,
+            worker_error=worker_error,
+            stopped=stopped,
+        )
+
+    def _post(self, item: LaunchResult | Started | ServerNote) -> None:
+        self._completions.put(item)
+        self._wake.set()
+
+    def _on_server_note(self, note: ServerNote, now: float) -> None:
+        server = self.warm.get(note.type, note.epoch)
+        if note.what == "stale":
+            self._emit(
+                "stale_report",
+                type=note.type,
+                epoch=note.epoch,
+                action="dropped",
+                report=note.reason,
+            )
+            return
+        if server is None:
+            self._emit(
+                "stale_report", type=note.type, epoch=note.epoch, action="dropped", report=note.what
+            )
+            return
+        if note.what == "pid" and note.pid is not None:
+            server.pid = note.pid
+            self.vram.set_pid(server.holder, note.pid)
+        elif note.what == "loaded" and note.report is not None:
+            server.load_s = note.report.load_s
+            self._emit(
+                "warm_server_loaded",
+                type=note.type,
+                gpu=server.gpu,
+                epoch=note.epoch,
+                load_s=round(note.report.load_s, 3),
+                device_bytes=note.report.device_bytes,
+            )
+        elif note.what == "gone":
+            self.warm.remove(server)
+            measured = self.vram.end(server.holder, now)
+            if measured is not None and measured.alone:
+                self._raise_footprint(
+                    server.type, measured.peak_bytes, None, f"warm:{server.epoch}", now
+                )
+            self._emit(
+                "warm_server_stopped",
+                type=note.type,
+                gpu=server.gpu,
+                epoch=note.epoch,
+                reason=server.stop_reason or note.reason,
+                jobs_served=server.jobs_served,
+            )
+        self._status_dirty = True
+
+    def _evict(self, decision: policy.Evict) -> None:
+        """Stop an idle warm server; its busyness is checked again right here."""
+        server = self.warm.get(decision.type)
+        if server is None or server.holder != decision.holder:
+            return
+        if server.state is not ServerState.IDLE:
+            self._emit(
+                "eviction_skipped",
+                type=server.type.name,
+                epoch=server.epoch,
+                reason=f"it is {server.state.value} now",
+            )
+            return
+        self._stop_server(server, f"evicted: {decision.reason}")
+
+    def _stop_server(self, server: WarmServer, reason: str, *, wait: bool = False) -> None:
+        server.state = ServerState.STOPPING
+        server.stop_reason = reason
+        self._emit("warm_server_stopping", type=server.type.name, epoch=server.epoch, reason=reason)
+
+        def stop() -> None:
+            server.worker.stop(reason)
+            self._post(ServerNote(server.type.name, server.epoch, "gone", reason=reason))
+
+        thread = threading.Thread(target=stop, name=f"stop-{server.holder}", daemon=True)
+        thread.start()
+        if wait:
+            thread.join()
