@@ -64,6 +64,9 @@ log = logging.getLogger("gpuwarden.broker")
 #: every open bundle is looked at this often (the loop's own changes are seen at once)
 _FULL_BUNDLE_SCAN_S = 2.0
 
+#: a bundle that fails to be read for reasons not its own is refused after this many tries
+_INTAKE_TRIES = 3
+
 #: a type's run-time estimate looks at this many of its latest runs
 RUN_TIME_WINDOW = 20
 
@@ -105,6 +108,8 @@ class Broker(WarmServing):
         self.warm = WarmPool()
         #: set by a worker thread when it posts a completion, so the loop wakes at once
         self._wake = threading.Event()
+        #: bundle name -> how often reading it failed for reasons not its own
+        self._intake_failures: dict[str, int] = {}
         #: bundles (queue root, name) whose jobs changed since the last look
         self._touched: set[tuple[str, str]] = set()
         self._last_error: dict[str, Any] | None = None
@@ -304,7 +309,19 @@ class Broker(WarmServing):
         except GpuwardenError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             self._reject(root, path, specs, exc.message, now)
+        except Exception as exc:
+            # not the bundle's fault (the store is locked, the disk is full): give it
+            # back to inbox/ to be read again, and refuse it only if that keeps failing
+            shutil.rmtree(staging, ignore_errors=True)
+            tries = self._intake_failures.get(path.name, 0) + 1
+            self._intake_failures[path.name] = tries
+            self._record_error(f"reading bundle {path.name} (try {tries})", exc)
+            if tries >= _INTAKE_TRIES:
+                self._reject(root, path, specs, f"could not be read {tries} times: {exc}", now)
+            else:
+                path.replace(root.inbox / path.name)
         else:
+            self._intake_failures.pop(path.name, None)
             self._emit("bundle_accepted", bundle=path.name, jobs=[s.id for s in specs])
         self._status_dirty = True
 
@@ -387,7 +404,9 @@ class Broker(WarmServing):
         if len(self.vram.ledger) or any(e.lane is Lane.VRAM for e in entries):
             self._observe(now)  # the reclaim gate needs fresh readings while memory is held
         if not entries and not len(self.warm):
-            self._waits.clear()
+            if self._waits:
+                self._waits.clear()
+                self._status_dirty = True
             return
         snapshot = self._snapshot(tuple(entries))  # also when only warm servers may expire
         jobs = {j.id: j for j in queued}
@@ -637,11 +656,6 @@ class Broker(WarmServing):
         stderr_tail = next(
             (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
         )[:300]
-        server = run.server
-        if server is not None and result.worker_error is None:
-            server.state = ServerState.IDLE
-            server.idle_since = now
-            server.jobs_served += 1
         facts = AttemptFacts(
             exit_code=result.exit_code,
             worker_error=result.worker_error,
@@ -665,12 +679,6 @@ class Broker(WarmServing):
             result,
             {"message": message or reason, "outcome": verdict.outcome.value},
         )
-        if run.attempt.gpu_uuid is not None:
-            self._measure(run, now)
-        if verdict.outcome is Outcome.SUCCEEDED:
-            self._run_times.setdefault(run.jobtype.name, deque(maxlen=RUN_TIME_WINDOW)).append(
-                result.ended_at - result.started_at
-            )
         try:
             self.store.finish_attempt(
                 run.job.id,
@@ -686,6 +694,28 @@ class Broker(WarmServing):
             )
         except TransitionError as exc:
             self._emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
+        except Exception:
+            # the store could not take it (locked, disk full): keep the attempt and
+            # its report, and try again on the next tick; nothing local changed yet
+            self._running[run.job.id] = run
+            self._completions.put(result)
+            raise
+        # the record is written: now the node's own state follows
+        server = run.server
+        if (
+            server is not None
+            and result.worker_error is None
+            and server.state is not ServerState.STOPPING
+        ):
+            server.state = ServerState.IDLE
+            server.idle_since = now
+            server.jobs_served += 1
+        if run.attempt.gpu_uuid is not None:
+            self._measure(run, now)
+        if verdict.outcome is Outcome.SUCCEEDED:
+            self._run_times.setdefault(run.jobtype.name, deque(maxlen=RUN_TIME_WINDOW)).append(
+                result.ended_at - result.started_at
+            )
         if run.job.bundle and run.job.queue_root:
             self._touched.add((run.job.queue_root, run.job.bundle))
 
@@ -772,8 +802,12 @@ class Broker(WarmServing):
             if root is None:
                 continue
             jobs = [self.store.get_job(i) for i in rec.job_ids]
-            if all(j is not None and j.state.terminal for j in jobs):
+            if not all(j is not None and j.state.terminal for j in jobs):
+                continue
+            try:  # one bundle that cannot be written must not hold up the others
                 self._write_result(root, rec, [j for j in jobs if j is not None], now)
+            except Exception as exc:
+                self._record_error(f"writing the result of bundle {rec.name}", exc)
 
     def _write_result(
         self, root: QueueRoot, rec: BundleRecord, jobs: list[Job], now: float
@@ -855,6 +889,7 @@ class Broker(WarmServing):
                 for r in self._running.values()
             ],
             "warm": [s.status(self.clock()) for s in self.warm],
+            "warm_views": [v.to_json() for v in self.warm.views()],
             "waiting": dict(list(self._waits.items())[:_STATUS_WAITING_MAX]),
             "last_error": self._last_error,
         }

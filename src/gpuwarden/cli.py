@@ -28,7 +28,7 @@ from gpuwarden import __version__, explain
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.broker import result_json
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
-from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, format_bytes
+from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import QueuedJob, never_fits
 from gpuwarden.core.states import JobState
@@ -840,7 +840,8 @@ def cmd_preview(args: argparse.Namespace) -> int:
         status = explain.latest_status(store, time.time()) if store else None
         if status is not None:
             view = explain.view_from_status(status, config.broker.cpu_slots)
-            queued = explain.queued_entries(store, registry) if store else []
+            warm_types = frozenset(w.type for w in view.warm)
+            queued = explain.queued_entries(store, registry, warm_types) if store else []
         else:
             probe = make_probe(config, mock_gpu=args.mock_gpu)
             try:
@@ -861,6 +862,8 @@ def cmd_preview(args: argparse.Namespace) -> int:
             priority=args.priority,
             seq=max((q.seq for q in queued), default=0) + 1,
             coresident=jobtype.coresident,
+            serve=jobtype.launch is LaunchMode.SERVE,
+            warm=any(w.type == jobtype.name for w in view.warm),
         )
         decision = explain.decide(view, [*queued, me], me.id)
     finally:

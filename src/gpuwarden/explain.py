@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden.core import policy
-from gpuwarden.core.model import Job, JobType, Lane, format_bytes
+from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store
@@ -36,6 +36,7 @@ class View:
     source: str
     waiting: dict[str, str]
     vram_paused: str = ""
+    warm: tuple[policy.WarmView, ...] = ()
 
 
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
@@ -58,9 +59,9 @@ def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
     gpus = tuple(policy.GpuView.from_json(g) for g in p.get("gpus", []) if "holdings" in g)
     age = time.time() - status.updated_at
     paused = f"the GPU probe failed: {p['probe_error']}" if p.get("probe_error") else ""
-    return View(
-        gpus, cpu_slots, f"broker on {status.node}, {age:.0f} s ago", p.get("waiting", {}), paused
-    )
+    warm = tuple(policy.WarmView.from_json(w) for w in p.get("warm_views", []))
+    source = f"broker on {status.node}, {age:.0f} s ago"
+    return View(gpus, cpu_slots, source, p.get("waiting", {}), paused, warm)
 
 
 def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View:
@@ -78,7 +79,9 @@ def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View
     return View(gpus, cpu_slots, f"{probe.kind} probe now (no broker is running)", {})
 
 
-def queued_entries(store: Store, registry: Registry) -> list[policy.QueuedJob]:
+def queued_entries(
+    store: Store, registry: Registry, warm_types: frozenset[str] = frozenset()
+) -> list[policy.QueuedJob]:
     footprints = {t: f.bytes for t, f in store.footprints().items()}
     out = []
     for job in store.queued_jobs():
@@ -97,6 +100,8 @@ def queued_entries(store: Store, registry: Registry) -> list[policy.QueuedJob]:
                 priority=job.priority,
                 seq=job.seq,
                 coresident=jobtype.coresident,
+                serve=jobtype.launch is LaunchMode.SERVE,
+                warm=jobtype.name in warm_types,
             )
         )
     return out
@@ -108,6 +113,7 @@ def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.De
         gpus=view.gpus,
         cpu_slots=view.cpu_slots,
         vram_paused=view.vram_paused,
+        warm=view.warm,
     )
     for d in policy.plan(snapshot, time.time()):
         if not isinstance(d, policy.Evict) and d.job_id == job_id:
@@ -116,6 +122,8 @@ def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.De
 
 
 def describe(decision: policy.Decision) -> str:
+    if isinstance(decision, policy.Start) and decision.warm:
+        return f"would go now to its warm server on {decision.gpu_uuid} (no load)"
     if isinstance(decision, policy.Start):
         where = f"on {decision.gpu_uuid}" if decision.gpu_uuid else "on a cpu slot"
         return f"would start now {where}"
@@ -152,6 +160,7 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
     if reason is not None:
         lines.append(f"it waits: {reason}")
     else:
-        lines.append(describe(decide(view, queued_entries(store, registry), job.id)))
+        warm_types = frozenset(w.type for w in view.warm)
+        lines.append(describe(decide(view, queued_entries(store, registry, warm_types), job.id)))
     lines.append(f"(as seen by the {view.source})")
     return lines

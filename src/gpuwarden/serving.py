@@ -9,6 +9,7 @@ messages (:class:`RunningAttempt` results and :class:`ServerNote`) back.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import queue
@@ -26,12 +27,14 @@ from gpuwarden.errors import TransitionError
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.launch.base import LaunchRequest, LaunchResult
 from gpuwarden.launch.host import HostLauncher
-from gpuwarden.launch.serve import ServeError, ServeWorker, placement_check
+from gpuwarden.launch.serve import LoadReport, ServeError, ServeWorker, placement_check
 from gpuwarden.registry import Registry
 from gpuwarden.running import RunningAttempt, ServerNote, Started
 from gpuwarden.store.base import Store
 from gpuwarden.vram import VramBook
 from gpuwarden.warm import ServerState, WarmPool, WarmServer
+
+log = logging.getLogger("gpuwarden.broker")
 
 
 class WarmServing:
@@ -82,26 +85,47 @@ class WarmServing:
             return
         attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
         run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
-        for d in (attempt_dir / "out", attempt_dir / "scratch"):
-            d.mkdir(parents=True, exist_ok=True)
-        if server is None or not decision.warm:
-            server = self._new_server(jobtype, gpu, job.priority, now)
-            target = self._load_and_serve
-        else:
-            server.state = ServerState.BUSY
-            target = self._serve
-        server.priority = job.priority
-        run.server = server
-        run.thread = threading.Thread(
-            target=target,
-            args=(server, run),
-            name=f"serve-{job.id}-{attempt.number}",
-            daemon=True,
-        )
         self._running[job.id] = run
         self._waits.pop(job.id, None)
         self._status_dirty = True
-        run.thread.start()
+        fresh: WarmServer | None = None
+        try:
+            for d in (attempt_dir / "out", attempt_dir / "scratch"):
+                d.mkdir(parents=True, exist_ok=True)
+            if server is None or not decision.warm:
+                server = fresh = self._new_server(jobtype, gpu, job.priority, now)
+                target = self._load_and_serve
+            else:
+                server.state = ServerState.BUSY
+                target = self._serve
+            server.priority = job.priority
+            run.server = server
+            run.thread = threading.Thread(
+                target=target,
+                args=(server, run),
+                name=f"serve-{job.id}-{attempt.number}",
+                daemon=True,
+            )
+            run.thread.start()
+        except Exception as exc:  # the attempt started in the store: it must still end
+            log.exception("could not start serving %s", job.id)
+            run.thread = None
+            if fresh is not None:  # nothing ran: its memory was never used
+                self.warm.remove(fresh)
+                self.vram.end(fresh.holder, now)
+            elif run.server is not None:
+                run.server.state = ServerState.IDLE
+                run.server = None
+            self._post(
+                LaunchResult(
+                    job_id=job.id,
+                    attempt=attempt.number,
+                    exit_code=None,
+                    started_at=now,
+                    ended_at=time.time(),
+                    launch_error=f"could not prepare the attempt: {exc}",
+                )
+            )
 
     def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
         epoch = self.warm.next_epoch()
@@ -154,59 +178,68 @@ class WarmServing:
 
     def _load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: start the server's process, wait for its model, serve the job."""
+        self._drive(server, run, load=True)
+
+    def _serve(self, server: WarmServer, run: RunningAttempt) -> None:
+        """Worker thread: hand one job to a loaded server."""
+        self._drive(server, run, load=False)
+
+    def _drive(self, server: WarmServer, run: RunningAttempt, *, load: bool) -> None:
+        """Whatever happens here, exactly one result is posted for the job; a server
+        that cannot go on is stopped (confirmed gone) and its end posted too."""
+        started = time.time()
+        stage = "could not load" if load else "failed"
+        try:
+            if load:
+                report = self._load(server)
+                self._post(ServerNote(server.type.name, server.epoch, "loaded", report=report))
+                stage = "failed"
+            self._serve_one(server, run, started)
+        except ServeError as exc:
+            self._lost(server, run, started, f"it {stage}: {exc}; its processes are confirmed gone")
+        except Exception as exc:  # a bug or an OS error must still end the attempt
+            log.exception("serving %s on %s failed", run.job.id, server.holder)
+            try:
+                server.worker.stop(f"internal error: {exc!r}")
+            except Exception:
+                log.exception("stopping %s failed", server.holder)
+            self._lost(server, run, started, f"internal error while serving: {exc!r}")
+
+    def _lost(self, server: WarmServer, run: RunningAttempt, started: float, why: str) -> None:
+        self._post(
+            self._served_result(run, started=started, worker_error=why, stopped=run.stop.is_set())
+        )
+        self._post(ServerNote(server.type.name, server.epoch, "gone", reason=why))
+
+    def _load(self, server: WarmServer) -> LoadReport:
         jobtype = server.type
         # On a real GPU a worker must say how much of its model is on the device. The
         # simulated GPU has no device for a real model: a worker that reports no
         # figure there (it runs on the CPU by design) is not checked.
         strict = self.probe.kind != "sim"
         expected = jobtype.expected_device_bytes
-        try:
-            report = server.worker.start(
-                jobtype.load_timeout_s,
-                on_pid=lambda pid: self._post(
-                    ServerNote(jobtype.name, server.epoch, "pid", pid=pid)
-                ),
-                expected_device_bytes=expected if strict else None,
-            )
-            why = (
-                None if strict or report.device_bytes is None else placement_check(report, expected)
-            )
-            if why is not None:
-                server.worker.stop(why)
-                raise ServeError(why, kind="placement")
-        except ServeError as exc:
-            self._post(self._served_result(run, worker_error=f"it could not load: {exc}"))
-            self._post(ServerNote(jobtype.name, server.epoch, "gone", reason=f"load failed: {exc}"))
-            return
-        self._post(ServerNote(jobtype.name, server.epoch, "loaded", report=report))
-        self._serve(server, run)
+        report = server.worker.start(
+            jobtype.load_timeout_s,
+            on_pid=lambda pid: self._post(ServerNote(jobtype.name, server.epoch, "pid", pid=pid)),
+            expected_device_bytes=expected if strict else None,
+        )
+        why = None if strict or report.device_bytes is None else placement_check(report, expected)
+        if why is not None:
+            server.worker.stop(why)
+            raise ServeError(why, kind="placement")
+        return report
 
-    def _serve(self, server: WarmServer, run: RunningAttempt) -> None:
-        """Worker thread: send one job to the server and post its result."""
+    def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
         input_dir, params = self._params(run)
-        started = time.time()
-        try:
-            report = server.worker.run_job(
-                run.job.id,
-                run.attempt.number,
-                params,
-                input_dir,
-                run.attempt_dir / "out",
-                run.attempt_dir / "scratch",
-                run.jobtype.timeout_s,
-            )
-        except ServeError as exc:
-            stopped = run.stop.is_set()
-            self._post(
-                self._served_result(
-                    run,
-                    started=started,
-                    worker_error=f"{exc}; its processes are confirmed gone",
-                    stopped=stopped,
-                )
-            )
-            self._post(ServerNote(server.type.name, server.epoch, "gone", reason=str(exc)))
-            return
+        report = server.worker.run_job(
+            run.job.id,
+            run.attempt.number,
+            params,
+            input_dir,
+            run.attempt_dir / "out",
+            run.attempt_dir / "scratch",
+            run.jobtype.timeout_s,
+        )
         if report.message:
             (run.attempt_dir / "message.json").write_text(json.dumps({"message": report.message}))
         for stale in report.stale_dropped:
@@ -267,6 +300,8 @@ class WarmServing:
             self.vram.set_pid(server.holder, note.pid)
         elif note.what == "loaded" and note.report is not None:
             server.load_s = note.report.load_s
+            if server.state is ServerState.LOADING:
+                server.state = ServerState.BUSY  # its first job runs now
             self._emit(
                 "warm_server_loaded",
                 type=note.type,

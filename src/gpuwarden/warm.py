@@ -62,6 +62,7 @@ class WarmServer:
             load_s=self.load_s or 0.0,
             idle_grace_s=self.idle_grace_s,
             priority=self.priority,
+            stopping=self.state is ServerState.STOPPING,
         )
 
     def status(self, now: float) -> dict[str, Any]:

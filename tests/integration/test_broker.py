@@ -353,3 +353,49 @@ def test_a_retried_job_with_a_cancel_request_never_runs_again(node: Node) -> Non
     node.broker.tick()
     job = node.store.get_job("rc")
     assert job is not None and job.state is JobState.CANCELLED and job.attempts == 1
+
+
+def test_a_bundle_whose_result_cannot_be_written_does_not_hold_up_others(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = bundles.write_result_bundle
+
+    def flaky(dest: Path, name: str, results: list) -> Path:  # type: ignore[type-arg]
+        if name.startswith("poison"):
+            raise PermissionError("an output file is unreadable")
+        return real(dest, name, results)
+
+    monkeypatch.setattr(bundles, "write_result_bundle", flaky)
+    poison = drop(node, echo("poison"))
+    run_until(node, lambda: job_state(node, "poison") is JobState.DONE)
+    waiter = drop(node, JobSpec(id="waiter", type="testmods.sleep", params={"seconds": 5}))
+    run_until(node, lambda: job_state(node, "waiter") is JobState.RUNNING)
+    node.store.request_cancel("waiter", now=time.time())  # as a client would
+    root = node.broker.roots[0]
+    run_until(node, (root.failed / waiter.name).exists, timeout=20)
+    assert (root.processing / poison.name).exists()  # still waiting, not lost
+    errors = [e for e in node.store.events() if e.kind == "loop_error"]
+    assert errors and "unreadable" in str(errors[0].detail["message"])
+
+
+def test_a_bundle_that_fails_to_be_read_for_reasons_not_its_own_is_read_again(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = node.store.submit
+    calls = {"n": 0}
+
+    def locked_once(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("database is locked")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(node.store, "submit", locked_once)
+    path = drop(node, echo("retry-me"))
+    _, results = result_of(node, path.name)
+    assert results["retry-me"]["status"] == "done" and calls["n"] == 2
+
+
+def job_state(node: Node, job_id: str) -> JobState | None:
+    j = node.store.get_job(job_id)
+    return None if j is None else j.state

@@ -14,9 +14,11 @@ import pytest
 
 from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
-from gpuwarden.core.model import JobSpec
+from gpuwarden.core.model import JobSpec, Lane
+from gpuwarden.core.policy import QueuedJob
 from gpuwarden.core.states import JobState
 from gpuwarden.intake.jobs import prepare
+from gpuwarden.store.base import Submission
 from tests.conftest import MODULES
 
 TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
@@ -241,4 +243,66 @@ def test_the_templates_warm_server_serves(tmp_path: Path) -> None:
         assert t2 is not None and t2.state is JobState.DONE, t2
         assert t2.result["message"] == "hello, again"
         assert len(events(n, "warm_server_loaded")) == 1
+        n.broker.shutdown(0)
+
+
+# --- regressions from review: nothing may strand a job, a server or a bundle -------------
+
+
+def test_an_error_preparing_a_served_job_ends_it_and_frees_its_server(
+    node: Node, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    spec = prepare(node.broker.registry, warm("bad-inputs"))
+    node.store.submit([spec], now=time.time(), origin=Submission(input_dir=str(blocker / "inputs")))
+    run_until(node, lambda: job(node, "bad-inputs").terminal)
+    bad = node.store.get_job("bad-inputs")
+    assert bad is not None and bad.state is JobState.FAILED
+    assert "internal error while serving" in bad.reason
+    submit(node, warm("next"))  # its type is not blocked behind a dead server
+    run_until(node, lambda: job(node, "next").terminal)
+    assert job(node, "next") is JobState.DONE
+
+
+def test_a_cancel_racing_a_finished_served_job_does_not_reuse_the_stopping_server(
+    node: Node,
+) -> None:
+    submit(node, warm("a", sleep_s=0.3))
+    run_until(node, lambda: job(node, "a") is JobState.RUNNING)
+    run = node.broker._running["a"]
+    while run.thread is None or run.thread.is_alive():  # its result is posted, not drained
+        time.sleep(0.01)
+    node.store.request_cancel("a", now=time.time())
+    node.broker._pass_cancels(time.time())
+    submit(node, warm("b"))
+    run_until(node, lambda: job(node, "b").terminal)
+    b = node.store.get_job("b")
+    assert b is not None and b.state is JobState.DONE and b.attempts == 1, b
+
+
+def test_a_cancel_while_the_server_loads_is_a_cancel(node: Node) -> None:
+    submit(node, JobSpec(id="slow", type="testmods.slowload", params={}))
+    run_until(node, lambda: job(node, "slow") is JobState.RUNNING)
+    node.store.request_cancel("slow", now=time.time())
+    run_until(node, lambda: job(node, "slow").terminal)
+    slow = node.store.get_job("slow")
+    assert slow is not None and slow.state is JobState.CANCELLED and slow.attempts == 1
+
+
+def test_preview_sees_the_idle_warm_server(tmp_path: Path) -> None:
+    from gpuwarden import explain
+
+    with open_node(make_config(tmp_path), mock_gpu=True) as n:
+        submit(n, warm("a"))
+        run_until(n, lambda: job(n, "a").terminal)
+        n.broker._publish(time.time(), force=True)
+        status = explain.latest_status(n.store, time.time())
+        assert status is not None
+        view = explain.view_from_status(status, 4)
+        me = QueuedJob(
+            "(preview)", "testmods.warm", Lane.VRAM, 6 * 2**30, 0, 10**9, serve=True, warm=True
+        )
+        decision = explain.decide(view, [me], me.id)
+        assert explain.describe(decision).startswith("would go now to its warm server")
         n.broker.shutdown(0)

@@ -58,6 +58,14 @@ class WarmView:
     load_s: float = 0.0  # what reloading it would cost
     idle_grace_s: float = 300.0
     priority: int = 0  # of the jobs it serves; a keep_warm server yields only to higher
+    stopping: bool = False  # on its way out (evicted, failed, or its job cancelled)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WarmView:
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +270,7 @@ class _Warm:
         w = self.by_type.get(job.type)
         if w is None:
             return None
-        if w.holder in self.evicting:  # it waits for the old one to go, then loads anew
+        if w.holder in self.evicting or w.stopping:  # it waits for it to go, then loads anew
             return Wait(job.id, f"its warm {w.type} server on {w.gpu_uuid} is being stopped")
         if w.busy:
             return Wait(job.id, f"waits for the warm {w.type} server on {w.gpu_uuid} (busy)")

@@ -13,7 +13,10 @@ FOOTPRINT_GIB = {
     "testmods.warm_big": 16,
     "testmods.pinned": 6,
     "testmods.halfway": 6,
+    "testmods.slowload": 2,
 }
+#: seconds each type's load takes
+LOAD_S = {"testmods.slowload": 5.0}
 #: the share of its model a server says sits in device memory
 ON_DEVICE = {"testmods.halfway": 0.6}
 
@@ -21,7 +24,7 @@ ON_DEVICE = {"testmods.halfway": 0.6}
 def load(ctx):
     gpu = simclient.attach()
     gib = FOOTPRINT_GIB[os.environ["GPUWARDEN_JOB_TYPE"]]
-    time.sleep(float(os.environ.get("TESTMODS_LOAD_S", "0.3")))
+    time.sleep(LOAD_S.get(os.environ["GPUWARDEN_JOB_TYPE"], 0.3))
     gpu.allocate(int(gib * 1024**3))
     return {"gpu": gpu, "gib": gib, "pid": os.getpid(), "jobs": 0}
 
