@@ -9,6 +9,7 @@ state, they post a :class:`LaunchResult` that the loop drains.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -190,6 +191,8 @@ class Broker(WarmServing):
             self._drain(self.clock())
             time.sleep(0.02)
         self._drain(self.clock())
+        with contextlib.suppress(OSError):  # only if empty: its sockets are gone
+            self.socket_dir().rmdir()
         self._finish_bundles(self.clock(), force=True)
         self._emit("broker_stopped")
         self._publish(self.clock(), force=True, stopped=True)
@@ -506,7 +509,8 @@ class Broker(WarmServing):
                 JobState.FAILED,
                 now=now,
                 reason=f"launch mode {jobtype.launch.value!r} of {jobtype.name} is not "
-                f"available on this node (available: {', '.join(m.value for m in self.launchers)})",
+                f"available on this node (available: "
+                f"{', '.join([*(m.value for m in self.launchers), LaunchMode.SERVE.value])})",
             )
             return
         try:

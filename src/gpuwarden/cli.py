@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden import __version__, explain
@@ -216,10 +217,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except UserError as exc:
-        err.print(f"[bold red]error:[/] {exc.message}", markup=True)
+        err.print(f"[bold red]error:[/] {escape(exc.message)}", markup=True)
         return 2
     except GpuwardenError as exc:
-        err.print(f"[bold red]error:[/] {exc.message}", markup=True)
+        err.print(f"[bold red]error:[/] {escape(exc.message)}", markup=True)
         cause = exc.__cause__
         while cause is not None:
             err.print(f"  caused by: {cause}")

@@ -127,6 +127,11 @@ class WarmServing:
                 )
             )
 
+    def socket_dir(self) -> Path:
+        """Where this instance's servers' sockets live: short, since a unix socket's
+        path is limited to 107 bytes (a state directory's may be longer)."""
+        return Path(tempfile.gettempdir()) / f"gpuwarden-{os.getuid()}-{self.instance[-10:]}"
+
     def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
         epoch = self.warm.next_epoch()
         log_dir = self.config.state_dir / "warm" / f"{jobtype.name}-{epoch}"
@@ -144,9 +149,15 @@ class WarmServing:
             kill_grace_s=self.config.broker.kill_grace_s,
             instance=self.instance,
         )
-        sockets = Path(tempfile.gettempdir()) / f"gpuwarden-{os.getuid()}-{self.instance[-10:]}"
+        sockets = self.socket_dir()
         sockets.mkdir(mode=0o700, exist_ok=True)
-        worker = ServeWorker(HostLauncher(), request, sockets / f"{epoch}.sock", epoch)
+        worker = ServeWorker(
+            HostLauncher(),
+            request,
+            sockets / f"{epoch}.sock",
+            epoch,
+            stop_wait_s=self.config.warm.stop_grace_s,
+        )
         footprint = self.footprint(jobtype)
         server = WarmServer(
             type=jobtype,

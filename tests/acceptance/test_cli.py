@@ -367,3 +367,14 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_errors_with_brackets_are_printed_as_written(tmp_path: Path) -> None:
+    mods = tmp_path / "modules" / "bad"  # ./modules is on the default module path
+    mods.mkdir(parents=True)
+    (mods / "module.toml").write_text(
+        '[module]\nname = "bad"\n[types.x]\nlane = "cpu"\ncommand = ["true"]\nkeep_warm = true\n'
+    )
+    r = run("--state-dir", tmp_path / "s", "--mock-gpu", "run-once", "bad.x", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "[types.x]: key 'keep_warm' applies only to" in r.stderr, r.stderr

@@ -1083,3 +1083,17 @@ def test_property_no_starvation_behind_a_stream_of_smaller_jobs(
     assert bound < STREAM_S - 20  # the stream outlasts the bound: a real check
     assert rec.start_s is not None
     assert rec.start_s <= bound, f"the head arrived at {head_at}, started at {rec.start_s}"
+
+
+def test_no_job_goes_to_a_warm_server_on_a_degraded_gpu() -> None:
+    from gpuwarden.core.policy import WarmView
+
+    server = Holding("warm:m:1", "m.m", 6 * GIB, state=HoldState.WARM)
+    g = GpuView("G", 24 * GIB, holdings=(server,), degraded="memory of job x was not released")
+    job = QueuedJob("j", "m.m", Lane.VRAM, 6 * GIB, 0, 1, serve=True, warm=True)
+    warm = (WarmView("m.m", "G", "warm:m:1", busy=False, idle_since=NOW - 1),)
+    [d] = plan(Snapshot(queued=(job,), gpus=(g,), warm=warm), NOW)
+    assert isinstance(d, Wait) and "takes no job: memory of job x was not released" in d.reason
+    ok = GpuView("G", 24 * GIB, holdings=(server,))
+    [d] = plan(Snapshot(queued=(job,), gpus=(ok,), warm=warm), NOW)
+    assert d == Start("j", "G", warm=True)

@@ -212,6 +212,12 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
     gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
     warm = _Warm(snapshot.warm)
     evictions = warm.expired(now, {j.type for j in snapshot.queued})
+    degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
+    paused = {
+        w.type: snapshot.vram_paused or degraded.get(w.gpu_uuid, "")
+        for w in snapshot.warm
+        if snapshot.vram_paused or w.gpu_uuid in degraded
+    }
     decisions: list[Decision] = []
     for job in order(snapshot.queued):
         if not snapshot.accepting:
@@ -222,7 +228,7 @@ def plan(snapshot: Snapshot, now: float) -> list[Decision]:
                 decisions.append(Start(job.id, None))
             else:
                 decisions.append(Wait(job.id, f"all {snapshot.cpu_slots} cpu slots are in use"))
-        elif job.serve and (served := warm.serve(job)) is not None:
+        elif job.serve and (served := warm.serve(job, paused.get(job.type, ""))) is not None:
             decisions.append(served)
         else:
             decision = _place(job, snapshot, gpus, now)
@@ -262,14 +268,17 @@ class _Warm:
                 )
         return out
 
-    def serve(self, job: QueuedJob) -> Decision | None:
+    def serve(self, job: QueuedJob, paused: str = "") -> Decision | None:
         """Hand the job to its type's warm server, or say why it waits for it.
-        None: there is no server for it (one must be loaded)."""
+        None: there is no server for it (one must be loaded). ``paused``: why VRAM
+        admission is paused on the server's GPU (no job goes there then)."""
         if job.type in self.taken:
             return Wait(job.id, self.taken[job.type])
         w = self.by_type.get(job.type)
         if w is None:
             return None
+        if paused:
+            return Wait(job.id, f"its warm server's GPU {w.gpu_uuid} takes no job: {paused}")
         if w.holder in self.evicting or w.stopping:  # it waits for it to go, then loads anew
             return Wait(job.id, f"its warm {w.type} server on {w.gpu_uuid} is being stopped")
         if w.busy:
