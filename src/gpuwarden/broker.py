@@ -23,9 +23,10 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
+from gpuwarden import faults
 from gpuwarden.config import Config
 from gpuwarden.core import policy
-from gpuwarden.core.classify import AttemptFacts, Outcome, classify
+from gpuwarden.core.classify import AttemptFacts, Outcome, classify, is_cuda_oom, xid_kind
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import (
@@ -64,6 +65,12 @@ log = logging.getLogger("gpuwarden.broker")
 
 #: every open bundle is looked at this often (the loop's own changes are seen at once)
 _FULL_BUNDLE_SCAN_S = 2.0
+
+#: operator requests (gpu clear) are looked for this often
+_REQUESTS_EVERY_S = 0.5
+
+#: a result bundle that cannot be written this many times gives its input to failed/
+_RESULT_TRIES = 3
 
 #: a bundle that fails to be read for reasons not its own is refused after this many tries
 _INTAKE_TRIES = 3
@@ -117,6 +124,8 @@ class Broker(WarmServing):
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
         self._last_bundle_check = 0.0
+        self._last_requests_check = 0.0
+        self._result_failures: dict[str, int] = {}
         self._readings: list[GpuReading] = []
         self._probe_error = ""
         self._observed_at = -1.0
@@ -139,6 +148,7 @@ class Broker(WarmServing):
     def tick(self) -> None:
         """One pass of the loop. A failing step is recorded and the loop goes on."""
         for step in (
+            self._operator_requests,
             self._intake,
             self._drain,
             self._pass_cancels,
@@ -215,6 +225,7 @@ class Broker(WarmServing):
                 find_attempt_processes(marker), self.config.broker.kill_grace_s
             )
             jobtype = self.registry.types.get(job.type)
+            self._reclaim_interrupted(job, jobtype, now)
             verdict = classify(
                 AttemptFacts(
                     exit_code=None,
@@ -266,6 +277,26 @@ class Broker(WarmServing):
                         action="its jobs are in the store: continuing",
                     )
 
+    def _reclaim_interrupted(self, job: Job, jobtype: JobType | None, now: float) -> None:
+        """Rebuild the ledger from the store: the memory an interrupted attempt held
+        counts until the probe shows its process's share gone (the reclaim gate)."""
+        attempts = self.store.attempts(job.id)
+        last = attempts[-1] if attempts else None
+        if last is None or last.gpu_uuid is None or last.pid is None or jobtype is None:
+            return
+        holder = f"{job.id}/{last.number}"
+        self.vram.start(
+            holder,
+            last.gpu_uuid,
+            type_name=jobtype.name,
+            job_id=job.id,
+            nbytes=self.footprint(jobtype, job.vram_bytes),
+            coresident=jobtype.coresident,
+            now=now,
+        )
+        self.vram.set_pid(holder, last.pid)
+        self.vram.end(holder, now)
+
     # -- intake -------------------------------------------------------------
 
     def _intake(self, now: float) -> None:
@@ -275,6 +306,7 @@ class Broker(WarmServing):
             for path in root.pending():
                 try:
                     claimed = root.claim(path)
+                    faults.point("after_claim")
                 except BundleError as exc:
                     self._reject_duplicate_name(root, path, str(exc), now)
                     continue
@@ -306,6 +338,7 @@ class Broker(WarmServing):
                     bundle=path.name,
                 ),
             )
+            faults.point("after_bundle_commit")
         except (DuplicateJobError, DuplicateBundleError) as exc:
             shutil.rmtree(staging, ignore_errors=True)
             self._reject(root, path, specs, f"duplicate: {exc}", now, duplicate=True)
@@ -482,8 +515,51 @@ class Broker(WarmServing):
         self._probe_error = ""
         for event in self.vram.observe(self._readings, now):
             kind = event.pop("event")
+            if kind == "gpu_xid":
+                self._on_xid(event["gpu"], int(event["xid"]))
+                continue
             self._emit(kind, **event)
             self._status_dirty = True
+
+    def _on_xid(self, gpu: str, code: int) -> None:
+        """A GPU reported an Xid. A critical one stops VRAM admission there until an
+        operator clears it, and its jobs go back to the queue as infrastructure
+        failures; an application one fails the jobs running there; others are logged."""
+        kind = xid_kind(code)
+        self._emit("gpu_xid", gpu=gpu, xid=code, severity=kind)
+        if kind == "other":
+            return
+        if kind == "critical":
+            reason = (
+                f"Xid {code}: check `nvidia-smi -q` and the kernel log (dmesg) on this host; "
+                f"once fixed, `gpuwarden gpu clear {gpu}` (or a broker restart) resumes it"
+            )
+            self.vram.fault(gpu, reason)
+            self._emit("gpu_fault", gpu=gpu, xid=code, reason=reason)
+            for server in self.warm:
+                if server.gpu == gpu and server.state is ServerState.IDLE:
+                    self._stop_server(server, f"its GPU reported Xid {code}")
+        for run in self._running.values():
+            if run.attempt.gpu_uuid != gpu or run.stop_reason is not None:
+                continue
+            run.stop_reason = "gpu_fault" if kind == "critical" else "app_error"
+            run.fault = f"Xid {code}"
+            run.stop.set()
+            if run.server is not None and run.server.state is not ServerState.STOPPING:
+                self._stop_server(run.server, f"its GPU reported Xid {code}")
+        self._status_dirty = True
+
+    def _operator_requests(self, now: float) -> None:
+        """Carry out what operators asked through the store (``gpuwarden gpu clear``)."""
+        if now - self._last_requests_check < _REQUESTS_EVERY_S:
+            return
+        self._last_requests_check = now
+        for gpu in self.store.take_gpu_clears(now=now):
+            if self.vram.clear_fault(gpu):
+                self._emit("gpu_fault_cleared", gpu=gpu)
+                self._status_dirty = True
+            else:
+                self._emit("gpu_clear_ignored", gpu=gpu, reason="no fault on that GPU here")
 
     def check_fits(self, specs: list[JobSpec]) -> None:
         """Refuse, at submission, a job whose footprint exceeds every GPU here."""
@@ -517,6 +593,7 @@ class Broker(WarmServing):
             job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
         except TransitionError:
             return  # cancelled by a client between the snapshot and now
+        faults.point("after_start_attempt")
         attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
         run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
         if gpu is not None:
@@ -556,6 +633,7 @@ class Broker(WarmServing):
         self._waits.pop(job.id, None)
         self._status_dirty = True
         run.thread.start()
+        faults.point("after_launch")
 
     def _params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]:
         """The job's input directory, and its parameters with inputs made absolute."""
@@ -660,9 +738,14 @@ class Broker(WarmServing):
         stderr_tail = next(
             (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
         )[:300]
+        holder = run.server.holder if run.server is not None else run.holder
         facts = AttemptFacts(
             exit_code=result.exit_code,
             worker_error=result.worker_error,
+            cuda_oom=is_cuda_oom(result.stderr),
+            gpu_alone=self.vram.alone(holder),
+            gpu_fault=run.fault if run.stop_reason == "gpu_fault" else None,
+            app_error=run.fault if run.stop_reason == "app_error" else None,
             timed_out=result.timed_out,
             stopped=result.stopped,
             cancel_requested=run.stop_reason == "cancel",
@@ -704,6 +787,7 @@ class Broker(WarmServing):
             self._running[run.job.id] = run
             self._completions.put(result)
             raise
+        faults.point("after_finish_attempt")
         # the record is written: now the node's own state follows
         server = run.server
         if (
@@ -714,6 +798,11 @@ class Broker(WarmServing):
             server.state = ServerState.IDLE
             server.idle_since = now
             server.jobs_served += 1
+        if verdict.outcome is Outcome.CUDA_OOM:
+            # it ran out with the GPU to itself: what it asked for is wrong; the next
+            # jobs of its type are admitted with half as much again as it reached
+            need = max(self.footprint(run.jobtype, run.job.vram_bytes), self.vram.peak(holder))
+            self._raise_footprint(run.jobtype, int(need * 1.5), None, run.job.id, now)
         if run.attempt.gpu_uuid is not None:
             self._measure(run, now)
         if verdict.outcome is Outcome.SUCCEEDED:
@@ -811,7 +900,34 @@ class Broker(WarmServing):
             try:  # one bundle that cannot be written must not hold up the others
                 self._write_result(root, rec, [j for j in jobs if j is not None], now)
             except Exception as exc:
-                self._record_error(f"writing the result of bundle {rec.name}", exc)
+                tries = self._result_failures.get(rec.name, 0) + 1
+                self._result_failures[rec.name] = tries
+                self._record_error(f"writing the result of bundle {rec.name} (try {tries})", exc)
+                if tries >= _RESULT_TRIES:
+                    self._give_up_result(root, rec, exc, now)
+
+    def _give_up_result(
+        self, root: QueueRoot, rec: BundleRecord, exc: Exception, now: float
+    ) -> None:
+        """A result that can never be written: the input goes to failed/, with why."""
+        stem = rec.name.removesuffix(".zip")
+        why = (
+            f"the result of bundle {rec.name} could not be written {_RESULT_TRIES} times: "
+            f"{exc}. Its jobs' results are in the store: `gpuwarden show JOB`.\n"
+        )
+        reason_path = root.failed / f"{stem}.reason.txt"
+        try:
+            reason_path.write_text(why)
+            if (root.processing / rec.name).exists():
+                root.move_to_failed(root.processing / rec.name, stem + KEPT_INPUT)
+        except OSError as again:
+            self._record_error(f"moving bundle {rec.name} to failed/", again)
+            return
+        self.store.finish_bundle(
+            rec.queue_root, rec.name, now=now, outcome="unwritable", result_path=str(reason_path)
+        )
+        self._result_failures.pop(rec.name, None)
+        self._emit("bundle_unwritable", bundle=rec.name, reason=why.strip())
 
     def _write_result(
         self, root: QueueRoot, rec: BundleRecord, jobs: list[Job], now: float
@@ -824,6 +940,7 @@ class Broker(WarmServing):
         all_done = all(j.state is JobState.DONE for j in jobs)
         dest = root.outbox if all_done else root.failed
         path = bundles.write_result_bundle(dest, rec.name, results)
+        faults.point("after_result_write")
         self.store.finish_bundle(
             rec.queue_root,
             rec.name,
@@ -831,6 +948,7 @@ class Broker(WarmServing):
             outcome="done" if all_done else "failed",
             result_path=str(path),
         )
+        faults.point("after_bundle_finish")
         root.remove_from_processing(rec.name)
         shutil.rmtree(self._staging_for(root, rec.name), ignore_errors=True)
         self._emit("bundle_finished", bundle=rec.name, result=str(path))

@@ -180,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--priority", type=int, default=0)
     sp.set_defaults(func=cmd_preview)
 
+    sp = sub.add_parser("gpu", help="operator actions on a GPU")
+    gpu_sub = sp.add_subparsers(dest="gpu_command", required=True, metavar="ACTION")
+    clear = gpu_sub.add_parser(
+        "clear",
+        help="resume VRAM admission on a GPU after its hardware fault was dealt with",
+    )
+    clear.add_argument("uuid", help="the GPU's UUID, as `gpuwarden status` shows it")
+    clear.set_defaults(func=cmd_gpu_clear)
+
     sp = sub.add_parser("types", help="list the job types of the registered modules")
     sp.set_defaults(func=cmd_types)
 
@@ -887,3 +896,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
         json_out=sys.stdout if args.json else None,
         keep=args.keep,
     )
+
+
+def cmd_gpu_clear(args: argparse.Namespace) -> int:
+    store = _existing_store(args)
+    try:
+        status = explain.latest_status(store, time.time())
+        known = {g["uuid"] for g in status.payload.get("gpus", [])} if status else set()
+        if status is not None and args.uuid not in known:
+            raise UserError(
+                f"no GPU {args.uuid} on the running broker; its GPUs: "
+                f"{', '.join(sorted(known)) or 'none'}"
+            )
+        store.request_gpu_clear(args.uuid, now=time.time())
+    finally:
+        store.close()
+    out.print(f"asked the broker to clear the fault on {args.uuid}; `gpuwarden status` shows it")
+    return 0

@@ -48,6 +48,8 @@ class RunningAttempt:
     thread: threading.Thread | None = None
     stop_reason: str | None = None  # "cancel" or "shutdown"
     server: WarmServer | None = None  # the warm server it runs on (serve types)
+    #: why its GPU stopped it ("gpu_fault" or "app_error" stop reasons)
+    fault: str | None = None
 
     @property
     def holder(self) -> str:

@@ -63,6 +63,9 @@ class VramBook:
         self._tracked: dict[str, _Tracked] = {}
         self._gpus: dict[str, _Gpu] = {}
         self._reserve = int(settings.reserve_gib * 1024**3)
+        #: GPUs with a hardware fault: no VRAM admission until an operator clears it
+        self.faults: dict[str, str] = {}
+        self._xid_seen: dict[str, int] = {}
         self._tolerance = int(settings.tolerance_mib * MIB)
 
     # -- holdings -------------------------------------------------------------
@@ -102,6 +105,21 @@ class VramBook:
         )
         self._tracked[holder] = _Tracked(alone=not others)
 
+    def alone(self, holder: str) -> bool:
+        """Nothing else held memory on its GPU since it started."""
+        t = self._tracked.get(holder)
+        return t is not None and t.alone
+
+    def peak(self, holder: str) -> int:
+        t = self._tracked.get(holder)
+        return t.peak_bytes if t is not None else 0
+
+    def fault(self, gpu: str, reason: str) -> None:
+        self.faults[gpu] = reason
+
+    def clear_fault(self, gpu: str) -> bool:
+        return self.faults.pop(gpu, None) is not None
+
     def set_pid(self, holder: str, pid: int) -> None:
         if (t := self._tracked.get(holder)) is not None:
             t.main_pid = pid
@@ -138,15 +156,26 @@ class VramBook:
                 g = self._gpus[r.uuid] = _Gpu(reading=r)
             g.reading = r
             events += self._observe_gpu(g, first, now)
+            events += self._new_xids(r)
         return events
+
+    def _new_xids(self, r: GpuReading) -> list[dict[str, Any]]:
+        seen = self._xid_seen.get(r.uuid, 0)
+        if r.xids and r.xids[-1][0] < seen:  # the source started counting again
+            seen = 0
+        new = [(seq, code) for seq, code in r.xids if seq > seen]
+        if r.xids:
+            self._xid_seen[r.uuid] = r.xids[-1][0]
+        return [{"event": "gpu_xid", "gpu": r.uuid, "xid": code} for _, code in new]
 
     def _observe_gpu(self, g: _Gpu, first: bool, now: float) -> list[dict[str, Any]]:
         r = g.reading
         usage = {p.pid: p.used_bytes for p in r.processes}
         unattributed = max(0, r.used_bytes - sum(usage.values()))
         holdings = self.ledger.holdings(r.uuid)
-        if first and not holdings:
-            g.baseline = unattributed  # the idle GPU: driver and context overhead
+        # the idle GPU's own use (driver, contexts): the least no process accounts
+        # for, ever seen; a restart's leftovers only delay it reaching the true value
+        g.baseline = unattributed if first else min(g.baseline, unattributed)
         ours: set[int] = set()
         events: list[dict[str, Any]] = []
         for h in holdings:
@@ -218,13 +247,17 @@ class VramBook:
                 reserve_bytes=self._reserve,
                 foreign_bytes=g.foreign,
                 holdings=self.ledger.holdings(uuid),
-                degraded=g.degraded,
+                degraded=(
+                    f"hardware fault: {self.faults[uuid]}" if uuid in self.faults else g.degraded
+                ),
             )
             for uuid, g in self._gpus.items()
         )
 
     def degraded(self) -> dict[str, str]:
-        return {uuid: g.degraded for uuid, g in self._gpus.items() if g.degraded}
+        out = {uuid: g.degraded for uuid, g in self._gpus.items() if g.degraded}
+        out.update({uuid: f"hardware fault: {why}" for uuid, why in self.faults.items()})
+        return out
 
     def round_up(self, nbytes: int) -> int:
         step = int(self.settings.measure_granularity_mib * MIB)

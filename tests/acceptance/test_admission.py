@@ -74,11 +74,14 @@ def test_an_underdeclared_type_is_measured_and_raised(broker: Broker) -> None:
     # the next job is admitted against 10 GiB, not the declared 8, whatever it asks for
     p = preview(broker, "testmods.gpu")
     assert "footprint 10.0 GiB" in p
-    submit(broker, "testmods.gpu", "--gib", "1", "--seconds", "1", "--id", "next1")
-    wait_for(lambda: state_of(broker, "next1")["state"] == "running", "next1 running")
-    _, s = status(broker)
-    holdings = [h for g in s["gpus"] for h in g["holdings"] if h["job_id"] == "next1"]  # type: ignore[index,union-attr]
-    assert holdings and holdings[0]["bytes"] == 10 * GIB
+    submit(broker, "testmods.gpu", "--gib", "1", "--seconds", "5", "--id", "next1")
+
+    def held_for_next1() -> list[int]:
+        _, st = status(broker)
+        return [h["bytes"] for g in st["gpus"] for h in g["holdings"] if h["job_id"] == "next1"]  # type: ignore[index,union-attr]
+
+    wait_for(lambda: bool(held_for_next1()), "next1's holding in the status")
+    assert held_for_next1() == [10 * GIB]
 
 
 def test_a_leak_degrades_the_gpu_and_status_exits_1(broker: Broker) -> None:
@@ -148,7 +151,8 @@ def test_coresident_types_share_and_exclusive_ones_never_do(broker: Broker) -> N
     flats = [f"flat{i}" for i in range(3)]
     exclusive = [f"excl{i}" for i in range(2)]
     for j in flats:
-        submit(broker, "testmods.flat", "--seconds", "1", "--id", j)
+        # long enough that all three overlap though each submit is a process start
+        submit(broker, "testmods.flat", "--seconds", "4", "--id", j)
     for j in exclusive:
         submit(broker, "testmods.gpu", "--gib", "2", "--seconds", "0.4", "--id", j)
     wait_for(lambda: ended(broker, *flats, *exclusive), "all jobs", timeout=40)

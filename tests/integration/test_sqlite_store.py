@@ -71,3 +71,36 @@ def test_two_processes_start_a_job_once(tmp_path: Path) -> None:
     job = store.get_job("a")
     assert job is not None and job.state is JobState.RUNNING and job.attempts == 1
     store.close()
+
+
+def test_migrating_an_older_database_keeps_its_jobs(tmp_path: Path) -> None:
+    """A database made by an earlier version (migrations 1 and 2 only) opens, is
+    migrated, and keeps every job row."""
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE schema_migrations "
+        "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
+    )
+    from gpuwarden.store.sqlite import _split_sql
+
+    for version, name, sql in load_migrations("sqlite")[:2]:
+        for statement in _split_sql(sql):
+            db.execute(statement)
+        db.execute("INSERT INTO schema_migrations VALUES (?, ?, 'then')", (version, name))
+    db.execute(
+        "INSERT INTO jobs (id, seq, type, state, priority, params, inputs, outputs, spec_hash,"
+        " submitted_at, updated_at) VALUES ('old', 1, 'echo.echo', 'done', 0, '{}', '[]', '[]',"
+        " 'h', 1.0, 2.0)"
+    )
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    try:
+        job = store.get_job("old")
+        assert job is not None and job.state is JobState.DONE
+        assert store.schema_version() == max(v for v, _, _ in load_migrations("sqlite"))
+        store.submit([JobSpec(id="new", type="echo.echo", params={})], now=3.0)
+        assert store.get_job("new") is not None
+    finally:
+        store.close()

@@ -256,3 +256,27 @@ def test_recent_run_times_are_succeeded_attempts_newest_first(store: Store) -> N
         )
     assert store.recent_run_times() == [("echo.echo", 4.0), ("echo.echo", 2.0)]
     assert store.recent_run_times(limit=1) == [("echo.echo", 4.0)]
+
+
+def test_quarantine_is_terminal_and_only_from_running(store: Store) -> None:
+    store.submit([spec("q")], now=1.0)
+    with pytest.raises(TransitionError):
+        store.transition("q", JobState.QUARANTINED, now=2.0)
+    store.start_attempt("q", node="n", gpu_uuid=None, now=2.0)
+    job = store.finish_attempt(
+        "q", 1, target=JobState.QUARANTINED, now=3.0, outcome="launch_error", reason="gave up"
+    )
+    assert job.state is JobState.QUARANTINED and job.state.terminal
+    assert store.count_by_state() == {JobState.QUARANTINED: 1}
+
+
+def test_gpu_clear_requests_are_taken_once(store: Store) -> None:
+    assert store.take_gpu_clears(now=1.0) == []
+    store.request_gpu_clear("GPU-a", now=1.0)
+    store.request_gpu_clear("GPU-b", now=2.0)
+    assert store.take_gpu_clears(now=3.0) == ["GPU-a", "GPU-b"]
+    assert store.take_gpu_clears(now=4.0) == []
+    assert [e.detail["gpu"] for e in store.events() if e.kind == "gpu_clear_requested"] == [
+        "GPU-a",
+        "GPU-b",
+    ]

@@ -187,7 +187,7 @@ def test_a_dead_or_hung_worker_is_replaced_and_its_job_retried(node: Node, behav
     submit(node, warm("doomed", behave=behave))
     run_until(node, lambda: job(node, "doomed").terminal, timeout=40)
     doomed = node.store.get_job("doomed")
-    assert doomed is not None and doomed.state is JobState.FAILED
+    assert doomed is not None and doomed.state is JobState.QUARANTINED
     assert doomed.attempts == 2  # an infrastructure failure: retried once (max_retries = 1)
     assert "its warm server failed" in doomed.reason
     assert not psutil.pid_exists(old) or psutil.Process(old).status() == "zombie"
@@ -211,7 +211,7 @@ def test_the_placement_check_refuses_a_model_partly_on_the_cpu(node: Node) -> No
     submit(node, JobSpec(id="half", type="testmods.halfway", params={}))
     run_until(node, lambda: job(node, "half").terminal)
     half = node.store.get_job("half")
-    assert half is not None and half.state is JobState.FAILED
+    assert half is not None and half.state is JobState.QUARANTINED  # max_retries = 0
     assert "only 60% of the model" in half.reason and "fell back to the CPU" in half.reason
     assert not node.broker.status()["warm"]
 
@@ -220,7 +220,7 @@ def test_garbage_on_the_socket_fails_the_worker_not_the_broker(node: Node) -> No
     submit(node, JobSpec(id="junk", type="testmods.garbage", params={}))
     run_until(node, lambda: job(node, "junk").terminal)
     junk = node.store.get_job("junk")
-    assert junk is not None and junk.state is JobState.FAILED and junk.attempts == 2
+    assert junk is not None and junk.state is JobState.QUARANTINED and junk.attempts == 2
     assert "its warm server failed" in junk.reason
     submit(node, warm("fine"))  # the broker goes on
     run_until(node, lambda: job(node, "fine").terminal)
@@ -258,7 +258,7 @@ def test_an_error_preparing_a_served_job_ends_it_and_frees_its_server(
     node.store.submit([spec], now=time.time(), origin=Submission(input_dir=str(blocker / "inputs")))
     run_until(node, lambda: job(node, "bad-inputs").terminal)
     bad = node.store.get_job("bad-inputs")
-    assert bad is not None and bad.state is JobState.FAILED
+    assert bad is not None and bad.state is JobState.QUARANTINED  # retried, then set aside
     assert "internal error while serving" in bad.reason
     submit(node, warm("next"))  # its type is not blocked behind a dead server
     run_until(node, lambda: job(node, "next").terminal)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwarden.core.classify import INFRASTRUCTURE, AttemptFacts, Outcome, Verdict, classify
+from gpuwarden.core.classify import (
+    INFRASTRUCTURE,
+    AttemptFacts,
+    Outcome,
+    Verdict,
+    classify,
+    is_cuda_oom,
+)
 from gpuwarden.core.states import JobState
 
 LAUNCH = AttemptFacts(exit_code=None, launch_error="runtime docker not found")
@@ -16,7 +23,16 @@ INTERRUPTED_REASON = "the broker stopped unexpectedly while the job ran"
 
 def test_infrastructure_outcomes() -> None:
     assert (
-        frozenset({Outcome.LAUNCH_ERROR, Outcome.INTERRUPTED, Outcome.WORKER_FAILED})
+        frozenset(
+            {
+                Outcome.LAUNCH_ERROR,
+                Outcome.INTERRUPTED,
+                Outcome.WORKER_FAILED,
+                Outcome.GPU_FAULT,
+                Outcome.KILLED,
+                Outcome.CUDA_OOM_SHARED,
+            }
+        )
         == INFRASTRUCTURE
     )
 
@@ -27,7 +43,8 @@ def test_a_failed_warm_server_is_retried_then_given_up() -> None:
     assert first.outcome is Outcome.WORKER_FAILED and first.target is JobState.QUEUED
     assert first.reason == "its warm server failed: it stopped answering; retrying (1/1)"
     last = classify(facts, attempt=2, max_retries=1)
-    assert last.target is JobState.FAILED and last.reason.endswith("gave up after 2 attempts")
+    assert last.target is JobState.QUARANTINED
+    assert "quarantined after 2 attempts" in last.reason
 
 
 def test_a_warm_server_stopped_for_a_cancel_is_a_cancel() -> None:
@@ -43,7 +60,7 @@ def test_succeeded() -> None:
     )
 
 
-@pytest.mark.parametrize("code", [1, 2, 3, 137, 255, -9])
+@pytest.mark.parametrize("code", [1, 2, 3, 255, -15])
 def test_job_failed(code: int) -> None:
     assert classify(AttemptFacts(exit_code=code), attempt=1, max_retries=5) == Verdict(
         Outcome.JOB_FAILED, JobState.FAILED, f"the job exited with code {code}"
@@ -137,14 +154,17 @@ def test_infrastructure_retry_sequence(facts: AttemptFacts, reason: str) -> None
         outcome, JobState.QUEUED, f"{reason}; retrying (2/2)"
     )
     assert classify(facts, attempt=3, max_retries=2) == Verdict(
-        outcome, JobState.FAILED, f"{reason}; gave up after 3 attempts"
+        outcome, JobState.QUARANTINED, f"{reason}; {QUARANTINED_AFTER.format(n=3, s='s')}"
     )
+
+
+QUARANTINED_AFTER = "quarantined after {n} attempt{s} (each attempt's reason: `gpuwarden show JOB`)"
 
 
 def test_no_retries_allowed() -> None:
     verdict = classify(LAUNCH, attempt=1, max_retries=0)
-    assert verdict.target is JobState.FAILED
-    assert verdict.reason == f"{LAUNCH_REASON}; gave up after 1 attempt"
+    assert verdict.target is JobState.QUARANTINED
+    assert verdict.reason == f"{LAUNCH_REASON}; {QUARANTINED_AFTER.format(n=1, s='')}"
 
 
 @pytest.mark.parametrize("max_retries", range(5))
@@ -157,9 +177,9 @@ def test_infrastructure_retried_while_attempt_within_max(attempt: int, max_retri
             assert verdict.target is JobState.QUEUED
             assert verdict.reason.endswith(f"; retrying ({attempt}/{max_retries})")
         else:
-            assert verdict.target is JobState.FAILED
+            assert verdict.target is JobState.QUARANTINED
             plural = "" if attempt == 1 else "s"
-            assert verdict.reason.endswith(f"; gave up after {attempt} attempt{plural}")
+            assert verdict.reason.endswith(QUARANTINED_AFTER.format(n=attempt, s=plural))
 
 
 @pytest.mark.parametrize("max_retries", [0, 1, 3, 100])
@@ -225,3 +245,43 @@ def test_every_verdict_targets_a_state_a_running_job_may_move_to() -> None:
         for attempt in (1, 5):
             verdict = classify(facts, attempt=attempt, max_retries=2)
             assert allowed(JobState.RUNNING, verdict.target), (facts, verdict)
+
+
+def test_cuda_oom_is_the_jobs_own_when_it_had_the_gpu_alone() -> None:
+    alone = AttemptFacts(
+        exit_code=1, cuda_oom=True, gpu_alone=True, stderr_tail="CUDA out of memory"
+    )
+    verdict = classify(alone, attempt=1, max_retries=3)
+    assert verdict.outcome is Outcome.CUDA_OOM and verdict.target is JobState.FAILED
+    assert "footprint is too small" in verdict.reason
+    shared = AttemptFacts(exit_code=1, cuda_oom=True, gpu_alone=False)
+    retried = classify(shared, attempt=1, max_retries=3)
+    assert retried.outcome is Outcome.CUDA_OOM_SHARED and retried.target is JobState.QUEUED
+    assert retried.reason.startswith("CUDA out of memory beside another job")
+
+
+def test_oom_markers() -> None:
+    assert is_cuda_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB")
+    assert is_cuda_oom("gpuwarden.errors.SimOutOfMemoryError: CUDA out of memory. Tried")
+    assert not is_cuda_oom("ValueError: out of range")
+
+
+def test_sigkill_from_outside_is_infrastructure_but_our_own_stop_is_not() -> None:
+    killed = classify(AttemptFacts(exit_code=-9), attempt=1, max_retries=1)
+    assert killed.outcome is Outcome.KILLED and killed.target is JobState.QUEUED
+    timed = classify(
+        AttemptFacts(exit_code=-9, timed_out=True, timeout_s=5), attempt=1, max_retries=1
+    )
+    assert timed.outcome is Outcome.TIMED_OUT and timed.target is JobState.FAILED
+
+
+def test_gpu_fault_and_application_error() -> None:
+    fault = classify(
+        AttemptFacts(exit_code=None, stopped=True, gpu_fault="Xid 79"), attempt=1, max_retries=1
+    )
+    assert fault.outcome is Outcome.GPU_FAULT and fault.target is JobState.QUEUED
+    assert "its GPU reported a fault (Xid 79)" in fault.reason
+    app = classify(
+        AttemptFacts(exit_code=None, stopped=True, app_error="Xid 13"), attempt=1, max_retries=5
+    )
+    assert app.outcome is Outcome.JOB_FAILED and app.target is JobState.FAILED

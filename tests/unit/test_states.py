@@ -14,6 +14,7 @@ R = JobState.RUNNING
 D = JobState.DONE
 F = JobState.FAILED
 C = JobState.CANCELLED
+X = JobState.QUARANTINED
 
 # Written out by hand from DESIGN.md and the state docs, not derived from TRANSITIONS.
 ALLOWED: frozenset[tuple[JobState, JobState]] = frozenset(
@@ -25,6 +26,7 @@ ALLOWED: frozenset[tuple[JobState, JobState]] = frozenset(
         (R, F),  # failed while running
         (Q, C),  # cancelled while queued
         (R, C),  # cancelled while running
+        (R, X),  # quarantined when an attempt's infrastructure failure used the last retry
     }
 )
 
@@ -38,14 +40,21 @@ def _pair_id(pair: tuple[JobState, JobState]) -> str:
 
 def test_the_states_are_exactly_these() -> None:
     # If a state is added, this file's literal table must be extended by hand.
-    assert {s.value for s in JobState} == {"queued", "running", "done", "failed", "cancelled"}
-    assert len(ALL_PAIRS) == 25
+    assert {s.value for s in JobState} == {
+        "queued",
+        "running",
+        "done",
+        "failed",
+        "cancelled",
+        "quarantined",
+    }
+    assert len(ALL_PAIRS) == 36
 
 
 def test_allowed_table_only_names_real_pairs() -> None:
     assert ALLOWED.issubset(ALL_PAIRS)
-    assert len(ALLOWED) == 7
-    assert len(FORBIDDEN) == 18
+    assert len(ALLOWED) == 8
+    assert len(FORBIDDEN) == 28
 
 
 @pytest.mark.parametrize("pair", ALL_PAIRS, ids=_pair_id)
@@ -85,8 +94,8 @@ def test_transition_error_is_not_a_user_error() -> None:
 
 
 def test_terminal_states() -> None:
-    assert frozenset({D, F, C}) == TERMINAL
-    assert {s for s in JobState if s.terminal} == {D, F, C}
+    assert frozenset({D, F, C, X}) == TERMINAL
+    assert {s for s in JobState if s.terminal} == {D, F, C, X}
     assert not Q.terminal
     assert not R.terminal
 

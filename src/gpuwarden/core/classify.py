@@ -1,7 +1,8 @@
 """Failure classification: what an attempt's end means for its job. Pure.
 
 See DESIGN.md, "Failure classification". Infrastructure failures are retried up
-to the type's ``max_retries``; the job's own failure and a timeout never are.
+to the type's ``max_retries``, then the job is quarantined with its attempt
+history; the job's own failure and a timeout are never retried.
 """
 
 from __future__ import annotations
@@ -22,9 +23,29 @@ class Outcome(StrEnum):
     LAUNCH_ERROR = "launch_error"  # infrastructure: could not start
     INTERRUPTED = "interrupted"  # infrastructure: the broker died while the job ran
     WORKER_FAILED = "worker_failed"  # infrastructure: its warm server died or hung
+    GPU_FAULT = "gpu_fault"  # infrastructure: its GPU reported a hardware fault (Xid)
+    KILLED = "killed"  # infrastructure: SIGKILL from outside (the kernel's OOM killer?)
+    CUDA_OOM_SHARED = "cuda_oom_shared"  # infrastructure: CUDA OOM beside another job
+    CUDA_OOM = "cuda_oom"  # CUDA OOM with the GPU to itself: its footprint is wrong
 
 
-INFRASTRUCTURE = frozenset({Outcome.LAUNCH_ERROR, Outcome.INTERRUPTED, Outcome.WORKER_FAILED})
+INFRASTRUCTURE = frozenset(
+    {
+        Outcome.LAUNCH_ERROR,
+        Outcome.INTERRUPTED,
+        Outcome.WORKER_FAILED,
+        Outcome.GPU_FAULT,
+        Outcome.KILLED,
+        Outcome.CUDA_OOM_SHARED,
+    }
+)
+
+#: what a process's stderr says when CUDA (or the simulated GPU) ran out of memory
+CUDA_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA_ERROR_OUT_OF_MEMORY")
+
+
+def is_cuda_oom(stderr: str) -> bool:
+    return any(m in stderr for m in CUDA_OOM_MARKERS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +63,14 @@ class AttemptFacts:
     missing_outputs: tuple[str, ...] = ()
     timeout_s: float = 0.0
     stderr_tail: str = ""
+    #: its stderr says CUDA ran out of memory
+    cuda_oom: bool = False
+    #: nothing else held memory on its GPU while it ran (an OOM is then its own)
+    gpu_alone: bool = False
+    #: it was stopped because its GPU reported a fault (the reason), or None
+    gpu_fault: str | None = None
+    #: it was stopped because its GPU reported an application error for it, or None
+    app_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +90,9 @@ def classify(facts: AttemptFacts, *, attempt: int, max_retries: int) -> Verdict:
             )
         return Verdict(
             outcome,
-            JobState.FAILED,
-            f"{reason}; gave up after {attempt} attempt{'s' if attempt != 1 else ''}",
+            JobState.QUARANTINED,
+            f"{reason}; quarantined after {attempt} attempt{'s' if attempt != 1 else ''} "
+            "(each attempt's reason: `gpuwarden show JOB`)",
         )
     target = {
         Outcome.SUCCEEDED: JobState.DONE,
@@ -76,6 +106,10 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         return Outcome.LAUNCH_ERROR, f"launch error: {f.launch_error}"
     if f.interrupted:
         return Outcome.INTERRUPTED, "the broker stopped unexpectedly while the job ran"
+    if f.gpu_fault is not None:
+        return Outcome.GPU_FAULT, f"its GPU reported a fault ({f.gpu_fault}); it was stopped"
+    if f.app_error is not None:
+        return Outcome.JOB_FAILED, f"its GPU reported an error in the job: {f.app_error}"
     if f.worker_error is not None and not f.stopped:
         return Outcome.WORKER_FAILED, f"its warm server failed: {f.worker_error}"
     if f.stopped and f.cancel_requested:
@@ -92,6 +126,20 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         )
     if f.exit_code != 0:
         tail = f": {f.stderr_tail}" if f.stderr_tail else ""
+        if f.cuda_oom and f.gpu_alone:
+            return (
+                Outcome.CUDA_OOM,
+                "CUDA out of memory with the GPU to itself: its footprint is too small "
+                f"(raised for the next jobs){tail}",
+            )
+        if f.cuda_oom:
+            return Outcome.CUDA_OOM_SHARED, f"CUDA out of memory beside another job{tail}"
+        if f.exit_code in (-9, 137):
+            return (
+                Outcome.KILLED,
+                "killed by SIGKILL from outside gpuwarden (the kernel's out-of-memory "
+                "killer, or someone else)",
+            )
         return Outcome.JOB_FAILED, f"the job exited with code {f.exit_code}{tail}"
     if f.missing_outputs:
         return (
@@ -100,3 +148,23 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
             + ", ".join(f.missing_outputs),
         )
     return Outcome.SUCCEEDED, "done"
+
+
+#: Xids that mean the GPU itself is sick: VRAM admission on it stops until an
+#: operator clears it (NVIDIA's Xid catalogue: 48 double-bit ECC, 63/64 page
+#: retirement or row remapping, 74 NVLink, 79 fallen off the bus, 92 high
+#: single-bit ECC rate, 94/95 contained/uncontained ECC, 119 GSP timeout)
+CRITICAL_XIDS = frozenset({48, 63, 64, 74, 79, 92, 94, 95, 119})
+#: Xids caused by what a program did on the GPU: they fail the job, not the GPU
+#: (13 graphics engine exception, 31 MMU fault, 43 reset channel, 45 preemptive
+#: cleanup, 68 video processor exception, 109 context switch timeout)
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+
+
+def xid_kind(code: int) -> str:
+    """``"critical"``, ``"application"`` or ``"other"`` (logged only)."""
+    if code in CRITICAL_XIDS:
+        return "critical"
+    if code in APPLICATION_XIDS:
+        return "application"
+    return "other"

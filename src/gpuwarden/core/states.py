@@ -13,14 +13,19 @@ class JobState(StrEnum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    # leased, waiting and quarantined arrive with the issues that need them.
+    #: infrastructure kept failing it (launch errors, dead workers, GPU faults) past
+    #: its type's max_retries: it is set aside with its attempt history
+    QUARANTINED = "quarantined"
+    # leased and waiting arrive with the issues that need them.
 
     @property
     def terminal(self) -> bool:
         return self in TERMINAL
 
 
-TERMINAL: frozenset[JobState] = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
+TERMINAL: frozenset[JobState] = frozenset(
+    {JobState.DONE, JobState.FAILED, JobState.CANCELLED, JobState.QUARANTINED}
+)
 
 #: target state -> the states a job may be in to move there.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
@@ -31,6 +36,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     # a job can fail before it ever runs (unreadable input, refused at start)
     JobState.FAILED: frozenset({JobState.QUEUED, JobState.RUNNING}),
     JobState.CANCELLED: frozenset({JobState.QUEUED, JobState.RUNNING}),
+    JobState.QUARANTINED: frozenset({JobState.RUNNING}),
 }
 
 

@@ -26,6 +26,9 @@ class GpuReading:
     index: int = 0
     driver: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+    #: Xid events the GPU reported, as (sequence number, Xid code); the numbers
+    #: only grow, so a reader keeps the last it saw and acts on the newer ones
+    xids: tuple[tuple[int, int], ...] = ()
 
     @property
     def free_bytes(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pynvml
@@ -51,13 +52,47 @@ class NvmlProbe:
         except OSError as exc:  # a broken library, not one NVML names
             raise _init_error(exc) from exc
         self._open = True
+        self._xids: dict[str, list[tuple[int, int]]] = {}
+        self._xid_seq = 0
+        self._events = self._register_xid_events()
+
+    @staticmethod
+    def _register_xid_events() -> Any:
+        """Listen for critical Xid events on every GPU; None where NVML cannot."""
+        try:
+            events = pynvml.nvmlEventSetCreate()
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                pynvml.nvmlDeviceRegisterEvents(
+                    handle, pynvml.nvmlEventTypeXidCriticalError, events
+                )
+        except (pynvml.NVMLError, AttributeError):
+            return None
+        return events
+
+    def _drain_xids(self) -> None:
+        """Collect the Xid events NVML has queued, without waiting."""
+        if self._events is None:
+            return
+        while True:
+            try:
+                data = pynvml.nvmlEventSetWait_v2(self._events, 0)
+            except pynvml.NVMLError:  # timeout: nothing (more) queued
+                return
+            uuid = _text(pynvml.nvmlDeviceGetUUID(data.device))
+            self._xid_seq += 1
+            self._xids.setdefault(uuid, []).append((self._xid_seq, int(data.eventData)))
 
     def read(self) -> list[GpuReading]:
         if not self._open:
             raise GpuProbeError("the NVML probe was closed")
         try:
             driver = _text(pynvml.nvmlSystemGetDriverVersion())
-            return [self._read_one(i, driver) for i in range(pynvml.nvmlDeviceGetCount())]
+            self._drain_xids()
+            readings = [self._read_one(i, driver) for i in range(pynvml.nvmlDeviceGetCount())]
+            return [
+                dataclasses.replace(r, xids=tuple(self._xids.get(r.uuid, ()))) for r in readings
+            ]
         except pynvml.NVMLError as exc:
             raise GpuProbeError(f"NVML could not read the GPUs: {exc}") from exc
 

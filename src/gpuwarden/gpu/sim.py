@@ -377,6 +377,7 @@ class SimDevice:
                     index=dev["index"],
                     driver="sim",
                     extra=extra,
+                    xids=tuple(enumerate((int(x) for x in dev["xids"]), start=1)),
                 )
             )
         return out

@@ -223,6 +223,16 @@ class Store(abc.ABC):
         one stored (never lower it), with a ``footprint_raised`` event. Return whether
         it was raised."""
 
+    # -- operator requests ----------------------------------------------------
+
+    @abc.abstractmethod
+    def request_gpu_clear(self, gpu_uuid: str, *, now: float) -> None:
+        """Ask the broker owning that GPU to clear its fault (``gpuwarden gpu clear``)."""
+
+    @abc.abstractmethod
+    def take_gpu_clears(self, *, now: float) -> list[str]:
+        """The GPU UUIDs asked to be cleared since the last call; each is returned once."""
+
     # -- node status --------------------------------------------------------
 
     @abc.abstractmethod

@@ -521,6 +521,21 @@ class SqliteStore(Store):
             )
             return True
 
+    # -- operator requests ----------------------------------------------------
+
+    def request_gpu_clear(self, gpu_uuid: str, *, now: float) -> None:
+        with self._write() as db:
+            db.execute(_Q["request_gpu_clear"], {"gpu_uuid": gpu_uuid, "now": now})
+            self._event(db, Event(ts=now, kind="gpu_clear_requested", detail={"gpu": gpu_uuid}))
+
+    def take_gpu_clears(self, *, now: float) -> list[str]:
+        with self._write() as db:
+            taken = []
+            for row in db.execute(_Q["pending_gpu_clears"]).fetchall():
+                if db.execute(_Q["take_gpu_clear"], {"id": row["id"], "now": now}).rowcount:
+                    taken.append(row["gpu_uuid"])
+            return taken
+
     # -- node status --------------------------------------------------------
 
     def put_node_status(self, status: NodeStatus) -> None:

@@ -115,6 +115,15 @@ SELECT j.type AS type, a.ended_at - a.started_at AS seconds
  ORDER BY a.ended_at DESC
  LIMIT :limit;
 
+-- name: request_gpu_clear
+INSERT INTO gpu_clears (gpu_uuid, requested_at) VALUES (:gpu_uuid, :now);
+
+-- name: pending_gpu_clears
+SELECT id, gpu_uuid FROM gpu_clears WHERE taken_at IS NULL ORDER BY id;
+
+-- name: take_gpu_clear
+UPDATE gpu_clears SET taken_at = :now WHERE id = :id AND taken_at IS NULL;
+
 -- name: get_footprint
 SELECT bytes FROM footprints WHERE type = :type;
 

@@ -1,0 +1,237 @@
+"""Faults through the broker loop with real job processes on the simulated GPU:
+Xid events, CUDA out-of-memory with and without another job, a worker killed
+from outside, a stopped worker, quarantine, a restart's ledger, and a result
+that can never be written. Each test first checks that its fault happened."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwarden.app import Node, open_node
+from gpuwarden.config import Config
+from gpuwarden.core.model import GIB, JobSpec
+from gpuwarden.core.states import JobState
+from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake.jobs import prepare
+from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
+from tests.conftest import MODULES
+
+TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
+
+
+def make_config(tmp_path: Path, *, gpus: int = 2) -> Config:
+    return Config.model_validate(
+        {
+            "state_dir": tmp_path / "state",
+            "node_name": "faultnode",
+            "gpu": "sim",
+            "module_paths": [MODULES, TEST_MODULES],
+            "queue_roots": [tmp_path / "queue"],
+            "sim_gpu": {"count": gpus, "vram_gib": 24, "release_delay_s": 0},
+            "broker": {"poll_interval_s": 0.02, "kill_grace_s": 0.3},
+            "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
+        }
+    )
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    with open_node(make_config(tmp_path), mock_gpu=True) as n:
+        yield n
+        n.broker.shutdown(0)
+
+
+def submit(node: Node, *specs: JobSpec) -> None:
+    node.store.submit([prepare(node.broker.registry, s) for s in specs], now=time.time())
+
+
+def run_until(node: Node, done: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out waiting for the broker"
+        node.broker.tick()
+        time.sleep(0.02)
+
+
+def state(node: Node, job_id: str) -> JobState:
+    j = node.store.get_job(job_id)
+    assert j is not None
+    return j.state
+
+
+def kinds(node: Node) -> list[str]:
+    return [e.kind for e in node.store.events()]
+
+
+def gpu_job(i: str, **params: object) -> JobSpec:
+    return JobSpec(id=i, type="testmods.gpu", params={"gib": 2, "seconds": 3, **params})
+
+
+def test_a_critical_xid_faults_the_gpu_requeues_its_job_and_an_operator_clears_it(
+    node: Node,
+) -> None:
+    submit(node, gpu_job("victim"))
+    run_until(node, lambda: state(node, "victim") is JobState.RUNNING)
+    gpu = node.store.attempts("victim")[0].gpu_uuid
+    assert gpu is not None
+    node.probe.device.inject_xid(gpu, 79)  # type: ignore[attr-defined]
+    run_until(node, lambda: "gpu_fault" in kinds(node))  # the fault was seen
+    run_until(node, lambda: state(node, "victim").terminal)
+    victim = node.store.get_job("victim")
+    assert victim is not None and victim.state is JobState.DONE  # rerun on the other GPU
+    first, second = node.store.attempts("victim")
+    assert first.outcome == "gpu_fault" and "Xid 79" in first.reason
+    assert second.gpu_uuid != gpu
+    degraded = node.broker.status()["degraded"]
+    assert "hardware fault" in degraded[gpu] and f"gpuwarden gpu clear {gpu}" in degraded[gpu]
+    node.store.request_gpu_clear(gpu, now=time.time())  # what `gpuwarden gpu clear` does
+    run_until(node, lambda: "gpu_fault_cleared" in kinds(node))
+    assert gpu not in node.broker.status()["degraded"]
+
+
+def test_an_application_xid_fails_the_job_not_the_gpu(node: Node) -> None:
+    submit(node, gpu_job("app", seconds=5))
+    run_until(node, lambda: state(node, "app") is JobState.RUNNING)
+    gpu = node.store.attempts("app")[0].gpu_uuid
+    assert gpu is not None
+    node.probe.device.inject_xid(gpu, 13)  # type: ignore[attr-defined]
+    run_until(node, lambda: state(node, "app").terminal)
+    app = node.store.get_job("app")
+    assert app is not None and app.state is JobState.FAILED and app.attempts == 1
+    assert "its GPU reported an error in the job: Xid 13" in app.reason
+    assert gpu not in node.broker.status()["degraded"]
+
+
+def test_cuda_oom_alone_fails_the_job_and_raises_its_footprint(node: Node) -> None:
+    submit(node, gpu_job("greedy", gib=30, seconds=0.1))  # more than the 24 GiB card
+    run_until(node, lambda: state(node, "greedy").terminal)
+    greedy = node.store.get_job("greedy")
+    assert greedy is not None and greedy.state is JobState.FAILED and greedy.attempts == 1
+    assert "CUDA out of memory with the GPU to itself" in greedy.reason
+    assert node.store.footprints()["testmods.gpu"].bytes == 12 * GIB  # 8 GiB x 1.5
+
+
+def test_cuda_oom_beside_another_job_is_retried(tmp_path: Path) -> None:
+    with open_node(make_config(tmp_path, gpus=1), mock_gpu=True) as n:
+        # a co-resident type that declares 3 GiB, then grows to 23 while another
+        # co-resident job holds 2: it runs out beside it, which is not its own fault
+        hog = JobSpec(
+            id="hog", type="burn.embed", params={"gib": 23, "ramp_s": 1.0, "seconds": 0.2}
+        )
+        small = JobSpec(id="small", type="burn.whisper", params={"gib": 2, "seconds": 2})
+        submit(n, hog, small)
+        run_until(n, lambda: state(n, "hog").terminal and state(n, "small").terminal)
+        first = n.store.attempts("hog")[0]
+        assert first.outcome == "cuda_oom_shared", first  # the fault happened
+        assert "CUDA out of memory beside another job" in first.reason
+        assert state(n, "hog") is JobState.DONE and state(n, "small") is JobState.DONE
+        n.broker.shutdown(0)
+
+
+def test_a_worker_killed_from_outside_is_retried(node: Node) -> None:
+    submit(node, JobSpec(id="k", type="testmods.sleep", params={"seconds": 1.2}))
+    pid_file = node.broker.config.state_dir / "jobs" / "k" / "attempt-1" / "out" / "pid"
+    run_until(node, pid_file.exists)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    run_until(node, lambda: state(node, "k").terminal)
+    first, second = node.store.attempts("k")
+    assert first.outcome == "killed" and "SIGKILL from outside" in first.reason
+    assert second.outcome == "succeeded" and state(node, "k") is JobState.DONE
+
+
+def test_a_stopped_worker_past_its_timeout_ends_once(node: Node) -> None:
+    submit(node, JobSpec(id="frozen", type="testmods.sleep", params={"seconds": 1.0}))
+    pid_file = node.broker.config.state_dir / "jobs" / "frozen" / "attempt-1" / "out" / "pid"
+    run_until(node, pid_file.exists)
+    pid = int(pid_file.read_text())
+    os.kill(pid, signal.SIGSTOP)  # it stops answering; its timeout is 1.5 s
+    run_until(node, lambda: state(node, "frozen").terminal)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)  # too late: it was stopped and confirmed gone
+    frozen = node.store.get_job("frozen")
+    assert frozen is not None and frozen.state is JobState.FAILED and "timed out" in frozen.reason
+    ends = [e for e in node.store.events(job_id="frozen") if e.to_state in ("done", "failed")]
+    assert len(ends) == 1  # one result, never a second
+
+
+def test_infrastructure_failures_end_in_quarantine_with_their_history(node: Node) -> None:
+    submit(node, JobSpec(id="doomed", type="testmods.sleep", params={"seconds": 5}))
+    for attempt in (1, 2):
+        pid_file = (
+            node.broker.config.state_dir / "jobs" / "doomed" / f"attempt-{attempt}" / "out" / "pid"
+        )
+        run_until(node, pid_file.exists)
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    run_until(node, lambda: state(node, "doomed").terminal)
+    doomed = node.store.get_job("doomed")
+    assert doomed is not None and doomed.state is JobState.QUARANTINED
+    assert "quarantined after 2 attempts" in doomed.reason
+    assert [a.outcome for a in node.store.attempts("doomed")] == ["killed", "killed"]
+
+
+def test_a_restart_rebuilds_the_ledger_of_an_interrupted_attempt(tmp_path: Path) -> None:
+    config = make_config(tmp_path, gpus=1)
+    with open_node(config, mock_gpu=True) as first:
+        submit(first, gpu_job("held"))
+        first.broker._observe(time.time())
+        [gpu] = first.broker.vram.views()
+        first.store.start_attempt("held", node="faultnode", gpu_uuid=gpu.uuid, now=time.time())
+        marker = attempt_marker(first.broker.instance, "held", 1)
+        sim_path = config.state_dir / "simgpu.json"
+    # the dead broker's job still holds 6 GiB on the GPU
+    leftover = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "from gpuwarden.gpu import simclient; import time; "
+            f"simclient.attach().allocate({6 * GIB}); print('ok', flush=True); time.sleep(60)",
+        ],
+        env={
+            **os.environ,
+            ATTEMPT_ENV: marker,
+            "GPUWARDEN_SIM_GPU": str(sim_path),
+            "CUDA_VISIBLE_DEVICES": gpu.uuid,
+        },
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert leftover.stdout is not None and leftover.stdout.readline().strip() == "ok"
+    with open_node(config, mock_gpu=True) as second:
+        second.store.set_attempt_pid("held", 1, leftover.pid)
+        second.broker.recover()
+        assert leftover.wait(5) is not None  # the leftover was stopped
+        held = second.broker.vram.ledger.get("held/1")
+        assert held is not None and held.state.value == "reclaiming"
+        run_until(second, lambda: second.broker.vram.ledger.get("held/1") is None)
+        assert "memory_reclaimed" in kinds(second)
+        run_until(second, lambda: state(second, "held").terminal)
+        assert state(second, "held") is JobState.DONE
+        second.broker.shutdown(0)
+
+
+def test_a_result_that_can_never_be_written_gives_its_input_to_failed(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(dest: Path, name: str, results: list) -> Path:  # type: ignore[type-arg]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bundles, "write_result_bundle", broken)
+    root = node.broker.roots[0]
+    path = bundles.write_bundle(
+        root.inbox, [JobSpec(id="nowhere", type="echo.echo", params={"text": "x"})], now=time.time()
+    )
+    stem = path.name.removesuffix(".zip")
+    run_until(node, (root.failed / f"{stem}.reason.txt").exists, timeout=20)
+    assert "No space left on device" in (root.failed / f"{stem}.reason.txt").read_text()
+    assert (root.failed / f"{stem}.input.zip").exists()
+    assert list(root.processing.iterdir()) == []
+    assert "bundle_unwritable" in kinds(node)
+    assert state(node, "nowhere") is JobState.DONE  # the job itself is not lost
