@@ -742,7 +742,7 @@ class Broker(WarmServing):
         facts = AttemptFacts(
             exit_code=result.exit_code,
             worker_error=result.worker_error,
-            cuda_oom=is_cuda_oom(result.stderr),
+            cuda_oom=run.attempt.gpu_uuid is not None and is_cuda_oom(result.stderr),
             gpu_alone=self.vram.alone(holder),
             gpu_fault=run.fault if run.stop_reason == "gpu_fault" else None,
             app_error=run.fault if run.stop_reason == "app_error" else None,

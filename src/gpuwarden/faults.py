@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 ENV = "GPUWARDEN_FAULT"
 
@@ -30,8 +31,13 @@ def _parse(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     name, _, nth = value.partition("@")
-    if name not in POINTS:
-        raise ValueError(f"{ENV}={value!r}: unknown fault point; known: {', '.join(POINTS)}")
+    if name not in POINTS or not (nth or "1").isdigit():
+        # a test hook must never break the real command line: say so and do nothing
+        sys.stderr.write(
+            f"gpuwarden: ignoring {ENV}={value!r}: use NAME or NAME@N, NAME one of "
+            f"{', '.join(POINTS)}\n"
+        )
+        return None
     return name, int(nth or 1)
 
 

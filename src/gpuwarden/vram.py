@@ -156,6 +156,8 @@ class VramBook:
                 g = self._gpus[r.uuid] = _Gpu(reading=r)
             g.reading = r
             events += self._observe_gpu(g, first, now)
+            if first and r.xids:  # reported before this broker started: history, not news
+                self._xid_seen[r.uuid] = r.xids[-1][0]
             events += self._new_xids(r)
         return events
 

@@ -41,7 +41,7 @@ INFRASTRUCTURE = frozenset(
 )
 
 #: what a process's stderr says when CUDA (or the simulated GPU) ran out of memory
-CUDA_OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUDA_ERROR_OUT_OF_MEMORY")
+CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA_ERROR_OUT_OF_MEMORY")
 
 
 def is_cuda_oom(stderr: str) -> bool:

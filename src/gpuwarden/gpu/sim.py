@@ -377,7 +377,11 @@ class SimDevice:
                     index=dev["index"],
                     driver="sim",
                     extra=extra,
-                    xids=tuple(enumerate((int(x) for x in dev["xids"]), start=1)),
+                    xids=tuple(
+                        enumerate(
+                            (int(x) for x in dev["xids"]), start=int(dev.get("xid_base", 0)) + 1
+                        )
+                    ),
                 )
             )
         return out
@@ -419,9 +423,12 @@ class SimDevice:
             self._set_device(state, gpu_uuid, xids=xids)
 
     def clear_xids(self, gpu_uuid: str) -> None:
-        """Forget the GPU's recorded faults (an operator reset it)."""
+        """Forget the GPU's recorded faults (an operator reset it). Event numbers
+        keep counting up, so a reader never mistakes a new Xid for an old one."""
         with self._transaction() as state:
-            self._set_device(state, gpu_uuid, xids=[])
+            dev = self._device(state, gpu_uuid)
+            base = int(dev.get("xid_base", 0)) + len(dev["xids"])
+            self._set_device(state, gpu_uuid, xids=[], xid_base=base)
 
     def xids(self, gpu_uuid: str) -> list[int]:
         """Every Xid code injected on the GPU, oldest first."""
