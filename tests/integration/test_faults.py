@@ -235,3 +235,26 @@ def test_a_result_that_can_never_be_written_gives_its_input_to_failed(
     assert list(root.processing.iterdir()) == []
     assert "bundle_unwritable" in kinds(node)
     assert state(node, "nowhere") is JobState.DONE  # the job itself is not lost
+
+
+def test_a_gpu_that_stops_answering_pauses_vram_admission_and_cpu_jobs_go_on(
+    node: Node,
+) -> None:
+    device = node.probe.device  # type: ignore[attr-defined]
+    [first, _] = device.uuids()
+    device.set_hang(first, True)
+    submit(
+        node,
+        gpu_job("blocked", seconds=0.1),
+        JobSpec(id="cpu", type="echo.echo", params={"text": "x"}),
+    )
+    run_until(node, lambda: state(node, "cpu").terminal)
+    assert "probe_failed" in kinds(node)  # the fault was seen
+    assert state(node, "cpu") is JobState.DONE
+    assert state(node, "blocked") is JobState.QUEUED
+    assert "VRAM admission is paused: the GPU probe failed" in (
+        node.broker.wait_reason("blocked") or ""
+    )
+    device.set_hang(first, False)
+    run_until(node, lambda: state(node, "blocked").terminal)
+    assert state(node, "blocked") is JobState.DONE and "probe_recovered" in kinds(node)
