@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import shutil
 import threading
 import time
@@ -270,6 +271,7 @@ class Broker(WarmServing):
                         action="result already written: removed",
                     )
                     path.unlink(missing_ok=True)
+                    shutil.rmtree(self._staging_for(root, path.name), ignore_errors=True)
                 else:
                     self._emit(
                         "bundle_recovered",
@@ -388,7 +390,9 @@ class Broker(WarmServing):
             for s in specs
         ] or [({"id": "bundle", "status": "failed", "reason": reason, "attempts": 0}, None)]
         stem = path.name.removesuffix(".zip")
-        result_name = f"{stem}.duplicate-{int(now)}.zip" if duplicate else path.name
+        # two copies refused in the same second must not overwrite each other
+        unique = f"{int(now)}-{secrets.token_hex(3)}"
+        result_name = f"{stem}.duplicate-{unique}.zip" if duplicate else path.name
         result = bundles.write_result_bundle(root.failed, result_name, results)
         root.move_to_failed(path, result_name.removesuffix(".zip") + KEPT_INPUT)
         if not duplicate:
