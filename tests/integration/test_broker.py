@@ -23,8 +23,8 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import StateDirLockedError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake import bundle as bundles
-from gpuwarden.intake.jobs import prepare
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
+from tests.brokerkit import submit
 from tests.conftest import MODULES
 
 TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
@@ -79,11 +79,6 @@ def result_of(node: Node, name: str, timeout: float = 20.0) -> tuple[Path, dict[
 
     run_until(node, ready, timeout)
     return found[0], bundles.read_result_bundle(found[0])
-
-
-def submit(node: Node, *specs: JobSpec) -> None:
-    """Submit straight into the store, validated the way every intake path does."""
-    node.store.submit([prepare(node.broker.registry, s) for s in specs], now=time.time())
 
 
 def echo(i: str, **params: object) -> JobSpec:

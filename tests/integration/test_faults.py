@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,8 +20,8 @@ from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.intake import bundle as bundles
-from gpuwarden.intake.jobs import prepare
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
+from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
 
 TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
@@ -47,18 +47,6 @@ def node(tmp_path: Path) -> Iterator[Node]:
     with open_node(make_config(tmp_path), mock_gpu=True) as n:
         yield n
         n.broker.shutdown(0)
-
-
-def submit(node: Node, *specs: JobSpec) -> None:
-    node.store.submit([prepare(node.broker.registry, s) for s in specs], now=time.time())
-
-
-def run_until(node: Node, done: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out waiting for the broker"
-        node.broker.tick()
-        time.sleep(0.02)
 
 
 def state(node: Node, job_id: str) -> JobState:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -19,6 +19,7 @@ from gpuwarden.core.policy import QueuedJob
 from gpuwarden.core.states import JobState
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.store.base import Submission
+from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
 
 TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
@@ -60,18 +61,6 @@ def node(tmp_path: Path, clock: Clock) -> Iterator[Node]:
         n.broker.clock = clock
         yield n
         n.broker.shutdown(0)
-
-
-def submit(node: Node, *specs: JobSpec) -> None:
-    node.store.submit([prepare(node.broker.registry, s) for s in specs], now=time.time())
-
-
-def run_until(node: Node, done: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out waiting for the broker"
-        node.broker.tick()
-        time.sleep(0.02)
 
 
 def job(node: Node, job_id: str) -> JobState:
