@@ -9,13 +9,16 @@ from pathlib import Path
 
 from gpuwarden.broker import Broker
 from gpuwarden.config import Config
-from gpuwarden.core.model import LaunchMode
+from gpuwarden.core.launchrules import Runtime
+from gpuwarden.core.model import GIB, LaunchMode
 from gpuwarden.eventlog import EventLog
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.gpu.select import open_probe
 from gpuwarden.gpu.sim import SimGpuConfig
 from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.host import HostLauncher
+from gpuwarden.launch.sandbox import SandboxLauncher, SandboxLimits
 from gpuwarden.registry import Registry
 from gpuwarden.statelock import StateLock
 from gpuwarden.store.base import Store
@@ -40,6 +43,37 @@ def open_store(config: Config) -> Store:
 def make_probe(config: Config, *, mock_gpu: bool) -> GpuProbe:
     kind = "sim" if mock_gpu else config.gpu
     return open_probe(kind, state_dir=config.state_dir, sim=sim_config(config))
+
+
+def sandbox_launcher(config: Config) -> SandboxLauncher | None:
+    """The launcher for sandboxed attempts, or None with ``container_runtime = "local"``."""
+    if config.container_runtime is Runtime.LOCAL:
+        return None
+    s = config.sandbox
+    limits = SandboxLimits(
+        uid=s.uid,
+        gid=s.gid,
+        pids=s.pids,
+        nofile=s.nofile,
+        cpus=s.cpus,
+        memory_bytes=int(s.memory_gib * GIB),
+        cgroups=s.cgroups,
+        python=s.python,
+    )
+    return SandboxLauncher(config.container_runtime, limits, image=config.sandbox_image)
+
+
+def launchers_for(config: Config) -> dict[LaunchMode, Launcher]:
+    """One launcher per launch mode that attempts are started with (serve types
+    are driven by the broker's warm pool with the container launcher's runtime)."""
+    host = HostLauncher()
+    sandbox = sandbox_launcher(config)
+    launchers: dict[LaunchMode, Launcher] = {LaunchMode.HOST: host}
+    if sandbox is not None:
+        launchers[LaunchMode.CONTAINER] = sandbox
+    elif config.allow_unsandboxed_containers:
+        launchers[LaunchMode.CONTAINER] = host
+    return launchers
 
 
 @dataclass
@@ -67,7 +101,8 @@ def open_node(
     lock = StateLock(config.state_dir)
     lock.acquire()
     try:
-        registry = Registry.load(config.module_paths)
+        config.check_sandbox()
+        registry = Registry.load(config.module_paths, config.launch_rules)
         roots = [
             QueueRoot.open(p, create=config.create_queue_roots)
             for p in [*config.queue_roots, *(extra_roots or [])]
@@ -86,7 +121,7 @@ def open_node(
         store=store,
         probe=probe,
         registry=registry,
-        launchers={LaunchMode.HOST: HostLauncher()},
+        launchers=launchers_for(config),
         roots=roots,
         events=events,
     )

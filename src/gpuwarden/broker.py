@@ -10,6 +10,7 @@ state, they post a :class:`LaunchResult` that the loop drains.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from gpuwarden import faults
 from gpuwarden.config import Config
 from gpuwarden.core import policy
 from gpuwarden.core.classify import AttemptFacts, Outcome, classify, is_cuda_oom, xid_kind
-from gpuwarden.core.model import Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
+from gpuwarden.core.model import MIB, Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import (
     BundleError,
@@ -39,15 +40,17 @@ from gpuwarden.errors import (
 )
 from gpuwarden.eventlog import EventLog, NullLog
 from gpuwarden.gpu.base import GpuProbe, GpuReading
+from gpuwarden.gpu.sim import SimProbe
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.intake.queueroot import KEPT_INPUT, QueueRoot
-from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, attempt_marker
+from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Mount, attempt_marker
 from gpuwarden.launch.host import (
     find_attempt_processes,
     find_instance_processes,
     stop_processes,
 )
+from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
 from gpuwarden.registry import Registry
 from gpuwarden.running import RunningAttempt, ServerNote, Started
 from gpuwarden.serving import WarmServing
@@ -106,7 +109,14 @@ class Broker(WarmServing):
         self.store = store
         self.probe = probe
         self.registry = registry
+        #: the node's launch rules, applied at submission (through the registry)
+        #: and again at each start: the configuration may have changed meanwhile
+        self.rules = config.launch_rules
+        registry.rules = self.rules
         self.launchers = dict(launchers)
+        container = self.launchers.get(LaunchMode.CONTAINER)
+        #: sandboxed attempts (container types, and serve types' workers)
+        self.sandbox = container if isinstance(container, SandboxLauncher) else None
         self.roots = list(roots or [])
         self.events = events or NullLog()
         self.clock = clock
@@ -137,6 +147,7 @@ class Broker(WarmServing):
         for type_name, seconds in reversed(store.recent_run_times()):
             self._run_times.setdefault(type_name, deque(maxlen=RUN_TIME_WINDOW)).append(seconds)
         self._waits: dict[str, str] = {}
+        self._warned_unsandboxed: set[str] = set()
         self._event_cursor = store.last_event_id()
         self._jobs_dir = config.state_dir / "jobs"
         #: names this broker's processes: stable across restarts of the same node and
@@ -220,6 +231,10 @@ class Broker(WarmServing):
         reaped_all, survivors_all = stop_processes(leftovers, self.config.broker.kill_grace_s)
         if leftovers:
             self._emit("leftovers_stopped", reaped=reaped_all, survivors=survivors_all)
+        if self.sandbox is not None:
+            removed = self.sandbox.remove_leftovers(self.instance)
+            if removed:
+                self._emit("leftover_containers_removed", containers=removed)
         for job in self.store.running_jobs():
             marker = attempt_marker(self.instance, job.id, job.attempts)
             reaped, survivors = stop_processes(
@@ -579,6 +594,17 @@ class Broker(WarmServing):
 
     def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> None:
         gpu = decision.gpu_uuid
+        refused = self.rules.refusal(jobtype)
+        if refused is not None:  # accepted under another configuration
+            self.store.transition(
+                job.id, JobState.FAILED, now=now, reason=f"refused by the launch rules: {refused}"
+            )
+            return
+        if warning := self.rules.unsandboxed_warning(jobtype):
+            if jobtype.name not in self._warned_unsandboxed:  # loud, but once per type
+                self._warned_unsandboxed.add(jobtype.name)
+                log.warning("%s; every attempt is marked 'unsandboxed' in the log", warning)
+            self._emit("unsandboxed", job=job.id, type=jobtype.name)
         if jobtype.launch is LaunchMode.SERVE and gpu is not None:
             self._start_served(job, jobtype, decision, gpu, now)
             return
@@ -656,12 +682,28 @@ class Broker(WarmServing):
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
+    def sandbox_for(self, jobtype: JobType) -> SandboxLauncher | None:
+        """The sandbox attempts of ``jobtype`` run in, or None (a host process)."""
+        return self.sandbox if self.rules.sandboxed(jobtype) else None
+
+    def gpu_access(self, gpu: str | None) -> tuple[str | None, tuple[Mount, ...]]:
+        """What a sandbox needs to reach ``gpu``: the real device's UUID, or for
+        the simulated GPU the folder that holds its state (and nothing else)."""
+        if gpu is None:
+            return None, ()
+        if isinstance(self.probe, SimProbe):
+            folder = str(self.probe.path.parent)
+            return None, (Mount(folder, folder, writable=True),)
+        return gpu, ()
+
     def _request(self, run: RunningAttempt, gpu: str | None) -> LaunchRequest:
         """Lay out the attempt's directories and build its launch request."""
         job, jobtype = run.job, run.jobtype
+        sandbox = self.sandbox_for(jobtype)
         out_dir = run.attempt_dir / "out"
         scratch = run.attempt_dir / "scratch"
-        for d in (out_dir, scratch):
+        report = run.attempt_dir / "report"
+        for d in (out_dir, scratch, *([report] if sandbox else [])):
             d.mkdir(parents=True, exist_ok=True)
         input_dir, params = self._params(run)
         params_path = run.attempt_dir / "params.json"
@@ -676,13 +718,16 @@ class Broker(WarmServing):
                 "GPUWARDEN_INPUT_DIR": str(input_dir),
                 "GPUWARDEN_OUTPUT_DIR": str(out_dir),
                 "GPUWARDEN_SCRATCH_DIR": str(scratch),
-                "GPUWARDEN_RESULT": str(run.attempt_dir / "message.json"),
+                "GPUWARDEN_RESULT": str((report if sandbox else run.attempt_dir) / "message.json"),
             }
         )
-        return LaunchRequest(
+        weights = self.config.sandbox.weights_dir
+        if weights is not None:
+            env["GPUWARDEN_WEIGHTS_DIR"] = str(weights)
+        request = LaunchRequest(
             job_id=job.id,
             attempt=run.attempt.number,
-            argv=self.registry.argv(jobtype),
+            argv=self.registry.argv(jobtype, sandbox.python if sandbox else None),
             cwd=jobtype.module_dir,
             env=env,
             attempt_dir=str(run.attempt_dir),
@@ -690,6 +735,23 @@ class Broker(WarmServing):
             clip_chars=self.config.broker.clip_chars,
             kill_grace_s=self.config.broker.kill_grace_s,
             instance=self.instance,
+        )
+        if sandbox is None:
+            return request
+        gpu_uuid, gpu_mounts = self.gpu_access(gpu)
+        mounts = mounts_for(
+            module_dir=jobtype.module_dir,
+            input_dir=str(input_dir),
+            output_dir=str(out_dir),
+            scratch_dir=str(scratch),
+            report_dir=str(report),
+            params_file=str(params_path),
+            weights_dir=str(weights) if weights is not None else None,
+            scratch_bytes=int(self.config.sandbox.scratch_mib * MIB),
+            extra=gpu_mounts,
+        )
+        return dataclasses.replace(
+            request, mounts=mounts, gpu_uuid=gpu_uuid, memory_bytes=jobtype.ram_bytes
         )
 
     def _work(self, launcher: Launcher, request: LaunchRequest, stop: threading.Event) -> None:
@@ -755,6 +817,7 @@ class Broker(WarmServing):
             cancel_requested=run.stop_reason == "cancel",
             shutting_down=run.stop_reason == "shutdown",
             launch_error=result.launch_error,
+            oom_killed=result.oom_killed,
             missing_outputs=missing,
             timeout_s=run.jobtype.timeout_s,
             stderr_tail=stderr_tail,
@@ -763,7 +826,9 @@ class Broker(WarmServing):
         reason = verdict.reason
         if result.survivors:
             reason += f"; processes {list(result.survivors)} survived SIGKILL (check the host)"
-        message = _read_message(run.attempt_dir / "message.json")
+        message = _read_message(run.attempt_dir / "message.json") or _read_message(
+            run.attempt_dir / "report" / "message.json"
+        )
         extra = self._result_extra(
             run.job,
             run,
@@ -859,6 +924,10 @@ class Broker(WarmServing):
                 str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
             )
             extra["gpu"] = run.attempt.gpu_uuid
+            if result.oom_killed is not None:
+                extra["oom_killed"] = result.oom_killed
+            sandbox = self.sandbox_for(run.jobtype)
+            extra["sandbox"] = sandbox.runtime.value if sandbox is not None else "none"
             extra["started_at"] = result.started_at
             extra["ended_at"] = result.ended_at
         return extra

@@ -29,6 +29,7 @@ from gpuwarden import __version__, explain
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.broker import result_json
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
+from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import QueuedJob, never_fits
@@ -485,7 +486,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.queue is not None:
         return _submit_to_queue(args)
     config = _config(args)
-    registry = Registry.load(config.module_paths)
+    registry = Registry.load(config.module_paths, config.launch_rules)
     spec = _spec(registry, args)
     store = open_store(config)
     try:
@@ -541,10 +542,11 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
     root = QueueRoot.open(args.queue, create=False)
     try:
         config = _config(args)
-        paths = config.module_paths
+        paths, rules = config.module_paths, config.launch_rules
     except GpuwardenError:
-        paths = load_config(None).module_paths
-    spec = _spec(Registry.load(paths), args)
+        # no usable config here: the broker that reads the queue applies its rules
+        paths, rules = load_config(None).module_paths, LaunchRules.unchecked()
+    spec = _spec(Registry.load(paths, rules), args)
     files = {p.name: p for p in args.inputs}
     path = bundles.write_bundle(root.inbox, [spec], files, now=time.time())
     out.print(f"submitted {spec.id} ({spec.type}) as {path}")
@@ -805,7 +807,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_types(args: argparse.Namespace) -> int:
     config = _config(args)
-    registry = Registry.load(config.module_paths)
+    registry = Registry.load(config.module_paths, config.launch_rules)
     table = Table("type", "lane", "launch", "VRAM", "timeout", "parameters")
     for t in sorted(registry.types.values(), key=lambda t: t.name):
         params = ", ".join(f"{p.name}:{p.type.value}{'' if p.required else '?'}" for p in t.params)
@@ -828,7 +830,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         job = store.get_job(args.job)
         if job is None:
             raise UserError(f"no job with id {args.job!r} (see `gpuwarden jobs`)")
-        registry = Registry.load(config.module_paths)
+        registry = Registry.load(config.module_paths, config.launch_rules)
         status = explain.latest_status(store, time.time())
         view = explain.view_from_status(status, config.broker.cpu_slots) if status else None
         for line in explain.explain_job(job, store, registry, view):
@@ -840,7 +842,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_preview(args: argparse.Namespace) -> int:
     config = _config(args)
-    registry = Registry.load(config.module_paths)
+    registry = Registry.load(config.module_paths, config.launch_rules)
     jobtype = registry.get(args.type)
     override = int(args.vram_gib * GIB) if args.vram_gib is not None else None
     if override is not None and jobtype.lane is not Lane.VRAM:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpuwarden.core.launchrules import LaunchRules, Runtime, image_is_pinned
 from gpuwarden.core.model import GIB, MIB
 from gpuwarden.errors import ConfigError
 
@@ -82,6 +83,32 @@ class LimitSettings(_Section):
     max_jobs_per_bundle: Annotated[int, Field(ge=1)] = 1000
 
 
+class SandboxSettings(_Section):
+    """``[sandbox]``: what every sandboxed attempt gets (see SPEC.md, "Sandbox")."""
+
+    #: the user and group the job runs as inside the sandbox (never root)
+    uid: Annotated[int, Field(ge=1, le=2**31 - 1)] = 65534
+    gid: Annotated[int, Field(ge=1, le=2**31 - 1)] = 65534
+    #: most processes (podman/docker: pids limit and nproc; bubblewrap: nproc)
+    pids: Annotated[int, Field(ge=8, le=1_000_000)] = 512
+    #: most open files
+    nofile: Annotated[int, Field(ge=64, le=1_048_576)] = 4096
+    #: CPUs (podman/docker: a rate; bubblewrap: CPU seconds = cpus x the timeout)
+    cpus: Annotated[float, Field(gt=0, le=4096)] = 4.0
+    #: memory when the job type declares no ram_gib (podman/docker, with cgroups)
+    memory_gib: Annotated[float, Field(gt=0, le=65536)] = 16.0
+    #: size of the job's scratch directory, a tmpfs (0: a folder on disk, no limit)
+    scratch_mib: Annotated[float, Field(ge=0, le=1_048_576)] = 2048.0
+    #: false on hosts where the runtime cannot use cgroups (a mixed v1/v2 layout):
+    #: podman then runs with --cgroups=disabled, and memory, pids and CPU-rate
+    #: limits are not enforced (ulimits still are)
+    cgroups: bool = True
+    #: model weights, mounted read-only at /gpuwarden/weights (GPUWARDEN_WEIGHTS_DIR)
+    weights_dir: Path | None = None
+    #: the Python interpreter inside the sandbox image ({python} in a command)
+    python: str = "python3"
+
+
 class Config(_Section):
     """The whole configuration. See SPEC.md, "Configuration", for every key."""
 
@@ -96,6 +123,41 @@ class Config(_Section):
     vram: VramSettings = VramSettings()
     warm: WarmSettings = WarmSettings()
     limits: LimitSettings = LimitSettings()
+    #: "local" (no sandbox), "podman", "docker" or "bubblewrap"
+    container_runtime: Runtime = Runtime.LOCAL
+    #: the image sandboxed attempts run in (podman, docker): pinned by digest or id
+    sandbox_image: str = ""
+    allow_unpinned_images: bool = False
+    #: with container_runtime = "local": run container and serve types as host processes
+    allow_unsandboxed_containers: bool = False
+    #: with a real runtime: run host types too (unsandboxed)
+    allow_host_jobs: bool = False
+    sandbox: SandboxSettings = SandboxSettings()
+
+    @property
+    def launch_rules(self) -> LaunchRules:
+        return LaunchRules(
+            runtime=self.container_runtime,
+            allow_unsandboxed_containers=self.allow_unsandboxed_containers,
+            allow_host_jobs=self.allow_host_jobs,
+        )
+
+    def check_sandbox(self) -> None:
+        """Raise :class:`ConfigError` when the sandbox settings cannot work together."""
+        runtime = self.container_runtime
+        if not runtime.needs_image:
+            return
+        if not self.sandbox_image:
+            raise ConfigError(
+                f'container_runtime = "{runtime.value}" needs sandbox_image: build one with '
+                f"`images/build.sh --runtime {runtime.value} --pin` and set the id it prints"
+            )
+        if not image_is_pinned(self.sandbox_image) and not self.allow_unpinned_images:
+            raise ConfigError(
+                f"sandbox_image {self.sandbox_image!r} is not pinned: a tag can be moved to "
+                f"another image. Use a digest (name@sha256:...) or a local image id "
+                f"(`images/build.sh --pin` prints one), or set allow_unpinned_images = true"
+            )
 
     @property
     def sim_vram_bytes(self) -> int:
@@ -170,7 +232,12 @@ def load_config(path: Path | None, *, state_dir: Path | None = None) -> Config:
     else:
         updates["module_paths"] = default_module_paths()
     updates["queue_roots"] = [(base / p).resolve() for p in config.queue_roots]
-    return config.model_copy(update=updates)
+    if config.sandbox.weights_dir is not None:
+        weights = (base / config.sandbox.weights_dir).resolve()
+        updates["sandbox"] = config.sandbox.model_copy(update={"weights_dir": weights})
+    config = config.model_copy(update=updates)
+    config.check_sandbox()
+    return config
 
 
 def _explain(exc: pydantic.ValidationError, path: Path | None) -> str:

@@ -47,9 +47,11 @@ from rich.table import Table
 
 from gpuwarden.app import open_node
 from gpuwarden.config import Config, default_module_paths
+from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuProbeError, UserError
+from gpuwarden.gpu.select import SIM_STATE_FILE
 from gpuwarden.gpu.sim import SimDevice, SimGpuConfig, SimProbe
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.launch.base import ATTEMPT_ENV
@@ -325,6 +327,9 @@ def run_through_gpuwarden(
             "queue_roots": [],
             "sim_gpu": {"count": 1, "vram_gib": GPU_GIB, "release_delay_s": RELEASE_DELAY_S},
             "broker": {"poll_interval_s": POLL_S, "kill_grace_s": 1.0},
+            # burn's types are container types; the demo runs them as host
+            # processes (they are gpuwarden's own code) so it needs no runtime
+            "allow_unsandboxed_containers": True,
         }
     )
     task = progress.add_task(LABEL_GW, total=len(specs), info="starting")
@@ -332,7 +337,7 @@ def run_through_gpuwarden(
     ended = 0
     with open_node(config, mock_gpu=True) as node:
         store, broker = node.store, node.broker
-        device = SimDevice.open(config.state_dir / "simgpu.json")
+        device = SimDevice.open(config.state_dir / SIM_STATE_FILE)
         with _sampling(device) as sampler:
             start = time.monotonic()
             store.submit(specs, now=time.time())
@@ -455,7 +460,7 @@ def run_demo(
     directory (its path is printed).
     """
     paths = module_paths if module_paths is not None else _module_paths()
-    registry = Registry.load(paths)
+    registry = Registry.load(paths, LaunchRules(allow_unsandboxed_containers=True))
     if "burn.llm" not in registry.types:
         raise UserError(
             "the demo needs the burn module (modules/burn), which is not on the module paths: "

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import GIB, JobType, Lane, LaunchMode, ParamSpec, ParamType
 from gpuwarden.core.params import value_fits
 from gpuwarden.errors import ModuleError, ValidationError
@@ -196,14 +197,16 @@ def fingerprint(src: Path) -> str:
 
 
 class Registry:
-    """Every job type of every module found on the module paths."""
+    """Every job type of every module found on the module paths, and the node's
+    launch rules: which of them may run here (checked at submission)."""
 
-    def __init__(self, modules: list[Module]) -> None:
+    def __init__(self, modules: list[Module], rules: LaunchRules | None = None) -> None:
         self.modules = {m.name: m for m in modules}
         self.types = {t.name: t for m in modules for t in m.types}
+        self.rules = rules or LaunchRules()
 
     @classmethod
-    def load(cls, paths: list[Path]) -> Registry:
+    def load(cls, paths: list[Path], rules: LaunchRules | None = None) -> Registry:
         """Load every module under ``paths``. Folders starting with ``_`` or ``.``
         (``_TEMPLATE``) are skipped. The first path that has a module wins."""
         modules: dict[str, Module] = {}
@@ -218,7 +221,7 @@ class Registry:
                 if not (sub / "module.toml").exists():
                     continue
                 modules[sub.name] = parse_module(sub)
-        return cls(list(modules.values()))
+        return cls(list(modules.values()), rules)
 
     def get(self, name: str) -> JobType:
         try:
@@ -230,9 +233,11 @@ class Registry:
     def module_of(self, jobtype: JobType) -> Module:
         return self.modules[jobtype.module]
 
-    def argv(self, jobtype: JobType) -> tuple[str, ...]:
-        """The command with ``{python}`` replaced by this interpreter."""
-        return tuple(sys.executable if a == "{python}" else a for a in jobtype.command)
+    def argv(self, jobtype: JobType, python: str | None = None) -> tuple[str, ...]:
+        """The command with ``{python}`` replaced by ``python`` (default: this
+        interpreter; a sandbox image has its own)."""
+        python = python or sys.executable
+        return tuple(python if a == "{python}" else a for a in jobtype.command)
 
     def describe(self) -> list[dict[str, Any]]:
         return [
@@ -241,6 +246,7 @@ class Registry:
                 "lane": t.lane.value,
                 "launch": t.launch.value,
                 "vram_bytes": t.vram_bytes,
+                "runs_here": self.rules.refusal(t) is None,
             }
             for t in sorted(self.types.values(), key=lambda t: t.name)
         ]

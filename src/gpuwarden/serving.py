@@ -8,11 +8,14 @@ messages (:class:`RunningAttempt` results and :class:`ServerNote`) back.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -22,12 +25,19 @@ from typing import TYPE_CHECKING, Any
 from gpuwarden.config import Config
 from gpuwarden.core import policy
 from gpuwarden.core.ledger import HoldState
-from gpuwarden.core.model import Job, JobType
+from gpuwarden.core.model import MIB, Job, JobType
 from gpuwarden.errors import TransitionError
 from gpuwarden.gpu.base import GpuProbe
-from gpuwarden.launch.base import LaunchRequest, LaunchResult
+from gpuwarden.launch.base import INSIDE, Launcher, LaunchRequest, LaunchResult, Mount
 from gpuwarden.launch.host import HostLauncher
-from gpuwarden.launch.serve import LoadReport, ServeError, ServeWorker, placement_check
+from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
+from gpuwarden.launch.serve import (
+    JobReport,
+    LoadReport,
+    ServeError,
+    ServeWorker,
+    placement_check,
+)
 from gpuwarden.registry import Registry
 from gpuwarden.running import RunningAttempt, ServerNote, Started
 from gpuwarden.store.base import Store
@@ -65,6 +75,10 @@ class WarmServing:
         def _params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]: ...
 
         def _base_env(self, gpu: str | None) -> dict[str, str]: ...
+
+        def sandbox_for(self, jobtype: JobType) -> SandboxLauncher | None: ...
+
+        def gpu_access(self, gpu: str | None) -> tuple[str | None, tuple[Mount, ...]]: ...
 
         def _raise_footprint(
             self, jobtype: JobType, peak: int, override: int | None, source: str, now: float
@@ -135,12 +149,16 @@ class WarmServing:
     def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
         epoch = self.warm.next_epoch()
         log_dir = self.config.state_dir / "warm" / f"{jobtype.name}-{epoch}"
+        sandbox = self.sandbox_for(jobtype)
         env = self._base_env(gpu)
         env["GPUWARDEN_JOB_TYPE"] = jobtype.name
+        weights = self.config.sandbox.weights_dir
+        if weights is not None:
+            env["GPUWARDEN_WEIGHTS_DIR"] = str(weights)
         request = LaunchRequest(
             job_id=f"warm-{jobtype.name}",
             attempt=epoch,
-            argv=self.registry.argv(jobtype),
+            argv=self.registry.argv(jobtype, sandbox.python if sandbox else None),
             cwd=jobtype.module_dir,
             env=env,
             attempt_dir=str(log_dir),
@@ -151,10 +169,15 @@ class WarmServing:
         )
         sockets = self.socket_dir()
         sockets.mkdir(mode=0o700, exist_ok=True)
+        socket_path = sockets / f"{epoch}.sock"
+        launcher: Launcher = HostLauncher()
+        if sandbox is not None:
+            launcher = sandbox
+            request = self._sandboxed_server_request(request, gpu, socket_path, jobtype)
         worker = ServeWorker(
-            HostLauncher(),
+            launcher,
             request,
-            sockets / f"{epoch}.sock",
+            socket_path,
             epoch,
             stop_wait_s=self.config.warm.stop_grace_s,
         )
@@ -186,6 +209,32 @@ class WarmServing:
         )
         self._emit("warm_server_starting", type=jobtype.name, gpu=gpu, epoch=epoch)
         return server
+
+    def _sandboxed_server_request(
+        self, request: LaunchRequest, gpu: str, socket_path: Path, jobtype: JobType
+    ) -> LaunchRequest:
+        """A warm server in a sandbox sees its module, its scratch, its socket and
+        its exchange folder, through which each job's files pass (mounts cannot
+        change while it runs, so the jobs' own folders are never mounted)."""
+        log_dir = Path(request.attempt_dir)
+        exchange = log_dir / "exchange"
+        exchange.mkdir(parents=True, exist_ok=True)
+        weights = self.config.sandbox.weights_dir
+        gpu_uuid, gpu_mounts = self.gpu_access(gpu)
+        mounts = mounts_for(
+            module_dir=jobtype.module_dir,
+            input_dir=None,
+            output_dir=str(exchange),
+            scratch_dir=str(log_dir / "scratch"),
+            report_dir=None,
+            params_file=None,
+            weights_dir=str(weights) if weights is not None else None,
+            scratch_bytes=int(self.config.sandbox.scratch_mib * MIB),
+            extra=(Mount(str(socket_path), str(INSIDE / "serve.sock"), writable=True), *gpu_mounts),
+        )
+        return dataclasses.replace(
+            request, mounts=mounts, gpu_uuid=gpu_uuid, memory_bytes=jobtype.ram_bytes
+        )
 
     def _load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: start the server's process, wait for its model, serve the job."""
@@ -242,15 +291,65 @@ class WarmServing:
 
     def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
         input_dir, params = self._params(run)
-        report = server.worker.run_job(
-            run.job.id,
-            run.attempt.number,
-            params,
-            input_dir,
-            run.attempt_dir / "out",
-            run.attempt_dir / "scratch",
-            run.jobtype.timeout_s,
-        )
+        out_dir, scratch = run.attempt_dir / "out", run.attempt_dir / "scratch"
+        mounts = server.worker.request.mounts
+        if not mounts:
+            report = server.worker.run_job(
+                run.job.id,
+                run.attempt.number,
+                params,
+                input_dir,
+                out_dir,
+                scratch,
+                run.jobtype.timeout_s,
+            )
+        else:
+            report = self._serve_through_exchange(server, run, input_dir, params)
+        self._after_served(server, run, started, report)
+
+    def _serve_through_exchange(
+        self, server: WarmServer, run: RunningAttempt, input_dir: Path, params: dict[str, Any]
+    ) -> JobReport:
+        """A sandboxed server gets copies of the job's inputs in its exchange folder
+        and writes its outputs there; they are moved to the attempt's ``out/``."""
+        exchange = Path(server.worker.request.attempt_dir) / "exchange"
+        slot = exchange / f"{run.job.id}-{run.attempt.number}"
+        inside = INSIDE / "output" / slot.name
+        shutil.rmtree(slot, ignore_errors=True)
+        for sub in ("in", "out", "scratch"):
+            (slot / sub).mkdir(parents=True)
+        if input_dir.is_dir():
+            shutil.copytree(input_dir, slot / "in", dirs_exist_ok=True)
+        staged = dict(params)
+        for spec in run.jobtype.params:
+            if spec.type.value == "input" and spec.name in staged:
+                rel = Path(str(staged[spec.name])).relative_to(input_dir)
+                staged[spec.name] = str(inside / "in" / rel)
+        sandbox = self.sandbox_for(run.jobtype)
+        if sandbox is not None and os.geteuid() == 0 and sandbox.runtime.needs_image:
+            for p in [slot, *slot.rglob("*")]:
+                os.chown(p, sandbox.limits.uid, sandbox.limits.gid)
+        try:
+            return server.worker.run_job(
+                run.job.id,
+                run.attempt.number,
+                staged,
+                Path(inside / "in"),
+                Path(inside / "out"),
+                Path(inside / "scratch"),
+                run.jobtype.timeout_s,
+            )
+        finally:
+            out_dir = run.attempt_dir / "out"
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for item in (slot / "out").iterdir() if (slot / "out").is_dir() else ():
+                with contextlib.suppress(OSError):
+                    shutil.move(str(item), out_dir / item.name)
+            shutil.rmtree(slot, ignore_errors=True)
+
+    def _after_served(
+        self, server: WarmServer, run: RunningAttempt, started: float, report: JobReport
+    ) -> None:
         if report.message:
             (run.attempt_dir / "message.json").write_text(json.dumps({"message": report.message}))
         for stale in report.stale_dropped:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwarden.gpu.select import SIM_STATE_FILE
 from tests.acceptance.test_cli import GW, Broker, env, run, wait_for, write_config
 
 GIB = 1024**3
@@ -51,7 +52,7 @@ def status(b: Broker) -> tuple[int, dict[str, object]]:
 
 
 def sim_state(b: Broker) -> Path:
-    return b.config.parent / "state" / "simgpu.json"
+    return b.config.parent / "state" / SIM_STATE_FILE
 
 
 def test_an_underdeclared_type_is_measured_and_raised(broker: Broker) -> None:

@@ -53,6 +53,7 @@ def write_config(tmp: Path, *, grace: float = 20, extra: str = "") -> Path:
 state_dir = "state"
 node_name = "accept"
 gpu = "sim"
+allow_unsandboxed_containers = true
 module_paths = ["{REPO / "modules"}", "{TEST_MODULES}"]
 queue_roots = ["queues/demo"]
 {extra}
@@ -279,7 +280,9 @@ def test_read_commands_never_create_a_state_dir(tmp_path: Path) -> None:
 
 def test_run_once_of_a_gpu_job_without_a_gpu_says_so(tmp_path: Path) -> None:
     cfg = tmp_path / "c.toml"
-    cfg.write_text(f'gpu = "none"\nmodule_paths = ["{TEST_MODULES}"]\n')
+    cfg.write_text(
+        f'gpu = "none"\nallow_unsandboxed_containers = true\nmodule_paths = ["{TEST_MODULES}"]\n'
+    )
     r = run("--config", cfg, "run-once", "testmods.gpu", timeout=30)
     assert r.returncode == 2 and "needs a GPU and none was found" in r.stderr
     assert "--mock-gpu" in r.stderr

@@ -36,6 +36,7 @@ def make_config(tmp_path: Path, **broker: float) -> Config:
             "state_dir": tmp_path / "state",
             "node_name": "testnode",
             "gpu": "sim",
+            "allow_unsandboxed_containers": True,
             "module_paths": [MODULES, TEST_MODULES],
             "queue_roots": [tmp_path / "queue"],
             "sim_gpu": {"count": 2, "vram_gib": 24, "release_delay_s": 0},

@@ -18,6 +18,7 @@ import pytest
 from gpuwarden.core.model import GIB
 from gpuwarden.gpu.sim import SimDevice, SimGpuConfig
 from gpuwarden.registry import Registry
+from tests.conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
 BURN = REPO / "modules" / "burn"
@@ -112,7 +113,7 @@ def test_types_declare_footprint_coresidence_and_gib_default() -> None:
     for name, gib in DECLARED.items():
         t = registry.get(f"burn.{name}")
         assert t.lane.value == "vram"
-        assert t.launch.value == "host"
+        assert t.launch.value == "container"  # model-shaped: runs sandboxed where it can
         assert t.vram_bytes == gib * GIB
         assert t.coresident is (name in CORESIDENT)
         params = {p.name: p for p in t.params}
@@ -125,9 +126,38 @@ def test_types_declare_footprint_coresidence_and_gib_default() -> None:
 # -- through the broker (the CLI, as a user runs it) --------------------------------------
 
 
-def test_run_once_on_the_simulated_gpu_succeeds(tmp_path: Path) -> None:
+BURN_1GIB = ("--gib", "1", "--seconds", "0.2")
+BURN_30GIB = ("--gib", "30", "--seconds", "0.1")
+
+
+def burn_config(tmp_path: Path, runtime: str) -> Path:
+    """burn's types are container types: run them unsandboxed, or in bubblewrap."""
+    if runtime == "bubblewrap":
+        need_tool("bwrap")
+        text = 'container_runtime = "bubblewrap"\n'
+    else:
+        text = "allow_unsandboxed_containers = true\n"
+    cfg = tmp_path / "gpuwarden.toml"
+    cfg.write_text(text + f'module_paths = ["{REPO / "modules"}"]\nstate_dir = "state"\n')
+    return cfg
+
+
+@pytest.mark.parametrize("runtime", ["local", "bubblewrap"])
+def test_run_once_on_the_simulated_gpu_succeeds(tmp_path: Path, runtime: str) -> None:
+    cfg = burn_config(tmp_path, runtime)
     proc = subprocess.run(
-        [*GW, "--mock-gpu", "run-once", "burn.embed", "--gib", "1", "--seconds", "0.2"],
+        [
+            *GW,
+            "--config",
+            cfg,
+            "--mock-gpu",
+            "run-once",
+            "burn.embed",
+            "--gib",
+            "1",
+            "--seconds",
+            "0.2",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -141,9 +171,22 @@ def test_run_once_on_the_simulated_gpu_succeeds(tmp_path: Path) -> None:
     assert '"allocated_bytes": 1073741824' in proc.stdout
 
 
-def test_run_once_past_capacity_dies_of_cuda_oom(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", ["local", "bubblewrap"])
+def test_run_once_past_capacity_dies_of_cuda_oom(tmp_path: Path, runtime: str) -> None:
+    cfg = burn_config(tmp_path, runtime)
     proc = subprocess.run(
-        [*GW, "--mock-gpu", "run-once", "burn.llm", "--gib", "30", "--seconds", "0.1"],
+        [
+            *GW,
+            "--config",
+            cfg,
+            "--mock-gpu",
+            "run-once",
+            "burn.llm",
+            "--gib",
+            "30",
+            "--seconds",
+            "0.1",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -19,6 +19,7 @@ from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.core.states import JobState
+from gpuwarden.gpu.select import SIM_STATE_FILE
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
 from tests.brokerkit import run_until, submit
@@ -33,6 +34,7 @@ def make_config(tmp_path: Path, *, gpus: int = 2) -> Config:
             "state_dir": tmp_path / "state",
             "node_name": "faultnode",
             "gpu": "sim",
+            "allow_unsandboxed_containers": True,
             "module_paths": [MODULES, TEST_MODULES],
             "queue_roots": [tmp_path / "queue"],
             "sim_gpu": {"count": gpus, "vram_gib": 24, "release_delay_s": 0},
@@ -173,7 +175,7 @@ def test_a_restart_rebuilds_the_ledger_of_an_interrupted_attempt(tmp_path: Path)
         [gpu] = first.broker.vram.views()
         first.store.start_attempt("held", node="faultnode", gpu_uuid=gpu.uuid, now=time.time())
         marker = attempt_marker(first.broker.instance, "held", 1)
-        sim_path = config.state_dir / "simgpu.json"
+        sim_path = config.state_dir / SIM_STATE_FILE
     # the dead broker's job still holds 6 GiB on the GPU
     leftover = subprocess.Popen(
         [

@@ -17,7 +17,7 @@ from gpuwarden.errors import ConfigError, GpuProbeError
 from gpuwarden.gpu import nvml as nvml_module
 from gpuwarden.gpu.base import NoGpuProbe, ProcessUsage
 from gpuwarden.gpu.nvml import NvmlProbe
-from gpuwarden.gpu.select import open_probe
+from gpuwarden.gpu.select import SIM_STATE_FILE, open_probe
 from gpuwarden.gpu.sim import SimGpuConfig
 from gpuwarden.gpu.smi import SmiProbe
 
@@ -281,7 +281,7 @@ def test_open_probe_kinds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
     cfg = SimGpuConfig()
     assert open_probe("none", state_dir=tmp_path, sim=cfg).kind == "none"
     assert open_probe("sim", state_dir=tmp_path, sim=cfg).kind == "sim"
-    assert (tmp_path / "simgpu.json").is_file()
+    assert (tmp_path / SIM_STATE_FILE).is_file()
     with pytest.raises(GpuProbeError, match="No NVIDIA driver was found"):
         open_probe("nvml", state_dir=tmp_path, sim=cfg)
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -19,7 +19,7 @@ from gpuwarden.errors import GpuProbeError, GpuwardenError, SimOutOfMemoryError
 from gpuwarden.gpu import sim as sim_module
 from gpuwarden.gpu import simclient
 from gpuwarden.gpu.base import GpuReading, ProcessUsage
-from gpuwarden.gpu.select import open_probe
+from gpuwarden.gpu.select import SIM_STATE_FILE, open_probe
 from gpuwarden.gpu.sim import SimDevice, SimGpuConfig, SimProbe
 
 SRC_DIR = str(Path(gpuwarden.__file__).resolve().parent.parent)
@@ -334,7 +334,7 @@ def test_sim_probe(tmp_path: Path) -> None:
     probe = open_probe("sim", state_dir=tmp_path / "state", sim=SimGpuConfig(count=2))
     assert isinstance(probe, SimProbe)
     probe.clock = lambda: now[0]
-    path = tmp_path / "state" / "simgpu.json"
+    path = tmp_path / "state" / SIM_STATE_FILE
     assert probe.kind == "sim"
     readings = probe.read()
     assert [r.total_bytes for r in readings] == [24 * GIB, 24 * GIB]

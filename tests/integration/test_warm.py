@@ -41,6 +41,7 @@ def make_config(tmp_path: Path, *, gpus: int = 1, grace: float = 300) -> Config:
             "state_dir": tmp_path / "state",
             "node_name": "warmnode",
             "gpu": "sim",
+            "allow_unsandboxed_containers": True,
             "module_paths": [MODULES, TEST_MODULES],
             "sim_gpu": {"count": gpus, "vram_gib": 24, "release_delay_s": 0},
             "broker": {"poll_interval_s": 0.02, "kill_grace_s": 0.3},

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.errors import UserError, ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare, safe_relpath
@@ -36,6 +37,7 @@ name = "ocr"
 
 [types.read]
 lane = "vram"
+launch = "container"
 vram_gib = 4
 command = ["{python}", "src/main.py"]
 
@@ -44,7 +46,7 @@ type = "input"
 required = true
 """
     )
-    return Registry.load([tmp_path, MODULES])
+    return Registry.load([tmp_path, MODULES], LaunchRules(allow_unsandboxed_containers=True))
 
 
 def invalid(registry: Registry, spec: JobSpec) -> str:
@@ -257,3 +259,9 @@ def test_new_job_id_for_a_bare_name() -> None:
 def test_new_job_id_is_unique() -> None:
     ids = {new_job_id("echo.echo") for _ in range(200)}
     assert len(ids) == 200
+
+
+def test_a_type_the_launch_rules_refuse_is_refused_at_submission(registry: Registry) -> None:
+    why = invalid(registry, JobSpec(id="c1", type="echo.container", params={"text": "x"}))
+    assert why.startswith("job c1: refused by this node's launch rules: echo.container")
+    assert "allow_unsandboxed_containers = true" in why

@@ -214,3 +214,21 @@ def test_error_values_are_shortened() -> None:
         parse_manifest(_doc(_job(priority="x" * 500)))
     assert len(info.value.message) < 150
     assert info.value.message.endswith('..."') or info.value.message.endswith("...")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("env", {"LD_PRELOAD": "/tmp/x.so"}, "LD_PRELOAD"),
+        ("env", {"LD_LIBRARY_PATH": "/tmp", "NVIDIA_VISIBLE_DEVICES": "all"}, "NVIDIA_VISIBLE"),
+        ("mounts", ["/etc:/etc"], "extra mounts"),
+        ("volumes", ["/:/host"], "extra mounts"),
+        ("devices", ["/dev/nvidia0"], "devices"),
+        ("privileged", True, "privileges"),
+    ],
+)
+def test_a_job_cannot_widen_its_sandbox(key: str, value: Any, named: str) -> None:
+    with pytest.raises(BundleError) as err:
+        parse_manifest(_doc(_job(**{key: value})))
+    text = str(err.value)
+    assert f"jobs[0]: key {key!r}: a job cannot set" in text and named in text

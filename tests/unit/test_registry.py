@@ -97,9 +97,11 @@ def test_echo_module(shipped: Registry) -> None:
 
 
 def test_describe(shipped: Registry) -> None:
-    assert {"type": "echo.echo", "lane": "cpu", "launch": "host", "vram_bytes": 0} in (
-        shipped.describe()
-    )
+    described = shipped.describe()
+    echo = {"type": "echo.echo", "lane": "cpu", "launch": "host", "vram_bytes": 0}
+    assert {**echo, "runs_here": True} in described
+    # the default rules (no runtime, nothing allowed) refuse container types
+    assert next(d for d in described if d["type"] == "echo.container")["runs_here"] is False
 
 
 def test_get_unknown_type_lists_known_types(shipped: Registry) -> None:

@@ -71,6 +71,8 @@ class AttemptFacts:
     gpu_fault: str | None = None
     #: it was stopped because its GPU reported an application error for it, or None
     app_error: str | None = None
+    #: the container runtime recorded an OOM kill (None: no runtime, or unknown)
+    oom_killed: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,18 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         if f.cuda_oom:
             return Outcome.CUDA_OOM_SHARED, f"CUDA out of memory beside another job{tail}"
         if f.exit_code in (-9, 137):
+            if f.oom_killed:
+                return (
+                    Outcome.KILLED,
+                    "killed for memory: the container runtime recorded an OOM kill "
+                    "(exit 137; raise the type's ram_gib or [sandbox] memory_gib)",
+                )
+            if f.oom_killed is False:
+                return (
+                    Outcome.KILLED,
+                    "killed by SIGKILL from outside gpuwarden (exit 137; the container "
+                    "runtime recorded no OOM kill)",
+                )
             return (
                 Outcome.KILLED,
                 "killed by SIGKILL from outside gpuwarden (the kernel's out-of-memory "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pynvml
@@ -130,3 +132,26 @@ class NvmlProbe:
                 pynvml.nvmlShutdown()
             except pynvml.NVMLError as exc:
                 raise GpuProbeError(f"NVML did not shut down cleanly: {exc}") from exc
+
+
+#: the driver's control nodes every CUDA process opens, besides its GPU's own node
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+def device_nodes(gpu_uuid: str) -> list[str]:
+    """The device nodes a sandbox must be given to use exactly the GPU ``gpu_uuid``
+    (found by UUID, never by index): its ``/dev/nvidiaN`` and the control nodes."""
+    try:
+        pynvml.nvmlInit()
+    except (pynvml.NVMLError, OSError) as exc:
+        raise _init_error(exc) from exc
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(gpu_uuid)
+        minor = int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except pynvml.NVMLError as exc:
+        raise GpuProbeError(f"NVML does not know the GPU {gpu_uuid}: {exc}") from exc
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+    nodes = [f"/dev/nvidia{minor}", *CONTROL_NODES]
+    return [n for n in nodes if Path(n).exists()]

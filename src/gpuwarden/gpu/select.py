@@ -13,8 +13,9 @@ from gpuwarden.gpu.sim import SimGpuConfig, SimProbe
 log = logging.getLogger("gpuwarden.gpu")
 
 PROBE_KINDS = ("auto", "sim", "nvml", "nvidia-smi", "none")
-#: the simulated GPU's state file, under the broker's state directory
-SIM_STATE_FILE = "simgpu.json"
+#: the simulated GPU's state file, under the broker's state directory, in a folder of
+#: its own (a sandboxed job on the simulated GPU is given that folder, nothing else)
+SIM_STATE_FILE = "simgpu/simgpu.json"
 
 
 def open_probe(kind: str, *, state_dir: Path, sim: SimGpuConfig) -> GpuProbe:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
 from gpuwarden.errors import BundleError
 
@@ -222,6 +223,9 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
     at = f"{where}: jobs[{i}]"
     if not isinstance(raw, dict):
         raise BundleError(f"{at} must be an object, got {_json_type(raw)}")
+    for key, value in raw.items():
+        if isinstance(key, str) and (why := widening_refusal(key, value)) is not None:
+            raise BundleError(f"{at}: {why}")
     _check_keys(raw, _JOB_KEYS, f"{at}: ")
     for key in ("id", "type"):
         if key not in raw:

@@ -41,6 +41,9 @@ def prepare(registry: Registry, spec: JobSpec) -> JobSpec:
             "starting with a letter or digit"
         )
     jobtype = registry.get(spec.type)
+    refused = registry.rules.refusal(jobtype)
+    if refused is not None:
+        raise ValidationError(f"job {spec.id}: refused by this node's launch rules: {refused}")
     inputs = tuple(safe_relpath(p, "input") for p in spec.inputs)
     outputs = tuple(safe_relpath(p, "output") for p in spec.outputs)
     params = validate_params(jobtype, spec.params, inputs)

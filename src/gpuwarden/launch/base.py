@@ -3,13 +3,44 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Protocol
 
 #: environment variable that marks every process of an attempt ("INSTANCE/JOB_ID/ATTEMPT");
 #: used to find and stop processes that left the attempt's process group.
 ATTEMPT_ENV = "GPUWARDEN_ATTEMPT"
+
+
+#: where a sandbox sees the attempt's files (see :class:`Mount`)
+INSIDE = PurePosixPath("/gpuwarden")
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    """A host path a sandboxed attempt may see, and where it sees it. A host
+    launcher ignores mounts: the process sees the host paths themselves."""
+
+    source: str
+    target: str
+    writable: bool = False
+    #: a size-limited tmpfs at ``target`` (``source`` is the host folder a
+    #: runtime without tmpfs limits falls back to); 0: a plain bind mount
+    tmpfs_bytes: int = 0
+
+
+def inside_path(mounts: Iterable[Mount], host_path: str) -> str:
+    """``host_path`` as a sandbox with ``mounts`` sees it: the longest mount
+    source that holds it is replaced by its target; other paths are unchanged."""
+    best: Mount | None = None
+    for m in mounts:
+        holds = host_path == m.source or host_path.startswith(m.source.rstrip("/") + "/")
+        if holds and (best is None or len(m.source) > len(best.source)):
+            best = m
+    if best is None:
+        return host_path
+    return best.target + host_path[len(best.source) :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +60,14 @@ class LaunchRequest:
     #: the broker instance (node and state directory) that owns the attempt, so that
     #: two brokers on one host never take each other's processes for their own
     instance: str = ""
+    #: what a sandbox may see (ignored by the host launcher); environment values,
+    #: the working directory and arguments that are host paths under a mount's
+    #: source are rewritten to the mount's target
+    mounts: tuple[Mount, ...] = ()
+    #: the one GPU the attempt may use (the vram lane), by UUID
+    gpu_uuid: str | None = None
+    #: memory the sandbox may use, where the runtime enforces it (0: its default)
+    memory_bytes: int = 0
 
     @property
     def marker(self) -> str:
@@ -61,6 +100,8 @@ class LaunchResult:
     survivors: tuple[int, ...] = field(default_factory=tuple)
     #: the warm server running the job died, hung or spoke garbage (infrastructure)
     worker_error: str | None = None
+    #: the container runtime recorded an OOM kill (None: no runtime, or it cannot say)
+    oom_killed: bool | None = None
 
 
 class Launcher(Protocol):

@@ -1,0 +1,140 @@
+"""Which job types may run on a node, and how: the launch rules.
+
+Pure: the rules are values from the configuration, the answers are strings a
+person can act on. The same rules are applied at submission (a refusal is a clear
+error, nothing is stored) and again when the broker starts an attempt (the
+configuration may have changed since the job was accepted).
+
+- ``container_runtime = "local"`` (no sandbox): host types run. Container and
+  serve types are refused unless ``allow_unsandboxed_containers``, and then run
+  as plain host processes. A ``vram`` type must be a container or serve type:
+  model code on a GPU is what the sandbox is for.
+- a real runtime (podman, docker, bubblewrap): container and serve types run
+  sandboxed; host types are refused unless ``allow_host_jobs``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gpuwarden.core.model import JobType, Lane, LaunchMode
+
+__all__ = ["LaunchRules", "Runtime", "image_is_pinned", "widening_refusal"]
+
+
+class Runtime(StrEnum):
+    LOCAL = "local"  # no runtime: plain host processes
+    PODMAN = "podman"
+    DOCKER = "docker"
+    BUBBLEWRAP = "bubblewrap"
+
+    @property
+    def needs_image(self) -> bool:
+        return self in (Runtime.PODMAN, Runtime.DOCKER)
+
+
+#: ``name@sha256:<64 hex>`` (a digest), or a local image id: ``sha256:<hex>`` or
+#: 12 to 64 hex digits
+_DIGEST = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+_IMAGE_ID = re.compile(r"^(sha256:)?[0-9a-f]{12,64}$")
+
+
+def image_is_pinned(image: str) -> bool:
+    """True for an image named by digest or by local image id: both name exactly
+    one image, where a tag can be moved to another."""
+    return bool(_DIGEST.fullmatch(image) or _IMAGE_ID.fullmatch(image))
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRules:
+    runtime: Runtime = Runtime.LOCAL
+    allow_unsandboxed_containers: bool = False
+    allow_host_jobs: bool = False
+
+    @classmethod
+    def unchecked(cls) -> LaunchRules:
+        """Rules that refuse nothing: for a client that submits to a queue another
+        node reads (that node applies its own rules)."""
+        return cls(runtime=Runtime.BUBBLEWRAP, allow_host_jobs=True)
+
+    def sandboxed(self, jobtype: JobType) -> bool:
+        """True when attempts of ``jobtype`` run inside the runtime's sandbox."""
+        return self.runtime is not Runtime.LOCAL and jobtype.launch is not LaunchMode.HOST
+
+    def refusal(self, jobtype: JobType) -> str | None:
+        """Why ``jobtype`` may not run on this node (what to change), or None."""
+        name, launch = jobtype.name, jobtype.launch
+        if self.runtime is Runtime.LOCAL:
+            if launch is LaunchMode.HOST and jobtype.lane is Lane.VRAM:
+                return (
+                    f"{name} runs on a GPU as a plain host process, but vram types must be "
+                    f'container types (launch = "container" or "serve" in its '
+                    f"module.toml) so that model code runs sandboxed"
+                )
+            if launch is not LaunchMode.HOST and not self.allow_unsandboxed_containers:
+                return (
+                    f'{name} is a {launch.value} type and container_runtime is "local" '
+                    f"(no sandbox here): set container_runtime to podman, docker or "
+                    f"bubblewrap, or set allow_unsandboxed_containers = true to run it "
+                    f"as a plain host process"
+                )
+            return None
+        if launch is LaunchMode.HOST and not self.allow_host_jobs:
+            return (
+                f"{name} is a host type (no sandbox) and this node runs jobs in "
+                f"{self.runtime.value}: run a container type instead, or set "
+                f"allow_host_jobs = true"
+            )
+        return None
+
+    def unsandboxed_warning(self, jobtype: JobType) -> str | None:
+        """The line logged for each attempt of a container type run without a sandbox."""
+        if self.runtime is Runtime.LOCAL and jobtype.launch is not LaunchMode.HOST:
+            return (
+                f"UNSANDBOXED: {jobtype.name} is a {jobtype.launch.value} type running as "
+                f"a plain host process (allow_unsandboxed_containers = true)"
+            )
+        return None
+
+
+#: keys a job spec might use to change its own sandbox; none is accepted
+_WIDENING_KEYS = {
+    "env": "environment variables",
+    "environment": "environment variables",
+    "mounts": "extra mounts",
+    "volumes": "extra mounts",
+    "binds": "extra mounts",
+    "devices": "devices",
+    "gpus": "devices",
+    "capabilities": "capabilities",
+    "cap_add": "capabilities",
+    "privileged": "privileges",
+    "security_opt": "security options",
+    "network": "network access",
+    "user": "the sandbox's user",
+    "image": "the sandbox image",
+    "runtime": "the container runtime",
+}
+#: environment variables that would change what the sandbox loads or which GPU
+#: it reaches; named in the refusal when a job spec tries to set one
+_DANGEROUS_ENV = ("LD_", "NVIDIA_", "CUDA_", "PYTHON", "GPUWARDEN_", "PATH")
+
+
+def widening_refusal(key: str, value: object) -> str | None:
+    """Why the job spec key ``key`` (with ``value``) is refused, or None when the
+    key is not one that could change a sandbox. A job never chooses its own
+    sandbox: the job type and the node's configuration do."""
+    what = _WIDENING_KEYS.get(key.lower())
+    if what is None:
+        return None
+    detail = ""
+    if what == "environment variables" and isinstance(value, dict):
+        named = sorted(k for k in value if str(k).upper().startswith(_DANGEROUS_ENV))
+        if named:
+            detail = f" ({', '.join(map(str, named))} would change what the sandbox loads)"
+    return (
+        f"key {key!r}: a job cannot set {what}{detail}; the sandbox is fixed by the job "
+        f"type and the node's configuration. Pass values as the type's parameters instead"
+    )

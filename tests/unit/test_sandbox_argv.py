@@ -1,0 +1,187 @@
+"""The exact command lines each runtime is started with. These pin the lock-down
+flags; tests/integration/test_sandbox.py checks from inside that they work."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+
+import pytest
+
+from gpuwarden.core.launchrules import Runtime
+from gpuwarden.launch.base import LaunchRequest, Mount, inside_path
+from gpuwarden.launch.sandbox import (
+    LABEL_INSTANCE,
+    SandboxLauncher,
+    SandboxLimits,
+    container_name,
+    mounts_for,
+    sandbox_env,
+)
+
+A = "/state/jobs/j1/attempt-2"
+MOUNTS = mounts_for(
+    module_dir="/mods/echo",
+    input_dir="/queue/staging/b/inputs",
+    output_dir=f"{A}/out",
+    scratch_dir=f"{A}/scratch",
+    report_dir=f"{A}/report",
+    params_file=f"{A}/params.json",
+    weights_dir="/srv/weights",
+    scratch_bytes=64 * 2**20,
+)
+ENV = {
+    "GPUWARDEN_PARAMS": f"{A}/params.json",
+    "GPUWARDEN_INPUT_DIR": "/queue/staging/b/inputs",
+    "GPUWARDEN_OUTPUT_DIR": f"{A}/out",
+    "GPUWARDEN_SCRATCH_DIR": f"{A}/scratch",
+    "GPUWARDEN_RESULT": f"{A}/report/message.json",
+    "CUDA_VISIBLE_DEVICES": "GPU-1",
+    "LD_PRELOAD": "/evil.so",
+    "PATH": "/host/bin",
+    "NVIDIA_VISIBLE_DEVICES": "all",
+    "SECRET_TOKEN": "x",
+}
+
+
+def request(**changes: object) -> LaunchRequest:
+    fields: dict[str, object] = {
+        "job_id": "j1",
+        "attempt": 2,
+        "argv": ("python3", "src/echo.py", f"{A}/params.json"),
+        "cwd": "/mods/echo",
+        "env": ENV,
+        "attempt_dir": A,
+        "timeout_s": 60.0,
+        "kill_grace_s": 5.0,
+        "instance": "node-abc",
+        "mounts": MOUNTS,
+    }
+    fields.update(changes)
+    return LaunchRequest(**fields)  # type: ignore[arg-type]
+
+
+FORBIDDEN = ("--privileged", "--cap-add", "--pid=host", "--ipc=host", "--network=host", "host")
+
+
+def pairs(argv: list[str]) -> set[tuple[str, str]]:
+    return set(itertools.pairwise(argv))
+
+
+def test_inside_path_uses_the_longest_mount_and_leaves_others() -> None:
+    assert inside_path(MOUNTS, f"{A}/out/x/y.txt") == "/gpuwarden/output/x/y.txt"
+    assert inside_path(MOUNTS, f"{A}/params.json") == "/gpuwarden/params.json"
+    assert inside_path(MOUNTS, "/mods/echo") == "/gpuwarden/module"
+    assert inside_path(MOUNTS, "/mods/echoes") == "/mods/echoes"  # a prefix, not a parent
+    assert inside_path(MOUNTS, "/etc/passwd") == "/etc/passwd"
+
+
+def test_sandbox_env_keeps_only_the_allow_list_and_rewrites_paths() -> None:
+    env = sandbox_env(request())
+    assert env["GPUWARDEN_OUTPUT_DIR"] == "/gpuwarden/output"
+    assert env["GPUWARDEN_RESULT"] == "/gpuwarden/report/message.json"
+    assert env["GPUWARDEN_ATTEMPT"] == "node-abc/j1/2"
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-1"
+    for dropped in ("LD_PRELOAD", "NVIDIA_VISIBLE_DEVICES", "SECRET_TOKEN"):
+        assert dropped not in env
+    assert env["PATH"] == "/usr/local/bin:/usr/bin:/bin"
+
+
+@pytest.mark.parametrize("runtime", [Runtime.PODMAN, Runtime.DOCKER])
+def test_engine_argv_locks_everything_down(runtime: Runtime) -> None:
+    launcher = SandboxLauncher(runtime, SandboxLimits(), image="sha256:" + "a" * 64)
+    argv = launcher.argv(request())
+    p = pairs(argv)
+    assert argv[:2] == [runtime.value, "run"]
+    for flag in (
+        ("--network", "none"),
+        ("--cap-drop", "all"),
+        ("--security-opt", "no-new-privileges"),
+        ("--user", "65534:65534"),
+        ("--ulimit", "nofile=4096:4096"),
+        ("--ulimit", "nproc=512:512"),
+        ("--pids-limit", "512"),
+        ("--cpus", "4"),
+        ("--memory", str(16 * 2**30)),
+        ("--label", f"{LABEL_INSTANCE}=node-abc"),
+        ("--label", "gpuwarden.job=j1"),
+        ("--label", "gpuwarden.attempt=2"),
+        ("--name", container_name(request())),
+        ("--workdir", "/gpuwarden/module"),
+    ):
+        assert flag in p, flag
+    assert "--read-only" in argv
+    assert ("--mount", "type=bind,source=/mods/echo,target=/gpuwarden/module,readonly") in p
+    assert (
+        "--mount",
+        "type=bind,source=/queue/staging/b/inputs,target=/gpuwarden/input,readonly",
+    ) in p
+    assert ("--mount", "type=bind,source=/srv/weights,target=/gpuwarden/weights,readonly") in p
+    assert ("--mount", f"type=bind,source={A}/out,target=/gpuwarden/output") in p
+    assert any(a.startswith("/gpuwarden/scratch:rw") and "size=67108864" in a for a in argv)
+    for bad in FORBIDDEN:
+        assert bad not in argv
+    assert not any("docker.sock" in a or "podman.sock" in a for a in argv)
+    assert not any(a.startswith("--device") or a == "--gpus" for a in argv)  # no GPU asked
+    assert argv[-3:] == ["python3", "src/echo.py", "/gpuwarden/params.json"]
+    assert not any("LD_PRELOAD" in a or "SECRET_TOKEN" in a for a in argv)
+
+
+def test_podman_names_the_gpu_by_cdi_and_docker_by_uuid() -> None:
+    req = request(gpu_uuid="GPU-1234")
+    podman = SandboxLauncher(Runtime.PODMAN, image="x" * 12).argv(req)
+    assert ("--device", "nvidia.com/gpu=GPU-1234") in pairs(podman)
+    docker = SandboxLauncher(Runtime.DOCKER, image="x" * 12).argv(req)
+    assert ("--gpus", "device=GPU-1234") in pairs(docker)
+
+
+def test_podman_without_cgroups_runs_in_a_private_mount_namespace() -> None:
+    launcher = SandboxLauncher(Runtime.PODMAN, SandboxLimits(cgroups=False), image="a" * 12)
+    argv = launcher.argv(request())
+    assert argv[0] == "unshare" and "umount /sys/fs/cgroup/unified" in argv[argv.index("-c") + 1]
+    assert ("--cgroups", "disabled") in pairs(argv)
+    assert "--memory" not in argv and "--pids-limit" not in argv  # need cgroups
+    assert ("--ulimit", "nproc=512:512") in pairs(argv)  # still enforced
+
+
+def test_bwrap_argv_locks_everything_down() -> None:
+    launcher = SandboxLauncher(Runtime.BUBBLEWRAP)
+    argv = launcher.argv(request(argv=(sys.executable, "src/echo.py")))
+    p = pairs(argv)
+    assert argv[0] == "prlimit" and "--nproc=512" in argv and "--nofile=4096" in argv
+    assert f"--cpu={math.ceil(4 * 65)}" in argv
+    bwrap = argv.index("bwrap")
+    assert "--unshare-all" in argv and "--die-with-parent" in argv and "--new-session" in argv
+    assert ("--cap-drop", "ALL") in p and ("--uid", "65534") in p and ("--gid", "65534") in p
+    assert ("--remount-ro", "/") in p and "--clearenv" in argv
+    assert ("--ro-bind", "/mods/echo") in p and ("--bind", f"{A}/out") in p
+    assert ("--ro-bind", "/queue/staging/b/inputs") in p
+    assert ("--tmpfs", "/gpuwarden/scratch") in p and ("--size", str(64 * 2**20)) in p
+    assert "--share-net" not in argv and "--dev-bind" not in argv
+    assert argv[argv.index("--", bwrap) + 1 :] == [sys.executable, "src/echo.py"]
+    assert ("--setenv", "LD_PRELOAD") not in p
+
+
+def test_launcher_refuses_to_be_built_without_what_it_needs() -> None:
+    with pytest.raises(ValueError, match="no sandbox"):
+        SandboxLauncher(Runtime.LOCAL)
+    with pytest.raises(ValueError, match="needs an image"):
+        SandboxLauncher(Runtime.PODMAN)
+
+
+def test_container_names_are_valid_and_distinct() -> None:
+    a = container_name(request())
+    b = container_name(request(attempt=3))
+    c = container_name(request(instance="other"))
+    assert len({a, b, c}) == 3
+    weird = container_name(request(job_id="a/b c"))
+    assert all(ch.isalnum() or ch in "_.-" for ch in weird)
+
+
+def test_mounts_for_sandbox_have_fixed_targets() -> None:
+    targets = {m.target: m for m in MOUNTS}
+    assert targets["/gpuwarden/input"] == Mount("/queue/staging/b/inputs", "/gpuwarden/input")
+    assert targets["/gpuwarden/output"].writable
+    assert not targets["/gpuwarden/weights"].writable
+    assert not targets["/gpuwarden/params.json"].writable
