@@ -44,7 +44,14 @@ from gpuwarden.gpu.sim import SimProbe
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.intake.queueroot import KEPT_INPUT, QueueRoot
-from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Mount, attempt_marker
+from gpuwarden.launch.base import (
+    Launcher,
+    LaunchRequest,
+    LaunchResult,
+    Mount,
+    attempt_marker,
+    inside_path,
+)
 from gpuwarden.launch.host import (
     find_attempt_processes,
     find_instance_processes,
@@ -750,6 +757,12 @@ class Broker(WarmServing):
             scratch_bytes=int(self.config.sandbox.scratch_mib * MIB),
             extra=gpu_mounts,
         )
+        # the job reads its input parameters as paths it can open: where the
+        # sandbox sees them
+        inside = {
+            k: inside_path(mounts, v) if _is_input(jobtype, k) else v for k, v in params.items()
+        }
+        params_path.write_text(json.dumps(inside, indent=2))
         return dataclasses.replace(
             request, mounts=mounts, gpu_uuid=gpu_uuid, memory_bytes=jobtype.ram_bytes
         )
@@ -1154,6 +1167,11 @@ def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:
         "module_fingerprint": job.result.get("module_fingerprint"),
         "gpu": job.result.get("gpu"),
     }
+
+
+def _is_input(jobtype: JobType, name: str) -> bool:
+    spec = jobtype.param(name)
+    return spec is not None and spec.type.value == "input"
 
 
 def _read_message(path: Path) -> str | None:

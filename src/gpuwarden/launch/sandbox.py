@@ -46,6 +46,7 @@ __all__ = [
     "LABEL_JOB",
     "SandboxLauncher",
     "SandboxLimits",
+    "cgroups_usable",
     "container_name",
     "sandbox_env",
 ]
@@ -102,6 +103,20 @@ class SandboxLimits:
     cgroups: bool = True
     #: the interpreter inside an image (``{python}``); bubblewrap uses the broker's
     python: str = "python3"
+
+
+def cgroups_usable(mounts: str | None = None) -> bool:
+    """False on a host that mixes cgroup v1 controllers with a cgroup v2 mount at
+    ``/sys/fs/cgroup/unified``: podman cannot create containers with cgroups
+    there (set ``[sandbox] cgroups = false``). ``mounts``: /proc/self/mounts text."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return True
+    types = {parts[1]: parts[2] for line in mounts.splitlines() if len(parts := line.split()) > 2}
+    v1 = any(t == "cgroup" for t in types.values())
+    return not (v1 and types.get("/sys/fs/cgroup/unified") == "cgroup2")
 
 
 def container_name(req: LaunchRequest) -> str:
