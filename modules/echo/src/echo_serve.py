@@ -1,0 +1,31 @@
+"""echo.serve: the smallest warm server. Follows docs/MODULE_GUIDE.md, section 8.
+
+``load`` loads nothing (it only notes the GPU it was given); each job writes
+its ``text`` to ``output`` in the job's output directory, as echo.echo does.
+"""
+
+from gpuwarden.serve.worker import JobContext, LoadContext, serve
+
+
+def load(ctx: LoadContext) -> dict:
+    return {"gpu": ctx.gpu}
+
+
+def handle(model: dict, job: JobContext) -> str:
+    text = job.params["text"]
+    output = job.params.get("output", "echo.txt")
+    out_dir = job.output_dir.resolve()
+    target = (out_dir / output).resolve()
+    if not target.is_relative_to(out_dir):
+        raise ValueError(f"output {output!r} must stay inside the output directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    return f"wrote {len(text)} characters to {output}"
+
+
+def device_bytes(model: dict) -> int | None:
+    return None  # nothing of it is in GPU memory
+
+
+if __name__ == "__main__":
+    serve(load, handle, device_bytes=device_bytes)

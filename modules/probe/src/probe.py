@@ -1,0 +1,480 @@
+"""probe.sandbox and probe.gpu: report what the environment a job runs in allows.
+
+Writes ``report.json`` to the output directory (and prints it), and a one-line
+summary to ``$GPUWARDEN_RESULT``. It judges nothing: the caller (a test,
+``gpuwarden doctor``, an operator) decides what is acceptable. The job exits 0
+when the report was written and 1 when it could not be.
+
+Standard library only: it must run with the bare python3 of a sandbox image.
+Follows docs/MODULE_GUIDE.md.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import os
+import resource
+import secrets
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+CONNECT_TIMEOUT_S = 3.0
+#: what a check of a path says when the environment variable naming it is unset
+UNSET = "is not set"
+
+
+def describe(exc: BaseException) -> str:
+    """``"EROFS: Read-only file system"`` for an OSError, else ``"Type: message"``."""
+    if isinstance(exc, socket.gaierror):
+        return f"gaierror: {exc.strerror or exc}"
+    if isinstance(exc, OSError) and exc.errno:
+        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        return f"{name}: {exc.strerror}"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def check(path: str, ok: bool, error: str = "") -> dict[str, Any]:
+    return {"path": path, "ok": ok, "error": error}
+
+
+# ---------------------------------------------------------------------------
+# identity and privileges
+
+
+def proc_status() -> dict[str, str]:
+    fields: dict[str, str] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    return fields
+
+
+def int_or_none(text: str | None) -> int | None:
+    try:
+        return None if text is None else int(text)
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# network
+
+
+def interfaces(errors: dict[str, str]) -> list[str]:
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError as exc:
+        first = f"if_nameindex: {describe(exc)}"
+    try:
+        names = sorted(os.listdir("/sys/class/net"))
+    except OSError as exc:
+        raise RuntimeError(f"{first}; /sys/class/net: {describe(exc)}") from None
+    errors["interfaces"] = f"{first}; listed /sys/class/net instead"
+    return names
+
+
+def split_target(target: str) -> tuple[str, int]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"connect must look like host:port, got {target!r}")
+    return host.strip("[]"), int(port)
+
+
+def connect(target: str) -> dict[str, Any]:
+    """Try one TCP connection. ``kind`` is a short word for the summary."""
+    result: dict[str, Any] = {"target": target, "ok": False, "error": "", "kind": "skipped"}
+    if not target:
+        return result
+    try:
+        host, port = split_target(target)
+        with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except ValueError as exc:
+        result.update(error=describe(exc), kind="bad target")
+    except TimeoutError as exc:  # before OSError: it is one
+        result.update(error=describe(exc), kind="timed out")
+    except socket.gaierror as exc:
+        result.update(error=describe(exc), kind="no name resolution")
+    except OSError as exc:
+        kind = {
+            errno.ECONNREFUSED: "refused",
+            errno.ENETUNREACH: "network unreachable",
+            errno.EHOSTUNREACH: "host unreachable",
+            errno.EACCES: "not permitted",
+            errno.EPERM: "not permitted",
+        }.get(exc.errno or 0, "failed")
+        result.update(error=describe(exc), kind=kind)
+    else:
+        result.update(ok=True, kind="ok")
+    return result
+
+
+# ---------------------------------------------------------------------------
+# file systems
+
+
+def try_create(directory: str | None, what: str = "") -> dict[str, Any]:
+    """Create, write and remove a new file in ``directory``; ok when the write succeeded."""
+    if not directory:
+        return check("", False, f"{what} {UNSET}".strip())
+    path = os.path.join(directory, f".gpuwarden-probe-{os.getpid()}-{secrets.token_hex(4)}")
+    result = check(directory, False)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        result["error"] = describe(exc)
+        return result
+    try:
+        os.write(fd, b"gpuwarden probe\n")
+        result["ok"] = True
+    except OSError as exc:
+        result["error"] = describe(exc)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError as exc:
+            result["cleanup_error"] = describe(exc)
+    return result
+
+
+def try_read(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as exc:
+        return check(path, False, describe(exc))
+    return check(path, True)
+
+
+def try_open_for_writing(path: str) -> dict[str, Any]:
+    """ok when the file opens for writing (append, nothing is written: it stays as it was)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    except OSError as exc:
+        return check(path, False, describe(exc))
+    os.close(fd)
+    return check(path, True)
+
+
+def marker(path: str) -> dict[str, Any]:
+    """``visible``: True when the path can be stat'ed, False when it is not there
+    (ENOENT, ENOTDIR), None when that cannot be told (EACCES: a folder on the way
+    cannot be searched; the path may be there)."""
+    result: dict[str, Any] = {
+        "path": path,
+        "exists": os.path.exists(path),
+        "stat": None,
+        "error": "",
+    }
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        result["error"] = describe(exc)
+        gone = exc.errno in {errno.ENOENT, errno.ENOTDIR} and not result["exists"]
+        result["visible"] = False if gone else None
+    else:
+        result["stat"] = {
+            "mode": oct(st.st_mode),
+            "uid": st.st_uid,
+            "gid": st.st_gid,
+            "size": st.st_size,
+            "ino": st.st_ino,
+        }
+        result["visible"] = True
+    return result
+
+
+def mounts() -> list[dict[str, str]]:
+    out = []
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 4:
+                out.append({"target": parts[1], "fstype": parts[2], "options": parts[3]})
+    return out
+
+
+# ---------------------------------------------------------------------------
+# processes, limits, devices
+
+
+def rlimits() -> dict[str, dict[str, int | None]]:
+    def value(v: int) -> int | None:
+        return None if v == resource.RLIM_INFINITY else v  # None: unlimited
+
+    out = {}
+    for name in ("RLIMIT_NPROC", "RLIMIT_NOFILE", "RLIMIT_CPU"):
+        soft, hard = resource.getrlimit(getattr(resource, name))
+        out[name] = {"soft": value(soft), "hard": value(hard)}
+    return out
+
+
+def pid1() -> str:
+    with open("/proc/1/cmdline", "rb") as f:
+        raw = f.read()
+    return " ".join(p.decode(errors="replace") for p in raw.split(b"\0") if p)
+
+
+def nvidia_devices() -> list[str]:
+    return sorted(n for n in os.listdir("/dev") if fnmatch.fnmatch(n, "nvidia*"))
+
+
+# ---------------------------------------------------------------------------
+# CUDA (probe.gpu)
+
+
+def libcuda() -> dict[str, Any]:
+    """cuInit(0) and cuDeviceGetCount through the driver library, with ctypes."""
+    import ctypes
+
+    res: dict[str, Any] = {
+        "ok": False,
+        "error": "",
+        "driver_version": None,
+        "device_count": None,
+        "devices": [],
+    }
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        res["error"] = f"cannot load libcuda.so.1: {exc}"
+        return res
+
+    def name(code: int) -> str:
+        text = ctypes.c_char_p()
+        if lib.cuGetErrorName(code, ctypes.byref(text)) == 0 and text.value:
+            return f"{text.value.decode()} ({code})"
+        return str(code)
+
+    rc = lib.cuInit(0)
+    if rc != 0:
+        res["error"] = f"cuInit(0) failed: {name(rc)}"
+        return res
+    version = ctypes.c_int()
+    if lib.cuDriverGetVersion(ctypes.byref(version)) == 0:
+        res["driver_version"] = version.value
+    count = ctypes.c_int()
+    rc = lib.cuDeviceGetCount(ctypes.byref(count))
+    if rc != 0:
+        res["error"] = f"cuDeviceGetCount failed: {name(rc)}"
+        return res
+    res["device_count"] = count.value
+    get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or getattr(lib, "cuDeviceGetUuid", None)
+    for i in range(count.value):
+        dev = ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(dev), i) != 0:
+            continue
+        info: dict[str, Any] = {"index": i, "name": None, "uuid": None, "total_bytes": None}
+        buf = ctypes.create_string_buffer(256)
+        if lib.cuDeviceGetName(buf, 256, dev) == 0:
+            info["name"] = buf.value.decode(errors="replace")
+        raw = (ctypes.c_ubyte * 16)()
+        if get_uuid is not None and get_uuid(raw, dev) == 0:
+            h = bytes(raw).hex()
+            info["uuid"] = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        total = ctypes.c_size_t()
+        if lib.cuDeviceTotalMem_v2(ctypes.byref(total), dev) == 0:
+            info["total_bytes"] = total.value
+        res["devices"].append(info)
+    res["ok"] = True
+    return res
+
+
+def torch_cuda() -> dict[str, Any]:
+    """What torch sees, if torch can be imported (it is not in the bare sandbox image)."""
+    try:
+        import torch
+    except Exception as exc:  # ImportError, or a broken install
+        return {"importable": False, "ok": False, "error": describe(exc)}
+    res: dict[str, Any] = {
+        "importable": True,
+        "ok": False,
+        "error": "",
+        "version": str(torch.__version__),
+        "cuda_build": torch.version.cuda,
+        "available": False,
+        "device_count": 0,
+        "devices": [],
+    }
+    try:
+        res["available"] = bool(torch.cuda.is_available())
+        res["device_count"] = int(torch.cuda.device_count())
+        if not res["available"]:
+            res["error"] = "torch.cuda.is_available() is False"
+            return res
+        torch.cuda.init()
+        x = torch.ones(4, device="cuda")
+        if float((x * 2).sum().item()) != 8.0:
+            raise RuntimeError("a computation on the GPU gave a wrong result")
+        res["devices"] = [torch.cuda.get_device_name(i) for i in range(res["device_count"])]
+        res["ok"] = True
+    except Exception as exc:
+        res["error"] = describe(exc)
+    return res
+
+
+def cuda() -> dict[str, Any]:
+    lib = libcuda()
+    tch = torch_cuda()
+    counts = [c for c in (lib.get("device_count"), tch.get("device_count")) if c is not None]
+    via = [n for n, r in (("libcuda", lib), ("torch", tch)) if r["ok"]]
+    return {
+        "ok": bool(via),
+        "via": via,
+        "device_count": max(counts) if counts else 0,
+        "libcuda": lib,
+        "torch": tch,
+    }
+
+
+# ---------------------------------------------------------------------------
+# the report
+
+
+def load_params(errors: dict[str, str]) -> dict[str, Any]:
+    path = os.environ.get("GPUWARDEN_PARAMS")
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            params = json.load(f)
+    except (OSError, ValueError) as exc:
+        errors["params"] = describe(exc)
+        return {}
+    return params if isinstance(params, dict) else {}
+
+
+def build(params: dict[str, Any], errors: dict[str, str]) -> dict[str, Any]:
+    report: dict[str, Any] = {}
+
+    def section(key: str, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            report[key] = fn(*args)
+        except Exception as exc:
+            report[key] = None
+            errors[key] = describe(exc)
+
+    env = os.environ
+    report["job_type"] = env.get("GPUWARDEN_JOB_TYPE")
+    report["uid"], report["gid"], report["euid"] = os.getuid(), os.getgid(), os.geteuid()
+    report["pid"] = os.getpid()
+    section("cwd", os.getcwd)
+    report["python"] = sys.version.split()[0]
+
+    try:
+        status = proc_status()
+    except OSError as exc:
+        status = {}
+        errors["proc_status"] = describe(exc)
+    for key, field in (("cap_eff", "CapEff"), ("cap_prm", "CapPrm"), ("cap_bnd", "CapBnd")):
+        report[key] = status.get(field)
+    report["no_new_privs"] = int_or_none(status.get("NoNewPrivs"))
+    report["seccomp"] = int_or_none(status.get("Seccomp"))
+
+    section("interfaces", interfaces, errors)
+    report["connect"] = connect(str(params.get("connect") or ""))
+
+    report["root_writable"] = {p: try_create(p) for p in ("/", "/usr")}
+    report["tmp_writable"] = try_create("/tmp")
+    report["cwd_writable"] = try_create(report["cwd"] or ".")
+    report["output_writable"] = try_create(env.get("GPUWARDEN_OUTPUT_DIR"), "GPUWARDEN_OUTPUT_DIR")
+    report["scratch_writable"] = try_create(
+        env.get("GPUWARDEN_SCRATCH_DIR"), "GPUWARDEN_SCRATCH_DIR"
+    )
+    report["input_dir_writable"] = try_create(env.get("GPUWARDEN_INPUT_DIR"), "GPUWARDEN_INPUT_DIR")
+    given = params.get("input")
+    report["input_readable"] = try_read(given) if given else None
+    report["input_writable"] = try_open_for_writing(given) if given else None
+    report["marker_visible"] = marker(params["marker"]) if params.get("marker") else None
+
+    section("mounts", mounts)
+    section("rlimits", rlimits)
+    section("pid1", pid1)
+    section("hostname", socket.gethostname)
+    report["env_keys"] = sorted(env)
+    section("devices", nvidia_devices)
+    report["gpu"] = {
+        "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
+        "cuda": None,  # not asked for (probe.sandbox, or cuda = false)
+    }
+    if params.get("cuda"):
+        try:
+            report["gpu"]["cuda"] = cuda()
+        except Exception as exc:
+            errors["gpu"] = describe(exc)
+    return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    parts = [f"uid {report['uid']}"]
+    cap = report.get("cap_eff")
+    parts.append(f"CapEff {int(cap, 16):x}" if cap else "CapEff ?")
+    if report.get("no_new_privs") is not None:
+        parts.append(f"NoNewPrivs {report['no_new_privs']}")
+    names = report.get("interfaces")
+    parts.append(f"interfaces {','.join(names) or 'none'}" if names is not None else "interfaces ?")
+    parts.append(f"connect {report['connect']['kind']}")
+    writable = [p for p, r in report["root_writable"].items() if r["ok"]]
+    parts.append(f"root WRITABLE ({', '.join(writable)})" if writable else "root read-only")
+    if report["input_writable"] is not None:
+        parts.append("input WRITABLE" if report["input_writable"]["ok"] else "input read-only")
+    if report["input_dir_writable"]["ok"]:
+        parts.append("input dir WRITABLE")
+    seen = report["marker_visible"]
+    if seen is not None:
+        word = {True: "VISIBLE", False: "hidden"}.get(seen["visible"], f"unknown ({seen['error']})")
+        parts.append(f"marker {word}")
+    parts.append(f"{len(report.get('devices') or [])} nvidia devices")
+    got = report["gpu"]["cuda"]
+    if got is not None:
+        if got["ok"]:
+            parts.append(f"cuda {got['device_count']} device(s) via {'+'.join(got['via'])}")
+        else:
+            parts.append(f"cuda unavailable ({got['libcuda']['error'] or got['torch']['error']})")
+    if report.get("errors"):
+        parts.append(f"{len(report['errors'])} probe error(s)")
+    return ", ".join(parts)
+
+
+def main() -> int:
+    errors: dict[str, str] = {}
+    params = load_params(errors)
+    report = build(params, errors)
+    report["errors"] = errors
+    text = json.dumps(report, indent=2, sort_keys=True, default=str)
+    print(text, flush=True)
+
+    try:
+        message = summary(report)
+    except Exception as exc:  # the report matters more than its summary
+        message = f"report written; no summary: {describe(exc)}"
+    result_path = os.environ.get("GPUWARDEN_RESULT")
+    if result_path:
+        try:
+            with open(result_path, "w") as f:
+                json.dump({"message": message}, f)
+        except OSError as exc:
+            print(f"cannot write {result_path}: {describe(exc)}", file=sys.stderr)
+
+    out_dir = os.environ.get("GPUWARDEN_OUTPUT_DIR")
+    if not out_dir:
+        print(f"GPUWARDEN_OUTPUT_DIR {UNSET}: no report written", file=sys.stderr)
+        return 1
+    try:
+        with open(os.path.join(out_dir, "report.json"), "w") as f:
+            f.write(text + "\n")
+    except OSError as exc:
+        print(f"cannot write report.json in {out_dir}: {describe(exc)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
