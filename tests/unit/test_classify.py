@@ -285,3 +285,18 @@ def test_gpu_fault_and_application_error() -> None:
         AttemptFacts(exit_code=None, stopped=True, app_error="Xid 13"), attempt=1, max_retries=5
     )
     assert app.outcome is Outcome.JOB_FAILED and app.target is JobState.FAILED
+
+
+def test_exit_137_says_whether_the_container_runtime_recorded_an_oom_kill() -> None:
+    oom = classify(AttemptFacts(exit_code=137, oom_killed=True), attempt=1, max_retries=1)
+    assert oom.outcome is Outcome.KILLED and oom.target is JobState.QUEUED
+    assert oom.reason.startswith("killed for memory: the container runtime recorded an OOM kill")
+    other = classify(AttemptFacts(exit_code=137, oom_killed=False), attempt=2, max_retries=1)
+    assert other.outcome is Outcome.KILLED and other.target is JobState.QUARANTINED
+    assert "the container runtime recorded no OOM kill" in other.reason
+    unknown = classify(AttemptFacts(exit_code=137), attempt=1, max_retries=1)
+    assert "recorded" not in unknown.reason  # no runtime: it cannot say
+    # an OOM kill does not turn a clean exit into a failure
+    assert classify(
+        AttemptFacts(exit_code=0, oom_killed=True), attempt=1, max_retries=1
+    ).target is (JobState.DONE)
