@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,3 +61,44 @@ def need_tool(tool: str) -> None:
     if REQUIRE_CONTAINERS:
         pytest.fail(f"{tool} is required (GPUWARDEN_REQUIRE_CONTAINERS=1) but not installed: {how}")
     pytest.skip(f"{tool} is not installed ({how}); CI runs this test")
+
+
+BASE_IMAGE = "localhost/gpuwarden-test-base:latest"
+SANDBOX_TAG = "localhost/gpuwarden-sandbox:test"
+
+
+@pytest.fixture(scope="session")
+def podman_base_image() -> str:
+    """A base image with python3, made without a registry (images/base-rootfs.sh:
+    debootstrap, cached under ~/.cache/gpuwarden after the first run)."""
+    need_tool("podman")
+    need_tool("debootstrap")
+    done = subprocess.run(
+        [str(REPO / "images" / "base-rootfs.sh"), "--runtime", "podman", BASE_IMAGE],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return BASE_IMAGE
+
+
+@pytest.fixture(scope="session")
+def podman_image(podman_base_image: str) -> str:
+    """The sandbox image with the echo and probe modules, built by images/build.sh
+    as an operator would, pinned by the id it prints."""
+    done = subprocess.run(
+        [
+            *(str(REPO / "images" / "build.sh"), "--runtime", "podman", "--only", "echo,probe"),
+            *("--base", podman_base_image, "--tag", SANDBOX_TAG, "--pin"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    pins = [ln for ln in done.stdout.splitlines() if ln.startswith("sandbox_image = ")]
+    assert len(pins) == 1, done.stdout
+    return pins[0].split("=", 1)[1].strip().strip('"')

@@ -90,7 +90,9 @@ def test_sandbox_env_keeps_only_the_allow_list_and_rewrites_paths() -> None:
 
 @pytest.mark.parametrize("runtime", [Runtime.PODMAN, Runtime.DOCKER])
 def test_engine_argv_locks_everything_down(runtime: Runtime) -> None:
-    launcher = SandboxLauncher(runtime, SandboxLimits(), image="sha256:" + "a" * 64)
+    launcher = SandboxLauncher(
+        runtime, SandboxLimits(), image="sha256:" + "a" * 64, mixed_cgroups=False
+    )
     argv = launcher.argv(request())
     p = pairs(argv)
     assert argv[:2] == [runtime.value, "run"]
@@ -100,7 +102,7 @@ def test_engine_argv_locks_everything_down(runtime: Runtime) -> None:
         ("--security-opt", "no-new-privileges"),
         ("--user", "65534:65534"),
         ("--ulimit", "nofile=4096:4096"),
-        ("--ulimit", "nproc=512:512"),
+        ("--ulimit", "nproc=4096:4096"),  # per uid, across sandboxes: 8 x pids
         ("--pids-limit", "512"),
         ("--cpus", "4"),
         ("--memory", str(16 * 2**30)),
@@ -111,7 +113,7 @@ def test_engine_argv_locks_everything_down(runtime: Runtime) -> None:
         ("--workdir", "/gpuwarden/module"),
     ):
         assert flag in p, flag
-    assert "--read-only" in argv
+    assert "--read-only" in argv and "--init" in argv
     assert ("--mount", "type=bind,source=/mods/echo,target=/gpuwarden/module,readonly") in p
     assert (
         "--mount",
@@ -136,13 +138,23 @@ def test_podman_names_the_gpu_by_cdi_and_docker_by_uuid() -> None:
     assert ("--gpus", "device=GPU-1234") in pairs(docker)
 
 
-def test_podman_without_cgroups_runs_in_a_private_mount_namespace() -> None:
+def test_podman_on_a_mixed_cgroup_host_runs_in_a_private_mount_namespace() -> None:
+    mixed = SandboxLauncher(Runtime.PODMAN, image="a" * 12, mixed_cgroups=True)
+    argv = mixed.argv(request())
+    assert argv[0] == "unshare" and "umount /sys/fs/cgroup/unified" in argv[argv.index("-c") + 1]
+    assert ("--memory", str(16 * 2**30)) in pairs(argv)  # cgroup v1 limits work there
+    plain = SandboxLauncher(Runtime.PODMAN, image="a" * 12, mixed_cgroups=False).argv(request())
+    assert plain[:2] == ["podman", "run"]
+    docker = SandboxLauncher(Runtime.DOCKER, image="a" * 12, mixed_cgroups=True).argv(request())
+    assert docker[:2] == ["docker", "run"]  # the docker daemon handles its own cgroups
+
+
+def test_podman_without_cgroups_enforces_only_the_ulimits() -> None:
     launcher = SandboxLauncher(Runtime.PODMAN, SandboxLimits(cgroups=False), image="a" * 12)
     argv = launcher.argv(request())
-    assert argv[0] == "unshare" and "umount /sys/fs/cgroup/unified" in argv[argv.index("-c") + 1]
     assert ("--cgroups", "disabled") in pairs(argv)
     assert "--memory" not in argv and "--pids-limit" not in argv  # need cgroups
-    assert ("--ulimit", "nproc=512:512") in pairs(argv)  # still enforced
+    assert ("--ulimit", "nproc=4096:4096") in pairs(argv)  # still enforced
 
 
 def test_bwrap_argv_locks_everything_down() -> None:

@@ -42,6 +42,11 @@ _STATE_VERSION = 1
 _CREATE_TIME_TOLERANCE_S = 0.005
 
 
+#: the state and lock files are readable and writable by everyone, like the
+#: /dev/nvidia* nodes a real GPU has: a sandboxed job (another uid) uses them
+DEVICE_MODE = 0o666
+
+
 @dataclass(frozen=True)
 class SimGpuConfig:
     """The simulated node: how many GPUs, their size and name, how fast memory returns."""
@@ -201,8 +206,11 @@ class SimDevice:
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, DEVICE_MODE)
         try:
+            with contextlib.suppress(OSError):  # only its owner may; once is enough
+                if os.fstat(fd).st_mode & 0o777 != DEVICE_MODE:
+                    os.fchmod(fd, DEVICE_MODE)
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
@@ -226,6 +234,7 @@ class SimDevice:
     def _save(self, state: dict[str, Any]) -> None:
         fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
         try:
+            os.fchmod(fd, DEVICE_MODE)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=1, sort_keys=True)
             Path(tmp).replace(self.path)

@@ -86,6 +86,8 @@ RUNTIME_EXITS = {
     126: "the container's command could not be invoked",
     127: "the container's command was not found in the image",
 }
+#: the nproc ulimit is per uid across every sandbox: this many sandboxes' worth
+NPROC_SHARE = 8
 #: runtime commands (inspect, stop, rm) get this long
 _CTL_TIMEOUT_S = 30.0
 
@@ -98,8 +100,8 @@ class SandboxLimits:
     nofile: int = 4096
     cpus: float = 4.0
     memory_bytes: int = 16 * 2**30
-    #: podman/docker can use cgroups here (False: ``--cgroups=disabled`` in a
-    #: private mount namespace; memory, pids and CPU rate are not enforced)
+    #: podman/docker limit memory, pids and CPU with cgroups (False: podman runs
+    #: with ``--cgroups=disabled``, and those limits are not enforced)
     cgroups: bool = True
     #: the interpreter inside an image (``{python}``); bubblewrap uses the broker's
     python: str = "python3"
@@ -159,6 +161,7 @@ class SandboxLauncher:
         image: str = "",
         executable: str | None = None,
         host: HostLauncher | None = None,
+        mixed_cgroups: bool | None = None,
     ) -> None:
         if runtime is Runtime.LOCAL:
             raise ValueError("the local runtime has no sandbox: use HostLauncher")
@@ -170,6 +173,10 @@ class SandboxLauncher:
         default = "bwrap" if runtime is Runtime.BUBBLEWRAP else runtime.value
         self.executable = executable or default
         self._host = host or HostLauncher()
+        #: podman on a host that mixes cgroup v1 controllers with a v2 mount runs
+        #: in a private mount namespace without the v2 mount (found at start)
+        mixed = not cgroups_usable() if mixed_cgroups is None else mixed_cgroups
+        self.private_mount_ns = runtime is Runtime.PODMAN and mixed
 
     # -- what runs ----------------------------------------------------------
 
@@ -254,7 +261,13 @@ class SandboxLauncher:
         args += ["--network", "none", "--read-only", "--cap-drop", "all"]
         args += ["--security-opt", "no-new-privileges", "--user", f"{lim.uid}:{lim.gid}"]
         args += ["--ulimit", f"nofile={lim.nofile}:{lim.nofile}"]
-        args += ["--ulimit", f"nproc={lim.pids}:{lim.pids}", "--hostname", "gpuwarden"]
+        # RLIMIT_NPROC counts every process of the uid, in every sandbox at once:
+        # a ceiling for all of them; --pids-limit is each container's own limit
+        nproc = lim.pids * NPROC_SHARE
+        args += ["--ulimit", f"nproc={nproc}:{nproc}", "--hostname", "gpuwarden"]
+        # a tiny init as PID 1 passes SIGTERM on (a bare python as PID 1 ignores
+        # it, so every stop would wait out its grace) and reaps orphans
+        args += ["--init"]
         if podman and not lim.cgroups:
             args += ["--cgroups", "disabled"]
         else:
@@ -281,9 +294,10 @@ class SandboxLauncher:
         return [*self._wrap(args), self.image, *self._inside_argv(req)]
 
     def _wrap(self, args: list[str]) -> list[str]:
-        """podman without cgroups on a host that mixes cgroup v1 controllers with a
-        v2 mount: run it in a private mount namespace without the v2 mount."""
-        if self.runtime is Runtime.PODMAN and not self.limits.cgroups:
+        """podman on a host that mixes cgroup v1 controllers with a v2 mount (crun
+        refuses "hybrid mode"): run it in a private mount namespace without the v2
+        mount, where it sees a plain cgroup v1 host and its limits work."""
+        if self.private_mount_ns:
             script = 'umount /sys/fs/cgroup/unified 2>/dev/null; exec "$@"'
             return [
                 "unshare",
@@ -423,14 +437,9 @@ class SandboxLauncher:
     # -- the runtime's control commands ----------------------------------------
 
     def _ctl(self, *args: str, timeout: float = _CTL_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        argv = (
-            self._wrap([self.executable, *args])
-            if args[0] in ("stop", "rm")
-            else [
-                self.executable,
-                *args,
-            ]
-        )
+        """Run a control command (inspect, stop, rm, ps); they work from the
+        host's own mount namespace on containers started in a private one."""
+        argv = [self.executable, *args]
         try:
             return subprocess.run(
                 argv,
