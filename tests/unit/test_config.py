@@ -276,3 +276,44 @@ def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
 
 def test_directory_as_config_file_is_a_config_error(tmp_path: Path) -> None:
     assert str(tmp_path) in config_error(tmp_path)
+
+
+# --- the sandbox ------------------------------------------------------------------------
+
+
+def test_sandbox_defaults_are_local_and_locked() -> None:
+    config = Config()
+    assert config.container_runtime.value == "local"
+    assert not config.allow_unsandboxed_containers and not config.allow_host_jobs
+    assert config.sandbox.uid == 65534 and config.sandbox.cgroups
+
+
+def test_podman_without_an_image_says_how_to_build_one(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('container_runtime = "podman"\n')
+    assert "images/build.sh --runtime podman --pin" in config_error(cfg)
+
+
+def test_an_unpinned_image_is_refused_unless_allowed(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('container_runtime = "docker"\nsandbox_image = "python:3.11-slim"\n')
+    assert "is not pinned" in config_error(cfg) and "allow_unpinned_images" in config_error(cfg)
+    cfg.write_text(cfg.read_text() + "allow_unpinned_images = true\n")
+    assert load_config(cfg).sandbox_image == "python:3.11-slim"
+    cfg.write_text(f'container_runtime = "podman"\nsandbox_image = "sha256:{"ab" * 32}"\n')
+    assert load_config(cfg).container_runtime.value == "podman"
+
+
+def test_bubblewrap_needs_no_image_and_weights_resolve_against_the_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('container_runtime = "bubblewrap"\n[sandbox]\nweights_dir = "w"\nuid = 1000\n')
+    config = load_config(cfg)
+    assert config.sandbox.weights_dir == tmp_path / "w"
+    assert config.launch_rules.runtime.value == "bubblewrap"
+
+
+def test_an_unknown_runtime_and_a_root_uid_are_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('container_runtime = "lxc"\n[sandbox]\nuid = 0\n')
+    text = config_error(cfg)
+    assert "key 'container_runtime'" in text and "key 'sandbox.uid'" in text
