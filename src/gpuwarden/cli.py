@@ -209,6 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--keep", action="store_true", help="keep the temporary directory")
     sp.set_defaults(func=cmd_demo)
+
+    sp = sub.add_parser(
+        "doctor",
+        help="check this host against the config: runtime, GPUs, image, a real sandbox start",
+        description="Check this host against the config, one line per check: OK, WARN or "
+        "FAIL, what was found and what to do. Exit 0 when no check fails, 1 otherwise "
+        "(2: the config cannot be read).",
+        allow_abbrev=False,
+    )
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.set_defaults(func=cmd_doctor)
     return p
 
 
@@ -897,6 +908,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         json_out=sys.stdout if args.json else None,
         keep=args.keep,
+    )
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from gpuwarden.doctor import run_doctor
+
+    return run_doctor(
+        args.config,
+        state_dir=args.state_dir,
+        mock_gpu=args.mock_gpu,
+        console=out,
+        json_out=args.json,
     )
 
 
