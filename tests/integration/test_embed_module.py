@@ -32,6 +32,7 @@ import pytest
 
 from gpuwarden.serve.protocol import Channel
 from gpuwarden.serve.worker import JobContext, LoadContext
+from tests.conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
 EMBED = REPO / "modules" / "embed"
@@ -376,15 +377,26 @@ def test_placement_check_refuses_a_model_on_the_cpu(
     assert worker.launch_result is not None and not worker.launch_result.survivors
 
 
-def test_through_the_broker_on_the_simulated_gpu(extra: None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", ["local", "bubblewrap"])
+def test_through_the_broker_on_the_simulated_gpu(extra: None, tmp_path: Path, runtime: str) -> None:
     """The real model as users run it: run-once through a broker, warm server and
-    placement check included (the worker holds its weights' bytes on the simulated GPU)."""
+    placement check included (the worker holds its weights' bytes on the simulated GPU),
+    as a host process (allowed unsandboxed) and in bubblewrap."""
+    if runtime == "bubblewrap":
+        need_tool("bwrap")
+        setting = 'container_runtime = "bubblewrap"\n'
+    else:
+        setting = "allow_unsandboxed_containers = true\n"
+    cfg = tmp_path / "gpuwarden.toml"
+    cfg.write_text(setting + f'module_paths = ["{REPO / "modules"}"]\n')
     texts = json.dumps([CAT, KITTEN, REVENUE])
     r = subprocess.run(
         [
             sys.executable,
             "-m",
             "gpuwarden",
+            "--config",
+            str(cfg),
             "--mock-gpu",
             "run-once",
             "embed.minilm",
