@@ -1,0 +1,106 @@
+"""Placement across hosts (core/placement.py): fit, constraints, warm affinity."""
+
+from __future__ import annotations
+
+from gpuwarden.core.model import GIB, Lane
+from gpuwarden.core.placement import (
+    Constraints,
+    GpuRoom,
+    NodeView,
+    Offerable,
+    never_placeable,
+    offers_for,
+)
+
+
+def gpu(uuid: str, gib: float, free: float | None = None, name: str = "NVIDIA L4") -> GpuRoom:
+    total = int(gib * GIB)
+    room = total if free is None else int(free * GIB)
+    return GpuRoom(uuid=uuid, name=name, total_bytes=total, free_bytes=room, usable_bytes=total)
+
+
+def job(i: int, gib: float = 0, type_: str = "m.t", **kw: object) -> Offerable:
+    lane = Lane.VRAM if gib else Lane.CPU
+    fields: dict[str, object] = {
+        "id": f"j{i}",
+        "type": type_,
+        "lane": lane,
+        "vram_bytes": int(gib * GIB),
+        "priority": 0,
+        "seq": i,
+        "submitted_at": 100.0,
+    }
+    fields.update(kw)
+    return Offerable(**fields)  # type: ignore[arg-type]
+
+
+SMALL = NodeView("small", gpus=(gpu("s0", 8),), max_jobs=4)
+BIG = NodeView("big", gpus=(gpu("b0", 80),), max_jobs=4)
+
+
+def test_a_node_is_offered_only_jobs_that_fit_one_of_its_gpus() -> None:
+    queued = [job(1, 6), job(2, 20), job(3, 0)]
+    assert offers_for(SMALL, queued, [BIG], now=100) == ["j1", "j3"]
+    assert offers_for(BIG, queued, [SMALL], now=100) == ["j1", "j2", "j3"]
+
+
+def test_offers_count_against_the_room_they_take_and_the_free_slots() -> None:
+    node = NodeView("n", gpus=(gpu("g", 24),), max_jobs=2)
+    assert offers_for(node, [job(1, 16), job(2, 16), job(3, 4)], [], now=100) == ["j1", "j3"]
+    busy = NodeView("n", gpus=(gpu("g", 24),), max_jobs=2, busy=2)
+    assert offers_for(busy, [job(1, 1)], [], now=100) == []
+
+
+def test_priority_then_arrival() -> None:
+    queued = [job(1), job(2, priority=5), job(3)]
+    node = NodeView("n", max_jobs=2)
+    assert offers_for(node, queued, [], now=100) == ["j2", "j1"]
+
+
+def test_warm_affinity_leaves_a_job_for_the_node_holding_its_model_for_a_while() -> None:
+    warm = NodeView("warm", gpus=(gpu("w", 24, free=2),), warm=frozenset({"m.llm"}))
+    cold = NodeView("cold", gpus=(gpu("c", 24),))
+    queued = [job(1, 14, type_="m.llm")]
+    assert offers_for(cold, queued, [warm], now=110) == []
+    assert offers_for(warm, queued, [cold], now=110) == ["j1"]  # fits its warm server
+    # after the affinity wait any node may take it
+    assert offers_for(cold, queued, [warm], now=131, affinity_wait_s=30) == ["j1"]
+    # a warm node with no free slot does not hold the job back
+    full = NodeView("warm", gpus=warm.gpus, warm=warm.warm, busy=4, max_jobs=4)
+    assert offers_for(cold, queued, [full], now=110) == ["j1"]
+
+
+def test_constraints_model_labels_min_vram_and_node() -> None:
+    a100 = NodeView("a", gpus=(gpu("a0", 80, name="NVIDIA A100-SXM4-80GB"),), labels={"zone": "x"})
+    l4 = NodeView("b", gpus=(gpu("b0", 24),), labels={"zone": "y"})
+    queued = [
+        job(1, 1, constraints=Constraints(gpu_model="a100")),
+        job(2, 1, constraints=Constraints(labels={"zone": "y"})),
+        job(3, 1, constraints=Constraints(min_gpu_vram_bytes=40 * GIB)),
+        job(4, 1, constraints=Constraints(node="b")),
+    ]
+    assert offers_for(a100, queued, [l4], now=100) == ["j1", "j3"]
+    assert offers_for(l4, queued, [a100], now=100) == ["j2", "j4"]
+
+
+def test_a_job_lost_on_a_node_prefers_another_that_can_take_it() -> None:
+    lost = job(1, 4, avoid=frozenset({"small"}))
+    assert offers_for(SMALL, [lost], [BIG], now=100) == []
+    assert offers_for(BIG, [lost], [SMALL], now=100) == ["j1"]
+    # with no other node able to take it, the same node gets it again
+    assert offers_for(SMALL, [lost], [], now=100) == ["j1"]
+
+
+def test_draining_nodes_get_nothing() -> None:
+    draining = NodeView("d", gpus=(gpu("g", 24),), accepting=False)
+    assert offers_for(draining, [job(1)], [], now=100) == []
+
+
+def test_never_placeable_says_why_per_node() -> None:
+    assert never_placeable(job(1, 40), [SMALL, BIG]) is None
+    why = never_placeable(job(1, 100), [SMALL, BIG])
+    assert why is not None and why.startswith("no node can ever run it: small: needs 100")
+    assert "big: needs 100.0 GiB on one GPU; its largest has 80.0 GiB" in why
+    assert never_placeable(job(1, 100), []) is None  # no node yet: it waits
+    pinned = job(2, 1, constraints=Constraints(node="gone"))
+    assert "asks for node 'gone'" in (never_placeable(pinned, [SMALL]) or "")
