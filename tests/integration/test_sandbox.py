@@ -279,5 +279,5 @@ def test_a_job_past_its_memory_limit_is_killed_and_the_result_says_what_the_runt
         assert job is not None and job.exit_code == 137, (job.exit_code if job else None, job)
         # killed for memory is an infrastructure failure: probe.sandbox has no retries
         assert job.state is JobState.QUARANTINED
-        assert isinstance(job.result.get("oom_killed"), bool)
-        assert "exit 137" in job.reason and "OOM kill" in job.reason
+        assert job.result.get("oom_killed") is True
+        assert job.reason.startswith("killed for memory: the container runtime recorded an OOM")

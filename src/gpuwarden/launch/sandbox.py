@@ -333,7 +333,11 @@ class SandboxLauncher:
             self._prepare_mounts(req)
         except OSError as exc:
             return _not_started(req, f"could not prepare the sandbox's folders: {exc}")
-        outer = dataclasses.replace(req, argv=tuple(self.argv(req)), env=self.client_env(req))
+        # the runtime's client (and podman's conmon, which drops an "oom" file in
+        # its working directory) runs in the attempt's folder, never the module's
+        outer = dataclasses.replace(
+            req, argv=tuple(self.argv(req)), env=self.client_env(req), cwd=req.attempt_dir
+        )
         if self.runtime is Runtime.BUBBLEWRAP:
             return self._bwrap_result(self._host.run(outer, stop, on_start))
         return self._run_engine(req, outer, stop, on_start)
@@ -410,7 +414,7 @@ class SandboxLauncher:
         finally:
             finished.set()
             watcher.join()
-        oom = self._oom_killed(name)
+        oom = self._oom_killed(name, Path(req.attempt_dir))
         gone, pid = self._remove(name)
         launch_error = result.launch_error
         stopped = stop.is_set() and not timed_out.is_set()
@@ -457,7 +461,13 @@ class SandboxLauncher:
         value = done.stdout.strip()
         return int(value) if done.returncode == 0 and value.isdigit() and value != "0" else None
 
-    def _oom_killed(self, name: str) -> bool | None:
+    def _oom_killed(self, name: str, client_dir: Path) -> bool | None:
+        """Whether the runtime recorded an OOM kill: the container's state says
+        so, or podman's monitor (conmon) left its ``oom`` file in its working
+        directory, the attempt's folder (podman 4 does not always carry that
+        into the state). None when the runtime cannot say."""
+        if (client_dir / "oom").exists():
+            return True
         done = self._ctl("inspect", "--format", "{{.State.OOMKilled}}", name)
         if done.returncode != 0:
             return None
