@@ -1,5 +1,5 @@
 """Shared fixtures. Store backends are parametrised so that every backend runs the
-same contract suite (PostgreSQL joins the list when its adapter exists)."""
+same contract suite: SQLite in a temporary file, PostgreSQL in a fresh schema."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg import sql
 
 from gpuwarden.store.base import Store
 from gpuwarden.store.sqlite import SqliteStore
@@ -18,14 +21,55 @@ from gpuwarden.store.sqlite import SqliteStore
 REPO = Path(__file__).resolve().parents[1]
 MODULES = REPO / "modules"
 
-STORE_BACKENDS = ["sqlite"]
+STORE_BACKENDS = ["sqlite", "postgres"]
+
+#: the PostgreSQL server the tests use (trust auth on this machine and in CI)
+PG_URL = os.environ.get("GPUWARDEN_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+#: set by .ci/run: PostgreSQL runs there, so its tests must run
+REQUIRE_POSTGRES = os.environ.get("GPUWARDEN_REQUIRE_POSTGRES") == "1"
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    """The test server's URL; skips (fails where GPUWARDEN_REQUIRE_POSTGRES=1) when it
+    cannot be reached."""
+    try:
+        with psycopg.connect(PG_URL, connect_timeout=5) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as exc:
+        why = " ".join(str(exc).split())
+        how = (
+            f"PostgreSQL is not reachable at {PG_URL} ({why}); start it "
+            "(pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start) "
+            "or point GPUWARDEN_TEST_PG_URL at a server with trust auth"
+        )
+        if REQUIRE_POSTGRES:
+            pytest.fail(f"{how} [GPUWARDEN_REQUIRE_POSTGRES=1]")
+        pytest.skip(f"{how}; CI runs these tests")
+    return PG_URL
+
+
+@pytest.fixture
+def pg_schema(pg_url: str) -> Iterator[str]:
+    """A fresh schema name, unused until a store creates it; dropped afterwards."""
+    name = f"gw_test_{uuid.uuid4().hex[:16]}"
+    try:
+        yield name
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
 @pytest.fixture(params=STORE_BACKENDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     if request.param == "sqlite":
         s: Store = SqliteStore(tmp_path / "store.db")
-    else:  # pragma: no cover - no other backend yet
+    elif request.param == "postgres":
+        from gpuwarden.store.postgres import PostgresStore
+
+        url = request.getfixturevalue("pg_url")
+        s = PostgresStore(url, schema=request.getfixturevalue("pg_schema"))
+    else:  # pragma: no cover - a backend without a fixture
         raise AssertionError(request.param)
     try:
         yield s

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpuwarden.broker import Broker
-from gpuwarden.config import Config
+from gpuwarden.config import DATABASE_URL_PREFIXES, Config
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import GIB, LaunchMode
+from gpuwarden.errors import ConfigError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.gpu.select import open_probe
@@ -36,8 +37,18 @@ def sim_config(config: Config) -> SimGpuConfig:
 
 
 def open_store(config: Config) -> Store:
-    """The store named by the config (SQLite in the state directory for now)."""
-    return SqliteStore(config.db_path)
+    """The store named by the config's ``database``: SQLite in the state directory
+    when it is empty, else the PostgreSQL database at that URL."""
+    if not config.database:
+        return SqliteStore(config.db_path)
+    if not config.database.startswith(DATABASE_URL_PREFIXES):
+        raise ConfigError(
+            "config key 'database' must be \"\" (SQLite in the state directory) or a "
+            "PostgreSQL URL postgresql://USER@HOST:PORT/DBNAME"
+        )
+    from gpuwarden.store.postgres import PostgresStore  # psycopg only when it is used
+
+    return PostgresStore(config.database)
 
 
 def make_probe(config: Config, *, mock_gpu: bool) -> GpuProbe:

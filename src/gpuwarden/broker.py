@@ -184,6 +184,11 @@ class Broker(WarmServing):
         """Make the loop tick now (a signal arrived, or a test wants it)."""
         self._wake.set()
 
+    def idle(self, seconds: float) -> None:
+        """Wait until the next tick is due: ``seconds``, or less if woken."""
+        self._wake.wait(seconds)
+        self._wake.clear()
+
     def run(self, stop: threading.Event, *, force: threading.Event | None = None) -> None:
         """Tick until ``stop`` is set, then shut down gracefully (``force`` cuts the grace)."""
         self._emit("broker_started", pid=os.getpid(), probe=self.probe.kind)

@@ -28,9 +28,21 @@ from rich.table import Table
 from gpuwarden import __version__, explain
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.broker import result_json
+from gpuwarden.cluster import cli as cluster_cli
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
 from gpuwarden.core.launchrules import LaunchRules
-from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, LaunchMode, format_bytes
+from gpuwarden.core.model import (
+    GIB,
+    Job,
+    JobSpec,
+    JobType,
+    Lane,
+    LaunchMode,
+    ParamSpec,
+    ParamType,
+    Role,
+    format_bytes,
+)
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import QueuedJob, never_fits
 from gpuwarden.core.states import JobState
@@ -40,10 +52,14 @@ from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.registry import Registry
-from gpuwarden.store.base import Store, Submission
+from gpuwarden.store.base import NodeStatus, Store, Submission
 
 #: a broker whose status is older than this is reported as not running
 STALE_AFTER_S = 120.0
+
+URL_ENV = "GPUWARDEN_URL"
+TOKEN_ENV = "GPUWARDEN_TOKEN"  # noqa: S105 - the name of a variable
+DEFAULT_TOKEN_FILE = Path("~/.config/gpuwarden/token")
 
 #: piped output (scripts, logs) gets wide tables instead of cells cut to 80 columns
 _PIPE_WIDTH = 200
@@ -114,6 +130,20 @@ def build_parser() -> argparse.ArgumentParser:
             help="a job parameter; parameters can also be given as --NAME VALUE",
         )
 
+    def remote_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--url",
+            default=os.environ.get(URL_ENV),
+            help=f"talk to the HTTP API there instead of the local store (env {URL_ENV}); "
+            f"the token comes from {TOKEN_ENV} or --token-file",
+        )
+        sp.add_argument(
+            "--token-file",
+            type=Path,
+            default=DEFAULT_TOKEN_FILE,
+            help="with --url: file holding the token, mode 600 (default ~/.config/gpuwarden/token)",
+        )
+
     sp = sub.add_parser(
         "run-once",
         help="run one job on this machine and show its result",
@@ -130,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--queue", dest="queues", action="append", default=[], type=Path, help="extra queue root"
     )
+    sp.add_argument(
+        "--api",
+        metavar="HOST:PORT",
+        help="also serve the HTTP API there, e.g. 127.0.0.1:8765 (port 0: any free port)",
+    )
     sp.set_defaults(func=cmd_serve)
 
     sp = sub.add_parser(
@@ -144,29 +179,35 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--wait", action="store_true", help="wait for the result and show it")
     sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds (default 3600)")
     sp.add_argument("--results-dir", type=Path, help="with --wait: copy the outputs here")
+    remote_args(sp)
     sp.set_defaults(func=cmd_submit)
 
     sp = sub.add_parser("status", help="the broker's GPUs, ledger, queues and health")
     sp.add_argument("--json", action="store_true")
+    remote_args(sp)
     sp.set_defaults(func=cmd_status)
 
     sp = sub.add_parser("jobs", help="list jobs")
     sp.add_argument("--state", choices=[s.value for s in JobState], action="append")
     sp.add_argument("--limit", type=int, default=50)
     sp.add_argument("--json", action="store_true")
+    remote_args(sp)
     sp.set_defaults(func=cmd_jobs)
 
     sp = sub.add_parser("show", help="one job: its attempts and events")
     sp.add_argument("job")
     sp.add_argument("--json", action="store_true")
+    remote_args(sp)
     sp.set_defaults(func=cmd_show)
 
     sp = sub.add_parser("cancel", help="cancel a queued or running job")
     sp.add_argument("job")
+    remote_args(sp)
     sp.set_defaults(func=cmd_cancel)
 
     sp = sub.add_parser("explain", help="why a job waits (or where it runs, or how it ended)")
     sp.add_argument("job")
+    remote_args(sp)
     sp.set_defaults(func=cmd_explain)
 
     sp = sub.add_parser(
@@ -189,6 +230,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     clear.add_argument("uuid", help="the GPU's UUID, as `gpuwarden status` shows it")
     clear.set_defaults(func=cmd_gpu_clear)
+
+    sp = sub.add_parser(
+        "token",
+        help="API tokens: create, list, revoke (on the broker's host, straight in the store)",
+        description="Manage the HTTP API's tokens in the store of the state directory. "
+        "Whoever can write that store owns the machine: the first owner token is made "
+        "here (`gpuwarden token create admin --role owner`).",
+    )
+    token_sub = sp.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    tc = token_sub.add_parser("create", help="make a token; it is printed once", allow_abbrev=False)
+    tc.add_argument("name", help="who or what holds it (letters, digits, space, . _ @ -)")
+    tc.add_argument("--role", required=True, choices=[r.value for r in Role])
+    tc.add_argument("--expires-days", type=float, help="it expires after this many days")
+    tc.add_argument("--node", help="the node a node or enroll token is bound to")
+    tc.add_argument(
+        "--save", type=Path, metavar="FILE", help="also write the token to FILE (mode 600)"
+    )
+    tc.add_argument("--json", action="store_true", help="print one JSON object")
+    tc.set_defaults(func=cmd_token_create)
+    tl = token_sub.add_parser("list", help="every token (never a secret)")
+    tl.add_argument("--json", action="store_true")
+    tl.set_defaults(func=cmd_token_list)
+    tr = token_sub.add_parser("revoke", help="revoke a token: every request with it is refused")
+    tr.add_argument("id", help="the token's id (12 hex digits, `token list` shows it)")
+    tr.set_defaults(func=cmd_token_revoke)
+
+    sp = sub.add_parser("audit", help="the audit log: who did what through the API and the CLI")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--limit", type=int, default=100, help="most rows (default 100)")
+    sp.add_argument("--after", type=int, default=0, metavar="ID", help="rows after this id")
+    sp.set_defaults(func=cmd_audit)
+
+    # several hosts: coordinator, agent, node (gpuwarden/cluster/cli.py)
+    cluster_cli.add_parsers(sub, remote_args)
 
     sp = sub.add_parser("types", help="list the job types of the registered modules")
     sp.set_defaults(func=cmd_types)
@@ -262,7 +337,7 @@ def _config(args: argparse.Namespace) -> Config:
 def _existing_store(args: argparse.Namespace) -> Store:
     """The store of a state directory a broker has used; never creates one."""
     config = _config(args)
-    if not config.db_path.exists():
+    if not config.database and not config.db_path.exists():
         raise UserError(
             f"no gpuwarden state in {config.state_dir}: check --config or --state-dir "
             "(or start `gpuwarden serve` there first)"
@@ -475,25 +550,94 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
 
     roots = [q.resolve() for q in args.queues]
+    address = _parse_address(args.api) if args.api else None
     with open_node(config, mock_gpu=args.mock_gpu, events=events, extra_roots=roots) as node:
         node_ref.append(node)
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         b = node.broker
-        err.print(
-            f"gpuwarden {__version__} serving on node {config.node_name} (PID {os.getpid()})\n"
-            f"  state dir   {config.state_dir}\n"
-            f"  gpu probe   {node.probe.kind}\n"
-            f"  job types   {', '.join(sorted(b.registry.types)) or 'none'}\n"
-            f"  queue roots {', '.join(str(r.path) for r in b.roots) or 'none'}"
-        )
-        b.recover()
-        b.run(stop, force=force)
+        api = _ApiServer.start(config, b.registry, *address) if address else None
+        try:
+            err.print(
+                f"gpuwarden {__version__} serving on node {config.node_name} "
+                f"(PID {os.getpid()})\n"
+                f"  state dir   {config.state_dir}\n"
+                f"  gpu probe   {node.probe.kind}\n"
+                f"  job types   {', '.join(sorted(b.registry.types)) or 'none'}\n"
+                f"  queue roots {', '.join(str(r.path) for r in b.roots) or 'none'}\n"
+                f"  api         {api.url if api else 'none (serve --api HOST:PORT)'}"
+            )
+            if api is not None and not api.loopback:
+                err.print(
+                    "[yellow]warning:[/] the API speaks plain HTTP: tokens cross the network "
+                    "in clear text; put it behind a TLS proxy or listen on 127.0.0.1"
+                )
+            b.recover()
+            b.run(stop, force=force)
+        finally:
+            if api is not None:
+                api.stop()
     events.close()
     return 0
 
 
+def _parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise UserError(f"--api {text!r}: give it as HOST:PORT, e.g. 127.0.0.1:8765")
+    return host, int(port)
+
+
+class _ApiServer:
+    """The HTTP API on a thread of its own (uvicorn), over its own store connection."""
+
+    def __init__(self, server: Any, thread: threading.Thread, store: Store, url: str) -> None:
+        self.server = server
+        self.thread = thread
+        self.store = store
+        self.url = url
+        host = url.split("//", 1)[1].rsplit(":", 1)[0].strip("[]")
+        self.loopback = host in ("127.0.0.1", "::1", "localhost")
+
+    @classmethod
+    def start(cls, config: Config, registry: Registry, host: str, port: int) -> _ApiServer:
+        import uvicorn
+
+        from gpuwarden.api import create_app
+
+        store = open_store(config)
+        app = create_app(store, registry, config)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        )
+        thread = threading.Thread(target=server.run, name="gpuwarden-api", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                store.close()
+                raise UserError(
+                    f"the API cannot listen on {host}:{port} (in use, or not an address of "
+                    "this host?); see the message above"
+                )
+            time.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        return cls(server, thread, store, f"http://{shown}:{bound[1]}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.store.close()
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            return _submit_http(args, client)
     if args.queue is not None:
         return _submit_to_queue(args)
     config = _config(args)
@@ -584,8 +728,22 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            data = client.status()
+        statuses = [
+            NodeStatus(
+                node=n["node"],
+                pid=n.get("pid"),
+                updated_at=n["updated_at"],
+                payload={k: v for k, v in n.items() if k not in ("node", "pid", "updated_at")},
+            )
+            for n in data.get("nodes", [])
+        ]
+        counts = {JobState(k): int(v) for k, v in data.get("jobs", {}).items()}
+        return _report_status(args, statuses, counts, client.url)
     config = _config(args)
-    if not config.db_path.exists():
+    if not config.database and not config.db_path.exists():
         err.print(f"no broker has run on state directory {config.state_dir}")
         return 1
     store = open_store(config)
@@ -594,6 +752,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         counts = store.count_by_state()
     finally:
         store.close()
+    return _report_status(args, statuses, counts, str(config.state_dir))
+
+
+def _report_status(
+    args: argparse.Namespace,
+    statuses: list[NodeStatus],
+    counts: dict[JobState, int],
+    where: str,
+) -> int:
     if args.json:
         out.print_json(
             json.dumps(
@@ -608,7 +775,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     healthy = bool(statuses)
     if not statuses:
-        err.print(f"no broker status in {config.state_dir}: start `gpuwarden serve`")
+        err.print(f"no broker status in {where}: start `gpuwarden serve`")
     for s in statuses:
         age = time.time() - s.updated_at
         problem = ""
@@ -712,6 +879,20 @@ def _print_status(node: str, pid: int | None, age: float, p: dict[str, Any], pro
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            rows = client.list(states=args.state or (), limit=args.limit)
+        if args.json:
+            out.print_json(json.dumps(rows))
+            return 0
+        table = Table("job", "state", "type", "attempts", "age", "reason")
+        for r in rows:
+            table.add_row(
+                r["id"], r["state"], r["type"], str(r["attempts"]), _age(r["submitted_at"]),
+                r["reason"],
+            )  # fmt: skip
+        out.print(table if rows else "no jobs")
+        return 0
     store = _existing_store(args)
     try:
         states = frozenset(JobState(s) for s in args.state) if args.state else None
@@ -745,6 +926,9 @@ def _job_json(j: Job) -> dict[str, Any]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            return _show_http(args, client)
     store = _existing_store(args)
     try:
         job = store.get_job(args.job)
@@ -804,6 +988,14 @@ def _attempt_json(a: Any) -> dict[str, Any]:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            data = client.cancel(args.job)
+        if data["state"] == JobState.CANCELLED.value:
+            out.print(f"{data['id']} cancelled (it had not started)")
+        else:
+            out.print(f"{data['id']} is running: the broker will stop it and record it cancelled")
+        return 0
     store = _existing_store(args)
     try:
         job = store.request_cancel(args.job, now=time.time())
@@ -835,6 +1027,11 @@ def cmd_types(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            for line in client.explain(args.job):
+                out.print(line, markup=False)
+        return 0
     config = _config(args)
     store = _existing_store(args)
     try:
@@ -858,7 +1055,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
     override = int(args.vram_gib * GIB) if args.vram_gib is not None else None
     if override is not None and jobtype.lane is not Lane.VRAM:
         raise ValidationError(f"{jobtype.name} runs on the cpu lane; --vram-gib does not apply")
-    store = open_store(config) if config.db_path.exists() else None
+    store = open_store(config) if config.database or config.db_path.exists() else None
     try:
         status = explain.latest_status(store, time.time()) if store else None
         if status is not None:
@@ -937,4 +1134,335 @@ def cmd_gpu_clear(args: argparse.Namespace) -> int:
     finally:
         store.close()
     out.print(f"asked the broker to clear the fault on {args.uuid}; `gpuwarden status` shows it")
+    return 0
+
+
+# -- the HTTP API: tokens, audit, and the commands that talk to a remote broker ---------
+
+
+def _remote(args: argparse.Namespace) -> Any:
+    """A :class:`gpuwarden.client.Client` when ``--url`` (or GPUWARDEN_URL) is given."""
+    if not getattr(args, "url", None):
+        return None
+    if not str(args.url).startswith(("http://", "https://")):
+        raise UserError(f"--url {args.url!r}: give the API's address, e.g. http://HOST:8765")
+    from gpuwarden.client import Client
+
+    return Client(args.url, _read_token(args.token_file))
+
+
+def _read_token(path: Path) -> str:
+    """The token from GPUWARDEN_TOKEN, else from ``path``, which only its owner may read."""
+    if token := os.environ.get(TOKEN_ENV, "").strip():
+        return token
+    path = path.expanduser()
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise UserError(
+            f"no token: set {TOKEN_ENV}, or write the token to {path} (chmod 600); "
+            "the broker's owner makes one with `gpuwarden token create NAME --role ROLE`"
+        ) from None
+    except OSError as exc:
+        raise UserError(f"token file {path} cannot be read: {exc.strerror}") from None
+    if mode & 0o077:
+        raise UserError(
+            f"token file {path} can be read by others (mode {mode & 0o777:o}): "
+            f"run `chmod 600 {path}` and try again"
+        )
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"token file {path} cannot be read: {exc}") from None
+    if not token:
+        raise UserError(f"token file {path} is empty")
+    return token
+
+
+def _remote_jobtype(client: Any, name: str) -> JobType:
+    """The job type as the API describes it: enough to read --NAME VALUE parameters."""
+    types = {t["type"]: t for t in client.types()}
+    t = types.get(name)
+    if t is None:
+        known = ", ".join(sorted(types)) or "none"
+        raise ValidationError(f"unknown job type {name!r} at {client.url}; known types: {known}")
+    return JobType(
+        name=t["type"],
+        module=t["type"].split(".", 1)[0],
+        module_dir="",
+        lane=Lane(t["lane"]),
+        launch=LaunchMode(t["launch"]),
+        command=(),
+        vram_bytes=int(t["vram_bytes"]),
+        params=tuple(
+            ParamSpec(
+                name=p["name"],
+                type=ParamType(p["type"]),
+                required=bool(p["required"]),
+                default=p.get("default"),
+                description=p.get("description", ""),
+                choices=tuple(p.get("choices", [])),
+            )
+            for p in t["params"]
+        ),
+    )
+
+
+def _submit_http(args: argparse.Namespace, client: Any) -> int:
+    if args.queue is not None:
+        raise UserError("--queue and --url do not go together: choose one way to submit")
+    if args.inputs:
+        raise UserError(
+            "file inputs are not sent over HTTP yet: submit with --queue DIR, "
+            "or on the broker's host without --url"
+        )
+    jobtype = _remote_jobtype(client, args.type)
+    params = _job_params(jobtype, args)
+    job = client.submit(
+        jobtype.name,
+        params,
+        id=args.job_id,
+        priority=args.priority,
+        vram_gib=args.vram_gib,
+        outputs=args.outputs,
+    )
+    out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
+    if not args.wait:
+        return 0
+    with err.status(f"waiting for job {job['id']} to end", spinner="dots") as status:
+
+        def progress(j: dict[str, Any]) -> None:
+            why = f" ({j['reason']})" if j.get("reason") else ""
+            status.update(f"job {j['id']}: {j['state']}{why}")
+
+        try:
+            client.wait(job["id"], timeout=args.wait_timeout, progress=progress)
+        except TimeoutError:
+            err.print(f"gave up waiting after {args.wait_timeout:g} s")
+            return 1
+    result = client.result(job["id"])
+    if args.results_dir:
+        for rel in result.get("outputs", []):
+            client.download(job["id"], rel, args.results_dir / rel)
+        _print_result(result, args.results_dir, kept=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpuwarden-") as tmp:
+            for rel in result.get("outputs", []):
+                client.download(job["id"], rel, Path(tmp) / rel)
+            _print_result(
+                result, Path(tmp), kept=False, where=f"{client.url}/v1/jobs/{job['id']}/outputs"
+            )
+    return 0 if result.get("status") == "done" else 1
+
+
+def _show_http(args: argparse.Namespace, client: Any) -> int:
+    data = client.get(args.job)
+    if args.json:
+        out.print_json(json.dumps(data))
+        return 0
+    out.print(
+        f"[bold]{escape(data['id'])}[/]  {escape(data['type'])}  [bold]{data['state']}[/]  "
+        f"priority {data['priority']}"
+    )
+    if data.get("reason"):
+        out.print(f"reason: {data['reason']}", markup=False)
+    out.print(f"params: {json.dumps(data['params'])}", markup=False)
+    table = Table("attempt", "node", "GPU", "started", "ran", "exit", "outcome", "reason")
+    for a in data.get("attempts_detail", []):
+        ran = f"{a['ended_at'] - a['started_at']:.2f}s" if a.get("ended_at") else "running"
+        table.add_row(
+            str(a["number"]),
+            a["node"],
+            a.get("gpu") or "-",
+            _age(a["started_at"]) + " ago",
+            ran,
+            "-" if a.get("exit_code") is None else str(a["exit_code"]),
+            a.get("outcome") or "-",
+            a.get("reason", ""),
+        )
+    out.print(table)
+    ev = Table("when", "event", "change", "detail")
+    for e in data.get("events", []):
+        rest = {k: v for k, v in e.items() if k not in ("ts", "event", "job", "from", "to")}
+        change = f"{e.get('from') or ''} -> {e['to']}" if e.get("to") else ""
+        ev.add_row(
+            time.strftime("%H:%M:%S", time.localtime(e["ts"])), e["event"], change, json.dumps(rest)
+        )
+    out.print(ev)
+    return 0
+
+
+def _local_actor() -> Any:
+    import getpass
+
+    from gpuwarden.api.auth import local_principal
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid {os.getuid()}"
+    return local_principal(user)
+
+
+def cmd_token_create(args: argparse.Namespace) -> int:
+    from gpuwarden.api.auth import TOKEN_NAME, issue_token
+
+    if not TOKEN_NAME.fullmatch(args.name):
+        raise UserError(
+            f"token name {args.name!r}: use 1-64 letters, digits, spaces, '.', '_', '@' or "
+            "'-', starting with a letter or digit"
+        )
+    if args.expires_days is not None and not 0 < args.expires_days <= 3660:
+        raise UserError("--expires-days must be more than 0 and at most 3660")
+    now = time.time()
+    expires_at = now + args.expires_days * 86400 if args.expires_days is not None else None
+    config = _config(args)
+    store = open_store(config)  # the first token may come before the first `serve`
+    try:
+        record, token = issue_token(
+            store,
+            name=args.name,
+            role=Role(args.role),
+            by=_local_actor(),
+            now=now,
+            expires_at=expires_at,
+            node=args.node,
+        )
+    finally:
+        store.close()
+    if args.save is not None:
+        _save_token(args.save.expanduser(), token)
+    if args.json:
+        print(
+            json.dumps(
+                {"id": record.id, "name": record.name, "role": record.role.value, "token": token}
+            )
+        )
+        return 0
+    err.print(
+        f"token {record.id} for {record.name} (role {record.role.value}); it is shown once, "
+        "keep it secret" + (f"; saved to {args.save}" if args.save else "")
+    )
+    print(token)
+    return 0
+
+
+def _save_token(path: Path, token: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def cmd_token_list(args: argparse.Namespace) -> int:
+    store = _existing_store(args)
+    try:
+        tokens = store.list_tokens()
+    finally:
+        store.close()
+    now = time.time()
+    if args.json:
+        rows = [
+            {
+                "id": t.id,
+                "name": t.name,
+                "role": t.role.value,
+                "created_at": t.created_at,
+                "created_by": t.created_by,
+                "expires_at": t.expires_at,
+                "revoked_at": t.revoked_at,
+                "node": t.node,
+                "active": t.active(now),
+            }
+            for t in tokens
+        ]
+        out.print_json(json.dumps(rows))
+        return 0
+    table = Table("id", "name", "role", "created", "by", "expires", "state")
+    for t in tokens:
+        if t.revoked_at is not None:
+            state = f"revoked {_age(t.revoked_at)} ago"
+        elif not t.active(now):
+            state = "expired"
+        else:
+            state = "active"
+        table.add_row(
+            t.id,
+            t.name,
+            t.role.value,
+            _age(t.created_at) + " ago",
+            t.created_by,
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(t.expires_at)) if t.expires_at else "-",
+            state,
+        )
+    out.print(table if tokens else "no tokens (make one: gpuwarden token create NAME --role ROLE)")
+    return 0
+
+
+def cmd_token_revoke(args: argparse.Namespace) -> int:
+    store = _existing_store(args)
+    try:
+        record = store.get_token(args.id)
+        actor = _local_actor()
+        now = time.time()
+        if record is None:
+            raise UserError(f"no token with id {args.id!r} (see `gpuwarden token list`)")
+        if not store.revoke_token(record.id, now=now):
+            raise UserError(f"token {record.id} ({record.name}) was revoked already")
+        store.add_audit(
+            actor.audit(
+                "token.revoke",
+                now=now,
+                target=record.id,
+                detail={"name": record.name, "role": record.role.value},
+            )
+        )
+    finally:
+        store.close()
+    out.print(f"revoked token {record.id} ({record.name}); requests with it are refused now")
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    store = _existing_store(args)
+    try:
+        rows = store.audit_rows(after_id=args.after, limit=args.limit)
+    finally:
+        store.close()
+    if args.json:
+        out.print_json(
+            json.dumps(
+                [
+                    {
+                        "id": r.id,
+                        "ts": r.ts,
+                        "actor": r.actor,
+                        "actor_name": r.actor_name,
+                        "role": r.role,
+                        "action": r.action,
+                        "target": r.target,
+                        "outcome": r.outcome,
+                        "detail": r.detail,
+                    }
+                    for r in rows
+                ]
+            )
+        )
+        return 0
+    table = Table("id", "when", "actor", "role", "action", "target", "outcome")
+    for r in rows:
+        actor = r.actor_name if r.actor in ("-", "local") else f"{r.actor_name} ({r.actor})"
+        table.add_row(
+            str(r.id),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.ts)),
+            escape(actor),
+            r.role,
+            r.action,
+            escape(r.target),
+            escape(r.outcome),
+        )
+    out.print(table if rows else "no audit rows")
     return 0

@@ -8,6 +8,7 @@ name the key and what is allowed.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tomllib
 from pathlib import Path
@@ -23,6 +24,9 @@ from gpuwarden.errors import ConfigError
 CONFIG_ENV = "GPUWARDEN_CONFIG"
 STATE_DIR_ENV = "GPUWARDEN_STATE_DIR"
 MODULES_ENV = "GPUWARDEN_MODULES"
+
+#: what a ``database`` URL may start with (libpq's two URI forms)
+DATABASE_URL_PREFIXES = ("postgresql://", "postgres://")
 
 ProbeKind = Literal["auto", "nvml", "nvidia-smi", "sim", "none"]
 
@@ -83,6 +87,36 @@ class LimitSettings(_Section):
     max_jobs_per_bundle: Annotated[int, Field(ge=1)] = 1000
 
 
+class ApiSettings(_Section):
+    """``[api]``: the HTTP API (``gpuwarden serve --api``)."""
+
+    #: a request body larger than this is refused with 413 before it is read
+    max_body_mib: Annotated[float, Field(gt=0, le=4096)] = 16.0
+    #: requests per second each token may make on average (token bucket)
+    rate_per_s: Annotated[float, Field(gt=0, le=1_000_000)] = 20.0
+    #: requests a token may make at once before the rate applies
+    burst: Annotated[int, Field(ge=1, le=1_000_000)] = 40
+
+
+class ClusterSettings(_Section):
+    """``[cluster]``: several hosts (``gpuwarden coordinator`` and ``gpuwarden agent``)."""
+
+    #: seconds a lease lasts unless the agent's heartbeat renews it
+    lease_s: Annotated[float, Field(gt=0, le=3600)] = 90.0
+    #: an agent not heard from for this long is offline
+    offline_after_s: Annotated[float, Field(gt=0, le=86400)] = 120.0
+    #: a job whose model is warm on another node waits this long for that node
+    affinity_wait_s: Annotated[float, Field(ge=0, le=86400)] = 30.0
+    #: how often the coordinator holding the maintenance lock sweeps
+    sweep_every_s: Annotated[float, Field(gt=0, le=3600)] = 5.0
+    #: agent: how often it asks for work while it has room (it also asks when a job ends)
+    claim_every_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    #: agent: the most jobs it holds at once (running and waiting in its own queue)
+    max_jobs: Annotated[int, Field(ge=1, le=10_000)] = 4
+    #: agent: labels offered for job constraints, e.g. {rack = "a"}
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
 class SandboxSettings(_Section):
     """``[sandbox]``: what every sandboxed attempt gets (see SPEC.md, "Sandbox")."""
 
@@ -113,6 +147,9 @@ class Config(_Section):
     """The whole configuration. See SPEC.md, "Configuration", for every key."""
 
     state_dir: Path = Path()
+    #: where the store lives: "" for SQLite in the state directory, or a PostgreSQL
+    #: URL (postgresql://USER@HOST:PORT/DBNAME) for a database nodes can share
+    database: str = ""
     node_name: str = Field(default_factory=socket.gethostname, min_length=1)
     gpu: ProbeKind = "auto"
     module_paths: list[Path] = Field(default_factory=list)
@@ -123,6 +160,8 @@ class Config(_Section):
     vram: VramSettings = VramSettings()
     warm: WarmSettings = WarmSettings()
     limits: LimitSettings = LimitSettings()
+    api: ApiSettings = ApiSettings()
+    cluster: ClusterSettings = ClusterSettings()
     #: "local" (no sandbox), "podman", "docker" or "bubblewrap"
     container_runtime: Runtime = Runtime.LOCAL
     #: the image sandboxed attempts run in (podman, docker): pinned by digest or id
@@ -133,6 +172,20 @@ class Config(_Section):
     #: with a real runtime: run host types too (unsandboxed)
     allow_host_jobs: bool = False
     sandbox: SandboxSettings = SandboxSettings()
+
+    @pydantic.field_validator("database")
+    @classmethod
+    def _check_database(cls, value: str) -> str:
+        if value == "" or value.startswith(DATABASE_URL_PREFIXES):
+            return value
+        # ConfigError, not ValueError: pydantic's message would repeat the value,
+        # and a database URL may hold a password
+        scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", value)
+        got = f"a {scheme.group(1)}:// URL" if scheme else "a value that is not a URL"
+        raise ConfigError(
+            f"config key 'database' must be \"\" (SQLite in the state directory) or a "
+            f"PostgreSQL URL postgresql://USER@HOST:PORT/DBNAME; got {got}"
+        )
 
     @property
     def launch_rules(self) -> LaunchRules:

@@ -153,6 +153,10 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
         where = f"on {a.gpu_uuid}" if a.gpu_uuid else "on a cpu slot"
         lines.append(f"attempt {a.number} runs {where} since {time.ctime(a.started_at)}")
         return lines
+    cluster = _cluster_lines(job, store, registry)
+    if cluster:  # several hosts: agents are offered jobs by the coordinator
+        lines += cluster
+        return lines
     if view is None:
         lines.append("no broker is running here, so nothing will start it: run `gpuwarden serve`")
         return lines
@@ -164,3 +168,13 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
         lines.append(describe(decide(view, queued_entries(store, registry, warm_types), job.id)))
     lines.append(f"(as seen by the {view.source})")
     return lines
+
+
+def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
+    """Why no agent took a queued job, where nodes are enrolled (else nothing)."""
+    from gpuwarden.cluster.coordinator import explain_placement
+    from gpuwarden.store.cluster import ClusterStore
+
+    if not isinstance(store, ClusterStore):
+        return []
+    return explain_placement(store, registry, job, time.time())

@@ -6,12 +6,15 @@ import threading
 
 import pytest
 
-from gpuwarden.core.model import Event, JobSpec
+from gpuwarden.core.model import Event, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UnknownJobError, UserError
 from gpuwarden.store.base import (
+    AuditRow,
     DuplicateBundleError,
     DuplicateJobError,
+    DuplicateTokenError,
+    IdempotencyConflict,
     NodeStatus,
     Store,
     Submission,
@@ -280,3 +283,159 @@ def test_gpu_clear_requests_are_taken_once(store: Store) -> None:
         "GPU-a",
         "GPU-b",
     ]
+
+
+# -- the HTTP API's needs: owners, tokens, audit, idempotency -----------------------
+
+
+def test_jobs_have_an_owner_and_list_filters_by_it(store: Store) -> None:
+    store.submit([spec("mine1")], now=1.0, origin=Submission(owner="aaaaaaaaaaaa"))
+    store.submit([spec("theirs")], now=2.0, origin=Submission(owner="bbbbbbbbbbbb"))
+    store.submit([spec("local")], now=3.0)
+    store.submit([spec("mine2")], now=4.0, origin=Submission(owner="aaaaaaaaaaaa"))
+    assert store.get_job("mine1").owner == "aaaaaaaaaaaa"  # type: ignore[union-attr]
+    assert store.get_job("local").owner is None  # type: ignore[union-attr]
+    assert [j.id for j in store.list_jobs(owner="aaaaaaaaaaaa")] == ["mine2", "mine1"]
+    assert [j.id for j in store.list_jobs(owner="aaaaaaaaaaaa", limit=1)] == ["mine2"]
+    assert [j.id for j in store.list_jobs()] == ["mine2", "local", "theirs", "mine1"]
+    store.request_cancel("mine1", now=5.0)
+    cancelled = frozenset({JobState.CANCELLED})
+    assert [j.id for j in store.list_jobs(owner="aaaaaaaaaaaa", states=cancelled)] == ["mine1"]
+    assert store.list_jobs(owner="bbbbbbbbbbbb", states=cancelled) == []
+    assert store.list_jobs(owner="cccccccccccc") == []
+
+
+def test_tokens_create_get_list_revoke(store: Store) -> None:
+    assert store.list_tokens() == [] and store.get_token("0123456789ab") is None
+    t = store.create_token(
+        token_id="0123456789ab",
+        name="admin",
+        role=Role.OWNER,
+        secret_hash="a" * 64,
+        now=10.0,
+        created_by="local",
+    )
+    assert (t.id, t.name, t.role, t.secret_hash, t.created_at) == (
+        "0123456789ab",
+        "admin",
+        Role.OWNER,
+        "a" * 64,
+        10.0,
+    )
+    assert t.created_by == "local" and t.revoked_at is None and t.expires_at is None
+    assert t.active(11.0)
+    node = store.create_token(
+        token_id="ba9876543210",
+        name="gpu-host-1",
+        role=Role.NODE,
+        secret_hash="b" * 64,
+        now=11.0,
+        created_by="0123456789ab",
+        expires_at=100.0,
+        node="gpu-host-1",
+    )
+    assert node.node == "gpu-host-1" and node.expires_at == 100.0
+    assert node.active(99.0) and not node.active(100.0)
+    assert store.get_token("ba9876543210") == node
+    assert [x.id for x in store.list_tokens()] == ["0123456789ab", "ba9876543210"]
+    with pytest.raises(DuplicateTokenError):
+        store.create_token(
+            token_id="0123456789ab",
+            name="again",
+            role=Role.SUBMITTER,
+            secret_hash="c" * 64,
+            now=12.0,
+            created_by="local",
+        )
+    assert store.revoke_token("0123456789ab", now=20.0)
+    assert not store.revoke_token("0123456789ab", now=21.0)  # once
+    assert not store.revoke_token("ffffffffffff", now=21.0)  # no such token
+    revoked = store.get_token("0123456789ab")
+    assert revoked is not None and revoked.revoked_at == 20.0 and not revoked.active(21.0)
+    assert len(store.list_tokens()) == 2  # revoked tokens stay listed
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_every_role_can_be_stored(store: Store, role: Role) -> None:
+    t = store.create_token(
+        token_id="00000000000" + "1",
+        name=role.value,
+        role=role,
+        secret_hash="d" * 64,
+        now=1.0,
+        created_by="local",
+    )
+    got = store.get_token(t.id)
+    assert got is not None and got.role is role
+
+
+def test_audit_rows_append_and_page(store: Store) -> None:
+    assert store.audit_rows() == []
+    first = store.add_audit(
+        AuditRow(
+            ts=1.0,
+            actor="local",
+            actor_name="root",
+            role="local",
+            action="token.create",
+            target="0123456789ab",
+            detail={"name": "admin", "role": "owner"},
+        )
+    )
+    second = store.add_audit(
+        AuditRow(
+            ts=2.0,
+            actor="0123456789ab",
+            actor_name="admin",
+            role="owner",
+            action="job.submit",
+            target="j1",
+            outcome="refused: unknown job type 'x.y'",
+        )
+    )
+    assert first.id is not None and second.id is not None and second.id > first.id
+    rows = store.audit_rows()
+    assert rows == [first, second]
+    assert rows[0].detail == {"name": "admin", "role": "owner"} and rows[0].outcome == "ok"
+    assert rows[1].outcome.startswith("refused:") and rows[1].detail == {}
+    assert store.audit_rows(after_id=first.id) == [second]
+    assert store.audit_rows(limit=1) == [first]
+    assert store.audit_rows(after_id=second.id) == []
+
+
+def test_idempotent_submit_returns_the_first_jobs(store: Store) -> None:
+    key = ("0123456789ab", "key-1", "hash-1")
+    first = store.submit([spec("a"), spec("b")], now=1.0, idempotency=key)
+    again = store.submit([spec("a"), spec("b")], now=2.0, idempotency=key)
+    assert [j.id for j in again] == ["a", "b"]
+    assert [j.submitted_at for j in again] == [1.0, 1.0]
+    assert again == first
+    # the replay may even carry other (generated) ids: the key decides, not the ids
+    again2 = store.submit([spec("other")], now=3.0, idempotency=key)
+    assert [j.id for j in again2] == ["a", "b"] and store.get_job("other") is None
+    assert len(store.list_jobs()) == 2
+    rec = store.idempotency_record("0123456789ab", "key-1")
+    assert rec is not None and rec.job_ids == ("a", "b") and rec.body_hash == "hash-1"
+    assert rec.created_at == 1.0
+    assert store.idempotency_record("0123456789ab", "key-2") is None
+    assert store.idempotency_record("ba9876543210", "key-1") is None
+
+
+def test_idempotency_key_with_another_body_is_a_conflict(store: Store) -> None:
+    store.submit([spec("a")], now=1.0, idempotency=("0123456789ab", "k", "h1"))
+    with pytest.raises(IdempotencyConflict, match="different"):
+        store.submit([spec("b")], now=2.0, idempotency=("0123456789ab", "k", "h2"))
+    assert store.get_job("b") is None
+    # another token's key of the same name is its own
+    jobs = store.submit([spec("c")], now=3.0, idempotency=("ba9876543210", "k", "h2"))
+    assert [j.id for j in jobs] == ["c"]
+    assert isinstance(IdempotencyConflict("x"), UserError)
+
+
+def test_failed_submit_records_no_idempotency_key(store: Store) -> None:
+    store.submit([spec("a")], now=1.0)
+    with pytest.raises(DuplicateJobError):
+        store.submit([spec("a")], now=2.0, idempotency=("0123456789ab", "k", "h"))
+    assert store.idempotency_record("0123456789ab", "k") is None
+    jobs = store.submit([spec("b")], now=3.0, idempotency=("0123456789ab", "k", "h"))
+    assert [j.id for j in jobs] == ["b"]

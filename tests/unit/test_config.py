@@ -12,8 +12,9 @@ from gpuwarden.core.model import GIB, MIB
 from gpuwarden.errors import ConfigError, UserError
 
 TOP_KEYS = (
-    "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, broker, "
-    "container_runtime, create_queue_roots, gpu, limits, module_paths, node_name, "
+    "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, api, broker, "
+    "cluster, container_runtime, create_queue_roots, database, gpu, limits, module_paths, "
+    "node_name, "
     "queue_roots, sandbox, sandbox_image, sim_gpu, state_dir, vram, warm"
 )
 BROKER_KEYS = (

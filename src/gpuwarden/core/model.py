@@ -33,6 +33,16 @@ class ParamType(StrEnum):
     INPUT = "input"
 
 
+class Role(StrEnum):
+    """What an API token may do (the permission matrix is ``gpuwarden.api.auth.MATRIX``)."""
+
+    OWNER = "owner"  # everything, tokens included
+    OPERATOR = "operator"  # every job, the audit log; no tokens
+    SUBMITTER = "submitter"  # its own jobs only
+    NODE = "node"  # an agent on a GPU host (the node endpoints)
+    ENROLL = "enroll"  # a one-time token that enrols a node
+
+
 @dataclass(frozen=True, slots=True)
 class ParamSpec:
     name: str
@@ -105,6 +115,8 @@ class Job:
     input_dir: str | None = None
     cancel_requested: bool = False
     result: dict[str, Any] = field(default_factory=dict)
+    #: the id of the API token that submitted it (None: the CLI on the host, a bundle)
+    owner: str | None = None
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwarden.core.model import Attempt, Event, Job, JobSpec
+from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 
@@ -34,6 +34,14 @@ class DuplicateJobError(UserError):
 
 class DuplicateBundleError(UserError):
     """A bundle with that name was already received."""
+
+
+class IdempotencyConflict(UserError):
+    """That idempotency key was already used by this token for a different request."""
+
+
+class DuplicateTokenError(UserError):
+    """A token with that id exists already."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,52 @@ class Submission:
     input_dir: str | None = None
     queue_root: str | None = None
     bundle: str | None = None
+    #: the API token that submitted the jobs (None: the CLI on the host, a bundle)
+    owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    """An API token as stored: never the secret, only its SHA-256 (hex)."""
+
+    id: str  # 12 hex digits, the lookup part of ``gw_<id>_<secret>``
+    name: str
+    role: Role
+    secret_hash: str
+    created_at: float
+    created_by: str  # a token id, or "local" (the CLI on the host)
+    expires_at: float | None = None
+    revoked_at: float | None = None
+    node: str | None = None  # the node a node or enroll token is bound to
+
+    def active(self, now: float) -> bool:
+        return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRow:
+    """Who did what through the API or the CLI, and how it ended."""
+
+    ts: float
+    actor: str  # a token id, or "local"
+    actor_name: str
+    role: str  # the actor's role, "local" for the CLI on the host, "-" when unknown
+    action: str  # "job.submit", "job.cancel", "token.create", "token.revoke", ...
+    target: str = ""  # a job id, a token id, ...
+    outcome: str = "ok"  # "ok", "refused: <why>" or "error: <what>"
+    detail: dict[str, Any] = field(default_factory=dict)
+    id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyRecord:
+    """A submission made with an ``Idempotency-Key``, kept to answer its retries."""
+
+    token_id: str
+    key: str
+    body_hash: str
+    job_ids: tuple[str, ...]
+    created_at: float
 
 
 #: a job submitted straight into the store, with no bundle and no input files
@@ -85,12 +139,29 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def submit(
-        self, specs: Sequence[JobSpec], *, now: float, origin: Submission = DIRECT
+        self,
+        specs: Sequence[JobSpec],
+        *,
+        now: float,
+        origin: Submission = DIRECT,
+        idempotency: tuple[str, str, str] | None = None,
     ) -> list[Job]:
         """Insert ``specs`` as queued jobs, all or none, with a ``submitted`` event
-        each. If ``origin.bundle`` is set, also record the bundle (its name must be
-        new in that queue root, else :class:`DuplicateBundleError`). If any job id
-        exists already, insert nothing and raise :class:`DuplicateJobError`."""
+        each, owned by ``origin.owner``. If ``origin.bundle`` is set, also record the
+        bundle (its name must be new in that queue root, else
+        :class:`DuplicateBundleError`). If any job id exists already, insert nothing
+        and raise :class:`DuplicateJobError`.
+
+        ``idempotency`` is ``(token_id, key, body_hash)``. It is looked up first, in
+        the same transaction: when that token used that key before with the same
+        ``body_hash``, nothing is inserted and the jobs of that first submission are
+        returned (in its order); with another ``body_hash``, nothing is inserted and
+        :class:`IdempotencyConflict` is raised. Otherwise the jobs are inserted and
+        the key is recorded with their ids in the same transaction."""
+
+    @abc.abstractmethod
+    def idempotency_record(self, token_id: str, key: str) -> IdempotencyRecord | None:
+        """The submission ``token_id`` made with ``key``, or None."""
 
     @abc.abstractmethod
     def get_job(self, job_id: str) -> Job | None:
@@ -98,9 +169,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def list_jobs(
-        self, *, states: frozenset[JobState] | None = None, limit: int = 100
+        self,
+        *,
+        states: frozenset[JobState] | None = None,
+        limit: int = 100,
+        owner: str | None = None,
     ) -> list[Job]:
-        """Newest first."""
+        """Newest first; only the jobs of ``owner`` (a token id) when it is given."""
 
     @abc.abstractmethod
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
@@ -232,6 +307,47 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def take_gpu_clears(self, *, now: float) -> list[str]:
         """The GPU UUIDs asked to be cleared since the last call; each is returned once."""
+
+    # -- API tokens -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def create_token(
+        self,
+        *,
+        token_id: str,
+        name: str,
+        role: Role,
+        secret_hash: str,
+        now: float,
+        created_by: str,
+        expires_at: float | None = None,
+        node: str | None = None,
+    ) -> TokenRecord:
+        """Store a new token (its secret's hash only). Raise
+        :class:`DuplicateTokenError` if ``token_id`` exists (revoked ones too)."""
+
+    @abc.abstractmethod
+    def get_token(self, token_id: str) -> TokenRecord | None:
+        """The token, revoked or expired ones too, or None."""
+
+    @abc.abstractmethod
+    def list_tokens(self) -> list[TokenRecord]:
+        """Every token, revoked and expired ones too, oldest first."""
+
+    @abc.abstractmethod
+    def revoke_token(self, token_id: str, *, now: float) -> bool:
+        """Mark the token revoked at ``now``. Return False (and change nothing)
+        when there is no such token or it was revoked already."""
+
+    # -- audit --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def add_audit(self, row: AuditRow) -> AuditRow:
+        """Append an audit row; return it with its id (ids only grow)."""
+
+    @abc.abstractmethod
+    def audit_rows(self, *, after_id: int = 0, limit: int = 1000) -> list[AuditRow]:
+        """Audit rows with an id above ``after_id``, oldest first, at most ``limit``."""
 
     # -- node status --------------------------------------------------------
 

@@ -8,15 +8,15 @@ from importlib import resources
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 
 
-def load_queries(backend: str) -> dict[str, str]:
-    """Parse ``sql/<backend>/queries.sql`` into ``{name: sql}``."""
-    text = resources.files("gpuwarden.store").joinpath(f"sql/{backend}/queries.sql").read_text()
+def load_queries(backend: str, file: str = "queries") -> dict[str, str]:
+    """Parse ``sql/<backend>/<file>.sql`` into ``{name: sql}``."""
+    text = resources.files("gpuwarden.store").joinpath(f"sql/{backend}/{file}.sql").read_text()
     parts = _NAME.split(text)
     queries: dict[str, str] = {}
     # parts = [preamble, name1, body1, name2, body2, ...]
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in queries:
-            raise ValueError(f"query {name!r} defined twice in sql/{backend}/queries.sql")
+            raise ValueError(f"query {name!r} defined twice in sql/{backend}/{file}.sql")
         queries[name] = body.strip()
     return queries
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import sqlite3
@@ -12,20 +13,26 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden.core import states
-from gpuwarden.core.model import Attempt, Event, Job, JobSpec
+from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UnknownJobError, UserError
 from gpuwarden.store.base import (
     DIRECT,
+    AuditRow,
     BundleRecord,
     DuplicateBundleError,
     DuplicateJobError,
+    DuplicateTokenError,
+    IdempotencyConflict,
+    IdempotencyRecord,
     MeasuredFootprint,
     NodeStatus,
     Store,
     Submission,
+    TokenRecord,
 )
 from gpuwarden.store.queries import load_migrations, load_queries
+from gpuwarden.store.sqlite_cluster import SqliteCluster
 
 _Q = load_queries("sqlite")
 
@@ -46,7 +53,7 @@ def spec_hash(spec: JobSpec) -> str:
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-class SqliteStore(Store):
+class SqliteStore(SqliteCluster, Store):
     """One connection, guarded by a lock; usable from one process's threads.
 
     Several processes (the broker, CLI commands) share the database file: writers
@@ -148,12 +155,39 @@ class SqliteStore(Store):
     # -- jobs ---------------------------------------------------------------
 
     def submit(
-        self, specs: Sequence[JobSpec], *, now: float, origin: Submission = DIRECT
+        self,
+        specs: Sequence[JobSpec],
+        *,
+        now: float,
+        origin: Submission = DIRECT,
+        idempotency: tuple[str, str, str] | None = None,
     ) -> list[Job]:
         ids = [s.id for s in specs]
         if len(set(ids)) != len(ids):
             raise UserError("the same job id appears twice in one submission")
         with self._write() as db:
+            if idempotency is not None:
+                token_id, key, body_hash = idempotency
+                row = db.execute(
+                    _Q["get_idempotency"], {"token_id": token_id, "key": key}
+                ).fetchone()
+                if row is not None:
+                    if row["body_hash"] != body_hash:
+                        raise IdempotencyConflict(
+                            f"idempotency key {key!r} was already used for a different "
+                            "request; use a new key for a new request"
+                        )
+                    return [self._job_in(db, i) for i in json.loads(row["job_ids"])]
+                db.execute(
+                    _Q["insert_idempotency"],
+                    {
+                        "token_id": token_id,
+                        "key": key,
+                        "body_hash": body_hash,
+                        "job_ids": json.dumps(ids),
+                        "now": now,
+                    },
+                )
             existing = [r[0] for r in db.execute(_Q["job_ids_existing"], {"ids": json.dumps(ids)})]
             if existing:
                 raise DuplicateJobError(sorted(existing))
@@ -192,6 +226,7 @@ class SqliteStore(Store):
                         "bundle": origin.bundle,
                         "queue_root": origin.queue_root,
                         "input_dir": origin.input_dir,
+                        "owner": origin.owner,
                     },
                 )
                 detail: dict[str, Any] = {"type": spec.type}
@@ -209,14 +244,36 @@ class SqliteStore(Store):
         rows = self._read("get_job", id=job_id)
         return _job(rows[0]) if rows else None
 
+    def idempotency_record(self, token_id: str, key: str) -> IdempotencyRecord | None:
+        rows = self._read("get_idempotency", token_id=token_id, key=key)
+        if not rows:
+            return None
+        r = rows[0]
+        return IdempotencyRecord(
+            token_id=r["token_id"],
+            key=r["key"],
+            body_hash=r["body_hash"],
+            job_ids=tuple(json.loads(r["job_ids"])),
+            created_at=r["created_at"],
+        )
+
     def list_jobs(
-        self, *, states: frozenset[JobState] | None = None, limit: int = 100
+        self,
+        *,
+        states: frozenset[JobState] | None = None,
+        limit: int = 100,
+        owner: str | None = None,
     ) -> list[Job]:
-        if states is None:
+        in_states = json.dumps([s.value for s in states]) if states is not None else None
+        if owner is None and in_states is None:
             rows = self._read("list_jobs", limit=limit)
+        elif owner is None:
+            rows = self._read("list_jobs_in_states", states=in_states, limit=limit)
+        elif in_states is None:
+            rows = self._read("list_jobs_of_owner", owner=owner, limit=limit)
         else:
             rows = self._read(
-                "list_jobs_in_states", states=json.dumps([s.value for s in states]), limit=limit
+                "list_jobs_of_owner_in_states", owner=owner, states=in_states, limit=limit
             )
         return [_job(r) for r in rows]
 
@@ -536,6 +593,84 @@ class SqliteStore(Store):
                     taken.append(row["gpu_uuid"])
             return taken
 
+    # -- API tokens -----------------------------------------------------------
+
+    def create_token(
+        self,
+        *,
+        token_id: str,
+        name: str,
+        role: Role,
+        secret_hash: str,
+        now: float,
+        created_by: str,
+        expires_at: float | None = None,
+        node: str | None = None,
+    ) -> TokenRecord:
+        with self._write() as db:
+            if db.execute(_Q["get_token"], {"id": token_id}).fetchone() is not None:
+                raise DuplicateTokenError(f"a token with id {token_id} exists already")
+            db.execute(
+                _Q["insert_token"],
+                {
+                    "id": token_id,
+                    "name": name,
+                    "role": Role(role).value,
+                    "secret_hash": secret_hash,
+                    "now": now,
+                    "created_by": created_by,
+                    "expires_at": expires_at,
+                    "node": node,
+                },
+            )
+            return _token(db.execute(_Q["get_token"], {"id": token_id}).fetchone())
+
+    def get_token(self, token_id: str) -> TokenRecord | None:
+        rows = self._read("get_token", id=token_id)
+        return _token(rows[0]) if rows else None
+
+    def list_tokens(self) -> list[TokenRecord]:
+        return [_token(r) for r in self._read("list_tokens")]
+
+    def revoke_token(self, token_id: str, *, now: float) -> bool:
+        with self._write() as db:
+            return db.execute(_Q["revoke_token"], {"id": token_id, "now": now}).rowcount == 1
+
+    # -- audit --------------------------------------------------------------
+
+    def add_audit(self, row: AuditRow) -> AuditRow:
+        with self._write() as db:
+            cur = db.execute(
+                _Q["insert_audit"],
+                {
+                    "ts": row.ts,
+                    "actor": row.actor,
+                    "actor_name": row.actor_name,
+                    "role": row.role,
+                    "action": row.action,
+                    "target": row.target,
+                    "outcome": row.outcome,
+                    "detail": json.dumps(row.detail, sort_keys=True),
+                },
+            )
+            return dataclasses.replace(row, detail=dict(row.detail), id=cur.lastrowid)
+
+    def audit_rows(self, *, after_id: int = 0, limit: int = 1000) -> list[AuditRow]:
+        return [
+            AuditRow(
+                id=r["id"],
+                ts=r["ts"],
+                actor=r["actor"],
+                actor_name=r["actor_name"],
+                role=r["role"],
+                action=r["action"],
+                target=r["target"],
+                outcome=r["outcome"],
+                detail=json.loads(r["detail"]),
+            )
+            for r in self._read("audit_rows", after_id=after_id, limit=limit)
+        ]
+
     # -- node status --------------------------------------------------------
 
     def put_node_status(self, status: NodeStatus) -> None:
@@ -589,6 +724,21 @@ def _job(row: sqlite3.Row) -> Job:
         input_dir=row["input_dir"],
         cancel_requested=bool(row["cancel_requested"]),
         result=json.loads(row["result"]),
+        owner=row["owner"],
+    )
+
+
+def _token(row: sqlite3.Row) -> TokenRecord:
+    return TokenRecord(
+        id=row["id"],
+        name=row["name"],
+        role=Role(row["role"]),
+        secret_hash=row["secret_hash"],
+        created_at=row["created_at"],
+        created_by=row["created_by"],
+        expires_at=row["expires_at"],
+        revoked_at=row["revoked_at"],
+        node=row["node"],
     )
 
 

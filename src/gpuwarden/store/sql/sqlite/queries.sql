@@ -5,9 +5,9 @@ SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs;
 
 -- name: insert_job
 INSERT INTO jobs (id, seq, type, state, priority, params, inputs, outputs, vram_bytes,
-                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir)
+                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner)
 VALUES (:id, :seq, :type, 'queued', :priority, :params, :inputs, :outputs, :vram_bytes,
-        :spec_hash, :now, :now, :bundle, :queue_root, :input_dir);
+        :spec_hash, :now, :now, :bundle, :queue_root, :input_dir, :owner);
 
 -- name: job_ids_existing
 SELECT id FROM jobs WHERE id IN (SELECT value FROM json_each(:ids));
@@ -133,3 +133,38 @@ VALUES (:type, :bytes, :job_id, :now)
 ON CONFLICT (type) DO UPDATE
    SET bytes = excluded.bytes, job_id = excluded.job_id, updated_at = excluded.updated_at
  WHERE excluded.bytes > footprints.bytes;
+
+-- name: list_jobs_of_owner
+SELECT * FROM jobs WHERE owner = :owner ORDER BY seq DESC LIMIT :limit;
+
+-- name: list_jobs_of_owner_in_states
+SELECT * FROM jobs
+ WHERE owner = :owner AND state IN (SELECT value FROM json_each(:states))
+ ORDER BY seq DESC LIMIT :limit;
+
+-- name: get_idempotency
+SELECT * FROM idempotency WHERE token_id = :token_id AND key = :key;
+
+-- name: insert_idempotency
+INSERT INTO idempotency (token_id, key, body_hash, job_ids, created_at)
+VALUES (:token_id, :key, :body_hash, :job_ids, :now);
+
+-- name: insert_token
+INSERT INTO tokens (id, name, role, secret_hash, created_at, created_by, expires_at, node)
+VALUES (:id, :name, :role, :secret_hash, :now, :created_by, :expires_at, :node);
+
+-- name: get_token
+SELECT * FROM tokens WHERE id = :id;
+
+-- name: list_tokens
+SELECT * FROM tokens ORDER BY created_at, id;
+
+-- name: revoke_token
+UPDATE tokens SET revoked_at = :now WHERE id = :id AND revoked_at IS NULL;
+
+-- name: insert_audit
+INSERT INTO audit (ts, actor, actor_name, role, action, target, outcome, detail)
+VALUES (:ts, :actor, :actor_name, :role, :action, :target, :outcome, :detail);
+
+-- name: audit_rows
+SELECT * FROM audit WHERE id > :after_id ORDER BY id LIMIT :limit;

@@ -1,0 +1,205 @@
+"""The HTTP API for clients: ``create_app(store, registry, config)``.
+
+Every request passes the gate first (plain ASGI, before its body is read): the
+route's action (``context.action``) is looked up in the permission matrix
+(``auth.MATRIX``); the token is checked (401), then the role (403), then the
+token's rate (429); then the body-size limit applies (413). Only then does
+FastAPI parse the body (422) and run the route. Each refusal of a mutating
+action is written to the audit log, and so is each success.
+
+Routers, one per concern (``routers/``): ``jobs``, ``admin`` (tokens, audit),
+``status`` (status, types, health). Node and agent endpoints come as a router
+of their own: add it to :data:`ROUTERS` (the gate knows the routes from there,
+so a router included any other way is not guarded) and give each of its routes
+an action that has a row in ``auth.MATRIX`` (``create_app`` refuses to build an
+app with a route that has none).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.routing import Match
+
+from gpuwarden import __version__
+from gpuwarden.api import errors
+from gpuwarden.api.auth import (
+    MATRIX,
+    MUTATING,
+    PUBLIC,
+    AuthFailed,
+    allowed,
+    authenticate,
+    needed_roles,
+)
+from gpuwarden.api.context import ApiContext, AuditHook, action_of
+from gpuwarden.api.limits import (
+    ASGIApp,
+    BodyLimitMiddleware,
+    RateLimiter,
+    Receive,
+    Scope,
+    Send,
+    retry_after,
+    send_error,
+)
+from gpuwarden.api.routers import admin, jobs, nodes, status
+from gpuwarden.config import Config
+from gpuwarden.core.model import MIB
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
+
+#: every router of the API, one per concern; the gate guards the routes of these
+ROUTERS: tuple[APIRouter, ...] = (jobs.router, admin.router, status.router, nodes.router)
+
+
+def create_app(
+    store: Store,
+    registry: Registry,
+    config: Config,
+    *,
+    clock: Callable[[], float] = time.time,
+    monotonic: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """The API on ``store``. ``clock`` stamps jobs, tokens and audit rows;
+    ``monotonic`` drives the rate limiter (both injectable for tests)."""
+    app = FastAPI(
+        title="gpuwarden",
+        version=__version__,
+        description="The HTTP API of the gpuwarden GPU job broker (SPEC.md, section 15).",
+        default_response_class=errors.AsciiJSONResponse,
+        redoc_url=None,
+    )
+    ctx = ApiContext(store=store, registry=registry, config=config, clock=clock)
+    app.state.gw = ctx
+    errors.install(app)
+    routes: list[APIRoute] = []
+    for router in ROUTERS:
+        app.include_router(router)
+        routes += [r for r in router.routes if isinstance(r, APIRoute)]
+    _check_actions(routes)
+    limiter = RateLimiter(config.api.rate_per_s, config.api.burst, clock=monotonic)
+
+    async def body_refused(scope: Scope, message: str) -> None:
+        await errors.audit_refusal(Request(scope), 413, message)
+
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=int(config.api.max_body_mib * MIB),
+        on_refused=body_refused,
+    )
+    app.add_middleware(Gate, ctx=ctx, routes=routes, limiter=limiter)
+    if type(store).__name__ == "PostgresStore":  # several coordinators may share it
+        nodes.install_sweeper(app)
+    return app
+
+
+def _check_actions(routes: list[APIRoute]) -> None:
+    for route in routes:
+        name = action_of(route.endpoint)
+        if name is None or (name not in MATRIX and name not in PUBLIC):
+            raise AssertionError(
+                f"route {route.path} has no action in the permission matrix (auth.MATRIX)"
+            )
+
+
+class Gate:
+    """Authentication, authorization and the rate limit, before a body is read."""
+
+    def __init__(
+        self, app: ASGIApp, *, ctx: ApiContext, routes: list[APIRoute], limiter: RateLimiter
+    ) -> None:
+        self.app = app
+        self.ctx = ctx
+        self.routes = routes
+        self.limiter = limiter
+
+    def _match(self, scope: Scope) -> tuple[APIRoute | None, dict[str, Any]]:
+        for route in self.routes:
+            match, child = route.matches(scope)
+            if match is Match.FULL:
+                return route, dict(child.get("path_params", {}))
+        return None, {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route, params = self._match(scope)
+        if route is None:  # the router answers: /openapi.json, /docs, 404, 405, a redirect
+            await self.app(scope, receive, send)
+            return
+        name = action_of(route.endpoint)
+        if name is None:  # never: create_app checks every route
+            await send_error(send, 403, "this endpoint is in no row of the permission matrix")
+            return
+        client = (scope.get("client") or ("unknown",))[0]
+        if name in PUBLIC:
+            wait = self.limiter.take(f"addr:{client}")
+            if wait:
+                await self._too_many(send, wait)
+                return
+            await self.app(scope, receive, send)
+            return
+        state: dict[str, Any] = scope.setdefault("state", {})
+        target = str(params.get("job_id") or params.get("token_id") or "")
+        headers = Headers(scope=scope)
+        try:
+            principal = await run_in_threadpool(
+                authenticate, self.ctx.store, headers.get("authorization"), now=self.ctx.clock()
+            )
+        except AuthFailed as exc:
+            # failed authentication counts against the client's address
+            wait = self.limiter.take(f"addr:{client}")
+            if wait:
+                await self._too_many(send, wait)
+                return
+            if name in MUTATING:
+                hook = AuditHook(self.ctx, state, name, None, target=target, claimed=exc.token_id)
+                state["gw_audit"] = hook
+                await errors.audit_refusal(Request(scope), 401, exc.message)
+            challenge = 'Bearer realm="gpuwarden"'
+            if headers.get("authorization"):
+                challenge += ', error="invalid_token"'
+            await send_error(send, 401, exc.message, {"WWW-Authenticate": challenge})
+            return
+        state["gw_principal"] = principal
+        if name in MUTATING:
+            state["gw_audit"] = AuditHook(self.ctx, state, name, principal, target=target)
+        access = allowed(principal.role, name)
+        if access is None:
+            roles = needed_roles(name)
+            need = " or ".join(r.value for r in roles) if roles else "a role no token has"
+            message = (
+                f"{name} needs the role {need}; this token ({principal.name}) has the "
+                f"role {principal.role.value}"
+            )
+            await errors.audit_refusal(Request(scope), 403, message)
+            await send_error(send, 403, message)
+            return
+        state["gw_scope"] = access
+        wait = self.limiter.take(f"token:{principal.token_id}")
+        if wait:
+            message = self._too_many_message(wait)
+            await errors.audit_refusal(Request(scope), 429, message)
+            await send_error(send, 429, message, {"Retry-After": retry_after(wait)})
+            return
+        await self.app(scope, receive, send)
+
+    def _too_many_message(self, wait: float) -> str:
+        return (
+            f"too many requests: at most {self.limiter.rate:g} per second "
+            f"(bursts of {self.limiter.burst:g}); try again in {retry_after(wait)} s"
+        )
+
+    async def _too_many(self, send: Send, wait: float) -> None:
+        await send_error(
+            send, 429, self._too_many_message(wait), {"Retry-After": retry_after(wait)}
+        )

@@ -1,0 +1,240 @@
+"""API tokens and roles: the token format, its hash, and who may do what.
+
+A token is ``gw_<id>_<secret>``: ``id`` is 12 hex digits, the part the store is
+searched by; ``secret`` is ``secrets.token_urlsafe(32)`` (256 random bits). The
+store keeps only ``sha256(secret)`` in hex, and a presented secret is compared
+with :func:`hmac.compare_digest`. The whole token is shown once, when it is made.
+
+:data:`MATRIX` is the one permission table: for every action, what each role may
+do: ``ALL`` (every job), ``OWN`` (only the jobs its token submitted) or nothing.
+Every API route names its action (``gpuwarden.api.app.action``); a route with no
+row here is refused to everyone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gpuwarden.core.model import Role
+from gpuwarden.store.base import AuditRow, Store, TokenRecord
+
+__all__ = [
+    "MATRIX",
+    "MUTATING",
+    "PUBLIC",
+    "AuthFailed",
+    "Principal",
+    "Role",
+    "Scope",
+    "allowed",
+    "authenticate",
+    "hash_secret",
+    "issue_token",
+    "needed_roles",
+    "new_token",
+    "parse_token",
+]
+
+TOKEN_PREFIX = "gw_"  # noqa: S105 - a prefix, not a secret
+_TOKEN = re.compile(r"^gw_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
+#: the actor of what the machine's owner does through the CLI on the host
+LOCAL = "local"
+
+
+class Scope(StrEnum):
+    ALL = "all"  # every job
+    OWN = "own"  # only the jobs its own token submitted
+
+
+ALL, OWN = Scope.ALL, Scope.OWN
+
+# fmt: off
+#: action -> what (owner, operator, submitter, node, enroll) may do. None: refused.
+MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, Scope | None]] = {
+    #                 owner operator submitter node  enroll
+    "job.submit":    (ALL,  ALL,     OWN,      None, None),
+    "job.list":      (ALL,  ALL,     OWN,      None, None),
+    "job.read":      (ALL,  ALL,     OWN,      None, None),
+    "job.cancel":    (ALL,  ALL,     OWN,      None, None),
+    "types.read":    (ALL,  ALL,     ALL,      None, None),
+    "status.read":   (ALL,  ALL,     ALL,      None, None),
+    "audit.read":    (ALL,  ALL,     None,     None, None),
+    "token.create":  (ALL,  None,    None,     None, None),
+    "token.list":    (ALL,  None,    None,     None, None),
+    "token.revoke":  (ALL,  None,    None,     None, None),
+    "node.invite":   (ALL,  None,    None,     None, None),
+    "node.enroll":   (None, None,    None,     None, ALL),
+    "node.heartbeat": (None, None,   None,     ALL,  None),
+    "node.claim":    (None, None,    None,     ALL,  None),
+    "node.start":    (None, None,    None,     ALL,  None),
+    "node.finish":   (None, None,    None,     ALL,  None),
+    "node.list":     (ALL,  ALL,     None,     None, None),
+    "node.drain":    (ALL,  ALL,     None,     None, None),
+    "node.revoke":   (ALL,  None,    None,     None, None),
+}
+# fmt: on
+_COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)
+
+#: actions that change something: each call writes an audit row, refused ones too
+MUTATING = frozenset(
+    {"job.submit", "job.cancel", "token.create", "token.revoke"}
+    | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
+    | {"node.finish", "node.drain", "node.revoke"}
+)
+#: actions that need no token
+PUBLIC = frozenset({"health.read"})
+
+
+def allowed(role: Role, action: str) -> Scope | None:
+    """What ``role`` may do for ``action`` (None: refused, also for unknown actions)."""
+    row = MATRIX.get(action)
+    return None if row is None else row[_COLUMNS.index(role)]
+
+
+def needed_roles(action: str) -> list[Role]:
+    """The roles that may do ``action`` (for a 403 that says which one is needed)."""
+    row = MATRIX.get(action, (None,) * len(_COLUMNS))
+    return [role for role, scope in zip(_COLUMNS, row, strict=True) if scope is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who makes a request: a verified token (or the machine's owner on the CLI)."""
+
+    token_id: str
+    name: str
+    role: Role
+
+    def audit(
+        self,
+        action: str,
+        *,
+        now: float,
+        target: str = "",
+        outcome: str = "ok",
+        detail: dict[str, object] | None = None,
+    ) -> AuditRow:
+        return AuditRow(
+            ts=now,
+            actor=self.token_id,
+            actor_name=self.name,
+            role=self.role.value if self.token_id != LOCAL else LOCAL,
+            action=action,
+            target=target,
+            outcome=outcome,
+            detail=dict(detail or {}),
+        )
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_token() -> tuple[str, str, str]:
+    """``(token_id, secret, token)``: a fresh random token and its parts."""
+    token_id = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(32)
+    return token_id, secret, f"{TOKEN_PREFIX}{token_id}_{secret}"
+
+
+def parse_token(token: str) -> tuple[str, str] | None:
+    """``(token_id, secret)`` of a well-formed token, else None."""
+    m = _TOKEN.fullmatch(token.strip())
+    return (m.group(1), m.group(2)) if m else None
+
+
+class AuthFailed(Exception):
+    """A request's token is missing or not valid (401): the message says which."""
+
+    def __init__(self, message: str, token_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.token_id = token_id
+
+
+_NOT_VALID = (
+    "the token is not valid (unknown, or a wrong secret): check GPUWARDEN_TOKEN or the "
+    "token file, or ask the owner for a new token (`gpuwarden token create NAME --role ROLE`)"
+)
+_DUMMY_HASH = hash_secret("not a secret")
+
+
+def authenticate(store: Store, authorization: str | None, *, now: float) -> Principal:
+    """The principal of an ``Authorization: Bearer gw_...`` header, or :class:`AuthFailed`."""
+    if not authorization:
+        raise AuthFailed(
+            "no token: send the header 'Authorization: Bearer gw_...' (the CLI reads "
+            "GPUWARDEN_TOKEN or ~/.config/gpuwarden/token)"
+        )
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        raise AuthFailed("the Authorization header must be 'Bearer gw_<id>_<secret>'")
+    parts = parse_token(value)
+    if parts is None:
+        raise AuthFailed("malformed token: a token looks like gw_<12 hex digits>_<43 characters>")
+    token_id, secret = parts
+    record = store.get_token(token_id)
+    presented = hash_secret(secret)
+    # compare even when there is no such token, so both cases take the same time
+    good = hmac.compare_digest(presented, record.secret_hash if record else _DUMMY_HASH)
+    if record is None or not good:
+        raise AuthFailed(_NOT_VALID, token_id)
+    if record.revoked_at is not None:
+        raise AuthFailed(
+            f"token {token_id} ({record.name}) was revoked: ask the owner for a new one",
+            token_id,
+        )
+    if record.expires_at is not None and now >= record.expires_at:
+        raise AuthFailed(
+            f"token {token_id} ({record.name}) has expired: ask the owner for a new one",
+            token_id,
+        )
+    return Principal(token_id=record.id, name=record.name, role=record.role)
+
+
+#: a token's name: what people call it in lists and the audit log
+TOKEN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$")
+
+
+def issue_token(
+    store: Store,
+    *,
+    name: str,
+    role: Role,
+    by: Principal,
+    now: float,
+    expires_at: float | None = None,
+    node: str | None = None,
+) -> tuple[TokenRecord, str]:
+    """Make a token, store its hash and an audit row; return the record and the token
+    (the only time the secret exists outside the client)."""
+    token_id, secret, token = new_token()
+    record = store.create_token(
+        token_id=token_id,
+        name=name,
+        role=role,
+        secret_hash=hash_secret(secret),
+        now=now,
+        created_by=by.token_id,
+        expires_at=expires_at,
+        node=node,
+    )
+    store.add_audit(
+        by.audit(
+            "token.create",
+            now=now,
+            target=token_id,
+            detail={"name": name, "role": role.value, "expires_at": expires_at, "node": node},
+        )
+    )
+    return record, token
+
+
+def local_principal(user: str) -> Principal:
+    """The machine's owner at the CLI (direct store access)."""
+    return Principal(token_id=LOCAL, name=user, role=Role.OWNER)

@@ -1,0 +1,134 @@
+"""What every API route works with: the store, the registry, the config, the clock;
+and the request's principal, the scope it was granted, and its audit row."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from gpuwarden.api.auth import Principal, Scope
+from gpuwarden.api.errors import ApiError
+from gpuwarden.config import Config
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import AuditRow, Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ApiContext:
+    store: Store
+    registry: Registry
+    config: Config
+    clock: Callable[[], float] = time.time
+    #: the API's start, for /v1/health
+    started_at: float = field(default_factory=time.time)
+
+
+def get_ctx(request: Request) -> ApiContext:
+    ctx: ApiContext = request.app.state.gw
+    return ctx
+
+
+def get_principal(request: Request) -> Principal:
+    principal = request.scope.get("state", {}).get("gw_principal")
+    if not isinstance(principal, Principal):  # the gate lets no such request through
+        raise ApiError(401, "no token", {"WWW-Authenticate": "Bearer"})
+    return principal
+
+
+def get_scope(request: Request) -> Scope:
+    scope = request.scope.get("state", {}).get("gw_scope")
+    if not isinstance(scope, Scope):  # the gate grants one to every request it lets by
+        raise ApiError(403, "this endpoint is in no row of the permission matrix")
+    return scope
+
+
+def set_target(request: Request, target: str) -> None:
+    """What the request's audit row names as its target (a job id, a token id)."""
+    request.scope.setdefault("state", {})["gw_target"] = target
+
+
+def audit_ok(
+    request: Request, detail: dict[str, Any] | None = None, target: str = "", status: int = 200
+) -> None:
+    """Write the audit row of a mutating call that succeeded."""
+    state = request.scope.setdefault("state", {})
+    if target:
+        state["gw_target"] = target
+    hook = state.get("gw_audit")
+    if hook is None or state.get("gw_audited"):
+        return
+    state["gw_audited"] = True
+    try:
+        hook("ok", status, detail or {})
+    except Exception:  # the change is made; refusing it now would lie to the client
+        log.exception("could not write the audit row of a request that succeeded")
+
+
+class AuditHook:
+    """Writes one request's audit row; the gate puts it in the request's state."""
+
+    def __init__(
+        self,
+        ctx: ApiContext,
+        state: dict[str, Any],
+        action: str,
+        principal: Principal | None,
+        *,
+        target: str = "",
+        claimed: str | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.state = state
+        self.action = action
+        self.principal = principal
+        self.target = target
+        self.claimed = claimed
+
+    def __call__(self, outcome: str, status: int, detail: dict[str, Any] | None = None) -> None:
+        target = str(self.state.get("gw_target") or self.target)
+        more: dict[str, Any] = {"status": status, **(detail or {})}
+        now = self.ctx.clock()
+        if self.principal is not None:
+            row = self.principal.audit(
+                self.action, now=now, target=target, outcome=outcome, detail=more
+            )
+        else:
+            if self.claimed:
+                more["claimed_token"] = self.claimed
+            row = AuditRow(
+                ts=now,
+                actor="-",
+                actor_name="(not authenticated)",
+                role="-",
+                action=self.action,
+                target=target,
+                outcome=outcome,
+                detail=more,
+            )
+        self.ctx.store.add_audit(row)
+
+
+F = Any
+
+
+def action(name: str) -> Callable[[F], F]:
+    """Name the permission-matrix action of a route (``gpuwarden.api.auth.MATRIX``).
+    The gate checks it before the route runs; every route must have one."""
+
+    def mark(fn: F) -> F:
+        fn._gw_action = name
+        return fn
+
+    return mark
+
+
+def action_of(endpoint: Any) -> str | None:
+    name = getattr(endpoint, "_gw_action", None)
+    return name if isinstance(name, str) else None

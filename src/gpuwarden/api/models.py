@@ -1,0 +1,274 @@
+"""Request and response bodies of the HTTP API. Requests are strict: an unknown
+field, a wrong type, ``NaN`` or a string that is not valid Unicode is a 422 that
+names the field."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpuwarden.core.model import Attempt, Event, Job, Role
+from gpuwarden.store.base import AuditRow, TokenRecord
+
+#: the largest integer a job's priority may be (64-bit signed, as in a manifest)
+INT64 = 2**63 - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _check_json_value(value: Any, where: str) -> None:
+    """Only finite numbers and encodable strings, all the way down."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: numbers must be finite (no NaN or Infinity)")
+    if isinstance(value, str):
+        _check_text(value, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(str(k), where)
+            _check_json_value(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json_value(v, f"{where}[{i}]")
+
+
+def _check_text(value: str, where: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{where}: text must be valid Unicode (a lone surrogate?)") from None
+
+
+class JobIn(_Request):
+    """A job, with the fields of a bundle manifest's job (SPEC.md section 4), less
+    ``inputs``: file inputs are not taken over HTTP yet."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"type": "echo.echo", "params": {"text": "hello"}},
+                {"id": "hello-2", "type": "echo.echo", "params": {"text": "hi"}, "priority": 5},
+            ]
+        }
+    )
+
+    id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
+        default=None, description="1-128 letters, digits, '.', '_', '-' (default: generated)"
+    )
+    type: Annotated[str, Field(min_length=1, max_length=200)] = Field(
+        description="module.type (GET /v1/types lists them)"
+    )
+    params: dict[str, Any] = Field(default_factory=dict)
+    outputs: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=1000)] = (
+        Field(default_factory=list, description="files the job must write")
+    )
+    priority: Annotated[int, Field(ge=-INT64 - 1, le=INT64)] = 0
+    vram_gib: Annotated[float, Field(gt=0, le=1_048_576)] | None = Field(
+        default=None, description="this job's VRAM footprint (vram lane only)"
+    )
+
+    @field_validator("params", mode="after")
+    @classmethod
+    def _params_are_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_json_value(value, "params")
+        return value
+
+    @field_validator("id", "type", mode="after")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_text(value, "text")
+        return value
+
+    @field_validator("outputs", mode="after")
+    @classmethod
+    def _outputs(cls, value: list[str]) -> list[str]:
+        _check_json_value(value, "outputs")
+        return value
+
+
+class AttemptOut(BaseModel):
+    number: int
+    node: str
+    gpu: str | None
+    started_at: float
+    ended_at: float | None
+    exit_code: int | None
+    outcome: str | None
+    reason: str
+
+    @classmethod
+    def of(cls, a: Attempt) -> AttemptOut:
+        return cls(
+            number=a.number,
+            node=a.node,
+            gpu=a.gpu_uuid,
+            started_at=a.started_at,
+            ended_at=a.ended_at,
+            exit_code=a.exit_code,
+            outcome=a.outcome,
+            reason=a.reason,
+        )
+
+
+class JobOut(BaseModel):
+    id: str
+    type: str
+    state: str
+    priority: int
+    params: dict[str, Any]
+    outputs: list[str]
+    vram_bytes: int | None
+    attempts: int
+    submitted_at: float
+    updated_at: float
+    reason: str
+    exit_code: int | None
+    cancel_requested: bool
+    bundle: str | None
+    owner: str | None
+
+    @classmethod
+    def of(cls, j: Job) -> JobOut:
+        return cls(
+            id=j.id,
+            type=j.type,
+            state=j.state.value,
+            priority=j.priority,
+            params=j.params,
+            outputs=list(j.outputs),
+            vram_bytes=j.vram_bytes,
+            attempts=j.attempts,
+            submitted_at=j.submitted_at,
+            updated_at=j.updated_at,
+            reason=j.reason,
+            exit_code=j.exit_code,
+            cancel_requested=j.cancel_requested,
+            bundle=j.bundle,
+            owner=j.owner,
+        )
+
+
+class JobDetail(JobOut):
+    attempts_detail: list[AttemptOut]
+    events: list[dict[str, Any]]
+
+    @classmethod
+    def full(cls, j: Job, attempts: list[Attempt], events: list[Event]) -> JobDetail:
+        return cls(
+            **JobOut.of(j).model_dump(),
+            attempts_detail=[AttemptOut.of(a) for a in attempts],
+            events=[e.to_json() for e in events],
+        )
+
+
+class Explanation(BaseModel):
+    job: str
+    lines: list[str]
+
+
+class TokenIn(_Request):
+    name: Annotated[
+        str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$", description="who holds it")
+    ]
+    role: Annotated[
+        Role, Field(strict=False, description="owner, operator, submitter, node, enroll")
+    ]
+    expires_in_s: Annotated[float, Field(gt=0, le=10 * 366 * 86400)] | None = Field(
+        default=None, description="seconds until it expires (default: never)"
+    )
+    node: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")] | None = Field(
+        default=None, description="the node a node or enroll token is bound to"
+    )
+
+
+class TokenOut(BaseModel):
+    id: str
+    name: str
+    role: Role
+    created_at: float
+    created_by: str
+    expires_at: float | None
+    revoked_at: float | None
+    node: str | None
+    active: bool
+
+    @classmethod
+    def of(cls, t: TokenRecord, now: float) -> TokenOut:
+        return cls(
+            id=t.id,
+            name=t.name,
+            role=t.role,
+            created_at=t.created_at,
+            created_by=t.created_by,
+            expires_at=t.expires_at,
+            revoked_at=t.revoked_at,
+            node=t.node,
+            active=t.active(now),
+        )
+
+
+class NewToken(TokenOut):
+    token: str = Field(description="the token; shown this once, never again")
+
+
+class AuditOut(BaseModel):
+    id: int
+    ts: float
+    actor: str
+    actor_name: str
+    role: str
+    action: str
+    target: str
+    outcome: str
+    detail: dict[str, Any]
+
+    @classmethod
+    def of(cls, r: AuditRow) -> AuditOut:
+        return cls(
+            id=r.id or 0,
+            ts=r.ts,
+            actor=r.actor,
+            actor_name=r.actor_name,
+            role=r.role,
+            action=r.action,
+            target=r.target,
+            outcome=r.outcome,
+            detail=r.detail,
+        )
+
+
+class ParamOut(BaseModel):
+    name: str
+    type: str
+    required: bool
+    default: Any = None
+    choices: list[Any] = []
+    description: str = ""
+
+
+class TypeOut(BaseModel):
+    type: str
+    lane: str
+    launch: str
+    vram_bytes: int
+    runs_here: bool
+    description: str
+    params: list[ParamOut]
+
+
+class StatusOut(BaseModel):
+    nodes: list[dict[str, Any]]
+    jobs: dict[str, int]
+
+
+class Health(BaseModel):
+    ok: bool
+    version: str
+
+
+class ErrorOut(BaseModel):
+    error: str

@@ -1,0 +1,444 @@
+"""Several hosts: enrolment, the agents' endpoints, and the operators' node actions.
+
+* ``POST /v1/nodes/invite`` (owner): a one-time enrolment token for a node name,
+  valid 15 minutes.
+* ``POST /v1/nodes/enroll`` (that enrolment token): the agent sends its host's
+  capabilities and gets its node credential; the enrolment token is used up.
+* ``POST /v1/node/heartbeat``, ``/v1/node/claim``, ``/v1/node/jobs/{id}/start``,
+  ``/v1/node/jobs/{id}/finish`` (a node token): the node is the one the token is
+  bound to, never a name in the body.
+* ``GET /v1/nodes`` (operator, owner), ``POST /v1/nodes/{name}/drain`` (operator,
+  owner), ``POST /v1/nodes/{name}/revoke`` (owner).
+
+The rules are in :mod:`gpuwarden.cluster.coordinator`. Every mutating call is
+audited, refusals too, except a heartbeat or a claim that succeeds with nothing
+to say (they come every few seconds from every agent): a claim that leased jobs
+is audited with their ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpuwarden.api.auth import Principal, issue_token
+from gpuwarden.api.context import (
+    ApiContext,
+    action,
+    audit_ok,
+    get_ctx,
+    get_principal,
+    get_scope,
+    set_target,
+)
+from gpuwarden.api.errors import ApiError
+from gpuwarden.api.models import ErrorOut
+from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster.sweeper import Sweeper
+from gpuwarden.core.model import Role
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import UserError
+from gpuwarden.intake.jobs import JOB_ID
+from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore, NodeState
+
+#: how long an enrolment token from ``node invite`` is valid
+INVITE_TTL_S = 15 * 60.0
+
+router = APIRouter(tags=["nodes"], dependencies=[Depends(get_scope)])
+
+Ctx = Annotated[ApiContext, Depends(get_ctx)]
+Who = Annotated[Principal, Depends(get_principal)]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorOut} for code in (401, 403, 404, 409, 413, 422, 429)
+}
+
+
+# -- bodies -----------------------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _json_ok(value: Any, where: str, depth: int = 0) -> None:
+    """Finite numbers and encodable text all the way down, not too deep."""
+    if depth > 16:
+        raise ValueError(f"{where}: nested too deeply")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: numbers must be finite")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: text must be valid Unicode") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _json_ok(str(k), where, depth + 1)
+            _json_ok(v, f"{where}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _json_ok(v, f"{where}[{i}]", depth + 1)
+
+
+class InviteIn(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = Field(
+        description="the node's name: 1-64 letters, digits, '.', '_', '-'"
+    )
+
+
+class EnrollIn(_Body):
+    capabilities: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the host: GPUs (uuid, name, total_bytes), driver and CUDA versions, "
+        "container runtime, labels",
+    )
+
+    @field_validator("capabilities", mode="after")
+    @classmethod
+    def _ok(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _json_ok(value, "capabilities")
+        return value
+
+
+JobIds = Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=10_000)]
+
+
+class HeartbeatIn(_Body):
+    report: dict[str, Any] = Field(
+        default_factory=dict,
+        description="GPUs (uuid, name, total_bytes, free_bytes, usable_bytes), warm types, "
+        "busy, max_jobs, labels, types, accepting",
+    )
+    jobs: JobIds = Field(default_factory=list, description="the job ids the node holds")
+
+    @field_validator("report", mode="after")
+    @classmethod
+    def _ok(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _json_ok(value, "report")
+        return value
+
+
+class ClaimIn(HeartbeatIn):
+    want: Annotated[int, Field(ge=0, le=10_000)] = Field(
+        default=1, description="the most jobs the node asks for"
+    )
+
+
+class StartIn(_Body):
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]
+    gpu: Annotated[str, Field(max_length=256)] | None = None
+
+
+class FinishIn(_Body):
+    lease_id: Annotated[str, Field(min_length=1, max_length=64)]
+    state: JobState
+    outcome: Annotated[str, Field(max_length=64)] = ""
+    reason: Annotated[str, Field(max_length=100_000)] = ""
+    exit_code: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] | None = None
+    result: dict[str, Any] = Field(default_factory=dict)
+    stdout: Annotated[str, Field(max_length=10_000_000)] = ""
+    stderr: Annotated[str, Field(max_length=10_000_000)] = ""
+    release: bool = Field(
+        default=False, description="with state queued: give the job back (the node stops)"
+    )
+
+    @field_validator("result", mode="after")
+    @classmethod
+    def _ok(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _json_ok(value, "result")
+        return value
+
+
+# -- helpers ----------------------------------------------------------------------
+
+
+def cluster_store(ctx: ApiContext) -> ClusterStore:
+    store = ctx.store
+    if not isinstance(store, ClusterStore):  # pragma: no cover - both stores are
+        raise ApiError(501, "this store keeps no nodes")
+    return store
+
+
+def timing(ctx: ApiContext) -> co.Timing:
+    c = ctx.config.cluster
+    return co.Timing(
+        lease_s=c.lease_s, offline_after_s=c.offline_after_s, affinity_wait_s=c.affinity_wait_s
+    )
+
+
+def node_of(ctx: ApiContext, who: Principal) -> str:
+    """The node this node token belongs to; 401 when it is not that node's any more."""
+    store = cluster_store(ctx)
+    token = store.get_token(who.token_id)
+    if token is None or token.node is None:
+        raise ApiError(403, f"token {who.token_id} is bound to no node")
+    node = store.get_node(token.node)
+    if node is None or node.token_id != who.token_id:
+        raise ApiError(
+            401,
+            f"token {who.token_id} is no longer the credential of node {token.node} "
+            "(it was enrolled again): use the newer credential",
+        )
+    if node.state is NodeState.REVOKED:
+        raise ApiError(401, f"node {token.node} was revoked: enrol it again to use it")
+    return token.node
+
+
+def _job_id(job_id: str) -> str:
+    if not JOB_ID.fullmatch(job_id):
+        raise ApiError(404, f"no job with id {job_id!r}")
+    return job_id
+
+
+def _refused(exc: co.LeaseRefused) -> ApiError:
+    return ApiError(409, exc.message)
+
+
+# -- enrolment --------------------------------------------------------------------
+
+
+@router.post("/v1/nodes/invite", status_code=201, responses=_ERRORS)
+@action("node.invite")
+def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
+    """A one-time enrolment token for node ``name``, valid 15 minutes: give it to
+    `gpuwarden agent --enroll` on that host. Shown once."""
+    set_target(request, body.name)
+    if not co.NODE_NAME.fullmatch(body.name):
+        raise ApiError(
+            422,
+            f"node name {body.name!r}: use 1-64 letters, digits, '.', '_' or '-', starting "
+            "with a letter or digit",
+        )
+    now = ctx.clock()
+    record, token = issue_token(
+        cluster_store(ctx),
+        name=f"enroll {body.name}",
+        role=Role.ENROLL,
+        by=who,
+        now=now,
+        expires_at=now + INVITE_TTL_S,
+        node=body.name,
+    )
+    audit_ok(request, {"token": record.id}, target=body.name, status=201)
+    return {
+        "node": body.name,
+        "token": token,
+        "token_id": record.id,
+        "expires_at": record.expires_at,
+    }
+
+
+@router.post("/v1/nodes/enroll", status_code=201, responses=_ERRORS)
+@action("node.enroll")
+def enroll(body: EnrollIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
+    """Exchange an enrolment token for the node's credential (shown once); the
+    enrolment token cannot be used again."""
+    store = cluster_store(ctx)
+    token = store.get_token(who.token_id)
+    if token is None or token.node is None:
+        raise ApiError(403, f"enrolment token {who.token_id} is bound to no node")
+    name = token.node
+    set_target(request, name)
+    now = ctx.clock()
+    if not store.revoke_token(token.id, now=now):
+        raise ApiError(401, f"enrolment token {token.id} was used already")
+    record, credential = issue_token(store, name=name, role=Role.NODE, by=who, now=now, node=name)
+    co.enroll(store, name, token_id=record.id, capabilities=body.capabilities, now=now)
+    audit_ok(request, {"token": record.id}, target=name, status=201)
+    c = ctx.config.cluster
+    return {
+        "node": name,
+        "token": credential,
+        "token_id": record.id,
+        "lease_s": c.lease_s,
+        "offline_after_s": c.offline_after_s,
+    }
+
+
+# -- the agents' endpoints -----------------------------------------------------------
+
+
+@router.post("/v1/node/heartbeat", responses=_ERRORS)
+@action("node.heartbeat")
+def heartbeat(body: HeartbeatIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
+    """Keep the node's report, renew the leases of the jobs it holds; answers its
+    state (active, draining), the lease length, and which jobs to stop."""
+    name = node_of(ctx, who)
+    set_target(request, name)
+    t = timing(ctx)
+    try:
+        answer = co.heartbeat(
+            cluster_store(ctx), name, body.report, ctx.clock(), t.lease_s, held=body.jobs
+        )
+    except co.UnknownNode as exc:
+        raise ApiError(401, exc.message) from None
+    if answer["cancels"]:
+        audit_ok(request, {"cancels": answer["cancels"]})
+    return answer
+
+
+@router.post("/v1/node/claim", responses=_ERRORS)
+@action("node.claim")
+def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
+    """Lease to the node what placement offers it now (at most ``want`` jobs)."""
+    name = node_of(ctx, who)
+    set_target(request, name)
+    store = cluster_store(ctx)
+    now = ctx.clock()
+    t = timing(ctx)
+    record = store.touch_node(name, body.report, now)
+    if record is None:  # pragma: no cover - node_of found it
+        raise ApiError(401, f"no node named {name!r}")
+    types = body.report.get("types")
+    jobs = co.claim(
+        store,
+        ctx.registry,
+        name,
+        co.node_view(record),
+        now,
+        lease_s=t.lease_s,
+        timing=t,
+        types=[str(x) for x in types] if isinstance(types, list) else None,
+        want=body.want,
+    )
+    if jobs:
+        audit_ok(request, {"jobs": [j["id"] for j in jobs], "lease": jobs[0]["lease_id"]})
+    return {"jobs": jobs, "lease_s": t.lease_s, "state": record.state.value}
+
+
+@router.post("/v1/node/jobs/{job_id}/start", responses=_ERRORS)
+@action("node.start")
+def start(job_id: str, body: StartIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
+    """The node started the leased job (409 when the lease is not its own)."""
+    name = node_of(ctx, who)
+    set_target(request, job_id)
+    try:
+        got = co.start(
+            cluster_store(ctx),
+            name,
+            _job_id(job_id),
+            lease_id=body.lease_id,
+            gpu_uuid=body.gpu,
+            now=ctx.clock(),
+        )
+    except co.LeaseRefused as exc:
+        raise _refused(exc) from None
+    audit_ok(request, {"node": name, "lease": body.lease_id, **got})
+    return got
+
+
+@router.post("/v1/node/jobs/{job_id}/finish", responses=_ERRORS)
+@action("node.finish")
+def finish(job_id: str, body: FinishIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
+    """The node's attempt of the leased job ended (409 when the lease is not its
+    own any more: its result is not recorded)."""
+    name = node_of(ctx, who)
+    set_target(request, job_id)
+    try:
+        got = co.finish(
+            cluster_store(ctx),
+            ctx.registry,
+            name,
+            _job_id(job_id),
+            lease_id=body.lease_id,
+            state=body.state,
+            outcome=body.outcome,
+            reason=body.reason,
+            now=ctx.clock(),
+            exit_code=body.exit_code,
+            result=body.result,
+            stdout=body.stdout,
+            stderr=body.stderr,
+            release=body.release,
+        )
+    except co.LeaseRefused as exc:
+        raise _refused(exc) from None
+    audit_ok(request, {"node": name, "lease": body.lease_id, "outcome": body.outcome, **got})
+    return got
+
+
+# -- operators --------------------------------------------------------------------
+
+
+@router.get("/v1/nodes", responses=_ERRORS)
+@action("node.list")
+def list_nodes(ctx: Ctx) -> list[dict[str, Any]]:
+    """Every enrolled node: state, when it was last heard from, leases, GPUs."""
+    store = cluster_store(ctx)
+    now = ctx.clock()
+    leases = store.leases()
+    return [co.node_json(r, leases, now) for r in store.list_nodes()]
+
+
+def _name(name: str) -> str:
+    if not co.NODE_NAME.fullmatch(name):
+        raise ApiError(404, f"no node named {name!r} (GET /v1/nodes lists them)")
+    return name
+
+
+@router.post("/v1/nodes/{name}/drain", responses=_ERRORS)
+@action("node.drain")
+def drain(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
+    """No new work for the node; what it runs finishes."""
+    set_target(request, name)
+    store = cluster_store(ctx)
+    try:
+        record = co.drain(store, _name(name), now=ctx.clock())
+    except co.UnknownNode as exc:
+        raise ApiError(404, exc.message) from None
+    except UserError as exc:
+        raise ApiError(409, exc.message) from None
+    audit_ok(request)
+    return co.node_json(record, store.leases(), ctx.clock())
+
+
+@router.post("/v1/nodes/{name}/revoke", responses=_ERRORS)
+@action("node.revoke")
+def revoke(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
+    """Refuse the node's credential at once; its jobs go back to the queue (running
+    ones end as infrastructure failures and run elsewhere)."""
+    set_target(request, name)
+    try:
+        got = co.revoke(cluster_store(ctx), ctx.registry, _name(name), now=ctx.clock())
+    except co.UnknownNode as exc:
+        raise ApiError(404, exc.message) from None
+    audit_ok(request, got)
+    return got
+
+
+# -- the sweeper --------------------------------------------------------------------
+
+
+def install_sweeper(app: FastAPI, *, clock: Callable[[], float] | None = None) -> None:
+    """Run :func:`gpuwarden.cluster.coordinator.sweep` every ``[cluster]
+    sweep_every_s`` while the app runs (its lifespan; once per app)."""
+    if getattr(app.state, "gw_sweeper", None) is not None:
+        return
+    ctx: ApiContext = app.state.gw
+    store: Store = ctx.store
+    if not isinstance(store, ClusterStore):  # pragma: no cover - both stores are
+        return
+    sweeper = Sweeper(store, ctx.registry, ctx.config.cluster, clock=clock or ctx.clock)
+    app.state.gw_sweeper = sweeper
+    inner = app.router.lifespan_context
+    lock = threading.Lock()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        with lock:
+            sweeper.start()
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            sweeper.stop()
+
+    app.router.lifespan_context = lifespan

@@ -1,0 +1,315 @@
+"""A Python client of the HTTP API (SPEC.md, section 15).
+
+    from gpuwarden.client import Client
+    with Client("http://127.0.0.1:8765", token) as c:
+        job = c.submit("echo.echo", {"text": "hi"}, idempotency_key="run-42")
+        done = c.wait(job["id"], timeout=600)
+        c.download(job["id"], "echo.txt", Path("echo.txt"))
+
+Every refusal raises an :class:`ApiError` subclass carrying the server's own
+``error`` text and the status; 4xx ones are also :class:`UserError`s (the
+request was at fault), so the CLI prints them as one line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, Self
+from urllib.parse import quote
+
+import httpx
+
+from gpuwarden.errors import GpuwardenError, UserError
+
+#: a JSON array of objects (named here: the client has a method called ``list``)
+Rows = list[dict[str, Any]]
+Lines = list[str]
+
+#: the states after which a job never changes again
+TERMINAL = frozenset({"done", "failed", "cancelled", "quarantined"})
+
+
+class ApiError(GpuwardenError):
+    """The API refused or failed a request; ``status`` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class RequestRefused(ApiError, UserError):
+    """A 4xx answer: the request was at fault."""
+
+
+class Unauthorized(RequestRefused):
+    """401: no token, or one that is unknown, wrong, revoked or expired."""
+
+
+class Forbidden(RequestRefused):
+    """403: the token's role may not do that."""
+
+
+class NotFound(RequestRefused):
+    """404: no such job (or not one of yours), token, output or endpoint."""
+
+
+class Conflict(RequestRefused):
+    """409: a job id used already, a job that has ended, a result not there yet."""
+
+
+class TooLarge(RequestRefused):
+    """413: the request body is over the API's limit."""
+
+
+class Invalid(RequestRefused):
+    """422: the request is not valid (the message says which field and why)."""
+
+
+class RateLimited(RequestRefused):
+    """429: too many requests; ``retry_after`` says how long to wait (seconds)."""
+
+    def __init__(self, message: str, status: int = 429, retry_after: float = 1.0) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+
+
+class ServerError(ApiError):
+    """5xx: the server failed."""
+
+
+class Unreachable(ApiError):
+    """No answer: the server cannot be reached, or it did not answer in time."""
+
+
+_BY_STATUS: dict[int, type[RequestRefused]] = {
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    413: TooLarge,
+    422: Invalid,
+}
+
+
+class Client:
+    """One API endpoint and one token. Usable as a context manager."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        timeout: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+        http: httpx.Client | None = None,
+    ) -> None:
+        """``http``: an httpx client to send with instead of a new one (a test's
+        ``fastapi.testclient.TestClient``); the token header is set on it."""
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if http is not None:
+            http.headers.update(headers)
+            self._http = http
+        else:
+            self._http = httpx.Client(
+                base_url=self.url, headers=headers, timeout=timeout, transport=transport
+            )
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kw)
+        except httpx.TimeoutException as exc:
+            raise Unreachable(f"{self.url} did not answer in time ({exc})") from None
+        except httpx.TransportError as exc:
+            raise Unreachable(
+                f"cannot reach the gpuwarden API at {self.url}: {exc} "
+                "(is `gpuwarden serve --api` running there?)"
+            ) from None
+        if response.status_code >= 400:
+            raise _error(response)
+        return response
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        return self._request(method, path, **kw).json()
+
+    # -- jobs ---------------------------------------------------------------
+
+    def submit(
+        self,
+        type: str,
+        params: dict[str, Any] | None = None,
+        *,
+        id: str | None = None,
+        priority: int = 0,
+        vram_gib: float | None = None,
+        outputs: Iterable[str] = (),
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
+        the same request returns the same job instead of a second one."""
+        body: dict[str, Any] = {"type": type, "params": dict(params or {}), "priority": priority}
+        if id is not None:
+            body["id"] = id
+        if vram_gib is not None:
+            body["vram_gib"] = vram_gib
+        if outputs:
+            body["outputs"] = list(outputs)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        job: dict[str, Any] = self._json("POST", "/v1/jobs", json=body, headers=headers)
+        return job
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        """The job, with ``attempts_detail`` and ``events``."""
+        job: dict[str, Any] = self._json("GET", f"/v1/jobs/{_seg(job_id)}")
+        return job
+
+    def list(self, *, states: Iterable[str] = (), limit: int = 50) -> Rows:
+        """Jobs, newest first (a submitter's own only)."""
+        params: list[tuple[str, str | int]] = [("state", s) for s in states]
+        params.append(("limit", limit))
+        jobs: Rows = self._json("GET", "/v1/jobs", params=params)
+        return jobs
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        job: dict[str, Any] = self._json("POST", f"/v1/jobs/{_seg(job_id)}/cancel")
+        return job
+
+    def explain(self, job_id: str) -> Lines:
+        lines: Lines = self._json("GET", f"/v1/jobs/{_seg(job_id)}/explain")["lines"]
+        return lines
+
+    def result(self, job_id: str) -> dict[str, Any]:
+        """The ended job's result.json (409 :class:`Conflict` while it has not ended)."""
+        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{_seg(job_id)}/result")
+        return result
+
+    def download(self, job_id: str, path: str, dest: Path) -> Path:
+        """Write output ``path`` of a done job to ``dest`` (a file, or a folder to put it
+        in under its relative path); return where it went. Streamed, never whole in memory."""
+        if dest.is_dir():
+            dest = dest / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        url = f"/v1/jobs/{_seg(job_id)}/outputs/{'/'.join(_seg(p) for p in path.split('/'))}"
+        part = dest.with_name(dest.name + ".part")
+        try:
+            with self._http.stream("GET", url) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _error(response)
+                with part.open("wb") as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+        except httpx.TransportError as exc:
+            part.unlink(missing_ok=True)
+            raise Unreachable(f"download of {path} from {self.url} failed: {exc}") from None
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        part.replace(dest)
+        return dest
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        timeout: float = 3600.0,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Poll until the job has ended; return it. Polls fast at first, then every
+        2 s at most; waits out a 429. ``progress`` is called with the job whenever its
+        state or reason changes. Raises ``TimeoutError`` after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        seen: tuple[str, str] | None = None
+        while True:
+            try:
+                job = self.get(job_id)
+            except RateLimited as exc:
+                time.sleep(min(exc.retry_after, max(0.0, deadline - time.monotonic())))
+            else:
+                now_seen = (str(job.get("state")), str(job.get("reason")))
+                if progress is not None and now_seen != seen:
+                    progress(job)
+                seen = now_seen
+                if job.get("state") in TERMINAL:
+                    return job
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"job {job_id} has not ended after {timeout:g} s")
+            time.sleep(min(delay, left))
+            delay = min(delay * 1.5, 2.0)
+
+    # -- the rest -------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        status: dict[str, Any] = self._json("GET", "/v1/status")
+        return status
+
+    def types(self) -> Rows:
+        types: Rows = self._json("GET", "/v1/types")
+        return types
+
+    def health(self) -> dict[str, Any]:
+        health: dict[str, Any] = self._json("GET", "/v1/health")
+        return health
+
+    def create_token(
+        self, name: str, role: str, *, expires_in_s: float | None = None
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"name": name, "role": role}
+        if expires_in_s is not None:
+            body["expires_in_s"] = expires_in_s
+        token: dict[str, Any] = self._json("POST", "/v1/tokens", json=body)
+        return token
+
+    def tokens(self) -> Rows:
+        tokens: Rows = self._json("GET", "/v1/tokens")
+        return tokens
+
+    def revoke_token(self, token_id: str) -> dict[str, Any]:
+        token: dict[str, Any] = self._json("DELETE", f"/v1/tokens/{_seg(token_id)}")
+        return token
+
+    def audit(self, *, after_id: int = 0, limit: int = 100) -> Rows:
+        rows: Rows = self._json("GET", "/v1/audit", params={"after_id": after_id, "limit": limit})
+        return rows
+
+
+def _seg(text: str) -> str:
+    """One URL path segment, escaped."""
+    return quote(text, safe="")
+
+
+def _error(response: httpx.Response) -> ApiError:
+    try:
+        body = response.json()
+        message = str(body["error"]) if isinstance(body, dict) and "error" in body else ""
+    except ValueError:
+        message = ""
+    status = response.status_code
+    if not message:
+        message = f"HTTP {status} {response.reason_phrase}: {response.text[:200]}"
+    if status == 429:
+        try:
+            wait = float(response.headers.get("Retry-After", "1"))
+        except ValueError:
+            wait = 1.0
+        return RateLimited(message, status, retry_after=wait)
+    if status in _BY_STATUS:
+        return _BY_STATUS[status](message, status)
+    if 400 <= status < 500:
+        return RequestRefused(message, status)
+    return ServerError(f"the server failed ({status}): {message}", status)

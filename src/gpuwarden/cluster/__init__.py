@@ -1,0 +1,1 @@
+"""Several hosts: the coordinator's service functions and the agent."""

@@ -1,0 +1,397 @@
+"""The command line for several hosts: ``coordinator``, ``agent`` and ``node``.
+
+Registered by :func:`add_parsers` from ``gpuwarden.cli.build_parser``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from gpuwarden.errors import UserError
+
+ENROLL_ENV = "GPUWARDEN_ENROLL_TOKEN"
+
+
+def _local_flags(sp: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--mock-gpu`` also after the sub-command."""
+    sp.add_argument(
+        "--config", type=Path, default=argparse.SUPPRESS, help="TOML config file (as before it)"
+    )
+    sp.add_argument(
+        "--mock-gpu",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="use the simulated GPU (as before the sub-command)",
+    )
+
+
+def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    sp = sub.add_parser(
+        "coordinator",
+        help="serve the HTTP API for agents on several hosts (over PostgreSQL)",
+        description="The coordinator: the HTTP API (clients and agents) over a store that "
+        "several coordinators may share. It runs no jobs itself; `gpuwarden agent` on each "
+        "GPU host does. One of the coordinators sweeps expired leases and stale agents.",
+        allow_abbrev=False,
+    )
+    sp.add_argument(
+        "--db",
+        help="postgresql://USER@HOST:PORT/DBNAME, or a SQLite file for one host "
+        "(default: the config's database, else the state directory's SQLite)",
+    )
+    sp.add_argument(
+        "--bind",
+        default="127.0.0.1:8765",
+        metavar="HOST:PORT",
+        help="where to listen (default 127.0.0.1:8765; port 0: any free port)",
+    )
+    _local_flags(sp)
+    sp.set_defaults(func=cmd_coordinator)
+
+    sp = sub.add_parser(
+        "agent",
+        help="run this GPU host's jobs for a coordinator",
+        description="Enrol once (--enroll TOKEN, from `gpuwarden node invite NAME`), then run "
+        "the broker loop on this host's GPUs, taking jobs the coordinator leases to it. The "
+        "credential is kept in the state directory (mode 600); later runs need no token.",
+        allow_abbrev=False,
+    )
+    sp.add_argument(
+        "--coordinator", metavar="URL", help="the coordinator, e.g. http://10.0.0.1:8765"
+    )
+    how = sp.add_mutually_exclusive_group()
+    how.add_argument(
+        "--enroll",
+        metavar="TOKEN",
+        default=os.environ.get(ENROLL_ENV),
+        help=f"the one-time enrolment token (env {ENROLL_ENV})",
+    )
+    how.add_argument(
+        "--credential",
+        type=Path,
+        metavar="FILE",
+        help="the node credential (default: node-credential in the state directory)",
+    )
+    sp.add_argument("--labels", metavar="K=V,...", help="labels for job constraints")
+    sp.add_argument("--max-jobs", type=int, help="the most jobs held at once (default 4)")
+    sp.add_argument("--log", type=Path, help="append JSON events to this file (default stdout)")
+    _local_flags(sp)
+    sp.set_defaults(func=cmd_agent)
+
+    sp = sub.add_parser("node", help="the nodes of a coordinator: invite, list, drain, revoke")
+    node_sub = sp.add_subparsers(dest="node_command", required=True, metavar="ACTION")
+    ni = node_sub.add_parser(
+        "invite", help="a one-time enrolment token for a new node (valid 15 minutes)"
+    )
+    ni.add_argument("name", help="the node's name (letters, digits, . _ -)")
+    ni.add_argument("--json", action="store_true")
+    remote_args(ni)
+    ni.set_defaults(func=cmd_node_invite)
+    nl = node_sub.add_parser("list", help="every node: state, last heartbeat, leases, GPUs")
+    nl.add_argument("--json", action="store_true")
+    remote_args(nl)
+    nl.set_defaults(func=cmd_node_list)
+    nd = node_sub.add_parser("drain", help="no new work for the node; running jobs finish")
+    nd.add_argument("name")
+    remote_args(nd)
+    nd.set_defaults(func=cmd_node_drain)
+    nr = node_sub.add_parser(
+        "revoke", help="refuse the node's credential now; its jobs go back to the queue"
+    )
+    nr.add_argument("name")
+    remote_args(nr)
+    nr.set_defaults(func=cmd_node_revoke)
+
+
+# -- coordinator --------------------------------------------------------------------
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gpuwarden import cli
+    from gpuwarden.api import create_app
+    from gpuwarden.api.routers.nodes import install_sweeper
+    from gpuwarden.app import open_store
+    from gpuwarden.config import DATABASE_URL_PREFIXES
+    from gpuwarden.registry import Registry
+    from gpuwarden.store.base import Store
+    from gpuwarden.store.sqlite import SqliteStore
+
+    config = cli._config(args)
+    host, port = cli._parse_address(args.bind)
+    store: Store
+    if args.db and args.db.startswith(DATABASE_URL_PREFIXES):
+        from gpuwarden.store.postgres import PostgresStore, redact_url
+
+        store = PostgresStore(args.db)
+        where = redact_url(args.db)
+    elif args.db:
+        store = SqliteStore(Path(args.db).expanduser().resolve())
+        where = str(Path(args.db).expanduser().resolve())
+    else:
+        store = open_store(config)
+        where = config.database or str(config.db_path)
+    try:
+        registry = Registry.load(config.module_paths, config.launch_rules)
+        app = create_app(store, registry, config)
+        install_sweeper(app)
+        server = uvicorn.Server(
+            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        )
+        stop = threading.Event()
+
+        def on_signal(_signum: int, _frame: Any) -> None:
+            stop.set()
+            server.should_exit = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        thread = threading.Thread(target=server.run, name="gpuwarden-coordinator", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                raise UserError(
+                    f"the coordinator cannot listen on {host}:{port} (in use, or not an "
+                    "address of this host?)"
+                )
+            time.sleep(0.02)
+        bound = server.servers[0].sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        c = config.cluster
+        cli.err.print(
+            f"gpuwarden coordinator (PID {os.getpid()}) listening on http://{shown}:{bound[1]}\n"
+            f"  store       {where}\n"
+            f"  job types   {', '.join(sorted(registry.types)) or 'none'}\n"
+            f"  leases      {c.lease_s:g} s; offline after {c.offline_after_s:g} s; "
+            f"sweep every {c.sweep_every_s:g} s"
+        )
+        if bound[0] not in ("127.0.0.1", "::1"):
+            cli.err.print(
+                "[yellow]warning:[/] the API speaks plain HTTP: tokens cross the network in "
+                "clear text; put it behind a TLS proxy on untrusted networks"
+            )
+        while thread.is_alive():
+            thread.join(0.5)
+    finally:
+        store.close()
+    return 0
+
+
+# -- agent --------------------------------------------------------------------------
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from gpuwarden import cli
+    from gpuwarden.cluster.agent import parse_labels, run_agent
+    from gpuwarden.eventlog import EventLog
+
+    config = cli._config(args)
+    if args.max_jobs is not None and args.max_jobs < 1:
+        raise UserError("--max-jobs must be at least 1")
+    if args.enroll and args.credential:
+        raise UserError("--enroll and --credential do not go together")
+    events = EventLog(args.log) if args.log else EventLog(stream=sys.stdout)
+    stop = threading.Event()
+    force = threading.Event()
+    brokers: list[Any] = []
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        for b in brokers:
+            b.wake()
+        if stop.is_set():
+            force.set()
+            cli.err.print("second signal: stopping running jobs now")
+        else:
+            stop.set()
+            cli.err.print(
+                f"stopping: no new jobs; running jobs get up to "
+                f"{config.broker.shutdown_grace_s:g} s (signal again to stop them now)"
+            )
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return run_agent(
+            config,
+            coordinator_url=args.coordinator,
+            enroll_token=args.enroll,
+            credential_path=args.credential,
+            mock_gpu=args.mock_gpu,
+            labels=parse_labels(args.labels) if args.labels is not None else None,
+            max_jobs=args.max_jobs,
+            events=events,
+            stop=stop,
+            force=force,
+            say=lambda text: cli.err.print(escape(text)),
+            on_broker=brokers.append,
+        )
+    finally:
+        events.close()
+
+
+# -- node ----------------------------------------------------------------------------
+
+
+def _local(args: argparse.Namespace) -> Any:
+    from gpuwarden import cli
+
+    store = cli._existing_store(args)
+    from gpuwarden.store.cluster import ClusterStore
+
+    if not isinstance(store, ClusterStore):  # pragma: no cover - both stores are
+        store.close()
+        raise UserError("this store keeps no nodes")
+    return store
+
+
+def _audit(store: Any, action: str, target: str, detail: dict[str, Any]) -> None:
+    from gpuwarden import cli
+
+    store.add_audit(cli._local_actor().audit(action, now=time.time(), target=target, detail=detail))
+
+
+def cmd_node_invite(args: argparse.Namespace) -> int:
+    from gpuwarden import cli
+    from gpuwarden.api.auth import issue_token
+    from gpuwarden.api.routers.nodes import INVITE_TTL_S
+    from gpuwarden.cluster.coordinator import NODE_NAME
+    from gpuwarden.core.model import Role
+
+    if (client := cli._remote(args)) is not None:
+        with client:
+            got: dict[str, Any] = client._json("POST", "/v1/nodes/invite", json={"name": args.name})
+    else:
+        if not NODE_NAME.fullmatch(args.name):
+            raise UserError(
+                f"node name {args.name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        store = _local(args)
+        try:
+            now = time.time()
+            record, token = issue_token(
+                store,
+                name=f"enroll {args.name}",
+                role=Role.ENROLL,
+                by=cli._local_actor(),
+                now=now,
+                expires_at=now + INVITE_TTL_S,
+                node=args.name,
+            )
+            _audit(store, "node.invite", args.name, {"token": record.id})
+        finally:
+            store.close()
+        got = {
+            "node": args.name,
+            "token": token,
+            "token_id": record.id,
+            "expires_at": now + INVITE_TTL_S,
+        }
+    if args.json:
+        print(json.dumps(got))
+        return 0
+    cli.err.print(
+        f"enrolment token for node {got['node']}, valid 15 minutes, once; on that host run\n"
+        f"  gpuwarden agent --coordinator URL --enroll TOKEN"
+    )
+    print(got["token"])
+    return 0
+
+
+def cmd_node_list(args: argparse.Namespace) -> int:
+    from gpuwarden import cli
+    from gpuwarden.cluster.coordinator import node_json
+
+    if (client := cli._remote(args)) is not None:
+        with client:
+            nodes: list[dict[str, Any]] = client._json("GET", "/v1/nodes")
+    else:
+        store = _local(args)
+        try:
+            now = time.time()
+            leases = store.leases()
+            nodes = [node_json(r, leases, now) for r in store.list_nodes()]
+        finally:
+            store.close()
+    if args.json:
+        cli.out.print_json(json.dumps(nodes))
+        return 0
+    if not nodes:
+        cli.out.print("no nodes: `gpuwarden node invite NAME` makes an enrolment token")
+        return 0
+    table = Table("node", "state", "last seen", "leases", "running", "GPUs", "warm")
+    for n in nodes:
+        seen = n.get("seen_s_ago")
+        gpus = ", ".join(
+            f"{g.get('name', '?')} {int(g.get('total_bytes', 0)) / 1024**3:.0f} GiB"
+            for g in n.get("gpus", [])
+        )
+        table.add_row(
+            escape(n["name"]),
+            n["state"],
+            f"{seen:.0f} s ago" if seen is not None else "never",
+            str(n.get("leases", 0)),
+            str(n.get("running", 0)),
+            escape(gpus or "-"),
+            escape(", ".join(n.get("warm", [])) or "-"),
+        )
+    cli.out.print(table)
+    return 0
+
+
+def cmd_node_drain(args: argparse.Namespace) -> int:
+    from gpuwarden import cli
+    from gpuwarden.cluster import coordinator as co
+
+    if (client := cli._remote(args)) is not None:
+        with client:
+            client._json("POST", f"/v1/nodes/{args.name}/drain")
+    else:
+        store = _local(args)
+        try:
+            co.drain(store, args.name, now=time.time())
+            _audit(store, "node.drain", args.name, {})
+        finally:
+            store.close()
+    cli.err.print(f"node {args.name} is draining: its running jobs finish, it gets no new ones")
+    return 0
+
+
+def cmd_node_revoke(args: argparse.Namespace) -> int:
+    from gpuwarden import cli
+    from gpuwarden.cluster import coordinator as co
+    from gpuwarden.registry import Registry
+
+    if (client := cli._remote(args)) is not None:
+        with client:
+            got: dict[str, Any] = client._json("POST", f"/v1/nodes/{args.name}/revoke")
+    else:
+        config = cli._config(args)
+        store = _local(args)
+        try:
+            registry = Registry.load(config.module_paths, config.launch_rules)
+            got = co.revoke(store, registry, args.name, now=time.time())
+            _audit(store, "node.revoke", args.name, got)
+        finally:
+            store.close()
+    cli.err.print(
+        f"node {args.name} is revoked: its credential is refused from now on; "
+        f"{got['requeued']} leased job(s) went back to the queue, {got['interrupted']} "
+        "running one(s) ended as infrastructure failures and run elsewhere"
+    )
+    return 0

@@ -1,0 +1,632 @@
+"""The coordinator's service functions: what the node endpoints do, over a store.
+
+Each function takes the store, the time and what the node said, and returns
+plain data for the HTTP layer (``gpuwarden.api.routers.nodes``) to send. No HTTP
+and no clock reads here, so every rule is testable on SQLite in one process.
+
+The rules:
+
+* A node is offered (:func:`claim`) only queued jobs without a live lease, of
+  types its registry has, that fit one of its GPUs by the room its own ledger
+  reported, chosen by :func:`gpuwarden.core.placement.offers_for`. What it is
+  offered is leased to it for ``lease_s`` seconds.
+* Every report about a leased job (:func:`start`, :func:`finish`) names the lease
+  id; it is refused (:class:`LeaseRefused`) unless the lease is live and is still
+  that node's. The store's guarded updates make the rest exact: an attempt can
+  be finished once, by its node or by the sweep, never both.
+* :func:`heartbeat` renews the leases of the jobs the node says it holds, and
+  answers which of them it must stop: the ones whose lease it lost, and the ones
+  a client cancelled.
+* :func:`sweep` (one coordinator at a time, under the store's maintenance lock):
+  an expired lease of a job that never started is dropped, and the job is
+  offered again; an expired lease of a running job ends its attempt as an
+  infrastructure failure, so the job is queued again (or quarantined past its
+  type's ``max_retries``) and placement prefers another node for it. A node not
+  heard from for ``offline_after_s`` is marked offline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import secrets
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwarden.core import placement
+from gpuwarden.core.model import Job, Lane, format_bytes
+from gpuwarden.core.placement import GpuRoom, NodeView, Offerable
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import TransitionError, UserError
+from gpuwarden.registry import Registry
+from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
+
+#: a node's name: what lists, attempts and the audit log call it
+NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+#: the states an agent may report a job's attempt ended in
+END_STATES = frozenset(
+    {JobState.QUEUED, JobState.DONE, JobState.FAILED, JobState.CANCELLED, JobState.QUARANTINED}
+)
+
+#: a start that finds its job's row locked by a claim tries this often
+_START_TRIES = 5
+
+#: used when a job's type is not known here (the coordinator's modules lack it)
+DEFAULT_MAX_RETRIES = 2
+
+
+class LeaseRefused(UserError):
+    """A node reported on a job it holds no live lease for: the report is refused."""
+
+
+class UnknownNode(UserError):
+    """No node with that name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """The cluster's durations (config ``[cluster]``)."""
+
+    lease_s: float = 90.0
+    offline_after_s: float = 120.0
+    affinity_wait_s: float = 30.0
+
+
+# -- what a node looks like to placement ------------------------------------------
+
+
+def node_view(
+    record: NodeRecord, *, busy: int = 0, report: Mapping[str, Any] | None = None
+) -> NodeView:
+    """Placement's view of a node from its latest report (``report`` overrides the
+    stored one). ``busy`` is the number of live leases it holds (it counts when the
+    report says less)."""
+    rep = dict(record.report if report is None else report)
+    gpus = tuple(
+        GpuRoom(
+            uuid=str(g["uuid"]),
+            name=str(g.get("name", "")),
+            total_bytes=int(g.get("total_bytes", 0)),
+            free_bytes=max(0, int(g.get("free_bytes", 0))),
+            usable_bytes=int(g.get("usable_bytes", g.get("total_bytes", 0))),
+        )
+        for g in rep.get("gpus", [])
+        if isinstance(g, Mapping) and "uuid" in g
+    )
+    labels = rep.get("labels") or record.capabilities.get("labels") or {}
+    return NodeView(
+        name=record.name,
+        gpus=gpus,
+        warm=frozenset(str(t) for t in rep.get("warm", [])),
+        busy=max(busy, int(rep.get("busy", 0))),
+        max_jobs=max(0, int(rep.get("max_jobs", 4))),
+        labels={str(k): str(v) for k, v in dict(labels).items()},
+        accepting=record.state is NodeState.ACTIVE and bool(rep.get("accepting", True)),
+    )
+
+
+def offerable(
+    job: Job | Claimable,
+    registry: Registry,
+    footprints: Mapping[str, int],
+    lost: Collection[str] = (),
+) -> Offerable | None:
+    """Placement's view of a queued job; None when its type is not known here."""
+    jobtype = registry.types.get(job.type)
+    if jobtype is None:
+        return None
+    need = 0
+    if jobtype.lane is Lane.VRAM:
+        need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+    return Offerable(
+        id=job.id,
+        type=job.type,
+        lane=jobtype.lane,
+        vram_bytes=need,
+        priority=job.priority,
+        seq=job.seq,
+        submitted_at=job.submitted_at,
+        avoid=frozenset(lost),
+    )
+
+
+def _live_counts(leases: list[Lease], now: float) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for lease in leases:
+        if lease.live(now):
+            counts[lease.node] = counts.get(lease.node, 0) + 1
+    return counts
+
+
+def _fresh(record: NodeRecord, now: float, timing: Timing) -> bool:
+    return record.last_seen is not None and now - record.last_seen <= timing.offline_after_s
+
+
+def _others(
+    store: ClusterStore, name: str, leases: list[Lease], now: float, timing: Timing
+) -> list[NodeView]:
+    counts = _live_counts(leases, now)
+    return [
+        node_view(r, busy=counts.get(r.name, 0))
+        for r in store.list_nodes()
+        if r.name != name and r.state is NodeState.ACTIVE and _fresh(r, now, timing)
+    ]
+
+
+def _offerable_jobs(
+    store: ClusterStore,
+    registry: Registry,
+    now: float,
+    types: Collection[str] | None,
+) -> list[Offerable]:
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    out = []
+    for job in store.claimable_jobs(now=now, limit=1000):
+        if types is not None and job.type not in types:
+            continue
+        lost = store.lost_nodes(job.id) if job.attempts else ()  # never ran: never lost
+        off = offerable(job, registry, footprints, lost)
+        if off is not None:
+            out.append(off)
+    return out
+
+
+# -- the node endpoints ---------------------------------------------------------
+
+
+def enroll(
+    store: ClusterStore, name: str, *, token_id: str, capabilities: dict[str, Any], now: float
+) -> NodeRecord:
+    """Record the node with its new credential; a credential it had before is
+    revoked (enrolling again replaces it)."""
+    before = store.get_node(name)
+    if before is not None and before.token_id and before.token_id != token_id:
+        store.revoke_token(before.token_id, now=now)
+    return store.upsert_node(name, token_id=token_id, capabilities=capabilities, now=now)
+
+
+def claim(
+    store: ClusterStore,
+    registry: Registry,
+    node_name: str,
+    view: NodeView,
+    now: float,
+    *,
+    lease_s: float = 90.0,
+    timing: Timing | None = None,
+    types: Collection[str] | None = None,
+    want: int | None = None,
+) -> list[dict[str, Any]]:
+    """Lease to the node the jobs placement offers it now; return their payloads
+    (with the lease id). ``types``: the job types the node can run (None: any);
+    ``want``: the most jobs it asks for."""
+    timing = timing or Timing(lease_s=lease_s)
+    record = store.get_node(node_name)
+    if record is None or record.state is not NodeState.ACTIVE:
+        return []
+    leases = store.leases()
+    mine = _live_counts(leases, now).get(node_name, 0)
+    view = dataclasses.replace(view, busy=max(view.busy, mine))
+    if want is not None:
+        view = dataclasses.replace(view, max_jobs=min(view.max_jobs, view.busy + max(0, want)))
+    if view.slots == 0:
+        return []
+    queued = _offerable_jobs(store, registry, now, types)
+    if not queued:
+        return []
+    others = _others(store, node_name, leases, now, timing)
+    ids = placement.offers_for(
+        view, queued, others, now=now, affinity_wait_s=timing.affinity_wait_s
+    )
+    if not ids:
+        return []
+    lease_id = secrets.token_hex(8)
+    expires_at = now + lease_s
+    got = store.lease_jobs(node_name, ids, lease_id=lease_id, expires_at=expires_at, now=now)
+    out = []
+    for job_id in got:
+        job = store.get_job(job_id)
+        if job is None:  # pragma: no cover - a leased job exists
+            continue
+        out.append(
+            {
+                "id": job.id,
+                "type": job.type,
+                "params": job.params,
+                "outputs": list(job.outputs),
+                "priority": job.priority,
+                "vram_bytes": job.vram_bytes,
+                "attempts": job.attempts,
+                "lease_id": lease_id,
+                "expires_at": expires_at,
+            }
+        )
+    return out
+
+
+def _held_lease(
+    store: ClusterStore, node_name: str, job_id: str, lease_id: str, now: float
+) -> Lease:
+    lease = store.lease_of(job_id)
+    if lease is None or lease.node != node_name or lease.lease_id != lease_id:
+        raise LeaseRefused(
+            f"job {job_id} is not leased to node {node_name} under lease {lease_id} (its lease "
+            "expired and went elsewhere, or the job ended): the report is refused"
+        )
+    if not lease.live(now):
+        raise LeaseRefused(
+            f"the lease of node {node_name} on job {job_id} expired "
+            f"{now - lease.expires_at:.1f} s ago: the report is refused"
+        )
+    return lease
+
+
+def start(
+    store: ClusterStore,
+    node_name: str,
+    job_id: str,
+    *,
+    lease_id: str,
+    gpu_uuid: str | None,
+    now: float,
+) -> dict[str, Any]:
+    """The node started the leased job: a new attempt on that node. A repeated
+    report (the first answer was lost) gets the same attempt."""
+    lease = _held_lease(store, node_name, job_id, lease_id, now)
+    if lease.started and lease.attempt is not None:
+        return {"attempt": lease.attempt}
+    for tries in range(_START_TRIES):
+        try:
+            _, attempt = store.start_attempt(job_id, node=node_name, gpu_uuid=gpu_uuid, now=now)
+            break
+        except TransitionError as exc:
+            job = store.get_job(job_id)
+            busy = job is not None and job.state is JobState.QUEUED and not job.cancel_requested
+            if not busy or tries == _START_TRIES - 1:
+                raise LeaseRefused(f"job {job_id} cannot start: {exc.message}") from None
+            # its row was locked for a moment by a claim that looked at it: again
+            time.sleep(0.01 * (tries + 1))
+    store.mark_lease_started(job_id, attempt.number, lease_id=lease_id)
+    return {"attempt": attempt.number}
+
+
+def finish(
+    store: ClusterStore,
+    registry: Registry,
+    node_name: str,
+    job_id: str,
+    *,
+    lease_id: str,
+    state: JobState,
+    outcome: str,
+    reason: str,
+    now: float,
+    exit_code: int | None = None,
+    result: Mapping[str, Any] | None = None,
+    stdout: str = "",
+    stderr: str = "",
+    release: bool = False,
+) -> dict[str, Any]:
+    """The node's attempt of the leased job ended in ``state`` (``queued``: the
+    node retries it itself, and keeps the lease; with ``release``, the node gives
+    it back, and it is offered again). Past the type's ``max_retries`` counted
+    over every node, a retry becomes quarantine."""
+    if state not in END_STATES:
+        raise UserError(
+            f"an attempt ends in one of {', '.join(sorted(s.value for s in END_STATES))}, "
+            f"not {state.value}"
+        )
+    lease = _held_lease(store, node_name, job_id, lease_id, now)
+    if not lease.started or lease.attempt is None:
+        raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
+    if state is JobState.QUEUED:
+        current = store.get_job(job_id)
+        jobtype = registry.types.get(current.type) if current is not None else None
+        limit = jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
+        if lease.attempt > limit:
+            state = JobState.QUARANTINED
+            reason = (
+                f"{reason}; quarantined after {lease.attempt} attempts on all nodes "
+                "(each attempt's reason: `gpuwarden show JOB`)"
+            )
+    body = dict(result or {})
+    body["node"] = node_name
+    try:
+        job = store.finish_attempt(
+            job_id,
+            lease.attempt,
+            target=state,
+            now=now,
+            outcome=outcome,
+            reason=reason,
+            exit_code=exit_code,
+            stdout=stdout,
+            stderr=stderr,
+            result=body,
+        )
+    except TransitionError as exc:
+        raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
+    kept = False
+    if job.state is JobState.QUEUED and job.cancel_requested:
+        store.drop_lease(job_id, lease_id=lease_id)
+        job = store.transition(
+            job_id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
+        )
+    elif job.state is JobState.QUEUED and not release:
+        kept = store.mark_lease_started(job_id, None, lease_id=lease_id)
+    else:
+        store.drop_lease(job_id, lease_id=lease_id)
+    return {"state": job.state.value, "lease_kept": kept}
+
+
+def heartbeat(
+    store: ClusterStore,
+    node_name: str,
+    report: dict[str, Any],
+    now: float,
+    lease_s: float = 90.0,
+    *,
+    held: Collection[str] = (),
+) -> dict[str, Any]:
+    """Keep the node's report, renew the leases of the jobs it holds, and say which
+    of them it must stop (``lost``: it has no lease any more, never report it)."""
+    record = store.touch_node(node_name, report, now)
+    if record is None:
+        raise UnknownNode(f"no node named {node_name!r}: enrol it again")
+    if record.state is NodeState.REVOKED:
+        return {"state": record.state.value, "lease_s": lease_s, "renewed": 0, "cancels": []}
+    held = list(dict.fromkeys(held))
+    renewed = store.renew_leases(node_name, now + lease_s, now=now, job_ids=held)
+    mine = {lease.job_id: lease for lease in store.leases(node_name)}
+    cancels: list[dict[str, Any]] = []
+    for job_id in held:
+        lease = mine.get(job_id)
+        if lease is None or not lease.live(now):
+            cancels.append({"id": job_id, "reason": "lost its lease", "lost": True})
+            continue
+        job = store.get_job(job_id)
+        if job is None or job.state.terminal:
+            state = job.state.value if job else "gone"
+            cancels.append(
+                {"id": job_id, "reason": f"the job is {state} on the coordinator", "lost": True}
+            )
+            store.drop_lease(job_id, lease_id=lease.lease_id)
+        elif job.cancel_requested:
+            cancels.append({"id": job_id, "reason": "cancelled by a client", "lost": False})
+    return {
+        "state": record.state.value,
+        "lease_s": lease_s,
+        "renewed": renewed,
+        "cancels": cancels,
+    }
+
+
+# -- operators ------------------------------------------------------------------
+
+
+def drain(store: ClusterStore, name: str, *, now: float) -> NodeRecord:
+    """No new work for the node; what it runs finishes."""
+    record = store.get_node(name)
+    if record is None:
+        raise UnknownNode(f"no node named {name!r} (`gpuwarden node list`)")
+    if record.state is NodeState.REVOKED:
+        raise UserError(f"node {name} was revoked; enrol it again to use it")
+    store.set_node_state(name, NodeState.DRAINING, now=now)
+    got = store.get_node(name)
+    assert got is not None
+    return got
+
+
+def revoke(
+    store: ClusterStore, registry: Registry | None, name: str, *, now: float
+) -> dict[str, Any]:
+    """Refuse the node's credential from now on; its leased jobs go back to the
+    queue, and its running attempts end as infrastructure failures."""
+    record = store.get_node(name)
+    if record is None:
+        raise UnknownNode(f"no node named {name!r} (`gpuwarden node list`)")
+    if record.token_id:
+        store.revoke_token(record.token_id, now=now)
+    store.set_node_state(name, NodeState.REVOKED, now=now)
+    requeued = interrupted = 0
+    for lease in store.leases(name):
+        if _reclaim(store, registry, lease, now, f"its node {name} was revoked"):
+            interrupted += 1
+        else:
+            requeued += 1
+    return {"node": name, "requeued": requeued, "interrupted": interrupted}
+
+
+def node_json(record: NodeRecord, leases: list[Lease], now: float) -> dict[str, Any]:
+    """What ``GET /v1/nodes`` and ``gpuwarden node list`` show of a node."""
+    mine = [lease for lease in leases if lease.node == record.name]
+    rep = record.report
+    return {
+        "name": record.name,
+        "state": record.state.value,
+        "enrolled_at": record.enrolled_at,
+        "last_seen": record.last_seen,
+        "seen_s_ago": round(now - record.last_seen, 1) if record.last_seen is not None else None,
+        "leases": len([lease for lease in mine if lease.live(now)]),
+        "running": len([lease for lease in mine if lease.live(now) and lease.started]),
+        "gpus": rep.get("gpus", record.capabilities.get("gpus", [])),
+        "warm": rep.get("warm", []),
+        "max_jobs": rep.get("max_jobs"),
+        "labels": rep.get("labels", record.capabilities.get("labels", {})),
+        "capabilities": record.capabilities,
+    }
+
+
+# -- maintenance ----------------------------------------------------------------
+
+
+def _reclaim(
+    store: ClusterStore, registry: Registry | None, lease: Lease, now: float, why: str
+) -> bool:
+    """Take a job back from a node: its running attempt there (if any) ends as an
+    infrastructure failure; the lease goes. True when an attempt was ended."""
+    ended = False
+    job = store.get_job(lease.job_id)
+    if job is not None and job.state is JobState.RUNNING:
+        attempts = store.attempts(job.id)
+        last = attempts[-1] if attempts else None
+        if last is not None and last.node == lease.node and last.ended_at is None:
+            jobtype = registry.types.get(job.type) if registry is not None else None
+            limit = jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
+            if job.cancel_requested:
+                target, reason = JobState.CANCELLED, f"{why}; it had been asked to stop"
+            elif last.number <= limit:
+                target, reason = JobState.QUEUED, f"{why}; retrying ({last.number}/{limit})"
+            else:
+                target = JobState.QUARANTINED
+                reason = (
+                    f"{why}; quarantined after {last.number} attempt"
+                    f"{'s' if last.number != 1 else ''} (each attempt's reason: "
+                    "`gpuwarden show JOB`)"
+                )
+            try:
+                store.finish_attempt(
+                    job.id,
+                    last.number,
+                    target=target,
+                    now=now,
+                    outcome="interrupted",
+                    reason=reason,
+                    result={"message": reason, "node": lease.node, "outcome": "interrupted"},
+                )
+                ended = True
+            except TransitionError:
+                pass  # its node's own report came first
+            store.add_lost(job.id, lease.node, now=now)
+    store.drop_lease(lease.job_id, lease_id=lease.lease_id)
+    return ended
+
+
+def sweep(
+    store: ClusterStore,
+    now: float,
+    offline_after_s: float = 120.0,
+    *,
+    registry: Registry | None = None,
+) -> dict[str, Any]:
+    """One maintenance pass, if this process holds the maintenance lock (else
+    ``{"leader": False}``): expired leases, jobs cancelled while queued, stale
+    agents. Returns what it did."""
+    if not store.try_maintenance_lock():
+        return {"leader": False}
+    dropped = interrupted = offline = cancelled = 0
+    for lease in store.leases():
+        if lease.live(now):
+            continue
+        if _reclaim(
+            store, registry, lease, now, f"its node {lease.node} stopped renewing its lease"
+        ):
+            interrupted += 1
+        else:
+            dropped += 1
+    for record in store.list_nodes():
+        seen = record.last_seen if record.last_seen is not None else record.enrolled_at
+        if (
+            record.state is NodeState.ACTIVE
+            and now - seen > offline_after_s
+            and store.set_node_state(
+                record.name, NodeState.OFFLINE, now=now, only_from=frozenset({NodeState.ACTIVE})
+            )
+        ):
+            offline += 1
+    live = {lease.job_id for lease in store.leases() if lease.live(now)}
+    for job in store.queued_jobs(limit=10_000):
+        if job.cancel_requested and job.id not in live:
+            try:
+                store.transition(
+                    job.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
+                )
+                cancelled += 1
+            except TransitionError:
+                pass
+    return {
+        "leader": True,
+        "dropped": dropped,
+        "interrupted": interrupted,
+        "offline": offline,
+        "cancelled": cancelled,
+    }
+
+
+# -- explain ----------------------------------------------------------------------
+
+
+def explain_placement(
+    store: ClusterStore, registry: Registry, job: Job, now: float, timing: Timing | None = None
+) -> list[str]:
+    """Why no node has taken a queued job (empty when there are no nodes at all)."""
+    timing = timing or Timing()
+    records = store.list_nodes()
+    if not records or job.state is not JobState.QUEUED:
+        return []
+    lease = store.lease_of(job.id)
+    if lease is not None and lease.live(now):
+        return [
+            f"it is leased to node {lease.node} (lease ends in {lease.expires_at - now:.0f} s "
+            "unless renewed): it waits in that node's own queue"
+        ]
+    if job.inputs:
+        return ["it has input files on the host it was submitted on: no agent is offered it"]
+    lost = store.lost_nodes(job.id)
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    off = offerable(job, registry, footprints, lost)
+    if off is None:
+        return [f"its type {job.type} is not known to the coordinator: no node is offered it"]
+    leases = store.leases()
+    counts = _live_counts(leases, now)
+    live = [r for r in records if _fresh(r, now, timing)]
+    lines: list[str] = []
+    if not live:
+        return ["no agent is online: none has sent a heartbeat lately (`gpuwarden node list`)"]
+    views = [node_view(r, busy=counts.get(r.name, 0)) for r in live]
+    if (why := placement.never_placeable(off, views)) is not None:
+        return [why]
+    for record, view in zip(live, views, strict=True):
+        lines.append(
+            f"node {record.name}: {_why_not(record, view, off, views, now=now, timing=timing)}"
+        )
+    return lines
+
+
+def _why_not(
+    record: NodeRecord,
+    view: NodeView,
+    job: Offerable,
+    views: list[NodeView],
+    *,
+    now: float,
+    timing: Timing,
+) -> str:
+    if record.state is not NodeState.ACTIVE:
+        return f"{record.state.value}: it takes no new work"
+    types = record.report.get("types")
+    if isinstance(types, list) and job.type not in types:
+        return f"has no module for {job.type}"
+    if view.slots == 0:
+        return f"busy ({view.busy} of its {view.max_jobs} jobs)"
+    if placement.offers_for(view, [job], views, now=now, affinity_wait_s=timing.affinity_wait_s):
+        return "could take it at its next claim"
+    if job.lane is Lane.VRAM:
+        room = max((g.free_bytes for g in view.gpus), default=0)
+        if room < job.vram_bytes and job.type not in view.warm:
+            return (
+                f"needs {format_bytes(job.vram_bytes)} on one GPU; the most room it reported "
+                f"is {format_bytes(room)}"
+            )
+    warm = [v.name for v in views if v.name != view.name and job.type in v.warm]
+    if warm:
+        return (
+            f"left for {', '.join(warm)}, where its model is warm "
+            f"(for up to {timing.affinity_wait_s:g} s after it was submitted)"
+        )
+    if view.name in job.avoid:
+        return "an earlier attempt was lost there; another node is preferred"
+    return "not offered now"

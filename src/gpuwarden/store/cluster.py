@@ -1,0 +1,182 @@
+"""The store's part for several hosts: enrolled nodes, job leases, and where a job
+was lost.
+
+A lease is a time-bounded claim of one queued job by one node, named by a random
+``lease_id``. At most one lease per job exists (the job id is its key); a lease is
+live while ``expires_at`` is in the future. Every report a node makes about a job
+(its start, its end) names its lease id, and is refused when the lease is no
+longer that node's: this is the fence that keeps a node that lost its lease from
+recording a result. Adapters: :mod:`gpuwarden.store.sqlite_cluster` and
+:mod:`gpuwarden.store.postgres_cluster`, mixed into the two stores; the contract
+suite is ``tests/integration/test_cluster_store.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from gpuwarden.store.base import Store
+
+
+class NodeState(StrEnum):
+    ACTIVE = "active"  # takes new work
+    DRAINING = "draining"  # finishes what it runs, takes nothing new
+    REVOKED = "revoked"  # its credential is refused; its jobs went back to the queue
+    OFFLINE = "offline"  # not heard from for too long (back to active when it is again)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRecord:
+    name: str
+    token_id: str | None
+    state: NodeState
+    #: what the agent said of its host when it enrolled (GPUs, driver, runtime, labels)
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    #: what the agent said at its latest heartbeat (GPU room, warm types, busy)
+    report: dict[str, Any] = field(default_factory=dict)
+    enrolled_at: float = 0.0
+    last_seen: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    job_id: str
+    node: str
+    lease_id: str
+    expires_at: float
+    leased_at: float
+    #: the node reported the job's start; ``attempt`` is then the store's attempt number
+    started: bool = False
+    attempt: int | None = None
+
+    def live(self, now: float) -> bool:
+        return now < self.expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class Claimable:
+    """A queued job a node may be offered: what placement needs of it."""
+
+    id: str
+    type: str
+    priority: int
+    seq: int
+    submitted_at: float
+    vram_bytes: int | None
+    attempts: int
+
+
+class ClusterStore(Store):
+    """What the coordinator needs of the store beyond the :class:`Store` contract."""
+
+    # -- nodes --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def upsert_node(
+        self, name: str, *, token_id: str, capabilities: dict[str, Any], now: float
+    ) -> NodeRecord:
+        """Record an enrolment: a new node, or a node enrolled again (a new token,
+        new capabilities, state active, its last report cleared)."""
+
+    @abc.abstractmethod
+    def get_node(self, name: str) -> NodeRecord | None: ...
+
+    @abc.abstractmethod
+    def list_nodes(self) -> list[NodeRecord]:
+        """Every node, by name."""
+
+    @abc.abstractmethod
+    def set_node_state(
+        self,
+        name: str,
+        state: NodeState,
+        *,
+        now: float,
+        only_from: frozenset[NodeState] | None = None,
+    ) -> bool:
+        """Set the node's state (only when it is in ``only_from``, if given), with a
+        ``node_state`` event. Return whether it changed."""
+
+    @abc.abstractmethod
+    def touch_node(self, name: str, report: dict[str, Any], now: float) -> NodeRecord | None:
+        """Keep the node's latest report and when it was seen; an offline node is
+        active again. None when there is no such node."""
+
+    # -- leases -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def lease_jobs(
+        self,
+        node: str,
+        job_ids: Sequence[str],
+        *,
+        lease_id: str,
+        expires_at: float,
+        now: float,
+    ) -> list[str]:
+        """Lease to ``node`` those of ``job_ids`` that are queued, have no cancel
+        request and no live lease (an expired one is replaced), atomically; return
+        the ids leased, in the order given. A job that another writer is leasing at
+        the same moment is skipped, never waited for."""
+
+    @abc.abstractmethod
+    def claimable_jobs(self, *, now: float, limit: int = 1000) -> list[Claimable]:
+        """Queued jobs with no live lease, no cancel request and no input files (they
+        are on the host they were submitted on), highest priority first, then
+        arrival order."""
+
+    @abc.abstractmethod
+    def renew_leases(
+        self,
+        node: str,
+        expires_at: float,
+        *,
+        now: float,
+        job_ids: Sequence[str] | None = None,
+    ) -> int:
+        """Move the expiry of the node's live leases (only of ``job_ids`` when given)
+        to ``expires_at``; an expired lease is never brought back. Return how many."""
+
+    @abc.abstractmethod
+    def leases(self, node: str | None = None) -> list[Lease]:
+        """Every lease (of ``node``), live or expired, oldest first."""
+
+    @abc.abstractmethod
+    def lease_of(self, job_id: str) -> Lease | None: ...
+
+    @abc.abstractmethod
+    def drop_lease(self, job_id: str, *, lease_id: str | None = None) -> bool:
+        """Remove the job's lease (only if it is still ``lease_id``, when given)."""
+
+    @abc.abstractmethod
+    def mark_lease_started(
+        self, job_id: str, attempt: int | None, *, lease_id: str | None = None
+    ) -> bool:
+        """Record that the leased job started as ``attempt`` (None: it is back in the
+        node's own queue, not started). Only if the lease is still ``lease_id``."""
+
+    # -- where jobs were lost -------------------------------------------------
+
+    @abc.abstractmethod
+    def add_lost(self, job_id: str, node: str, *, now: float) -> None:
+        """Remember that an attempt of the job was lost with ``node`` (placement
+        prefers another node for it); once per node."""
+
+    @abc.abstractmethod
+    def lost_nodes(self, job_id: str) -> list[str]:
+        """The nodes the job was lost on, in the order it was lost."""
+
+    # -- maintenance --------------------------------------------------------
+
+    @abc.abstractmethod
+    def try_maintenance_lock(self) -> bool:
+        """Become the one process that runs maintenance sweeps, if no other is; keep
+        it until :meth:`release_maintenance_lock` (or the process ends). True when
+        this process holds it (again)."""
+
+    @abc.abstractmethod
+    def release_maintenance_lock(self) -> None: ...

@@ -1,0 +1,93 @@
+-- Named queries of the PostgreSQL store for several hosts (nodes, leases). Each
+-- block starts with "-- name: NAME". Loaded by gpuwarden.store.postgres_cluster.
+
+-- name: upsert_node
+INSERT INTO nodes (name, token_id, state, capabilities, report, enrolled_at, last_seen)
+VALUES (%(name)s, %(token_id)s, 'active', %(capabilities)s, '{}', %(now)s, %(now)s)
+ON CONFLICT (name) DO UPDATE
+   SET token_id = excluded.token_id, state = 'active', capabilities = excluded.capabilities,
+       report = '{}', enrolled_at = excluded.enrolled_at, last_seen = excluded.last_seen
+RETURNING *;
+
+-- name: get_node
+SELECT * FROM nodes WHERE name = %(name)s;
+
+-- name: list_nodes
+SELECT * FROM nodes ORDER BY name;
+
+-- name: set_node_state
+UPDATE nodes SET state = %(state)s
+ WHERE name = %(name)s AND state <> %(state)s
+   AND (%(sources)s::text[] IS NULL OR state = ANY(%(sources)s::text[]));
+
+-- name: touch_node
+UPDATE nodes
+   SET report = %(report)s, last_seen = %(now)s,
+       state = CASE WHEN state = 'offline' THEN 'active' ELSE state END
+ WHERE name = %(name)s
+RETURNING *;
+
+-- name: lock_leasable_jobs
+-- the queued jobs asked for that have no live lease, locked; one another writer holds
+-- is skipped, not waited for (a job leased already is not even locked: its node may be
+-- starting it, and that start must not find its row locked)
+SELECT j.id FROM jobs j
+ WHERE j.id = ANY(%(ids)s::text[]) AND j.state = 'queued' AND NOT j.cancel_requested
+   AND NOT EXISTS (SELECT 1 FROM leases l
+                    WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+ FOR UPDATE OF j SKIP LOCKED;
+
+-- name: put_lease
+-- an expired lease is replaced; a live one (committed by another writer) is kept
+INSERT INTO leases (job_id, node, lease_id, expires_at, leased_at, started, attempt)
+VALUES (%(job_id)s, %(node)s, %(lease_id)s, %(expires_at)s, %(now)s, FALSE, NULL)
+ON CONFLICT (job_id) DO UPDATE
+   SET node = excluded.node, lease_id = excluded.lease_id, expires_at = excluded.expires_at,
+       leased_at = excluded.leased_at, started = FALSE, attempt = NULL
+ WHERE leases.expires_at <= %(now)s;
+
+-- name: claimable_jobs
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
+  FROM jobs j
+ WHERE j.state = 'queued' AND NOT j.cancel_requested AND j.inputs = '[]'::jsonb
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT %(limit)s;
+
+-- name: renew_leases
+UPDATE leases SET expires_at = %(expires_at)s
+ WHERE node = %(node)s AND expires_at > %(now)s;
+
+-- name: renew_leases_of
+UPDATE leases SET expires_at = %(expires_at)s
+ WHERE node = %(node)s AND expires_at > %(now)s AND job_id = ANY(%(ids)s::text[]);
+
+-- name: leases_all
+SELECT * FROM leases ORDER BY leased_at, job_id;
+
+-- name: leases_of_node
+SELECT * FROM leases WHERE node = %(node)s ORDER BY leased_at, job_id;
+
+-- name: lease_of
+SELECT * FROM leases WHERE job_id = %(job_id)s;
+
+-- name: drop_lease
+DELETE FROM leases
+ WHERE job_id = %(job_id)s AND (%(lease_id)s::text IS NULL OR lease_id = %(lease_id)s::text);
+
+-- name: mark_lease_started
+UPDATE leases SET started = %(started)s, attempt = %(attempt)s
+ WHERE job_id = %(job_id)s AND (%(lease_id)s::text IS NULL OR lease_id = %(lease_id)s::text);
+
+-- name: add_lost
+INSERT INTO job_lost_on (job_id, node, lost_at) VALUES (%(job_id)s, %(node)s, %(now)s)
+ON CONFLICT (job_id, node) DO NOTHING;
+
+-- name: lost_nodes
+SELECT node FROM job_lost_on WHERE job_id = %(job_id)s ORDER BY lost_at, node;
+
+-- name: try_lock
+SELECT pg_try_advisory_lock(%(key)s) AS got;
+
+-- name: unlock
+SELECT pg_advisory_unlock(%(key)s) AS released;

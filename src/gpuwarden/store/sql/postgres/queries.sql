@@ -1,0 +1,194 @@
+-- Named queries for the PostgreSQL store. Each block starts with "-- name: NAME".
+-- Parameters are psycopg's %(name)s placeholders. Every statement that changes a
+-- job first locks its row (lock_job, or lock_job_to_start with SKIP LOCKED).
+
+-- name: insert_job
+INSERT INTO jobs (id, type, state, priority, params, inputs, outputs, vram_bytes,
+                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner)
+VALUES (%(id)s, %(type)s, 'queued', %(priority)s, %(params)s, %(inputs)s, %(outputs)s,
+        %(vram_bytes)s, %(spec_hash)s, %(now)s, %(now)s, %(bundle)s, %(queue_root)s,
+        %(input_dir)s, %(owner)s);
+
+-- name: job_ids_existing
+SELECT id FROM jobs WHERE id = ANY(%(ids)s::text[]);
+
+-- name: jobs_by_ids
+SELECT * FROM jobs WHERE id = ANY(%(ids)s::text[]) ORDER BY seq;
+
+-- name: get_job
+SELECT * FROM jobs WHERE id = %(id)s;
+
+-- name: lock_job
+SELECT * FROM jobs WHERE id = %(id)s FOR UPDATE;
+
+-- name: lock_job_to_start
+SELECT * FROM jobs WHERE id = %(id)s FOR UPDATE SKIP LOCKED;
+
+-- name: list_jobs
+SELECT * FROM jobs ORDER BY seq DESC LIMIT %(limit)s;
+
+-- name: list_jobs_in_states
+SELECT * FROM jobs WHERE state = ANY(%(states)s::text[]) ORDER BY seq DESC LIMIT %(limit)s;
+
+-- name: list_jobs_of_owner
+SELECT * FROM jobs WHERE owner = %(owner)s ORDER BY seq DESC LIMIT %(limit)s;
+
+-- name: list_jobs_of_owner_in_states
+SELECT * FROM jobs
+ WHERE owner = %(owner)s AND state = ANY(%(states)s::text[])
+ ORDER BY seq DESC LIMIT %(limit)s;
+
+-- name: queued_jobs
+SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT %(limit)s;
+
+-- name: running_jobs
+SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
+
+-- name: count_by_state
+SELECT state, COUNT(*) AS n FROM jobs GROUP BY state;
+
+-- name: transition_job
+UPDATE jobs
+   SET state = %(target)s, updated_at = %(now)s, reason = %(reason)s,
+       exit_code = COALESCE(%(exit_code)s::bigint, exit_code),
+       result = COALESCE(%(result)s::jsonb, result),
+       cancel_requested = CASE WHEN %(target)s = 'queued' THEN cancel_requested ELSE FALSE END
+ WHERE id = %(id)s AND state = ANY(%(sources)s::text[]);
+
+-- name: start_job
+UPDATE jobs SET state = 'running', updated_at = %(now)s, attempts = attempts + 1, reason = ''
+ WHERE id = %(id)s AND state = 'queued' AND NOT cancel_requested;
+
+-- name: insert_attempt
+INSERT INTO attempts (job_id, number, node, gpu_uuid, started_at)
+VALUES (%(job_id)s, %(number)s, %(node)s, %(gpu_uuid)s, %(now)s);
+
+-- name: set_attempt_pid
+UPDATE attempts SET pid = %(pid)s WHERE job_id = %(job_id)s AND number = %(number)s;
+
+-- name: finish_attempt
+UPDATE attempts
+   SET ended_at = %(now)s, exit_code = %(exit_code)s, outcome = %(outcome)s,
+       reason = %(reason)s, stdout = %(stdout)s, stderr = %(stderr)s
+ WHERE job_id = %(job_id)s AND number = %(number)s AND ended_at IS NULL
+   AND number = (SELECT attempts FROM jobs WHERE id = %(job_id)s AND state = 'running');
+
+-- name: attempts
+SELECT * FROM attempts WHERE job_id = %(job_id)s ORDER BY number;
+
+-- name: mark_cancel_requested
+UPDATE jobs SET cancel_requested = TRUE, updated_at = %(now)s
+ WHERE id = %(id)s AND state = 'running';
+
+-- name: lock_log
+-- Taken before a row is added to the events or the audit log and held to the end
+-- of the transaction: ids are handed out in commit order, so a reader following a
+-- log by id (events(after_id=...)) never skips a row that commits late.
+SELECT pg_advisory_xact_lock(%(key)s);
+
+-- name: insert_event
+INSERT INTO events (ts, kind, job_id, from_state, to_state, detail)
+VALUES (%(ts)s, %(kind)s, %(job_id)s, %(from_state)s, %(to_state)s, %(detail)s)
+RETURNING id;
+
+-- name: last_event_id
+SELECT COALESCE(MAX(id), 0) AS id FROM events;
+
+-- name: events_all
+SELECT * FROM events WHERE id > %(after_id)s ORDER BY id LIMIT %(limit)s;
+
+-- name: events_for_job
+SELECT * FROM events WHERE job_id = %(job_id)s AND id > %(after_id)s ORDER BY id
+ LIMIT %(limit)s;
+
+-- name: insert_bundle
+INSERT INTO bundles (queue_root, name, job_ids, received_at)
+VALUES (%(queue_root)s, %(name)s, %(job_ids)s, %(now)s);
+
+-- name: insert_rejected_bundle
+INSERT INTO bundles (queue_root, name, job_ids, received_at, finished_at, outcome, result_path)
+VALUES (%(queue_root)s, %(name)s, '[]', %(now)s, %(now)s, 'rejected', %(result_path)s)
+ON CONFLICT (queue_root, name) DO NOTHING;
+
+-- name: get_bundle
+SELECT * FROM bundles WHERE queue_root = %(queue_root)s AND name = %(name)s;
+
+-- name: open_bundles
+SELECT * FROM bundles WHERE finished_at IS NULL ORDER BY received_at, name;
+
+-- name: finish_bundle
+UPDATE bundles SET finished_at = %(now)s, outcome = %(outcome)s, result_path = %(result_path)s
+ WHERE queue_root = %(queue_root)s AND name = %(name)s;
+
+-- name: put_node_status
+INSERT INTO node_status (node, pid, updated_at, payload)
+VALUES (%(node)s, %(pid)s, %(updated_at)s, %(payload)s)
+ON CONFLICT (node) DO UPDATE
+   SET pid = excluded.pid, updated_at = excluded.updated_at, payload = excluded.payload;
+
+-- name: node_statuses
+SELECT * FROM node_status ORDER BY node;
+
+-- name: footprints
+SELECT * FROM footprints ORDER BY type;
+
+-- name: recent_run_times
+SELECT j.type AS type, a.ended_at - a.started_at AS seconds
+  FROM attempts a JOIN jobs j ON j.id = a.job_id
+ WHERE a.outcome = 'succeeded' AND a.ended_at IS NOT NULL
+ ORDER BY a.ended_at DESC
+ LIMIT %(limit)s;
+
+-- name: request_gpu_clear
+INSERT INTO gpu_clears (gpu_uuid, requested_at) VALUES (%(gpu_uuid)s, %(now)s);
+
+-- name: take_gpu_clears
+-- SKIP LOCKED: two brokers taking requests at once each take a request at most once
+-- between them, and neither waits for the other.
+WITH picked AS (
+    SELECT id FROM gpu_clears WHERE taken_at IS NULL ORDER BY id FOR UPDATE SKIP LOCKED
+)
+UPDATE gpu_clears g SET taken_at = %(now)s
+  FROM picked WHERE g.id = picked.id
+RETURNING g.id, g.gpu_uuid;
+
+-- name: lock_footprint
+SELECT bytes FROM footprints WHERE type = %(type)s FOR UPDATE;
+
+-- name: raise_footprint
+INSERT INTO footprints (type, bytes, job_id, updated_at)
+VALUES (%(type)s, %(bytes)s, %(job_id)s, %(now)s)
+ON CONFLICT (type) DO UPDATE
+   SET bytes = excluded.bytes, job_id = excluded.job_id, updated_at = excluded.updated_at
+ WHERE excluded.bytes > footprints.bytes;
+
+-- name: get_idempotency
+SELECT * FROM idempotency WHERE token_id = %(token_id)s AND key = %(key)s;
+
+-- name: insert_idempotency
+INSERT INTO idempotency (token_id, key, body_hash, job_ids, created_at)
+VALUES (%(token_id)s, %(key)s, %(body_hash)s, %(job_ids)s, %(now)s);
+
+-- name: insert_token
+INSERT INTO tokens (id, name, role, secret_hash, created_at, created_by, expires_at, node)
+VALUES (%(id)s, %(name)s, %(role)s, %(secret_hash)s, %(now)s, %(created_by)s,
+        %(expires_at)s, %(node)s)
+RETURNING *;
+
+-- name: get_token
+SELECT * FROM tokens WHERE id = %(id)s;
+
+-- name: list_tokens
+SELECT * FROM tokens ORDER BY created_at, id;
+
+-- name: revoke_token
+UPDATE tokens SET revoked_at = %(now)s WHERE id = %(id)s AND revoked_at IS NULL;
+
+-- name: insert_audit
+INSERT INTO audit (ts, actor, actor_name, role, action, target, outcome, detail)
+VALUES (%(ts)s, %(actor)s, %(actor_name)s, %(role)s, %(action)s, %(target)s, %(outcome)s,
+        %(detail)s)
+RETURNING id;
+
+-- name: audit_rows
+SELECT * FROM audit WHERE id > %(after_id)s ORDER BY id LIMIT %(limit)s;

@@ -1,0 +1,79 @@
+-- Named queries of the SQLite store for several hosts (nodes, leases). Each block
+-- starts with "-- name: NAME". Loaded by gpuwarden.store.sqlite_cluster.
+
+-- name: upsert_node
+INSERT INTO nodes (name, token_id, state, capabilities, report, enrolled_at, last_seen)
+VALUES (:name, :token_id, 'active', :capabilities, '{}', :now, :now)
+ON CONFLICT (name) DO UPDATE
+   SET token_id = excluded.token_id, state = 'active', capabilities = excluded.capabilities,
+       report = '{}', enrolled_at = excluded.enrolled_at, last_seen = excluded.last_seen;
+
+-- name: get_node
+SELECT * FROM nodes WHERE name = :name;
+
+-- name: list_nodes
+SELECT * FROM nodes ORDER BY name;
+
+-- name: set_node_state
+UPDATE nodes SET state = :state
+ WHERE name = :name AND state <> :state
+   AND (:sources IS NULL OR state IN (SELECT value FROM json_each(:sources)));
+
+-- name: touch_node
+UPDATE nodes
+   SET report = :report, last_seen = :now,
+       state = CASE WHEN state = 'offline' THEN 'active' ELSE state END
+ WHERE name = :name;
+
+-- name: leasable_jobs
+SELECT j.id FROM jobs j LEFT JOIN leases l ON l.job_id = j.id
+ WHERE j.id IN (SELECT value FROM json_each(:ids))
+   AND j.state = 'queued' AND j.cancel_requested = 0
+   AND (l.job_id IS NULL OR l.expires_at <= :now);
+
+-- name: put_lease
+INSERT INTO leases (job_id, node, lease_id, expires_at, leased_at, started, attempt)
+VALUES (:job_id, :node, :lease_id, :expires_at, :now, 0, NULL)
+ON CONFLICT (job_id) DO UPDATE
+   SET node = excluded.node, lease_id = excluded.lease_id, expires_at = excluded.expires_at,
+       leased_at = excluded.leased_at, started = 0, attempt = NULL;
+
+-- name: claimable_jobs
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
+  FROM jobs j
+ WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.inputs = '[]'
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT :limit;
+
+-- name: renew_leases
+UPDATE leases SET expires_at = :expires_at
+ WHERE node = :node AND expires_at > :now;
+
+-- name: renew_leases_of
+UPDATE leases SET expires_at = :expires_at
+ WHERE node = :node AND expires_at > :now
+   AND job_id IN (SELECT value FROM json_each(:ids));
+
+-- name: leases_all
+SELECT * FROM leases ORDER BY leased_at, job_id;
+
+-- name: leases_of_node
+SELECT * FROM leases WHERE node = :node ORDER BY leased_at, job_id;
+
+-- name: lease_of
+SELECT * FROM leases WHERE job_id = :job_id;
+
+-- name: drop_lease
+DELETE FROM leases WHERE job_id = :job_id AND (:lease_id IS NULL OR lease_id = :lease_id);
+
+-- name: mark_lease_started
+UPDATE leases SET started = :started, attempt = :attempt
+ WHERE job_id = :job_id AND (:lease_id IS NULL OR lease_id = :lease_id);
+
+-- name: add_lost
+INSERT INTO job_lost_on (job_id, node, lost_at) VALUES (:job_id, :node, :now)
+ON CONFLICT (job_id, node) DO NOTHING;
+
+-- name: lost_nodes
+SELECT node FROM job_lost_on WHERE job_id = :job_id ORDER BY lost_at, node;

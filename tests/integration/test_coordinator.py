@@ -1,0 +1,344 @@
+"""The coordinator's service functions (gpuwarden.cluster.coordinator), on every
+store backend, with injected time: claims, fenced reports, heartbeats, sweeps,
+drain and revoke."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster.coordinator import LeaseRefused, Timing
+from gpuwarden.core.model import GIB, JobSpec, Role
+from gpuwarden.core.placement import NodeView
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import UserError
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore, NodeState
+
+REPO = Path(__file__).resolve().parents[2]
+TIMING = Timing(lease_s=10.0, offline_after_s=20.0, affinity_wait_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def registry() -> Registry:
+    return Registry.load([REPO / "modules", REPO / "tests" / "modules"])
+
+
+@pytest.fixture
+def s(store: Store) -> ClusterStore:
+    assert isinstance(store, ClusterStore)
+    return store
+
+
+def report(gib: float, *, free: float | None = None, warm: tuple[str, ...] = ()) -> dict[str, Any]:
+    total = int(gib * GIB)
+    return {
+        "gpus": [
+            {
+                "uuid": "GPU-0",
+                "name": "sim",
+                "total_bytes": total,
+                "free_bytes": int((gib if free is None else free) * GIB),
+                "usable_bytes": total,
+            }
+        ],
+        "warm": list(warm),
+        "busy": 0,
+        "max_jobs": 4,
+        "labels": {},
+        "accepting": True,
+    }
+
+
+def enrol(s: ClusterStore, name: str, gib: float, now: float = 0.0, **kw: Any) -> NodeView:
+    token_id = f"{abs(hash(name)) % 16**12:012x}"
+    s.create_token(
+        token_id=token_id,
+        name=name,
+        role=Role.NODE,
+        secret_hash="x",
+        now=now,
+        created_by="local",
+        node=name,
+    )
+    co.enroll(s, name, token_id=token_id, capabilities={}, now=now)
+    rep = report(gib, **kw)
+    s.touch_node(name, rep, now)
+    record = s.get_node(name)
+    assert record is not None
+    return co.node_view(record)
+
+
+def gpu_job(job_id: str, gib: float, seconds: float = 0.3) -> JobSpec:
+    return JobSpec(
+        id=job_id,
+        type="testmods.gpu",
+        params={"gib": gib, "seconds": seconds, "leak": False},
+        vram_bytes=int(gib * GIB),
+    )
+
+
+def claim(s: ClusterStore, reg: Registry, name: str, now: float, **kw: Any) -> list[str]:
+    record = s.get_node(name)
+    assert record is not None
+    got = co.claim(s, reg, name, co.node_view(record), now, lease_s=10.0, timing=TIMING, **kw)
+    return [j["id"] for j in got]
+
+
+def test_claim_offers_only_what_fits_and_leases_it(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "small", 8)
+    enrol(s, "big", 80)
+    s.submit([gpu_job("j20", 20), gpu_job("j4", 4)], now=1.0)
+    assert claim(s, registry, "small", 2.0) == ["j4"]
+    assert claim(s, registry, "small", 2.0) == []  # leased already
+    assert claim(s, registry, "big", 2.0) == ["j20"]
+    lease = s.lease_of("j20")
+    assert lease is not None and lease.node == "big" and lease.expires_at == 12.0
+
+
+def test_claim_payload_and_types_filter(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)
+    record = s.get_node("n")
+    assert record is not None
+    none = co.claim(s, registry, "n", co.node_view(record), 2.0, types=["echo.echo"])
+    assert none == []
+    [payload] = co.claim(s, registry, "n", co.node_view(record), 2.0, lease_s=5.0)
+    assert payload["id"] == "a" and payload["type"] == "testmods.gpu"
+    assert payload["params"]["gib"] == 1 and payload["vram_bytes"] == GIB
+    assert payload["expires_at"] == 7.0 and len(payload["lease_id"]) == 16
+
+
+def test_claim_respects_max_jobs_and_want(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n", 80)
+    s.submit(
+        [JobSpec(id=f"e{i}", type="echo.echo", params={"text": "x"}) for i in range(6)], now=1.0
+    )
+    assert len(claim(s, registry, "n", 2.0, want=1)) == 1
+    assert len(claim(s, registry, "n", 2.0)) == 3  # 4 slots, 1 held
+    assert claim(s, registry, "n", 2.0) == []
+
+
+def test_draining_or_revoked_node_gets_nothing(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)
+    co.drain(s, "n", now=1.5)
+    assert claim(s, registry, "n", 2.0) == []
+    co.revoke(s, registry, "n", now=3.0)
+    assert claim(s, registry, "n", 4.0) == []
+    with pytest.raises(UserError, match="revoked"):
+        co.drain(s, "n", now=5.0)
+
+
+def test_warm_affinity_leaves_a_job_for_the_warm_node(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "cold", 24)
+    enrol(s, "warm", 24, warm=("testmods.warm",))
+    s.submit([JobSpec(id="w", type="testmods.warm", params={})], now=1.0)
+    assert claim(s, registry, "cold", 2.0) == []
+    # past the affinity wait, any node takes it
+    assert claim(s, registry, "cold", 40.0) == ["w"]
+
+
+def test_start_and_finish_are_fenced(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n1", 24)
+    enrol(s, "n2", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)
+    [payload] = co.claim(s, registry, "n1", co.node_view(s.get_node("n1")), 2.0, lease_s=10.0)  # type: ignore[arg-type]
+    lease_id = payload["lease_id"]
+    with pytest.raises(LeaseRefused):
+        co.start(s, "n2", "a", lease_id=lease_id, gpu_uuid=None, now=3.0)
+    with pytest.raises(LeaseRefused):
+        co.start(s, "n1", "a", lease_id="0" * 16, gpu_uuid=None, now=3.0)
+    with pytest.raises(LeaseRefused, match="never reported started"):
+        co.finish(
+            s, registry, "n1", "a", lease_id=lease_id, state=JobState.DONE,
+            outcome="succeeded", reason="done", now=3.0,
+        )  # fmt: skip
+    assert co.start(s, "n1", "a", lease_id=lease_id, gpu_uuid="GPU-0", now=3.0) == {"attempt": 1}
+    # a repeated start (the first answer was lost) gets the same attempt
+    assert co.start(s, "n1", "a", lease_id=lease_id, gpu_uuid="GPU-0", now=3.5) == {"attempt": 1}
+    with pytest.raises(LeaseRefused, match="expired"):
+        co.finish(
+            s, registry, "n1", "a", lease_id=lease_id, state=JobState.DONE,
+            outcome="succeeded", reason="done", now=12.5,
+        )  # fmt: skip
+    s.renew_leases("n1", 30.0, now=11.0)
+    got = co.finish(
+        s, registry, "n1", "a", lease_id=lease_id, state=JobState.DONE, outcome="succeeded",
+        reason="done", now=13.0, exit_code=0, result={"message": "hi"}, stdout="out",
+    )  # fmt: skip
+    assert got == {"state": "done", "lease_kept": False}
+    job = s.get_job("a")
+    assert job is not None and job.state is JobState.DONE
+    assert job.result == {"message": "hi", "node": "n1"}
+    assert s.lease_of("a") is None
+    [attempt] = s.attempts("a")
+    assert attempt.node == "n1" and attempt.gpu_uuid == "GPU-0" and attempt.stdout == "out"
+    with pytest.raises(LeaseRefused):  # once only
+        co.finish(
+            s, registry, "n1", "a", lease_id=lease_id, state=JobState.DONE,
+            outcome="succeeded", reason="done", now=13.5,
+        )  # fmt: skip
+
+
+def test_a_local_retry_keeps_the_lease_until_max_retries(
+    s: ClusterStore, registry: Registry
+) -> None:
+    enrol(s, "n", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)  # testmods.gpu: max_retries = 1
+    [payload] = co.claim(s, registry, "n", co.node_view(s.get_node("n")), 2.0, lease_s=100.0)  # type: ignore[arg-type]
+    lid = payload["lease_id"]
+    co.start(s, "n", "a", lease_id=lid, gpu_uuid=None, now=3.0)
+    got = co.finish(
+        s, registry, "n", "a", lease_id=lid, state=JobState.QUEUED, outcome="launch_error",
+        reason="launch error: x; retrying (1/1)", now=4.0,
+    )  # fmt: skip
+    assert got == {"state": "queued", "lease_kept": True}
+    lease = s.lease_of("a")
+    assert lease is not None and not lease.started
+    assert claim(s, registry, "n", 5.0) == []  # still this node's
+    co.start(s, "n", "a", lease_id=lid, gpu_uuid=None, now=6.0)
+    got = co.finish(
+        s, registry, "n", "a", lease_id=lid, state=JobState.QUEUED, outcome="launch_error",
+        reason="launch error: x", now=7.0,
+    )  # fmt: skip
+    assert got == {"state": "quarantined", "lease_kept": False}
+    assert s.lease_of("a") is None
+
+
+def test_heartbeat_renews_held_leases_and_says_what_to_stop(
+    s: ClusterStore, registry: Registry
+) -> None:
+    enrol(s, "n", 80)
+    s.submit([gpu_job(i, 1) for i in ("a", "b", "c", "d")], now=1.0)
+    assert sorted(claim(s, registry, "n", 2.0)) == ["a", "b", "c", "d"]
+    co.start(s, "n", "c", lease_id=s.lease_of("c").lease_id, gpu_uuid=None, now=2.5)  # type: ignore[union-attr]
+    s.request_cancel("b", now=3.0)  # queued: cancelled at once
+    s.request_cancel("c", now=3.0)  # running: asked to stop
+    answer = co.heartbeat(s, "n", report(80), 4.0, 10.0, held=["a", "b", "c", "zz"])
+    assert answer["state"] == "active" and answer["lease_s"] == 10.0
+    cancels = {c["id"]: c for c in answer["cancels"]}
+    assert set(cancels) == {"b", "c", "zz"}
+    assert cancels["b"]["lost"] and cancels["zz"]["lost"] and not cancels["c"]["lost"]
+    assert s.lease_of("a").expires_at == 14.0  # type: ignore[union-attr]
+    assert s.lease_of("d").expires_at == 12.0  # type: ignore[union-attr]  # not held: not renewed
+    assert s.lease_of("b") is None
+    with pytest.raises(co.UnknownNode):
+        co.heartbeat(s, "ghost", {}, 5.0)
+
+
+def test_sweep_requeues_unstarted_and_interrupts_started(
+    s: ClusterStore, registry: Registry
+) -> None:
+    enrol(s, "n1", 24)
+    enrol(s, "n2", 24)
+    s.submit([gpu_job("a", 1), gpu_job("b", 1)], now=1.0)
+    assert claim(s, registry, "n1", 2.0) == ["a", "b"]
+    lid = s.lease_of("b").lease_id  # type: ignore[union-attr]
+    co.start(s, "n1", "b", lease_id=lid, gpu_uuid=None, now=3.0)
+    assert co.sweep(s, 11.0, 20.0, registry=registry)["interrupted"] == 0  # not expired yet
+    done = co.sweep(s, 12.5, 20.0, registry=registry)
+    assert done["leader"] and done["dropped"] == 1 and done["interrupted"] == 1
+    a, b = s.get_job("a"), s.get_job("b")
+    assert a is not None and a.state is JobState.QUEUED and a.attempts == 0
+    assert b is not None and b.state is JobState.QUEUED and b.attempts == 1
+    [attempt] = s.attempts("b")
+    assert attempt.outcome == "interrupted"
+    assert attempt.reason.startswith("its node n1 stopped renewing its lease; retrying (1/1)")
+    assert s.lost_nodes("b") == ["n1"] and s.leases() == []
+    # the late report of n1 is refused: the attempt was ended by the sweep
+    with pytest.raises(LeaseRefused):
+        co.finish(
+            s, registry, "n1", "b", lease_id=lid, state=JobState.DONE, outcome="succeeded",
+            reason="done", now=13.0,
+        )  # fmt: skip
+    # placement now prefers n2 for b; n1 still gets a
+    s.touch_node("n1", report(24), 13.0)
+    s.touch_node("n2", report(24), 13.0)
+    assert claim(s, registry, "n1", 13.5) == ["a"]
+    assert claim(s, registry, "n2", 13.5) == ["b"]
+
+
+def test_sweep_quarantines_past_max_retries(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)
+    for round_ in range(2):
+        now = 2.0 + round_ * 20
+        s.touch_node("n", report(24), now)
+        [payload] = co.claim(s, registry, "n", co.node_view(s.get_node("n")), now, lease_s=10.0)  # type: ignore[arg-type]
+        co.start(s, "n", "a", lease_id=payload["lease_id"], gpu_uuid=None, now=now)
+        co.sweep(s, now + 11, 100.0, registry=registry)
+    job = s.get_job("a")
+    assert job is not None and job.state is JobState.QUARANTINED and job.attempts == 2
+
+
+def test_sweep_marks_stale_nodes_offline(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n", 24, now=0.0)
+    enrol(s, "d", 24, now=0.0)
+    co.drain(s, "d", now=1.0)
+    assert co.sweep(s, 15.0, 20.0)["offline"] == 0
+    assert co.sweep(s, 21.0, 20.0)["offline"] == 1
+    assert s.get_node("n").state is NodeState.OFFLINE  # type: ignore[union-attr]
+    assert s.get_node("d").state is NodeState.DRAINING  # type: ignore[union-attr]
+    co.heartbeat(s, "n", report(24), 22.0)
+    assert s.get_node("n").state is NodeState.ACTIVE  # type: ignore[union-attr]
+
+
+def test_revoke_takes_every_job_back(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n", 24)
+    token = s.get_node("n").token_id  # type: ignore[union-attr]
+    s.submit([gpu_job("a", 1), gpu_job("b", 1)], now=1.0)
+    claim(s, registry, "n", 2.0)
+    co.start(s, "n", "b", lease_id=s.lease_of("b").lease_id, gpu_uuid=None, now=3.0)  # type: ignore[union-attr]
+    got = co.revoke(s, registry, "n", now=4.0)
+    assert got == {"node": "n", "requeued": 1, "interrupted": 1}
+    assert s.get_node("n").state is NodeState.REVOKED  # type: ignore[union-attr]
+    assert s.get_token(token).revoked_at == 4.0  # type: ignore[arg-type, union-attr]
+    assert [j.id for j in s.queued_jobs()] == ["a", "b"]
+    assert "was revoked" in s.attempts("b")[0].reason
+    answer = co.heartbeat(s, "n", {}, 5.0)
+    assert answer["state"] == "revoked"
+
+
+def test_enrolling_again_revokes_the_old_credential(s: ClusterStore) -> None:
+    enrol(s, "n", 24)
+    old = s.get_node("n").token_id  # type: ignore[union-attr]
+    s.create_token(
+        token_id="abcdefabcdef", name="n", role=Role.NODE, secret_hash="y", now=1.0,
+        created_by="local", node="n",
+    )  # fmt: skip
+    co.enroll(s, "n", token_id="abcdefabcdef", capabilities={}, now=2.0)
+    assert s.get_token(old).revoked_at == 2.0  # type: ignore[arg-type, union-attr]
+    assert s.get_node("n").token_id == "abcdefabcdef"  # type: ignore[union-attr]
+
+
+def test_sweep_cancels_a_requeued_job_with_a_cancel_request(
+    s: ClusterStore, registry: Registry
+) -> None:
+    s.submit([gpu_job("a", 1)], now=1.0)
+    s.start_attempt("a", node="x", gpu_uuid=None, now=2.0)
+    s.request_cancel("a", now=3.0)
+    s.finish_attempt("a", 1, target=JobState.QUEUED, now=4.0, outcome="interrupted", reason="r")
+    assert co.sweep(s, 5.0)["cancelled"] == 1
+    assert s.get_job("a").state is JobState.CANCELLED  # type: ignore[union-attr]
+
+
+def test_explain_placement(s: ClusterStore, registry: Registry) -> None:
+    s.submit([gpu_job("big", 40)], now=1.0)
+    assert co.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING) == []  # type: ignore[arg-type]
+    enrol(s, "small", 8, now=1.0)
+    enrol(s, "mid", 24, now=1.0)
+    [line] = co.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING)  # type: ignore[arg-type]
+    assert line.startswith("no node can ever run it") and "mid:" in line
+    enrol(s, "huge", 80, now=1.0, free=10)
+    lines = co.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING)  # type: ignore[arg-type]
+    assert any(ln.startswith("node huge: needs 40.0 GiB") for ln in lines), lines
+    claim(s, registry, "huge", 2.0)
+    s.touch_node("huge", report(80), 2.0)
+    assert claim(s, registry, "huge", 2.0) == ["big"]
+    [line] = co.explain_placement(s, registry, s.get_job("big"), 3.0, TIMING)  # type: ignore[arg-type]
+    assert "leased to node huge" in line

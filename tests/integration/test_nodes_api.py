@@ -1,0 +1,315 @@
+"""The node endpoints of the HTTP API (api/routers/nodes.py) on a SqliteStore:
+enrolment, the agent's calls fenced by lease, drain, revoke, the role matrix."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gpuwarden.api import create_app
+from gpuwarden.api.auth import Principal, issue_token
+from gpuwarden.api.routers.nodes import install_sweeper
+from gpuwarden.config import Config
+from gpuwarden.core.model import GIB, JobSpec, Role
+from gpuwarden.core.states import JobState
+from gpuwarden.registry import Registry
+from gpuwarden.store.cluster import NodeState
+from gpuwarden.store.sqlite import SqliteStore
+
+REPO = Path(__file__).resolve().parents[2]
+ADMIN = Principal(token_id="local", name="tester", role=Role.OWNER)
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Env:
+    def __init__(self, tmp: Path) -> None:
+        self.config = Config.model_validate(
+            {
+                "state_dir": tmp,
+                "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
+                "allow_unsandboxed_containers": True,
+                "api": {"rate_per_s": 10_000, "burst": 10_000},
+                "cluster": {"lease_s": 10, "offline_after_s": 20, "sweep_every_s": 0.05},
+            }
+        )
+        self.store = SqliteStore(tmp / "gpuwarden.db")
+        self.clock = Clock()
+        self.registry = Registry.load(self.config.module_paths, self.config.launch_rules)
+        self.app = create_app(self.store, self.registry, self.config, clock=self.clock)
+        self.client = TestClient(self.app)
+        self.tokens: dict[str, str] = {}
+        for role in (Role.OWNER, Role.OPERATOR, Role.SUBMITTER):
+            _, self.tokens[role.value] = issue_token(
+                self.store, name=role.value, role=role, by=ADMIN, now=1.0
+            )
+
+    def h(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[who]}"}
+
+    def post(self, path: str, who: str, body: Any = None) -> Any:
+        return self.client.post(path, json=body if body is not None else {}, headers=self.h(who))
+
+    def invite(self, name: str) -> str:
+        r = self.post("/v1/nodes/invite", "owner", {"name": name})
+        assert r.status_code == 201, r.text
+        token: str = r.json()["token"]
+        return token
+
+    def enrol(self, name: str, gib: float = 24) -> str:
+        self.tokens[f"enroll-{name}"] = self.invite(name)
+        r = self.post("/v1/nodes/enroll", f"enroll-{name}", {"capabilities": {"gpus": []}})
+        assert r.status_code == 201, r.text
+        self.tokens[name] = r.json()["token"]
+        return name
+
+
+def report(gib: float, **kw: Any) -> dict[str, Any]:
+    total = int(gib * GIB)
+    return {
+        "gpus": [{"uuid": "GPU-0", "name": "sim", "total_bytes": total, "free_bytes": total}],
+        "warm": [],
+        "busy": 0,
+        "max_jobs": 4,
+        **kw,
+    }
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    e = Env(tmp_path)
+    yield e
+    e.store.close()
+
+
+def gpu_job(job_id: str, gib: float) -> JobSpec:
+    return JobSpec(
+        id=job_id,
+        type="testmods.gpu",
+        params={"gib": gib, "seconds": 0.1, "leak": False},
+        vram_bytes=int(gib * GIB),
+    )
+
+
+def test_invite_and_enrol_once(env: Env) -> None:
+    token = env.invite("gpu-a")
+    env.tokens["e"] = token
+    r = env.post("/v1/nodes/enroll", "e", {"capabilities": {"driver": "550", "gpus": []}})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["node"] == "gpu-a" and body["lease_s"] == 10 and body["token"].startswith("gw_")
+    again = env.post("/v1/nodes/enroll", "e", {"capabilities": {}})
+    assert again.status_code == 401 and "revoked" in again.json()["error"]
+    node = env.store.get_node("gpu-a")
+    assert node is not None and node.capabilities["driver"] == "550"
+    assert node.state is NodeState.ACTIVE
+
+
+def test_an_invite_expires_after_15_minutes(env: Env) -> None:
+    env.tokens["e"] = env.invite("gpu-a")
+    env.clock.t += 15 * 60 + 1
+    r = env.post("/v1/nodes/enroll", "e", {"capabilities": {}})
+    assert r.status_code == 401 and "expired" in r.json()["error"]
+
+
+def test_invite_refuses_a_bad_name(env: Env) -> None:
+    r = env.post("/v1/nodes/invite", "owner", {"name": "../etc"})
+    assert r.status_code == 422
+
+
+def test_the_node_name_comes_from_the_token(env: Env) -> None:
+    env.enrol("a")
+    r = env.post("/v1/node/heartbeat", "a", {"report": report(24), "node": "b"})
+    assert r.status_code == 422  # no such field: a node cannot speak for another
+    r = env.post("/v1/node/heartbeat", "a", {"report": report(24), "jobs": []})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"state": "active", "lease_s": 10.0, "renewed": 0, "cancels": []}
+    node = env.store.get_node("a")
+    assert node is not None and node.last_seen == env.clock.t
+
+
+def test_claim_start_finish_over_http(env: Env) -> None:
+    env.enrol("small")
+    env.enrol("big")
+    env.store.submit([gpu_job("j20", 20)], now=env.clock.t)
+    r = env.post("/v1/node/claim", "small", {"report": report(8), "want": 4})
+    assert r.status_code == 200 and r.json()["jobs"] == []
+    r = env.post("/v1/node/claim", "big", {"report": report(80), "want": 4})
+    [job] = r.json()["jobs"]
+    assert job["id"] == "j20" and job["params"]["gib"] == 20
+    lease = job["lease_id"]
+    r = env.post("/v1/node/jobs/j20/start", "small", {"lease_id": lease})
+    assert r.status_code == 409  # not small's lease
+    r = env.post("/v1/node/jobs/j20/start", "big", {"lease_id": lease, "gpu": "GPU-0"})
+    assert r.status_code == 200 and r.json() == {"attempt": 1}
+    done = {
+        "lease_id": lease,
+        "state": "done",
+        "outcome": "succeeded",
+        "reason": "done",
+        "exit_code": 0,
+        "result": {"message": "ok"},
+        "stdout": "hello",
+    }
+    r = env.post("/v1/node/jobs/j20/finish", "big", done)
+    assert r.status_code == 200 and r.json() == {"state": "done", "lease_kept": False}
+    r = env.post("/v1/node/jobs/j20/finish", "big", done)
+    assert r.status_code == 409  # once
+    job_row = env.store.get_job("j20")
+    assert job_row is not None and job_row.state is JobState.DONE
+    assert job_row.result["node"] == "big"
+    rows = env.store.audit_rows()
+    finishes = [(a.action, a.outcome[:7]) for a in rows if a.action == "node.finish"]
+    assert finishes == [("node.finish", "ok"), ("node.finish", "refused")]
+    assert any(a.action == "node.claim" and a.detail["jobs"] == ["j20"] for a in rows)
+
+
+def test_a_late_report_after_the_lease_expired_is_refused(env: Env) -> None:
+    env.enrol("a")
+    env.enrol("b")
+    env.store.submit([gpu_job("j", 1)], now=env.clock.t)
+    [job] = env.post("/v1/node/claim", "a", {"report": report(24)}).json()["jobs"]
+    env.post("/v1/node/jobs/j/start", "a", {"lease_id": job["lease_id"]})
+    env.clock.t += 11  # past the lease: no heartbeat came
+    r = env.post(
+        "/v1/node/jobs/j/finish",
+        "a",
+        {"lease_id": job["lease_id"], "state": "done", "outcome": "succeeded"},
+    )
+    assert r.status_code == 409 and "expired" in r.json()["error"]
+
+
+def test_drain_stops_new_work(env: Env) -> None:
+    env.enrol("a")
+    env.store.submit([gpu_job("j", 1)], now=env.clock.t)
+    r = env.post("/v1/nodes/a/drain", "operator")
+    assert r.status_code == 200 and r.json()["state"] == "draining"
+    r = env.post("/v1/node/claim", "a", {"report": report(24)})
+    assert r.json() == {"jobs": [], "lease_s": 10.0, "state": "draining"}
+    r = env.post("/v1/node/heartbeat", "a", {"report": report(24)})
+    assert r.json()["state"] == "draining"
+    assert env.post("/v1/nodes/nope/drain", "operator").status_code == 404
+
+
+def test_revoke_refuses_the_node_at_once(env: Env) -> None:
+    env.enrol("a")
+    env.store.submit([gpu_job("j", 1), gpu_job("k", 1)], now=env.clock.t)
+    jobs = env.post("/v1/node/claim", "a", {"report": report(24), "want": 2}).json()["jobs"]
+    assert len(jobs) == 2
+    env.post("/v1/node/jobs/j/start", "a", {"lease_id": jobs[0]["lease_id"]})
+    r = env.post("/v1/nodes/a/revoke", "operator")
+    assert r.status_code == 403
+    r = env.post("/v1/nodes/a/revoke", "owner")
+    assert r.status_code == 200 and r.json() == {"node": "a", "requeued": 1, "interrupted": 1}
+    r = env.post("/v1/node/heartbeat", "a", {"report": report(24)})
+    assert r.status_code == 401 and "revoked" in r.json()["error"]
+    assert {j.id for j in env.store.queued_jobs()} == {"j", "k"}
+    refused = [a for a in env.store.audit_rows() if a.action == "node.heartbeat"]
+    assert refused and refused[-1].outcome.startswith("refused")
+    # enrolled again, it works again
+    env.enrol("a")
+    r = env.post("/v1/node/heartbeat", "a", {"report": report(24)})
+    assert r.status_code == 200
+
+
+def test_an_old_credential_stops_working_when_the_node_enrols_again(env: Env) -> None:
+    env.enrol("a")
+    old = env.tokens["a"]
+    env.enrol("a")
+    env.tokens["old"] = old
+    r = env.post("/v1/node/heartbeat", "old", {"report": {}})
+    assert r.status_code == 401
+
+
+def test_list_nodes(env: Env) -> None:
+    env.enrol("a")
+    env.post("/v1/node/heartbeat", "a", {"report": report(24, warm=["testmods.warm"])})
+    r = env.client.get("/v1/nodes", headers=env.h("operator"))
+    assert r.status_code == 200
+    [node] = r.json()
+    assert node["name"] == "a" and node["state"] == "active" and node["warm"] == ["testmods.warm"]
+    assert node["seen_s_ago"] == 0.0 and node["leases"] == 0
+    assert env.client.get("/v1/nodes", headers=env.h("submitter")).status_code == 403
+
+
+ROLE_CASES = [
+    ("POST", "/v1/nodes/invite", {"owner"}, {"name": "x"}),
+    ("POST", "/v1/nodes/enroll", {"enroll"}, {"capabilities": {}}),
+    ("POST", "/v1/node/heartbeat", {"node"}, {"report": {}}),
+    ("POST", "/v1/node/claim", {"node"}, {"report": {}}),
+    ("POST", "/v1/node/jobs/j/start", {"node"}, {"lease_id": "x"}),
+    ("POST", "/v1/node/jobs/j/finish", {"node"}, {"lease_id": "x", "state": "done"}),
+    ("GET", "/v1/nodes", {"owner", "operator"}, None),
+    ("POST", "/v1/nodes/n/drain", {"owner", "operator"}, None),
+    ("POST", "/v1/nodes/n/revoke", {"owner"}, None),
+]
+
+
+def test_the_role_cases_cover_every_node_endpoint(env: Env) -> None:
+    schema = env.client.get("/openapi.json").json()
+    served = {
+        (m.upper(), p)
+        for p, ops in schema["paths"].items()
+        for m in ops
+        if p.startswith(("/v1/node/", "/v1/nodes"))
+    }
+    cases = {
+        (m, p.replace("/j/", "/{job_id}/").replace("/n/", "/{name}/")) for m, p, _, _ in ROLE_CASES
+    }
+    assert served == cases
+
+
+@pytest.mark.parametrize("case", ROLE_CASES, ids=lambda c: f"{c[0]} {c[1]}")
+@pytest.mark.parametrize("role", [r.value for r in Role])
+def test_node_role_matrix(env: Env, role: str, case: tuple[Any, ...]) -> None:
+    method, path, allowed, body = case
+    if role == "node":
+        env.enrol("n")
+        env.tokens["node"] = env.tokens["n"]
+    elif role == "enroll":
+        env.tokens["enroll"] = env.invite("n")
+    r = env.client.request(method, path, json=body, headers=env.h(role))
+    if role in allowed:
+        assert r.status_code != 403, r.text
+        assert r.status_code < 500
+    else:
+        assert r.status_code == 403, r.text
+        assert f"has the role {role}" in r.json()["error"]
+
+
+def test_the_sweeper_runs_in_the_apps_lifespan(env: Env) -> None:
+    env.enrol("a")
+    env.store.submit([gpu_job("j", 1)], now=env.clock.t)
+    env.post("/v1/node/claim", "a", {"report": report(24)})
+    install_sweeper(env.app)
+    install_sweeper(env.app)  # once only
+    env.clock.t += 11
+    with TestClient(env.app):
+        deadline = time.monotonic() + 10
+        while env.store.lease_of("j") is not None:
+            assert time.monotonic() < deadline, "the sweeper did not sweep"
+            time.sleep(0.05)
+    assert env.app.state.gw_sweeper.leader
+
+
+def test_explain_says_why_no_node_took_a_job(env: Env) -> None:
+    env.clock.t = time.time()  # explain judges a node's heartbeat by the wall clock
+    env.enrol("small")
+    env.post("/v1/node/heartbeat", "small", {"report": report(8)})
+    r = env.post("/v1/jobs", "owner", {"type": "testmods.gpu", "params": {}, "vram_gib": 20})
+    assert r.status_code == 201, r.text
+    job_id = r.json()["id"]
+    r = env.client.get(f"/v1/jobs/{job_id}/explain", headers=env.h("owner"))
+    lines = r.json()["lines"]
+    assert any(ln.startswith("no node can ever run it") and "small:" in ln for ln in lines), lines
