@@ -15,8 +15,6 @@ import json
 import logging
 import os
 import queue
-import secrets
-import shutil
 import threading
 import time
 from collections import deque
@@ -29,10 +27,9 @@ from gpuwarden import faults
 from gpuwarden.config import Config
 from gpuwarden.core import policy
 from gpuwarden.core.classify import AttemptFacts, Outcome, classify, is_cuda_oom, xid_kind
-from gpuwarden.core.model import MIB, Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
+from gpuwarden.core.model import MIB, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import (
-    BundleError,
     GpuProbeError,
     GpuwardenError,
     TransitionError,
@@ -41,9 +38,8 @@ from gpuwarden.errors import (
 from gpuwarden.eventlog import EventLog, NullLog
 from gpuwarden.gpu.base import GpuProbe, GpuReading
 from gpuwarden.gpu.sim import SimProbe
-from gpuwarden.intake import bundle as bundles
-from gpuwarden.intake.jobs import prepare
-from gpuwarden.intake.queueroot import KEPT_INPUT, QueueRoot
+from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.intake.service import QueueIntake, result_json
 from gpuwarden.launch.base import (
     Launcher,
     LaunchRequest,
@@ -62,29 +58,18 @@ from gpuwarden.registry import Registry
 from gpuwarden.running import RunningAttempt, ServerNote, Started
 from gpuwarden.serving import WarmServing
 from gpuwarden.store.base import (
-    BundleRecord,
-    DuplicateBundleError,
-    DuplicateJobError,
     NodeStatus,
     Store,
-    Submission,
 )
 from gpuwarden.vram import VramBook
 from gpuwarden.warm import ServerState, WarmPool
 
-log = logging.getLogger("gpuwarden.broker")
+__all__ = ["RUN_TIME_WINDOW", "Broker", "result_json"]
 
-#: every open bundle is looked at this often (the loop's own changes are seen at once)
-_FULL_BUNDLE_SCAN_S = 2.0
+log = logging.getLogger("gpuwarden.broker")
 
 #: operator requests (gpu clear) are looked for this often
 _REQUESTS_EVERY_S = 0.5
-
-#: a result bundle that cannot be written this many times gives its input to failed/
-_RESULT_TRIES = 3
-
-#: a bundle that fails to be read for reasons not its own is refused after this many tries
-_INTAKE_TRIES = 3
 
 #: a type's run-time estimate looks at this many of its latest runs
 RUN_TIME_WINDOW = 20
@@ -134,16 +119,10 @@ class Broker(WarmServing):
         self.warm = WarmPool()
         #: set by a worker thread when it posts a completion, so the loop wakes at once
         self._wake = threading.Event()
-        #: bundle name -> how often reading it failed for reasons not its own
-        self._intake_failures: dict[str, int] = {}
-        #: bundles (queue root, name) whose jobs changed since the last look
-        self._touched: set[tuple[str, str]] = set()
         self._last_error: dict[str, Any] | None = None
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
-        self._last_bundle_check = 0.0
         self._last_requests_check = 0.0
-        self._result_failures: dict[str, int] = {}
         self._readings: list[GpuReading] = []
         self._probe_error = ""
         self._observed_at = -1.0
@@ -160,7 +139,17 @@ class Broker(WarmServing):
         #: names this broker's processes: stable across restarts of the same node and
         #: state directory, so recovery finds (only) what an earlier run left
         self.instance = f"{self.node}-{sha256(str(config.state_dir).encode()).hexdigest()[:10]}"
-        self._staging_dir = config.state_dir / "staging"
+        #: the queue roots' bundles: intake, results, recovery
+        self.queues = QueueIntake(
+            store=store,
+            registry=registry,
+            config=config,
+            roots=self.roots,
+            emit=self._emit,
+            on_error=self._record_error,
+            check=self.check_fits,
+            clock=clock,
+        )
 
     # -- the loop -----------------------------------------------------------
 
@@ -281,30 +270,8 @@ class Broker(WarmServing):
                 self._record_error("recover", exc)
                 continue
             self._emit("attempt_recovered", job=job.id, attempt=job.attempts, reaped=reaped)
-        for root in self.roots:
-            for path in sorted(root.processing.glob("*.zip")):
-                rec = self.store.get_bundle(str(root.path), path.name)
-                if rec is None:
-                    self._emit(
-                        "bundle_recovered",
-                        bundle=path.name,
-                        action="never recorded: reading it again",
-                    )
-                    self._ingest(root, path, now)
-                elif rec.finished_at is not None:
-                    self._emit(
-                        "bundle_recovered",
-                        bundle=path.name,
-                        action="result already written: removed",
-                    )
-                    path.unlink(missing_ok=True)
-                    shutil.rmtree(self._staging_for(root, path.name), ignore_errors=True)
-                else:
-                    self._emit(
-                        "bundle_recovered",
-                        bundle=path.name,
-                        action="its jobs are in the store: continuing",
-                    )
+        self.queues.recover(now)
+        self._status_dirty = True
 
     def _reclaim_interrupted(self, job: Job, jobtype: JobType | None, now: float) -> None:
         """Rebuild the ledger from the store: the memory an interrupted attempt held
@@ -331,119 +298,8 @@ class Broker(WarmServing):
     def _intake(self, now: float) -> None:
         if not self.accepting:
             return
-        for root in self.roots:
-            for path in root.pending():
-                try:
-                    claimed = root.claim(path)
-                    faults.point("after_claim")
-                except BundleError as exc:
-                    self._reject_duplicate_name(root, path, str(exc), now)
-                    continue
-                except FileNotFoundError:
-                    continue  # another reader took it
-                self._ingest(root, claimed, now)
-
-    def _staging_for(self, root: QueueRoot, name: str) -> Path:
-        tag = sha256(str(root.path).encode()).hexdigest()[:12]
-        return self._staging_dir / tag / name
-
-    def _ingest(self, root: QueueRoot, path: Path, now: float) -> None:
-        """Read one bundle from ``processing/`` and accept its jobs, all or none."""
-        staging = self._staging_for(root, path.name)
-        if staging.exists():
-            shutil.rmtree(staging)  # a partial extraction from a crashed run
-        specs: tuple[JobSpec, ...] = ()
-        try:
-            staging.parent.mkdir(parents=True, exist_ok=True)
-            specs = bundles.extract_bundle(path, staging, self._limits())
-            prepared = [prepare(self.registry, s) for s in specs]
-            self.check_fits(prepared)
-            self.store.submit(
-                prepared,
-                now=now,
-                origin=Submission(
-                    input_dir=str(staging / "inputs"),
-                    queue_root=str(root.path),
-                    bundle=path.name,
-                ),
-            )
-            faults.point("after_bundle_commit")
-        except (DuplicateJobError, DuplicateBundleError) as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            self._reject(root, path, specs, f"duplicate: {exc}", now, duplicate=True)
-        except GpuwardenError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            self._reject(root, path, specs, exc.message, now)
-        except Exception as exc:
-            # not the bundle's fault (the store is locked, the disk is full): give it
-            # back to inbox/ to be read again, and refuse it only if that keeps failing
-            shutil.rmtree(staging, ignore_errors=True)
-            tries = self._intake_failures.get(path.name, 0) + 1
-            self._intake_failures[path.name] = tries
-            self._record_error(f"reading bundle {path.name} (try {tries})", exc)
-            if tries >= _INTAKE_TRIES:
-                self._reject(root, path, specs, f"could not be read {tries} times: {exc}", now)
-            else:
-                path.replace(root.inbox / path.name)
-        else:
-            self._intake_failures.pop(path.name, None)
-            self._emit("bundle_accepted", bundle=path.name, jobs=[s.id for s in specs])
-        self._status_dirty = True
-
-    def _reject(
-        self,
-        root: QueueRoot,
-        path: Path,
-        specs: tuple[JobSpec, ...],
-        reason: str,
-        now: float,
-        *,
-        duplicate: bool = False,
-    ) -> None:
-        """Fail every job of an unreadable bundle into ``failed/``, touching nothing
-        already accepted; the input bundle is kept beside the result."""
-        results: list[tuple[dict[str, Any], Path | None]] = [
-            (
-                {
-                    "id": s.id,
-                    "type": s.type,
-                    # a duplicate leaves the accepted job untouched: this copy was refused
-                    "status": "refused" if duplicate else "failed",
-                    "reason": f"the bundle was refused: {reason}",
-                    "attempts": 0,
-                },
-                None,
-            )
-            for s in specs
-        ] or [({"id": "bundle", "status": "failed", "reason": reason, "attempts": 0}, None)]
-        stem = path.name.removesuffix(".zip")
-        # two copies refused in the same second must not overwrite each other
-        unique = f"{int(now)}-{secrets.token_hex(3)}"
-        result_name = f"{stem}.duplicate-{unique}.zip" if duplicate else path.name
-        result = bundles.write_result_bundle(root.failed, result_name, results)
-        root.move_to_failed(path, result_name.removesuffix(".zip") + KEPT_INPUT)
-        if not duplicate:
-            self.store.record_rejected_bundle(
-                str(root.path), path.name, now=now, reason=reason, result_path=str(result)
-            )
-        else:
-            self.store.add_event(
-                Event(
-                    ts=now, kind="bundle_rejected", detail={"bundle": path.name, "reason": reason}
-                )
-            )
-
-    def _reject_duplicate_name(self, root: QueueRoot, path: Path, reason: str, now: float) -> None:
-        self._reject(root, path, (), reason, now, duplicate=True)
-
-    def _limits(self) -> bundles.BundleLimits:
-        zip_bytes, entries, unpacked, jobs = self.config.bundle_limits_bytes()
-        return bundles.BundleLimits(
-            max_zip_bytes=zip_bytes,
-            max_entries=entries,
-            max_unpacked_bytes=unpacked,
-            max_jobs=jobs,
-        )
+        if self.queues.intake(now):
+            self._status_dirty = True
 
     # -- attempts -----------------------------------------------------------
 
@@ -897,7 +753,7 @@ class Broker(WarmServing):
                 result.ended_at - result.started_at
             )
         if run.job.bundle and run.job.queue_root:
-            self._touched.add((run.job.queue_root, run.job.bundle))
+            self.queues.touch(run.job.queue_root, run.job.bundle)
 
     def _measure(self, run: RunningAttempt, now: float) -> None:
         """End the attempt's VRAM holding (it now waits for the reclaim gate) and,
@@ -965,84 +821,8 @@ class Broker(WarmServing):
     # -- results ------------------------------------------------------------
 
     def _finish_bundles(self, now: float, *, force: bool = False) -> None:
-        """Write the result of each bundle whose jobs have all ended. Bundles touched
-        by this loop are looked at at once; all open ones every few seconds, since a
-        client's cancel in another process touches a bundle without the loop."""
-        roots = {str(r.path): r for r in self.roots}
-        if force or now - self._last_bundle_check >= _FULL_BUNDLE_SCAN_S:
-            self._last_bundle_check = now
-            candidates = self.store.open_bundles()
-        elif self._touched:
-            candidates = [
-                rec
-                for key in sorted(self._touched)
-                if (rec := self.store.get_bundle(*key)) is not None and rec.finished_at is None
-            ]
-        else:
-            return
-        self._touched.clear()
-        for rec in candidates:
-            root = roots.get(rec.queue_root)
-            if root is None:
-                continue
-            jobs = [self.store.get_job(i) for i in rec.job_ids]
-            if not all(j is not None and j.state.terminal for j in jobs):
-                continue
-            try:  # one bundle that cannot be written must not hold up the others
-                self._write_result(root, rec, [j for j in jobs if j is not None], now)
-            except Exception as exc:
-                tries = self._result_failures.get(rec.name, 0) + 1
-                self._result_failures[rec.name] = tries
-                self._record_error(f"writing the result of bundle {rec.name} (try {tries})", exc)
-                if tries >= _RESULT_TRIES:
-                    self._give_up_result(root, rec, exc, now)
-
-    def _give_up_result(
-        self, root: QueueRoot, rec: BundleRecord, exc: Exception, now: float
-    ) -> None:
-        """A result that can never be written: the input goes to failed/, with why."""
-        stem = rec.name.removesuffix(".zip")
-        why = (
-            f"the result of bundle {rec.name} could not be written {_RESULT_TRIES} times: "
-            f"{exc}. Its jobs' results are in the store: `gpuwarden show JOB`.\n"
-        )
-        reason_path = root.failed / f"{stem}.reason.txt"
-        try:
-            reason_path.write_text(why)
-            if (root.processing / rec.name).exists():
-                root.move_to_failed(root.processing / rec.name, stem + KEPT_INPUT)
-        except OSError as again:
-            self._record_error(f"moving bundle {rec.name} to failed/", again)
-            return
-        self.store.finish_bundle(
-            rec.queue_root, rec.name, now=now, outcome="unwritable", result_path=str(reason_path)
-        )
-        self._result_failures.pop(rec.name, None)
-        self._emit("bundle_unwritable", bundle=rec.name, reason=why.strip())
-
-    def _write_result(
-        self, root: QueueRoot, rec: BundleRecord, jobs: list[Job], now: float
-    ) -> None:
-        results: list[tuple[dict[str, Any], Path | None]] = []
-        for job in jobs:
-            body = result_json(job, self.store.attempts(job.id))
-            out = job.result.get("output_dir")
-            results.append((body, Path(out) if out and job.state is JobState.DONE else None))
-        all_done = all(j.state is JobState.DONE for j in jobs)
-        dest = root.outbox if all_done else root.failed
-        path = bundles.write_result_bundle(dest, rec.name, results)
-        faults.point("after_result_write")
-        self.store.finish_bundle(
-            rec.queue_root,
-            rec.name,
-            now=now,
-            outcome="done" if all_done else "failed",
-            result_path=str(path),
-        )
-        faults.point("after_bundle_finish")
-        root.remove_from_processing(rec.name)
-        shutil.rmtree(self._staging_for(root, rec.name), ignore_errors=True)
-        self._emit("bundle_finished", bundle=rec.name, result=str(path))
+        """Write the result of each bundle whose jobs have all ended."""
+        self.queues.finish_bundles(now, force=force)
 
     # -- status and events --------------------------------------------------
 
@@ -1141,37 +921,6 @@ class Broker(WarmServing):
 
     def wait_reason(self, job_id: str) -> str | None:
         return self._waits.get(job_id)
-
-
-def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:
-    """The ``result.json`` of one job: status, message or reason, attempts, timings,
-    exit code, clipped output, and the fingerprint of the module's ``src/``."""
-    last = attempts[-1] if attempts else None
-    done = job.state is JobState.DONE
-    started = job.result.get("started_at")
-    ended = job.result.get("ended_at")
-    return {
-        "id": job.id,
-        "type": job.type,
-        "status": job.state.value,
-        "message": job.result.get("message", job.reason) if done else job.reason,
-        "reason": job.reason,
-        "attempts": len(attempts),
-        "exit_code": job.exit_code,
-        "timings": {
-            "submitted_at": job.submitted_at,
-            "started_at": started,
-            "ended_at": ended,
-            "finished_at": job.updated_at,
-            "queued_s": round(started - job.submitted_at, 3) if started else None,
-            "run_s": round(ended - started, 3) if started and ended else None,
-        },
-        "stdout": last.stdout if last else "",
-        "stderr": last.stderr if last else "",
-        "outputs": job.result.get("outputs", []) if done else [],
-        "module_fingerprint": job.result.get("module_fingerprint"),
-        "gpu": job.result.get("gpu"),
-    }
 
 
 def _is_input(jobtype: JobType, name: str) -> bool:

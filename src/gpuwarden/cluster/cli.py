@@ -57,6 +57,15 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
         metavar="HOST:PORT",
         help="where to listen (default 127.0.0.1:8765; port 0: any free port)",
     )
+    sp.add_argument(
+        "--queue",
+        dest="queues",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="DIR",
+        help="a queue root to read bundles from, besides the config's queue_roots (repeatable)",
+    )
     _local_flags(sp)
     sp.set_defaults(func=cmd_coordinator)
 
@@ -125,13 +134,19 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from gpuwarden.api import create_app
     from gpuwarden.api.routers.nodes import install_sweeper
     from gpuwarden.app import open_store
+    from gpuwarden.cluster.queues import QueueWatcher
     from gpuwarden.config import DATABASE_URL_PREFIXES
+    from gpuwarden.intake.queueroot import QueueRoot
     from gpuwarden.registry import Registry
     from gpuwarden.store.base import Store
     from gpuwarden.store.sqlite import SqliteStore
 
     config = cli._config(args)
     host, port = cli._parse_address(args.bind)
+    roots = [
+        QueueRoot.open(p, create=config.create_queue_roots)
+        for p in dict.fromkeys([*config.queue_roots, *(q.resolve() for q in args.queues)])
+    ]
     store: Store
     if args.db and args.db.startswith(DATABASE_URL_PREFIXES):
         from gpuwarden.store.postgres import PostgresStore, redact_url
@@ -144,6 +159,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     else:
         store = open_store(config)
         where = config.database or str(config.db_path)
+    watcher: QueueWatcher | None = None
     try:
         registry = Registry.load(config.module_paths, config.launch_rules)
         app = create_app(store, registry, config)
@@ -178,16 +194,23 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             f"  store       {where}\n"
             f"  job types   {', '.join(sorted(registry.types)) or 'none'}\n"
             f"  leases      {c.lease_s:g} s; offline after {c.offline_after_s:g} s; "
-            f"sweep every {c.sweep_every_s:g} s"
+            f"sweep every {c.sweep_every_s:g} s\n"
+            f"  queue roots {', '.join(str(r.path) for r in roots) or 'none'}"
         )
         if bound[0] not in ("127.0.0.1", "::1"):
             cli.err.print(
                 "[yellow]warning:[/] the API speaks plain HTTP: tokens cross the network in "
                 "clear text; put it behind a TLS proxy on untrusted networks"
             )
+        if roots:
+            # bundles in, result bundles out; agents run the jobs
+            watcher = QueueWatcher(store, registry, config, roots)
+            watcher.start()
         while thread.is_alive():
             thread.join(0.5)
     finally:
+        if watcher is not None:
+            watcher.stop()
         store.close()
     return 0
 

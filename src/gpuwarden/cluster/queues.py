@@ -1,0 +1,158 @@
+"""The coordinator's queue roots: bundles in, result bundles out, on a thread.
+
+The coordinator takes bundles in from its queue roots exactly as the single-host
+broker does (:class:`gpuwarden.intake.service.QueueIntake`); agents run the jobs.
+With several coordinators on one database, only the one holding the store's
+maintenance lock reads queue roots, and each root is read by one process of this
+host at a time (an exclusive ``flock`` on ``<root>/.gpuwarden-coordinator.lock``):
+two coordinators never take the same bundle (the store's bundle uniqueness is the
+backstop). A coordinator that takes a root over re-reads what an earlier one
+left in its ``processing/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuwarden.config import Config
+from gpuwarden.core.model import Event, JobSpec
+from gpuwarden.errors import ValidationError
+from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.intake.service import QueueIntake
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore
+
+log = logging.getLogger("gpuwarden.cluster")
+
+#: the file in a queue root whose lock says which coordinator reads it
+ROOT_LOCK = ".gpuwarden-coordinator.lock"
+
+
+def refuse_input_files(specs: list[JobSpec]) -> None:
+    """Agents are never offered a job with input files (they stay on this host):
+    such a bundle is refused at once rather than left queued for ever."""
+    for spec in specs:
+        if spec.inputs:
+            raise ValidationError(
+                f"job {spec.id} ({spec.type}) has input files ({', '.join(spec.inputs)}); "
+                "a coordinator cannot pass input files to its agents yet: drop the bundle "
+                "into a queue root of a single-host broker (`gpuwarden serve`)"
+            )
+
+
+class QueueWatcher:
+    """Ticks a :class:`QueueIntake` over the roots this process holds."""
+
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        config: Config,
+        roots: list[QueueRoot],
+        *,
+        clock: Callable[[], float] = time.time,
+        interval_s: float | None = None,
+    ) -> None:
+        self.store = store
+        self.roots = list(roots)
+        self.clock = clock
+        self.interval_s = interval_s if interval_s is not None else config.broker.poll_interval_s
+        self.intake = QueueIntake(
+            store=store,
+            registry=registry,
+            config=config,
+            roots=self.roots,
+            emit=self._emit,
+            on_error=self._record_error,
+            check=refuse_input_files,
+            clock=clock,
+            remote_outputs=True,
+        )
+        #: root path -> the open lock file of a root this process reads
+        self._held: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error: dict[str, Any] | None = None
+
+    # -- the thread ---------------------------------------------------------
+
+    def start(self) -> None:
+        if not self.roots or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="gpuwarden-queues", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+            self._thread = None
+        self._release_all()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.once()
+            except Exception as exc:  # the thread must outlive a failing store call
+                self._record_error("queue roots", exc)
+            self._stop.wait(self.interval_s)
+
+    # -- one pass -----------------------------------------------------------
+
+    def once(self) -> list[QueueRoot]:
+        """Take the roots this process may read, then one intake and one finish
+        over them. Returns the roots it read."""
+        if isinstance(self.store, ClusterStore) and not self.store.try_maintenance_lock():
+            self._release_all()  # another coordinator leads: it reads the roots
+            return []
+        now = self.clock()
+        for root in self.roots:
+            key = str(root.path)
+            if key not in self._held and self._lock(root):
+                # taken over (or at start): what an earlier reader left in processing/
+                self.intake.recover(now, [root])
+        held = [r for r in self.roots if str(r.path) in self._held]
+        if held:
+            self.intake.intake(now, held)
+            self.intake.finish_bundles(self.clock(), roots=held)
+        return held
+
+    def _lock(self, root: QueueRoot) -> bool:
+        try:
+            fd = os.open(root.path / ROOT_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            self._record_error(f"opening the lock of queue root {root.path}", exc)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self._held[str(root.path)] = fd
+        log.info("reading queue root %s", root.path)
+        return True
+
+    def _release_all(self) -> None:
+        for fd in self._held.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)  # closing the descriptor drops its flock
+        self._held.clear()
+
+    def _emit(self, kind: str, **detail: Any) -> None:
+        job = detail.pop("job", None)
+        self.store.add_event(Event(ts=self.clock(), kind=kind, job_id=job, detail=detail))
+
+    def _record_error(self, where: str, exc: Exception) -> None:
+        log.error("queue roots: %s failed: %s", where, exc, exc_info=exc)
+        self.last_error = {"ts": self.clock(), "where": where, "message": str(exc)}
+        with contextlib.suppress(Exception):  # the store itself may be what failed
+            self._emit("loop_error", where=where, message=str(exc))

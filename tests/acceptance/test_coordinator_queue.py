@@ -1,0 +1,192 @@
+"""A coordinator reads a queue root like the single-host broker does: one coordinator
+process (SQLite, and PostgreSQL when reachable) and one agent with a simulated GPU,
+each a process of its own. A bundle of two echo jobs ends in outbox/ with both
+results; a bad bundle, and one with input files, end in failed/ with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from gpuwarden.core.model import JobSpec
+from gpuwarden.intake.bundle import read_result_bundle, write_bundle
+from tests.acceptance.test_cluster import _config, _healthy, free_port, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """None: the coordinator's own SQLite; else a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        yield None
+        return
+    pg_url: str = request.getfixturevalue("pg_url")
+    dbname = f"gw_cq_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    try:
+        yield pg_url.rsplit("/", 1)[0] + f"/{dbname}"
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
+            )
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_coordinator_reads_its_queue_root(database: str | None, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
+    modules = [str(REPO / "modules"), str(REPO / "tests" / "modules")]
+    queue = tmp_path / "queue"
+    coord: dict[str, object] = {
+        "state_dir": str(tmp_path / "coordinator"),
+        "module_paths": modules,
+        "allow_unsandboxed_containers": True,
+        "broker": {"poll_interval_s": 0.1},
+        "cluster": {"sweep_every_s": 0.5},
+    }
+    if database is not None:
+        coord["database"] = database
+    coord_cfg = _config(tmp_path / "coordinator.toml", coord)
+
+    def gw(*args: str, token: str = "") -> subprocess.CompletedProcess[str]:
+        e = {**env, "GPUWARDEN_TOKEN": token} if token else env
+        return subprocess.run(
+            [sys.executable, "-m", "gpuwarden", "--config", str(coord_cfg), *args],
+            env=e,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    made = gw("token", "create", "admin", "--role", "owner", "--json")
+    assert made.returncode == 0, made.stderr
+    owner = json.loads(made.stdout)["token"]
+    procs: list[subprocess.Popen[bytes]] = []
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with (tmp_path / "coordinator.stderr").open("ab") as err:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *(sys.executable, "-m", "gpuwarden", "--config", str(coord_cfg)),
+                        *("coordinator", "--bind", f"127.0.0.1:{port}", "--queue", str(queue)),
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            )
+        wait_for("the coordinator", lambda: _healthy(url), timeout=60)
+        for sub in ("inbox", "processing", "outbox", "failed"):
+            assert (queue / sub).is_dir()  # made at start
+        agent_cfg = _config(
+            tmp_path / "agent.toml",
+            {
+                "state_dir": str(tmp_path / "agent"),
+                "module_paths": modules,
+                "allow_unsandboxed_containers": True,
+                "sim_gpu": {"vram_gib": 24, "release_delay_s": 0.05},
+                "broker": {"poll_interval_s": 0.05, "shutdown_grace_s": 2},
+                "cluster": {"claim_every_s": 0.3, "max_jobs": 4},
+            },
+        )
+        invited = gw("node", "invite", "a1", "--url", url, "--json", token=owner)
+        assert invited.returncode == 0, invited.stderr
+        with (tmp_path / "agent.stderr").open("ab") as err:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *(sys.executable, "-m", "gpuwarden", "--mock-gpu"),
+                        *("--config", str(agent_cfg), "agent", "--coordinator", url),
+                        *("--enroll", json.loads(invited.stdout)["token"]),
+                        *("--log", str(tmp_path / "agent.events.jsonl")),
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            )
+
+        now = time.time()
+        good = write_bundle(
+            queue / "inbox",
+            [
+                JobSpec(id="cq-one", type="echo.echo", params={"text": "one"}),
+                JobSpec(id="cq-two", type="echo.echo", params={"text": "two"}),
+            ],
+            now=now,
+        )
+        bad = write_bundle(
+            queue / "inbox",
+            [JobSpec(id="cq-bad", type="echo.echo", params={"text": 5, "bogus": 1})],
+            now=now + 1,
+        )
+        given = tmp_path / "data.txt"
+        given.write_text("data\n")
+        with_inputs = write_bundle(
+            queue / "inbox",
+            [JobSpec(id="cq-in", type="echo.echo", params={"text": "x"}, inputs=("data.txt",))],
+            {"data.txt": given},
+            now=now + 2,
+        )
+
+        done = queue / "outbox" / good.name
+        wait_for("the result bundle in outbox/", done.exists, timeout=120)
+        results = read_result_bundle(done)
+        assert set(results) == {"cq-one", "cq-two"}
+        for job_id, text in (("cq-one", "one"), ("cq-two", "two")):
+            r = results[job_id]
+            assert r["status"] == "done", r
+            assert r["node"] == "a1"
+            assert text in r["stdout"]
+        with zipfile.ZipFile(done) as zf:
+            names = set(zf.namelist())
+        # the agent runs on this host: its outputs are on this disk and come along
+        assert "cq-one/outputs/echo.txt" in names
+        assert not (queue / "processing" / good.name).exists()
+        assert not list((queue / "inbox").glob("*.zip"))
+
+        refused = queue / "failed" / bad.name
+        wait_for("the bad bundle in failed/", refused.exists, timeout=30)
+        reason = read_result_bundle(refused)["cq-bad"]["reason"]
+        assert "the bundle was refused" in reason and "text" in reason, reason
+        assert (queue / "failed" / (bad.name.removesuffix(".zip") + ".input.zip")).exists()
+
+        refused_inputs = queue / "failed" / with_inputs.name
+        wait_for("the bundle with input files in failed/", refused_inputs.exists, timeout=30)
+        reason = read_result_bundle(refused_inputs)["cq-in"]["reason"]
+        assert "input files" in reason, reason
+    finally:
+        _stop(procs)
+    for name in ("coordinator.stderr", "agent.stderr"):
+        text = (tmp_path / name).read_text()
+        assert "Traceback" not in text, text
