@@ -29,6 +29,7 @@ from gpuwarden import __version__, explain
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.broker import result_json
 from gpuwarden.cluster import cli as cluster_cli
+from gpuwarden.cluster import coordinator
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import (
@@ -53,6 +54,7 @@ from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store, Submission
+from gpuwarden.store.cluster import ClusterStore
 
 #: a broker whose status is older than this is reported as not running
 STALE_AFTER_S = 120.0
@@ -111,6 +113,15 @@ def build_parser() -> argparse.ArgumentParser:
             type=Path,
             metavar="FILE",
             help="an input file for the job (repeatable); named by its file name",
+        )
+        sp.add_argument(
+            "--constraint",
+            dest="constraints",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="what the node that runs it must have (repeatable): min_gpu_vram_gib=N, "
+            "gpu_model=TEXT, node=NAME, label.KEY=VALUE",
         )
         sp.add_argument(
             "--want",
@@ -388,6 +399,41 @@ def _job_params(jobtype: JobType, args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+def parse_constraints(items: Sequence[str]) -> dict[str, Any]:
+    """``--constraint KEY=VALUE`` options as a job's ``constraints`` object (checked
+    later, with the job): ``min_gpu_vram_gib`` is a number, ``label.KEY=VALUE`` a label."""
+    out: dict[str, Any] = {}
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValidationError(
+                f"--constraint {item!r}: write it as KEY=VALUE (min_gpu_vram_gib=40, "
+                "gpu_model=H100, node=NAME, label.KEY=VALUE)"
+            )
+        if key.startswith("label."):
+            name = key.removeprefix("label.")
+            if not name:
+                raise ValidationError(f"--constraint {item!r}: name the label, label.KEY=VALUE")
+            labels[name] = value
+        elif key == "labels":
+            raise ValidationError(f"--constraint {item!r}: give each label as label.KEY=VALUE")
+        elif key == "min_gpu_vram_gib":
+            try:
+                number = float(value)
+            except ValueError:
+                raise ValidationError(
+                    f"--constraint {item!r}: min_gpu_vram_gib must be a number of GiB"
+                ) from None
+            out[key] = int(number) if number.is_integer() else number
+        else:
+            out[key] = value  # an unknown key is refused with the job's other checks
+    if labels:
+        out["labels"] = labels
+    return out
+
+
 def _spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
     jobtype = registry.get(args.type)
     params = _job_params(jobtype, args)
@@ -399,6 +445,7 @@ def _spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         outputs=tuple(args.outputs),
         priority=args.priority,
         vram_bytes=int(args.vram_gib * GIB) if args.vram_gib is not None else None,
+        constraints=parse_constraints(args.constraints),
     )
     return prepare(registry, spec)
 
@@ -646,6 +693,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     store = open_store(config)
     try:
         _refuse_if_it_never_fits(spec, registry, store, config)
+        _refuse_if_no_node_ever_could(spec, registry, store)
         input_dir = config.state_dir / "inputs" / spec.id
         if args.inputs:
             _copy_inputs(args.inputs, input_dir)
@@ -691,6 +739,15 @@ def _refuse_if_it_never_fits(
     need = explain.effective_footprint(jobtype, spec.vram_bytes, store)
     if (why := never_fits(need, view.gpus)) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
+
+
+def _refuse_if_no_node_ever_could(spec: JobSpec, registry: Registry, store: Store) -> None:
+    """Against the enrolled nodes of a coordinator's store (none: no check)."""
+    if not isinstance(store, ClusterStore):
+        return
+    why = coordinator.submission_refusal(store, registry, spec, time.time())
+    if why is not None:
+        raise ValidationError(f"job {spec.id} ({spec.type}): {why}")
 
 
 def _submit_to_queue(args: argparse.Namespace) -> int:
@@ -1225,6 +1282,7 @@ def _submit_http(args: argparse.Namespace, client: Any) -> int:
         priority=args.priority,
         vram_gib=args.vram_gib,
         outputs=args.outputs,
+        constraints=parse_constraints(args.constraints),
     )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:

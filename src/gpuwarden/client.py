@@ -14,7 +14,7 @@ request was at fault), so the CLI prints them as one line.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Self
 from urllib.parse import quote
@@ -157,9 +157,12 @@ class Client:
         vram_gib: float | None = None,
         outputs: Iterable[str] = (),
         idempotency_key: str | None = None,
+        constraints: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
-        the same request returns the same job instead of a second one."""
+        the same request returns the same job instead of a second one. ``constraints``:
+        what the node that runs it must have (``min_gpu_vram_gib``, ``gpu_model``,
+        ``labels``, ``node``; SPEC.md section 4)."""
         body: dict[str, Any] = {"type": type, "params": dict(params or {}), "priority": priority}
         if id is not None:
             body["id"] = id
@@ -167,6 +170,8 @@ class Client:
             body["vram_gib"] = vram_gib
         if outputs:
             body["outputs"] = list(outputs)
+        if constraints:
+            body["constraints"] = dict(constraints)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         job: dict[str, Any] = self._json("POST", "/v1/jobs", json=body, headers=headers)
         return job

@@ -4,6 +4,7 @@ drain and revoke."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -342,3 +343,101 @@ def test_explain_placement(s: ClusterStore, registry: Registry) -> None:
     assert claim(s, registry, "huge", 2.0) == ["big"]
     [line] = co.explain_placement(s, registry, s.get_job("big"), 3.0, TIMING)  # type: ignore[arg-type]
     assert "leased to node huge" in line
+
+
+def _relabel(s: ClusterStore, name: str, now: float, **changes: Any) -> None:
+    record = s.get_node(name)
+    assert record is not None
+    s.touch_node(name, {**record.report, **changes}, now)
+
+
+def test_a_job_asking_for_a_node_is_offered_only_to_that_node(
+    s: ClusterStore, registry: Registry
+) -> None:
+    enrol(s, "a", 24)
+    enrol(s, "b", 24)
+    job = gpu_job("pinned", 1)
+    s.submit([replace(job, constraints={"node": "b"})], now=1.0)
+    assert claim(s, registry, "a", 40.0) == []
+    assert claim(s, registry, "b", 40.0) == ["pinned"]
+
+
+def test_gpu_model_and_label_constraints_steer_placement(
+    s: ClusterStore, registry: Registry
+) -> None:
+    enrol(s, "plain", 80)
+    enrol(s, "h100", 80)
+    enrol(s, "rack-b", 80)
+    _relabel(
+        s,
+        "h100",
+        0.0,
+        gpus=[
+            {
+                "uuid": "GPU-9",
+                "name": "NVIDIA H100 80GB HBM3",
+                "total_bytes": 80 * GIB,
+                "free_bytes": 80 * GIB,
+                "usable_bytes": 80 * GIB,
+            }
+        ],
+    )
+    _relabel(s, "rack-b", 0.0, labels={"rack": "b"})
+    model = gpu_job("wants-h100", 1)
+    rack = gpu_job("wants-rack-b", 1)
+    big = gpu_job("wants-big-gpu", 1)
+    s.submit(
+        [
+            replace(model, constraints={"gpu_model": "h100"}),
+            replace(rack, constraints={"labels": {"rack": "b"}}),
+            replace(big, constraints={"min_gpu_vram_gib": 100}),
+        ],
+        now=1.0,
+    )
+    assert claim(s, registry, "plain", 40.0) == []
+    assert claim(s, registry, "h100", 40.0) == ["wants-h100"]
+    assert claim(s, registry, "rack-b", 40.0) == ["wants-rack-b"]
+    job = s.get_job("wants-big-gpu")
+    assert job is not None
+    [why] = co.explain_placement(s, registry, job, 5.0, TIMING)
+    assert why.startswith("no node can ever run it: h100: the job asks for at least 100.0 GiB")
+    assert "plain: the job asks for at least 100.0 GiB per GPU" in why
+
+
+def test_labels_from_enrolment_count_until_a_report_has_them(
+    s: ClusterStore, registry: Registry
+) -> None:
+    s.create_token(
+        token_id="t-lab",
+        name="lab",
+        role=Role.NODE,
+        secret_hash="x",
+        now=0.0,
+        created_by="local",
+        node="lab",
+    )
+    co.enroll(s, "lab", token_id="t-lab", capabilities={"labels": {"site": "x"}}, now=0.0)
+    rep = report(24)
+    del rep["labels"]
+    s.touch_node("lab", rep, 0.0)
+    s.submit(
+        [replace(gpu_job("site", 1), constraints={"labels": {"site": "x"}})],
+        now=1.0,
+    )
+    assert claim(s, registry, "lab", 40.0) == ["site"]
+
+
+def test_submission_refusal_judges_enrolled_nodes(s: ClusterStore, registry: Registry) -> None:
+    job = replace(gpu_job("huge", 100), constraints={})
+    assert co.submission_refusal(s, registry, job, 1.0) is None  # no node: it waits
+    enrol(s, "n1", 80)
+    assert co.submission_refusal(s, registry, job, 1.0) == (
+        "no node can ever run it: n1: needs 100.0 GiB on one GPU; its largest has 80.0 GiB"
+    )
+    assert co.submission_refusal(s, registry, gpu_job("fits", 8), 1.0) is None
+    pinned = replace(gpu_job("p", 8), constraints={"node": "n9"})
+    assert co.submission_refusal(s, registry, pinned, 1.0) == (
+        "no node can ever run it: n1: the job asks for node 'n9'"
+    )
+    co.revoke(s, registry, "n1", now=2.0)  # a revoked node is not judged: it waits
+    assert co.submission_refusal(s, registry, pinned, 3.0) is None

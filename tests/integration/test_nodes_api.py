@@ -305,11 +305,79 @@ def test_the_sweeper_runs_in_the_apps_lifespan(env: Env) -> None:
 
 def test_explain_says_why_no_node_took_a_job(env: Env) -> None:
     env.clock.t = time.time()  # explain judges a node's heartbeat by the wall clock
-    env.enrol("small")
-    env.post("/v1/node/heartbeat", "small", {"report": report(8)})
+    # submitted before any node enrolled: it is taken, and waits
     r = env.post("/v1/jobs", "owner", {"type": "testmods.gpu", "params": {}, "vram_gib": 20})
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
+    env.enrol("small")
+    env.post("/v1/node/heartbeat", "small", {"report": report(8)})
     r = env.client.get(f"/v1/jobs/{job_id}/explain", headers=env.h("owner"))
     lines = r.json()["lines"]
     assert any(ln.startswith("no node can ever run it") and "small:" in ln for ln in lines), lines
+
+
+def test_a_job_no_enrolled_node_can_ever_run_is_refused(env: Env) -> None:
+    big = {"type": "testmods.gpu", "params": {}, "vram_gib": 100}
+    r = env.post("/v1/jobs", "submitter", {**big, "id": "early"})
+    assert r.status_code == 201, r.text  # no node yet: it waits
+    env.enrol("n1")
+    env.post("/v1/node/heartbeat", "n1", {"report": report(80, labels={"rack": "a"})})
+    r = env.post("/v1/jobs", "submitter", big)
+    assert r.status_code == 422, r.text
+    assert (
+        "no node can ever run it: n1: needs 100.0 GiB on one GPU; its largest has 80.0 GiB"
+        in (r.json()["error"])
+    )
+    pinned = {"type": "testmods.gpu", "params": {}, "vram_gib": 1}
+    r = env.post("/v1/jobs", "submitter", {**pinned, "constraints": {"node": "n2"}})
+    assert r.status_code == 422 and "n1: the job asks for node 'n2'" in r.json()["error"]
+    r = env.post("/v1/jobs", "submitter", {**pinned, "constraints": {"labels": {"rack": "b"}}})
+    assert r.status_code == 422 and "the job asks for label rack=b" in r.json()["error"]
+    # one node that can is enough
+    env.enrol("n2")
+    env.post("/v1/node/heartbeat", "n2", {"report": report(24)})
+    r = env.post("/v1/jobs", "submitter", {**pinned, "constraints": {"node": "n2"}})
+    assert r.status_code == 201, r.text
+    # a draining node still counts; a revoked one does not
+    env.post("/v1/nodes/n1/drain", "owner")
+    ok = {**pinned, "constraints": {"labels": {"rack": "a"}}}
+    assert env.post("/v1/jobs", "submitter", ok).status_code == 201
+    env.post("/v1/nodes/n2/revoke", "owner")
+    r = env.post("/v1/jobs", "submitter", {**pinned, "constraints": {"node": "n2"}})
+    assert r.status_code == 422 and "n1: the job asks for node 'n2'" in r.json()["error"]
+
+
+def test_constraints_are_taken_checked_and_shown(env: Env) -> None:
+    want = {"min_gpu_vram_gib": 16, "gpu_model": "sim", "labels": {"rack": "a"}, "node": "n1"}
+    body = {"type": "testmods.gpu", "params": {}, "vram_gib": 1, "constraints": want}
+    r = env.post("/v1/jobs", "submitter", body)
+    assert r.status_code == 201, r.text
+    job = r.json()
+    assert job["constraints"] == want
+    got = env.client.get(f"/v1/jobs/{job['id']}", headers=env.h("submitter")).json()
+    assert got["constraints"] == want
+    listed = env.client.get("/v1/jobs", headers=env.h("submitter")).json()
+    assert listed[0]["constraints"] == want
+    stored = env.store.get_job(job["id"])
+    assert stored is not None and stored.constraints == want
+    r = env.post("/v1/jobs", "submitter", {**body, "constraints": {"zone": "x"}})
+    assert r.status_code == 422 and "unknown constraint 'zone'" in r.json()["error"]
+    cpu = {"type": "testmods.sleep", "params": {"seconds": 0}}
+    r = env.post("/v1/jobs", "submitter", {**cpu, "constraints": {"gpu_model": "A100"}})
+    assert r.status_code == 422 and "runs on the cpu lane" in r.json()["error"]
+    r = env.post("/v1/jobs", "submitter", {**cpu, "constraints": {"node": "n1"}})
+    assert r.status_code == 201, r.text
+
+
+def test_a_node_enrolled_but_not_yet_heard_is_judged_by_its_enrolment(env: Env) -> None:
+    env.tokens["enroll-n1"] = env.invite("n1")
+    gpu = {"uuid": "GPU-1", "name": "NVIDIA A100", "total_bytes": 40 * GIB}
+    caps = {"gpus": [gpu], "labels": {"rack": "a"}}
+    r = env.post("/v1/nodes/enroll", "enroll-n1", {"capabilities": caps})
+    assert r.status_code == 201, r.text
+    job = {"type": "testmods.gpu", "params": {}, "vram_gib": 30}
+    assert env.post("/v1/jobs", "submitter", job).status_code == 201
+    r = env.post("/v1/jobs", "submitter", {**job, "constraints": {"gpu_model": "H100"}})
+    assert r.status_code == 422 and "a GPU model matching 'H100'" in r.json()["error"]
+    ok = {**job, "constraints": {"gpu_model": "a100", "labels": {"rack": "a"}}}
+    assert env.post("/v1/jobs", "submitter", ok).status_code == 201

@@ -439,3 +439,16 @@ def test_failed_submit_records_no_idempotency_key(store: Store) -> None:
     assert store.idempotency_record("0123456789ab", "k") is None
     jobs = store.submit([spec("b")], now=3.0, idempotency=("0123456789ab", "k", "h"))
     assert [j.id for j in jobs] == ["b"]
+
+
+def test_constraints_round_trip(store: Store) -> None:
+    want = {"min_gpu_vram_gib": 40.5, "gpu_model": "H100", "labels": {"rack": "a"}, "node": "n1"}
+    [job] = store.submit([spec("c", constraints=want), spec("plain")], now=1.0)[:1]
+    assert job.constraints == want
+    got = store.get_job("c")
+    assert got is not None and got.constraints == want
+    plain = store.get_job("plain")
+    assert plain is not None and plain.constraints == {}
+    listed = {j.id: j.constraints for j in store.list_jobs()}
+    assert listed == {"c": want, "plain": {}}
+    assert {j.id: j.constraints for j in store.queued_jobs()} == listed

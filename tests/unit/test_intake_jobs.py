@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -265,3 +266,50 @@ def test_a_type_the_launch_rules_refuse_is_refused_at_submission(registry: Regis
     why = invalid(registry, JobSpec(id="c1", type="echo.container", params={"text": "x"}))
     assert why.startswith("job c1: refused by this node's launch rules: echo.container")
     assert "allow_unsandboxed_containers = true" in why
+
+
+# --- constraints ------------------------------------------------------------------------
+
+
+def test_constraints_are_checked_and_kept(vram_registry: Registry) -> None:
+    want = {"min_gpu_vram_gib": 40, "gpu_model": "H100", "labels": {"rack": "a"}, "node": "n1"}
+    spec = JobSpec(id="c1", type="ocr.read", params={"scan": "s"}, inputs=("s",), constraints=want)
+    assert prepare(vram_registry, spec).constraints == want
+
+
+def test_a_cpu_job_may_ask_for_a_node_and_labels(registry: Registry) -> None:
+    spec = replace(echo("c2"), constraints={"node": "n1", "labels": {}})
+    assert prepare(registry, spec).constraints == {"node": "n1", "labels": {}}
+
+
+@pytest.mark.parametrize(
+    ("constraints", "message"),
+    [
+        ({"gpu": "H100"}, "unknown constraint 'gpu' (allowed: min_gpu_vram_gib, gpu_model,"),
+        ({"min_gpu_vram_gib": "40"}, "constraint min_gpu_vram_gib must be a number, got '40'"),
+        ({"min_gpu_vram_gib": True}, "constraint min_gpu_vram_gib must be a number"),
+        ({"min_gpu_vram_gib": 0}, "constraint min_gpu_vram_gib must be > 0"),
+        ({"gpu_model": 3}, "constraint gpu_model must be a non-empty string, got 3"),
+        ({"gpu_model": ""}, "constraint gpu_model must be a non-empty string"),
+        ({"labels": ["a"]}, "constraint labels must be an object"),
+        ({"labels": {"rack": 1}}, "constraint label rack must be a string, got 1"),
+        ({"node": "../x"}, "constraint node '../x' is not a node name"),
+    ],
+)
+def test_bad_constraints_are_refused(
+    vram_registry: Registry, constraints: dict[str, Any], message: str
+) -> None:
+    spec = JobSpec(
+        id="c3", type="ocr.read", params={"scan": "s"}, inputs=("s",), constraints=constraints
+    )
+    assert invalid(vram_registry, spec).startswith(f"job c3: {message}")
+
+
+@pytest.mark.parametrize("key", ["min_gpu_vram_gib", "gpu_model"])
+def test_gpu_constraints_only_for_the_vram_lane(registry: Registry, key: str) -> None:
+    value: Any = 8 if key == "min_gpu_vram_gib" else "A100"
+    spec = replace(echo("c4"), constraints={key: value})
+    assert invalid(registry, spec) == (
+        f"job c4: constraint {key} asks for a GPU, but echo.echo runs on the cpu lane "
+        "and never uses one"
+    )

@@ -9,7 +9,7 @@ import pytest
 
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.errors import BundleError
-from gpuwarden.intake.bundle import BundleLimits, parse_manifest
+from gpuwarden.intake.bundle import BundleLimits, _manifest_doc, parse_manifest
 
 
 def _doc(*jobs: dict[str, Any], **top: Any) -> bytes:
@@ -232,3 +232,32 @@ def test_a_job_cannot_widen_its_sandbox(key: str, value: Any, named: str) -> Non
         parse_manifest(_doc(_job(**{key: value})))
     text = str(err.value)
     assert f"jobs[0]: key {key!r}: a job cannot set" in text and named in text
+
+
+def test_constraints_are_read_and_checked() -> None:
+    want = {"min_gpu_vram_gib": 40.5, "gpu_model": "A100", "labels": {"rack": "b"}, "node": "n2"}
+    [job] = parse_manifest(_doc(_job(constraints=want)))
+    assert job.constraints == want
+    [plain] = parse_manifest(_doc(_job()))
+    assert plain.constraints == {}
+
+
+@pytest.mark.parametrize(
+    ("constraints", "message"),
+    [
+        ([], "constraints must be an object"),
+        ({"zone": "x"}, "unknown constraint 'zone'"),
+        ({"min_gpu_vram_gib": -1}, "constraint min_gpu_vram_gib must be > 0"),
+        ({"labels": {"k": None}}, "constraint label k must be a string"),
+    ],
+)
+def test_bad_constraints_are_refused(constraints: Any, message: str) -> None:
+    with pytest.raises(BundleError) as info:
+        parse_manifest(_doc(_job(constraints=constraints)))
+    assert f"jobs[0].constraints: {message}" in str(info.value)
+
+
+def test_constraints_survive_writing_a_bundle() -> None:
+    spec = JobSpec(id="w1", type="echo.echo", constraints={"node": "n1"})
+    [back] = parse_manifest(json.dumps(_manifest_doc([spec])).encode())
+    assert back.constraints == {"node": "n1"}

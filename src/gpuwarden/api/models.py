@@ -69,11 +69,22 @@ class JobIn(_Request):
     vram_gib: Annotated[float, Field(gt=0, le=1_048_576)] | None = Field(
         default=None, description="this job's VRAM footprint (vram lane only)"
     )
+    constraints: dict[str, Any] = Field(
+        default_factory=dict,
+        description="what the job asks of the node it runs on: min_gpu_vram_gib, gpu_model "
+        "(vram lane only), labels, node (SPEC.md section 4)",
+    )
 
     @field_validator("params", mode="after")
     @classmethod
     def _params_are_json(cls, value: dict[str, Any]) -> dict[str, Any]:
         _check_json_value(value, "params")
+        return value
+
+    @field_validator("constraints", mode="after")
+    @classmethod
+    def _constraints_are_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_json_value(value, "constraints")
         return value
 
     @field_validator("id", "type", mode="after")
@@ -130,6 +141,7 @@ class JobOut(BaseModel):
     cancel_requested: bool
     bundle: str | None
     owner: str | None
+    constraints: dict[str, Any] = {}
 
     @classmethod
     def of(cls, j: Job) -> JobOut:
@@ -149,6 +161,7 @@ class JobOut(BaseModel):
             cancel_requested=j.cancel_requested,
             bundle=j.bundle,
             owner=j.owner,
+            constraints=j.constraints,
         )
 
 

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden.core import placement
-from gpuwarden.core.model import Job, Lane, format_bytes
-from gpuwarden.core.placement import GpuRoom, NodeView, Offerable
+from gpuwarden.core.model import Job, JobSpec, Lane, format_bytes
+from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UserError
 from gpuwarden.registry import Registry
@@ -129,8 +129,48 @@ def offerable(
         priority=job.priority,
         seq=job.seq,
         submitted_at=job.submitted_at,
+        constraints=Constraints.of(job.constraints),
         avoid=frozenset(lost),
     )
+
+
+def judged_view(record: NodeRecord) -> NodeView:
+    """A node as a submission is judged against: its last report, or before its
+    first report the GPUs it enrolled with (all their memory usable)."""
+    if record.report.get("gpus"):
+        return node_view(record)
+    caps = record.capabilities
+    gpus = [
+        {**g, "free_bytes": g.get("total_bytes", 0)}
+        for g in caps.get("gpus", [])
+        if isinstance(g, Mapping)
+    ]
+    return node_view(record, report={**record.report, "gpus": gpus})
+
+
+def submission_refusal(
+    store: ClusterStore, registry: Registry, spec: JobSpec, now: float
+) -> str | None:
+    """Why no enrolled node (active or draining) could ever run the job ``spec``
+    asks for, or None when one could, or when none is enrolled (it waits)."""
+    records = [r for r in store.list_nodes() if r.state in (NodeState.ACTIVE, NodeState.DRAINING)]
+    if not records:
+        return None
+    draft = Claimable(
+        id=spec.id,
+        type=spec.type,
+        priority=spec.priority,
+        seq=0,
+        submitted_at=now,
+        vram_bytes=spec.vram_bytes,
+        attempts=0,
+        constraints=spec.constraints,
+    )
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    off = offerable(draft, registry, footprints)
+    if off is None:
+        return None
+    return placement.never_placeable(off, [judged_view(r) for r in records])
 
 
 def _live_counts(leases: list[Lease], now: float) -> dict[str, int]:
@@ -239,6 +279,7 @@ def claim(
                 "outputs": list(job.outputs),
                 "priority": job.priority,
                 "vram_bytes": job.vram_bytes,
+                "constraints": job.constraints,
                 "attempts": job.attempts,
                 "lease_id": lease_id,
                 "expires_at": expires_at,

@@ -92,6 +92,8 @@ class JobSpec:
     outputs: tuple[str, ...] = ()
     priority: int = 0
     vram_bytes: int | None = None  # per-job footprint override (ad-hoc jobs)
+    #: what the job asks of the host it runs on (``gpuwarden.core.placement.CONSTRAINT_KEYS``)
+    constraints: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +119,8 @@ class Job:
     result: dict[str, Any] = field(default_factory=dict)
     #: the id of the API token that submitted it (None: the CLI on the host, a bundle)
     owner: str | None = None
+    #: what the job asks of the host it runs on (SPEC.md section 4)
+    constraints: dict[str, Any] = field(default_factory=dict)
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

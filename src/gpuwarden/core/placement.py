@@ -10,12 +10,84 @@ not a start.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from gpuwarden.core.model import Lane, format_bytes
+from gpuwarden.core.model import GIB, Lane, format_bytes
 
-__all__ = ["Constraints", "GpuRoom", "NodeView", "Offerable", "never_placeable", "offers_for"]
+__all__ = [
+    "CONSTRAINT_KEYS",
+    "Constraints",
+    "GpuRoom",
+    "NodeView",
+    "Offerable",
+    "check_constraints",
+    "never_placeable",
+    "offers_for",
+]
+
+#: the keys of a job's ``constraints`` object (SPEC.md section 4)
+CONSTRAINT_KEYS = ("min_gpu_vram_gib", "gpu_model", "labels", "node")
+#: the constraints that only mean something for a job on the vram lane
+GPU_CONSTRAINTS = frozenset({"min_gpu_vram_gib", "gpu_model"})
+_MAX_GIB = 1_048_576
+_MAX_TEXT = 200
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_constraints(raw: Any) -> dict[str, Any]:
+    """Check a job's ``constraints`` object and return a copy of it. Raise
+    :class:`ValueError` saying what is wrong (the caller names where it was)."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"constraints must be an object, got {_show(raw)}")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in CONSTRAINT_KEYS:
+            raise ValueError(
+                f"unknown constraint {_show(key)} (allowed: {', '.join(CONSTRAINT_KEYS)})"
+            )
+        if key == "min_gpu_vram_gib":
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(
+                    f"constraint min_gpu_vram_gib must be a number, got {_show(value)}"
+                )
+            if not math.isfinite(value) or value <= 0 or value > _MAX_GIB:
+                raise ValueError(
+                    f"constraint min_gpu_vram_gib must be > 0 and at most {_MAX_GIB}, "
+                    f"got {_show(value)}"
+                )
+            out[key] = value
+        elif key in ("gpu_model", "node"):
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"constraint {key} must be a non-empty string, got {_show(value)}")
+            if len(value) > _MAX_TEXT:
+                raise ValueError(f"constraint {key} is longer than {_MAX_TEXT} characters")
+            if key == "node" and not _NODE_NAME.fullmatch(value):
+                raise ValueError(
+                    f"constraint node {_show(value)} is not a node name (1-64 letters, digits, "
+                    "'.', '_' or '-', starting with a letter or digit)"
+                )
+            out[key] = value
+        else:  # labels
+            if not isinstance(value, Mapping):
+                raise ValueError(f"constraint labels must be an object, got {_show(value)}")
+            labels: dict[str, str] = {}
+            for k, v in value.items():
+                if not isinstance(k, str) or not k or len(k) > _MAX_TEXT:
+                    raise ValueError(f"constraint labels has a bad key {_show(k)}")
+                if not isinstance(v, str) or len(v) > _MAX_TEXT:
+                    raise ValueError(f"constraint label {k} must be a string, got {_show(v)}")
+                labels[k] = v
+            out[key] = labels
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +98,19 @@ class Constraints:
     gpu_model: str = ""  # a substring of the GPU's name, case-insensitive
     labels: Mapping[str, str] = field(default_factory=dict)
     node: str = ""  # this node only
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any] | None) -> Constraints:
+        """From a job's checked ``constraints`` object (see :func:`check_constraints`)."""
+        if not raw:
+            return cls()
+        gib = raw.get("min_gpu_vram_gib") or 0
+        return cls(
+            min_gpu_vram_bytes=math.ceil(float(gib) * GIB),
+            gpu_model=str(raw.get("gpu_model", "")),
+            labels={str(k): str(v) for k, v in dict(raw.get("labels") or {}).items()},
+            node=str(raw.get("node", "")),
+        )
 
     def refusal(self, node: NodeView) -> str | None:
         """Why ``node`` can never take a job with these constraints, or None."""

@@ -38,6 +38,7 @@ from typing import IO, Any
 
 from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
+from gpuwarden.core.placement import check_constraints
 from gpuwarden.errors import BundleError
 
 __all__ = [
@@ -66,7 +67,7 @@ _TYPE_RE = re.compile(r"[^.\s]+\.[^.\s]+")
 _DRIVE_RE = re.compile(r"[A-Za-z]:")
 
 _TOP_KEYS = ("version", "jobs")
-_JOB_KEYS = ("id", "type", "params", "inputs", "outputs", "priority", "vram_gib")
+_JOB_KEYS = ("id", "type", "params", "inputs", "outputs", "priority", "vram_gib", "constraints")
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _MAX_VRAM_GIB = 2**20  # 1 PiB: anything above is a typo, and keeps vram_bytes in int64
@@ -270,6 +271,13 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
             raise BundleError(f"{at}.vram_gib must be at most {_MAX_VRAM_GIB}, got {_show(vram)}")
         vram_bytes = math.ceil(vram * GIB)
 
+    constraints: dict[str, Any] = {}
+    if "constraints" in raw:
+        try:
+            constraints = check_constraints(raw["constraints"])
+        except ValueError as exc:
+            raise BundleError(f"{at}.constraints: {exc}") from None
+
     return JobSpec(
         id=job_id,
         type=jtype,
@@ -278,6 +286,7 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         outputs=outputs,
         priority=priority,
         vram_bytes=vram_bytes,
+        constraints=constraints,
     )
 
 
@@ -361,6 +370,8 @@ def _manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
         if job.vram_bytes is not None:
             gib = job.vram_bytes / GIB  # exact: GIB is a power of two
             entry["vram_gib"] = int(gib) if gib.is_integer() else gib
+        if job.constraints:
+            entry["constraints"] = dict(job.constraints)
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}
 

@@ -9,6 +9,7 @@ from pathlib import PurePosixPath
 
 from gpuwarden.core.model import JobSpec, Lane
 from gpuwarden.core.params import validate_params
+from gpuwarden.core.placement import GPU_CONSTRAINTS, check_constraints
 from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 
@@ -55,4 +56,14 @@ def prepare(registry: Registry, spec: JobSpec) -> JobSpec:
             )
         if spec.vram_bytes <= 0:
             raise ValidationError(f"job {spec.id}: the VRAM footprint must be > 0")
-    return replace(spec, params=params, inputs=inputs, outputs=outputs)
+    try:
+        constraints = check_constraints(spec.constraints)
+    except ValueError as exc:
+        raise ValidationError(f"job {spec.id}: {exc}") from None
+    gpu_only = sorted(GPU_CONSTRAINTS & constraints.keys())
+    if gpu_only and jobtype.lane is not Lane.VRAM:
+        raise ValidationError(
+            f"job {spec.id}: constraint {', '.join(gpu_only)} asks for a GPU, but "
+            f"{jobtype.name} runs on the cpu lane and never uses one"
+        )
+    return replace(spec, params=params, inputs=inputs, outputs=outputs, constraints=constraints)

@@ -68,6 +68,7 @@ class Claimable:
     submitted_at: float
     vram_bytes: int | None
     attempts: int
+    constraints: dict[str, Any] = field(default_factory=dict)
 
 
 class ClusterStore(Store):

@@ -372,6 +372,7 @@ class PostgresStore(PostgresCluster, Store):
                             "outputs": _jsonb(list(spec.outputs)),
                             "vram_bytes": spec.vram_bytes,
                             "spec_hash": spec_hash(spec),
+                            "constraints": _jsonb(spec.constraints),
                             "now": now,
                             "bundle": origin.bundle,
                             "queue_root": origin.queue_root,
@@ -932,6 +933,7 @@ def _job(row: DictRow) -> Job:
         cancel_requested=bool(row["cancel_requested"]),
         result=row["result"],
         owner=row["owner"],
+        constraints=row["constraints"],
     )
 
 

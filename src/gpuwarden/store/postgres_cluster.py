@@ -183,6 +183,7 @@ class PostgresCluster(ClusterStore):
                 submitted_at=r["submitted_at"],
                 vram_bytes=r["vram_bytes"],
                 attempts=r["attempts"],
+                constraints=dict(r["constraints"]),
             )
             for r in self._cread("claimable_jobs", now=now, limit=limit)
         ]

@@ -47,6 +47,8 @@ def spec_hash(spec: JobSpec) -> str:
             "outputs": list(spec.outputs),
             "priority": spec.priority,
             "vram_bytes": spec.vram_bytes,
+            # only when given: the fingerprints of jobs without constraints are unchanged
+            **({"constraints": spec.constraints} if spec.constraints else {}),
         },
         sort_keys=True,
     )
@@ -222,6 +224,7 @@ class SqliteStore(SqliteCluster, Store):
                         "outputs": json.dumps(list(spec.outputs)),
                         "vram_bytes": spec.vram_bytes,
                         "spec_hash": spec_hash(spec),
+                        "constraints": json.dumps(spec.constraints, sort_keys=True),
                         "now": now,
                         "bundle": origin.bundle,
                         "queue_root": origin.queue_root,
@@ -725,6 +728,7 @@ def _job(row: sqlite3.Row) -> Job:
         cancel_requested=bool(row["cancel_requested"]),
         result=json.loads(row["result"]),
         owner=row["owner"],
+        constraints=json.loads(row["constraints"]),
     )
 
 

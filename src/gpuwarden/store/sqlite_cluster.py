@@ -151,6 +151,7 @@ class SqliteCluster(ClusterStore):
                 submitted_at=r["submitted_at"],
                 vram_bytes=r["vram_bytes"],
                 attempts=r["attempts"],
+                constraints=json.loads(r["constraints"]),
             )
             for r in self._cread("claimable_jobs", now=now, limit=limit)
         ]

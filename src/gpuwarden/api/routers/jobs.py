@@ -30,12 +30,14 @@ from gpuwarden.api.context import (
 from gpuwarden.api.errors import ApiError
 from gpuwarden.api.models import ErrorOut, Explanation, JobDetail, JobIn, JobOut
 from gpuwarden.broker import result_json
+from gpuwarden.cluster import coordinator
 from gpuwarden.core import policy
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare, safe_relpath
 from gpuwarden.store.base import Submission
+from gpuwarden.store.cluster import ClusterStore
 
 # defence in depth: a route the gate did not grant a scope to is refused (403)
 router = APIRouter(tags=["jobs"], dependencies=[Depends(get_scope)])
@@ -95,10 +97,12 @@ def submit_job(
             outputs=tuple(body.outputs),
             priority=body.priority,
             vram_bytes=vram,
+            constraints=dict(body.constraints),
         ),
     )
     set_target(request, spec.id)
     _refuse_if_it_never_fits(ctx, spec, jobtype)
+    _refuse_if_no_node_ever_could(ctx, spec)
     idempotency = None
     replay = False
     if idempotency_key is not None:
@@ -148,6 +152,17 @@ def _refuse_if_it_never_fits(ctx: ApiContext, spec: JobSpec, jobtype: JobType) -
     need = explain.effective_footprint(jobtype, spec.vram_bytes, ctx.store)
     if (why := policy.never_fits(need, gpus)) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
+
+
+def _refuse_if_no_node_ever_could(ctx: ApiContext, spec: JobSpec) -> None:
+    """Against the enrolled nodes (active or draining), by their last reports and
+    the job's constraints; with no node enrolled the job is taken (it waits)."""
+    if not isinstance(ctx.store, ClusterStore):
+        return
+    if (
+        why := coordinator.submission_refusal(ctx.store, ctx.registry, spec, ctx.clock())
+    ) is not None:
+        raise ValidationError(f"job {spec.id} ({spec.type}): {why}")
 
 
 @router.get("/v1/jobs", response_model=list[JobOut], responses=_ERRORS)

@@ -47,7 +47,8 @@ ON CONFLICT (job_id) DO UPDATE
  WHERE leases.expires_at <= %(now)s;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+       j.constraints
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND j.inputs = '[]'::jsonb
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)

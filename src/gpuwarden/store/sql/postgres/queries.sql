@@ -4,10 +4,11 @@
 
 -- name: insert_job
 INSERT INTO jobs (id, type, state, priority, params, inputs, outputs, vram_bytes,
-                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner)
+                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner,
+                  constraints)
 VALUES (%(id)s, %(type)s, 'queued', %(priority)s, %(params)s, %(inputs)s, %(outputs)s,
         %(vram_bytes)s, %(spec_hash)s, %(now)s, %(now)s, %(bundle)s, %(queue_root)s,
-        %(input_dir)s, %(owner)s);
+        %(input_dir)s, %(owner)s, %(constraints)s);
 
 -- name: job_ids_existing
 SELECT id FROM jobs WHERE id = ANY(%(ids)s::text[]);

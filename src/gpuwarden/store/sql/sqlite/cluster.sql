@@ -39,7 +39,8 @@ ON CONFLICT (job_id) DO UPDATE
        leased_at = excluded.leased_at, started = 0, attempt = NULL;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+       j.constraints
   FROM jobs j
  WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.inputs = '[]'
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)

@@ -5,9 +5,10 @@ SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs;
 
 -- name: insert_job
 INSERT INTO jobs (id, seq, type, state, priority, params, inputs, outputs, vram_bytes,
-                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner)
+                  spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner,
+                  constraints)
 VALUES (:id, :seq, :type, 'queued', :priority, :params, :inputs, :outputs, :vram_bytes,
-        :spec_hash, :now, :now, :bundle, :queue_root, :input_dir, :owner);
+        :spec_hash, :now, :now, :bundle, :queue_root, :input_dir, :owner, :constraints);
 
 -- name: job_ids_existing
 SELECT id FROM jobs WHERE id IN (SELECT value FROM json_each(:ids));

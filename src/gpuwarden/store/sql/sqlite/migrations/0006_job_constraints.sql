@@ -1,0 +1,4 @@
+-- What a job asks of the host it runs on (placement across nodes): a JSON object
+-- with min_gpu_vram_gib, gpu_model, labels, node (SPEC.md section 4).
+
+ALTER TABLE jobs ADD COLUMN constraints TEXT NOT NULL DEFAULT '{}';
