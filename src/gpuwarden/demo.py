@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -335,7 +336,7 @@ def run_through_gpuwarden(
     task = progress.add_task(LABEL_GW, total=len(specs), info="starting")
     ids = [s.id for s in specs]
     ended = 0
-    with open_node(config, mock_gpu=True) as node:
+    with _quiet_unsandboxed(), open_node(config, mock_gpu=True) as node:
         store, broker = node.store, node.broker
         device = SimDevice.open(config.state_dir / SIM_STATE_FILE)
         with _sampling(device) as sampler:
@@ -444,6 +445,24 @@ def _module_paths() -> list[Path]:
     return paths + [p for p in default_module_paths() if p.resolve() != checkout]
 
 
+class _DropUnsandboxed(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("UNSANDBOXED")
+
+
+@contextlib.contextmanager
+def _quiet_unsandboxed() -> Iterator[None]:
+    """The broker's UNSANDBOXED warning, once per type, would cut through the demo's
+    progress bars; the demo says it once, above them."""
+    logger = logging.getLogger("gpuwarden.broker")
+    quiet = _DropUnsandboxed()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 def run_demo(
     console: Console,
     *,
@@ -475,7 +494,9 @@ def run_demo(
         f"[bold]gpuwarden demo[/]: {jobs} jobs ("
         + ", ".join(f"{n} {k}" for k, n in counts.most_common())
         + f") on one simulated {GPU_GIB:g} GiB GPU, "
-        f"{sum(s.params['gib'] for s in specs):g} GiB asked for in all"
+        f"{sum(s.params['gib'] for s in specs):g} GiB asked for in all\n"
+        "[dim](burn's types are container types; the demo runs them as plain host "
+        "processes: they are gpuwarden's own code)[/]"
     )
     tmp = Path(tempfile.mkdtemp(prefix="gpuwarden-demo-"))
     try:
