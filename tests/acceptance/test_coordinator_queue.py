@@ -1,7 +1,9 @@
 """A coordinator reads a queue root like the single-host broker does: one coordinator
 process (SQLite, and PostgreSQL when reachable) and one agent with a simulated GPU,
 each a process of its own. A bundle of two echo jobs ends in outbox/ with both
-results; a bad bundle, and one with input files, end in failed/ with the reason."""
+results and their outputs (uploaded by the agent to the coordinator); a bundle
+with an input file runs on the agent (it fetched the file) and ends in outbox/; a
+bad bundle ends in failed/ with the reason."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 from psycopg import sql
@@ -154,7 +157,14 @@ def test_coordinator_reads_its_queue_root(database: str | None, tmp_path: Path) 
         given.write_text("data\n")
         with_inputs = write_bundle(
             queue / "inbox",
-            [JobSpec(id="cq-in", type="echo.echo", params={"text": "x"}, inputs=("data.txt",))],
+            [
+                JobSpec(
+                    id="cq-in",
+                    type="testmods.cat",
+                    params={"file": "data.txt"},
+                    inputs=("data.txt",),
+                )
+            ],
             {"data.txt": given},
             now=now + 2,
         )
@@ -170,8 +180,20 @@ def test_coordinator_reads_its_queue_root(database: str | None, tmp_path: Path) 
             assert text in r["stdout"]
         with zipfile.ZipFile(done) as zf:
             names = set(zf.namelist())
-        # the agent runs on this host: its outputs are on this disk and come along
+        # the agent uploaded its outputs: the coordinator packs its own copy
         assert "cq-one/outputs/echo.txt" in names
+        assert not any(n.endswith("OUTPUTS.txt") for n in names)
+        with zipfile.ZipFile(done) as zf:
+            packed = zf.read("cq-one/outputs/echo.txt")
+        copies = list((tmp_path / "coordinator" / "outputs" / "cq-one").glob("*/echo.txt"))
+        assert len(copies) == 1 and copies[0].read_bytes() == packed
+        got = httpx.get(
+            f"{url}/v1/jobs/cq-one/outputs/echo.txt",
+            headers={"Authorization": f"Bearer {owner}"},
+            timeout=10,
+        )
+        assert got.status_code == 200 and got.content == packed, got.text
+        assert b"one" in packed
         assert not (queue / "processing" / good.name).exists()
         assert not list((queue / "inbox").glob("*.zip"))
 
@@ -181,10 +203,14 @@ def test_coordinator_reads_its_queue_root(database: str | None, tmp_path: Path) 
         assert "the bundle was refused" in reason and "text" in reason, reason
         assert (queue / "failed" / (bad.name.removesuffix(".zip") + ".input.zip")).exists()
 
-        refused_inputs = queue / "failed" / with_inputs.name
-        wait_for("the bundle with input files in failed/", refused_inputs.exists, timeout=30)
-        reason = read_result_bundle(refused_inputs)["cq-in"]["reason"]
-        assert "input files" in reason, reason
+        ran = queue / "outbox" / with_inputs.name
+        wait_for("the bundle with an input file in outbox/", ran.exists, timeout=120)
+        r = read_result_bundle(ran)["cq-in"]
+        assert r["status"] == "done" and r["node"] == "a1", r
+        with zipfile.ZipFile(ran) as zf:
+            assert zf.read("cq-in/outputs/copy") == b"data\n"
+        # the agent ran it on its own copy of the input, fetched from the coordinator
+        assert (tmp_path / "agent" / "inputs" / "cq-in" / "data.txt").is_file()
     finally:
         _stop(procs)
     for name in ("coordinator.stderr", "agent.stderr"):

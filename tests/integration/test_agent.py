@@ -24,6 +24,7 @@ from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.registry import Registry
+from gpuwarden.store.base import Submission
 from gpuwarden.store.sqlite import SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,13 +82,13 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     yield from make_rig(tmp_path)
 
 
-def make_rig(tmp_path: Path) -> Iterator[Rig]:
+def make_rig(tmp_path: Path, **api: Any) -> Iterator[Rig]:
     coord_config = Config.model_validate(
         {
             "state_dir": tmp_path / "coord",
             "module_paths": MODULES,
             "allow_unsandboxed_containers": True,
-            "api": {"rate_per_s": 10_000, "burst": 10_000},
+            "api": {"rate_per_s": 10_000, "burst": 10_000, **api},
             "cluster": {"lease_s": 6, "offline_after_s": 8},
         }
     )
@@ -159,6 +160,44 @@ def test_a_leased_job_runs_here_and_its_result_goes_up(rig: Rig) -> None:
     local = rig.node.store.get_job("e1")
     assert local is not None and local.state is JobState.DONE
     rig.until("e1 forgotten", lambda: not rig.agent.held)
+    # its outputs went up first: the result points at the coordinator's copy
+    here = Path(job.result["output_dir"])
+    assert here.is_relative_to(Path(rig.store.path).parent / "coord" / "outputs" / "e1")
+    assert job.result["outputs"] == ["echo.txt"]
+    mine = Path(job.result["node_output_dir"]) / "echo.txt"
+    assert (here / "echo.txt").read_bytes() == mine.read_bytes()
+
+
+def test_a_job_with_staged_inputs_is_fetched_and_runs_here(rig: Rig, tmp_path: Path) -> None:
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    (staged / "data.txt").write_text("data\n")
+    registry = Registry.load(MODULES)
+    spec = prepare(
+        registry,
+        JobSpec(id="c1", type="testmods.cat", params={"file": "data.txt"}, inputs=("data.txt",)),
+    )
+    rig.store.submit([spec], now=time.time(), origin=Submission(input_dir=str(staged)))
+    rig.until("c1 done", lambda: rig.job("c1").state is JobState.DONE)
+    job = rig.job("c1")
+    assert (Path(job.result["output_dir"]) / "copy").read_text() == "data\n"
+    assert (staged / "data.txt").read_text() == "data\n"  # the agent ran on its own copy
+
+
+def test_an_output_over_the_limit_is_skipped_and_the_end_still_reported(
+    tmp_path: Path,
+) -> None:
+    rigs = make_rig(tmp_path, max_output_mib=1e-6)  # 1 byte
+    rig = next(rigs)
+    try:
+        registry = Registry.load(MODULES)
+        spec = prepare(registry, JobSpec(id="e2", type="echo.echo", params={"text": "hi"}))
+        rig.store.submit([spec], now=time.time())
+        rig.until("e2 done", lambda: rig.job("e2").state is JobState.DONE)
+        here = Path(rig.job("e2").result["output_dir"])
+        assert here.is_dir() and not list(here.iterdir())
+    finally:
+        rigs.close()
 
 
 def test_the_agent_reports_its_gpu_room(rig: Rig) -> None:

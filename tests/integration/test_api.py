@@ -154,6 +154,7 @@ class Case:
             self.path.replace("{job}", "{job_id}")
             .replace("{token}", "{token_id}")
             .replace("out.txt", "{path}")
+            .replace("GPU-sim-0000-12345678", "{gpu_uuid}")
         )
 
 
@@ -172,6 +173,7 @@ CASES = [
     Case("GET", "/v1/tokens", frozenset({R}), 200),
     Case("DELETE", "/v1/tokens/{token}", frozenset({R}), 200),
     Case("GET", "/v1/audit", frozenset({R, OP}), 200),
+    Case("POST", "/v1/gpus/GPU-sim-0000-12345678/clear", frozenset({R}), 202),
 ]
 
 
@@ -246,9 +248,12 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "node.claim": {"node"},
         "node.start": {"node"},
         "node.finish": {"node"},
+        "node.upload": {"node"},
+        "node.fetch": {"node"},
         "node.list": {R, OP},
         "node.drain": {R, OP},
         "node.revoke": {R},
+        "gpu.clear": {R},
     }
     order = [r.value for r in Role]
     got = {a: {order[i] for i, s in enumerate(row) if s is not None} for a, row in MATRIX.items()}
@@ -727,3 +732,19 @@ def test_error_bodies_are_one_json_object(api: Api) -> None:
         assert r.headers["content-type"] == "application/json"
         body = r.json()
         assert list(body) == ["error"] and isinstance(body["error"], str) and body["error"]
+
+
+def test_only_an_owner_clears_a_gpu_fault_and_the_request_reaches_the_broker(api: Api) -> None:
+    gpu = "GPU-sim-0000-12345678"
+    for who in ("operator", "submitter"):
+        r = api.client.post(f"/v1/gpus/{gpu}/clear", headers=api.h(who))
+        assert r.status_code == 403 and "owner" in r.json()["error"]
+    assert api.store.take_gpu_clears(now=api.clock()) == []
+    r = api.client.post(f"/v1/gpus/{gpu}/clear", headers=api.h("owner"))
+    assert r.status_code == 202 and r.json() == {"gpu": gpu, "requested": True}
+    # what the broker that owns the GPU takes on its next pass
+    assert api.store.take_gpu_clears(now=api.clock()) == [gpu]
+    bad = api.client.post("/v1/gpus/not-a-gpu/clear", headers=api.h("owner"))
+    assert bad.status_code == 422 and "GPU UUID" in bad.json()["error"]
+    rows = [r for r in api.store.audit_rows() if r.action == "gpu.clear"]
+    assert [r.outcome.split(":")[0] for r in rows] == ["refused", "refused", "ok", "refused"]

@@ -6,7 +6,7 @@ import threading
 
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.store.base import Store
+from gpuwarden.store.base import Store, Submission
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
 
@@ -208,3 +208,17 @@ def test_claimable_jobs_skip_leased_cancelled_and_input_jobs(store: Store) -> No
     assert [j.id for j in got] == ["hi", "a", "c"]
     assert got[0].priority == 5 and got[1].attempts == 0 and got[1].type == "echo.echo"
     assert [j.id for j in s.claimable_jobs(now=5.0, limit=1)] == ["hi"]
+    assert all(j.input_dir is None for j in got)
+
+
+def test_claimable_jobs_take_input_jobs_whose_inputs_were_staged(store: Store) -> None:
+    s = cs(store)
+    staged = JobSpec(id="st", type="testmods.cat", params={}, inputs=("f.txt",))
+    s.submit([staged], now=1.0, origin=Submission(input_dir="/staging/b"))
+    s.submit(
+        [JobSpec(id="plain", type="echo.echo", params={"text": "x"})],
+        now=2.0,
+        origin=Submission(input_dir="/staging/c"),
+    )
+    got = {j.id: j.input_dir for j in s.claimable_jobs(now=5.0)}
+    assert got == {"st": "/staging/b", "plain": None}  # no inputs: nothing to fetch

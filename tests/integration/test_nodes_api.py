@@ -18,6 +18,7 @@ from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.registry import Registry
+from gpuwarden.store.base import Submission
 from gpuwarden.store.cluster import NodeState
 from gpuwarden.store.sqlite import SqliteStore
 
@@ -175,6 +176,155 @@ def test_claim_start_finish_over_http(env: Env) -> None:
     assert any(a.action == "node.claim" and a.detail["jobs"] == ["j20"] for a in rows)
 
 
+def _started(env: Env, node: str, job_id: str) -> str:
+    """A job leased to ``node`` and started there: its lease id."""
+    env.store.submit([gpu_job(job_id, 1)], now=env.clock.t)
+    [job] = env.post("/v1/node/claim", node, {"report": report(24)}).json()["jobs"]
+    lease: str = job["lease_id"]
+    r = env.post(f"/v1/node/jobs/{job_id}/start", node, {"lease_id": lease})
+    assert r.status_code == 200, r.text
+    return lease
+
+
+def _put(env: Env, node: str, path: str, content: Any, lease: str) -> Any:
+    return env.client.put(path, params={"lease_id": lease}, content=content, headers=env.h(node))
+
+
+def test_outputs_go_up_and_are_served_by_the_coordinator(env: Env) -> None:
+    env.enrol("a")
+    lease = _started(env, "a", "j")
+    r = _put(env, "a", "/v1/node/jobs/j/outputs/sub/out.txt", b"hello\n", lease)
+    assert r.status_code == 200 and r.json() == {"path": "sub/out.txt", "bytes": 6}, r.text
+    kept = env.config.state_dir / "outputs" / "j" / "attempt-1" / "sub" / "out.txt"
+    assert kept.read_bytes() == b"hello\n"
+    assert not [p for p in kept.parent.iterdir() if p.name.endswith(".part")]
+    done = {
+        "lease_id": lease,
+        "state": "done",
+        "outcome": "succeeded",
+        "result": {"outputs": ["sub/out.txt"], "output_dir": "/on/the/agent/out"},
+    }
+    r = env.post("/v1/node/jobs/j/finish", "a", done)
+    assert r.status_code == 200, r.text
+    row = env.store.get_job("j")
+    assert row is not None
+    assert row.result["output_dir"] == str(kept.parent.parent)
+    assert row.result["node_output_dir"] == "/on/the/agent/out"
+    got = env.client.get("/v1/jobs/j/outputs/sub/out.txt", headers=env.h("owner"))
+    assert got.status_code == 200 and got.content == b"hello\n"
+    # the lease ended with the finish: no more uploads
+    r = _put(env, "a", "/v1/node/jobs/j/outputs/late.txt", b"x", lease)
+    assert r.status_code == 409
+    uploads = [a for a in env.store.audit_rows() if a.action == "node.upload"]
+    assert [a.outcome[:7] for a in uploads] == ["ok", "refused"]
+
+
+@pytest.mark.parametrize("path", ["../escape.txt", "a/../../b", "%2Fetc%2Fpasswd", "a%5Cb"])
+def test_an_upload_path_out_of_the_folder_is_refused(env: Env, path: str) -> None:
+    env.enrol("a")
+    lease = _started(env, "a", "j")
+    r = _put(env, "a", f"/v1/node/jobs/j/outputs/{path}", b"x", lease)
+    assert r.status_code in (404, 422), r.text
+    assert not (env.config.state_dir / "escape.txt").exists()
+    assert not (env.config.state_dir / "outputs" / "b").exists()
+
+
+def test_an_upload_through_a_symbolic_link_is_refused(env: Env, tmp_path: Path) -> None:
+    env.enrol("a")
+    lease = _started(env, "a", "j")
+    folder = env.config.state_dir / "outputs" / "j" / "attempt-1"
+    folder.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (folder / "link").symlink_to(elsewhere)
+    r = _put(env, "a", "/v1/node/jobs/j/outputs/link/x.txt", b"x", lease)
+    assert r.status_code == 422, r.text
+    assert not (elsewhere / "x.txt").exists()
+    r = _put(env, "a", "/v1/node/jobs/j/outputs/link/new/x.txt", b"x", lease)
+    assert r.status_code == 422, r.text
+    assert not (elsewhere / "new").exists()  # no folder made through the link
+
+
+def test_an_upload_under_a_wrong_lease_is_refused(env: Env) -> None:
+    env.enrol("a")
+    env.enrol("b")
+    lease = _started(env, "a", "j")
+    assert _put(env, "a", "/v1/node/jobs/j/outputs/o.txt", b"x", "not-it").status_code == 409
+    assert _put(env, "b", "/v1/node/jobs/j/outputs/o.txt", b"x", lease).status_code == 409
+    assert _put(env, "a", "/v1/node/jobs/nope/outputs/o.txt", b"x", lease).status_code == 409
+    assert not (env.config.state_dir / "outputs" / "j" / "attempt-1" / "o.txt").exists()
+
+
+def test_an_upload_past_max_output_mib_is_refused(tmp_path: Path) -> None:
+    e = Env(tmp_path)
+    e.config = e.config.model_copy(
+        update={"api": e.config.api.model_copy(update={"max_output_mib": 1.0, "max_body_mib": 0.5})}
+    )
+    e.app = create_app(e.store, e.registry, e.config, clock=e.clock)
+    e.client = TestClient(e.app)
+    try:
+        e.enrol("a")
+        lease = _started(e, "a", "j")
+        folder = e.config.state_dir / "outputs" / "j" / "attempt-1"
+        # larger than max_body_mib, within max_output_mib: taken
+        r = _put(e, "a", "/v1/node/jobs/j/outputs/ok.bin", b"x" * (800 * 1024), lease)
+        assert r.status_code == 200, r.text
+        # over it by Content-Length: refused before a byte is read
+        r = _put(e, "a", "/v1/node/jobs/j/outputs/big.bin", b"x" * (1024 * 1024 + 1), lease)
+        assert r.status_code == 413 and "max_output_mib" in r.json()["error"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams
+            for _ in range(20):
+                yield b"x" * (128 * 1024)
+
+        r = _put(e, "a", "/v1/node/jobs/j/outputs/big.bin", chunks(), lease)
+        assert r.status_code == 413, r.text
+        assert sorted(p.name for p in folder.iterdir()) == ["ok.bin"]
+        # other routes keep max_body_mib
+        r = e.client.post(
+            "/v1/node/heartbeat",
+            content=b"{" + b" " * (600 * 1024) + b"}",
+            headers={**e.h("a"), "content-type": "application/json"},
+        )
+        assert r.status_code == 413 and "max_body_mib" in r.json()["error"]
+    finally:
+        e.store.close()
+
+
+def test_a_leased_job_with_staged_inputs_is_offered_and_its_inputs_fetched(
+    env: Env, tmp_path: Path
+) -> None:
+    env.enrol("a")
+    env.enrol("b")
+    staged = tmp_path / "staged"
+    (staged / "sub").mkdir(parents=True)
+    (staged / "sub" / "data.txt").write_text("data\n")
+    (staged / "other.txt").write_text("not an input of it\n")
+    spec = JobSpec(
+        id="c", type="testmods.cat", params={"file": "sub/data.txt"}, inputs=("sub/data.txt",)
+    )
+    env.store.submit([spec], now=env.clock.t, origin=Submission(input_dir=str(staged)))
+    gone = JobSpec(id="g", type="testmods.cat", params={"file": "x"}, inputs=("x",))
+    env.store.submit([gone], now=env.clock.t, origin=Submission(input_dir=str(tmp_path / "no")))
+    [job] = env.post("/v1/node/claim", "a", {"report": report(24)}).json()["jobs"]
+    assert job["id"] == "c" and job["inputs"] == ["sub/data.txt"]  # g's folder is not here
+    lease = job["lease_id"]
+
+    def get(node: str, name: str, lease_id: str = lease) -> Any:
+        return env.client.get(
+            f"/v1/node/jobs/c/inputs/{name}", params={"lease_id": lease_id}, headers=env.h(node)
+        )
+
+    r = get("a", "sub/data.txt")  # before its start, too
+    assert r.status_code == 200 and r.content == b"data\n"
+    assert get("a", "other.txt").status_code == 404  # not among its inputs
+    assert get("a", "sub/../other.txt").status_code in (404, 422)
+    assert get("a", "sub/data.txt", "not-it").status_code == 409
+    assert get("b", "sub/data.txt").status_code == 409
+    (staged / "sub" / "data.txt").unlink()
+    assert get("a", "sub/data.txt").status_code == 404
+
+
 def test_a_late_report_after_the_lease_expired_is_refused(env: Env) -> None:
     env.enrol("a")
     env.enrol("b")
@@ -250,6 +400,8 @@ ROLE_CASES = [
     ("POST", "/v1/node/claim", {"node"}, {"report": {}}),
     ("POST", "/v1/node/jobs/j/start", {"node"}, {"lease_id": "x"}),
     ("POST", "/v1/node/jobs/j/finish", {"node"}, {"lease_id": "x", "state": "done"}),
+    ("PUT", "/v1/node/jobs/j/outputs/o.txt?lease_id=x", {"node"}, None),
+    ("GET", "/v1/node/jobs/j/inputs/i.txt?lease_id=x", {"node"}, None),
     ("GET", "/v1/nodes", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/drain", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/revoke", {"owner"}, None),
@@ -265,7 +417,15 @@ def test_the_role_cases_cover_every_node_endpoint(env: Env) -> None:
         if p.startswith(("/v1/node/", "/v1/nodes"))
     }
     cases = {
-        (m, p.replace("/j/", "/{job_id}/").replace("/n/", "/{name}/")) for m, p, _, _ in ROLE_CASES
+        (
+            m,
+            p.split("?")[0]
+            .replace("/j/", "/{job_id}/")
+            .replace("/n/", "/{name}/")
+            .replace("/o.txt", "/{path}")
+            .replace("/i.txt", "/{name}"),
+        )
+        for m, p, _, _ in ROLE_CASES
     }
     assert served == cases
 

@@ -50,14 +50,20 @@ from gpuwarden.api.limits import (
     retry_after,
     send_error,
 )
-from gpuwarden.api.routers import admin, jobs, nodes, status
+from gpuwarden.api.routers import admin, gpus, jobs, nodes, status
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 
 #: every router of the API, one per concern; the gate guards the routes of these
-ROUTERS: tuple[APIRouter, ...] = (jobs.router, admin.router, status.router, nodes.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    jobs.router,
+    admin.router,
+    status.router,
+    nodes.router,
+    gpus.router,
+)
 
 
 def create_app(
@@ -90,10 +96,19 @@ def create_app(
     async def body_refused(scope: Scope, message: str) -> None:
         await errors.audit_refusal(Request(scope), 413, message)
 
+    max_body = int(config.api.max_body_mib * MIB)
+    max_output = max(max_body, int(config.api.max_output_mib * MIB))
+
+    def limit_for(scope: Scope) -> tuple[int, str] | None:
+        if scope.get("method") == "PUT" and nodes.UPLOAD_PATH.fullmatch(scope.get("path", "")):
+            return max_output, "api.max_output_mib"
+        return None
+
     app.add_middleware(
         BodyLimitMiddleware,
-        max_bytes=int(config.api.max_body_mib * MIB),
+        max_bytes=max_body,
         on_refused=body_refused,
+        limit_for=limit_for,
     )
     app.add_middleware(Gate, ctx=ctx, routes=routes, limiter=limiter)
     if type(store).__name__ == "PostgresStore":  # several coordinators may share it

@@ -73,9 +73,12 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "node.claim":    (None, None,    None,     ALL,  None),
     "node.start":    (None, None,    None,     ALL,  None),
     "node.finish":   (None, None,    None,     ALL,  None),
+    "node.upload":   (None, None,    None,     ALL,  None),
+    "node.fetch":    (None, None,    None,     ALL,  None),
     "node.list":     (ALL,  ALL,     None,     None, None),
     "node.drain":    (ALL,  ALL,     None,     None, None),
     "node.revoke":   (ALL,  None,    None,     None, None),
+    "gpu.clear":     (ALL,  None,    None,     None, None),
 }
 # fmt: on
 _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)
@@ -84,7 +87,7 @@ _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)
 MUTATING = frozenset(
     {"job.submit", "job.cancel", "token.create", "token.revoke"}
     | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
-    | {"node.finish", "node.drain", "node.revoke"}
+    | {"node.finish", "node.upload", "node.drain", "node.revoke", "gpu.clear"}
 )
 #: actions that need no token
 PUBLIC = frozenset({"health.read"})

@@ -26,6 +26,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: called with the request's scope and the refusal's message before the 413 goes out
 OnRefused = Callable[[Scope, str], Awaitable[None]]
+#: a request's own limit, bytes and the setting that sets it, or None for the default
+LimitFor = Callable[[Scope], tuple[int, str] | None]
 
 
 async def send_error(
@@ -40,24 +42,35 @@ async def send_error(
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, max_bytes: int, on_refused: OnRefused | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int,
+        on_refused: OnRefused | None = None,
+        limit_for: LimitFor | None = None,
+    ):
         self.app = app
         self.max_bytes = max_bytes
         self.on_refused = on_refused
+        self.limit_for = limit_for
 
-    def _message(self) -> str:
-        return (
-            f"the request body is larger than the API accepts ({self.max_bytes} bytes, "
-            "api.max_body_mib in the broker's config): send less"
-        )
+    def _limit(self, scope: Scope) -> tuple[int, str]:
+        own = self.limit_for(scope) if self.limit_for is not None else None
+        return own if own is not None else (self.max_bytes, "api.max_body_mib")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, setting = self._limit(scope)
+        refusal = (
+            f"the request body is larger than the API accepts ({max_bytes} bytes, "
+            f"{setting} in the broker's config): send less"
+        )
         length = _content_length(scope)
-        if length is not None and length > self.max_bytes:
-            await self._refuse(scope, send)
+        if length is not None and length > max_bytes:
+            await self._refuse(scope, send, refusal)
             return
         seen = 0
         refused = False
@@ -70,10 +83,10 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     refused = True
                     if not started:
-                        await self._refuse(scope, send)
+                        await self._refuse(scope, send, refusal)
                     return {"type": "http.disconnect"}
             return message
 
@@ -87,8 +100,7 @@ class BodyLimitMiddleware:
 
         await self.app(scope, counting_receive, guarded_send)
 
-    async def _refuse(self, scope: Scope, send: Send) -> None:
-        message = self._message()
+    async def _refuse(self, scope: Scope, send: Send, message: str) -> None:
         if self.on_refused is not None:
             await self.on_refused(scope, message)
         await send_error(send, 413, message, {"connection": "close"})

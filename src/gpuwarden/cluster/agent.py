@@ -10,7 +10,9 @@ the coordinator's leases into that local store:
   draining, and which held jobs to stop (a client cancelled it; its lease went).
 * claim, while it has room: the leased jobs are submitted to the local store
   with the same ids (another id only if that one is taken locally already), and
-  the local broker admits and runs them as it would its own.
+  the local broker admits and runs them as it would its own; a job's input
+  files are fetched from the coordinator first (``GET
+  /v1/node/jobs/{id}/inputs/{name}``) into ``<state_dir>/inputs/<local id>/``.
 * reports: the local store's events after a cursor become ``start`` and
   ``finish`` reports (state, outcome, reason, exit code, result, output), each
   naming its lease; a report the coordinator refuses is dropped, and a job
@@ -20,8 +22,10 @@ the coordinator's leases into that local store:
   lease") and is never reported: by then the coordinator may have given it to
   another node.
 
-Outputs stay on the agent's disk (the state directory's ``jobs/``); the result
-(what ``result.json`` holds) goes to the coordinator.
+Before the finish of a ``done`` or ``failed`` attempt, its output files go up
+(``PUT /v1/node/jobs/{id}/outputs/{path}``); the coordinator keeps them and the
+result (what ``result.json`` holds) points at its copy. The agent keeps its own
+copy in the state directory's ``jobs/``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -39,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -50,8 +56,8 @@ from gpuwarden.core.model import Event, JobSpec, Lane
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError
 from gpuwarden.eventlog import EventLog
-from gpuwarden.intake.jobs import JOB_ID
-from gpuwarden.store.base import DuplicateJobError, Store
+from gpuwarden.intake.jobs import JOB_ID, safe_relpath
+from gpuwarden.store.base import DIRECT, DuplicateJobError, Store, Submission
 from gpuwarden.warm import ServerState
 
 log = logging.getLogger("gpuwarden.agent")
@@ -128,6 +134,42 @@ class Coordinator:
 
     def finish(self, job_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.post(f"/v1/node/jobs/{job_id}/finish", body)
+
+    def upload(self, job_id: str, lease_id: str, rel: str, file: Path) -> dict[str, Any]:
+        """Send one output file (streamed from disk) to the coordinator."""
+        path = f"/v1/node/jobs/{job_id}/outputs/{quote(rel)}"
+        try:
+            with file.open("rb") as f:
+                response = self._http.put(
+                    path,
+                    params={"lease_id": lease_id},
+                    content=f,
+                    headers={
+                        "content-type": "application/octet-stream",
+                        "content-length": str(file.stat().st_size),
+                    },
+                )
+        except httpx.HTTPError as exc:
+            raise CoordinatorError(f"cannot reach the coordinator at {self.url}: {exc}") from None
+        return _answer(response)
+
+    def fetch(self, job_id: str, lease_id: str, name: str, dest: Path) -> None:
+        """Fetch one input file of a leased job into ``dest`` (streamed to disk)."""
+        path = f"/v1/node/jobs/{job_id}/inputs/{quote(name)}"
+        part = dest.with_name(f".{dest.name}.part")
+        try:
+            with self._http.stream("GET", path, params={"lease_id": lease_id}) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _answer(response)
+                with part.open("wb") as f:
+                    for chunk in response.iter_bytes():
+                        f.write(chunk)
+            part.replace(dest)
+        except httpx.HTTPError as exc:
+            raise CoordinatorError(f"cannot reach the coordinator at {self.url}: {exc}") from None
+        finally:
+            part.unlink(missing_ok=True)
 
 
 def _answer(response: httpx.Response) -> dict[str, Any]:
@@ -268,6 +310,8 @@ class _Report:
     kind: str  # "start" | "finish"
     held: Held
     body: dict[str, Any] = field(default_factory=dict)
+    #: outputs sent to the coordinator already (a finish is retried after them)
+    uploaded: set[str] = field(default_factory=set)
 
 
 class Agent:
@@ -481,16 +525,24 @@ class Agent:
             local_id = f"{job_id}.{n}"
             if not JOB_ID.fullmatch(local_id):
                 local_id = f"{job_id[:100]}.{n}"
+        inputs = tuple(str(x) for x in payload.get("inputs") or ())
         spec = JobSpec(
             id=local_id,
             type=str(payload["type"]),
             params=dict(payload.get("params") or {}),
+            inputs=inputs,
             outputs=tuple(payload.get("outputs") or ()),
             priority=int(payload.get("priority") or 0),
             vram_bytes=payload.get("vram_bytes"),
         )
+        origin = DIRECT
+        if inputs:
+            folder = self._fetch_inputs(job_id, str(payload["lease_id"]), local_id, inputs)
+            if folder is None:  # its lease lapses; it goes elsewhere
+                return
+            origin = Submission(input_dir=str(folder))
         try:
-            self.store.submit([spec], now=self.broker.clock())
+            self.store.submit([spec], now=self.broker.clock(), origin=origin)
         except (DuplicateJobError, UserError) as exc:  # its lease lapses; it goes elsewhere
             log.error("leased job %s could not be queued here: %s", job_id, exc)
             return
@@ -498,6 +550,25 @@ class Agent:
         self.held[job_id] = h
         self._by_local[local_id] = job_id
         self.broker.wake()
+
+    def _fetch_inputs(
+        self, job_id: str, lease_id: str, local_id: str, inputs: tuple[str, ...]
+    ) -> Path | None:
+        """Fetch a leased job's input files from the coordinator into a folder of
+        this node's own (``<state_dir>/inputs/LOCAL_ID``); None when that fails."""
+        folder = self.broker.config.state_dir / "inputs" / local_id
+        try:
+            for name in inputs:
+                rel = safe_relpath(name, "input")
+                dest = folder / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                self.coordinator.fetch(job_id, lease_id, rel, dest)
+        except (CoordinatorError, Refused, UserError, OSError) as exc:
+            message = getattr(exc, "message", str(exc))
+            log.error("leased job %s: its input files could not be fetched: %s", job_id, message)
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
+        return folder
 
     # -- reports ----------------------------------------------------------------
 
@@ -580,6 +651,7 @@ class Agent:
                     self.coordinator.start(r.held.job_id, r.held.lease_id, r.body.get("gpu"))
                     r.held.started = True
                     continue
+                self._upload_outputs(r)
                 body = dict(r.body)
                 body["lease_id"] = r.held.lease_id
                 answer = self.coordinator.finish(r.held.job_id, body)
@@ -602,6 +674,33 @@ class Agent:
                 # the coordinator ended it (quarantined past its retries, cancelled)
                 r.held.ended = True
                 self._lose(r.held, f"the coordinator ended it ({answer.get('state')})")
+
+    def _upload_outputs(self, r: _Report) -> None:
+        """Before a job's end (done or failed) is reported, send its attempt's
+        output files up: the coordinator keeps them (SPEC.md, section 16)."""
+        if r.body.get("state") not in (JobState.DONE.value, JobState.FAILED.value):
+            return
+        result = r.body.get("result") or {}
+        out_dir = result.get("output_dir")
+        if not out_dir:
+            return
+        root = Path(str(out_dir))
+        for rel in [str(x) for x in result.get("outputs") or ()]:
+            if rel in r.uploaded:
+                continue
+            file = root / rel
+            if file.is_symlink() or not file.is_file():
+                log.warning("job %s: output %s is gone; not uploaded", r.held.job_id, rel)
+                r.uploaded.add(rel)
+                continue
+            try:
+                self.coordinator.upload(r.held.job_id, r.held.lease_id, rel, file)
+            except Refused as exc:
+                if exc.status == 409:
+                    raise  # the lease is gone: so is the report
+                # too large, or a path the coordinator refuses: the rest still goes
+                log.warning("job %s: output %s not uploaded: %s", r.held.job_id, rel, exc.message)
+            r.uploaded.add(rel)
 
     def _forget_ended(self) -> None:
         for job_id, h in list(self.held.items()):

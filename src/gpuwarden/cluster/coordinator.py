@@ -31,7 +31,7 @@ import dataclasses
 import re
 import secrets
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,12 +201,15 @@ def _offerable_jobs(
     registry: Registry,
     now: float,
     types: Collection[str] | None,
+    inputs_here: Callable[[str], bool] | None = None,
 ) -> list[Offerable]:
     footprints = {t: f.bytes for t, f in store.footprints().items()}
     out = []
     for job in store.claimable_jobs(now=now, limit=1000):
         if types is not None and job.type not in types:
             continue
+        if job.input_dir is not None and (inputs_here is None or not inputs_here(job.input_dir)):
+            continue  # its input files are not on this coordinator: it cannot pass them on
         lost = store.lost_nodes(job.id) if job.attempts else ()  # never ran: never lost
         off = offerable(job, registry, footprints, lost)
         if off is not None:
@@ -239,10 +242,13 @@ def claim(
     timing: Timing | None = None,
     types: Collection[str] | None = None,
     want: int | None = None,
+    inputs_here: Callable[[str], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Lease to the node the jobs placement offers it now; return their payloads
     (with the lease id). ``types``: the job types the node can run (None: any);
-    ``want``: the most jobs it asks for."""
+    ``want``: the most jobs it asks for; ``inputs_here``: whether a job's staged
+    input folder is on this coordinator (None: no job with input files is offered;
+    the node fetches the files with ``GET /v1/node/jobs/{id}/inputs/{name}``)."""
     timing = timing or Timing(lease_s=lease_s)
     record = store.get_node(node_name)
     if record is None or record.state is not NodeState.ACTIVE:
@@ -254,7 +260,7 @@ def claim(
         view = dataclasses.replace(view, max_jobs=min(view.max_jobs, view.busy + max(0, want)))
     if view.slots == 0:
         return []
-    queued = _offerable_jobs(store, registry, now, types)
+    queued = _offerable_jobs(store, registry, now, types, inputs_here)
     if not queued:
         return []
     others = _others(store, node_name, leases, now, timing)
@@ -277,6 +283,7 @@ def claim(
                 "type": job.type,
                 "params": job.params,
                 "outputs": list(job.outputs),
+                "inputs": list(job.inputs),
                 "priority": job.priority,
                 "vram_bytes": job.vram_bytes,
                 "constraints": job.constraints,
@@ -303,6 +310,29 @@ def _held_lease(
             f"{now - lease.expires_at:.1f} s ago: the report is refused"
         )
     return lease
+
+
+def check_upload(
+    store: ClusterStore, node_name: str, job_id: str, *, lease_id: str, now: float
+) -> int:
+    """May the node upload an output of the leased job now? Its attempt number, or
+    :class:`LeaseRefused` (the lease is not live and its, or it never started)."""
+    lease = _held_lease(store, node_name, job_id, lease_id, now)
+    if not lease.started or lease.attempt is None:
+        raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
+    return lease.attempt
+
+
+def check_fetch(
+    store: ClusterStore, node_name: str, job_id: str, *, lease_id: str, now: float
+) -> Job:
+    """May the node fetch the input files of the leased job now? The job, or
+    :class:`LeaseRefused` (the lease is not live and its)."""
+    _held_lease(store, node_name, job_id, lease_id, now)
+    job = store.get_job(job_id)
+    if job is None:  # pragma: no cover - a leased job exists
+        raise LeaseRefused(f"no job {job_id}")
+    return job
 
 
 def start(
@@ -350,6 +380,7 @@ def finish(
     stdout: str = "",
     stderr: str = "",
     release: bool = False,
+    output_dir: str | None = None,
 ) -> dict[str, Any]:
     """The node's attempt of the leased job ended in ``state`` (``queued``: the
     node retries it itself, and keeps the lease; with ``release``, the node gives
@@ -375,6 +406,11 @@ def finish(
             )
     body = dict(result or {})
     body["node"] = node_name
+    if output_dir is not None and state in (JobState.DONE, JobState.FAILED):
+        # the coordinator's own copy of what the node uploaded (SPEC.md, section 16)
+        if "output_dir" in body:
+            body["node_output_dir"] = body["output_dir"]
+        body["output_dir"] = output_dir
     try:
         job = store.finish_attempt(
             job_id,
@@ -614,7 +650,7 @@ def explain_placement(
             f"it is leased to node {lease.node} (lease ends in {lease.expires_at - now:.0f} s "
             "unless renewed): it waits in that node's own queue"
         ]
-    if job.inputs:
+    if job.inputs and not job.input_dir:
         return ["it has input files on the host it was submitted on: no agent is offered it"]
     lost = store.lost_nodes(job.id)
     footprints = {t: f.bytes for t, f in store.footprints().items()}

@@ -8,6 +8,11 @@ host at a time (an exclusive ``flock`` on ``<root>/.gpuwarden-coordinator.lock``
 two coordinators never take the same bundle (the store's bundle uniqueness is the
 backstop). A coordinator that takes a root over re-reads what an earlier one
 left in its ``processing/``.
+
+A bundle's input files stay staged under the coordinator's ``state_dir/staging/``
+until all of its jobs have ended: the agent a job is leased to fetches them
+(``GET /v1/node/jobs/{id}/inputs/{name}``), and only a coordinator that holds
+the staged folder offers such a job.
 """
 
 from __future__ import annotations
@@ -22,8 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuwarden.config import Config
-from gpuwarden.core.model import Event, JobSpec
-from gpuwarden.errors import ValidationError
+from gpuwarden.core.model import Event
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
 from gpuwarden.registry import Registry
@@ -34,18 +38,6 @@ log = logging.getLogger("gpuwarden.cluster")
 
 #: the file in a queue root whose lock says which coordinator reads it
 ROOT_LOCK = ".gpuwarden-coordinator.lock"
-
-
-def refuse_input_files(specs: list[JobSpec]) -> None:
-    """Agents are never offered a job with input files (they stay on this host):
-    such a bundle is refused at once rather than left queued for ever."""
-    for spec in specs:
-        if spec.inputs:
-            raise ValidationError(
-                f"job {spec.id} ({spec.type}) has input files ({', '.join(spec.inputs)}); "
-                "a coordinator cannot pass input files to its agents yet: drop the bundle "
-                "into a queue root of a single-host broker (`gpuwarden serve`)"
-            )
 
 
 class QueueWatcher:
@@ -72,7 +64,6 @@ class QueueWatcher:
             roots=self.roots,
             emit=self._emit,
             on_error=self._record_error,
-            check=refuse_input_files,
             clock=clock,
             remote_outputs=True,
         )

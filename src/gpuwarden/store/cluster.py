@@ -69,6 +69,9 @@ class Claimable:
     vram_bytes: int | None
     attempts: int
     constraints: dict[str, Any] = field(default_factory=dict)
+    #: a job with input files: the folder they were staged in (on the host that
+    #: took its bundle); None for a job without input files
+    input_dir: str | None = None
 
 
 class ClusterStore(Store):
@@ -126,9 +129,9 @@ class ClusterStore(Store):
 
     @abc.abstractmethod
     def claimable_jobs(self, *, now: float, limit: int = 1000) -> list[Claimable]:
-        """Queued jobs with no live lease, no cancel request and no input files (they
-        are on the host they were submitted on), highest priority first, then
-        arrival order."""
+        """Queued jobs with no live lease, no cancel request, and no input files
+        unless they were staged in a folder (``input_dir``), highest priority
+        first, then arrival order."""
 
     @abc.abstractmethod
     def renew_leases(

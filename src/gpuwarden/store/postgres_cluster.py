@@ -184,6 +184,7 @@ class PostgresCluster(ClusterStore):
                 vram_bytes=r["vram_bytes"],
                 attempts=r["attempts"],
                 constraints=dict(r["constraints"]),
+                input_dir=r["input_dir"],
             )
             for r in self._cread("claimable_jobs", now=now, limit=limit)
         ]

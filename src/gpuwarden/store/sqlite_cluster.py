@@ -152,6 +152,7 @@ class SqliteCluster(ClusterStore):
                 vram_bytes=r["vram_bytes"],
                 attempts=r["attempts"],
                 constraints=json.loads(r["constraints"]),
+                input_dir=r["input_dir"],
             )
             for r in self._cread("claimable_jobs", now=now, limit=limit)
         ]

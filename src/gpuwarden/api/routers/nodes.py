@@ -5,8 +5,9 @@
 * ``POST /v1/nodes/enroll`` (that enrolment token): the agent sends its host's
   capabilities and gets its node credential; the enrolment token is used up.
 * ``POST /v1/node/heartbeat``, ``/v1/node/claim``, ``/v1/node/jobs/{id}/start``,
-  ``/v1/node/jobs/{id}/finish`` (a node token): the node is the one the token is
-  bound to, never a name in the body.
+  ``/v1/node/jobs/{id}/finish``, ``PUT /v1/node/jobs/{id}/outputs/{path}``,
+  ``GET /v1/node/jobs/{id}/inputs/{name}`` (a node token): the node is the one
+  the token is bound to, never a name in the body.
 * ``GET /v1/nodes`` (operator, owner), ``POST /v1/nodes/{name}/drain`` (operator,
   owner), ``POST /v1/nodes/{name}/revoke`` (owner).
 
@@ -20,12 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.api.context import (
@@ -41,15 +48,17 @@ from gpuwarden.api.errors import ApiError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.sweeper import Sweeper
-from gpuwarden.core.model import Role
+from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import UserError
-from gpuwarden.intake.jobs import JOB_ID
+from gpuwarden.errors import UserError, ValidationError
+from gpuwarden.intake.jobs import JOB_ID, safe_relpath
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
 #: how long an enrolment token from ``node invite`` is valid
 INVITE_TTL_S = 15 * 60.0
+#: the upload route, whose bodies may be as large as ``api.max_output_mib``
+UPLOAD_PATH = re.compile(r"/v1/node/jobs/[^/]+/outputs/.+")
 
 router = APIRouter(tags=["nodes"], dependencies=[Depends(get_scope)])
 
@@ -202,6 +211,11 @@ def _refused(exc: co.LeaseRefused) -> ApiError:
     return ApiError(409, exc.message)
 
 
+def outputs_dir(ctx: ApiContext, job_id: str, attempt: int) -> Path:
+    """Where the coordinator keeps the outputs an attempt's node uploaded."""
+    return ctx.config.state_dir / "outputs" / job_id / f"attempt-{attempt}"
+
+
 # -- enrolment --------------------------------------------------------------------
 
 
@@ -308,6 +322,7 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
         timing=t,
         types=[str(x) for x in types] if isinstance(types, list) else None,
         want=body.want,
+        inputs_here=_inputs_here,
     )
     if jobs:
         audit_ok(request, {"jobs": [j["id"] for j in jobs], "lease": jobs[0]["lease_id"]})
@@ -342,9 +357,18 @@ def finish(job_id: str, body: FinishIn, request: Request, ctx: Ctx, who: Who) ->
     own any more: its result is not recorded)."""
     name = node_of(ctx, who)
     set_target(request, job_id)
+    store = cluster_store(ctx)
+    output_dir: str | None = None
     try:
+        if body.state in (JobState.DONE, JobState.FAILED):
+            attempt = co.check_upload(
+                store, name, _job_id(job_id), lease_id=body.lease_id, now=ctx.clock()
+            )
+            folder = outputs_dir(ctx, job_id, attempt)
+            folder.mkdir(parents=True, exist_ok=True)
+            output_dir = str(folder)
         got = co.finish(
-            cluster_store(ctx),
+            store,
             ctx.registry,
             name,
             _job_id(job_id),
@@ -358,11 +382,127 @@ def finish(job_id: str, body: FinishIn, request: Request, ctx: Ctx, who: Who) ->
             stdout=body.stdout,
             stderr=body.stderr,
             release=body.release,
+            output_dir=output_dir,
         )
     except co.LeaseRefused as exc:
         raise _refused(exc) from None
     audit_ok(request, {"node": name, "lease": body.lease_id, "outcome": body.outcome, **got})
     return got
+
+
+@router.put("/v1/node/jobs/{job_id}/outputs/{path:path}", responses=_ERRORS)
+@action("node.upload")
+async def upload_output(
+    job_id: str,
+    path: str,
+    request: Request,
+    *,
+    ctx: Ctx,
+    who: Who,
+    lease_id: Annotated[str, Query(min_length=1, max_length=64)],
+) -> dict[str, Any]:
+    """One output file of the node's running attempt of the leased job (the body is
+    the file), before it reports the end: kept on the coordinator, where
+    ``GET /v1/jobs/{id}/outputs/{path}`` and result bundles find it. 409 when the
+    lease is not its own; 413 past ``api.max_output_mib``."""
+    name = await run_in_threadpool(node_of, ctx, who)
+    set_target(request, job_id)
+    try:
+        rel = safe_relpath(path, "output path")
+    except ValidationError as exc:
+        raise ApiError(422, exc.message) from None
+    try:
+        attempt = await run_in_threadpool(
+            co.check_upload,
+            cluster_store(ctx),
+            name,
+            _job_id(job_id),
+            lease_id=lease_id,
+            now=ctx.clock(),
+        )
+    except co.LeaseRefused as exc:
+        raise _refused(exc) from None
+    root = outputs_dir(ctx, job_id, attempt)
+    target = root / rel
+    root.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):  # before its folders are made (none through a link), and after
+        if not _plainly_inside(root, target):
+            raise ApiError(422, f"output path {rel!r} leads out of the job's output folder")
+        target.parent.mkdir(parents=True, exist_ok=True)
+    limit = int(ctx.config.api.max_output_mib * MIB)
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.part"
+    written = 0
+    try:
+        with tmp.open("xb") as f:
+            try:
+                async for chunk in request.stream():
+                    written += len(chunk)
+                    if written > limit:
+                        raise ApiError(
+                            413,
+                            f"output {rel!r} is larger than the coordinator accepts "
+                            f"({limit} bytes, api.max_output_mib in its config)",
+                        )
+                    f.write(chunk)
+            except ClientDisconnect:
+                raise ApiError(413, "the upload was cut short") from None
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    audit_ok(request, {"node": name, "lease": lease_id, "path": rel, "bytes": written})
+    return {"path": rel, "bytes": written}
+
+
+def _plainly_inside(root: Path, target: Path) -> bool:
+    """``target`` is under ``root`` and reached through no symbolic link."""
+    current = target
+    while current != root:
+        if current.is_symlink():
+            return False
+        current = current.parent
+        if current == current.parent:
+            return False
+    return target.resolve().is_relative_to(root.resolve())
+
+
+def _inputs_here(input_dir: str) -> bool:
+    return Path(input_dir).is_dir()
+
+
+@router.get(
+    "/v1/node/jobs/{job_id}/inputs/{name:path}",
+    response_class=FileResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, **_ERRORS},
+)
+@action("node.fetch")
+def fetch_input(
+    job_id: str,
+    name: str,
+    ctx: Ctx,
+    who: Who,
+    lease_id: Annotated[str, Query(min_length=1, max_length=64)],
+) -> FileResponse:
+    """One input file of the leased job, as its bundle staged it on this
+    coordinator (409 when the lease is not the node's)."""
+    node = node_of(ctx, who)
+    try:
+        rel = safe_relpath(name, "input name")
+    except ValidationError as exc:
+        raise ApiError(422, exc.message) from None
+    try:
+        job = co.check_fetch(
+            cluster_store(ctx), node, _job_id(job_id), lease_id=lease_id, now=ctx.clock()
+        )
+    except co.LeaseRefused as exc:
+        raise _refused(exc) from None
+    if rel not in job.inputs:
+        listed = ", ".join(job.inputs) or "none"
+        raise ApiError(404, f"job {job.id} has no input {rel!r} (its inputs: {listed})")
+    root = Path(job.input_dir) if job.input_dir else None
+    target = root / rel if root is not None else None
+    if root is None or target is None or not target.is_file() or not _plainly_inside(root, target):
+        raise ApiError(404, f"input {rel!r} of job {job.id} is not on this coordinator")
+    return FileResponse(target, media_type="application/octet-stream", filename=target.name)
 
 
 # -- operators --------------------------------------------------------------------

@@ -40,9 +40,10 @@ ON CONFLICT (job_id) DO UPDATE
 
 -- name: claimable_jobs
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
-       j.constraints
+       j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
- WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.inputs = '[]'
+ WHERE j.state = 'queued' AND j.cancel_requested = 0
+   AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
  ORDER BY j.priority DESC, j.seq
  LIMIT :limit;
