@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -45,6 +46,7 @@ from gpuwarden.core import states
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ConfigError, TransitionError, UnknownJobError, UserError
+from gpuwarden.store import rows
 from gpuwarden.store.base import (
     DIRECT,
     AuditRow,
@@ -62,7 +64,7 @@ from gpuwarden.store.base import (
 )
 from gpuwarden.store.postgres_cluster import PostgresCluster
 from gpuwarden.store.queries import load_migrations, load_queries
-from gpuwarden.store.sqlite import spec_hash
+from gpuwarden.store.rows import spec_hash
 
 _Q = load_queries("postgres")
 
@@ -911,70 +913,7 @@ def _jsonb(value: Any) -> Jsonb:
     return Jsonb(_pg_safe(value))
 
 
-def _job(row: DictRow) -> Job:
-    return Job(
-        id=row["id"],
-        type=row["type"],
-        state=JobState(row["state"]),
-        priority=row["priority"],
-        params=row["params"],
-        inputs=tuple(row["inputs"]),
-        outputs=tuple(row["outputs"]),
-        vram_bytes=row["vram_bytes"],
-        submitted_at=row["submitted_at"],
-        updated_at=row["updated_at"],
-        seq=row["seq"],
-        attempts=row["attempts"],
-        reason=row["reason"],
-        exit_code=row["exit_code"],
-        bundle=row["bundle"],
-        queue_root=row["queue_root"],
-        input_dir=row["input_dir"],
-        cancel_requested=bool(row["cancel_requested"]),
-        result=row["result"],
-        owner=row["owner"],
-        constraints=row["constraints"],
-    )
-
-
-def _token(row: DictRow) -> TokenRecord:
-    return TokenRecord(
-        id=row["id"],
-        name=row["name"],
-        role=Role(row["role"]),
-        secret_hash=row["secret_hash"],
-        created_at=row["created_at"],
-        created_by=row["created_by"],
-        expires_at=row["expires_at"],
-        revoked_at=row["revoked_at"],
-        node=row["node"],
-    )
-
-
-def _attempt(row: DictRow) -> Attempt:
-    return Attempt(
-        job_id=row["job_id"],
-        number=row["number"],
-        node=row["node"],
-        gpu_uuid=row["gpu_uuid"],
-        started_at=row["started_at"],
-        ended_at=row["ended_at"],
-        exit_code=row["exit_code"],
-        outcome=row["outcome"],
-        reason=row["reason"],
-        stdout=row["stdout"],
-        stderr=row["stderr"],
-        pid=row["pid"],
-    )
-
-
-def _bundle(row: DictRow) -> BundleRecord:
-    return BundleRecord(
-        queue_root=row["queue_root"],
-        name=row["name"],
-        job_ids=tuple(row["job_ids"]),
-        received_at=row["received_at"],
-        finished_at=row["finished_at"],
-        outcome=row["outcome"],
-        result_path=row["result_path"],
-    )
+_job = functools.partial(rows.job, decode=rows.as_is)
+_bundle = functools.partial(rows.bundle, decode=rows.as_is)
+_token = rows.token
+_attempt = rows.attempt

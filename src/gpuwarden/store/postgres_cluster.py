@@ -13,6 +13,7 @@ ends the session and the lock passes to the next one that asks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from psycopg import sql
 from psycopg.rows import DictRow, dict_row
 
 from gpuwarden.core.model import Event
+from gpuwarden.store import rows
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
 from gpuwarden.store.queries import load_queries
 
@@ -303,25 +305,5 @@ class PostgresCluster(ClusterStore):
                 conn.close()
 
 
-def _node(row: DictRow) -> NodeRecord:
-    return NodeRecord(
-        name=row["name"],
-        token_id=row["token_id"],
-        state=NodeState(row["state"]),
-        capabilities=row["capabilities"],
-        report=row["report"],
-        enrolled_at=row["enrolled_at"],
-        last_seen=row["last_seen"],
-    )
-
-
-def _lease(row: DictRow) -> Lease:
-    return Lease(
-        job_id=row["job_id"],
-        node=row["node"],
-        lease_id=row["lease_id"],
-        expires_at=row["expires_at"],
-        leased_at=row["leased_at"],
-        started=bool(row["started"]),
-        attempt=row["attempt"],
-    )
+_node = functools.partial(rows.node, decode=rows.as_is)
+_lease = rows.lease

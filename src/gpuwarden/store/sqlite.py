@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
+import functools
 import json
 import sqlite3
 import threading
@@ -16,6 +16,7 @@ from gpuwarden.core import states
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UnknownJobError, UserError
+from gpuwarden.store import rows
 from gpuwarden.store.base import (
     DIRECT,
     AuditRow,
@@ -32,27 +33,10 @@ from gpuwarden.store.base import (
     TokenRecord,
 )
 from gpuwarden.store.queries import load_migrations, load_queries
+from gpuwarden.store.rows import spec_hash
 from gpuwarden.store.sqlite_cluster import SqliteCluster
 
 _Q = load_queries("sqlite")
-
-
-def spec_hash(spec: JobSpec) -> str:
-    """A stable fingerprint of what a job asks for (to tell a resubmission from a clash)."""
-    body = json.dumps(
-        {
-            "type": spec.type,
-            "params": spec.params,
-            "inputs": list(spec.inputs),
-            "outputs": list(spec.outputs),
-            "priority": spec.priority,
-            "vram_bytes": spec.vram_bytes,
-            # only when given: the fingerprints of jobs without constraints are unchanged
-            **({"constraints": spec.constraints} if spec.constraints else {}),
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(body.encode()).hexdigest()
 
 
 class SqliteStore(SqliteCluster, Store):
@@ -706,70 +690,7 @@ def _split_sql(script: str) -> list[str]:
     return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
-def _job(row: sqlite3.Row) -> Job:
-    return Job(
-        id=row["id"],
-        type=row["type"],
-        state=JobState(row["state"]),
-        priority=row["priority"],
-        params=json.loads(row["params"]),
-        inputs=tuple(json.loads(row["inputs"])),
-        outputs=tuple(json.loads(row["outputs"])),
-        vram_bytes=row["vram_bytes"],
-        submitted_at=row["submitted_at"],
-        updated_at=row["updated_at"],
-        seq=row["seq"],
-        attempts=row["attempts"],
-        reason=row["reason"],
-        exit_code=row["exit_code"],
-        bundle=row["bundle"],
-        queue_root=row["queue_root"],
-        input_dir=row["input_dir"],
-        cancel_requested=bool(row["cancel_requested"]),
-        result=json.loads(row["result"]),
-        owner=row["owner"],
-        constraints=json.loads(row["constraints"]),
-    )
-
-
-def _token(row: sqlite3.Row) -> TokenRecord:
-    return TokenRecord(
-        id=row["id"],
-        name=row["name"],
-        role=Role(row["role"]),
-        secret_hash=row["secret_hash"],
-        created_at=row["created_at"],
-        created_by=row["created_by"],
-        expires_at=row["expires_at"],
-        revoked_at=row["revoked_at"],
-        node=row["node"],
-    )
-
-
-def _attempt(row: sqlite3.Row) -> Attempt:
-    return Attempt(
-        job_id=row["job_id"],
-        number=row["number"],
-        node=row["node"],
-        gpu_uuid=row["gpu_uuid"],
-        started_at=row["started_at"],
-        ended_at=row["ended_at"],
-        exit_code=row["exit_code"],
-        outcome=row["outcome"],
-        reason=row["reason"],
-        stdout=row["stdout"],
-        stderr=row["stderr"],
-        pid=row["pid"],
-    )
-
-
-def _bundle(row: sqlite3.Row) -> BundleRecord:
-    return BundleRecord(
-        queue_root=row["queue_root"],
-        name=row["name"],
-        job_ids=tuple(json.loads(row["job_ids"])),
-        received_at=row["received_at"],
-        finished_at=row["finished_at"],
-        outcome=row["outcome"],
-        result_path=row["result_path"],
-    )
+_job = functools.partial(rows.job, decode=json.loads)
+_bundle = functools.partial(rows.bundle, decode=json.loads)
+_token = rows.token
+_attempt = rows.attempt

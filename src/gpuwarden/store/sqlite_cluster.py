@@ -7,6 +7,7 @@ this process's (one coordinator per SQLite file)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sqlite3
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpuwarden.core.model import Event
+from gpuwarden.store import rows
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
 from gpuwarden.store.queries import load_queries
 
@@ -230,25 +232,5 @@ class SqliteCluster(ClusterStore):
         return None
 
 
-def _node(row: sqlite3.Row) -> NodeRecord:
-    return NodeRecord(
-        name=row["name"],
-        token_id=row["token_id"],
-        state=NodeState(row["state"]),
-        capabilities=json.loads(row["capabilities"]),
-        report=json.loads(row["report"]),
-        enrolled_at=row["enrolled_at"],
-        last_seen=row["last_seen"],
-    )
-
-
-def _lease(row: sqlite3.Row) -> Lease:
-    return Lease(
-        job_id=row["job_id"],
-        node=row["node"],
-        lease_id=row["lease_id"],
-        expires_at=row["expires_at"],
-        leased_at=row["leased_at"],
-        started=bool(row["started"]),
-        attempt=row["attempt"],
-    )
+_node = functools.partial(rows.node, decode=json.loads)
+_lease = rows.lease

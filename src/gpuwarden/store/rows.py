@@ -1,0 +1,136 @@
+"""What both store adapters share: a job spec's fingerprint, and turning a row
+into a value. A row is anything indexable by column name (``sqlite3.Row``, a
+psycopg ``dict_row``); ``decode`` turns a JSON column into Python values — SQLite
+keeps JSON as text (``json.loads``), PostgreSQL's JSONB arrives decoded
+(:func:`as_is`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from gpuwarden.core.model import Attempt, Job, JobSpec, Role
+from gpuwarden.core.states import JobState
+from gpuwarden.store.base import BundleRecord, TokenRecord
+from gpuwarden.store.cluster import Lease, NodeRecord, NodeState
+
+Row = Any  # sqlite3.Row or psycopg's DictRow: both index by column name
+Decode = Callable[[Any], Any]
+
+
+def as_is(value: Any) -> Any:
+    """The decoder for columns the driver already decoded (PostgreSQL JSONB)."""
+    return value
+
+
+def spec_hash(spec: JobSpec) -> str:
+    """A stable fingerprint of what a job asks for (to tell a resubmission from a clash)."""
+    body = json.dumps(
+        {
+            "type": spec.type,
+            "params": spec.params,
+            "inputs": list(spec.inputs),
+            "outputs": list(spec.outputs),
+            "priority": spec.priority,
+            "vram_bytes": spec.vram_bytes,
+            # only when given: the fingerprints of jobs without constraints are unchanged
+            **({"constraints": spec.constraints} if spec.constraints else {}),
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def job(row: Row, decode: Decode) -> Job:
+    return Job(
+        id=row["id"],
+        type=row["type"],
+        state=JobState(row["state"]),
+        priority=row["priority"],
+        params=decode(row["params"]),
+        inputs=tuple(decode(row["inputs"])),
+        outputs=tuple(decode(row["outputs"])),
+        vram_bytes=row["vram_bytes"],
+        submitted_at=row["submitted_at"],
+        updated_at=row["updated_at"],
+        seq=row["seq"],
+        attempts=row["attempts"],
+        reason=row["reason"],
+        exit_code=row["exit_code"],
+        bundle=row["bundle"],
+        queue_root=row["queue_root"],
+        input_dir=row["input_dir"],
+        cancel_requested=bool(row["cancel_requested"]),
+        result=decode(row["result"]),
+        owner=row["owner"],
+        constraints=decode(row["constraints"]),
+    )
+
+
+def token(row: Row) -> TokenRecord:
+    return TokenRecord(
+        id=row["id"],
+        name=row["name"],
+        role=Role(row["role"]),
+        secret_hash=row["secret_hash"],
+        created_at=row["created_at"],
+        created_by=row["created_by"],
+        expires_at=row["expires_at"],
+        revoked_at=row["revoked_at"],
+        node=row["node"],
+    )
+
+
+def attempt(row: Row) -> Attempt:
+    return Attempt(
+        job_id=row["job_id"],
+        number=row["number"],
+        node=row["node"],
+        gpu_uuid=row["gpu_uuid"],
+        started_at=row["started_at"],
+        ended_at=row["ended_at"],
+        exit_code=row["exit_code"],
+        outcome=row["outcome"],
+        reason=row["reason"],
+        stdout=row["stdout"],
+        stderr=row["stderr"],
+        pid=row["pid"],
+    )
+
+
+def bundle(row: Row, decode: Decode) -> BundleRecord:
+    return BundleRecord(
+        queue_root=row["queue_root"],
+        name=row["name"],
+        job_ids=tuple(decode(row["job_ids"])),
+        received_at=row["received_at"],
+        finished_at=row["finished_at"],
+        outcome=row["outcome"],
+        result_path=row["result_path"],
+    )
+
+
+def node(row: Row, decode: Decode) -> NodeRecord:
+    return NodeRecord(
+        name=row["name"],
+        token_id=row["token_id"],
+        state=NodeState(row["state"]),
+        capabilities=decode(row["capabilities"]),
+        report=decode(row["report"]),
+        enrolled_at=row["enrolled_at"],
+        last_seen=row["last_seen"],
+    )
+
+
+def lease(row: Row) -> Lease:
+    return Lease(
+        job_id=row["job_id"],
+        node=row["node"],
+        lease_id=row["lease_id"],
+        expires_at=row["expires_at"],
+        leased_at=row["leased_at"],
+        started=bool(row["started"]),
+        attempt=row["attempt"],
+    )
