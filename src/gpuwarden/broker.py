@@ -10,7 +10,6 @@ state, they post a :class:`LaunchResult` that the loop drains.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -575,6 +574,27 @@ class Broker(WarmServing):
             d.mkdir(parents=True, exist_ok=True)
         input_dir, params = self._params(run)
         params_path = run.attempt_dir / "params.json"
+        weights = self.config.sandbox.weights_dir
+        mounts: tuple[Mount, ...] = ()
+        gpu_uuid: str | None = None
+        if sandbox is not None:
+            gpu_uuid, gpu_mounts = self.gpu_access(gpu)
+            mounts = mounts_for(
+                module_dir=jobtype.module_dir,
+                input_dir=str(input_dir),
+                output_dir=str(out_dir),
+                scratch_dir=str(scratch),
+                report_dir=str(report),
+                params_file=str(params_path),
+                weights_dir=str(weights) if weights is not None else None,
+                scratch_bytes=int(self.config.sandbox.scratch_mib * MIB),
+                extra=gpu_mounts,
+            )
+            # the job reads its input parameters as paths it can open: where the
+            # sandbox sees them
+            params = {
+                k: inside_path(mounts, v) if _is_input(jobtype, k) else v for k, v in params.items()
+            }
         params_path.write_text(json.dumps(params, indent=2))
         env = self._base_env(gpu)
         env.update(
@@ -589,10 +609,9 @@ class Broker(WarmServing):
                 "GPUWARDEN_RESULT": str((report if sandbox else run.attempt_dir) / "message.json"),
             }
         )
-        weights = self.config.sandbox.weights_dir
         if weights is not None:
             env["GPUWARDEN_WEIGHTS_DIR"] = str(weights)
-        request = LaunchRequest(
+        return LaunchRequest(
             job_id=job.id,
             attempt=run.attempt.number,
             argv=self.registry.argv(jobtype, sandbox.python if sandbox else None),
@@ -603,29 +622,9 @@ class Broker(WarmServing):
             clip_chars=self.config.broker.clip_chars,
             kill_grace_s=self.config.broker.kill_grace_s,
             instance=self.instance,
-        )
-        if sandbox is None:
-            return request
-        gpu_uuid, gpu_mounts = self.gpu_access(gpu)
-        mounts = mounts_for(
-            module_dir=jobtype.module_dir,
-            input_dir=str(input_dir),
-            output_dir=str(out_dir),
-            scratch_dir=str(scratch),
-            report_dir=str(report),
-            params_file=str(params_path),
-            weights_dir=str(weights) if weights is not None else None,
-            scratch_bytes=int(self.config.sandbox.scratch_mib * MIB),
-            extra=gpu_mounts,
-        )
-        # the job reads its input parameters as paths it can open: where the
-        # sandbox sees them
-        inside = {
-            k: inside_path(mounts, v) if _is_input(jobtype, k) else v for k, v in params.items()
-        }
-        params_path.write_text(json.dumps(inside, indent=2))
-        return dataclasses.replace(
-            request, mounts=mounts, gpu_uuid=gpu_uuid, memory_bytes=jobtype.ram_bytes
+            mounts=mounts,
+            gpu_uuid=gpu_uuid,
+            memory_bytes=jobtype.ram_bytes if sandbox is not None else 0,
         )
 
     def _work(self, launcher: Launcher, request: LaunchRequest, stop: threading.Event) -> None:
