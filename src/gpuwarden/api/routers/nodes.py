@@ -222,7 +222,8 @@ def outputs_dir(ctx: ApiContext, job_id: str, attempt: int) -> Path:
 @action("node.invite")
 def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
     """A one-time enrolment token for node ``name``, valid 15 minutes: give it to
-    `gpuwarden agent --enroll` on that host. Shown once."""
+    `gpuwarden agent --enroll-file FILE` (or ``--enroll -``, or GPUWARDEN_ENROLL_TOKEN)
+    on that host, never on a command line. Shown once."""
     set_target(request, body.name)
     if not co.NODE_NAME.fullmatch(body.name):
         raise ApiError(
