@@ -129,7 +129,19 @@ def test_wait_and_download(setup: tuple[SqliteStore, TestClient, dict], tmp_path
     assert path == dest / "sub" / "f.txt" and path.read_bytes() == b"data" * 1000
     with pytest.raises(c.NotFound):
         api.download("w-1", "other.txt", tmp_path / "x.txt")
-    assert not (tmp_path / "x.txt").exists() and not (tmp_path / "x.txt.part").exists()
+    assert not (tmp_path / "x.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+    # a path that could lead out of the folder is refused before anything is sent or made
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    for bad in ("../escape.txt", "/etc/x", "a//b", "sub/./f.txt"):
+        with pytest.raises(c.Invalid, match="must be relative"):
+            api.download("w-1", bad, inner)
+    assert list(inner.iterdir()) == [] and not (tmp_path / "escape.txt").exists()
+    # a refused name makes no folder either
+    with pytest.raises(c.Invalid, match="255 bytes"):
+        api.download("w-1", "deep/" + "x" * 300, inner)
+    assert list(inner.iterdir()) == []
     store.submit(
         [JobSpec(id="never", type="echo.echo", params={"text": "x"})],
         now=1.0,
