@@ -258,7 +258,9 @@ def open_below(root: Path, rel: str) -> tuple[int, os.stat_result]:
         fd = safefs.open_file(rel, under=root)
     except safefs.UnsafePathError as exc:
         where = _inside(exc, root)
-        raise NotServed(f"{shown(where)} {exc.why}" if where != rel else exc.why) from None
+        raise NotServed(
+            f"{shown(where)} {exc.why}" if where not in ("", rel) else exc.why
+        ) from None
     except FileNotFoundError:
         raise NotServed("is not there (any more)") from None
     except OSError as exc:

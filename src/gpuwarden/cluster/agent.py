@@ -269,7 +269,9 @@ class Credential:
         """Write it, readable by its owner only (mode 600)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a leftover of a crash; made fresh below, never through a link
+        fd = os.open(tmp, _O_NEW, 0o600)
         try:
             os.fchmod(fd, 0o600)
             os.write(fd, (json.dumps(dataclasses.asdict(self), indent=2) + "\n").encode())
