@@ -144,6 +144,21 @@ def test_an_upload_never_follows_a_link_in_the_attempt_folder(
     assert outside() == before
 
 
+def test_an_upload_the_coordinators_disk_cannot_take_is_a_503_to_try_again(env: Env) -> None:
+    env.enrol("a")
+    lease = _started(env, "a", "j")
+    parts = env.config.state_dir / "outputs" / ".parts"
+    parts.parent.mkdir(parents=True, exist_ok=True)
+    parts.write_text("not a folder")  # the coordinator's own folder for uploads is broken
+    assert parts.is_file()
+    r = _put(env, "a", "/v1/node/jobs/j/outputs/o.txt", b"x", lease)
+    assert r.status_code == 503 and r.headers["retry-after"] == "30", r.text
+    assert "try again later" in r.json()["error"]
+    assert str(env.config.state_dir) not in r.text  # no host path
+    parts.unlink()
+    assert _put(env, "a", "/v1/node/jobs/j/outputs/o.txt", b"x", lease).status_code == 200
+
+
 # -- downloads -----------------------------------------------------------------------
 
 

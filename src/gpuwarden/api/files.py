@@ -140,11 +140,13 @@ def _open_leaf(root: Path, rel: str, what: str) -> int:
     try:
         fd = safefs.make_dirs(parent, under=root)
     except safefs.UnsafePathError as exc:
+        hint = " (a file cannot hold other files)" if exc.why.endswith("not a folder") else ""
         raise ApiError(
             422,
-            f"{what} {shown(rel)} cannot be written: {shown(_inside(exc, root))} {exc.why} "
-            "(a file cannot hold other files)",
+            f"{what} {shown(rel)} cannot be written: {shown(_inside(exc, root))} {exc.why}{hint}",
         ) from None
+    except OSError as exc:
+        raise _cannot_store(exc) from None
     name = rel.rpartition("/")[2]
     try:
         mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
@@ -182,10 +184,17 @@ async def receive(
     ``rel`` cannot be a file there. A file that was sent before under the same
     name (an agent that did not get the answer sends it again) is replaced, as a
     whole, by the rename; nothing else is."""
-    parts_dir.mkdir(mode=0o700, exist_ok=True)
     leaf_fd = await run_in_threadpool(_open_leaf, root, rel, what)
     try:
+        parts_dir.mkdir(mode=0o700, exist_ok=True)
         parts_fd = safefs.open_dir(parts_dir)
+    except safefs.UnsafePathError as exc:
+        os.close(leaf_fd)
+        # the coordinator's own folder: not the sender's fault
+        raise _cannot_store(f"its folder for uploads {exc.why}") from None
+    except OSError as exc:
+        os.close(leaf_fd)
+        raise _cannot_store(exc) from None
     except BaseException:
         os.close(leaf_fd)
         raise
@@ -230,11 +239,13 @@ async def receive(
     return written
 
 
-def _cannot_store(exc: OSError) -> ApiError:
-    """The coordinator's own disk failed (full, read-only): not the sender's fault."""
+def _cannot_store(exc: OSError | str) -> ApiError:
+    """The coordinator's own disk failed (full, read-only): not the sender's fault.
+    Says why without a host path."""
+    why = exc if isinstance(exc, str) else (exc.strerror or type(exc).__name__)
     return ApiError(
         503,
-        f"the coordinator could not store the file ({exc.strerror or exc}): try again later",
+        f"the coordinator could not store the file ({why}): try again later",
         {"Retry-After": "30"},
     )
 
@@ -264,7 +275,7 @@ def open_below(root: Path, rel: str) -> tuple[int, os.stat_result]:
     except FileNotFoundError:
         raise NotServed("is not there (any more)") from None
     except OSError as exc:
-        raise NotServed(f"cannot be read ({exc.strerror or exc})") from None
+        raise NotServed(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
     return fd, os.fstat(fd)
 
 
