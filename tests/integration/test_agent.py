@@ -449,3 +449,9 @@ def test_the_coordinator_client_refuses_to_read_a_link_or_a_fifo(rig: Rig, tmp_p
         with pytest.raises(safefs.UnsafePathError):  # before anything is sent
             rig.agent.coordinator.upload("nope", "lease", rel, out)
     assert not [a for a in rig.store.audit_rows() if a.action == "node.upload"]
+
+
+def test_the_cli_names_the_same_variable() -> None:
+    from gpuwarden.cluster import cli as cluster_cli
+
+    assert cluster_cli.ENROLL_ENV == ENROLL_ENV == "GPUWARDEN_ENROLL_TOKEN"
