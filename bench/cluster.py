@@ -228,8 +228,9 @@ def jobs_per_s(co: Coordinator, work: Path, n: int) -> float:
                 subprocess.Popen(
                     [
                         *(*GW, "--config", str(cfg), "agent", "--coordinator", co.url),
-                        *("--enroll", token, "--mock-gpu", "--log", str(home / "events.jsonl")),
+                        *("--mock-gpu", "--log", str(home / "events.jsonl")),
                     ],
+                    env={**os.environ, "GPUWARDEN_ENROLL_TOKEN": token},  # never in argv
                     stdout=subprocess.DEVNULL,
                     stderr=(home / "agent.log").open("w"),
                 )

@@ -13,6 +13,7 @@ request was at fault), so the CLI prints them as one line.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -203,18 +204,28 @@ class Client:
 
     def download(self, job_id: str, path: str, dest: Path) -> Path:
         """Write output ``path`` of a done job to ``dest`` (a file, or a folder to put it
-        in under its relative path); return where it went. Streamed, never whole in memory."""
+        in under its relative path); return where it went. Streamed, never whole in memory,
+        into a temporary file beside the target that is renamed into place when whole.
+        A ``path`` that could lead out of a ``dest`` folder (absolute, ``..``) is refused
+        before anything is sent or made; nothing is made before the server answers."""
+        parts = path.split("/")
+        if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise Invalid(
+                f"output path {path!r} must be relative, without '.', '..' or empty parts "
+                "(the paths in the job's result outputs are)",
+                422,
+            )
         if dest.is_dir():
-            dest = dest / path
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        url = f"/v1/jobs/{_seg(job_id)}/outputs/{'/'.join(_seg(p) for p in path.split('/'))}"
-        part = dest.with_name(dest.name + ".part")
+            dest = dest.joinpath(*parts)
+        url = f"/v1/jobs/{_seg(job_id)}/outputs/{'/'.join(_seg(p) for p in parts)}"
+        part = dest.with_name(f".{secrets.token_hex(6)}.part")  # short: never past NAME_MAX
         try:
             with self._http.stream("GET", url) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise _error(response)
-                with part.open("wb") as f:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with part.open("xb") as f:
                     for chunk in response.iter_bytes():
                         f.write(chunk)
         except httpx.TransportError as exc:

@@ -46,6 +46,7 @@ __all__ = [
     "copy_tree",
     "kind_of",
     "make_dir",
+    "make_dirs",
     "move_entries",
     "open_dir",
     "open_file",
@@ -595,3 +596,46 @@ def move_entries(src_fd: int, dst: Path) -> list[str]:
             except OSError:
                 left.append(name)
     return left
+
+
+def make_dirs(
+    rel: str | os.PathLike[str],
+    *,
+    under: str | os.PathLike[str],
+    mode: int = 0o700,
+    owner: tuple[int, int] | None = None,
+) -> int:
+    """Open the folder ``under/rel``, making each missing folder of ``rel`` on the
+    way, and return its descriptor (the caller closes it).
+
+    ``under`` is a folder the broker trusts; ``rel`` is hostile (:func:`open_dir`
+    rules: no ``..``, not absolute). No component below ``under`` is followed if
+    it is a link; one that exists as anything but a folder raises
+    :class:`UnsafePathError` naming it (``is a file, not a folder``). A folder made
+    here gets ``mode`` (not reduced by the umask) and, given, ``owner``, on its
+    descriptor; a folder that was already there is left as it is. An empty
+    ``rel`` opens ``under`` itself.
+    """
+    parts = _parts(rel)
+    fd = _open_at(None, os.fspath(under), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, "")
+    shown = os.fspath(under)
+    try:
+        for part in parts:
+            shown = f"{shown}/{part}"
+            made = False
+            try:
+                os.mkdir(part, 0o700, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                pass
+            nxt = _open_at(fd, part, _O_DIR, shown)
+            os.close(fd)
+            fd = nxt
+            if made:
+                if owner is not None:
+                    os.fchown(fd, *owner)
+                os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -99,8 +99,12 @@ class Cluster:
             *(sys.executable, "-m", "gpuwarden", "--mock-gpu", "--config", str(a.config)),
             *("agent", "--coordinator", a.coordinator, "--log", str(a.log)),
         ]
-        if enroll is not None:
-            cmd += ["--enroll", enroll]
+        if enroll is not None:  # from a file only its owner reads, never on the command line
+            token_file = a.state.parent / f"{a.name}.enroll"
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(enroll + "\n")
+            cmd += ["--enroll-file", str(token_file)]
         with a.stderr.open("ab") as err:
             a.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=err)
         self.procs.append(a.proc)

@@ -130,10 +130,9 @@ def test_coordinator_reads_its_queue_root(database: str | None, tmp_path: Path) 
                     [
                         *(sys.executable, "-m", "gpuwarden", "--mock-gpu"),
                         *("--config", str(agent_cfg), "agent", "--coordinator", url),
-                        *("--enroll", json.loads(invited.stdout)["token"]),
                         *("--log", str(tmp_path / "agent.events.jsonl")),
                     ],
-                    env=env,
+                    env={**env, "GPUWARDEN_ENROLL_TOKEN": json.loads(invited.stdout)["token"]},
                     stdout=subprocess.DEVNULL,
                     stderr=err,
                 )

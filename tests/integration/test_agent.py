@@ -4,6 +4,10 @@ what a stopping agent gives back, and a refused credential."""
 
 from __future__ import annotations
 
+import io
+import os
+import re
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -14,14 +18,23 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from gpuwarden import safefs
 from gpuwarden.api import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.app import Node, open_node
 from gpuwarden.cluster import coordinator as co
-from gpuwarden.cluster.agent import Agent, Coordinator, CredentialRefused, enroll
+from gpuwarden.cluster.agent import (
+    ENROLL_ENV,
+    Agent,
+    Coordinator,
+    CredentialRefused,
+    enroll,
+    enrolment_token,
+)
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState
+from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Submission
@@ -82,18 +95,19 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
     yield from make_rig(tmp_path)
 
 
-def make_rig(tmp_path: Path, **api: Any) -> Iterator[Rig]:
+def make_rig(tmp_path: Path, modules: list[Path] = MODULES, **api: Any) -> Iterator[Rig]:
     coord_config = Config.model_validate(
         {
             "state_dir": tmp_path / "coord",
-            "module_paths": MODULES,
+            "module_paths": modules,
             "allow_unsandboxed_containers": True,
             "api": {"rate_per_s": 10_000, "burst": 10_000, **api},
             "cluster": {"lease_s": 6, "offline_after_s": 8},
         }
     )
+    tmp_path.mkdir(parents=True, exist_ok=True)
     store = SqliteStore(tmp_path / "coord.db")
-    registry = Registry.load(MODULES, coord_config.launch_rules)
+    registry = Registry.load(modules, coord_config.launch_rules)
     client = TestClient(create_app(store, registry, coord_config))
     switch = Switch(client._transport)
     _, invite = issue_token(
@@ -109,7 +123,7 @@ def make_rig(tmp_path: Path, **api: Any) -> Iterator[Rig]:
         {
             "state_dir": tmp_path / "agent",
             "node_name": "a",
-            "module_paths": MODULES,
+            "module_paths": modules,
             "allow_unsandboxed_containers": True,
             "sim_gpu": {"vram_gib": 24, "release_delay_s": 0.05},
             "broker": {"poll_interval_s": 0.02, "shutdown_grace_s": 1},
@@ -265,3 +279,179 @@ def test_a_revoked_agent_is_told_so(rig: Rig) -> None:
     rig.agent._last_beat = -1e9
     with pytest.raises(CredentialRefused, match="revoked"):
         rig.agent.sync()
+
+
+# -- the enrolment token: never from the command line ------------------------------
+
+TOKEN = "gw_0123456789ab_" + "s" * 43
+
+
+def _token(
+    *,
+    enroll: str | None = None,
+    enroll_file: Path | None = None,
+    environ: dict[str, str] | None = None,
+    stdin: str = "",
+) -> str | None:
+    return enrolment_token(
+        enroll=enroll,
+        enroll_file=enroll_file,
+        environ=environ if environ is not None else {},
+        stdin=io.StringIO(stdin),
+    )
+
+
+def test_a_token_on_the_command_line_is_refused_saying_what_to_use() -> None:
+    env = {ENROLL_ENV: "gw_other_x"}
+    with pytest.raises(UserError) as info:
+        _token(enroll=TOKEN, environ=env)
+    message = info.value.message
+    assert "s" * 43 not in message  # the secret is never echoed
+    for way in ("--enroll-file FILE", "--enroll -", ENROLL_ENV, "/proc/PID/cmdline"):
+        assert way in message, way
+    assert "gpuwarden token revoke 0123456789ab" in message
+    assert ENROLL_ENV not in env  # removed first, whatever happens next
+
+
+def test_the_token_comes_from_a_file_standard_input_or_the_environment(tmp_path: Path) -> None:
+    f = tmp_path / "enroll"
+    f.write_text(TOKEN + "\n")
+    f.chmod(0o600)
+    assert _token(enroll_file=f) == TOKEN
+    assert _token(enroll="-", stdin=TOKEN + "\n") == TOKEN
+    env = {ENROLL_ENV: TOKEN, "OTHER": "kept"}
+    assert _token(environ=env) == TOKEN
+    assert env == {"OTHER": "kept"}  # nothing this process starts inherits it
+    assert _token() is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "content", "says"),
+    [
+        (0o644, TOKEN, "can be read by others (mode 644): run `chmod 600"),
+        (0o640, TOKEN, "can be read by others (mode 640)"),
+        (0o600, "", "is empty"),
+        (0o600, f"{TOKEN} {TOKEN}", "more than one word"),
+        (0o600, "x" * 5000, "more than 4096 bytes"),
+    ],
+)
+def test_a_token_file_is_refused_unless_only_its_owner_reads_one_token(
+    tmp_path: Path, mode: int, content: str, says: str
+) -> None:
+    f = tmp_path / "enroll"
+    f.write_text(content)
+    f.chmod(mode)
+    assert stat.S_IMODE(f.stat().st_mode) == mode
+    with pytest.raises(UserError, match=re.escape(says)):
+        _token(enroll_file=f)
+
+
+def test_a_token_file_that_is_a_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    f = tmp_path / "enroll"
+    os.mkfifo(f, 0o600)
+    assert stat.S_ISFIFO(f.stat().st_mode)
+    with pytest.raises(UserError, match="is a fifo, not a file"):
+        _token(enroll_file=f)
+
+
+def test_a_token_given_two_ways_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "enroll"
+    f.write_text(TOKEN)
+    f.chmod(0o600)
+    with pytest.raises(UserError, match=r"given 2 ways \(--enroll-file, GPUWARDEN_ENROLL_TOKEN\)"):
+        _token(enroll_file=f, environ={ENROLL_ENV: TOKEN})
+
+
+# -- a job's hostile output folder ------------------------------------------------------
+
+HOSTILE = """\
+[module]
+name = "hostile"
+description = "A job that leaves links, a FIFO and a device among its outputs."
+
+[types.outputs]
+lane = "cpu"
+launch = "host"
+command = ["{python}", "src/outputs.py"]
+timeout_s = 30
+max_retries = 0
+
+[types.outputs.params.secret]
+type = "string"
+required = true
+"""
+
+HOSTILE_SRC = """\
+import json, os, stat
+from pathlib import Path
+
+params = json.loads(Path(os.environ["GPUWARDEN_PARAMS"]).read_text())
+out = Path(os.environ["GPUWARDEN_OUTPUT_DIR"])
+(out / "ok.txt").write_text("fine")
+(out / "link.txt").symlink_to(params["secret"])
+(out / "d").symlink_to(os.path.dirname(params["secret"]))
+os.mkfifo(out / "fifo")
+os.mknod(out / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+"""
+
+
+def test_links_fifos_and_devices_among_a_jobs_outputs_never_go_up(tmp_path: Path) -> None:
+    mod = tmp_path / "mods" / "hostile"
+    (mod / "src").mkdir(parents=True)
+    (mod / "module.toml").write_text(HOSTILE)
+    (mod / "src" / "outputs.py").write_text(HOSTILE_SRC)
+    secret = tmp_path / "secret" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("never on the coordinator")
+    rigs = make_rig(tmp_path / "rig", modules=[*MODULES, tmp_path / "mods"])
+    rig = next(rigs)
+    try:
+        registry = Registry.load([*MODULES, tmp_path / "mods"])
+        spec = JobSpec(id="h1", type="hostile.outputs", params={"secret": str(secret)})
+        rig.store.submit([prepare(registry, spec)], now=time.time())
+        rig.until("h1 ended", lambda: rig.job("h1").state.terminal)
+        job = rig.job("h1")
+        assert job.state is JobState.DONE, job.reason
+        # the attack was in place in the agent's own copy
+        mine = Path(job.result["node_output_dir"])
+        assert (mine / "link.txt").is_symlink() and (mine / "d").is_symlink()
+        assert stat.S_ISFIFO((mine / "fifo").lstat().st_mode)
+        assert stat.S_ISCHR((mine / "null").lstat().st_mode)
+        # what went up: the regular file only, and nothing of the secret anywhere
+        here = Path(job.result["output_dir"])
+        assert sorted(p.name for p in here.iterdir()) == ["ok.txt"]
+        assert (here / "ok.txt").read_text() == "fine"
+        coord = tmp_path / "rig" / "coord"
+        for p in coord.rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                assert b"never on the coordinator" not in p.read_bytes(), p
+        # the result says what did not go up, and why
+        refused = {e["path"]: e["why"] for e in job.result.get("outputs_not_uploaded", [])}
+        assert "link.txt" in refused and "symlink" in refused["link.txt"], job.result
+        # the agent is up: the next job runs and its output goes up
+        nxt = prepare(registry, JobSpec(id="e9", type="echo.echo", params={"text": "next"}))
+        rig.store.submit([nxt], now=time.time())
+        rig.until("e9 done", lambda: rig.job("e9").state is JobState.DONE)
+        assert (Path(rig.job("e9").result["output_dir"]) / "echo.txt").read_text() == "next"
+    finally:
+        rigs.close()
+
+
+def test_the_coordinator_client_refuses_to_read_a_link_or_a_fifo(rig: Rig, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (tmp_path / "secret.txt").write_text("secret")
+    (out / "link").symlink_to(tmp_path / "secret.txt")
+    (out / "sub" / "via").symlink_to(tmp_path)
+    os.mkfifo(out / "fifo")
+    assert (out / "link").is_symlink() and stat.S_ISFIFO((out / "fifo").lstat().st_mode)
+    for rel in ("link", "fifo", "sub/via/secret.txt"):
+        with pytest.raises(safefs.UnsafePathError):  # before anything is sent
+            rig.agent.coordinator.upload("nope", "lease", rel, out)
+    assert not [a for a in rig.store.audit_rows() if a.action == "node.upload"]
+
+
+def test_the_cli_names_the_same_variable() -> None:
+    from gpuwarden.cluster import cli as cluster_cli
+
+    assert cluster_cli.ENROLL_ENV == ENROLL_ENV == "GPUWARDEN_ENROLL_TOKEN"

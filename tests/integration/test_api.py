@@ -341,7 +341,9 @@ def test_submit_validates_like_a_bundle(api: Api) -> None:
     )
     assert r.status_code == 422 and "file inputs are not accepted over HTTP" in r.json()["error"]
     job = submit(api, "submitter", id="mine-1", priority=3, outputs=["echo.txt"])
-    assert job["id"] == "mine-1" and job["state"] == "queued" and job["priority"] == 3
+    # a submitter's ids are its own: they begin with its token's id
+    assert job["id"] == f"{api.id_of('submitter')}-mine-1"
+    assert job["state"] == "queued" and job["priority"] == 3
     assert job["owner"] == api.id_of("submitter") and job["params"]["output"] == "echo.txt"
     dup = api.client.post("/v1/jobs", json={**ECHO, "id": "mine-1"}, headers=h)
     assert dup.status_code == 409 and "already accepted" in dup.json()["error"]
@@ -704,9 +706,10 @@ def test_mutating_calls_write_audit_rows(api: Api) -> None:
     api.client.get(f"/v1/jobs/{job['id']}", headers=api.h("submitter"))
     rows = api.store.audit_rows()[before:]
     got = [(r.action, r.actor_name, r.target, r.outcome.split(":")[0]) for r in rows]
+    assert job["id"] == f"{api.id_of('submitter')}-a1"
     assert got == [
-        ("job.submit", "submitter", "a1", "ok"),
-        ("job.cancel", "submitter", "a1", "ok"),
+        ("job.submit", "submitter", job["id"], "ok"),
+        ("job.cancel", "submitter", job["id"], "ok"),
         ("job.submit", "submitter", "", "refused"),
         ("token.create", "submitter", "", "refused"),
         ("token.create", "owner", made.json()["id"], "ok"),

@@ -1,5 +1,8 @@
-"""Schemathesis against the API's own OpenAPI schema, with an Owner token: whatever
-it sends (valid and invalid data, every operation), the API never answers 5xx.
+"""Schemathesis against the API's own OpenAPI schema: whatever it sends (valid and
+invalid data, every operation), the API never answers 5xx. Clients' routes go
+with an Owner token; the agents' routes with a node's token, steered to a job
+leased to that node and started, so an output upload's path (``PUT
+/v1/node/jobs/{id}/outputs/{path}``) reaches the code that writes the file.
 
 Bounded: at most 50 examples per operation, no deadline per example."""
 
@@ -10,11 +13,13 @@ import collections
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import schemathesis
+from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
@@ -37,6 +42,7 @@ _config = Config.model_validate(
         "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
         "allow_unsandboxed_containers": True,
         "api": {"rate_per_s": 1_000_000, "burst": 1_000_000},
+        "cluster": {"lease_s": 3600},
     }
 )
 _store = SqliteStore(_tmp / "gpuwarden.db")
@@ -70,6 +76,43 @@ _store.finish_attempt(
 app = create_app(_store, Registry.load(_config.module_paths, _config.launch_rules), _config)
 schema = schemathesis.openapi.from_asgi("/openapi.json", app)
 
+# a node, enrolled, holding two started leases: one for uploads only (a fuzzed
+# finish would end it), one for the other node routes
+_tc = TestClient(app)
+_owner = {"Authorization": f"Bearer {OWNER}"}
+_invite = _tc.post("/v1/nodes/invite", json={"name": "n1"}, headers=_owner).json()["token"]
+NODE = _tc.post(
+    "/v1/nodes/enroll",
+    json={"capabilities": {}},
+    headers={"Authorization": f"Bearer {_invite}"},
+).json()["token"]
+_node = {"Authorization": f"Bearer {NODE}"}
+_, ENROLL = issue_token(
+    _store,
+    name="fuzz enroll",
+    role=Role.ENROLL,
+    by=Principal(token_id="local", name="fuzz", role=Role.OWNER),
+    now=time.time(),
+    node="n2",
+)
+_store.submit(
+    [JobSpec(id=i, type="echo.echo", params={"text": "l"}) for i in ("leased-up", "leased-x")],
+    now=time.time(),
+)
+LEASES: dict[str, str] = {}
+for _job in _tc.post(
+    "/v1/node/claim",
+    json={"report": {"types": ["echo.echo"], "gpus": [], "max_jobs": 9}, "want": 9},
+    headers=_node,
+).json()["jobs"]:
+    LEASES[_job["id"]] = _job["lease_id"]
+    _started = _tc.post(
+        f"/v1/node/jobs/{_job['id']}/start", json={"lease_id": _job["lease_id"]}, headers=_node
+    )
+    assert _started.status_code == 200, _started.text
+assert {"leased-up", "leased-x"} <= LEASES.keys(), LEASES
+UPLOAD = "/v1/node/jobs/{job_id}/outputs/{path}"
+
 STATUSES: collections.Counter[tuple[str, int]] = collections.Counter()
 
 
@@ -93,13 +136,31 @@ def _summary() -> Any:
     suppress_health_check=list(HealthCheck),
 )
 def test_no_server_errors(case: Any) -> None:
-    if "job_id" in (case.path_parameters or {}):
+    token = OWNER
+    params = case.path_parameters or {}
+    if case.path.startswith("/v1/node/"):
+        token = NODE
+        # steer most examples to its started leases, so the handlers run to the end
+        job = "leased-up" if case.path == UPLOAD else "leased-x"
+        if "job_id" in params and len(str(params["job_id"])) % 3 < 2:
+            params["job_id"] = job
+        elif params.get("job_id") == "leased-up":
+            params["job_id"] = "leased-x"  # a fuzzed finish must not end the upload lease
+        if isinstance(case.query, dict) and len(str(case.query.get("lease_id"))) % 3 < 2:
+            case.query["lease_id"] = (
+                LEASES[str(params.get("job_id"))]
+                if (str(params.get("job_id")) in LEASES)
+                else LEASES[job]
+            )
+    elif case.path == "/v1/nodes/enroll":
+        token = ENROLL
+    elif "job_id" in params:
         # steer some examples to jobs that exist, so their handlers run too
-        pick = len(str(case.path_parameters["job_id"])) % 3
+        pick = len(str(params["job_id"])) % 3
         if pick < 2:
-            case.path_parameters["job_id"] = ("done-1", "queued-1")[pick]
+            params["job_id"] = ("done-1", "queued-1")[pick]
     response = case.call_and_validate(
-        headers={"Authorization": f"Bearer {OWNER}"}, checks=[not_a_server_error]
+        headers={"Authorization": f"Bearer {token}"}, checks=[not_a_server_error]
     )
     STATUSES[(f"{case.method} {case.path}", response.status_code)] += 1
     assert response.status_code < 500

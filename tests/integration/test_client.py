@@ -50,14 +50,17 @@ def test_submit_get_list_cancel_and_errors(setup: tuple[SqliteStore, TestClient,
     _, tc, tokens = setup
     with client(tc, tokens["submitter"]) as api:
         job = api.submit("echo.echo", {"text": "hi"}, id="c-1", priority=2, idempotency_key="k")
-        assert job["id"] == "c-1" and job["priority"] == 2
+        # a submitter's job ids begin with its token id; it may leave that out
+        full = f"{tokens['submitter'][3:15]}-c-1"
+        assert job["id"] == full and job["priority"] == 2
         assert (
             api.submit("echo.echo", {"text": "hi"}, id="c-1", priority=2, idempotency_key="k")["id"]
-            == "c-1"
+            == full
         )
-        assert [j["id"] for j in api.list(states=["queued"])] == ["c-1"]
+        assert [j["id"] for j in api.list(states=["queued"])] == [full]
         assert api.get("c-1")["events"][0]["event"] == "submitted"
-        assert api.explain("c-1")[0] == "c-1 (echo.echo) is queued"
+        assert api.get(full)["id"] == full
+        assert api.explain("c-1")[0] == f"{full} (echo.echo) is queued"
         with pytest.raises(c.Conflict, match="is queued"):
             api.result("c-1")
         assert api.cancel("c-1")["state"] == "cancelled"
@@ -96,18 +99,19 @@ def test_wait_and_download(setup: tuple[SqliteStore, TestClient, dict], tmp_path
     store, tc, tokens = setup
     api = client(tc, tokens["submitter"])
     job = api.submit("echo.echo", {"text": "x"}, id="w-1")
+    full = job["id"]
     seen: list[str] = []
-    out = tmp_path / "jobs" / "w-1" / "attempt-1" / "out"
+    out = tmp_path / "jobs" / full / "attempt-1" / "out"
     (out / "sub").mkdir(parents=True)
     (out / "sub" / "f.txt").write_bytes(b"data" * 1000)
 
     def progress(j: dict) -> None:
         seen.append(j["state"])
         if j["state"] == "queued":
-            store.start_attempt("w-1", node="n", gpu_uuid=None, now=2.0)
+            store.start_attempt(full, node="n", gpu_uuid=None, now=2.0)
         elif j["state"] == "running":
             store.finish_attempt(
-                "w-1",
+                full,
                 1,
                 target=JobState.DONE,
                 now=3.0,
@@ -125,7 +129,19 @@ def test_wait_and_download(setup: tuple[SqliteStore, TestClient, dict], tmp_path
     assert path == dest / "sub" / "f.txt" and path.read_bytes() == b"data" * 1000
     with pytest.raises(c.NotFound):
         api.download("w-1", "other.txt", tmp_path / "x.txt")
-    assert not (tmp_path / "x.txt").exists() and not (tmp_path / "x.txt.part").exists()
+    assert not (tmp_path / "x.txt").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".part")]
+    # a path that could lead out of the folder is refused before anything is sent or made
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    for bad in ("../escape.txt", "/etc/x", "a//b", "sub/./f.txt"):
+        with pytest.raises(c.Invalid, match="must be relative"):
+            api.download("w-1", bad, inner)
+    assert list(inner.iterdir()) == [] and not (tmp_path / "escape.txt").exists()
+    # a refused name makes no folder either
+    with pytest.raises(c.Invalid, match="255 bytes"):
+        api.download("w-1", "deep/" + "x" * 300, inner)
+    assert list(inner.iterdir()) == []
     store.submit(
         [JobSpec(id="never", type="echo.echo", params={"text": "x"})],
         now=1.0,

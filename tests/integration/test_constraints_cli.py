@@ -126,6 +126,7 @@ def test_submit_url_passes_constraints(
                           "--id", "r1", "--vram-gib", "1", "--constraint", "gpu_model=sim",
                           "--constraint", "label.rack=a")  # fmt: skip
     assert code == 0, err
-    assert "submitted r1" in out
-    job = store.get_job("r1")
+    r1 = f"{token[3:15]}-r1"  # a submitter's job ids begin with its token id
+    assert f"submitted {r1}" in out
+    job = store.get_job(r1)
     assert job is not None and job.constraints == {"gpu_model": "sim", "labels": {"rack": "a"}}

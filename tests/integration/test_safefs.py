@@ -325,3 +325,35 @@ def test_a_link_swapped_in_while_walking_is_not_followed(tmp_path: Path, secret:
         stop.set()
         t.join()
     assert swaps > 0
+
+
+def test_make_dirs_makes_missing_folders_and_follows_no_link(tmp_path: Path, secret: Path) -> None:
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "a").mkdir(mode=0o755)
+    fd = safefs.make_dirs("a/b/c", under=top, mode=0o750)
+    try:
+        assert os.path.samestat(os.fstat(fd), os.stat(top / "a" / "b" / "c"))
+    finally:
+        os.close(fd)
+    assert stat.S_IMODE((top / "a" / "b").stat().st_mode) == 0o750  # made here
+    assert stat.S_IMODE((top / "a").stat().st_mode) == 0o755  # already there: left
+    # a link to a folder outside, in the middle or at the end: refused, nothing made
+    (top / "link").symlink_to(secret.parent)
+    assert (top / "link").is_symlink() and secret.parent.is_dir()
+    before = sorted(p.name for p in secret.parent.iterdir())
+    for rel in ("link", "link/x", "a/../link/x"):
+        with pytest.raises(UnsafePathError):
+            os.close(safefs.make_dirs(rel, under=top))
+    assert sorted(p.name for p in secret.parent.iterdir()) == before
+    # a file on the way: refused, saying it is a file
+    (top / "f.txt").write_text("x")
+    with pytest.raises(UnsafePathError, match="is a file, not a folder"):
+        safefs.make_dirs("f.txt/b", under=top)
+    assert (top / "f.txt").read_text() == "x"
+    # an empty path opens the top itself
+    fd = safefs.make_dirs("", under=top)
+    try:
+        assert os.path.samestat(os.fstat(fd), os.stat(top))
+    finally:
+        os.close(fd)

@@ -139,7 +139,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Any:
-        if exc.status_code == 404:
+        status = exc.status_code
+        path = request.scope.get("path", "")
+        if status == 404 and any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+            # no route takes a control character (a path parameter stops at a newline)
+            status = 422
+            message = (
+                f"the URL path {path[:100]!r} has a control character (such as NUL or a "
+                "newline): file names and ids with one are not taken"
+            )
+        elif status == 404:
             message = (
                 f"no such endpoint: {request.method} {request.url.path} "
                 "(the endpoints are listed in /openapi.json)"
@@ -148,7 +157,6 @@ def install(app: FastAPI) -> None:
             message = f"{request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        status = exc.status_code
         if status == 400:  # FastAPI's "error parsing the body": bytes that are not UTF-8
             status = 422
             message = (

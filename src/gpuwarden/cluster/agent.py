@@ -32,23 +32,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import getpass
 import json
 import logging
 import os
-import shutil
+import re
+import secrets
 import socket
+import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 from urllib.parse import quote
 
 import httpx
 
-from gpuwarden import __version__
+from gpuwarden import __version__, safefs
 from gpuwarden.app import open_node
 from gpuwarden.broker import Broker
 from gpuwarden.config import Config
@@ -70,6 +73,22 @@ EXIT_REVOKED = 3
 
 #: outcomes of a local attempt ended because this agent stopped
 _SHUTDOWN_OUTCOMES = frozenset({"shutdown"})
+
+#: where fetched inputs are written before they are renamed into place, beside the
+#: jobs' input folders
+PARTS = ".parts"
+
+_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class _Fd:
+    """An open descriptor, for ``contextlib.closing``."""
+
+    fd: int
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 # -- talking to the coordinator ---------------------------------------------------
@@ -135,41 +154,68 @@ class Coordinator:
     def finish(self, job_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.post(f"/v1/node/jobs/{job_id}/finish", body)
 
-    def upload(self, job_id: str, lease_id: str, rel: str, file: Path) -> dict[str, Any]:
-        """Send one output file (streamed from disk) to the coordinator."""
-        path = f"/v1/node/jobs/{job_id}/outputs/{quote(rel)}"
-        try:
-            with file.open("rb") as f:
+    def upload(self, job_id: str, lease_id: str, rel: str, root: Path) -> dict[str, Any]:
+        """Send the output file ``root/rel`` (streamed) to the coordinator. The file
+        is a job's: it is opened by descriptor below ``root``, never through a link,
+        never a FIFO or a device (:class:`gpuwarden.safefs.UnsafePathError`), and at
+        most the size it had when it was opened is sent."""
+        fd = safefs.open_file(rel, under=root)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+
+            def body() -> Iterator[bytes]:
+                left = size
+                while left > 0:
+                    chunk = f.read(min(1 << 20, left))
+                    if not chunk:
+                        return
+                    left -= len(chunk)
+                    yield chunk
+
+            try:
                 response = self._http.put(
-                    path,
+                    f"/v1/node/jobs/{job_id}/outputs/{quote(rel)}",
                     params={"lease_id": lease_id},
-                    content=f,
+                    content=body(),
                     headers={
                         "content-type": "application/octet-stream",
-                        "content-length": str(file.stat().st_size),
+                        "content-length": str(size),
                     },
                 )
-        except httpx.HTTPError as exc:
-            raise CoordinatorError(f"cannot reach the coordinator at {self.url}: {exc}") from None
+            except httpx.HTTPError as exc:
+                raise CoordinatorError(
+                    f"cannot reach the coordinator at {self.url}: {exc}"
+                ) from None
         return _answer(response)
 
-    def fetch(self, job_id: str, lease_id: str, name: str, dest: Path) -> None:
-        """Fetch one input file of a leased job into ``dest`` (streamed to disk)."""
+    def fetch(self, job_id: str, lease_id: str, name: str, *, parts: Path, into: int) -> None:
+        """Fetch input ``name`` of a leased job (streamed to a fresh file in the
+        folder ``parts``, then renamed into the open folder ``into`` under the last
+        part of ``name``)."""
         path = f"/v1/node/jobs/{job_id}/inputs/{quote(name)}"
-        part = dest.with_name(f".{dest.name}.part")
-        try:
-            with self._http.stream("GET", path, params={"lease_id": lease_id}) as response:
-                if response.status_code >= 400:
-                    response.read()
-                    _answer(response)
-                with part.open("wb") as f:
-                    for chunk in response.iter_bytes():
-                        f.write(chunk)
-            part.replace(dest)
-        except httpx.HTTPError as exc:
-            raise CoordinatorError(f"cannot reach the coordinator at {self.url}: {exc}") from None
-        finally:
-            part.unlink(missing_ok=True)
+        tmp = f"{secrets.token_hex(8)}.part"
+        with safefs.opened_dir(parts) as parts_fd:
+            try:
+                with self._http.stream("GET", path, params={"lease_id": lease_id}) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        _answer(response)
+                    out = os.open(tmp, _O_NEW, 0o600, dir_fd=parts_fd)
+                    try:
+                        for chunk in response.iter_bytes():
+                            view = memoryview(chunk)
+                            while view:
+                                view = view[os.write(out, view) :]
+                    finally:
+                        os.close(out)
+                os.rename(tmp, name.rpartition("/")[2], src_dir_fd=parts_fd, dst_dir_fd=into)
+            except httpx.HTTPError as exc:
+                raise CoordinatorError(
+                    f"cannot reach the coordinator at {self.url}: {exc}"
+                ) from None
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=parts_fd)
 
 
 def _answer(response: httpx.Response) -> dict[str, Any]:
@@ -223,7 +269,9 @@ class Credential:
         """Write it, readable by its owner only (mode 600)."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a leftover of a crash; made fresh below, never through a link
+        fd = os.open(tmp, _O_NEW, 0o600)
         try:
             os.fchmod(fd, 0o600)
             os.write(fd, (json.dumps(dataclasses.asdict(self), indent=2) + "\n").encode())
@@ -239,7 +287,8 @@ class Credential:
         except FileNotFoundError:
             raise UserError(
                 f"no node credential at {path}: enrol first with `gpuwarden agent "
-                "--coordinator URL --enroll TOKEN` (`gpuwarden node invite NAME` makes a token)"
+                "--coordinator URL --enroll-file FILE` (`gpuwarden node invite NAME` makes the "
+                "token to put in FILE; or --enroll - to read it from standard input)"
             ) from None
         if mode & 0o077:
             raise UserError(
@@ -312,6 +361,8 @@ class _Report:
     body: dict[str, Any] = field(default_factory=dict)
     #: outputs sent to the coordinator already (a finish is retried after them)
     uploaded: set[str] = field(default_factory=set)
+    #: outputs not sent, and why: ``[{"path", "why"}]``, in the finish's result
+    not_uploaded: list[dict[str, str]] = field(default_factory=list)
 
 
 class Agent:
@@ -554,19 +605,31 @@ class Agent:
     def _fetch_inputs(
         self, job_id: str, lease_id: str, local_id: str, inputs: tuple[str, ...]
     ) -> Path | None:
-        """Fetch a leased job's input files from the coordinator into a folder of
-        this node's own (``<state_dir>/inputs/LOCAL_ID``); None when that fails."""
-        folder = self.broker.config.state_dir / "inputs" / local_id
+        """Fetch a leased job's input files from the coordinator into a fresh folder
+        of this node's own (``<state_dir>/inputs/LOCAL_ID``, its sub-folders made by
+        descriptor, no link followed); None when that fails."""
+        top = self.broker.config.state_dir / "inputs"
+        folder = top / local_id
+        parts = top / PARTS  # beside the job folders: a local id never starts with '.'
         try:
+            top.mkdir(parents=True, exist_ok=True)
+            parts.mkdir(mode=0o700, exist_ok=True)
+            safefs.remove_tree(folder)  # a leftover of an earlier run: not this job's
+            safefs.make_dir(folder)
             for name in inputs:
                 rel = safe_relpath(name, "input")
-                dest = folder / rel
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                self.coordinator.fetch(job_id, lease_id, rel, dest)
-        except (CoordinatorError, Refused, UserError, OSError) as exc:
+                rel.encode("utf-8")  # UnicodeEncodeError: a name that is not UTF-8
+                with contextlib.closing(
+                    _Fd(safefs.make_dirs(rel.rpartition("/")[0], under=folder))
+                ) as into:
+                    self.coordinator.fetch(job_id, lease_id, rel, parts=parts, into=into.fd)
+        except (CoordinatorError, Refused, UserError, OSError, UnicodeError) as exc:
             message = getattr(exc, "message", str(exc))
             log.error("leased job %s: its input files could not be fetched: %s", job_id, message)
-            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                safefs.remove_tree(folder)
+            except OSError as gone:
+                log.error("leased job %s: %s could not be removed: %s", job_id, folder, gone)
             return None
         return folder
 
@@ -685,22 +748,47 @@ class Agent:
         if not out_dir:
             return
         root = Path(str(out_dir))
-        for rel in [str(x) for x in result.get("outputs") or ()]:
+        listed = [str(x) for x in result.get("outputs") or ()]
+        for rel in listed:
             if rel in r.uploaded:
                 continue
-            file = root / rel
-            if file.is_symlink() or not file.is_file():
-                log.warning("job %s: output %s is gone; not uploaded", r.held.job_id, rel)
-                r.uploaded.add(rel)
-                continue
-            try:
-                self.coordinator.upload(r.held.job_id, r.held.lease_id, rel, file)
-            except Refused as exc:
-                if exc.status == 409:
-                    raise  # the lease is gone: so is the report
-                # too large, or a path the coordinator refuses: the rest still goes
-                log.warning("job %s: output %s not uploaded: %s", r.held.job_id, rel, exc.message)
+            why = self._upload_one(r, rel, root)
+            if why is not None:
+                shown = rel.encode("utf-8", "backslashreplace").decode("utf-8")
+                log.warning("job %s: output %s not uploaded: %s", r.held.job_id, shown, why)
+                r.not_uploaded.append({"path": shown, "why": why})
             r.uploaded.add(rel)
+        if r.not_uploaded:
+            # the result says what did not go up; a name that is not UTF-8 cannot be
+            # in it (the coordinator takes only valid text)
+            kept = [rel for rel in listed if _is_utf8(rel)]
+            r.body["result"] = {
+                **result,
+                "outputs": kept,
+                "outputs_not_uploaded": list(r.not_uploaded),
+            }
+
+    def _upload_one(self, r: _Report, rel: str, root: Path) -> str | None:
+        """Send one output; why it was not sent, or None. Raises :class:`Refused`
+        (409: the lease is gone, and so is the report) and :class:`CoordinatorError`
+        (no answer: the report is tried again)."""
+        if not _is_utf8(rel):
+            return "its name is not valid UTF-8"
+        try:
+            self.coordinator.upload(r.held.job_id, r.held.lease_id, rel, root)
+        except Refused as exc:
+            if exc.status == 409:
+                raise
+            # too large, or a path the coordinator refuses: the rest still goes
+            return f"the coordinator refused it ({exc.status}): {exc.message}"
+        except safefs.UnsafePathError as exc:
+            # a link, a FIFO, a device the job put there: never read
+            return f"it {exc.why}"
+        except FileNotFoundError:
+            return "it is gone"
+        except OSError as exc:
+            return f"it cannot be read: {exc.strerror or exc}"
+        return None
 
     def _forget_ended(self) -> None:
         for job_id, h in list(self.held.items()):
@@ -734,6 +822,114 @@ class Agent:
 
 
 # -- running it -----------------------------------------------------------------------
+
+
+#: the environment variable an agent may take its enrolment token from
+ENROLL_ENV = "GPUWARDEN_ENROLL_TOKEN"
+#: the most a token file or standard input is read for a token
+_SECRET_MAX = 4096
+_TOKEN_ID = re.compile(r"^gw_([0-9a-f]{12})_")
+
+
+def token_on_argv(value: str) -> str:
+    """Why ``--enroll VALUE`` (anything but ``-``) is refused, and what to do."""
+    m = _TOKEN_ID.match(value)
+    seen = (
+        f"; it was on a command line for a moment, so treat it as seen: revoke it "
+        f"(`gpuwarden token revoke {m.group(1)}`) and make a new one "
+        "(`gpuwarden node invite NAME`)"
+        if m
+        else ""
+    )
+    return (
+        "--enroll takes '-' (read the token from standard input), not the token itself: "
+        "a token on the command line can be read by every user of this host (ps, "
+        "/proc/PID/cmdline) for as long as the agent runs. Give it one of three ways: "
+        "--enroll-file FILE (a file only its owner can read: chmod 600 FILE), "
+        "--enroll - (standard input: `gpuwarden agent ... --enroll - < FILE`), or the "
+        f"environment variable {ENROLL_ENV}{seen}"
+    )
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """A token from ``path``: a regular file that only its owner may read (no bits for
+    group or others, as `chmod 600` leaves it), at most 4 KiB, one line."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise UserError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(
+                f"{what} {path} is a {safefs.kind_of(st.st_mode)}, not a file: write the "
+                "token to a file (chmod 600)"
+            )
+        if st.st_mode & 0o077:
+            raise UserError(
+                f"{what} {path} can be read by others (mode {st.st_mode & 0o777:o}): run "
+                f"`chmod 600 {path}` and try again"
+            )
+        data = os.read(fd, _SECRET_MAX + 1)
+    finally:
+        os.close(fd)
+    return _one_token(data, f"{what} {path}")
+
+
+def _one_token(data: bytes, where: str) -> str:
+    if len(data) > _SECRET_MAX:
+        raise UserError(f"{where} holds more than {_SECRET_MAX} bytes: it should hold one token")
+    try:
+        text = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise UserError(f"{where} is not a token (it is not ASCII text)") from None
+    if not text:
+        raise UserError(f"{where} is empty: it should hold the token `gpuwarden node invite` made")
+    if any(c.isspace() for c in text):
+        raise UserError(f"{where} holds more than one word: it should hold one token")
+    return text
+
+
+def enrolment_token(
+    *,
+    enroll: str | None,
+    enroll_file: Path | None,
+    environ: MutableMapping[str, str],
+    stdin: TextIO,
+) -> str | None:
+    """The enrolment token from one of ``--enroll -`` (``stdin``), ``--enroll-file``
+    or the environment (:data:`ENROLL_ENV`), or None when none is given. The
+    variable is removed from ``environ`` first, whatever happens next, so nothing
+    this process starts inherits it. A token given as ``--enroll TOKEN`` is refused
+    (:func:`token_on_argv`)."""
+    from_env = environ.pop(ENROLL_ENV, None)
+    if enroll is not None and enroll != "-":
+        raise UserError(token_on_argv(enroll))
+    ways = [
+        name
+        for name, given in (
+            ("--enroll -", enroll is not None),
+            ("--enroll-file", enroll_file is not None),
+            (ENROLL_ENV, bool(from_env)),
+        )
+        if given
+    ]
+    if len(ways) > 1:
+        raise UserError(
+            f"the enrolment token was given {len(ways)} ways ({', '.join(ways)}): give it one way"
+        )
+    if enroll_file is not None:
+        return read_secret_file(enroll_file, "enrolment token file")
+    if enroll is not None:
+        if stdin.isatty():
+            return _one_token(
+                getpass.getpass("enrolment token (from `gpuwarden node invite`): ").encode(),
+                "the token typed",
+            )
+        return _one_token(stdin.read(_SECRET_MAX + 1).encode(), "standard input")
+    if from_env:
+        return _one_token(from_env.encode(), ENROLL_ENV)
+    return None
 
 
 def parse_labels(text: str | None) -> dict[str, str]:
@@ -774,7 +970,7 @@ def run_agent(
         if coordinator_url and coordinator_url.rstrip("/") != cred.coordinator:
             cred = dataclasses.replace(cred, coordinator=coordinator_url.rstrip("/"))
     elif not coordinator_url:
-        raise UserError("--enroll needs --coordinator URL")
+        raise UserError("enrolling needs --coordinator URL (the coordinator to enrol with)")
     else:
         cred = None
     # the agent's own store is SQLite in its state directory, never a shared one
@@ -847,6 +1043,14 @@ def run_agent(
             agent.final_reports()
         client.close()
     return status
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _clear_leftovers(broker: Broker) -> None:

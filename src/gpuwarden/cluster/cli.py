@@ -21,6 +21,7 @@ from rich.table import Table
 
 from gpuwarden.errors import UserError
 
+#: as ``gpuwarden.cluster.agent.ENROLL_ENV`` (not imported here: the CLI starts fast)
 ENROLL_ENV = "GPUWARDEN_ENROLL_TOKEN"
 
 
@@ -72,9 +73,12 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
     sp = sub.add_parser(
         "agent",
         help="run this GPU host's jobs for a coordinator",
-        description="Enrol once (--enroll TOKEN, from `gpuwarden node invite NAME`), then run "
-        "the broker loop on this host's GPUs, taking jobs the coordinator leases to it. The "
-        "credential is kept in the state directory (mode 600); later runs need no token.",
+        description="Enrol once with the one-time token from `gpuwarden node invite NAME`, "
+        "then run the broker loop on this host's GPUs, taking jobs the coordinator leases to "
+        "it. The token is read from a file (--enroll-file FILE, mode 600), from standard "
+        f"input (--enroll -) or from {ENROLL_ENV}; never from the command line, where every "
+        "user of the host can read it. The credential is kept in the state directory (mode "
+        "600); later runs need no token.",
         allow_abbrev=False,
     )
     sp.add_argument(
@@ -83,9 +87,15 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
     how = sp.add_mutually_exclusive_group()
     how.add_argument(
         "--enroll",
-        metavar="TOKEN",
-        default=os.environ.get(ENROLL_ENV),
-        help=f"the one-time enrolment token (env {ENROLL_ENV})",
+        metavar="-",
+        help="enrol with the token read from standard input (only '-' is taken: a token on "
+        "the command line is refused)",
+    )
+    how.add_argument(
+        "--enroll-file",
+        type=Path,
+        metavar="FILE",
+        help=f"enrol with the token in FILE (mode 600; or set {ENROLL_ENV})",
     )
     how.add_argument(
         "--credential",
@@ -141,6 +151,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from gpuwarden.store.base import Store
     from gpuwarden.store.sqlite import SqliteStore
 
+    if args.db and args.db.startswith(("postgresql://", "postgres://")):
+        _refuse_a_password_on_the_command_line(args.db)
     config = cli._config(args)
     host, port = cli._parse_address(args.bind)
     roots = [
@@ -215,19 +227,48 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_a_password_on_the_command_line(url: str) -> None:
+    """``--db`` is on the command line, which every user of the host can read."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    try:
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
+        password = ":" in userinfo or any(
+            k == "password" for k, _ in parse_qsl(parts.query, keep_blank_values=True)
+        )
+    except ValueError:
+        password = False
+    if password:
+        raise UserError(
+            "--db holds a password, and the command line can be read by every user of this "
+            "host (ps, /proc/PID/cmdline) for as long as the coordinator runs: leave the "
+            "password out of the URL and give it to libpq in ~/.pgpass (mode 600) or "
+            "PGPASSWORD, or put the whole URL in the config file's database key"
+        )
+
+
 # -- agent --------------------------------------------------------------------------
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from gpuwarden import cli
-    from gpuwarden.cluster.agent import parse_labels, run_agent
+    from gpuwarden.cluster.agent import enrolment_token, parse_labels, run_agent
     from gpuwarden.eventlog import EventLog
 
+    # first of all: the variable leaves this process's environment, and a token on
+    # the command line is refused before anything else happens
+    token = enrolment_token(
+        enroll=args.enroll, enroll_file=args.enroll_file, environ=os.environ, stdin=sys.stdin
+    )
     config = cli._config(args)
     if args.max_jobs is not None and args.max_jobs < 1:
         raise UserError("--max-jobs must be at least 1")
-    if args.enroll and args.credential:
-        raise UserError("--enroll and --credential do not go together")
+    if token is not None and args.credential:
+        raise UserError(
+            f"an enrolment token ({ENROLL_ENV}) and --credential do not go together: "
+            "enrol, or run with a credential"
+        )
     events = EventLog(args.log) if args.log else EventLog(stream=sys.stdout)
     stop = threading.Event()
     force = threading.Event()
@@ -252,7 +293,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return run_agent(
             config,
             coordinator_url=args.coordinator,
-            enroll_token=args.enroll,
+            enroll_token=token,
             credential_path=args.credential,
             mock_gpu=args.mock_gpu,
             labels=parse_labels(args.labels) if args.labels is not None else None,
@@ -328,9 +369,13 @@ def cmd_node_invite(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(got))
         return 0
+    url = escape(str(getattr(args, "url", None) or "URL"))
     cli.err.print(
-        f"enrolment token for node {got['node']}, valid 15 minutes, once; on that host run\n"
-        f"  gpuwarden agent --coordinator URL --enroll TOKEN"
+        f"enrolment token for node {escape(str(got['node']))}, valid 15 minutes, once. On that "
+        "host, write it to a file only root can read (chmod 600) and run\n"
+        f"  gpuwarden agent --coordinator {url} --enroll-file FILE\n"
+        f"(or pipe it in with --enroll -, or set {ENROLL_ENV}; never put it on a command "
+        "line: every user of the host can read that)"
     )
     print(got["token"])
     return 0

@@ -10,13 +10,15 @@ import json
 import math
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 
 from gpuwarden import explain
+from gpuwarden.api import files
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.context import (
     ApiContext,
@@ -29,14 +31,15 @@ from gpuwarden.api.context import (
 )
 from gpuwarden.api.errors import ApiError
 from gpuwarden.api.models import ErrorOut, Explanation, JobDetail, JobIn, JobOut
+from gpuwarden.api.redact import Redactor
 from gpuwarden.broker import result_json
 from gpuwarden.cluster import coordinator
 from gpuwarden.core import policy
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
-from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare, safe_relpath
-from gpuwarden.store.base import Submission
+from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
+from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.cluster import ClusterStore
 
 # defence in depth: a route the gate did not grant a scope to is refused (403)
@@ -54,12 +57,63 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def own_prefix(who: Principal) -> str:
+    """What every job id of a submitter's token begins with: its token id and '-'."""
+    return f"{who.token_id}-"
+
+
+#: ids of this form are a submitter's own (:func:`own_prefix`): no other token
+#: may choose one over HTTP
+_OWN_FORM = re.compile(r"^[0-9a-f]{12}-")
+
+
 def visible_job(ctx: ApiContext, who: Principal, access: Scope, job_id: str) -> Job:
-    """The job, if this principal may see it; else 404 (also for another's job)."""
+    """The job, if this principal may see it; else 404, the same answer for a job
+    that does not exist and for another's. A submitter may name its own job with
+    or without its prefix (:func:`own_prefix`)."""
     job = ctx.store.get_job(job_id) if JOB_ID.fullmatch(job_id) else None
-    if job is None or (access is Scope.OWN and job.owner != who.token_id):
+    if access is Scope.OWN and (job is None or job.owner != who.token_id):
+        job = None
+        prefix = own_prefix(who)
+        if not job_id.startswith(prefix) and JOB_ID.fullmatch(prefix + job_id):
+            mine = ctx.store.get_job(prefix + job_id)
+            job = mine if mine is not None and mine.owner == who.token_id else None
+    if job is None:
         raise ApiError(404, f"no job with id {job_id!r} (GET /v1/jobs lists yours)")
     return job
+
+
+def _job_id_for(who: Principal, access: Scope, body: JobIn, type_name: str) -> str:
+    """The store id of a new job. A submitter's ids are its own: every one begins
+    with its token id (``<token id>-<the id it chose, or a generated one>``), so an
+    id another token holds can never be in its way, and a submit tells nothing of
+    another's jobs. Operators and owners (who see every job) choose freely, but not
+    an id of that form."""
+    chosen = body.id
+    if chosen is not None and not JOB_ID.fullmatch(chosen):
+        raise ValidationError(
+            f"job id {chosen!r} is not valid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if access is not Scope.OWN:
+        if chosen is not None and _OWN_FORM.match(chosen):
+            raise ValidationError(
+                f"job id {chosen!r}: ids that begin with 12 hex digits and '-' belong to the "
+                "submitter token with that id; choose another id"
+            )
+        return chosen or new_job_id(type_name)
+    prefix = own_prefix(who)
+    if chosen is None:
+        return prefix + new_job_id(type_name)
+    if chosen.startswith(prefix):
+        return chosen
+    if not JOB_ID.fullmatch(prefix + chosen):
+        room = 128 - len(prefix)
+        raise ValidationError(
+            f"job id {chosen!r} is too long: a submitter's job ids are kept as "
+            f"'{prefix}<id>', so the id may have at most {room} characters"
+        )
+    return prefix + chosen
 
 
 @router.post("/v1/jobs", status_code=201, response_model=JobOut, responses=_ERRORS)
@@ -71,6 +125,7 @@ def submit_job(
     response: Response,
     ctx: Ctx,
     who: Who,
+    access: Access,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -80,7 +135,8 @@ def submit_job(
     ] = None,
 ) -> JobOut:
     """Submit a job. It is checked like a bundle's job (type, parameters, this
-    node's launch rules, a VRAM footprint no GPU can ever hold) before it is stored."""
+    node's launch rules, a VRAM footprint no GPU can ever hold) before it is stored.
+    A submitter's job ids begin with its token id (SPEC.md, section 15)."""
     if body.id is not None:
         set_target(request, body.id)
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
@@ -91,7 +147,7 @@ def submit_job(
     spec = prepare(
         ctx.registry,
         JobSpec(
-            id=body.id or new_job_id(jobtype.name),
+            id=_job_id_for(who, access, body, jobtype.name),
             type=jobtype.name,
             params=dict(body.params),
             outputs=tuple(body.outputs),
@@ -110,12 +166,21 @@ def submit_job(
         body_hash = hashlib.sha256(canonical.encode()).hexdigest()
         idempotency = (who.token_id, idempotency_key, body_hash)
         replay = ctx.store.idempotency_record(who.token_id, idempotency_key) is not None
-    [job] = ctx.store.submit(
-        [spec],
-        now=ctx.clock(),
-        origin=Submission(owner=who.token_id),
-        idempotency=idempotency,
-    )
+    for tries in range(3):
+        try:
+            [job] = ctx.store.submit(
+                [spec],
+                now=ctx.clock(),
+                origin=Submission(owner=who.token_id),
+                idempotency=idempotency,
+            )
+            break
+        except DuplicateJobError:
+            if body.id is not None or tries == 2:
+                raise
+            # a generated id that is taken (32 random bits): another one
+            spec = replace(spec, id=_job_id_for(who, access, body, jobtype.name))
+            set_target(request, spec.id)
     detail: dict[str, Any] = {"type": job.type}
     if idempotency_key is not None:
         detail["idempotency_key"] = idempotency_key
@@ -188,7 +253,14 @@ def list_jobs(
 def get_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> JobDetail:
     """One job with its attempts and events."""
     job = visible_job(ctx, who, access, job_id)
-    return JobDetail.full(job, ctx.store.attempts(job.id), ctx.store.events(job_id=job.id))
+    detail = JobDetail.full(job, ctx.store.attempts(job.id), ctx.store.events(job_id=job.id))
+    if access is Scope.OWN:  # reasons may name the jobs it waited for: not another's
+        r = Redactor(ctx.store, who.token_id)
+        detail.reason = r.text(detail.reason)
+        for a in detail.attempts_detail:
+            a.reason = r.text(a.reason)
+        detail.events = [r.value(e) for e in detail.events]
+    return detail
 
 
 @router.post("/v1/jobs/{job_id}/cancel", response_model=JobOut, responses=_ERRORS)
@@ -212,7 +284,11 @@ def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
     job = visible_job(ctx, who, access, job_id)
     status = explain.latest_status(ctx.store, time.time())
     view = explain.view_from_status(status, ctx.config.broker.cpu_slots) if status else None
-    return Explanation(job=job.id, lines=explain.explain_job(job, ctx.store, ctx.registry, view))
+    lines = explain.explain_job(job, ctx.store, ctx.registry, view)
+    if access is Scope.OWN:  # wait reasons name other jobs: not another token's
+        redactor = Redactor(ctx.store, who.token_id)
+        lines = [redactor.text(line) for line in lines]
+    return Explanation(job=job.id, lines=lines)
 
 
 @router.get("/v1/jobs/{job_id}/result", responses=_ERRORS)
@@ -229,42 +305,37 @@ def job_result(job_id: str, ctx: Ctx, who: Who, access: Access) -> dict[str, Any
 
 @router.get(
     "/v1/jobs/{job_id}/outputs/{path:path}",
-    response_class=FileResponse,
+    response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}, **_ERRORS},
 )
 @action("job.read")
-def job_output(job_id: str, path: str, ctx: Ctx, who: Who, access: Access) -> FileResponse:
+def job_output(
+    job_id: str, path: str, request: Request, *, ctx: Ctx, who: Who, access: Access
+) -> StreamingResponse:
     """One output file of a job that ended done (a path from its result's outputs)."""
     job = visible_job(ctx, who, access, job_id)
-    try:
-        rel = safe_relpath(path, "output path")
-    except ValidationError as exc:
-        raise ApiError(422, exc.message) from None
+    rel = files.check_name(path, "output path", raw_path=request.scope.get("raw_path"))
     if job.state is not JobState.DONE:
         raise ApiError(
             409, f"job {job.id} is {job.state.value}: outputs are returned for done jobs only"
         )
     outputs = [str(p) for p in job.result.get("outputs", [])]
     if rel not in outputs:
-        listed = ", ".join(outputs) or "none"
-        raise ApiError(404, f"job {job.id} has no output {rel!r} (its outputs: {listed})")
+        listed = ", ".join(outputs) if len(outputs) <= 20 else f"{len(outputs)} files"
+        raise ApiError(
+            404,
+            f"job {job.id} has no output {files.shown(rel)} (its outputs: {listed or 'none'}; "
+            f"GET /v1/jobs/{job.id}/result lists them)",
+        )
     out_dir = job.result.get("output_dir")
-    target = _inside(Path(str(out_dir)), rel) if out_dir else None
-    if target is None:
-        raise ApiError(404, f"output {rel!r} of job {job.id} is no longer on this host")
-    return FileResponse(target, media_type="application/octet-stream", filename=target.name)
-
-
-def _inside(root: Path, rel: str) -> Path | None:
-    """``root/rel`` if it is a regular file reached through no symbolic link."""
-    current = root
-    for part in Path(rel).parts:
-        current = current / part
-        if current.is_symlink():
-            return None
+    if not out_dir:
+        raise ApiError(404, f"output {files.shown(rel)} of job {job.id} is not on this host")
     try:
-        if not current.resolve().is_relative_to(root.resolve()) or not current.is_file():
-            return None
-    except OSError:
-        return None
-    return current
+        fd, st = files.open_below(Path(str(out_dir)), rel)
+    except files.NotServed as exc:
+        raise ApiError(
+            404,
+            f"output {files.shown(rel)} of job {job.id} is not served: it {exc.why} (only "
+            "regular files reached through no link are)",
+        ) from None
+    return files.fd_response(fd, st, rel.rpartition("/")[2])

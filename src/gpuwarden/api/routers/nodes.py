@@ -22,18 +22,17 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import ClientDisconnect
 
+from gpuwarden.api import files
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.api.context import (
     ApiContext,
@@ -50,8 +49,8 @@ from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.sweeper import Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import UserError, ValidationError
-from gpuwarden.intake.jobs import JOB_ID, safe_relpath
+from gpuwarden.errors import UserError
+from gpuwarden.intake.jobs import JOB_ID
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
@@ -223,7 +222,8 @@ def outputs_dir(ctx: ApiContext, job_id: str, attempt: int) -> Path:
 @action("node.invite")
 def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
     """A one-time enrolment token for node ``name``, valid 15 minutes: give it to
-    `gpuwarden agent --enroll` on that host. Shown once."""
+    `gpuwarden agent --enroll-file FILE` (or ``--enroll -``, or GPUWARDEN_ENROLL_TOKEN)
+    on that host, never on a command line. Shown once."""
     set_target(request, body.name)
     if not co.NODE_NAME.fullmatch(body.name):
         raise ApiError(
@@ -404,13 +404,11 @@ async def upload_output(
     """One output file of the node's running attempt of the leased job (the body is
     the file), before it reports the end: kept on the coordinator, where
     ``GET /v1/jobs/{id}/outputs/{path}`` and result bundles find it. 409 when the
-    lease is not its own; 413 past ``api.max_output_mib``."""
+    lease is not its own; 413 past ``api.max_output_mib``; 422 for a path that
+    cannot be a file there (SPEC.md, section 16)."""
     name = await run_in_threadpool(node_of, ctx, who)
     set_target(request, job_id)
-    try:
-        rel = safe_relpath(path, "output path")
-    except ValidationError as exc:
-        raise ApiError(422, exc.message) from None
+    rel = files.check_name(path, "output path", raw_path=request.scope.get("raw_path"))
     try:
         attempt = await run_in_threadpool(
             co.check_upload,
@@ -423,46 +421,16 @@ async def upload_output(
     except co.LeaseRefused as exc:
         raise _refused(exc) from None
     root = outputs_dir(ctx, job_id, attempt)
-    target = root / rel
     root.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):  # before its folders are made (none through a link), and after
-        if not _plainly_inside(root, target):
-            raise ApiError(422, f"output path {rel!r} leads out of the job's output folder")
-        target.parent.mkdir(parents=True, exist_ok=True)
-    limit = int(ctx.config.api.max_output_mib * MIB)
-    tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}.part"
-    written = 0
-    try:
-        with tmp.open("xb") as f:
-            try:
-                async for chunk in request.stream():
-                    written += len(chunk)
-                    if written > limit:
-                        raise ApiError(
-                            413,
-                            f"output {rel!r} is larger than the coordinator accepts "
-                            f"({limit} bytes, api.max_output_mib in its config)",
-                        )
-                    f.write(chunk)
-            except ClientDisconnect:
-                raise ApiError(413, "the upload was cut short") from None
-        tmp.replace(target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    written = await files.receive(
+        request,
+        root=root,
+        rel=rel,
+        parts_dir=ctx.config.state_dir / "outputs" / files.PARTS,
+        limit=int(ctx.config.api.max_output_mib * MIB),
+    )
     audit_ok(request, {"node": name, "lease": lease_id, "path": rel, "bytes": written})
     return {"path": rel, "bytes": written}
-
-
-def _plainly_inside(root: Path, target: Path) -> bool:
-    """``target`` is under ``root`` and reached through no symbolic link."""
-    current = target
-    while current != root:
-        if current.is_symlink():
-            return False
-        current = current.parent
-        if current == current.parent:
-            return False
-    return target.resolve().is_relative_to(root.resolve())
 
 
 def _inputs_here(input_dir: str) -> bool:
@@ -471,24 +439,23 @@ def _inputs_here(input_dir: str) -> bool:
 
 @router.get(
     "/v1/node/jobs/{job_id}/inputs/{name:path}",
-    response_class=FileResponse,
+    response_class=StreamingResponse,
     responses={200: {"content": {"application/octet-stream": {}}}, **_ERRORS},
 )
 @action("node.fetch")
 def fetch_input(
     job_id: str,
     name: str,
+    request: Request,
+    *,
     ctx: Ctx,
     who: Who,
     lease_id: Annotated[str, Query(min_length=1, max_length=64)],
-) -> FileResponse:
+) -> StreamingResponse:
     """One input file of the leased job, as its bundle staged it on this
     coordinator (409 when the lease is not the node's)."""
     node = node_of(ctx, who)
-    try:
-        rel = safe_relpath(name, "input name")
-    except ValidationError as exc:
-        raise ApiError(422, exc.message) from None
+    rel = files.check_name(name, "input name", raw_path=request.scope.get("raw_path"))
     try:
         job = co.check_fetch(
             cluster_store(ctx), node, _job_id(job_id), lease_id=lease_id, now=ctx.clock()
@@ -497,12 +464,16 @@ def fetch_input(
         raise _refused(exc) from None
     if rel not in job.inputs:
         listed = ", ".join(job.inputs) or "none"
-        raise ApiError(404, f"job {job.id} has no input {rel!r} (its inputs: {listed})")
-    root = Path(job.input_dir) if job.input_dir else None
-    target = root / rel if root is not None else None
-    if root is None or target is None or not target.is_file() or not _plainly_inside(root, target):
-        raise ApiError(404, f"input {rel!r} of job {job.id} is not on this coordinator")
-    return FileResponse(target, media_type="application/octet-stream", filename=target.name)
+        raise ApiError(404, f"job {job.id} has no input {files.shown(rel)} (its inputs: {listed})")
+    if not job.input_dir:
+        raise ApiError(404, f"input {files.shown(rel)} of job {job.id} is not on this coordinator")
+    try:
+        fd, st = files.open_below(Path(job.input_dir), rel)
+    except files.NotServed as exc:
+        raise ApiError(
+            404, f"input {files.shown(rel)} of job {job.id} is not served here: it {exc.why}"
+        ) from None
+    return files.fd_response(fd, st, rel.rpartition("/")[2])
 
 
 # -- operators --------------------------------------------------------------------

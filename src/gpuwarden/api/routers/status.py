@@ -7,8 +7,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends
 
 from gpuwarden import __version__
-from gpuwarden.api.context import ApiContext, action, get_ctx, get_scope
+from gpuwarden.api.auth import Principal, Scope, allowed
+from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, get_scope
 from gpuwarden.api.models import ErrorOut, Health, ParamOut, StatusOut, TypeOut
+from gpuwarden.api.redact import Redactor
 
 router = APIRouter(tags=["status"])
 
@@ -28,12 +30,17 @@ def health() -> Health:
     "/v1/status", response_model=StatusOut, responses=_ERRORS, dependencies=[Depends(get_scope)]
 )
 @action("status.read")
-def status(ctx: Ctx) -> StatusOut:
-    """What each node's broker last published (as `gpuwarden status --json`)."""
+def status(ctx: Ctx, who: Annotated[Principal, Depends(get_principal)]) -> StatusOut:
+    """What each node's broker last published (as `gpuwarden status --json`). A
+    submitter is shown no id of another token's job (``null``, or ``another job``
+    in text)."""
     nodes = [
         {"node": s.node, "pid": s.pid, "updated_at": s.updated_at, **s.payload}
         for s in ctx.store.node_statuses()
     ]
+    if allowed(who.role, "job.read") is Scope.OWN:
+        redactor = Redactor(ctx.store, who.token_id)
+        nodes = [redactor.value(n) for n in nodes]
     counts = {k.value: v for k, v in ctx.store.count_by_state().items()}
     return StatusOut(nodes=nodes, jobs=counts)
 
