@@ -122,3 +122,8 @@ def test_derived_names_fit_and_never_collide(a: bytes, b: bytes, tag_a: str, tag
         assert name not in (bundle_a, bundle_b)
     if (bundle_a, tag_a) != (bundle_b, tag_b):
         assert name_a != name_b
+
+
+def test_a_shortened_base_is_no_longer_than_a_kept_one() -> None:
+    for raw in (b"x" * 251 + b".zip", b"\xff" * 251 + b".zip", "é".encode() * 125 + b".zip"):
+        assert len(short_name(fs_name(raw)).encode()) <= 206

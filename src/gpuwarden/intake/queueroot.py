@@ -55,7 +55,8 @@ NAME_MAX = 255
 #: bytes kept free after a base name for ``.`` and the longest tag
 _TAG_ROOM = 48
 _HASH_HEX = 16
-_PREFIX_BYTES = NAME_MAX - _TAG_ROOM - 1 - _HASH_HEX
+#: a shortened base: the prefix, "~" and the hash, at most as long as a kept name
+_PREFIX_BYTES = NAME_MAX - 1 - _TAG_ROOM - 1 - _HASH_HEX
 
 #: the tag of a refused bundle's input, kept in ``failed/`` beside its result
 INPUT_TAG = "input"
