@@ -97,6 +97,7 @@ class Node:
     lock: StateLock
 
     def close(self) -> None:
+        self.broker.queues.close()  # the extraction threads
         self.probe.close()
         self.store.close()
         self.lock.release()

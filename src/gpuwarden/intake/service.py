@@ -423,7 +423,7 @@ class QueueIntake:
         time; the rest wait in ``inbox/``); pick up the extractions that ended.
         Returns how many bundles were decided."""
         count = self._collect(now)
-        handed = 0
+        handed, finished = 0, self._extractors.finished
         for root in self.roots if roots is None else roots:
             for arrival in root.arrivals():
                 extract = arrival.kind == "file" and is_utf8(arrival.name)
@@ -437,7 +437,7 @@ class QueueIntake:
                 handed += step == "extracting"
                 count += step == "decided"
         if handed:
-            self._extractors.wait(self._extractors.finished + handed, INTAKE_WAIT_S)
+            self._extractors.wait(finished + handed, INTAKE_WAIT_S)
             count += self._collect(now)
         return count
 
