@@ -358,8 +358,8 @@ def test_an_upper_case_zip_claimed_before_a_crash_is_recovered(site: Site) -> No
 # -- zips that lie -------------------------------------------------------------------------
 
 
-def test_a_forged_zip64_count_is_refused(site: Site) -> None:
-    forged = corpus._forged_zip64("forged", hidden=20_000)
+def test_aforged_zip64_count_is_refused(site: Site) -> None:
+    forged = corpus.forged_zip64("forged", hidden=20_000)
     raw_count = forged[forged.rindex(b"PK\x06\x06") + 32 : forged.rindex(b"PK\x06\x06") + 40]
     assert int.from_bytes(raw_count, "little") == 2  # the zip64 record says 2 entries
     b = site.serve()

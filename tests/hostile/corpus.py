@@ -127,7 +127,7 @@ def valid_bundle(jid: str) -> bytes:
     return _zip([("manifest.json", _manifest(jid))])
 
 
-def _forged_zip64(jid: str, hidden: int = 12_000) -> bytes:
+def forged_zip64(jid: str, hidden: int = 12_000) -> bytes:
     """The zip64 end record zipfile reads says 2 entries; the directory holds more
     than the entry limit."""
     buf = io.BytesIO()
@@ -200,7 +200,7 @@ def content_bytes(case: Case, index: int, cache: dict[str, bytes]) -> bytes | No
         return _link_entry(jid)
     if case.content in ("forged-zip64", "bomb"):
         if case.content not in cache:
-            cache[case.content] = (_forged_zip64 if case.content == "forged-zip64" else _bomb)(jid)
+            cache[case.content] = (forged_zip64 if case.content == "forged-zip64" else _bomb)(jid)
         return cache[case.content]
     return None
 
