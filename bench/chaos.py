@@ -19,7 +19,7 @@ is checked against the queue root and the store:
 - accepted: its bundle was not refused;
 - lost: accepted, and not terminal in the store, or without a result in the
   result bundle named like its bundle (``outbox/`` or ``failed/``);
-- duplicated: two results (two result bundles hold it; ``*.duplicate-*.zip``
+- duplicated: two results (two result bundles hold it; ``<name>.duplicate-*``
   refusals of a second copy are not results) or two terminal transitions in the
   store's events.
 
@@ -185,7 +185,7 @@ class Node:
             f"{sub}/{n}"
             for sub in ("outbox", "failed")
             for n in self.zips(sub)
-            if not n.endswith(".input.zip") and ".duplicate-" not in n
+            if ".duplicate-" not in n
         ]
 
     def settled(self) -> bool:
@@ -269,8 +269,8 @@ def audit(node: Node) -> Audit:
         for jid, body in read_result_bundle(node.root / rel).items():
             got.setdefault(jid, []).append((rel, body))
     for sub in ("outbox", "failed"):
-        for n in node.zips(sub):
-            if ".duplicate-" in n and not n.endswith(".input.zip"):
+        for n in sorted(p.name for p in (node.root / sub).glob("*.duplicate-*")):
+            if not n.endswith("-input"):  # the refused copy itself, kept beside
                 for jid, body in read_result_bundle(node.root / sub / n).items():
                     a.refusals += 1
                     if body.get("status") != "refused" and jid != "bundle":

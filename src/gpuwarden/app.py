@@ -36,11 +36,13 @@ def sim_config(config: Config) -> SimGpuConfig:
     )
 
 
-def open_store(config: Config) -> Store:
+def open_store(config: Config, *, check: bool = False) -> Store:
     """The store named by the config's ``database``: SQLite in the state directory
-    when it is empty, else the PostgreSQL database at that URL."""
+    when it is empty, else the PostgreSQL database at that URL. With ``check`` (a
+    broker's start) a SQLite file is checked whole first (``PRAGMA quick_check``);
+    a damaged one raises ``DamagedDatabaseError`` (a UserError: one line, exit 2)."""
     if not config.database:
-        return SqliteStore(config.db_path)
+        return SqliteStore(config.db_path, check=check)
     if not config.database.startswith(DATABASE_URL_PREFIXES):
         raise ConfigError(
             "config key 'database' must be \"\" (SQLite in the state directory) or a "
@@ -95,6 +97,7 @@ class Node:
     lock: StateLock
 
     def close(self) -> None:
+        self.broker.queues.close()  # the extraction threads
         self.probe.close()
         self.store.close()
         self.lock.release()
@@ -114,12 +117,13 @@ def open_node(
     try:
         config.check_sandbox()
         registry = Registry.load(config.module_paths, config.launch_rules)
-        roots = [
-            QueueRoot.open(p, create=config.create_queue_roots)
-            for p in [*config.queue_roots, *(extra_roots or [])]
-        ]
-        store = open_store(config)
+        # first: a damaged store stops the start before any queue root is touched
+        store = open_store(config, check=True)
         try:
+            roots = [
+                QueueRoot.open(p, create=config.create_queue_roots)
+                for p in [*config.queue_roots, *(extra_roots or [])]
+            ]
             probe = make_probe(config, mock_gpu=mock_gpu)
         except BaseException:
             store.close()

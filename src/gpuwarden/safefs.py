@@ -639,3 +639,59 @@ def make_dirs(
         os.close(fd)
         raise
     return fd
+
+
+def open_regular(
+    path: str | os.PathLike[str], *, under: str | os.PathLike[str] | None = None
+) -> int:
+    """:func:`open_file`, except that what is not a regular file is never opened
+    at all, not even without blocking (opening a device can do something).
+
+    The entry is first opened with ``O_PATH`` and ``O_NOFOLLOW``, which opens
+    nothing and follows no link, and checked with ``fstat``; only a regular file
+    is then opened for reading, through that descriptor (``/proc/self/fd``), so
+    it is the same inode even if the name was swapped meanwhile. Where ``/proc``
+    is not mounted it falls back to :func:`open_file`. A FIFO, a device, a
+    socket, a folder or a link is refused with :class:`UnsafePathError` naming
+    what it is.
+    """
+    text = os.fspath(path)
+    if under is None:
+        head, _, name = text.rpartition("/")
+        dir_fd: int | None = None
+        shown = text
+        if head or text.startswith("/"):
+            dir_fd = _open_at(None, head or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, head)
+    else:
+        parts = _parts(text)
+        if not parts:
+            raise UnsafePathError(text, "names no file")
+        name = parts[-1]
+        dir_fd = open_dir("/".join(parts[:-1]), under=under)
+        shown = f"{os.fspath(under)}/{text}"
+    try:
+        pfd = _open_at(dir_fd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, shown)
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+    try:
+        st = os.fstat(pfd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(shown, f"is a {kind_of(st.st_mode)}, not a regular file")
+        try:
+            fd = os.open(f"/proc/self/fd/{pfd}", _O_READ & ~os.O_NOFOLLOW)
+        except FileNotFoundError:  # no /proc here
+            return open_file(path, under=under)
+    finally:
+        os.close(pfd)
+    try:
+        again = os.fstat(fd)
+        if not stat.S_ISREG(again.st_mode) or (again.st_dev, again.st_ino) != (
+            st.st_dev,
+            st.st_ino,
+        ):
+            raise UnsafePathError(shown, "changed while it was opened")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

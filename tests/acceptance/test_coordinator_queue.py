@@ -200,7 +200,7 @@ def test_coordinator_reads_its_queue_root(database: str | None, tmp_path: Path) 
         wait_for("the bad bundle in failed/", refused.exists, timeout=30)
         reason = read_result_bundle(refused)["cq-bad"]["reason"]
         assert "the bundle was refused" in reason and "text" in reason, reason
-        assert (queue / "failed" / (bad.name.removesuffix(".zip") + ".input.zip")).exists()
+        assert (queue / "failed" / f"{bad.name}.input").exists()
 
         ran = queue / "outbox" / with_inputs.name
         wait_for("the bundle with an input file in outbox/", ran.exists, timeout=120)

@@ -147,7 +147,7 @@ def test_unknown_type_refused_and_other_jobs_unaffected(node: Node) -> None:
     assert "unknown job type 'nope.nope'" in bad_results["u"]["reason"]
     assert node.store.get_job("u") is None
     # the input bundle is kept beside the result: nothing is lost
-    assert (where.parent / bad.name.replace(".zip", ".input.zip")).exists()
+    assert (where.parent / f"{bad.name}.input").exists()
 
 
 def test_bad_params_refused(node: Node) -> None:
@@ -174,8 +174,8 @@ def test_same_bundle_twice_is_one_job(node: Node, tmp_path: Path) -> None:
     result_of(node, path.name)
     root = node.broker.roots[0]
     os.replace(copy, root.inbox / path.name)  # the very same bundle, dropped again
-    run_until(node, lambda: any(root.failed.glob("*.duplicate-*.zip")))
-    [dup] = [p for p in root.failed.glob("*.duplicate-*.zip") if "input" not in p.name]
+    run_until(node, lambda: any(root.failed.glob("*.duplicate-*")))
+    [dup] = [p for p in root.failed.glob("*.duplicate-*") if not p.name.endswith("-input")]
     reason = bundles.read_result_bundle(dup)["once"]["reason"]
     assert "already" in reason
     assert len(node.store.list_jobs()) == 1
@@ -187,7 +187,7 @@ def test_same_job_id_in_another_bundle_is_refused(node: Node) -> None:
     result_of(node, first.name)
     second = drop(node, echo("dup", text="other"))
     root = node.broker.roots[0]
-    run_until(node, lambda: any(root.failed.glob("*.duplicate-*.zip")))
+    run_until(node, lambda: any(root.failed.glob("*.duplicate-*")))
     job = node.store.get_job("dup")
     assert job is not None and job.state is JobState.DONE and job.params["text"] == "hi dup"
     assert (root.outbox / first.name).exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -245,7 +246,8 @@ def test_write_bundle_temp_file_is_hidden_until_complete(
 
     monkeypatch.setattr(os, "fsync", fsync)
     path = write_bundle(qr.inbox, [JobSpec(id="j", type="m.t")], now=NOW)
-    assert seen[0] == [f".{path.name}.tmp"]
+    [tmp] = seen[0]
+    assert tmp.startswith(".gw-") and tmp.endswith(".tmp")  # a temporary name
     assert qr.pending() == [path]
 
 
@@ -546,23 +548,41 @@ def make_bomb(path: Path, sizes: dict[str, int]) -> Path:
 LIMIT = 1 * MIB
 
 
+DECLARED = r"its entries declare .* unpacked, more than the limit of 1 MiB; nothing was extracted"
+
+
 def test_zip_bomb(
     layout: dict[str, Path], refuse: Callable[..., BundleError], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Refused from the sizes its entries declare: nothing is decompressed at all
+    (the manifest neither), nothing is written."""
     make_bomb(layout["zip"], {"inputs/bomb.bin": 32 * MIB})
     assert layout["zip"].stat().st_size < 100_000  # highly compressible
+    with zipfile.ZipFile(layout["zip"]) as zf:
+        assert zf.getinfo("inputs/bomb.bin").file_size == 32 * MIB  # it says what it holds
     counter = ReadCounter(monkeypatch)
-    refuse(
-        r'entry "inputs/bomb.bin": the unpacked size passes the limit of 1 MiB',
-        BundleLimits(max_unpacked_bytes=LIMIT),
-    )
-    assert counter.total <= LIMIT + 1
+    refuse(DECLARED, BundleLimits(max_unpacked_bytes=LIMIT))
+    assert counter.total == 0
 
 
 def test_zip_bomb_spread_over_entries(
     layout: dict[str, Path], refuse: Callable[..., BundleError], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_bomb(layout["zip"], {f"inputs/part{i}": 400 * 1024 for i in range(4)})
+    counter = ReadCounter(monkeypatch)
+    refuse(DECLARED, BundleLimits(max_unpacked_bytes=LIMIT))
+    assert counter.total == 0
+
+
+def test_the_bytes_are_counted_again_while_extracting(
+    layout: dict[str, Path], refuse: Callable[..., BundleError], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second count: with the check of the declared sizes out of the way, the
+    bytes actually decompressed still stop the bomb at the limit."""
+    from gpuwarden.intake import bundle as bundle_module
+
+    make_bomb(layout["zip"], {f"inputs/part{i}": 400 * 1024 for i in range(4)})
+    monkeypatch.setattr(bundle_module, "_check_declared", lambda *a, **k: None)
     counter = ReadCounter(monkeypatch)
     refuse(
         r'entry "inputs/part2": the unpacked size passes', BundleLimits(max_unpacked_bytes=LIMIT)
@@ -575,8 +595,8 @@ def test_zip_bomb_spread_over_entries(
     [
         # claims a tiny size: zipfile stops at the claim and the CRC no longer matches
         (1000, r'entry "inputs/bomb.bin": bad CRC-32'),
-        # claims a size under the real one but over the limit: our own count stops it
-        (3 * MIB, r'entry "inputs/bomb.bin": the unpacked size passes the limit'),
+        # claims a size under the real one but over the limit: refused from the claim
+        (3 * MIB, DECLARED),
     ],
 )
 def test_zip_bomb_with_lying_size_header(
@@ -593,6 +613,19 @@ def test_zip_bomb_with_lying_size_header(
     counter = ReadCounter(monkeypatch)
     refuse(match, BundleLimits(max_unpacked_bytes=LIMIT))
     assert counter.total <= LIMIT + 1
+
+
+def test_an_entry_shorter_than_it_declares_is_refused(
+    layout: dict[str, Path], refuse: Callable[..., BundleError]
+) -> None:
+    """The CRC matches the real (shorter) data, only the size lies: the count of
+    the bytes actually decompressed gives it away."""
+    make_zip(layout["zip"], good_entries(), compression=zipfile.ZIP_DEFLATED)
+    patch_entry(layout["zip"], "inputs/a.txt", file_size=5000)
+    with zipfile.ZipFile(layout["zip"]) as zf:
+        assert zf.read("inputs/a.txt") == b"hello world"  # zipfile itself takes it
+        assert zf.getinfo("inputs/a.txt").file_size == 5000
+    refuse(r'entry "inputs/a.txt": holds 11 bytes, but its header declares 5000: a damaged')
 
 
 def test_manifest_too_big(layout: dict[str, Path], refuse: Callable[..., BundleError]) -> None:
@@ -615,7 +648,9 @@ def test_unpacked_one_over_limit(
 ) -> None:
     total = sum(len(data) for _, data in good_entries())
     make_zip(layout["zip"], good_entries())
-    refuse(r"the unpacked size passes the limit", BundleLimits(max_unpacked_bytes=total - 1))
+    refuse(
+        r"its entries declare .* more than the limit", BundleLimits(max_unpacked_bytes=total - 1)
+    )
 
 
 # --- manifest and inputs ----------------------------------------------------------
@@ -714,7 +749,12 @@ def test_result_bundle_round_trip(tmp_path: Path) -> None:
     assert path == dest_dir / "b.zip"
     assert [p.name for p in dest_dir.iterdir()] == ["b.zip"]
 
-    assert read_result_bundle(path) == {"hello-1": results[0][0], "broken": results[1][0]}
+    escape = {"path": "escape", "kind": "symlink", "why": "a symlink, not a regular file or folder"}
+    assert read_result_bundle(path) == {
+        "hello-1": {**results[0][0], "refused_outputs": [escape]},  # listed, never opened
+        "broken": results[1][0],
+    }
+    assert "refused_outputs" not in results[0][0]  # the caller's dict is left as it was
     with zipfile.ZipFile(path) as zf:
         names = sorted(zf.namelist())
         text = zf.read("hello-1/result.json").decode()
@@ -741,10 +781,12 @@ def test_result_bundle_round_trip(tmp_path: Path) -> None:
         extract_outputs(path, "../x", tmp_path / "x")
 
 
-def test_result_bundle_overwrites_and_rejects_bad_results(tmp_path: Path) -> None:
+def test_result_bundle_never_overwrites_and_rejects_bad_results(tmp_path: Path) -> None:
     write_result_bundle(tmp_path, "r.zip", [({"id": "a", "n": 1}, None)])
-    write_result_bundle(tmp_path, "r.zip", [({"id": "a", "n": 2}, None)])
-    assert read_result_bundle(tmp_path / "r.zip") == {"a": {"id": "a", "n": 2}}
+    with pytest.raises(FileExistsError):
+        write_result_bundle(tmp_path, "r.zip", [({"id": "a", "n": 2}, None)])
+    assert read_result_bundle(tmp_path / "r.zip") == {"a": {"id": "a", "n": 1}}  # untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.zip"]  # no temporary left
     with pytest.raises(ValueError, match="no valid job id"):
         write_result_bundle(tmp_path, "s.zip", [({"state": "done"}, None)])
     with pytest.raises(ValueError, match="two results for job a"):
@@ -761,31 +803,50 @@ def test_result_temp_file_never_appears_under_final_name(
     dest_dir = tmp_path / "outbox"
     dest_dir.mkdir()
     final = dest_dir / "b.zip"
-    tmp = dest_dir / ".b.zip.tmp"
     events: list[str] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    temps: list[Path] = []
+    real_fsync, real_link = os.fsync, os.link
 
     def fsync(fd: int) -> None:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
-            assert tmp.exists() and not final.exists()
+            [tmp] = list(dest_dir.iterdir())
+            assert tmp.name.startswith(".gw-") and tmp.name.endswith(".tmp")
+            assert not final.exists()
+            temps.append(tmp)
             events.append("fsync")
         real_fsync(fd)
 
-    def replace(src: Any, dst: Any, **kw: Any) -> None:
-        assert Path(src) == tmp and Path(dst) == final
+    def link(src: Any, dst: Any, **kw: Any) -> None:
+        assert Path(src) == temps[0] and Path(dst) == final
         assert not final.exists()
         assert events == ["fsync"]  # synced before it gets its name
-        with zipfile.ZipFile(tmp) as zf:
+        with zipfile.ZipFile(src) as zf:
             assert zf.testzip() is None  # complete and valid
             assert len(zf.namelist()) == 3
-        events.append("replace")
-        real_replace(src, dst, **kw)
+        events.append("link")
+        real_link(src, dst, **kw)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "link", link)
     write_result_bundle(dest_dir, "b.zip", [({"id": "hello-1"}, out)])
-    assert events == ["fsync", "replace"]
+    assert events == ["fsync", "link"]
     assert sorted(p.name for p in dest_dir.iterdir()) == ["b.zip"]
+
+
+def test_result_is_published_without_hard_links_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A share without hard links: the name is checked, then the file renamed."""
+
+    def no_links(src: Any, dst: Any, **kw: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    write_result_bundle(tmp_path, "r.zip", [({"id": "a", "n": 1}, None)])
+    with pytest.raises(FileExistsError):
+        write_result_bundle(tmp_path, "r.zip", [({"id": "a", "n": 2}, None)])
+    assert read_result_bundle(tmp_path / "r.zip") == {"a": {"id": "a", "n": 1}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.zip"]
 
 
 def test_result_write_failure_leaves_no_files(
@@ -859,10 +920,10 @@ def test_extract_outputs_size_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         zf.writestr("job/result.json", b"{}")
         _zeros_entry(zf, "job/outputs/big", 8 * MIB)
     counter = ReadCounter(monkeypatch)
-    with pytest.raises(BundleError, match=r"unpacked size passes the limit"):
+    with pytest.raises(BundleError, match=r"its entries declare 8 MiB unpacked, more than"):
         extract_outputs(path, "job", tmp_path / "d", BundleLimits(max_unpacked_bytes=LIMIT))
-    assert counter.total <= LIMIT + 1
-    assert list((tmp_path / "d").iterdir()) == []
+    assert counter.total == 0
+    assert not (tmp_path / "d").exists()  # refused before anything was made
 
 
 def test_read_result_bundle_errors(tmp_path: Path) -> None:
@@ -890,3 +951,133 @@ def test_stored_bundle_from_other_tools(layout: dict[str, Path]) -> None:
     layout["zip"].write_bytes(buf.getvalue())
     jobs = extract_bundle(layout["zip"], layout["staging"], BundleLimits())
     assert jobs[0].inputs == ("a.txt", "sub/b.bin")
+
+
+# --- forged end records, hostile files on disk -------------------------------------------
+
+
+def forge_zip64(path: Path, entries: int, stated: int) -> Path:
+    """A zip whose central directory holds ``entries`` records while its zip64 end
+    record (the one zipfile reads: right before the locator) states ``stated``."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("manifest.json", GOOD_MANIFEST)
+        zf.writestr("inputs/a.txt", b"hello world")
+        zf.writestr("inputs/sub/b.bin", b"b")
+        for i in range(entries - 3):
+            zf.writestr(f"inputs/{i}", b"")
+    raw = path.read_bytes()
+    eocd = raw.rindex(b"PK\x05\x06")
+    cd_size, cd_offset = struct.unpack_from("<2I", raw, eocd + 12)
+    body = raw[:eocd]
+    z64 = struct.pack(
+        "<4sQ2H2I4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, stated, stated, cd_size, cd_offset
+    )
+    locator = struct.pack("<4sIQI", b"PK\x06\x07", 0, len(body), 1)
+    end = struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    path.write_bytes(body + z64 + locator + end)
+    return path
+
+
+def test_a_forged_zip64_count_does_not_hide_entries(
+    layout: dict[str, Path], refuse: Callable[..., BundleError], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zip64 end record says 5 entries; the directory holds 20 000. The real
+    directory is walked before zipfile builds an object per entry."""
+    forge_zip64(layout["zip"], entries=20_000, stated=5)
+    with zipfile.ZipFile(layout["zip"]) as zf:  # the forgery is what zipfile reads
+        assert len(zf.infolist()) == 20_000
+    raw = layout["zip"].read_bytes()
+    assert struct.unpack_from("<Q", raw, raw.rindex(b"PK\x06\x06") + 32)[0] == 5
+
+    def no_zipfile(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("zipfile.ZipFile must not be reached")
+
+    monkeypatch.setattr(zipfile, "ZipFile", no_zipfile)
+    refuse(r"has 20000 entries, more than the limit of 10000")
+
+
+def test_an_end_record_that_states_another_count_is_refused(
+    layout: dict[str, Path], refuse: Callable[..., BundleError]
+) -> None:
+    forge_zip64(layout["zip"], entries=7, stated=5)
+    with zipfile.ZipFile(layout["zip"]) as zf:
+        assert len(zf.infolist()) == 7  # zipfile itself would take it
+    refuse(r"its end record states 5 entries, but its central directory holds 7: a damaged")
+
+
+def test_an_honest_zip64_bundle_extracts(layout: dict[str, Path]) -> None:
+    forge_zip64(layout["zip"], entries=7, stated=7)
+    jobs = extract_bundle(layout["zip"], layout["staging"], BundleLimits())
+    assert [j.id for j in jobs] == ["hello-1"]
+    assert (layout["staging"] / "inputs" / "3").is_file()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "folder"])
+def test_a_bundle_path_that_is_not_a_regular_file_is_never_opened(
+    layout: dict[str, Path], refuse: Callable[..., BundleError], kind: str
+) -> None:
+    path = layout["zip"]
+    if kind == "fifo":
+        os.mkfifo(path)
+        assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    elif kind == "symlink":
+        good = make_zip(layout["root"] / "good.zip", good_entries())
+        path.symlink_to(good)
+        assert zipfile.is_zipfile(path)  # through the link it is a fine bundle
+    else:
+        path.mkdir()
+    refuse(rf"bundle b.zip: is a {kind}, not a regular file")
+
+
+def test_outputs_that_are_not_regular_files_are_listed_never_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ok.txt").write_text("ok")
+    os.mkfifo(out / "fifo")
+    os.mknod(out / "zero", stat.S_IFCHR | 0o600, os.makedev(1, 5))  # /dev/zero
+    (out / "link").symlink_to("/etc/passwd")
+    (out / "back\\slash").write_text("x")
+    (out / "late").write_text("swapped for a FIFO after the listing")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(out / "sock"))
+    assert stat.S_ISFIFO(os.lstat(out / "fifo").st_mode)
+    assert stat.S_ISCHR(os.lstat(out / "zero").st_mode)
+
+    from gpuwarden import safefs
+
+    real_walk = safefs.walk
+
+    def walk_then_swap(top: Any, **kw: Any) -> safefs.Listing:
+        listing = real_walk(top, **kw)
+        (out / "late").unlink()
+        os.mkfifo(out / "late")
+        return listing
+
+    opened: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def spy(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        opened.append((os.fsdecode(path), flags))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(safefs, "walk", walk_then_swap)
+    monkeypatch.setattr(os, "open", spy)
+    try:
+        path = write_result_bundle(tmp_path, "r.zip", [({"id": "j"}, out)])
+    finally:
+        sock.close()
+    monkeypatch.undo()
+    for name in ("fifo", "zero", "link", "sock", "late"):
+        assert all(flags & os.O_PATH for p, flags in opened if p == name), (name, opened)
+    body = read_result_bundle(path)["j"]
+    refused = {e["path"]: e for e in body["refused_outputs"]}
+    assert set(refused) == {"fifo", "zero", "link", "sock", "late", "back\\slash"}
+    assert refused["zero"]["kind"] == "character device"
+    assert "fifo" in refused["late"]["why"]
+    assert "backslash" in refused["back\\slash"]["why"]
+    with zipfile.ZipFile(path) as zf:
+        assert sorted(zf.namelist()) == ["j/outputs/ok.txt", "j/result.json"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -253,3 +254,97 @@ def test_wait_for_result_sees_a_later_result(qr: QueueRoot) -> None:
 def test_wait_for_result_ignores_directories(qr: QueueRoot) -> None:
     (qr.outbox / "a.zip").mkdir()
     assert qr.wait_for_result("a.zip", timeout_s=0) is None
+
+
+# --- hostile entries and names -----------------------------------------------------------
+
+
+def test_arrivals_list_every_kind_without_opening_anything(qr: QueueRoot) -> None:
+    """A FIFO, a folder, a link and a socket with a bundle's name are listed with
+    what they are (the caller refuses them); only regular files are pending."""
+    import socket
+
+    t = time.time() - 100
+    touch(qr.inbox / "a.zip", t)
+    os.mkfifo(qr.inbox / "fifo.zip")
+    (qr.inbox / "dir.zip").mkdir()
+    (qr.inbox / "link.zip").symlink_to("/dev/zero")
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(qr.inbox / "sock.zip"))
+        assert stat.S_ISFIFO(os.lstat(qr.inbox / "fifo.zip").st_mode)
+        assert stat.S_ISSOCK(os.lstat(qr.inbox / "sock.zip").st_mode)
+        kinds = {a.name: a.kind for a in qr.arrivals()}
+    assert kinds == {
+        "a.zip": "file",
+        "fifo.zip": "fifo",
+        "dir.zip": "folder",
+        "link.zip": "symlink",
+        "sock.zip": "socket",
+    }
+    assert [p.name for p in qr.pending()] == ["a.zip"]
+
+
+def test_a_fifo_is_claimed_by_rename_without_blocking(qr: QueueRoot) -> None:
+    fifo = qr.inbox / "f.zip"
+    os.mkfifo(fifo)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    claimed = qr.claim(fifo)  # a rename: a FIFO is never opened (this would block)
+    assert stat.S_ISFIFO(os.lstat(claimed).st_mode)
+    assert [(a.name, a.kind) for a in qr.in_processing()] == [("f.zip", "fifo")]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"back\\slash.zip", b"new\nline.zip", b"-rf.zip", b" spaced out .zip", b"caf\xe9.zip"],
+)
+def test_any_name_the_file_system_takes_can_be_claimed(qr: QueueRoot, raw: bytes) -> None:
+    name = os.fsdecode(raw)
+    touch(qr.inbox / name)
+    assert [a.name for a in qr.arrivals()] == [name]
+    assert qr.claim(qr.inbox / name) == qr.processing / name
+    assert os.listdir(os.fsencode(qr.processing)) == [raw]
+
+
+def test_upper_case_zip_is_found_in_processing_too(qr: QueueRoot) -> None:
+    touch(qr.inbox / "UPPER.ZIP")
+    qr.claim(qr.inbox / "UPPER.ZIP")
+    assert [a.name for a in qr.in_processing()] == ["UPPER.ZIP"]
+    assert qr.depth()["processing"] == 1
+
+
+def test_move_to_failed_never_replaces(qr: QueueRoot) -> None:
+    touch(qr.failed / "x.zip.input", data=b"earlier")
+    touch(qr.inbox / "x.zip", data=b"later")
+    moved = qr.move_to_failed(qr.inbox / "x.zip", "x.zip.input")
+    assert moved != qr.failed / "x.zip.input" and moved.name.startswith("x.zip.input-")
+    assert (qr.failed / "x.zip.input").read_bytes() == b"earlier"
+    assert moved.read_bytes() == b"later"
+
+
+def test_kept_inputs_and_reasons_are_not_counted_as_bundles(qr: QueueRoot) -> None:
+    for name in ("a.zip", "a.zip.input", "a.zip.reason.txt", "a.zip.duplicate-1-abcdef"):
+        touch(qr.failed / name)
+    assert qr.depth()["failed"] == 1
+
+
+def test_result_of_sees_anything_of_that_name(qr: QueueRoot) -> None:
+    assert qr.result_of("a.zip") is None
+    (qr.failed / "a.zip").symlink_to("/nonexistent")
+    assert qr.result_of("a.zip") == qr.failed / "a.zip"
+    touch(qr.outbox / "a.zip")
+    assert qr.result_of("a.zip") == qr.outbox / "a.zip"
+
+
+def test_own_temporaries_are_removed_and_nothing_else(qr: QueueRoot) -> None:
+    touch(qr.outbox / ".gw-0123456789abcdef.tmp")
+    touch(qr.failed / ".gw-fedcba9876543210.tmp")
+    touch(qr.outbox / "a.zip")
+    touch(qr.inbox / ".gw-client.tmp")  # inbox/ belongs to the clients
+    (qr.failed / ".gw-dir.tmp").mkdir()
+    removed = qr.remove_own_temporaries()
+    assert sorted(Path(p).name for p in removed) == [
+        ".gw-0123456789abcdef.tmp",
+        ".gw-fedcba9876543210.tmp",
+    ]
+    assert (qr.outbox / "a.zip").exists() and (qr.inbox / ".gw-client.tmp").exists()
+    assert (qr.failed / ".gw-dir.tmp").is_dir()

@@ -357,3 +357,46 @@ def test_make_dirs_makes_missing_folders_and_follows_no_link(tmp_path: Path, sec
         assert os.path.samestat(os.fstat(fd), os.stat(top))
     finally:
         os.close(fd)
+
+
+def test_open_regular_never_opens_what_is_not_a_regular_file(
+    tmp_path: Path, secret: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO, a device, a socket, a folder or a link is refused after an O_PATH
+    open (which opens nothing); only a regular file is opened for reading."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    os.mkfifo(tree / "fifo")
+    os.mknod(tree / "zero", stat.S_IFCHR | 0o600, os.makedev(1, 5))
+    (tree / "link").symlink_to(secret)
+    (tree / "dir").mkdir()
+    (tree / "ok").write_text("fine")
+    assert stat.S_ISFIFO(os.lstat(tree / "fifo").st_mode)
+    assert stat.S_ISCHR(os.lstat(tree / "zero").st_mode)
+    opened: list[tuple[str, int]] = []
+    real_open = os.open
+
+    def spy(path: object, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        opened.append((os.fsdecode(path), flags))  # type: ignore[arg-type]
+        return real_open(path, flags, mode, dir_fd=dir_fd)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", spy)
+    for name, kind in [
+        ("fifo", "fifo"),
+        ("zero", "character device"),
+        ("link", "symlink"),
+        ("dir", "folder"),
+    ]:
+        with pytest.raises(UnsafePathError, match=f"is a {kind}, not a regular file"):
+            safefs.open_regular(tree / name)
+        with pytest.raises(UnsafePathError, match=f"is a {kind}, not a regular file"):
+            safefs.open_regular(name, under=tree)
+    fd = safefs.open_regular("ok", under=tree)
+    try:
+        assert os.read(fd, 10) == b"fine"
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    for name in ("fifo", "zero", "link", "dir"):
+        named = [flags for p, flags in opened if p.rpartition("/")[2] == name]
+        assert named and all(flags & os.O_PATH for flags in named), (name, opened)

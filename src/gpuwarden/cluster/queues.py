@@ -57,6 +57,8 @@ class QueueWatcher:
         self.roots = list(roots)
         self.clock = clock
         self.interval_s = interval_s if interval_s is not None else config.broker.poll_interval_s
+        #: set to pass again at once (a bundle was extracted, or the thread stops)
+        self._wake = threading.Event()
         self.intake = QueueIntake(
             store=store,
             registry=registry,
@@ -66,6 +68,7 @@ class QueueWatcher:
             on_error=self._record_error,
             clock=clock,
             remote_outputs=True,
+            wake=self._wake.set,
         )
         #: root path -> the open lock file of a root this process reads
         self._held: dict[str, int] = {}
@@ -84,9 +87,11 @@ class QueueWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(60)
             self._thread = None
+        self.intake.close()  # a bundle being extracted is read again by the next reader
         self._release_all()
 
     def _run(self) -> None:
@@ -95,7 +100,8 @@ class QueueWatcher:
                 self.once()
             except Exception as exc:  # the thread must outlive a failing store call
                 self._record_error("queue roots", exc)
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
 
     # -- one pass -----------------------------------------------------------
 

@@ -31,11 +31,12 @@ import struct
 import time
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from gpuwarden import safefs
 from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
 from gpuwarden.core.placement import check_constraints
@@ -43,6 +44,7 @@ from gpuwarden.errors import BundleError
 
 __all__ = [
     "BundleLimits",
+    "ExtractionCancelled",
     "bundle_name",
     "extract_bundle",
     "extract_outputs",
@@ -79,6 +81,11 @@ _MAX_RESULT_JSON_BYTES = 64 * MIB
 _EOCD_SIZE = 22
 _ZIP64_LOCATOR_SIZE = 20
 _ZIP64_EOCD_SIZE = 56
+_CD_RECORD_SIZE = 46
+_EOCD_SIG = b"PK\x05\x06"
+_ZIP64_LOCATOR_SIG = b"PK\x06\x07"
+_ZIP64_EOCD_SIG = b"PK\x06\x06"
+_CD_SIG = b"PK\x01\x02"
 # a central directory record: 46 bytes, the name (we allow 1 KiB), and room for extras
 _MAX_CD_BYTES_PER_ENTRY = 46 + _MAX_NAME_BYTES + 1024
 _ENCRYPTED_FLAGS = 0x1 | 0x40  # traditional / strong encryption
@@ -441,55 +448,128 @@ def _scan(zf: zipfile.ZipFile, limits: BundleLimits, prefix: str) -> list[_Entry
     return entries
 
 
-def _central_directory(fileobj: IO[bytes]) -> tuple[int, int] | None:
-    """(entry count, size in bytes) of the central directory as the end record
-    states them, or None when there is no readable end record (zipfile then
-    says what is wrong)."""
+@dataclass(frozen=True)
+class _Directory:
+    """Where zipfile will read the central directory, and what the end record says."""
+
+    start: int  # file offset, computed as zipfile computes it
+    size: int
+    stated: int  # the entry count the end record (the zip64 one when present) states
+
+
+def _end_record(fileobj: IO[bytes]) -> _Directory | None:
+    """Find the end record exactly as zipfile does, so that the directory checked
+    here is the one zipfile will read: the 22 bytes at the very end when there is
+    no comment, else the last signature in the last 64 KiB; a zip64 end record
+    right before its locator (zipfile ignores the locator's offset) replaces the
+    counts and sizes. None where zipfile will refuse the file itself."""
     size = fileobj.seek(0, os.SEEK_END)
-    tail_len = min(size, _EOCD_SIZE + 0xFFFF)
-    fileobj.seek(size - tail_len)
-    tail = fileobj.read(tail_len)
-    pos = tail.rfind(b"PK\x05\x06")
-    if pos < 0 or pos + _EOCD_SIZE > len(tail):
+    if size < _EOCD_SIZE:
         return None
-    _, _, on_disk, total, cd_size, _, _ = struct.unpack_from("<4x4H2IH", tail, pos)
-    count, cd_bytes = max(on_disk, total), cd_size
+    fileobj.seek(size - _EOCD_SIZE)
+    rec = fileobj.read(_EOCD_SIZE)
+    pos = size - _EOCD_SIZE
+    if not (rec[:4] == _EOCD_SIG and rec[-2:] == b"\0\0"):
+        first = max(size - (1 << 16) - _EOCD_SIZE, 0)
+        fileobj.seek(first)
+        tail = fileobj.read()
+        found = tail.rfind(_EOCD_SIG)
+        if found < 0:
+            return None
+        rec = tail[found : found + _EOCD_SIZE]
+        if len(rec) != _EOCD_SIZE:
+            return None
+        pos = first + found
+    _, _, on_disk, total, cd_size, cd_offset, _ = struct.unpack("<4x4H2IH", rec)
+    stated = max(on_disk, total)
+    concat = pos - cd_size - cd_offset
     loc = pos - _ZIP64_LOCATOR_SIZE
-    if loc >= 0 and tail[loc : loc + 4] == b"PK\x06\x07":
-        (z64_offset,) = struct.unpack_from("<Q", tail, loc + 8)
-        if z64_offset + _ZIP64_EOCD_SIZE <= size:
-            fileobj.seek(z64_offset)
-            rec = fileobj.read(_ZIP64_EOCD_SIZE)
-            if rec[:4] == b"PK\x06\x06":
-                # as zipfile does: the zip64 record replaces the 16/32-bit fields
-                z_on_disk, z_total, cd_bytes = struct.unpack_from("<3Q", rec, 24)
-                count = max(z_on_disk, z_total)
-    return count, cd_bytes
+    if loc >= 0:
+        fileobj.seek(loc)
+        locator = fileobj.read(_ZIP64_LOCATOR_SIZE)
+        if locator[:4] == _ZIP64_LOCATOR_SIG:
+            diskno, _reloff, disks = struct.unpack("<4xIQI", locator)
+            if diskno != 0 or disks > 1:
+                return None  # zipfile refuses archives spanning disks
+            if loc - _ZIP64_EOCD_SIZE >= 0:
+                fileobj.seek(loc - _ZIP64_EOCD_SIZE)
+                z64 = fileobj.read(_ZIP64_EOCD_SIZE)
+                if z64[:4] == _ZIP64_EOCD_SIG:
+                    z_on_disk, z_total, cd_size, cd_offset = struct.unpack_from("<4Q", z64, 24)
+                    stated = max(z_on_disk, z_total)
+                    concat = pos - cd_size - cd_offset - _ZIP64_EOCD_SIZE - _ZIP64_LOCATOR_SIZE
+    start = cd_offset + concat
+    if start < 0:
+        return None
+    return _Directory(start=start, size=cd_size, stated=stated)
+
+
+def _count_directory(fileobj: IO[bytes], directory: _Directory) -> int | None:
+    """How many records the central directory really holds, walked the way
+    zipfile walks it (record by record until its stated size is used up), keeping
+    nothing but the count. None when a record is damaged: zipfile then refuses
+    the file at that same record, so it never reads more records than counted."""
+    fileobj.seek(directory.start)
+    data = fileobj.read(directory.size)
+    pos = count = 0
+    while pos < directory.size:
+        head = data[pos : pos + _CD_RECORD_SIZE]
+        if len(head) != _CD_RECORD_SIZE or head[:4] != _CD_SIG:
+            return None
+        n, m, k = struct.unpack_from("<3H", head, 28)
+        pos += _CD_RECORD_SIZE + n + m + k
+        count += 1
+    return count
+
+
+def _check_directory(fileobj: IO[bytes], limits: BundleLimits, prefix: str) -> int | None:
+    """Refuse a zip whose central directory passes the entry limit, or does not
+    hold what its end record states, before zipfile builds an object per entry.
+    Returns the number of entries (None: zipfile will say what is wrong)."""
+    try:
+        directory = _end_record(fileobj)
+    except (OSError, struct.error):
+        directory = None
+    if directory is None:
+        return None
+    if directory.stated > limits.max_entries:
+        raise BundleError(
+            f"{prefix}has {directory.stated} entries, more than the limit of {limits.max_entries}"
+        )
+    if directory.size > limits.max_entries * _MAX_CD_BYTES_PER_ENTRY:
+        raise BundleError(
+            f"{prefix}its central directory is {format_bytes(directory.size)}, too big for "
+            f"at most {limits.max_entries} entries"
+        )
+    count = _count_directory(fileobj, directory)
+    if count is None:
+        return None
+    if count > limits.max_entries:
+        raise BundleError(
+            f"{prefix}has {count} entries, more than the limit of {limits.max_entries}"
+        )
+    if count != directory.stated:
+        raise BundleError(
+            f"{prefix}its end record states {directory.stated} entries, but its central "
+            f"directory holds {count}: a damaged or forged zip"
+        )
+    return count
 
 
 def _open_zip(fileobj: IO[bytes], limits: BundleLimits, prefix: str) -> zipfile.ZipFile:
     """Open a zip, refusing one whose central directory is too big to even read:
-    zipfile builds an object per entry before anyone can count them."""
+    zipfile builds an object per entry before anyone can count them. The real
+    directory is walked (zip64 included), so a forged end record hides nothing."""
+    count = _check_directory(fileobj, limits, prefix)
+    fileobj.seek(0)
     try:
-        stated = _central_directory(fileobj)
-        fileobj.seek(0)
-    except (OSError, struct.error):
-        stated = None
-    if stated is not None:
-        count, cd_bytes = stated
-        if count > limits.max_entries:
-            raise BundleError(
-                f"{prefix}has {count} entries, more than the limit of {limits.max_entries}"
-            )
-        if cd_bytes > limits.max_entries * _MAX_CD_BYTES_PER_ENTRY:
-            raise BundleError(
-                f"{prefix}its central directory is {format_bytes(cd_bytes)}, too big for "
-                f"at most {limits.max_entries} entries"
-            )
-    try:
-        return zipfile.ZipFile(fileobj)
+        zf = zipfile.ZipFile(fileobj)
     except (*_ZIP_READ_ERRORS, OSError) as exc:
         raise BundleError(f"{prefix}not a zip file, or a damaged one ({exc})") from None
+    if count is not None and len(zf.infolist()) != count:  # pragma: no cover - zipfile's own walk
+        zf.close()
+        raise BundleError(f"{prefix}its central directory cannot be read consistently")
+    return zf
 
 
 class _Budget:
@@ -501,17 +581,37 @@ class _Budget:
         self.what = what
 
 
+class ExtractionCancelled(Exception):
+    """The caller asked an extraction to stop (the broker is shutting down)."""
+
+
+def _check_declared(entries: Sequence[_Entry], limits: BundleLimits, prefix: str) -> None:
+    """Refuse, before anything is extracted, entries whose declared sizes (zip64
+    included) add up past the unpacked limit."""
+    declared = sum(e.info.file_size for e in entries if not e.is_dir)
+    if declared > limits.max_unpacked_bytes:
+        raise BundleError(
+            f"{prefix}its entries declare {format_bytes(declared)} unpacked, more than the "
+            f"limit of {format_bytes(limits.max_unpacked_bytes)}; nothing was extracted"
+        )
+
+
 def _copy_member(
     zf: zipfile.ZipFile,
     entry: _Entry,
     sink: Callable[[bytes], object],
     budget: _Budget,
     prefix: str,
+    *,
+    cancelled: Callable[[], bool] | None = None,
 ) -> int:
     """Stream one entry into ``sink`` in chunks, stopping as soon as ``budget`` is passed.
 
     zipfile checks the CRC when the entry's data ends; a mismatch, a damaged
-    stream or a truncated file is a BundleError naming the entry."""
+    stream or a truncated file is a BundleError naming the entry, and so is an
+    entry whose data is not exactly as long as its header declares (the bytes
+    are counted, the header is not trusted). ``cancelled()`` is asked between
+    chunks; when it says yes, :class:`ExtractionCancelled` is raised."""
     shown = _show(entry.info.orig_filename)
     total = 0
     try:
@@ -520,13 +620,15 @@ def _copy_member(
         raise BundleError(f"{prefix}entry {shown}: cannot be read ({exc})") from None
     with src:
         while True:
+            if cancelled is not None and cancelled():
+                raise ExtractionCancelled(f"{prefix}extraction stopped")
             try:
                 chunk = src.read(min(_CHUNK, budget.left + 1))
             except _ZIP_READ_ERRORS as exc:
                 reason = "bad CRC-32" if "CRC" in str(exc) else f"damaged data ({exc})"
                 raise BundleError(f"{prefix}entry {shown}: {reason}") from None
             if not chunk:
-                return total
+                break
             total += len(chunk)
             budget.left -= len(chunk)
             if budget.left < 0:
@@ -535,6 +637,12 @@ def _copy_member(
                     f"{format_bytes(budget.limit)} ({budget.limit} bytes)"
                 )
             sink(chunk)
+    if total != entry.info.file_size:
+        raise BundleError(
+            f"{prefix}entry {shown}: holds {total} bytes, but its header declares "
+            f"{entry.info.file_size}: a damaged or forged zip"
+        )
+    return total
 
 
 def _read_member(
@@ -622,65 +730,109 @@ def _prepare_staging(staging: Path) -> Path:
     return Path(os.path.realpath(staging))
 
 
-def extract_bundle(zip_path: Path, staging: Path, limits: BundleLimits) -> tuple[JobSpec, ...]:
+def extract_bundle(
+    zip_path: Path,
+    staging: Path,
+    limits: BundleLimits,
+    *,
+    fileobj: IO[bytes] | None = None,
+    cancelled: Callable[[], bool] | None = None,
+) -> tuple[JobSpec, ...]:
     """Extract the bundle at ``zip_path`` into ``staging`` and return its jobs.
 
-    ``staging`` is created here; it must not exist yet, or be an empty folder
-    (otherwise FileExistsError). Every entry's header is checked before anything
-    is written; the manifest is parsed next; then the entries are extracted,
-    counting the bytes actually decompressed against ``limits.max_unpacked_bytes``.
-    Inputs end up under ``staging/inputs``, which always exists afterwards.
+    The bundle is read from ``fileobj`` when given (a regular file the caller
+    opened with :func:`gpuwarden.safefs.open_regular`), else ``zip_path`` is
+    opened that way: a FIFO, a device, a socket, a folder or a link is refused
+    and never opened. ``staging`` is created here; it must not exist yet, or be
+    an empty folder (otherwise FileExistsError).
+
+    Before anything is written: the zip's real central directory is walked and
+    its entry count checked against the limit and against its end record (zip64
+    included); every entry's header is checked; the sizes the entries declare
+    must fit ``limits.max_unpacked_bytes``; the manifest is parsed. Then the
+    entries are extracted, the bytes actually decompressed counted again, per
+    entry against its declared size and in all against the limit. Inputs end up
+    under ``staging/inputs``, which always exists afterwards. ``cancelled()`` is
+    asked between chunks (:class:`ExtractionCancelled`).
 
     Any problem with the bundle raises :class:`BundleError` naming the entry and
     the reason; on any error ``staging`` is removed entirely, so a partial
     extraction never remains. Nothing is ever written outside ``staging``, and
     no symlink on disk is followed.
     """
-    prefix = f"bundle {zip_path.name}: "
+    prefix = f"bundle {_shown_file_name(zip_path.name)}: "
+    if fileobj is None:
+        try:
+            fd = safefs.open_regular(zip_path)
+        except safefs.UnsafePathError as exc:
+            raise BundleError(f"{prefix}{exc.why}") from None
+        with os.fdopen(fd, "rb") as f:
+            return extract_bundle(zip_path, staging, limits, fileobj=f, cancelled=cancelled)
     root = _prepare_staging(staging)
     try:
-        return _extract(zip_path, root, limits, prefix)
+        return _extract(fileobj, root, limits, prefix, cancelled)
     except BaseException:
         _remove_tree(staging)
         raise
 
 
-def _extract(zip_path: Path, root: Path, limits: BundleLimits, prefix: str) -> tuple[JobSpec, ...]:
-    with open(zip_path, "rb") as f:  # noqa: PTH123 - need the file object for fstat
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise BundleError(f"{prefix}is not a regular file")
-        if st.st_size > limits.max_zip_bytes:
-            raise BundleError(
-                f"{prefix}is {format_bytes(st.st_size)}, more than the limit of "
-                f"{format_bytes(limits.max_zip_bytes)}"
-            )
-        with _open_zip(f, limits, prefix) as zf:
-            entries = _scan(zf, limits, prefix)
-            for entry in entries:
-                if entry.name == MANIFEST and entry.is_dir:
-                    raise BundleError(f"{prefix}entry {_show(MANIFEST + '/')}: must be a file")
-                in_inputs = entry.name.startswith(f"{INPUTS}/") or (
-                    entry.is_dir and entry.name == INPUTS
-                )
-                if entry.name != MANIFEST and not in_inputs:
-                    raise BundleError(
-                        f"{prefix}entry {_show(entry.info.orig_filename)}: unexpected; a "
-                        f"bundle holds only {MANIFEST} and the {INPUTS}/ folder"
-                    )
-            by_name = {e.name: e for e in entries}
-            manifest = by_name.get(MANIFEST)
-            if manifest is None:
-                raise BundleError(f"{prefix}{MANIFEST} is missing")
-            data = _read_member(zf, manifest, limits.max_manifest_bytes, "the manifest", prefix)
-            jobs = parse_manifest(data, where=f"{prefix}{MANIFEST}", limits=limits)
-            _check_inputs(jobs, by_name, root, prefix, on_disk=False)
+def _shown_file_name(name: str) -> str:
+    """A file name as a person reads it (bytes that are not UTF-8 as ``\\xNN``)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
-            budget = _Budget(limits.max_unpacked_bytes, "the unpacked size")
-            for entry in entries:
-                _extract_entry(
-                    zf, entry, root, budget, prefix, data=data if entry is manifest else None
+
+def _extract(
+    f: IO[bytes],
+    root: Path,
+    limits: BundleLimits,
+    prefix: str,
+    cancelled: Callable[[], bool] | None,
+) -> tuple[JobSpec, ...]:
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        raise BundleError(f"{prefix}is not a regular file")
+    if st.st_size > limits.max_zip_bytes:
+        raise BundleError(
+            f"{prefix}is {format_bytes(st.st_size)}, more than the limit of "
+            f"{format_bytes(limits.max_zip_bytes)}"
+        )
+    with _open_zip(f, limits, prefix) as zf:
+        entries = _scan(zf, limits, prefix)
+        for entry in entries:
+            if entry.name == MANIFEST and entry.is_dir:
+                raise BundleError(f"{prefix}entry {_show(MANIFEST + '/')}: must be a file")
+            in_inputs = entry.name.startswith(f"{INPUTS}/") or (
+                entry.is_dir and entry.name == INPUTS
+            )
+            if entry.name != MANIFEST and not in_inputs:
+                raise BundleError(
+                    f"{prefix}entry {_show(entry.info.orig_filename)}: unexpected; a "
+                    f"bundle holds only {MANIFEST} and the {INPUTS}/ folder"
                 )
+        _check_declared(entries, limits, prefix)
+        by_name = {e.name: e for e in entries}
+        manifest = by_name.get(MANIFEST)
+        if manifest is None:
+            raise BundleError(f"{prefix}{MANIFEST} is missing")
+        data = _read_member(zf, manifest, limits.max_manifest_bytes, "the manifest", prefix)
+        jobs = parse_manifest(data, where=f"{prefix}{MANIFEST}", limits=limits)
+        _check_inputs(jobs, by_name, root, prefix, on_disk=False)
+
+        budget = _Budget(limits.max_unpacked_bytes, "the unpacked size")
+        extracted = 0
+        for entry in entries:
+            _extract_entry(
+                zf,
+                entry,
+                root,
+                budget,
+                prefix,
+                data=data if entry is manifest else None,
+                cancelled=cancelled,
+            )
+            extracted += 1
+        if extracted != len(zf.infolist()):  # pragma: no cover - every entry was scanned
+            raise BundleError(f"{prefix}its entries changed while it was extracted")
     (root / INPUTS).mkdir(mode=_DIR_MODE, exist_ok=True)
     _check_inputs(jobs, by_name, root, prefix, on_disk=True)
     return jobs
@@ -720,6 +872,7 @@ def _extract_entry(
     prefix: str,
     *,
     data: bytes | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> None:
     """Write one entry below ``root``; ``data`` is its content when already read."""
     shown = _show(entry.info.orig_filename)
@@ -732,7 +885,7 @@ def _extract_entry(
     _target, fd = _open_new_file(root, parts, prefix, shown, exclusive=True)
     with os.fdopen(fd, "wb") as out:
         if data is None:
-            _copy_member(zf, entry, out.write, budget, prefix)
+            _copy_member(zf, entry, out.write, budget, prefix, cancelled=cancelled)
             return
         budget.left -= len(data)
         if budget.left < 0:
@@ -769,14 +922,19 @@ def _add_bytes(zf: zipfile.ZipFile, name: str, data: bytes, ts: float) -> None:
 
 
 def _add_file(zf: zipfile.ZipFile, name: str, src: Path) -> None:
+    """Add a client's own local file (``write_bundle``)."""
     with open(src, "rb") as f:  # noqa: PTH123 - need the file object for fstat
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise BundleError(f"{src}: is not a regular file")
-        info = _new_info(name, st.st_mtime)
-        info.file_size = st.st_size  # lets zipfile decide whether it needs zip64
-        with zf.open(info, "w") as dst:
-            shutil.copyfileobj(f, dst, _CHUNK)
+        _add_open_file(zf, name, f, str(src))
+
+
+def _add_open_file(zf: zipfile.ZipFile, name: str, f: IO[bytes], shown: str) -> None:
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        raise BundleError(f"{shown}: is not a regular file")
+    info = _new_info(name, st.st_mtime)
+    info.file_size = st.st_size  # lets zipfile decide whether it needs zip64
+    with zf.open(info, "w") as dst:
+        shutil.copyfileobj(f, dst, _CHUNK)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -792,16 +950,43 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_zip_atomically(
-    dest_dir: Path, name: str, fill: Callable[[zipfile.ZipFile], None], *, exclusive: bool
-) -> Path:
-    """Write a zip to ``dest_dir/.<name>.tmp``, fsync it, then rename it to ``name``.
+#: errors of ``link()`` on a file system that has no hard links
+_NO_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
 
-    Readers never see ``name`` until the file is complete."""
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Give the complete file ``tmp`` the name ``final`` without ever replacing
+    what is there: ``link()`` fails when the name is taken (FileExistsError). On
+    a file system without hard links, the name is checked and the file renamed."""
+    try:
+        os.link(tmp, final, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in _NO_LINKS:
+            raise
+        if os.path.lexists(final):
+            raise FileExistsError(
+                errno.EEXIST, "a file of that name is already there", str(final)
+            ) from None
+        tmp.rename(final)
+        return
+    tmp.unlink()
+
+
+def _write_zip_atomically(
+    dest_dir: Path, name: str, fill: Callable[[zipfile.ZipFile], None]
+) -> Path:
+    """Write a zip to a fresh temporary file ``dest_dir/.gw-<random>.tmp``, fsync
+    it, then give it the name ``name``. Readers never see ``name`` until the file
+    is complete, and a file already called ``name`` is never replaced: that
+    raises FileExistsError and leaves nothing behind. The temporary name never
+    passes NAME_MAX, however long ``name`` is."""
     final = dest_dir / name
-    tmp = dest_dir / f".{name}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    flags |= os.O_EXCL if exclusive else os.O_TRUNC
+    if os.path.lexists(final):
+        raise FileExistsError(errno.EEXIST, "a file of that name is already there", str(final))
+    tmp = dest_dir / f".gw-{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, _FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -809,7 +994,7 @@ def _write_zip_atomically(
                 fill(zf)
             f.flush()
             os.fsync(f.fileno())
-        tmp.replace(final)
+        _publish(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -865,18 +1050,34 @@ def write_bundle(
         if not (Path(inbox) / name).exists():
             break
         name = bundle_name(jobs[0].id, now)
-    return _write_zip_atomically(Path(inbox), name, fill, exclusive=True)
+    return _write_zip_atomically(Path(inbox), name, fill)
 
 
-def _walk_files(top: Path) -> Iterator[tuple[str, Path]]:
-    """Regular files under ``top`` as (relative POSIX path, path), sorted; symlinks
-    and special files are left out."""
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-        dirnames.sort()
-        for fname in sorted(filenames):
-            path = Path(dirpath) / fname
-            if stat.S_ISREG(os.lstat(path).st_mode):
-                yield path.relative_to(top).as_posix(), path
+def _pack_outputs(zf: zipfile.ZipFile, job_id: str, outputs: Path) -> list[dict[str, str]]:
+    """Add every regular file under ``outputs`` as ``<job_id>/outputs/<path>``, all
+    read through :mod:`gpuwarden.safefs`: no link is followed, and a FIFO, a
+    device, a socket or a link is never opened. Returns what was left out, as
+    ``[{"path", "kind", "why"}]``."""
+    try:
+        listing = safefs.walk(outputs)
+    except safefs.UnsafePathError as exc:
+        return [{"path": ".", "kind": "folder", "why": exc.why}]
+    refused = listing.refused_json()
+    for entry in listing.files:
+        member = f"{job_id}/{OUTPUTS}/{entry.path}"
+        problem = _path_problem(member)
+        if problem is not None:
+            refused.append({"path": entry.path, "kind": "file", "why": f"not packed: {problem}"})
+            continue
+        try:
+            fd = safefs.open_regular(entry.path, under=outputs)
+        except (safefs.UnsafePathError, FileNotFoundError) as exc:
+            why = exc.why if isinstance(exc, safefs.UnsafePathError) else "it is gone"
+            refused.append({"path": entry.path, "kind": "file", "why": f"changed: {why}"})
+            continue
+        with os.fdopen(fd, "rb") as f:
+            _add_open_file(zf, member, f, entry.path)
+    return refused
 
 
 def write_result_bundle(
@@ -887,10 +1088,14 @@ def write_result_bundle(
     Each item of ``results`` is (result dict, outputs folder or None). The dict
     must hold the job's id under ``"id"``; it becomes ``<id>/result.json``
     (pretty JSON), and every regular file under the outputs folder becomes
-    ``<id>/outputs/<relative path>`` (symlinks are left out). The zip is written
-    to ``.<name>.tmp`` in ``dest_dir``, fsynced, then renamed over ``name``.
+    ``<id>/outputs/<relative path>``. The outputs are read through
+    :mod:`gpuwarden.safefs`: links, FIFOs, sockets and devices are never opened;
+    they, and names a zip cannot carry, are listed in the job's result.json under
+    ``"refused_outputs"`` (``[{"path", "kind", "why"}]``). The zip is written to a
+    temporary file in ``dest_dir``, fsynced, then given its name; a file already
+    called ``name`` is never replaced (FileExistsError).
     """
-    if "/" in name or name.startswith(".") or not name:
+    if "/" in name or "\0" in name or name.startswith(".") or not name:
         raise ValueError(f"result bundle name {name!r} must be a plain, non-hidden file name")
     seen: set[str] = set()
     for result, _outputs in results:
@@ -905,13 +1110,15 @@ def write_result_bundle(
         now = time.time()
         for result, outputs in results:
             job_id = result["id"]
-            text = json.dumps(result, indent=2, ensure_ascii=False) + "\n"
+            body = dict(result)
+            if outputs is not None:
+                refused = _pack_outputs(zf, job_id, Path(outputs))
+                if refused:
+                    body["refused_outputs"] = refused
+            text = json.dumps(body, indent=2, ensure_ascii=False) + "\n"
             _add_bytes(zf, f"{job_id}/{RESULT_JSON}", text.encode(), now)
-            if outputs is not None and Path(outputs).is_dir():
-                for rel, path in _walk_files(Path(outputs)):
-                    _add_file(zf, f"{job_id}/{OUTPUTS}/{rel}", path)
 
-    return _write_zip_atomically(Path(dest_dir), name, fill, exclusive=False)
+    return _write_zip_atomically(Path(dest_dir), name, fill)
 
 
 def _open_result_zip(path: Path, limits: BundleLimits) -> tuple[IO[bytes], zipfile.ZipFile, str]:
@@ -972,6 +1179,7 @@ def extract_outputs(
         names = {e.name for e in entries}
         if f"{job_id}/{RESULT_JSON}" not in names:
             raise BundleError(f"{prefix}has no result for job {job_id}")
+        _check_declared([e for e in entries if e.name.startswith(want)], limits, prefix)
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         root = Path(os.path.realpath(dest))

@@ -6,6 +6,18 @@ The broker claims a bundle by renaming it into ``processing/``, and finally
 puts a result bundle of the same name into ``outbox/``, or the bundle itself
 into ``failed/``. Every move is a rename within the root, so each is atomic on
 one file system.
+
+Names. A bundle is any entry of ``inbox/`` whose name ends in ``.zip`` (any
+letter case) and is not a temporary name; any other byte string the file
+system takes is possible (spaces, a newline, a backslash, a leading dash,
+bytes that are not UTF-8). Every name the broker chooses for a file of its own
+in a queue root (:func:`own_name`) is ``<base>.<tag>``, and no tag ends in
+``.zip``: no bundle, and so no result named like its bundle, can ever have
+such a name. ``<base>`` is the bundle's name when the whole name fits
+``NAME_MAX``; a long name, or one that is not UTF-8, is shortened to a readable
+prefix and ``~`` and 16 hex digits of its SHA-256 (:func:`short_name`), which
+no bundle name ends in either. The broker's temporary files are
+``.gw-<random hex>.tmp``.
 """
 
 from __future__ import annotations
@@ -16,27 +28,106 @@ import secrets
 import stat
 import time
 from dataclasses import dataclass
+from hashlib import sha256
 from pathlib import Path
 
 from gpuwarden.errors import BundleError, QueueRootError
 from gpuwarden.intake.bundle import is_temp_name
+from gpuwarden.safefs import kind_of
 
-__all__ = ["SUBFOLDERS", "QueueRoot"]
+__all__ = [
+    "NAME_MAX",
+    "SUBFOLDERS",
+    "Arrival",
+    "QueueRoot",
+    "is_bundle_name",
+    "is_utf8",
+    "own_name",
+    "record_name",
+    "short_name",
+    "shown_name",
+]
 
 SUBFOLDERS = ("inbox", "processing", "outbox", "failed")
 
+#: the longest file name (in bytes) Linux file systems take
+NAME_MAX = 255
+#: bytes kept free after a base name for ``.`` and the longest tag
+_TAG_ROOM = 48
+_HASH_HEX = 16
+#: a shortened base: the prefix, "~" and the hash, at most as long as a kept name
+_PREFIX_BYTES = NAME_MAX - 1 - _TAG_ROOM - 1 - _HASH_HEX
 
-#: suffix of a refused bundle's input, kept in ``failed/`` beside its result
-KEPT_INPUT = ".input.zip"
+#: the tag of a refused bundle's input, kept in ``failed/`` beside its result
+INPUT_TAG = "input"
+#: the tag of the reason file of a result that could never be written
+REASON_TAG = "reason.txt"
 
 
-def _is_bundle_name(name: str) -> bool:
+def is_bundle_name(name: str) -> bool:
+    """True for the name of a bundle: it ends in ``.zip`` in any letter case and is
+    not a temporary name. Intake and recovery use this one test."""
     return not is_temp_name(name) and name.lower().endswith(".zip")
 
 
+def is_utf8(name: str) -> bool:
+    """True when the name (as ``os.listdir`` gives it) is valid UTF-8."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown_name(name: str) -> str:
+    """The name as a person and JSON can read it: bytes that are not UTF-8 are
+    written ``\\xNN``."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def short_name(name: str) -> str:
+    """A readable prefix of ``name`` (bytes that are not UTF-8 as ``_``), ``~`` and
+    16 hex digits of the SHA-256 of the whole name: at most 206 bytes, valid
+    UTF-8, never ending in ``.zip``, and different for different names."""
+    raw = os.fsencode(name)
+    readable = raw.decode("utf-8", "replace").replace("\ufffd", "_")
+    prefix = readable.encode("utf-8")[:_PREFIX_BYTES].decode("utf-8", "ignore")
+    return f"{prefix}~{sha256(raw).hexdigest()[:_HASH_HEX]}"
+
+
+def _base(name: str) -> str:
+    if is_utf8(name) and len(os.fsencode(name)) + 1 + _TAG_ROOM <= NAME_MAX:
+        return name
+    return short_name(name)
+
+
+def own_name(bundle: str, tag: str) -> str:
+    """The name of a file the broker writes for ``bundle``: ``<base>.<tag>``.
+
+    It never passes ``NAME_MAX`` and never ends in ``.zip`` (``tag`` must not), so
+    no client's bundle can be named like it; distinct bundles and tags give
+    distinct names."""
+    if tag.lower().endswith(".zip") or "/" in tag or len(tag.encode()) >= _TAG_ROOM:
+        raise ValueError(f"{tag!r} is not a tag for a name of the broker's own")
+    return f"{_base(bundle)}.{tag}"
+
+
+def record_name(name: str) -> str:
+    """The name a bundle is recorded under in the store and shown in events: its
+    own name when that is UTF-8, else :func:`short_name` (which no bundle name can
+    be, since it does not end in ``.zip``)."""
+    return name if is_utf8(name) else short_name(name)
+
+
+def unique_tag(what: str, now: float) -> str:
+    """``<what>-<unix seconds>-<6 hex>``: a tag that two refusals in the same second
+    do not share."""
+    return f"{what}-{int(now)}-{secrets.token_hex(3)}"
+
+
 def _plain_name(name: str) -> str:
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise ValueError(f"{name!r} is not a plain file name")
+    if not name or "/" in name or "\0" in name or name in (".", ".."):
+        raise ValueError(f"{shown_name(name)!r} is not a plain file name")
     return name
 
 
@@ -69,6 +160,21 @@ def _check_writable(root: Path, folder: Path) -> None:
         raise QueueRootError(
             f"queue root {root}: folder {folder} is not writable ({exc.strerror}); {hint}"
         ) from None
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """An entry with a bundle's name in a folder, as its listing showed it
+    (``lstat``: nothing was opened)."""
+
+    path: Path
+    #: what the entry is (:func:`gpuwarden.safefs.kind_of`): "file" for a regular one
+    kind: str
+    mtime: float
+
+    @property
+    def name(self) -> str:
+        return self.path.name
 
 
 @dataclass(frozen=True)
@@ -135,56 +241,75 @@ class QueueRoot:
             _check_writable(root, folder)
         return qr
 
-    def _bundles(self, folder: Path) -> list[tuple[float, str, Path]]:
-        out: list[tuple[float, str, Path]] = []
+    def _entries(self, folder: Path) -> list[Arrival]:
+        """Every entry with a bundle's name in ``folder``, whatever it is, by ``lstat``."""
+        out: list[Arrival] = []
         try:
             it = os.scandir(folder)
         except FileNotFoundError:
             return out
         with it:
             for entry in it:
-                if not _is_bundle_name(entry.name):
+                if not is_bundle_name(entry.name):
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:  # claimed or removed meanwhile
                     continue
-                if stat.S_ISREG(st.st_mode):
-                    out.append((st.st_mtime, entry.name, Path(entry.path)))
+                out.append(Arrival(Path(entry.path), kind_of(st.st_mode), st.st_mtime))
         return out
 
-    def pending(self) -> list[Path]:
-        """Whole bundles in ``inbox/``, oldest first (by mtime, then name).
+    def arrivals(self) -> list[Arrival]:
+        """Every entry with a bundle's name in ``inbox/``, oldest first (by mtime,
+        then name), whatever it is: the caller refuses what is not a regular file.
+        Temporary names and names not ending in ``.zip`` are left out."""
+        return sorted(self._entries(self.inbox), key=lambda a: (a.mtime, a.name))
 
-        Temporary names (``.x``, ``x.tmp``, ``x.part``), directories, symlinks
-        and files not ending in ``.zip`` are left out."""
-        return [path for _mtime, _name, path in sorted(self._bundles(self.inbox))]
+    def in_processing(self) -> list[Arrival]:
+        """Every entry with a bundle's name in ``processing/``, by name."""
+        return sorted(self._entries(self.processing), key=lambda a: a.name)
+
+    def pending(self) -> list[Path]:
+        """Whole bundles in ``inbox/`` that are regular files, oldest first (by
+        mtime, then name). Temporary names (``.x``, ``x.tmp``, ``x.part``),
+        directories, symlinks, other special files and files not ending in
+        ``.zip`` are left out."""
+        return [a.path for a in self.arrivals() if a.kind == "file"]
 
     def claim(self, path: Path) -> Path:
-        """Move the bundle ``path`` from ``inbox/`` to ``processing/`` by one
-        atomic rename; return its new path.
+        """Move the entry ``path`` from ``inbox/`` to ``processing/`` by one
+        atomic rename (a link or a FIFO moves as itself; nothing is opened);
+        return its new path.
 
-        Raises :class:`BundleError` when a bundle of that name already sits in
+        Raises :class:`BundleError` when an entry of that name already sits in
         ``processing/`` (a duplicate bundle name: the caller rejects it), and
         FileNotFoundError when the bundle is gone (another broker claimed it)."""
         name = _plain_name(Path(path).name)
         src = self.inbox / name
         dst = self.processing / name
-        if dst.exists() or dst.is_symlink():
+        if os.path.lexists(dst):
             raise BundleError(
-                f"bundle {name}: duplicate bundle name, a bundle of that name is already "
-                f"being processed ({dst}); give each bundle a unique name"
+                f"bundle {shown_name(name)}: duplicate bundle name, a bundle of that name is "
+                "already being processed (in processing/); give each bundle a unique name"
             )
         src.rename(dst)
         return dst
 
+    def result_of(self, name: str) -> Path | None:
+        """``outbox/<name>`` or ``failed/<name>`` when anything of that name is there."""
+        name = _plain_name(name)
+        for folder in (self.outbox, self.failed):
+            if os.path.lexists(folder / name):
+                return folder / name
+        return None
+
     def depth(self) -> dict[str, int]:
-        """How many bundles (``*.zip``, temporary names left out) each subfolder holds.
-        The inputs kept beside refusals in ``failed/`` (``*.input.zip``) are not counted."""
+        """How many bundles (regular files named ``*.zip`` in any letter case,
+        temporary names left out) each subfolder holds. The broker's own files in
+        ``failed/`` (kept inputs, reasons, refusals of duplicates) never end in
+        ``.zip`` and are not counted."""
         return {
-            sub: sum(
-                1 for _, name, _ in self._bundles(self.path / sub) if not name.endswith(KEPT_INPUT)
-            )
+            sub: sum(1 for a in self._entries(self.path / sub) if a.kind == "file")
             for sub in SUBFOLDERS
         }
 
@@ -197,17 +322,39 @@ class QueueRoot:
         raise ValueError(f"{path} is not in a folder of queue root {self.path}")
 
     def move_to_failed(self, path: Path, name: str | None = None) -> Path:
-        """Move ``path`` (a file in one of this root's folders) to ``failed/``,
-        as ``name`` or under its own name; return the new path. A file of that
-        name already in ``failed/`` is replaced."""
+        """Move ``path`` (an entry in one of this root's folders, whatever it is;
+        a link moves as itself) to ``failed/``, as ``name`` or under its own name;
+        return the new path. Nothing already in ``failed/`` is replaced: when the
+        name is taken, ``-<6 hex>`` is added to it."""
         src = self._own(path)
-        dst = self.failed / _plain_name(name or src.name)
-        src.replace(dst)
+        wanted = _plain_name(name or src.name)
+        dst = self.failed / wanted
+        for _ in range(10):
+            if not os.path.lexists(dst):
+                break
+            dst = self.failed / f"{wanted}-{secrets.token_hex(3)}"
+        src.rename(dst)
         return dst
 
     def remove_from_processing(self, name: str) -> None:
         """Delete ``processing/<name>``; nothing happens when it is already gone."""
         (self.processing / _plain_name(name)).unlink(missing_ok=True)
+
+    def remove_own_temporaries(self) -> list[str]:
+        """Remove what a broker that died while writing a result left: regular
+        files ``.gw-*.tmp`` in ``outbox/`` and ``failed/`` (clients never write
+        there). Returns the paths removed."""
+        removed: list[str] = []
+        for folder in (self.outbox, self.failed):
+            with contextlib.suppress(FileNotFoundError), os.scandir(folder) as it:
+                for entry in it:
+                    if not (entry.name.startswith(".gw-") and entry.name.endswith(".tmp")):
+                        continue
+                    with contextlib.suppress(OSError):
+                        if stat.S_ISREG(entry.stat(follow_symlinks=False).st_mode):
+                            Path(entry.path).unlink()
+                            removed.append(entry.path)
+        return removed
 
     def wait_for_result(self, name: str, timeout_s: float, poll_s: float = 0.1) -> Path | None:
         """Wait until ``outbox/<name>`` or ``failed/<name>`` appears and return it;

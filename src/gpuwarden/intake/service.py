@@ -7,26 +7,54 @@ bundle of each bundle whose jobs have all ended, and at start decides what
 happens to the bundles an earlier run left in ``processing/``. The single-host
 broker uses it in its loop; the coordinator runs it on a thread of its own
 (:mod:`gpuwarden.cluster.queues`).
+
+Extraction runs off the caller's thread. A bundle can take a long time to
+unpack (up to ``limits.max_unpacked_mib``), and the loop that calls
+:meth:`QueueIntake.intake` also starts jobs, passes cancels and writes results:
+it must never wait for one bundle. So the loop only lists ``inbox/``, claims
+(one rename) and decides; ``EXTRACT_WORKERS`` threads open each claimed bundle
+through :mod:`gpuwarden.safefs` and extract it into its staging folder, touching
+nothing else (never the store); the loop picks their outcomes up on its next
+pass and does the rest (validation, the store, refusals), as before. A pass
+waits at most ``INTAKE_WAIT_S`` for the bundles it has just handed over, so a
+small bundle is still accepted in the pass that claimed it. The alternative,
+bounded work per tick on the loop thread, would have to cut zipfile's reads
+into slices and keep half-extracted state between ticks; threads keep the
+extraction code straight and the loop's pass short.
 """
 
 from __future__ import annotations
 
-import secrets
+import contextlib
+import os
+import queue
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from gpuwarden import faults
+from gpuwarden import faults, safefs
 from gpuwarden.config import Config
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import BundleError, GpuwardenError
+from gpuwarden.errors import BundleError, GpuwardenError, TransitionError, UserError
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import prepare
-from gpuwarden.intake.queueroot import KEPT_INPUT, QueueRoot
+from gpuwarden.intake.queueroot import (
+    INPUT_TAG,
+    REASON_TAG,
+    Arrival,
+    QueueRoot,
+    is_utf8,
+    own_name,
+    record_name,
+    shown_name,
+    unique_tag,
+)
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import (
     BundleRecord,
@@ -36,7 +64,7 @@ from gpuwarden.store.base import (
     Submission,
 )
 
-__all__ = ["OUTPUTS_NOTE", "QueueIntake", "result_json"]
+__all__ = ["EXTRACT_WORKERS", "OUTPUTS_NOTE", "QueueIntake", "result_json"]
 
 #: every open bundle is looked at this often (the owner's own changes are seen at once)
 FULL_BUNDLE_SCAN_S = 2.0
@@ -47,6 +75,13 @@ RESULT_TRIES = 3
 #: a bundle that fails to be read for reasons not its own is refused after this many tries
 INTAKE_TRIES = 3
 
+#: bundles extracted at once, each on a thread of its own beside the loop
+EXTRACT_WORKERS = 2
+
+#: a pass of :meth:`QueueIntake.intake` waits at most this long for the bundles
+#: it has just handed to the extractors (most take a few milliseconds)
+INTAKE_WAIT_S = 0.05
+
 #: in a coordinator's result bundle, beside a job's result.json when its outputs
 #: stayed on the agent that ran it
 OUTPUTS_NOTE = "OUTPUTS.txt"
@@ -54,6 +89,141 @@ OUTPUTS_NOTE = "OUTPUTS.txt"
 Emit = Callable[..., None]
 OnError = Callable[[str, Exception], None]
 Check = Callable[[list[JobSpec]], None]
+Writer = Callable[[Path, str, list[tuple[dict[str, Any], Path | None]]], Path]
+
+
+def _shown(path: Path | str) -> str:
+    """A path as text a person, JSON and the store can hold (not UTF-8 as ``\\xNN``)."""
+    return shown_name(str(path))
+
+
+# -- extraction off the loop ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Task:
+    root: QueueRoot
+    path: Path  # processing/<name>
+    staging: Path
+    limits: bundles.BundleLimits
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return str(self.root.path), self.path.name
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    task: _Task
+    specs: tuple[JobSpec, ...] = ()
+    #: why the bundle is refused (its own fault), or None
+    refusal: str | None = None
+    #: what failed that is not the bundle's fault (the disk, the host), or None
+    error: Exception | None = None
+    cancelled: bool = False
+
+
+def _extract(task: _Task, cancelled: Callable[[], bool]) -> _Outcome:
+    """Open the claimed bundle (a regular file only: anything else is never
+    opened) and extract it into its staging folder. Touches nothing else."""
+    shown = shown_name(task.path.name)
+    try:
+        if os.path.lexists(task.staging):
+            safefs.remove_tree(task.staging)  # a partial extraction from a crashed run
+        task.staging.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = safefs.open_regular(task.path)
+        except safefs.UnsafePathError as exc:
+            return _Outcome(
+                task,
+                refusal=f"bundle {shown}: {exc.why}; only regular files are read "
+                "(it was moved aside, never opened)",
+            )
+        with os.fdopen(fd, "rb") as f:
+            specs = bundles.extract_bundle(
+                task.path, task.staging, task.limits, fileobj=f, cancelled=cancelled
+            )
+    except BundleError as exc:
+        return _Outcome(task, refusal=exc.message)
+    except bundles.ExtractionCancelled:
+        return _Outcome(task, cancelled=True)
+    except Exception as exc:  # not the bundle's fault: the loop decides
+        return _Outcome(task, error=exc)
+    return _Outcome(task, specs=specs)
+
+
+class _Extractors:
+    """Threads that extract claimed bundles; their outcomes wait in a queue for
+    the loop. Daemon threads: a process that exits does not wait for them (what
+    they left is cleaned up and read again at the next start)."""
+
+    def __init__(self, workers: int, on_done: Callable[[], None] | None) -> None:
+        self._workers = workers
+        self._on_done = on_done
+        self._tasks: queue.Queue[_Task | None] = queue.Queue()
+        self._done: queue.Queue[_Outcome] = queue.Queue()
+        self._cond = threading.Condition()
+        self._finished = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, task: _Task) -> None:
+        if not self._threads:
+            self._stop = threading.Event()  # a fresh start after close()
+            for i in range(self._workers):
+                t = threading.Thread(
+                    target=self._run,
+                    args=(self._stop,),
+                    name=f"gpuwarden-extract-{i}",
+                    daemon=True,
+                )
+                t.start()
+                self._threads.append(t)
+        self._tasks.put(task)
+
+    def _run(self, stop: threading.Event) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            if stop.is_set():
+                outcome = _Outcome(task, cancelled=True)
+            else:
+                outcome = _extract(task, stop.is_set)
+            self._done.put(outcome)
+            with self._cond:
+                self._finished += 1
+                self._cond.notify_all()
+            if self._on_done is not None:
+                with contextlib.suppress(Exception):
+                    self._on_done()
+
+    @property
+    def finished(self) -> int:
+        with self._cond:
+            return self._finished
+
+    def wait(self, until: int, timeout: float) -> None:
+        """Wait until ``until`` extractions have finished in all, or ``timeout``."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._finished >= until, timeout)
+
+    def outcomes(self) -> list[_Outcome]:
+        out: list[_Outcome] = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: running extractions end at their next chunk, queued ones are not run."""
+        self._stop.set()
+        for _ in self._threads:
+            self._tasks.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        self._threads.clear()
 
 
 class QueueIntake:
@@ -64,7 +234,9 @@ class QueueIntake:
     prepared jobs with a :class:`GpuwardenError` (the broker: a footprint no GPU
     here can hold). With ``remote_outputs`` (the coordinator), a job whose
     outputs are not on this host's disk gets ``"outputs_on": NODE`` in its
-    result.json and a note beside it instead of its outputs.
+    result.json and a note beside it instead of its outputs. ``wake()``, when
+    given, is called from an extraction thread when a bundle has been extracted,
+    so the caller's loop can pass again at once.
     """
 
     def __init__(
@@ -79,6 +251,7 @@ class QueueIntake:
         check: Check | None = None,
         clock: Callable[[], float] = time.time,
         remote_outputs: bool = False,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.registry = registry
@@ -90,12 +263,15 @@ class QueueIntake:
         self.clock = clock
         self.remote_outputs = remote_outputs
         self._staging_dir = config.state_dir / "staging"
-        #: bundle name -> how often reading it failed for reasons not its own
-        self._intake_failures: dict[str, int] = {}
+        #: (queue root, bundle name) -> how often reading it failed for reasons not its own
+        self._intake_failures: dict[tuple[str, str], int] = {}
         #: bundles (queue root, name) whose jobs changed since the last look
         self._touched: set[tuple[str, str]] = set()
         self._last_bundle_check = 0.0
         self._result_failures: dict[str, int] = {}
+        self._extractors = _Extractors(EXTRACT_WORKERS, wake)
+        #: bundles handed to the extractors and not picked up yet
+        self._in_flight: dict[tuple[str, str], _Task] = {}
 
     def touch(self, queue_root: str, bundle: str) -> None:
         """A job of this bundle changed: look at the bundle on the next finish."""
@@ -105,65 +281,234 @@ class QueueIntake:
         tag = sha256(str(root.path).encode()).hexdigest()[:12]
         return self._staging_dir / tag / name
 
+    @property
+    def extracting(self) -> int:
+        """Bundles being extracted now (or waiting for a thread)."""
+        return len(self._in_flight)
+
+    def close(self) -> None:
+        """Stop the extraction threads. A bundle being extracted stays in
+        ``processing/`` unrecorded and is read again at the next start."""
+        self._extractors.close()
+
     # -- recovery -----------------------------------------------------------
 
     def recover(self, now: float, roots: Iterable[QueueRoot] | None = None) -> None:
         """Decide what happens to every bundle left in ``processing/`` (each logged):
-        never recorded, read again; result written, removed; else continued."""
+        never recorded, read again (or, if its result is already there, left for
+        the operator); result written, removed; else continued. Then the open
+        bundles of the store whose result is already in ``outbox/`` or
+        ``failed/`` (the store lost that it was written) are not run again."""
         for root in self.roots if roots is None else roots:
-            for path in sorted(root.processing.glob("*.zip")):
-                rec = self.store.get_bundle(str(root.path), path.name)
-                if rec is None:
-                    self.emit(
-                        "bundle_recovered",
-                        bundle=path.name,
-                        action="never recorded: reading it again",
-                    )
-                    self.ingest(root, path, now)
-                elif rec.finished_at is not None:
-                    self.emit(
-                        "bundle_recovered",
-                        bundle=path.name,
-                        action="result already written: removed",
-                    )
-                    path.unlink(missing_ok=True)
-                    shutil.rmtree(self.staging_for(root, path.name), ignore_errors=True)
+            try:
+                root.remove_own_temporaries()
+            except OSError as exc:
+                self.on_error(f"removing temporary files in queue root {root.path}", exc)
+            seen: set[str] = set()
+            for arrival in root.in_processing():
+                seen.add(arrival.name)
+                if (str(root.path), arrival.name) in self._in_flight:
+                    continue
+                try:
+                    self._recover_one(root, arrival, now)
+                except Exception as exc:  # one bundle must not stop the start
+                    self.on_error(f"recovering bundle {shown_name(arrival.name)}", exc)
+            try:
+                self._recover_open_bundles(root, seen, now)
+            except Exception as exc:
+                self.on_error(f"checking the open bundles of queue root {root.path}", exc)
+
+    def _recover_one(self, root: QueueRoot, arrival: Arrival, now: float) -> None:
+        name = arrival.name
+        shown = record_name(name)
+        rec = self.store.get_bundle(str(root.path), shown)
+        if rec is None:
+            existing = root.result_of(name)
+            if existing is not None and is_utf8(name) and arrival.kind == "file":
+                self._hold(root, name, existing)
+                return
+            action = (
+                "never recorded: reading it again"
+                if is_utf8(name) and arrival.kind == "file"
+                else "never recorded: refusing it"
+            )
+            self.emit("bundle_recovered", bundle=shown, action=action)
+            self._begin(root, arrival.path, arrival.kind, now)
+        elif rec.finished_at is not None:
+            self.emit("bundle_recovered", bundle=shown, action="result already written: removed")
+            safefs.remove_tree(arrival.path)
+            shutil.rmtree(self.staging_for(root, name), ignore_errors=True)
+        else:
+            existing = root.result_of(name)
+            if existing is not None:
+                self._result_stands(root, rec, existing, now)
+                return
+            self.emit(
+                "bundle_recovered", bundle=shown, action="its jobs are in the store: continuing"
+            )
+
+    def _recover_open_bundles(self, root: QueueRoot, seen: set[str], now: float) -> None:
+        for rec in self.store.open_bundles():
+            if rec.queue_root != str(root.path) or rec.name in seen:
+                continue
+            existing = root.result_of(rec.name)
+            if existing is not None:
+                self._result_stands(root, rec, existing, now)
+
+    def _hold(self, root: QueueRoot, name: str, existing: Path) -> None:
+        """A bundle the store does not know, whose result is already there: it is
+        not read, and stays in ``processing/`` for the operator."""
+        self.emit(
+            "bundle_result_exists",
+            bundle=name,
+            result=_shown(existing),
+            left=_shown(root.processing / name),
+            action="not read: the store does not know this bundle, but its result is "
+            "already there (the store lost commits?). It stays in processing/: delete it "
+            "to keep that result, or move the result away and the bundle back to inbox/ "
+            "to run it again",
+        )
+
+    def _result_stands(
+        self, root: QueueRoot, rec: BundleRecord, existing: Path, now: float
+    ) -> None:
+        """An open bundle whose result file is already there: the result was
+        written and its record lost (a crash right after writing it, or a store
+        that lost commits). The result stands: the bundle is recorded finished
+        with it, and its jobs that have not ended are cancelled, never run again."""
+        folder = existing.parent.name
+        why = (
+            f"not run again: the result of its bundle {rec.name} is already in {folder}/ "
+            "(the store had lost that it was written)"
+        )
+        not_run: list[str] = []
+        for job_id in rec.job_ids:
+            job = self.store.get_job(job_id)
+            if job is None or job.state.terminal:
+                continue
+            not_run.append(job_id)
+            try:
+                if job.state is JobState.QUEUED:
+                    self.store.transition(job_id, JobState.CANCELLED, now=now, reason=why)
                 else:
-                    self.emit(
-                        "bundle_recovered",
-                        bundle=path.name,
-                        action="its jobs are in the store: continuing",
-                    )
+                    self.store.request_cancel(job_id, now=now)
+            except (TransitionError, UserError) as exc:
+                self.on_error(f"cancelling job {job_id} of bundle {rec.name}", exc)
+        outcome = "done" if folder == "outbox" else "failed"
+        self.store.finish_bundle(
+            rec.queue_root, rec.name, now=now, outcome=outcome, result_path=str(existing)
+        )
+        safefs.remove_tree(root.processing / rec.name)
+        shutil.rmtree(self.staging_for(root, rec.name), ignore_errors=True)
+        if not_run:
+            self.emit(
+                "bundle_result_exists",
+                bundle=rec.name,
+                result=str(existing),
+                jobs_not_run=not_run,
+                action="its result is already there: it stands, and the jobs that had not "
+                "ended are cancelled, never run again",
+            )
+        else:
+            self.emit(
+                "bundle_recovered", bundle=rec.name, action="result already written: recorded"
+            )
 
     # -- intake -------------------------------------------------------------
 
     def intake(self, now: float, roots: Iterable[QueueRoot] | None = None) -> int:
-        """Take in every whole bundle in the roots' ``inbox/``; how many were read."""
-        count = 0
+        """Take in what is in the roots' ``inbox/``: claim each bundle, refuse at
+        once what is not a regular file or has a name that is not UTF-8, and hand
+        the others to the extraction threads (at most ``EXTRACT_WORKERS`` at a
+        time; the rest wait in ``inbox/``); pick up the extractions that ended.
+        Returns how many bundles were decided."""
+        count = self._collect(now)
+        handed, finished = 0, self._extractors.finished
         for root in self.roots if roots is None else roots:
-            for path in root.pending():
+            for arrival in root.arrivals():
+                extract = arrival.kind == "file" and is_utf8(arrival.name)
+                if extract and len(self._in_flight) >= EXTRACT_WORKERS:
+                    continue  # waits in inbox/ for a free thread
                 try:
-                    claimed = root.claim(path)
-                    faults.point("after_claim")
-                except BundleError as exc:
-                    self._reject(root, path, (), str(exc), now, duplicate=True)
-                    count += 1
+                    step = self._take(root, arrival, now)
+                except Exception as exc:  # one entry must never abort the pass
+                    self.on_error(f"taking in bundle {shown_name(arrival.name)}", exc)
                     continue
-                except FileNotFoundError:
-                    continue  # another reader took it
-                self.ingest(root, claimed, now)
-                count += 1
+                handed += step == "extracting"
+                count += step == "decided"
+        if handed:
+            self._extractors.wait(finished + handed, INTAKE_WAIT_S)
+            count += self._collect(now)
         return count
 
-    def ingest(self, root: QueueRoot, path: Path, now: float) -> None:
-        """Read one bundle from ``processing/`` and accept its jobs, all or none."""
-        staging = self.staging_for(root, path.name)
-        if staging.exists():
-            shutil.rmtree(staging)  # a partial extraction from a crashed run
-        specs: tuple[JobSpec, ...] = ()
+    def _take(self, root: QueueRoot, arrival: Arrival, now: float) -> str:
         try:
-            staging.parent.mkdir(parents=True, exist_ok=True)
-            specs = bundles.extract_bundle(path, staging, self._limits())
+            claimed = root.claim(arrival.path)
+            faults.point("after_claim")
+        except BundleError as exc:
+            self._refuse(root, arrival.path, (), str(exc), now, duplicate=True)
+            return "decided"
+        except FileNotFoundError:
+            return "gone"  # another reader took it
+        return self._begin(root, claimed, arrival.kind, now)
+
+    def _begin(self, root: QueueRoot, path: Path, kind: str, now: float) -> str:
+        """A claimed entry of ``processing/``: refuse it, hold it, or extract it."""
+        name = path.name
+        if not is_utf8(name):
+            self._refuse(
+                root,
+                path,
+                (),
+                f"bundle {shown_name(name)}: its name is not valid UTF-8 (shown here with "
+                "\\xNN for the bytes that are not); rename it to a UTF-8 name and drop it again",
+                now,
+            )
+            return "decided"
+        if kind != "file":
+            self._refuse(
+                root,
+                path,
+                (),
+                f"bundle {name}: is a {kind}, not a regular file; only regular files are read "
+                "(it was moved aside, never opened)",
+                now,
+            )
+            return "decided"
+        if self.store.get_bundle(str(root.path), name) is None:
+            existing = root.result_of(name)
+            if existing is not None:
+                self._hold(root, name, existing)
+                return "decided"
+        task = _Task(root, path, self.staging_for(root, name), self._limits())
+        self._in_flight[task.key] = task
+        self._extractors.submit(task)
+        return "extracting"
+
+    def _collect(self, now: float) -> int:
+        """Pick up the extractions that ended and decide each bundle."""
+        count = 0
+        for outcome in self._extractors.outcomes():
+            task = outcome.task
+            self._in_flight.pop(task.key, None)
+            if outcome.cancelled:
+                continue  # stays in processing/: read again at the next start
+            count += 1
+            try:
+                if outcome.refusal is not None:
+                    self._refuse(task.root, task.path, (), outcome.refusal, now)
+                elif outcome.error is not None:
+                    self._read_failed(task.root, task.path, (), outcome.error, now)
+                else:
+                    self._accept(task, outcome.specs, now)
+            except Exception as exc:
+                self.on_error(f"taking in bundle {shown_name(task.path.name)}", exc)
+        return count
+
+    def _accept(self, task: _Task, specs: tuple[JobSpec, ...], now: float) -> None:
+        """Validate the extracted bundle's jobs and accept them all, or none."""
+        root, path, staging = task.root, task.path, task.staging
+        try:
             prepared = [prepare(self.registry, s) for s in specs]
             if self.check is not None:
                 self.check(prepared)
@@ -179,24 +524,57 @@ class QueueIntake:
             faults.point("after_bundle_commit")
         except (DuplicateJobError, DuplicateBundleError) as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            self._reject(root, path, specs, f"duplicate: {exc}", now, duplicate=True)
+            self._refuse(root, path, specs, f"duplicate: {exc}", now, duplicate=True)
         except GpuwardenError as exc:
             shutil.rmtree(staging, ignore_errors=True)
-            self._reject(root, path, specs, exc.message, now)
+            self._refuse(root, path, specs, exc.message, now)
         except Exception as exc:
-            # not the bundle's fault (the store is locked, the disk is full): give it
-            # back to inbox/ to be read again, and refuse it only if that keeps failing
             shutil.rmtree(staging, ignore_errors=True)
-            tries = self._intake_failures.get(path.name, 0) + 1
-            self._intake_failures[path.name] = tries
-            self.on_error(f"reading bundle {path.name} (try {tries})", exc)
-            if tries >= INTAKE_TRIES:
-                self._reject(root, path, specs, f"could not be read {tries} times: {exc}", now)
-            else:
-                path.replace(root.inbox / path.name)
+            self._read_failed(root, path, specs, exc, now)
         else:
-            self._intake_failures.pop(path.name, None)
+            self._intake_failures.pop(task.key, None)
             self.emit("bundle_accepted", bundle=path.name, jobs=[s.id for s in specs])
+
+    def _read_failed(
+        self, root: QueueRoot, path: Path, specs: tuple[JobSpec, ...], exc: Exception, now: float
+    ) -> None:
+        """Not the bundle's fault (the store is locked, the disk is full): give it
+        back to inbox/ to be read again, and refuse it only if that keeps failing."""
+        key = (str(root.path), path.name)
+        tries = self._intake_failures.get(key, 0) + 1
+        self._intake_failures[key] = tries
+        shown = shown_name(path.name)
+        self.on_error(f"reading bundle {shown} (try {tries})", exc)
+        if tries >= INTAKE_TRIES:
+            self._refuse(root, path, specs, f"could not be read {tries} times: {exc}", now)
+        elif os.path.lexists(root.inbox / path.name):
+            self.on_error(
+                f"giving bundle {shown} back to inbox/",
+                FileExistsError(f"inbox/ holds another {shown}; this one stays in processing/"),
+            )
+        else:
+            path.rename(root.inbox / path.name)
+
+    def _refuse(
+        self,
+        root: QueueRoot,
+        path: Path,
+        specs: tuple[JobSpec, ...],
+        reason: str,
+        now: float,
+        *,
+        duplicate: bool = False,
+    ) -> None:
+        """:meth:`_reject`, and when even that fails (the disk), say so: the bundle
+        stays where it is and is looked at again at the next start."""
+        try:
+            self._reject(root, path, specs, reason, now, duplicate=duplicate)
+        except Exception as exc:
+            self.on_error(
+                f"refusing bundle {shown_name(path.name)} (it stays in "
+                f"{path.parent.name}/ until the next start)",
+                exc,
+            )
 
     def _reject(
         self,
@@ -209,7 +587,12 @@ class QueueIntake:
         duplicate: bool = False,
     ) -> None:
         """Fail every job of an unreadable bundle into ``failed/``, touching nothing
-        already accepted; the input bundle is kept beside the result."""
+        already accepted; the input bundle (whatever it is: it is moved, never
+        opened) is kept beside the result."""
+        name = path.name
+        recorded_as = record_name(name)
+        if not duplicate and self.store.get_bundle(str(root.path), recorded_as) is not None:
+            duplicate = True  # received before: never recorded twice
         results: list[tuple[dict[str, Any], Path | None]] = [
             (
                 {
@@ -224,22 +607,61 @@ class QueueIntake:
             )
             for s in specs
         ] or [({"id": "bundle", "status": "failed", "reason": reason, "attempts": 0}, None)]
-        stem = path.name.removesuffix(".zip")
-        # two copies refused in the same second must not overwrite each other
-        unique = f"{int(now)}-{secrets.token_hex(3)}"
-        result_name = f"{stem}.duplicate-{unique}.zip" if duplicate else path.name
-        result = bundles.write_result_bundle(root.failed, result_name, results)
-        root.move_to_failed(path, result_name.removesuffix(".zip") + KEPT_INPUT)
+        if duplicate:
+            # two copies refused in the same second must not overwrite each other
+            tag = unique_tag("duplicate", now)
+            result_name, input_name = own_name(name, tag), own_name(name, f"{tag}-{INPUT_TAG}")
+        else:
+            result_name, input_name = name, own_name(name, INPUT_TAG)
+        result = self._write_unique(
+            bundles.write_result_bundle, root.failed, result_name, results, bundle=name, now=now
+        )
+        kept = root.move_to_failed(path, input_name)
         if not duplicate:
             self.store.record_rejected_bundle(
-                str(root.path), path.name, now=now, reason=reason, result_path=str(result)
+                str(root.path), recorded_as, now=now, reason=reason, result_path=_shown(result)
             )
         else:
             self.store.add_event(
                 Event(
-                    ts=now, kind="bundle_rejected", detail={"bundle": path.name, "reason": reason}
+                    ts=now,
+                    kind="bundle_rejected",
+                    detail={
+                        "queue_root": str(root.path),
+                        "bundle": recorded_as,
+                        "reason": reason,
+                        "result": _shown(result),
+                        "input": _shown(kept),
+                    },
                 )
             )
+
+    def _write_unique(
+        self,
+        write: Writer,
+        dest: Path,
+        name: str,
+        results: list[tuple[dict[str, Any], Path | None]],
+        *,
+        bundle: str,
+        now: float,
+    ) -> Path:
+        """Write a result as ``dest/name``; when a file of that name is already
+        there it is left as it is, and the result gets a name of the broker's own
+        (``<base>.result-<unix seconds>-<6 hex>``) and a ``result_renamed`` event."""
+        try:
+            return write(dest, name, results)
+        except FileExistsError:
+            pass
+        path = write(dest, own_name(bundle, unique_tag("result", now)), results)
+        self.emit(
+            "result_renamed",
+            bundle=record_name(bundle),
+            wanted=_shown(dest / name),
+            result=_shown(path),
+            reason="a file of that name is already there; it was left as it is",
+        )
+        return path
 
     def _limits(self) -> bundles.BundleLimits:
         zip_bytes, entries, unpacked, jobs = self.config.bundle_limits_bytes()
@@ -291,16 +713,14 @@ class QueueIntake:
         self, root: QueueRoot, rec: BundleRecord, exc: Exception, now: float
     ) -> None:
         """A result that can never be written: the input goes to failed/, with why."""
-        stem = rec.name.removesuffix(".zip")
         why = (
             f"the result of bundle {rec.name} could not be written {RESULT_TRIES} times: "
             f"{exc}. Its jobs' results are in the store: `gpuwarden show JOB`.\n"
         )
-        reason_path = root.failed / f"{stem}.reason.txt"
         try:
-            reason_path.write_text(why)
-            if (root.processing / rec.name).exists():
-                root.move_to_failed(root.processing / rec.name, stem + KEPT_INPUT)
+            reason_path = _write_new_text(root.failed, own_name(rec.name, REASON_TAG), why)
+            if os.path.lexists(root.processing / rec.name):
+                root.move_to_failed(root.processing / rec.name, own_name(rec.name, INPUT_TAG))
         except OSError as again:
             self.on_error(f"moving bundle {rec.name} to failed/", again)
             return
@@ -332,10 +752,12 @@ class QueueIntake:
         results = [self._job_result(job) for job in jobs]
         all_done = all(j.state is JobState.DONE for j in jobs)
         dest = root.outbox if all_done else root.failed
-        if any("outputs_on" in body for body, _ in results):
-            path = _write_with_note(dest, rec.name, results)
-        else:
-            path = bundles.write_result_bundle(dest, rec.name, results)
+        write: Writer = (
+            _write_with_note
+            if any("outputs_on" in body for body, _ in results)
+            else bundles.write_result_bundle
+        )
+        path = self._write_unique(write, dest, rec.name, results, bundle=rec.name, now=now)
         faults.point("after_result_write")
         self.store.finish_bundle(
             rec.queue_root,
@@ -348,6 +770,21 @@ class QueueIntake:
         root.remove_from_processing(rec.name)
         shutil.rmtree(self.staging_for(root, rec.name), ignore_errors=True)
         self.emit("bundle_finished", bundle=rec.name, result=str(path))
+
+
+def _write_new_text(folder: Path, name: str, text: str) -> Path:
+    """Write ``folder/name`` fresh; when that name is taken, ``-<6 hex>`` is added."""
+    path = folder / name
+    for _ in range(10):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            path = folder / f"{name}-{os.urandom(3).hex()}"
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
+    raise FileExistsError(f"{folder}: no free name for {name}")
 
 
 def _write_with_note(

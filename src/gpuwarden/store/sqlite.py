@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from gpuwarden.core import states
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
@@ -38,6 +39,58 @@ from gpuwarden.store.sqlite_cluster import SqliteCluster
 
 _Q = load_queries("sqlite")
 
+#: SQLite's result codes for a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB)
+_DAMAGED = {11, 26}
+
+
+class DamagedDatabaseError(UserError):
+    """The SQLite database file is damaged; nothing was written to it."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        super().__init__(
+            f"the database {path} is damaged ({detail}); gpuwarden wrote nothing to it. "
+            "Stop every gpuwarden process that uses it, then restore it from a backup, or "
+            f"move it and its -wal and -shm files away to start with an empty store "
+            f"(`sqlite3 {path} .recover` may save what is left)"
+        )
+
+
+def _damaged(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in _DAMAGED
+    return "malformed" in str(exc) or "not a database" in str(exc)
+
+
+def quick_check(path: Path, *, timeout_s: float = 30.0) -> None:
+    """Run ``PRAGMA quick_check`` on the database file at ``path`` over a read-only
+    connection (a missing or empty file passes). Raises
+    :class:`DamagedDatabaseError`, naming the file and what to do, when it is
+    damaged; nothing is written to the database either way."""
+    try:
+        if path.stat().st_size == 0:
+            return
+    except FileNotFoundError:
+        return
+    try:
+        db = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True, timeout=timeout_s)
+    except sqlite3.Error as exc:
+        if _damaged(exc):
+            raise DamagedDatabaseError(path, str(exc)) from None
+        raise
+    try:
+        rows = db.execute("PRAGMA quick_check").fetchall()
+    except sqlite3.Error as exc:
+        if _damaged(exc):
+            raise DamagedDatabaseError(path, str(exc)) from None
+        raise
+    finally:
+        db.close()
+    problems = [str(r[0]) for r in rows if str(r[0]) != "ok"]
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise DamagedDatabaseError(path, f"quick_check: {problems[0]}{more}")
+
 
 class SqliteStore(SqliteCluster, Store):
     """One connection, guarded by a lock; usable from one process's threads.
@@ -47,19 +100,31 @@ class SqliteStore(SqliteCluster, Store):
     ``busy_timeout_s`` for it.
     """
 
-    def __init__(self, path: Path, *, busy_timeout_s: float = 30.0) -> None:
+    def __init__(self, path: Path, *, busy_timeout_s: float = 30.0, check: bool = False) -> None:
+        """Open (and migrate) the database at ``path``. With ``check`` (a broker's
+        start) the whole file is checked first (:func:`quick_check`). A damaged
+        file raises :class:`DamagedDatabaseError`, with or without ``check``, and
+        is never written to."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        if check:
+            quick_check(path, timeout_s=busy_timeout_s)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(
             str(path), isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
         )
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        self.migrate()
+        try:
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+            self.migrate()
+        except sqlite3.Error as exc:
+            self._db.close()
+            if _damaged(exc):
+                raise DamagedDatabaseError(path, str(exc)) from None
+            raise
 
     # -- plumbing -----------------------------------------------------------
 
