@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import platform
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -36,9 +38,10 @@ from gpuwarden.config import Config
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.launch.base import LaunchRequest, attempt_marker
+from gpuwarden.launch.base import INSIDE, LaunchRequest, Mount, attempt_marker
 from gpuwarden.launch.host import find_attempt_processes
 from gpuwarden.launch.sandbox import LABEL_INSTANCE, SandboxLauncher, mounts_for
+from gpuwarden.launch.serve import ServeError, ServeWorker
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
 
@@ -592,3 +595,91 @@ def test_a_writable_folder_with_content_is_never_handed_over(
     made = Path(fresh.attempt_dir) / "out"
     assert (made.stat().st_uid, made.stat().st_mode & 0o777) == (NOBODY, 0o700)
     assert safefs.walk(made).files  # report.json, written by the sandbox's user
+
+
+FILL_SERVER = """
+import time
+from gpuwarden.serve.worker import serve
+
+def load(ctx):
+    return None
+
+def handle(model, job):
+    with open(job.output_dir / "fill.bin", "wb") as f:
+        for _ in range(int(job.params["mib"])):
+            f.write(bytes(2**20))
+            f.flush()
+    time.sleep(50)
+    return "never"
+
+serve(load, handle)
+"""
+
+
+@both
+def test_a_serve_worker_past_output_mib_in_its_exchange_folder_is_stopped_for_it(
+    launcher: SandboxLauncher, tmp_path: Path
+) -> None:
+    module = tmp_path / "fillmod"
+    (module / "src").mkdir(parents=True)
+    (module / "src" / "fill.py").write_text(FILL_SERVER)
+    log_dir = tmp_path / "warm" / "fill-1"
+    exchange = log_dir / "exchange"
+    exchange.mkdir(parents=True)  # as serving.py makes it: the broker's, empty
+    sockets = Path(tempfile.mkdtemp(prefix="gw-sbx-"))
+    socket_path = sockets / "1.sock"
+    mounts = mounts_for(
+        module_dir=str(module),
+        input_dir=None,
+        output_dir=str(exchange),
+        scratch_dir=str(log_dir / "scratch"),
+        report_dir=None,
+        params_file=None,
+        weights_dir=None,
+        scratch_bytes=2**20,
+        extra=(Mount(str(socket_path), str(INSIDE / "serve.sock"), writable=True),),
+    )
+    req = LaunchRequest(
+        job_id="warm-fill",
+        attempt=1,
+        argv=(launcher.python, "src/fill.py"),
+        cwd=str(module),
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        attempt_dir=str(log_dir),
+        timeout_s=math.inf,
+        kill_grace_s=1,
+        instance="serve-limit-test",
+        mounts=mounts,
+    )
+    worker = ServeWorker(launcher, req, socket_path, epoch=1, stop_wait_s=1)
+    try:
+        worker.start(load_timeout_s=60)
+        assert exchange.stat().st_uid == NOBODY  # handed to the sandbox's user, while empty
+        slot = exchange / "j1-1"
+        owner = launcher.job_owner
+        for sub in ("", "in", "out", "scratch"):  # what serving.py makes for each job
+            safefs.make_dir(slot / sub if sub else slot, mode=0o700, owner=owner)
+        inside = INSIDE / "output" / slot.name
+        with pytest.raises(ServeError) as caught:
+            worker.run_job(
+                "j1",
+                1,
+                {"mib": 4 * OUTPUT_MIB},
+                inside / "in",
+                inside / "out",
+                inside / "scratch",
+                timeout_s=55,
+            )
+        written = slot / "out" / "fill.bin"
+        assert written.stat().st_size > OUTPUT_MIB * 2**20  # it really wrote past the limit
+    finally:
+        result = worker.stop("test over")
+    err = caught.value
+    assert err.kind == "output_limit" and err.infrastructure is False, err
+    assert f"output past {OUTPUT_MIB} MiB" in str(err)
+    assert result.limit_exceeded == f"output past {OUTPUT_MIB} MiB"
+    assert not worker.alive()
+    assert find_attempt_processes(req.marker) == []
+    if launcher.runtime.needs_image:
+        assert launcher.leftovers(req.instance) == []
+    safefs.remove_tree(sockets)
