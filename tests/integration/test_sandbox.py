@@ -16,6 +16,7 @@ of machine: its command line is covered in tests/unit/test_sandbox_argv.py.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import math
 import os
@@ -40,7 +41,12 @@ from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.launch.base import INSIDE, LaunchRequest, Mount, attempt_marker
 from gpuwarden.launch.host import find_attempt_processes
-from gpuwarden.launch.sandbox import LABEL_INSTANCE, SandboxLauncher, mounts_for
+from gpuwarden.launch.sandbox import (
+    LABEL_INSTANCE,
+    SandboxLauncher,
+    container_name,
+    mounts_for,
+)
 from gpuwarden.launch.serve import ServeError, ServeWorker
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
@@ -683,3 +689,30 @@ def test_a_serve_worker_past_output_mib_in_its_exchange_folder_is_stopped_for_it
     if launcher.runtime.needs_image:
         assert launcher.leftovers(req.instance) == []
     safefs.remove_tree(sockets)
+
+
+@pytest.mark.parametrize("runtime_config", ["bubblewrap"], indirect=True)
+def test_pids_cgroups_a_crashed_run_left_are_removed_at_start_and_only_those(
+    runtime_config: tuple[str, Config],
+) -> None:
+    _, config = runtime_config
+    with open_node(config, mock_gpu=True) as n:
+        instance = n.broker.instance
+        cgroups = n.broker.sandbox.pids_cgroups if n.broker.sandbox else None
+    if cgroups is None:
+        pytest.skip("no pids cgroup can be made here (CI has one)")
+
+    def left_by(inst: str, job: str) -> Path:
+        req = LaunchRequest("x", 1, (), "/", {}, "/", 1.0, instance=inst)
+        return cgroups.create(container_name(dataclasses.replace(req, job_id=job)), 8)
+
+    ours, theirs = left_by(instance, "crashed"), left_by("someone-else", "theirs")
+    try:
+        assert ours.is_dir() and theirs.is_dir()  # what a crash leaves
+        with open_node(config, mock_gpu=True) as n:
+            n.broker.recover()
+        assert not ours.exists()
+        assert theirs.is_dir()
+    finally:
+        for path in (ours, theirs):
+            cgroups.remove(path)

@@ -168,10 +168,14 @@ def cgroups_usable(mounts: str | None = None) -> bool:
 
 
 def container_name(req: LaunchRequest) -> str:
-    """A name unique to the broker instance, job and attempt, valid for both runtimes."""
-    digest = hashlib.sha256(req.instance.encode()).hexdigest()[:10]
+    """A name unique to the broker instance, job and attempt, valid for both
+    runtimes (and for the attempt's pids cgroup under bubblewrap)."""
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", req.job_id)[:80]
-    return f"gpuwarden-{digest}-{job}-{req.attempt}"
+    return f"{_instance_prefix(req.instance)}{job}-{req.attempt}"
+
+
+def _instance_prefix(instance: str) -> str:
+    return f"gpuwarden-{hashlib.sha256(instance.encode()).hexdigest()[:10]}-"
 
 
 def sandbox_env(req: LaunchRequest, *, pythonpath: str = LIB_INSIDE) -> dict[str, str]:
@@ -330,8 +334,8 @@ class SandboxLauncher:
         # the interpreter (and its virtual environment) at their own paths, and
         # the broker's package for the serve worker helper
         for prefix in sorted({sys.base_prefix, sys.prefix}):
-            if not prefix.startswith("/usr"):
-                args += ["--ro-bind", source(prefix), prefix]
+            if not prefix.startswith("/usr"):  # staged by its real path: never a link
+                args += ["--ro-bind", source(str(Path(prefix).resolve())), prefix]
         args += ["--ro-bind", source(_package_dir()), f"{LIB_INSIDE}/gpuwarden"]
         for m in req.mounts:
             if m.tmpfs_bytes:
@@ -730,6 +734,9 @@ class SandboxLauncher:
         """Names of the containers this broker instance started (any state)."""
         if self.runtime is Runtime.BUBBLEWRAP:
             return []  # no containers: the broker finds bwrap processes by marker
+        return self._engine_leftovers(instance)
+
+    def _engine_leftovers(self, instance: str) -> list[str]:
         done = self._ctl(
             "ps",
             "--all",
@@ -744,7 +751,12 @@ class SandboxLauncher:
 
     def remove_leftovers(self, instance: str) -> list[str]:
         """Remove every container a crashed run of ``instance`` left (and only those).
-        Returns the names removed; raises OSError when one cannot be removed."""
+        Returns the names removed; raises OSError when one cannot be removed.
+        bubblewrap has no containers: the pids cgroups a crashed run left are
+        emptied and removed (logged), and nothing is returned."""
+        if self.runtime is Runtime.BUBBLEWRAP:
+            self._remove_leftover_cgroups(instance)
+            return []
         removed = []
         for name in self.leftovers(instance):
             gone, _ = self._remove(name)
@@ -752,6 +764,19 @@ class SandboxLauncher:
                 raise OSError(f"container {name} could not be removed")
             removed.append(name)
         return removed
+
+    def _remove_leftover_cgroups(self, instance: str) -> None:
+        cgroups = self.pids_cgroups
+        if cgroups is None or not cgroups.parent.is_dir():
+            return
+        prefix = _instance_prefix(instance)
+        for path in sorted(cgroups.parent.glob(f"{prefix}*")):
+            if path.is_dir() and not path.is_symlink():
+                left = cgroups.kill_all(path)
+                if left:
+                    raise OSError(f"processes {left} in the pids cgroup {path} outlived SIGKILL")
+                cgroups.remove(path)
+                log.info("removed the pids cgroup %s a crashed run left", path)
 
 
 class _OutputWatch:
