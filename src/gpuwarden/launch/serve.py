@@ -387,6 +387,17 @@ class ServeWorker:
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise OSError(f"the path is longer than {MAX_SOCKET_PATH} bytes")
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # the folder may be in /tmp: someone else could have made it first
+        st = os.lstat(path.parent)
+        if (
+            not stat.S_ISDIR(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        ):
+            raise OSError(
+                f"the socket's folder {path.parent} is not this broker's own (a folder of "
+                f"uid {os.geteuid()} that no one else may write to): remove it"
+            )
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a stale socket of an earlier worker
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
