@@ -716,3 +716,66 @@ def test_pids_cgroups_a_crashed_run_left_are_removed_at_start_and_only_those(
     finally:
         for path in (ours, theirs):
             cgroups.remove(path)
+
+
+@pytest.mark.parametrize("runtime_config", ["podman"], indirect=True)
+def test_podmans_own_default_profile_would_let_a_job_make_a_user_namespace(
+    launcher: SandboxLauncher, tmp_path: Path
+) -> None:
+    """Why podman gets a profile of gpuwarden's: with podman's default one, the
+    same container (every other flag as the launcher's) can ``unshare -U``."""
+    attempt = tmp_path / "a"
+    req = LaunchRequest(
+        job_id="ns",
+        attempt=1,
+        argv=("unshare", "-U", "true"),
+        cwd="/",
+        env={},
+        attempt_dir=str(attempt),
+        timeout_s=60,
+        kill_grace_s=1,
+        instance="userns-test",
+    )
+    argv = launcher.argv(req)
+    ours = argv.index(f"seccomp={attempt}/seccomp.json")
+    plain = argv[: ours - 1] + argv[ours + 1 :]
+    plain[plain.index(container_name(req))] = f"{container_name(req)}-default"
+    plain.insert(plain.index("run") + 1, "--rm")
+    done = subprocess.run(plain, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr  # the attack works under podman's default
+    result = launcher.run(req, threading.Event())
+    assert result.launch_error is None, result.launch_error
+    assert result.exit_code == 1 and "Operation not permitted" in result.stderr, result.stderr
+    assert launcher.leftovers(req.instance) == []
+
+
+def test_why_bubblewrap_sources_are_staged_and_not_passed_by_descriptor(tmp_path: Path) -> None:
+    """bubblewrap 0.8.0's --ro-bind-fd looks the descriptor's path up again
+    (realpath of /proc/self/fd/N): run as the sandbox's user it cannot reach a
+    source under a folder only root may search, so the starter stages sources."""
+    need_tool("bwrap")
+    private = tmp_path / "state"
+    private.mkdir(mode=0o700)
+    source = private / "module"
+    source.mkdir(mode=0o755)
+    assert private.stat().st_mode & 0o777 == 0o700 and private.stat().st_uid == 0
+    fd = os.open(source, os.O_PATH | os.O_DIRECTORY)
+    try:
+        done = subprocess.run(
+            [
+                *("bwrap", "--unshare-all", "--ro-bind", "/usr", "/usr"),
+                *("--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib"),
+                *("--symlink", "usr/lib64", "/lib64"),
+                *("--ro-bind-fd", str(fd), "/module", "true"),
+            ],
+            pass_fds=(fd,),
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    finally:
+        os.close(fd)
+    assert done.returncode == 1 and "Permission denied" in done.stderr, done.stderr
