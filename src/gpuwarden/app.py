@@ -10,7 +10,7 @@ from pathlib import Path
 from gpuwarden.broker import Broker
 from gpuwarden.config import DATABASE_URL_PREFIXES, Config
 from gpuwarden.core.launchrules import Runtime
-from gpuwarden.core.model import GIB, LaunchMode
+from gpuwarden.core.model import GIB, MIB, LaunchMode
 from gpuwarden.errors import ConfigError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.gpu.base import GpuProbe
@@ -72,6 +72,8 @@ def sandbox_launcher(config: Config) -> SandboxLauncher | None:
         memory_bytes=int(s.memory_gib * GIB),
         cgroups=s.cgroups,
         python=s.python,
+        tmp_bytes=int(s.tmp_mib * MIB),
+        output_bytes=int(s.output_mib * MIB),
     )
     return SandboxLauncher(config.container_runtime, limits, image=config.sandbox_image)
 

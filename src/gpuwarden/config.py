@@ -126,7 +126,8 @@ class SandboxSettings(_Section):
     #: the user and group the job runs as inside the sandbox (never root)
     uid: Annotated[int, Field(ge=1, le=2**31 - 1)] = 65534
     gid: Annotated[int, Field(ge=1, le=2**31 - 1)] = 65534
-    #: most processes (podman/docker: pids limit and nproc; bubblewrap: nproc)
+    #: most processes per sandbox (podman/docker: --pids-limit; bubblewrap: a pids
+    #: cgroup of its own, or RLIMIT_NPROC, shared by every sandbox, without one)
     pids: Annotated[int, Field(ge=8, le=1_000_000)] = 512
     #: most open files
     nofile: Annotated[int, Field(ge=64, le=1_048_576)] = 4096
@@ -136,6 +137,12 @@ class SandboxSettings(_Section):
     memory_gib: Annotated[float, Field(gt=0, le=65536)] = 16.0
     #: size of the job's scratch directory, a tmpfs (0: a folder on disk, no limit)
     scratch_mib: Annotated[float, Field(ge=0, le=1_048_576)] = 2048.0
+    #: size of the sandbox's /tmp, a tmpfs (in memory: keep it small)
+    tmp_mib: Annotated[float, Field(ge=1, le=1_048_576)] = 256.0
+    #: most MiB in the job's own folders on disk (output, report; scratch when
+    #: scratch_mib = 0), checked every second while it runs and at its end: past
+    #: it the job is stopped and fails (0: not checked)
+    output_mib: Annotated[float, Field(ge=0, le=16_777_216)] = 16384.0
     #: false on hosts where the runtime cannot use cgroups (a mixed v1/v2 layout):
     #: podman then runs with --cgroups=disabled, and memory, pids and CPU-rate
     #: limits are not enforced (ulimits still are)

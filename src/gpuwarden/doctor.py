@@ -12,8 +12,11 @@ The sandbox checks run the ``probe`` module's ``probe.sandbox`` (and, with a
 real GPU, ``probe.gpu``) through the same :class:`SandboxLauncher` and the same
 kind of launch request the broker builds, and judge the report the probe writes
 from inside: not root, no capabilities, no network, a read-only root, writable
-output and scratch, read-only inputs, and no sight of a host file placed next
-to the attempt's folders. The doctor opens no store.
+output and scratch, read-only inputs, no sight of a host file placed next to
+the attempt's folders, no user namespace, no mount, a seccomp filter that
+refuses keyctl, and a /tmp no larger than ``[sandbox] tmp_mib``. How the
+process limit is enforced (a pids cgroup per sandbox, or RLIMIT_NPROC shared
+by all) is said too: the shared fallback is a WARN. The doctor opens no store.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from gpuwarden import safefs
 from gpuwarden.app import make_probe, sandbox_launcher
 from gpuwarden.config import Config, load_config
 from gpuwarden.core.launchrules import Runtime, image_is_pinned
@@ -57,6 +61,10 @@ PROBE_SANDBOX = "probe.sandbox"
 PROBE_GPU = "probe.gpu"
 #: seconds a sandbox check's probe may run
 PROBE_TIMEOUT_S = 60.0
+#: the largest report.json the doctor reads
+REPORT_LIMIT = 4 * 2**20
+#: what the sandbox launcher needs of bubblewrap (0.8.0 and later)
+BWRAP_OPTIONS = ("--disable-userns", "--seccomp", "--size")
 #: seconds a runtime or toolkit command may take
 COMMAND_TIMEOUT_S = 30.0
 #: the first NVIDIA Container Toolkit release with the fix for CVE-2025-23266
@@ -264,7 +272,7 @@ def check_runtime(host: Host) -> Check:
             f'container_runtime = "{runtime.value}" but {exe} is not on PATH',
             _INSTALL[runtime],
         )
-    helpers = {"prlimit": "util-linux"} if runtime is Runtime.BUBBLEWRAP else {}
+    helpers: dict[str, str] = {}
     if runtime is Runtime.PODMAN and not config.sandbox.cgroups:
         helpers["unshare"] = "util-linux"
     for helper, package in helpers.items():
@@ -302,6 +310,17 @@ def check_runtime(host: Host) -> Check:
             f"{path} --version failed (exit {done.returncode}): {version}",
             f"repair or reinstall it: {_INSTALL[runtime]}",
         )
+    if runtime is Runtime.BUBBLEWRAP:
+        usage = _run([exe, "--help"])
+        lacking = [o for o in BWRAP_OPTIONS if o not in usage.stdout + usage.stderr]
+        if lacking:
+            return Check(
+                "runtime",
+                Status.FAIL,
+                f"{version} ({path}) lacks {', '.join(lacking)}: the sandbox blocks nested "
+                "user namespaces and loads a seccomp filter with them",
+                "install bubblewrap 0.8.0 or later (Debian 12, Ubuntu 24.04 have it)",
+            )
     host.runtime_ok = True
     extra = f"; {', '.join(helpers)} found" if helpers else ""
     return Check("runtime", Status.OK, f"{version} ({path}){extra}")
@@ -715,7 +734,11 @@ def _sandbox_check(host: Host, name: str, type_name: str, gpu: GpuReading | None
             _sandbox_fix(runtime, run.error),
         )
     assert run.report is not None
-    problems, warnings, found = judge(run.report, run.target)
+    problems, warnings, found = judge(run.report, run.target, tmp_bytes=launcher.limits.tmp_bytes)
+    pids = launcher.pids_limit()
+    found += f"; {pids}"
+    if "all sandboxes together" in pids:
+        warnings.append(f"processes are limited by {pids.split(':')[0]} alone, per uid")
     if gpu is not None:
         cuda_problem, cuda_found = _judge_cuda(run.report, gpu.uuid)
         found += f"; {cuda_found}"
@@ -731,14 +754,36 @@ def _sandbox_check(host: Host, name: str, type_name: str, gpu: GpuReading | None
             f"it to gpuwarden if {runtime.value} is current",
         )
     if warnings:
+        fixes = []
+        if any("marker" in w for w in warnings):
+            fixes.append(
+                "put the state directory where the sandbox's user could search every folder "
+                "on the way, so that the check can tell"
+            )
+        if any("per uid" in w for w in warnings):
+            fixes.append(_PIDS_FIX[runtime])
         return Check(
             name,
             Status.WARN,
             f"{type_name} in {runtime.value}: {found}; " + "; ".join(warnings),
-            "put the state directory where the sandbox's user could search every folder on "
-            "the way, so that the check can tell",
+            "; ".join(fixes),
         )
     return Check(name, Status.OK, f"{type_name} in {runtime.value}: {found}")
+
+
+_PIDS_FIX = {
+    Runtime.BUBBLEWRAP: (
+        "one job can use up the process limit of every sandbox on the node: run the broker "
+        "as root on a host with a pids cgroup controller (cgroup v1 pids, or v2 with pids "
+        "in cgroup.controllers)"
+    ),
+    Runtime.PODMAN: (
+        "one job can use up the process limit of every sandbox on the node: podman needs "
+        "cgroups for --pids-limit ([sandbox] cgroups = true on a host where they work)"
+    ),
+    Runtime.DOCKER: "",
+    Runtime.LOCAL: "",
+}
 
 
 def _sandbox_fix(runtime: Runtime, error: str) -> str:
@@ -818,16 +863,16 @@ def _run_probe(
             return ProbeRun(None, f"timed out after {req.timeout_s:g} s{said}", target)
         if result.exit_code != 0:
             return ProbeRun(None, f"the probe exited {result.exit_code}{said}", target)
-        path = work / "out" / "report.json"
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
+        try:  # written by the sandbox's user: never through a link, bounded
+            report = json.loads(safefs.read_text("out/report.json", REPORT_LIMIT, under=work))
+        except (OSError, ValueError, safefs.UnsafePathError) as exc:
             return ProbeRun(None, f"no readable report.json ({exc}){said}", target)
         if not isinstance(report, dict):
             return ProbeRun(None, "report.json is not a JSON object", target)
         return ProbeRun(report, "", target)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            safefs.remove_tree(work)  # the sandbox wrote in it: no link is followed
         with contextlib.suppress(OSError):
             base.rmdir()  # only when no other doctor uses it
 
@@ -913,9 +958,12 @@ def _error(value: Any) -> str:
     return str(value.get("error") or "") if isinstance(value, dict) else ""
 
 
-def judge(report: dict[str, Any], target: str) -> tuple[list[str], list[str], str]:
+def judge(
+    report: dict[str, Any], target: str, *, tmp_bytes: int | None = None
+) -> tuple[list[str], list[str], str]:
     """What the probe's report shows that a sandbox must not allow (problems),
-    what it could not tell (warnings), and a one-line summary of what it found."""
+    what it could not tell (warnings), and a one-line summary of what it found.
+    ``tmp_bytes``: the largest /tmp allowed (``[sandbox] tmp_mib``)."""
     problems: list[str] = []
     warnings: list[str] = []
     found: list[str] = []
@@ -974,6 +1022,18 @@ def judge(report: dict[str, Any], target: str) -> tuple[list[str], list[str], st
             problems.append("the input file is writable (inputs must be read-only)")
         else:
             found.append("input read-only")
+    _judge_kernel(report, problems, found)
+    tmp = report.get("tmp")
+    size = tmp.get("size_bytes") if isinstance(tmp, dict) else None
+    if not isinstance(size, int):
+        problems.append("the size of /tmp could not be read")
+    else:
+        found.append(f"/tmp {format_bytes(size)}")
+        if tmp_bytes is not None and size > tmp_bytes:
+            problems.append(
+                f"/tmp holds {format_bytes(size)}, more than [sandbox] tmp_mib "
+                f"({format_bytes(tmp_bytes)})"
+            )
     seen = report.get("marker_visible")
     visible = seen.get("visible") if isinstance(seen, dict) else seen
     if seen is None:
@@ -985,6 +1045,31 @@ def judge(report: dict[str, Any], target: str) -> tuple[list[str], list[str], st
     else:
         found.append("host marker hidden")
     return problems, warnings, ", ".join(found)
+
+
+def _judge_kernel(report: dict[str, Any], problems: list[str], found: list[str]) -> None:
+    """No nested user namespace, no mount, and a seccomp filter that refuses keyctl."""
+    userns = report.get("userns")
+    if not isinstance(userns, dict):
+        problems.append("the probe did not say whether it can make a user namespace")
+    elif userns.get("ok"):
+        problems.append(
+            "the job can make a user namespace (unshare -U), which gives it capabilities "
+            "inside and the kernel's namespaced attack surface"
+        )
+    else:
+        found.append(f"user namespace refused ({_error(userns).split(':')[0]})")
+    mount = report.get("mount")
+    if isinstance(mount, dict) and mount.get("ok"):
+        problems.append("the job can mount a file system")
+    mode = report.get("seccomp")
+    keyctl = report.get("keyctl")
+    if mode != 2:
+        problems.append(f"no seccomp filter is loaded (Seccomp {mode})")
+    elif isinstance(keyctl, dict) and keyctl.get("ok"):
+        problems.append("a seccomp filter is loaded but lets keyctl through (not gpuwarden's)")
+    else:
+        found.append(f"seccomp filter (keyctl {_error(keyctl).split(':')[0] or 'refused'})")
 
 
 def _judge_cuda(report: dict[str, Any], uuid: str) -> tuple[str | None, str]:

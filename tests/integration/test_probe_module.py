@@ -70,6 +70,13 @@ REPORT_KEYS: dict[str, type | tuple[type, ...]] = {
     "env_keys": list,
     "devices": list,
     "gpu": dict,
+    "groups": list,
+    "uid_map": str,
+    "userns": dict,
+    "mount": dict,
+    "keyctl": dict,
+    "tmp": dict,
+    "tried": dict,
     "errors": dict,
 }
 

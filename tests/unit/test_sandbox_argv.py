@@ -6,11 +6,14 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
 from gpuwarden.core.launchrules import Runtime
+from gpuwarden.launch import enter
 from gpuwarden.launch.base import LaunchRequest, Mount, inside_path
+from gpuwarden.launch.cgroups import PidsCgroups
 from gpuwarden.launch.sandbox import (
     LABEL_INSTANCE,
     SandboxLauncher,
@@ -100,6 +103,7 @@ def test_engine_argv_locks_everything_down(runtime: Runtime) -> None:
         ("--network", "none"),
         ("--cap-drop", "all"),
         ("--security-opt", "no-new-privileges"),
+        ("--tmpfs", f"/tmp:rw,nosuid,nodev,size={256 * 2**20},mode=1777"),
         ("--user", "65534:65534"),
         ("--ulimit", "nofile=4096:4096"),
         ("--ulimit", "nproc=4096:4096"),  # per uid, across sandboxes: 8 x pids
@@ -114,6 +118,14 @@ def test_engine_argv_locks_everything_down(runtime: Runtime) -> None:
     ):
         assert flag in p, flag
     assert "--read-only" in argv and "--init" in argv
+    seccomp = [b for a, b in p if a == "--security-opt" and b.startswith("seccomp")]
+    if runtime is Runtime.PODMAN:
+        # podman's default profile lets a job unshare a user namespace: its own
+        # profile without those calls, written to the attempt's folder
+        assert seccomp == [f"seccomp={A}/seccomp.json"]
+    else:
+        assert seccomp == []  # docker's built-in default profile refuses them already
+    assert not any("unconfined" in a for a in argv)
     assert ("--mount", "type=bind,source=/mods/echo,target=/gpuwarden/module,readonly") in p
     assert (
         "--mount",
@@ -154,25 +166,95 @@ def test_podman_without_cgroups_enforces_only_the_ulimits() -> None:
     argv = launcher.argv(request())
     assert ("--cgroups", "disabled") in pairs(argv)
     assert "--memory" not in argv and "--pids-limit" not in argv  # need cgroups
-    assert ("--ulimit", "nproc=4096:4096") in pairs(argv)  # still enforced
+    # without a pids limit of its own, RLIMIT_NPROC is the limit (shared by all)
+    assert ("--ulimit", "nproc=512:512") in pairs(argv)
+    assert launcher.pids_limit().startswith("RLIMIT_NPROC 512")
 
 
-def test_bwrap_argv_locks_everything_down() -> None:
-    launcher = SandboxLauncher(Runtime.BUBBLEWRAP)
+PIDS = PidsCgroups(Path("/sys/fs/cgroup/pids"), 1)
+
+
+def split_bwrap(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The root-side starter's options and bubblewrap's command line."""
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
+def staged_binds(starter: list[str], bwrap: list[str]) -> set[tuple[str, str, str]]:
+    """(flag, host source, target) of each bind, with staged sources resolved."""
+    stage = [b for a, b in itertools.pairwise(starter) if a == "--stage"]
+    out = set()
+    for i, arg in enumerate(bwrap):
+        if arg in ("--bind", "--ro-bind") and bwrap[i - 1] != "--size":
+            src = bwrap[i + 1]
+            if src.startswith("/tmp/"):
+                src = stage[int(src.removeprefix("/tmp/"))]
+            out.add((arg, src, bwrap[i + 2]))
+    return out
+
+
+def test_bwrap_as_root_is_started_by_the_starter_which_drops_to_the_sandbox_user() -> None:
+    launcher = SandboxLauncher(Runtime.BUBBLEWRAP, pids_cgroups=PIDS, as_root=True)
     argv = launcher.argv(request(argv=(sys.executable, "src/echo.py")))
-    p = pairs(argv)
-    assert argv[0] == "prlimit" and "--nproc=512" in argv and "--nofile=4096" in argv
-    assert f"--cpu={math.ceil(4 * 65)}" in argv
-    bwrap = argv.index("bwrap")
-    assert "--unshare-all" in argv and "--die-with-parent" in argv and "--new-session" in argv
-    assert ("--cap-drop", "ALL") in p and ("--uid", "65534") in p and ("--gid", "65534") in p
-    assert ("--remount-ro", "/") in p and "--clearenv" in argv
-    assert ("--ro-bind", "/mods/echo") in p and ("--bind", f"{A}/out") in p
-    assert ("--ro-bind", "/queue/staging/b/inputs") in p
-    assert ("--tmpfs", "/gpuwarden/scratch") in p and ("--size", str(64 * 2**20)) in p
-    assert "--share-net" not in argv and "--dev-bind" not in argv
-    assert argv[argv.index("--", bwrap) + 1 :] == [sys.executable, "src/echo.py"]
-    assert ("--setenv", "LD_PRELOAD") not in p
+    starter, bwrap = split_bwrap(argv)
+    p, b = pairs(starter), pairs(bwrap)
+    assert starter[:4] == [sys.executable, "-I", "-S", str(Path(enter.__file__).resolve())]
+    assert ("--user", "65534:65534") in p  # uid and gid on the host, no groups
+    assert ("--cgroup", f"/sys/fs/cgroup/pids/gpuwarden/{container_name(request())}") in p
+    # the pids cgroup is the sandbox's own limit; the ulimit a ceiling over all
+    assert ("--rlimit", "NPROC=4096") in p and ("--rlimit", "NOFILE=4096") in p
+    assert ("--rlimit", f"CPU={math.ceil(4 * 65)}") in p
+    assert ("--seccomp", f"{A}/seccomp.bpf") in p
+    assert bwrap[0] == "bwrap"
+    assert "--unshare-all" in bwrap and "--die-with-parent" in bwrap and "--new-session" in bwrap
+    assert "--unshare-user" in bwrap and "--disable-userns" in bwrap
+    assert ("--cap-drop", "ALL") in b and ("--uid", "65534") in b and ("--gid", "65534") in b
+    assert ("--remount-ro", "/") in b and "--clearenv" in bwrap
+    i = bwrap.index("/tmp") - 1
+    assert bwrap[i - 4 : i + 2] == [
+        "--size",
+        str(256 * 2**20),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+    ]
+    binds = staged_binds(starter, bwrap)
+    assert ("--ro-bind", "/mods/echo", "/gpuwarden/module") in binds
+    assert ("--bind", f"{A}/out", "/gpuwarden/output") in binds
+    assert ("--bind", f"{A}/report", "/gpuwarden/report") in binds
+    assert ("--ro-bind", "/queue/staging/b/inputs", "/gpuwarden/input") in binds
+    assert ("--ro-bind", f"{A}/params.json", "/gpuwarden/params.json") in binds
+    if not sys.base_prefix.startswith("/usr"):  # the interpreter, at its own path
+        assert ("--ro-bind", sys.base_prefix, sys.base_prefix) in binds
+    # every mount of the request is staged: bubblewrap never names a broker path
+    assert not any(a.startswith(("/mods", "/queue", "/state", "/srv")) for a in bwrap[:-3])
+    assert ("--tmpfs", "/gpuwarden/scratch") in b and ("--size", str(64 * 2**20)) in b
+    assert "--share-net" not in bwrap and "--dev-bind" not in bwrap
+    assert bwrap[bwrap.index("--", 1) + 1 :] == [sys.executable, "src/echo.py"]
+    assert ("--setenv", "LD_PRELOAD") not in b
+    assert launcher.job_owner == (65534, 65534)
+
+
+def test_bwrap_without_a_pids_cgroup_limits_nproc_to_pids() -> None:
+    launcher = SandboxLauncher(Runtime.BUBBLEWRAP, pids_cgroups=None, as_root=True)
+    starter, _ = split_bwrap(launcher.argv(request()))
+    assert ("--rlimit", "NPROC=512") in pairs(starter) and "--cgroup" not in starter
+    said = launcher.pids_limit()
+    assert said.startswith("RLIMIT_NPROC 512") and "all sandboxes together" in said
+
+
+def test_bwrap_run_by_a_user_binds_its_paths_and_changes_no_uid() -> None:
+    launcher = SandboxLauncher(Runtime.BUBBLEWRAP, pids_cgroups=None, as_root=False)
+    starter, bwrap = split_bwrap(launcher.argv(request()))
+    assert "--user" not in starter and "--stage" not in starter
+    assert ("--bind", f"{A}/out") in pairs(bwrap) and ("--ro-bind", "/mods/echo") in pairs(bwrap)
+    assert launcher.job_owner is None
+
+
+def test_engines_never_get_a_pids_cgroup_of_ours() -> None:
+    podman = SandboxLauncher(Runtime.PODMAN, image="a" * 12, pids_cgroups=PIDS)
+    assert podman.pids_cgroups is None and podman.cgroup_path(request()) is None
 
 
 def test_launcher_refuses_to_be_built_without_what_it_needs() -> None:
@@ -197,3 +279,6 @@ def test_mounts_for_sandbox_have_fixed_targets() -> None:
     assert targets["/gpuwarden/output"].writable
     assert not targets["/gpuwarden/weights"].writable
     assert not targets["/gpuwarden/params.json"].writable
+    # the job's own folders, handed to the sandbox's user and counted for output_mib
+    owned = {m.target for m in MOUNTS if m.job_owned}
+    assert owned == {"/gpuwarden/output", "/gpuwarden/report", "/gpuwarden/scratch"}

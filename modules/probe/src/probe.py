@@ -11,18 +11,29 @@ Follows docs/MODULE_GUIDE.md.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fnmatch
 import json
 import os
+import platform
 import resource
 import secrets
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 CONNECT_TIMEOUT_S = 3.0
+#: how long ``wait_for`` waits for its file at most
+WAIT_FOR_S = 30.0
+#: keyctl's number (the probe's own: it runs with a bare python3)
+KEYCTL_NR = {"x86_64": 250, "aarch64": 219}
+_CLONE_NEWUSER = 0x10000000
+_KEYCTL_GET_KEYRING_ID = 0
+_KEY_SPEC_SESSION_KEYRING = -3
+_MIB = 2**20
 #: what a check of a path says when the environment variable naming it is unset
 UNSET = "is not set"
 
@@ -53,6 +64,14 @@ def proc_status() -> dict[str, str]:
             key, _, value = line.partition(":")
             fields[key.strip()] = value.strip()
     return fields
+
+
+def uid_map() -> str:
+    """``/proc/self/uid_map`` on one line. Inside bubblewrap it reads the same
+    whether the sandbox's user is root on the host or not (bubblewrap nests a
+    user namespace): the host uid is seen from the host, not from here."""
+    with open("/proc/self/uid_map") as f:
+        return " ".join(f.read().split())
 
 
 def int_or_none(text: str | None) -> int | None:
@@ -227,6 +246,144 @@ def nvidia_devices() -> list[str]:
 
 
 # ---------------------------------------------------------------------------
+# what the kernel lets it do: namespaces, mounts, the keyring (seccomp), limits
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _errno_check(result: int) -> dict[str, Any]:
+    if result == 0:
+        return {"ok": True, "error": ""}
+    err = ctypes.get_errno()
+    return {"ok": False, "error": f"{errno.errorcode.get(err, str(err))}: {os.strerror(err)}"}
+
+
+def userns() -> dict[str, Any]:
+    """Whether a child can make a user namespace (``unshare -U``): it tries in a
+    forked child, so the probe itself keeps its namespaces."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one try, its errno back through the pipe
+        os.close(read)
+        code = 0 if _libc().unshare(ctypes.c_int(_CLONE_NEWUSER)) == 0 else ctypes.get_errno()
+        os.write(write, str(code).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    os.waitpid(pid, 0)
+    code = int(said or -1)
+    if code == 0:
+        return {"ok": True, "error": ""}
+    if code < 0:
+        return {"ok": False, "error": "the child said nothing"}
+    return {"ok": False, "error": f"{errno.errorcode.get(code, str(code))}: {os.strerror(code)}"}
+
+
+def try_mount() -> dict[str, Any]:
+    """Whether it can mount a tmpfs (on a fresh folder in /tmp; unmounted again)."""
+    target = f"/tmp/.gpuwarden-probe-mount-{os.getpid()}"
+    try:
+        os.mkdir(target)
+    except OSError as exc:
+        return {"ok": False, "error": f"cannot make {target}: {describe(exc)}"}
+    try:
+        libc = _libc()
+        result = _errno_check(libc.mount(b"none", target.encode(), b"tmpfs", 0, None))
+        if result["ok"]:
+            libc.umount2(target.encode(), 2)  # MNT_DETACH
+        return result
+    finally:
+        os.rmdir(target)
+
+
+def keyctl() -> dict[str, Any]:
+    """keyctl(KEYCTL_GET_KEYRING_ID, session): allowed for any process by the
+    kernel; a seccomp filter that refuses it answers EPERM."""
+    nr = KEYCTL_NR.get(platform.machine())
+    if nr is None:
+        return {"ok": False, "error": f"no keyctl number for {platform.machine()}"}
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    got = libc.syscall(
+        ctypes.c_long(nr),
+        ctypes.c_long(_KEYCTL_GET_KEYRING_ID),
+        ctypes.c_long(_KEY_SPEC_SESSION_KEYRING),
+        ctypes.c_long(0),
+    )
+    return _errno_check(0 if got >= 0 else -1)
+
+
+def tmp_size() -> dict[str, Any]:
+    st = os.statvfs("/tmp")
+    return {"size_bytes": st.f_blocks * st.f_frsize, "free_bytes": st.f_bavail * st.f_frsize}
+
+
+def fill(path: str, mib: int) -> dict[str, Any]:
+    """Write ``mib`` MiB to a new file at ``path`` (1 MiB at a time, each
+    flushed to the file system) until done or refused; the file is left."""
+    result: dict[str, Any] = {"path": path, "asked_mib": mib, "written_bytes": 0, "error": ""}
+    chunk = b"\0" * _MIB
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        result["error"] = describe(exc)
+        return result
+    try:
+        for _ in range(mib):
+            os.write(fd, chunk)
+            result["written_bytes"] += len(chunk)
+    except OSError as exc:
+        result["error"] = describe(exc)
+    finally:
+        os.close(fd)
+    return result
+
+
+def fork_many(count: int) -> dict[str, Any]:
+    """Fork up to ``count`` children that wait (all alive at once), then let them
+    go: how many it got before fork failed, and why it failed."""
+    result: dict[str, Any] = {"asked": count, "made": 0, "error": ""}
+    read, write = os.pipe()
+    children = []
+    try:
+        for _ in range(count):
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                result["error"] = describe(exc)
+                break
+            if pid == 0:  # wait until the parent closes the pipe, then leave
+                os.close(write)
+                try:
+                    os.read(read, 1)
+                finally:
+                    os._exit(0)
+            children.append(pid)
+    finally:
+        os.close(write)
+        os.close(read)
+        for pid in children:
+            os.waitpid(pid, 0)
+    result["made"] = len(children)
+    return result
+
+
+def wait_for(name: str) -> dict[str, Any]:
+    """Wait (up to WAIT_FOR_S) for the file ``name`` in the output folder: the
+    caller checks the sandbox from outside first, then lets the probe go on."""
+    path = os.path.join(os.environ.get("GPUWARDEN_OUTPUT_DIR", "."), name)
+    deadline = time.monotonic() + WAIT_FOR_S
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return {"path": path, "ok": False}
+        time.sleep(0.05)
+    return {"path": path, "ok": True}
+
+
+# ---------------------------------------------------------------------------
 # CUDA (probe.gpu)
 
 
@@ -365,6 +522,8 @@ def build(params: dict[str, Any], errors: dict[str, str]) -> dict[str, Any]:
     report["job_type"] = env.get("GPUWARDEN_JOB_TYPE")
     report["uid"], report["gid"], report["euid"] = os.getuid(), os.getgid(), os.geteuid()
     report["pid"] = os.getpid()
+    report["groups"] = os.getgroups()
+    section("uid_map", uid_map)
     section("cwd", os.getcwd)
     report["python"] = sys.version.split()[0]
 
@@ -396,6 +555,10 @@ def build(params: dict[str, Any], errors: dict[str, str]) -> dict[str, Any]:
 
     section("mounts", mounts)
     section("rlimits", rlimits)
+    section("userns", userns)
+    section("mount", try_mount)
+    section("keyctl", keyctl)
+    section("tmp", tmp_size)
     section("pid1", pid1)
     section("hostname", socket.gethostname)
     report["env_keys"] = sorted(env)
@@ -431,6 +594,10 @@ def summary(report: dict[str, Any]) -> str:
     if seen is not None:
         word = {True: "VISIBLE", False: "hidden"}.get(seen["visible"], f"unknown ({seen['error']})")
         parts.append(f"marker {word}")
+    for key, word in (("userns", "user namespace"), ("keyctl", "keyctl")):
+        got = report.get(key)
+        if isinstance(got, dict):
+            parts.append(f"{word} {'ALLOWED' if got['ok'] else 'refused'}")
     parts.append(f"{len(report.get('devices') or [])} nvidia devices")
     got = report["gpu"]["cuda"]
     if got is not None:
@@ -443,9 +610,31 @@ def summary(report: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def attacks(params: dict[str, Any]) -> dict[str, Any]:
+    """The limits, tried for real when asked (after ``wait_for``)."""
+    done: dict[str, Any] = {}
+    if params.get("wait_for"):
+        done["wait_for"] = wait_for(str(params["wait_for"]))
+    if int(params.get("fork") or 0) > 0:
+        done["fork"] = fork_many(int(params["fork"]))
+    if int(params.get("tmp_fill_mib") or 0) > 0:
+        done["tmp_fill"] = fill(
+            f"/tmp/.gpuwarden-probe-fill-{os.getpid()}", int(params["tmp_fill_mib"])
+        )
+        os.unlink(done["tmp_fill"]["path"])
+    if int(params.get("output_fill_mib") or 0) > 0:
+        out = os.environ.get("GPUWARDEN_OUTPUT_DIR", ".")
+        done["output_fill"] = fill(os.path.join(out, "fill.bin"), int(params["output_fill_mib"]))
+    if float(params.get("hold_s") or 0) > 0:
+        print("holding", flush=True)
+        time.sleep(float(params["hold_s"]))
+    return done
+
+
 def main() -> int:
     errors: dict[str, str] = {}
     params = load_params(errors)
+    tried = attacks(params)
     hog = int(params.get("hog_mib") or 0)
     if hog > 0:
         # hold this much memory (every page touched) before reporting: a sandbox
@@ -455,6 +644,7 @@ def main() -> int:
             held[i] = 1
         print(f"holding {hog} MiB", flush=True)
     report = build(params, errors)
+    report["tried"] = tried
     report["errors"] = errors
     text = json.dumps(report, indent=2, sort_keys=True, default=str)
     print(text, flush=True)

@@ -73,6 +73,9 @@ class AttemptFacts:
     app_error: str | None = None
     #: the container runtime recorded an OOM kill (None: no runtime, or unknown)
     oom_killed: bool | None = None
+    #: the sandbox stopped it for passing one of its limits, and which
+    #: (``"output past 16384 MiB"``), or None: the job's own failure
+    limit_exceeded: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,11 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         return Outcome.GPU_FAULT, f"its GPU reported a fault ({f.gpu_fault}); it was stopped"
     if f.app_error is not None:
         return Outcome.JOB_FAILED, f"its GPU reported an error in the job: {f.app_error}"
+    if f.limit_exceeded is not None:
+        return (
+            Outcome.JOB_FAILED,
+            f"{f.limit_exceeded}: the sandbox stopped the job (a limit of [sandbox]; not retried)",
+        )
     if f.worker_error is not None and not f.stopped:
         return Outcome.WORKER_FAILED, f"its warm server failed: {f.worker_error}"
     if f.stopped and f.cancel_requested:

@@ -27,7 +27,7 @@ def open_probe(kind: str, *, state_dir: Path, sim: SimGpuConfig) -> GpuProbe:
     ``ConfigError``.
     """
     if kind == "sim":
-        return SimProbe(state_dir / SIM_STATE_FILE, sim)
+        return SimProbe(state_dir / SIM_STATE_FILE, sim, shared_folder=True)
     if kind == "none":
         return NoGpuProbe()
     # imported here so that a host without a GPU never loads the bindings it cannot use

@@ -21,6 +21,7 @@ import fcntl
 import hashlib
 import json
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from typing import Any
 
 import psutil
 
+from gpuwarden import safefs
 from gpuwarden.core.model import GIB
 from gpuwarden.errors import GpuProbeError, SimOutOfMemoryError
 from gpuwarden.gpu.base import GpuReading, ProcessUsage
@@ -45,6 +47,12 @@ _CREATE_TIME_TOLERANCE_S = 0.005
 #: the state and lock files are readable and writable by everyone, like the
 #: /dev/nvidia* nodes a real GPU has: a sandboxed job (another uid) uses them
 DEVICE_MODE = 0o666
+#: a folder of the device's own (the broker's ``simgpu/``) is writable by every
+#: uid too: a job replaces the state file in it. Sandboxed jobs can write there,
+#: so the broker opens nothing in it through a link
+SHARED_DIR_MODE = 0o777
+#: the largest state file read
+_MAX_STATE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -159,16 +167,20 @@ class SimDevice:
     # -- opening ---------------------------------------------------------------
 
     @classmethod
-    def create(cls, path: Path, config: SimGpuConfig) -> SimDevice:
+    def create(cls, path: Path, config: SimGpuConfig, *, shared_folder: bool = False) -> SimDevice:
         """Create the state at ``path``, or re-open it keeping its allocations.
 
         If the existing devices do not match ``config`` (count, size, name,
         UUID prefix), or the file cannot be read, the devices are reset and
-        every allocation is dropped.
+        every allocation is dropped. ``shared_folder``: ``path``'s folder holds
+        nothing but the device, and is made writable for every uid
+        (:data:`SHARED_DIR_MODE`), since sandboxed jobs run as a uid of their own.
         """
         if config.count < 0 or config.vram_bytes < 0 or config.release_delay_s < 0:
             raise GpuProbeError(f"invalid simulated GPU configuration: {config}")
         path.parent.mkdir(parents=True, exist_ok=True)
+        if shared_folder:
+            path.parent.chmod(SHARED_DIR_MODE)
         device = cls(path)
         with device._lock():
             state: dict[str, Any] | None
@@ -206,10 +218,15 @@ class SimDevice:
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, DEVICE_MODE)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(self.lock_path, flags, DEVICE_MODE)  # a link there: ELOOP
         try:
-            with contextlib.suppress(OSError):  # only its owner may; once is enough
-                if os.fstat(fd).st_mode & 0o777 != DEVICE_MODE:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise GpuProbeError(f"the simulated GPU's lock {self.lock_path} is not a file")
+            # only its owner may, once is enough; and never a file linked elsewhere
+            if st.st_uid == os.geteuid() and st.st_nlink == 1 and st.st_mode & 0o777 != DEVICE_MODE:
+                with contextlib.suppress(OSError):
                     os.fchmod(fd, DEVICE_MODE)
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -218,9 +235,11 @@ class SimDevice:
 
     def _load(self) -> dict[str, Any]:
         try:
-            text = self.path.read_text(encoding="utf-8")
+            text = safefs.read_text(self.path, _MAX_STATE_BYTES)
         except FileNotFoundError:
             raise GpuProbeError(f"no simulated GPU at {self.path}") from None
+        except safefs.UnsafePathError as exc:
+            raise GpuProbeError(f"simulated GPU state: {exc}") from None
         try:
             state = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -478,13 +497,18 @@ class SimProbe:
     kind = "sim"
 
     def __init__(
-        self, path: Path, config: SimGpuConfig, clock: Callable[[], float] = time.time
+        self,
+        path: Path,
+        config: SimGpuConfig,
+        clock: Callable[[], float] = time.time,
+        *,
+        shared_folder: bool = False,
     ) -> None:
         self.path = path.absolute()
         self.config = config
         self.clock = clock
         #: the shared state, also the seam for fault injection
-        self.device = SimDevice.create(self.path, config)
+        self.device = SimDevice.create(self.path, config, shared_folder=shared_folder)
 
     def read(self) -> list[GpuReading]:
         return self.device.readings(self.clock())

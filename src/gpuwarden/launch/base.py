@@ -28,6 +28,13 @@ class Mount:
     #: a size-limited tmpfs at ``target`` (``source`` is the host folder a
     #: runtime without tmpfs limits falls back to); 0: a plain bind mount
     tmpfs_bytes: int = 0
+    #: a writable folder that is the job's own (output, report, scratch on disk):
+    #: the sandbox launcher makes it the sandbox user's (created fresh, or taken
+    #: over only while it is still empty and not a link, by descriptor) and counts
+    #: what is in it against ``[sandbox] output_mib``. False: mounted as it is,
+    #: never chowned (a file, a socket, or a folder the broker shares, such as
+    #: the simulated GPU's)
+    job_owned: bool = False
 
 
 def inside_path(mounts: Iterable[Mount], host_path: str) -> str:
@@ -102,6 +109,9 @@ class LaunchResult:
     worker_error: str | None = None
     #: the container runtime recorded an OOM kill (None: no runtime, or it cannot say)
     oom_killed: bool | None = None
+    #: the sandbox stopped the job for passing one of its limits, and which one
+    #: (``"output past 16384 MiB"``): the job's own failure, never retried
+    limit_exceeded: str | None = None
 
 
 class Launcher(Protocol):

@@ -1,13 +1,27 @@
 """The sandbox launcher: runs an attempt inside podman, docker or bubblewrap.
 
 Every sandboxed attempt gets the same lock-down, built here and nowhere else:
-no network, a non-root user, a read-only root, every capability dropped, no new
-privileges, limits on processes, open files and CPU (and memory where the
-runtime enforces it), the request's mounts (inputs and weights read-only;
-output, scratch and the report folder writable) and nothing else of the host,
-and a GPU only when the request names one, and then only that one. Nothing a
-job spec says reaches these arguments: mounts and the GPU come from the
-broker, the environment is rebuilt from an allow-list.
+no network, a user that is unprivileged on the host (not only inside its
+namespace), a read-only root, every capability dropped, no new privileges, no
+nested user namespaces and a seccomp filter, limits on processes, open files,
+CPU, ``/tmp`` and the output folder (and memory where the runtime enforces it),
+the request's mounts (inputs and weights read-only; output, scratch and the
+report folder writable) and nothing else of the host, and a GPU only when the
+request names one, and then only that one. Nothing a job spec says reaches
+these arguments: mounts and the GPU come from the broker, the environment is
+rebuilt from an allow-list.
+
+bubblewrap run by root would map the sandbox's user to root on the host, so a
+root broker never runs it as root: :mod:`gpuwarden.launch.enter` (a small
+script run as root) stages the mount sources in a private mount namespace,
+joins a pids cgroup of the sandbox's own (:mod:`gpuwarden.launch.cgroups`),
+drops to the sandbox's uid and gid and only then executes bubblewrap, with the
+filter of :mod:`gpuwarden.launch.seccomp`.
+
+The folders the job writes to (``Mount.job_owned``) are made the sandbox
+user's by descriptor, only when the launcher creates them or while they are
+still empty; their size is checked every second while the job runs, and at the
+end: past ``[sandbox] output_mib`` the job is stopped (``limit_exceeded``).
 
 Process handling is the host launcher's (own session, logs to files, the whole
 tree stopped and confirmed gone); for podman and docker this launcher also
@@ -18,9 +32,9 @@ attempt ends, so its memory never counts free too early.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -34,20 +48,30 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import gpuwarden
+from gpuwarden import safefs
 from gpuwarden.core.launchrules import Runtime
+from gpuwarden.launch import enter
 from gpuwarden.launch.base import INSIDE, LaunchRequest, LaunchResult, Mount, inside_path
+from gpuwarden.launch.cgroups import PidsCgroups, find_pids_cgroups
 from gpuwarden.launch.host import KILL_CONFIRM_S, HostLauncher
+from gpuwarden.launch.seccomp import bpf_program, engine_profile
 
 __all__ = [
+    "ENGINE_SECCOMP_FILE",
     "LABEL_ATTEMPT",
     "LABEL_INSTANCE",
     "LABEL_JOB",
+    "OUTPUT_CHECK_S",
+    "SECCOMP_FILE",
+    "STAGE_DIR",
     "SandboxLauncher",
     "SandboxLimits",
     "cgroups_usable",
     "container_name",
+    "output_limit_reason",
     "sandbox_env",
 ]
 
@@ -86,10 +110,23 @@ RUNTIME_EXITS = {
     126: "the container's command could not be invoked",
     127: "the container's command was not found in the image",
 }
-#: the nproc ulimit is per uid across every sandbox: this many sandboxes' worth
+#: the nproc ulimit is per uid across every sandbox: where each sandbox has a
+#: pids limit of its own, the ulimit is a ceiling of this many sandboxes' worth
 NPROC_SHARE = 8
 #: runtime commands (inspect, stop, rm) get this long
 _CTL_TIMEOUT_S = 30.0
+#: how often the size of a job's own folders is checked while it runs (longer
+#: when one walk takes long: never more than a fifth of the time)
+OUTPUT_CHECK_S = 1.0
+#: the filter bubblewrap loads (raw BPF) and the profile podman is given, written
+#: to the attempt's own folder (the broker's, never mounted)
+SECCOMP_FILE = "seccomp.bpf"
+ENGINE_SECCOMP_FILE = "seccomp.json"
+#: where the root-side starter shows the staged sources to bubblewrap
+STAGE_DIR = enter.STAGE_DIR
+#: where podman's default seccomp profile is found when ``podman info`` does not say
+_PODMAN_PROFILES = ("/usr/share/containers/seccomp.json", "/etc/containers/seccomp.json")
+_MIB = 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +142,15 @@ class SandboxLimits:
     cgroups: bool = True
     #: the interpreter inside an image (``{python}``); bubblewrap uses the broker's
     python: str = "python3"
+    #: size of the sandbox's /tmp (a tmpfs)
+    tmp_bytes: int = 256 * _MIB
+    #: most bytes in the job's own folders together (0: not checked)
+    output_bytes: int = 16384 * _MIB
+
+
+def output_limit_reason(limit_bytes: int) -> str:
+    """What a result says of a job stopped for its output: ``output past N MiB``."""
+    return f"output past {limit_bytes / _MIB:g} MiB"
 
 
 def cgroups_usable(mounts: str | None = None) -> bool:
@@ -122,10 +168,14 @@ def cgroups_usable(mounts: str | None = None) -> bool:
 
 
 def container_name(req: LaunchRequest) -> str:
-    """A name unique to the broker instance, job and attempt, valid for both runtimes."""
-    digest = hashlib.sha256(req.instance.encode()).hexdigest()[:10]
+    """A name unique to the broker instance, job and attempt, valid for both
+    runtimes (and for the attempt's pids cgroup under bubblewrap)."""
     job = re.sub(r"[^A-Za-z0-9_.-]", "_", req.job_id)[:80]
-    return f"gpuwarden-{digest}-{job}-{req.attempt}"
+    return f"{_instance_prefix(req.instance)}{job}-{req.attempt}"
+
+
+def _instance_prefix(instance: str) -> str:
+    return f"gpuwarden-{hashlib.sha256(instance.encode()).hexdigest()[:10]}-"
 
 
 def sandbox_env(req: LaunchRequest, *, pythonpath: str = LIB_INSIDE) -> dict[str, str]:
@@ -162,6 +212,8 @@ class SandboxLauncher:
         executable: str | None = None,
         host: HostLauncher | None = None,
         mixed_cgroups: bool | None = None,
+        pids_cgroups: PidsCgroups | Literal["auto"] | None = "auto",
+        as_root: bool | None = None,
     ) -> None:
         if runtime is Runtime.LOCAL:
             raise ValueError("the local runtime has no sandbox: use HostLauncher")
@@ -177,6 +229,16 @@ class SandboxLauncher:
         #: in a private mount namespace without the v2 mount (found at start)
         mixed = not cgroups_usable() if mixed_cgroups is None else mixed_cgroups
         self.private_mount_ns = runtime is Runtime.PODMAN and mixed
+        #: the broker runs as root: bubblewrap is started by the root-side
+        #: starter, which drops to the sandbox's user first
+        self.as_root = os.geteuid() == 0 if as_root is None else as_root
+        #: bubblewrap: where each sandbox gets a pids cgroup of its own (None:
+        #: RLIMIT_NPROC alone, shared by every sandbox of the node)
+        if runtime is not Runtime.BUBBLEWRAP:
+            pids_cgroups = None
+        self.pids_cgroups = find_pids_cgroups() if pids_cgroups == "auto" else pids_cgroups
+        self._engine_profile: str | None = None
+        self._profile_lock = threading.Lock()
 
     # -- what runs ----------------------------------------------------------
 
@@ -186,6 +248,32 @@ class SandboxLauncher:
         if self.runtime is Runtime.BUBBLEWRAP:
             return sys.executable  # the host's interpreter, mounted read-only
         return self.limits.python
+
+    @property
+    def job_owner(self) -> tuple[int, int] | None:
+        """Who files the broker makes for a sandboxed job must belong to (uid,
+        gid), so that the job can write them; None when the broker is not root
+        (the sandbox then runs as the broker's own user)."""
+        if not self.as_root:
+            return None
+        return self.limits.uid, self.limits.gid
+
+    def pids_limit(self) -> str:
+        """How the process limit is enforced, in words (doctor, logs)."""
+        lim = self.limits
+        if self.runtime is Runtime.BUBBLEWRAP:
+            if self.pids_cgroups is not None:
+                return f"pids {lim.pids} per sandbox: {self.pids_cgroups.describe()}"
+            return (
+                f"RLIMIT_NPROC {lim.pids}: no pids cgroup can be made here, so the limit "
+                f"counts every process of uid {lim.uid} on the node, all sandboxes together"
+            )
+        if self.runtime is Runtime.PODMAN and not lim.cgroups:
+            return (
+                f"RLIMIT_NPROC {lim.pids} (cgroups = false): it counts every process of "
+                f"uid {lim.uid} on the node, all sandboxes together"
+            )
+        return f"pids {lim.pids} per container (--pids-limit)"
 
     def argv(self, req: LaunchRequest) -> list[str]:
         """The whole command line that runs ``req`` in the sandbox."""
@@ -202,13 +290,36 @@ class SandboxLauncher:
             return 0
         return max(1, math.ceil(self.limits.cpus * (req.timeout_s + req.kill_grace_s)))
 
+    def _nproc(self) -> int:
+        """RLIMIT_NPROC: the limit itself where nothing else counts per sandbox,
+        else a ceiling over every sandbox of the uid."""
+        lim = self.limits
+        if self.runtime is Runtime.BUBBLEWRAP:
+            per_sandbox = self.pids_cgroups is not None
+        else:
+            per_sandbox = self.runtime is not Runtime.PODMAN or lim.cgroups
+        return lim.pids * NPROC_SHARE if per_sandbox else lim.pids
+
+    def cgroup_path(self, req: LaunchRequest) -> Path | None:
+        """bubblewrap: the attempt's own pids cgroup, or None without one."""
+        if self.runtime is not Runtime.BUBBLEWRAP or self.pids_cgroups is None:
+            return None
+        return self.pids_cgroups.path(container_name(req))
+
     def _bwrap_argv(self, req: LaunchRequest) -> list[str]:
         lim = self.limits
-        limits = [f"--nproc={lim.pids}", f"--nofile={lim.nofile}"]
-        if cpu := self._cpu_seconds(req):
-            limits.append(f"--cpu={cpu}")
-        args = ["prlimit", *limits, "--", self.executable]
-        args += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        staged: list[str] = []
+
+        def source(path: str) -> str:
+            """Where bubblewrap finds ``path``: staged by the root-side starter
+            (it cannot search the broker's folders), or the path itself."""
+            if not self.as_root:
+                return path
+            staged.append(path)
+            return f"{STAGE_DIR}/{len(staged) - 1}"
+
+        args = [self.executable, "--unshare-all", "--unshare-user", "--disable-userns"]
+        args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
         args += ["--uid", str(lim.uid), "--gid", str(lim.gid), "--hostname", "gpuwarden"]
         for name in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             host = Path("/") / name
@@ -218,25 +329,40 @@ class SandboxLauncher:
                 args += ["--ro-bind", str(host), f"/{name}"]
         if Path("/etc/ld.so.cache").exists():
             args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-        args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        args += ["--size", str(lim.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
         # the interpreter (and its virtual environment) at their own paths, and
         # the broker's package for the serve worker helper
         for prefix in sorted({sys.base_prefix, sys.prefix}):
-            if not prefix.startswith("/usr"):
-                args += ["--ro-bind", prefix, prefix]
-        args += ["--ro-bind", _package_dir(), f"{LIB_INSIDE}/gpuwarden"]
+            if not prefix.startswith("/usr"):  # staged by its real path: never a link
+                args += ["--ro-bind", source(str(Path(prefix).resolve())), prefix]
+        args += ["--ro-bind", source(_package_dir()), f"{LIB_INSIDE}/gpuwarden"]
         for m in req.mounts:
             if m.tmpfs_bytes:
                 args += ["--size", str(m.tmpfs_bytes), "--perms", "1777", "--tmpfs", m.target]
             else:
-                args += ["--bind" if m.writable else "--ro-bind", m.source, m.target]
+                args += ["--bind" if m.writable else "--ro-bind", source(m.source), m.target]
         for dev in self._device_paths(req):
             args += ["--dev-bind", dev, dev]
         args += ["--remount-ro", "/"]
         args += ["--chdir", inside_path(req.mounts, req.cwd), "--clearenv"]
         for key, value in sorted(sandbox_env(req).items()):
             args += ["--setenv", key, value]
-        return [*args, "--", *self._inside_argv(req)]
+        args += ["--", *self._inside_argv(req)]
+
+        starter = [sys.executable, "-I", "-S", str(Path(enter.__file__).resolve())]
+        for path in staged:
+            starter += ["--stage", path]
+        cgroup = self.cgroup_path(req)
+        if cgroup is not None:
+            starter += ["--cgroup", str(cgroup)]
+        starter += ["--rlimit", f"NPROC={self._nproc()}", "--rlimit", f"NOFILE={lim.nofile}"]
+        if cpu := self._cpu_seconds(req):
+            starter += ["--rlimit", f"CPU={cpu}"]
+        starter += ["--seccomp", str(Path(req.attempt_dir) / SECCOMP_FILE)]
+        if self.as_root:
+            starter += ["--user", f"{lim.uid}:{lim.gid}"]
+        return [*starter, "--", *args]
 
     def _device_paths(self, req: LaunchRequest) -> list[str]:
         """bubblewrap: the nodes of the request's GPU and the driver's control nodes."""
@@ -260,10 +386,17 @@ class SandboxLauncher:
         ]
         args += ["--network", "none", "--read-only", "--cap-drop", "all"]
         args += ["--security-opt", "no-new-privileges", "--user", f"{lim.uid}:{lim.gid}"]
+        if podman:
+            # podman's default profile lets a job make a user namespace (and mount,
+            # use the keyring, ...): the same profile without those calls
+            profile = Path(req.attempt_dir) / ENGINE_SECCOMP_FILE
+            args += ["--security-opt", f"seccomp={profile}"]
+        # docker: its built-in default profile already refuses them to a container
+        # without CAP_SYS_ADMIN (never seccomp=unconfined)
         args += ["--ulimit", f"nofile={lim.nofile}:{lim.nofile}"]
         # RLIMIT_NPROC counts every process of the uid, in every sandbox at once:
         # a ceiling for all of them; --pids-limit is each container's own limit
-        nproc = lim.pids * NPROC_SHARE
+        nproc = self._nproc()
         args += ["--ulimit", f"nproc={nproc}:{nproc}", "--hostname", "gpuwarden"]
         # a tiny init as PID 1 passes SIGTERM on (a bare python as PID 1 ignores
         # it, so every stop would wait out its grace) and reaps orphans
@@ -274,7 +407,7 @@ class SandboxLauncher:
             memory = req.memory_bytes or lim.memory_bytes
             args += ["--pids-limit", str(lim.pids), "--cpus", f"{lim.cpus:g}"]
             args += ["--memory", str(memory), "--memory-swap", str(memory)]
-        args += ["--tmpfs", "/tmp:rw,nosuid,nodev,size=268435456,mode=1777"]
+        args += ["--tmpfs", f"/tmp:rw,nosuid,nodev,size={lim.tmp_bytes},mode=1777"]
         for m in req.mounts:
             if m.tmpfs_bytes:
                 args += ["--tmpfs", f"{m.target}:rw,nosuid,nodev,size={m.tmpfs_bytes},mode=1777"]
@@ -331,37 +464,140 @@ class SandboxLauncher:
             return _not_started(req, f"the container runtime {self.executable!r} is not installed")
         try:
             self._prepare_mounts(req)
-        except OSError as exc:
-            return _not_started(req, f"could not prepare the sandbox's folders: {exc}")
+            self._write_seccomp(req)
+        except (OSError, safefs.UnsafePathError) as exc:
+            return _not_started(req, f"could not prepare the sandbox: {exc}")
+        cgroup = self.cgroup_path(req)
+        if cgroup is not None:
+            assert self.pids_cgroups is not None
+            try:
+                self.pids_cgroups.create(cgroup.name, self.limits.pids)
+            except OSError as exc:
+                return _not_started(req, f"could not make the sandbox's pids cgroup: {exc}")
         # the runtime's client (and podman's conmon, which drops an "oom" file in
         # its working directory) runs in the attempt's folder, never the module's
         outer = dataclasses.replace(
             req, argv=tuple(self.argv(req)), env=self.client_env(req), cwd=req.attempt_dir
         )
-        if self.runtime is Runtime.BUBBLEWRAP:
-            return self._bwrap_result(self._host.run(outer, stop, on_start))
-        return self._run_engine(req, outer, stop, on_start)
+        watch = _OutputWatch.of(req, self.limits.output_bytes)
+        left: list[int] = []
+        try:
+            if self.runtime is Runtime.BUBBLEWRAP:
+                result = self._bwrap_result(self._run_bwrap(outer, stop, on_start, watch))
+            else:
+                result = self._run_engine(req, outer, stop, on_start, watch)
+        finally:
+            if cgroup is not None:
+                left = self._clear_cgroup(cgroup)
+        if left:
+            result = dataclasses.replace(
+                result, survivors=tuple(sorted({*result.survivors, *left}))
+            )
+        return watch.finish(result, stop)
+
+    def _clear_cgroup(self, cgroup: Path) -> list[int]:
+        """Stop whatever is left in the attempt's pids cgroup and remove it; the
+        pids that outlived SIGKILL (they keep the cgroup)."""
+        assert self.pids_cgroups is not None
+        left = self.pids_cgroups.kill_all(cgroup)
+        if left:
+            log.error("sandbox cgroup %s: processes %s survived SIGKILL", cgroup, left)
+            return left
+        self.pids_cgroups.remove(cgroup)
+        return []
 
     def _prepare_mounts(self, req: LaunchRequest) -> None:
-        """Every mount's source must exist; writable ones must be writable by the
-        sandbox's user when the broker runs as root (a rootful engine keeps uids)."""
+        """Every mount's source must exist. The job's own folders are made the
+        sandbox user's (fresh, or taken over while still empty), and a socket
+        it is given is chowned to it, both by descriptor; nothing else changes
+        owner (podman/docker keep uids, and bubblewrap runs as the sandbox's user)."""
+        owner = self.job_owner
         for m in req.mounts:
-            src = Path(m.source)
-            if not src.exists():
-                if not m.writable and not m.tmpfs_bytes:
-                    raise FileNotFoundError(f"{src} does not exist")
-                src.mkdir(parents=True, exist_ok=True)
-            if m.writable and os.geteuid() == 0 and self.runtime.needs_image:
-                _chown_tree(src, self.limits.uid, self.limits.gid)
+            if m.tmpfs_bytes:
+                continue  # a tmpfs of the runtime's: nothing on the host
+            if m.job_owned and m.writable:
+                _own_folder(Path(m.source), owner)
+                continue
+            try:
+                st = os.lstat(m.source)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{m.source} does not exist") from None
+            if m.writable and stat.S_ISSOCK(st.st_mode) and owner is not None:
+                _chown_node(m.source, owner)
+
+    def _write_seccomp(self, req: LaunchRequest) -> None:
+        """The attempt's filter (bubblewrap) or profile (podman), in its folder."""
+        folder = Path(req.attempt_dir)
+        if self.runtime is Runtime.BUBBLEWRAP:
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_private(folder / SECCOMP_FILE, bpf_program())
+        elif self.runtime is Runtime.PODMAN:
+            folder.mkdir(parents=True, exist_ok=True)
+            _write_private(folder / ENGINE_SECCOMP_FILE, self._podman_profile().encode())
+
+    def _podman_profile(self) -> str:
+        """podman's own default seccomp profile without the deny-list (cached)."""
+        with self._profile_lock:
+            if self._engine_profile is None:
+                done = self._ctl(
+                    "info", "--format", "{{.Host.Security.SECCOMPProfilePath}}", timeout=30
+                )
+                said = done.stdout.strip() if done.returncode == 0 else ""
+                candidates = [said] if said else []
+                candidates += [p for p in _PODMAN_PROFILES if p not in candidates]
+                for path in candidates:
+                    try:
+                        default = json.loads(Path(path).read_text())
+                    except (OSError, ValueError):
+                        continue
+                    if isinstance(default, dict) and "syscalls" in default:
+                        self._engine_profile = json.dumps(engine_profile(default), indent=1)
+                        break
+                else:
+                    raise OSError(
+                        "cannot read podman's default seccomp profile (looked at "
+                        f"{', '.join(candidates)}): the sandbox's profile is podman's "
+                        "without the calls gpuwarden refuses; install containers-common"
+                    )
+            return self._engine_profile
 
     def _bwrap_result(self, result: LaunchResult) -> LaunchResult:
-        """bubblewrap says what went wrong in its own setup as ``bwrap: ...`` and 1."""
-        if result.exit_code == 1 and result.stderr.lstrip().startswith("bwrap:"):
+        """bubblewrap says what went wrong in its own setup as ``bwrap: ...`` and 1,
+        the root-side starter as ``gpuwarden-sandbox: ...`` and 1."""
+        said = result.stderr.lstrip()
+        if result.exit_code == 1 and said.startswith(("bwrap:", enter.PREFIX)):
             first = result.stderr.strip().splitlines()[0]
             return dataclasses.replace(
                 result, launch_error=f"bubblewrap could not set up the sandbox: {first}"
             )
         return result
+
+    def _run_bwrap(
+        self,
+        outer: LaunchRequest,
+        stop: threading.Event,
+        on_start: Callable[[int], None] | None,
+        watch: _OutputWatch,
+    ) -> LaunchResult:
+        """The host launcher runs the starter (then bubblewrap) as the attempt's
+        process tree; a watcher passes ``stop`` on and stops it for its output."""
+        inner = threading.Event()
+        finished = threading.Event()
+
+        def supervise() -> None:
+            while not finished.is_set():
+                if stop.is_set() or watch.exceeded():
+                    inner.set()
+                    return
+                finished.wait(0.02)
+
+        watcher = threading.Thread(target=supervise, name=f"bwrap-{outer.marker}", daemon=True)
+        watcher.start()
+        try:
+            return self._host.run(outer, inner, on_start)
+        finally:
+            finished.set()
+            watcher.join()
 
     def _run_engine(
         self,
@@ -369,6 +605,7 @@ class SandboxLauncher:
         outer: LaunchRequest,
         stop: threading.Event,
         on_start: Callable[[int], None] | None,
+        watch: _OutputWatch,
     ) -> LaunchResult:
         name = container_name(req)
         self._ctl("rm", "--force", name)  # a leftover of the same name (a crash)
@@ -377,10 +614,11 @@ class SandboxLauncher:
         client_stop = threading.Event()
         timed_out = threading.Event()
 
-        def watch() -> None:
+        def watch_container() -> None:
             while not finished.is_set():
-                if stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
-                    if not stop.is_set():
+                late = deadline is not None and time.monotonic() >= deadline
+                if stop.is_set() or late or watch.exceeded():
+                    if late and not stop.is_set() and watch.reason is None:
                         timed_out.set()
                     grace = str(max(1, math.ceil(req.kill_grace_s)))
                     self._ctl("stop", "--time", grace, name, timeout=req.kill_grace_s + 30)
@@ -406,7 +644,7 @@ class SandboxLauncher:
                     return
                 time.sleep(0.1)
 
-        watcher = threading.Thread(target=watch, name=f"sandbox-{name}", daemon=True)
+        watcher = threading.Thread(target=watch_container, name=f"sandbox-{name}", daemon=True)
         watcher.start()
         try:
             unbounded = dataclasses.replace(outer, timeout_s=math.inf)
@@ -422,6 +660,7 @@ class SandboxLauncher:
             launch_error is None
             and not stopped
             and not timed_out.is_set()
+            and watch.reason is None
             and result.exit_code in RUNTIME_EXITS
         ):
             tail = _last_line(result.stderr)
@@ -495,6 +734,9 @@ class SandboxLauncher:
         """Names of the containers this broker instance started (any state)."""
         if self.runtime is Runtime.BUBBLEWRAP:
             return []  # no containers: the broker finds bwrap processes by marker
+        return self._engine_leftovers(instance)
+
+    def _engine_leftovers(self, instance: str) -> list[str]:
         done = self._ctl(
             "ps",
             "--all",
@@ -509,7 +751,12 @@ class SandboxLauncher:
 
     def remove_leftovers(self, instance: str) -> list[str]:
         """Remove every container a crashed run of ``instance`` left (and only those).
-        Returns the names removed; raises OSError when one cannot be removed."""
+        Returns the names removed; raises OSError when one cannot be removed.
+        bubblewrap has no containers: the pids cgroups a crashed run left are
+        emptied and removed (logged), and nothing is returned."""
+        if self.runtime is Runtime.BUBBLEWRAP:
+            self._remove_leftover_cgroups(instance)
+            return []
         removed = []
         for name in self.leftovers(instance):
             gone, _ = self._remove(name)
@@ -518,12 +765,134 @@ class SandboxLauncher:
             removed.append(name)
         return removed
 
+    def _remove_leftover_cgroups(self, instance: str) -> None:
+        cgroups = self.pids_cgroups
+        if cgroups is None or not cgroups.parent.is_dir():
+            return
+        prefix = _instance_prefix(instance)
+        for path in sorted(cgroups.parent.glob(f"{prefix}*")):
+            if path.is_dir() and not path.is_symlink():
+                left = cgroups.kill_all(path)
+                if left:
+                    raise OSError(f"processes {left} in the pids cgroup {path} outlived SIGKILL")
+                cgroups.remove(path)
+                log.info("removed the pids cgroup %s a crashed run left", path)
 
-def _chown_tree(path: Path, uid: int, gid: int) -> None:
-    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
-        with contextlib.suppress(FileNotFoundError):
-            if not stat.S_ISLNK(p.lstat().st_mode):
-                os.chown(p, uid, gid)
+
+class _OutputWatch:
+    """The size of a job's own folders (``Mount.job_owned``, on disk), against
+    ``[sandbox] output_mib``: checked while it runs and once more at its end."""
+
+    def __init__(self, folders: Sequence[str], limit_bytes: int) -> None:
+        self.folders = tuple(folders)
+        self.limit_bytes = limit_bytes
+        #: why the job is past its limit, once it is
+        self.reason: str | None = None
+        self._next = time.monotonic() + OUTPUT_CHECK_S
+
+    @classmethod
+    def of(cls, req: LaunchRequest, limit_bytes: int) -> _OutputWatch:
+        folders = [m.source for m in req.mounts if m.job_owned and not m.tmpfs_bytes]
+        return cls(folders if limit_bytes > 0 else (), limit_bytes)
+
+    def check(self) -> str | None:
+        """Walk the folders now (bounded, never following a link); the reason
+        when they hold more than the limit, or more entries than a walk lists."""
+        if self.reason is not None or not self.folders:
+            return self.reason
+        total = 0
+        for folder in self.folders:
+            try:
+                listing = safefs.walk(folder)
+            except (OSError, safefs.UnsafePathError) as exc:
+                log.warning("cannot measure the sandbox's folder %s: %s", folder, exc)
+                continue
+            total += listing.total_bytes
+            if listing.truncated is not None:
+                self.reason = f"output past {safefs.MAX_ENTRIES} files and folders"
+                return self.reason
+        if total > self.limit_bytes:
+            self.reason = output_limit_reason(self.limit_bytes)
+        return self.reason
+
+    def exceeded(self) -> bool:
+        """:meth:`check` when it is due (every :data:`OUTPUT_CHECK_S`, or five
+        times as long as the last walk took); True once past the limit."""
+        if self.reason is not None:
+            return True
+        now = time.monotonic()
+        if not self.folders or now < self._next:
+            return False
+        self.check()
+        took = time.monotonic() - now
+        self._next = time.monotonic() + max(OUTPUT_CHECK_S, 5 * took)
+        return self.reason is not None
+
+    def finish(self, result: LaunchResult, stop: threading.Event) -> LaunchResult:
+        """The result as the job's: past its limit (checked once more now that
+        its processes are gone) it failed for that, whatever its exit status."""
+        if self.reason is None and result.launch_error is None and not stop.is_set():
+            self.check()
+        if self.reason is None:
+            return result
+        note = f"\n[gpuwarden: {self.reason}; the job was stopped]\n"
+        return dataclasses.replace(
+            result,
+            limit_exceeded=self.reason,
+            stopped=False,
+            timed_out=False,
+            stderr=result.stderr + note,
+        )
+
+
+def _own_folder(path: Path, owner: tuple[int, int] | None) -> None:
+    """Make the job's own folder ``path`` belong to ``owner``: created fresh, or,
+    when the broker made it already, taken over only while it is an empty folder
+    of the broker's (never a link, never anything with content), by descriptor."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        safefs.make_dir(path, mode=0o700, owner=owner)
+        return
+    except FileExistsError:
+        pass
+    fd = safefs.open_dir(path)  # a link or a non-folder is refused here
+    try:
+        st = os.fstat(fd)
+        if owner is None or (st.st_uid, st.st_gid) == owner:
+            return
+        if st.st_uid != os.geteuid() or os.listdir(fd):  # noqa: PTH208 - by descriptor
+            raise safefs.UnsafePathError(
+                path,
+                "is not a fresh folder for the sandbox (it has content, or is not the "
+                "broker's): the job's folders are handed over only while empty",
+            )
+        os.fchown(fd, *owner)
+    finally:
+        os.close(fd)
+
+
+def _chown_node(path: str, owner: tuple[int, int]) -> None:
+    """Chown what ``path`` names (a socket), never what a link there points at."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise safefs.UnsafePathError(path, "is a symlink; links are not followed")
+        os.chown(f"/proc/self/fd/{fd}", *owner)  # the descriptor's own file
+    finally:
+        os.close(fd)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a file of the broker's own, readable only by it, replacing any."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    tmp.replace(path)
 
 
 def _last_line(text: str) -> str:
@@ -558,10 +927,12 @@ def mounts_for(
     mounts = [Mount(module_dir, str(INSIDE / "module"))]
     if input_dir is not None:
         mounts.append(Mount(input_dir, str(INSIDE / "input")))
-    mounts.append(Mount(output_dir, str(INSIDE / "output"), writable=True))
-    mounts.append(Mount(scratch_dir, str(INSIDE / "scratch"), True, tmpfs_bytes=scratch_bytes))
+    mounts.append(Mount(output_dir, str(INSIDE / "output"), writable=True, job_owned=True))
+    mounts.append(
+        Mount(scratch_dir, str(INSIDE / "scratch"), True, tmpfs_bytes=scratch_bytes, job_owned=True)
+    )
     if report_dir is not None:
-        mounts.append(Mount(report_dir, str(INSIDE / "report"), writable=True))
+        mounts.append(Mount(report_dir, str(INSIDE / "report"), writable=True, job_owned=True))
     if params_file is not None:
         mounts.append(Mount(params_file, str(INSIDE / "params.json")))
     if weights_dir is not None:

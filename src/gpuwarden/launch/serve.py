@@ -11,8 +11,8 @@ once each is confirmed gone.
 
 Every failure of the worker is a :class:`ServeError`, raised only after the
 worker has been stopped and confirmed gone (its ``launch_result`` says whether
-anything survived SIGKILL). None of them is the job's fault, so all are
-*infrastructure* failures — the job is retried up to its type's
+anything survived SIGKILL). All but ``output_limit`` are not the job's fault,
+so they are *infrastructure* failures — the job is retried up to its type's
 ``max_retries``, then quarantined — and ``kind`` says which:
 
 ==================  ============================================================
@@ -26,9 +26,15 @@ anything survived SIGKILL). None of them is the job's fault, so all are
 ``timeout``         no result within the job's timeout (the worker hung)
 ``stopped``         :meth:`ServeWorker.stop` was called (cancel, eviction,
                     shutdown) while ``start`` or ``run_job`` waited
+``output_limit``    the sandbox stopped the worker: its exchange folder (its
+                    output mount) held more than ``[sandbox] output_mib``
 ==================  ============================================================
 
-Load failures are infrastructure failures too: the load is the job type's, not
+``output_limit`` is the exception: writing past the output limit is what the
+job asked the server to do, so it is the job's own failure (``infrastructure``
+is False) and the reason starts with the sandbox's ``output past N MiB``.
+
+Load failures are infrastructure failures: the load is the job type's, not
 the job's, and it may fail for reasons outside the module (memory not yet freed
 by a previous holder, a driver fall-back); ``max_retries`` and quarantine bound
 the cost of a load that always fails. A failure *inside* ``handle`` is not a
@@ -95,7 +101,15 @@ _PLACEMENT_MAX_REFUSED = math.ceil(100 * PLACEMENT_MIN_FRACTION) - 1
 MAX_SOCKET_PATH = 107
 
 ServeFailure = Literal[
-    "start", "load_failed", "load_timeout", "placement", "protocol", "crashed", "timeout", "stopped"
+    "start",
+    "load_failed",
+    "load_timeout",
+    "placement",
+    "protocol",
+    "crashed",
+    "timeout",
+    "stopped",
+    "output_limit",
 ]
 
 
@@ -373,6 +387,17 @@ class ServeWorker:
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
             raise OSError(f"the path is longer than {MAX_SOCKET_PATH} bytes")
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # the folder may be in /tmp: someone else could have made it first
+        st = os.lstat(path.parent)
+        if (
+            not stat.S_ISDIR(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        ):
+            raise OSError(
+                f"the socket's folder {path.parent} is not this broker's own (a folder of "
+                f"uid {os.geteuid()} that no one else may write to): remove it"
+            )
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # a stale socket of an earlier worker
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -591,6 +616,16 @@ class ServeWorker:
             # the process gone) is its consequence
             failure = _Failure("stopped", "stopped")
         result = self.stop(failure.reason)
+        if result.limit_exceeded is not None:
+            # the sandbox stopped it for what it wrote: whatever the channel saw
+            # next (end of file, a dead process) follows from that
+            return ServeError(
+                f"{result.limit_exceeded}: the sandbox stopped the serve worker",
+                kind="output_limit",
+                infrastructure=False,
+                launch_result=result,
+                stale_dropped=stale,
+            )
         reason = failure.reason
         if failure.kind == "stopped":
             reason = f"the serve worker was stopped: {self._stop_reason}"
