@@ -484,6 +484,10 @@ def _print_result(
     if result.get("status") != "done" and result.get("reason"):
         grid.add_row("reason", result["reason"])
     grid.add_row("attempts", str(result.get("attempts")))
+    for entry in result.get("refused") or []:
+        grid.add_row("refused", escape(f"{entry['path']} ({entry['kind']}): {entry['why']}"))
+    if result.get("message_file"):
+        grid.add_row("note", escape(str(result["message_file"])))
     out.print(grid)
     if outputs_dir is None:
         return
