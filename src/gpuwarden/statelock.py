@@ -46,8 +46,7 @@ def secure_state_dir(state_dir: Path) -> list[str]:
         _tighten(state_dir / name, changed, follow=False)
     if changed:
         log.warning(
-            "tightened permissions in the state directory so that only its owner can "
-            "read it: %s",
+            "tightened permissions in the state directory so that only its owner can read it: %s",
             ", ".join(changed),
         )
     return changed

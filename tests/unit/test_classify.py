@@ -198,9 +198,7 @@ def test_an_interruption_spends_no_retry(max_retries: int) -> None:
 
 
 def test_a_job_interrupted_past_max_interruptions_is_quarantined_saying_why() -> None:
-    verdict = classify(
-        INTERRUPTED, attempt=3, max_retries=5, interruptions=2, max_interruptions=2
-    )
+    verdict = classify(INTERRUPTED, attempt=3, max_retries=5, interruptions=2, max_interruptions=2)
     assert verdict.outcome is Outcome.INTERRUPTED and verdict.target is JobState.QUARANTINED
     assert "during 3 of its attempts (max_interruptions = 2)" in verdict.reason
     assert "may be what takes the broker down" in verdict.reason
