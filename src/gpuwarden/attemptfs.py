@@ -226,6 +226,15 @@ class ExchangeSlot:
                 f"the {self.cleared or 'entry'} its server left at {self.path} could not be "
                 f"removed ({exc}); nothing was written through it"
             ) from None
+        if self.cleared is not None:
+            self.refused.append(
+                {
+                    "path": f"exchange/{self.name}",
+                    "kind": self.cleared,
+                    "why": "its warm server had left this under the job's slot name; "
+                    "removed without being followed",
+                }
+            )
         with safefs.opened_dir(self.exchange) as exchange_fd:
             try:
                 self._fd = safefs.make_dir_at(

@@ -167,6 +167,8 @@ def test_a_link_a_warm_server_plants_at_a_slot_is_removed_never_followed(
     assert not os.path.lexists(spot)  # the slot went with its job
     [cleared] = events(node, "exchange_slot_cleared")
     assert cleared["job"] == "victim" and cleared["found"] == "symlink"
+    [planted] = done.result["refused"]  # the result says so too
+    assert planted["path"] == "exchange/victim-1" and planted["kind"] == "symlink"
     # one server served both: the broker neither stopped it nor fell over
     assert len(events(node, "warm_server_loaded")) == 1
     follow_up_completes(node)

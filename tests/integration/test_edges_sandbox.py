@@ -122,6 +122,8 @@ def test_a_sandboxed_server_that_plants_a_link_at_a_slot_writes_nothing_outside(
     assert not os.path.lexists(spot)
     [cleared] = events(node, "exchange_slot_cleared")
     assert cleared["job"] == "victim" and cleared["found"] == "symlink"
+    [planted] = done.result["refused"]  # the result says so too
+    assert planted["path"] == "exchange/victim-1" and planted["kind"] == "symlink"
     if os.geteuid() == 0:
         # the server wrote as the sandbox's user, into the slot the broker made for it
         limits = node.broker.sandbox_owner(node.broker.registry.get("testmods.planter"))
