@@ -761,16 +761,13 @@ class Broker(WarmServing):
         """
         holder = run.server.holder if run.server is not None else run.holder
         try:
-            verdict, extra = self._judge(run, result, holder)
+            verdict, reason, extra = self._judge(run, result, holder)
         except Exception as exc:
             log.exception("judging attempt %s failed", run.holder)
             verdict = internal_error(repr(exc))
-            extra = {"message": verdict.reason, "outcome": verdict.outcome.value}
-        reason = verdict.reason
-        if result.survivors:
-            reason += f"; processes {list(result.survivors)} survived SIGKILL (check the host)"
-        if not self._record_end(run, result, verdict, reason=reason, extra=extra, now=now):
-            return
+            reason = verdict.reason
+            extra = {"message": reason, "outcome": verdict.outcome.value}
+        self._record_end(run, result, verdict, reason=reason, extra=extra, now=now)
         faults.point("after_finish_attempt")
         # the record is written: now the node's own state follows, each step on its
         # own, so that one failing (a bug) does not leave a server busy or memory held
@@ -789,8 +786,8 @@ class Broker(WarmServing):
 
     def _judge(
         self, run: RunningAttempt, result: LaunchResult, holder: str
-    ) -> tuple[Verdict, dict[str, Any]]:
-        """Classify the ended attempt and build its result (outputs, message)."""
+    ) -> tuple[Verdict, str, dict[str, Any]]:
+        """Classify the ended attempt; its reason, and its result (outputs, message)."""
         listing = attemptfs.list_outputs(run.attempt_dir)
         stderr_tail = next(
             (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
@@ -825,17 +822,20 @@ class Broker(WarmServing):
                 interruptions=interruptions_before(earlier),
                 max_interruptions=self.max_interruptions(run.jobtype),
             )
+        reason = verdict.reason
+        if result.survivors:
+            reason += f"; processes {list(result.survivors)} survived SIGKILL (check the host)"
         message = attemptfs.read_message(run.attempt_dir)
         extra = self._result_extra(
             run.job,
             run,
             result,
-            {"message": message.text or verdict.reason, "outcome": verdict.outcome.value},
+            {"message": message.text or reason, "outcome": verdict.outcome.value},
             listing=listing,
         )
         if message.notes:
             extra["message_file"] = "; ".join(message.notes)
-        return verdict, extra
+        return verdict, reason, extra
 
     def _record_end(
         self,
@@ -846,8 +846,9 @@ class Broker(WarmServing):
         reason: str,
         extra: dict[str, Any],
         now: float,
-    ) -> bool:
-        """Write the attempt's end; False when it was not this attempt's to end."""
+    ) -> None:
+        """Write the attempt's end. One the store refuses as not this attempt's to
+        end (a stale report) is logged; the node's own state follows either way."""
         try:
             self.store.finish_attempt(
                 run.job.id,
@@ -865,17 +866,17 @@ class Broker(WarmServing):
             self._emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
         except Exception as exc:
             if not self.store.unavailable(exc):
-                return self._record_internal_end(run, result, exc, now)
+                self._record_internal_end(run, result, exc, now)
+                return
             # the store cannot take it now (locked, unreachable): keep the attempt
             # and its report, and try again on the next tick; nothing local changed
             self._running[run.job.id] = run
             self._completions.put(result)
             raise
-        return True
 
     def _record_internal_end(
         self, run: RunningAttempt, result: LaunchResult, exc: Exception, now: float
-    ) -> bool:
+    ) -> None:
         """The store refused the attempt's end as it was given (a bug): end it with
         the least a record needs, saying why."""
         log.error("the store refused the end of %s: %r", run.holder, exc)
@@ -899,7 +900,6 @@ class Broker(WarmServing):
             self._running[run.job.id] = run  # tried again on the next tick
             self._completions.put(result)
             raise
-        return True
 
     def _free_server(self, run: RunningAttempt, result: LaunchResult, now: float) -> None:
         server = run.server
