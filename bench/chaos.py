@@ -88,6 +88,7 @@ def write_config(tmp: Path) -> Path:
 state_dir = {json.dumps(str(tmp / "state"))}
 node_name = "chaos"
 gpu = "sim"
+allow_unsandboxed_containers = true
 module_paths = [{paths}]
 queue_roots = [{json.dumps(str(tmp / "queue"))}]
 
@@ -148,11 +149,16 @@ class Serve:
         """Seconds from starting the process, and from its ``broker_started``, to its
         first job running, from its log; None when the log shows none."""
         events = self.events()
-        ts = [r["ts"] for r in events if r["event"] == "transition" and r.get("to") == "running"]
-        up = [r["ts"] for r in events if r["event"] == "broker_started"]
-        if not ts or not up:
+        # the log starts with what the killed broker before had not written yet
+        # (its cursor, SPEC.md section 9): this broker's own lines follow its start
+        starts = [i for i, r in enumerate(events) if r["event"] == "broker_started"]
+        if not starts:
             return None
-        return min(ts) - self.started, min(ts) - up[0]
+        own = events[starts[-1] :]
+        ts = [r["ts"] for r in own if r["event"] == "transition" and r.get("to") == "running"]
+        if not ts:
+            return None
+        return min(ts) - self.started, min(ts) - own[0]["ts"]
 
 
 @dataclass

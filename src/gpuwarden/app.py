@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from gpuwarden.registry import Registry
 from gpuwarden.statelock import StateLock
 from gpuwarden.store.base import Store
 from gpuwarden.store.sqlite import SqliteStore
+
+log = logging.getLogger("gpuwarden.app")
 
 
 def sim_config(config: Config) -> SimGpuConfig:
@@ -126,6 +129,15 @@ def open_node(
                 QueueRoot.open(p, create=config.create_queue_roots)
                 for p in [*config.queue_roots, *(extra_roots or [])]
             ]
+            for root in roots:  # its permissions are its clients' business: left alone
+                if config.state_dir.resolve() in root.path.resolve().parents:
+                    log.warning(
+                        "queue root %s is inside the state directory %s, which only its "
+                        "owner can enter (mode 0700): clients of other users cannot reach "
+                        "it; put the queue root elsewhere",
+                        root.path,
+                        config.state_dir,
+                    )
             probe = make_probe(config, mock_gpu=mock_gpu)
         except BaseException:
             store.close()

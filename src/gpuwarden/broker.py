@@ -22,11 +22,21 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from gpuwarden import faults
+from gpuwarden import attemptfs, faults, safefs
 from gpuwarden.config import Config
 from gpuwarden.core import policy
-from gpuwarden.core.classify import AttemptFacts, Outcome, classify, is_cuda_oom, xid_kind
-from gpuwarden.core.model import MIB, Event, Job, JobSpec, JobType, Lane, LaunchMode
+from gpuwarden.core.classify import (
+    INFRASTRUCTURE,
+    AttemptFacts,
+    Outcome,
+    Verdict,
+    classify,
+    internal_error,
+    interruptions_before,
+    is_cuda_oom,
+    xid_kind,
+)
+from gpuwarden.core.model import MIB, Attempt, Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import (
     GpuProbeError,
@@ -54,7 +64,7 @@ from gpuwarden.launch.host import (
 )
 from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
 from gpuwarden.registry import Registry
-from gpuwarden.running import RunningAttempt, ServerNote, Started
+from gpuwarden.running import ExchangeNote, RunningAttempt, ServerNote, Started
 from gpuwarden.serving import WarmServing
 from gpuwarden.store.base import (
     NodeStatus,
@@ -114,7 +124,9 @@ class Broker(WarmServing):
         self.node = config.node_name
         self.accepting = True
         self._running: dict[str, RunningAttempt] = {}
-        self._completions: queue.Queue[LaunchResult | Started | ServerNote] = queue.Queue()
+        self._completions: queue.Queue[LaunchResult | Started | ServerNote | ExchangeNote] = (
+            queue.Queue()
+        )
         self.warm = WarmPool()
         #: set by a worker thread when it posts a completion, so the loop wakes at once
         self._wake = threading.Event()
@@ -133,7 +145,9 @@ class Broker(WarmServing):
             self._run_times.setdefault(type_name, deque(maxlen=RUN_TIME_WINDOW)).append(seconds)
         self._waits: dict[str, str] = {}
         self._warned_unsandboxed: set[str] = set()
-        self._event_cursor = store.last_event_id()
+        #: the last event written to the event log: where the log's own cursor says
+        #: (``serve --log``), or the store's latest event
+        self._event_cursor = self.events.resume(store.last_event_id())
         self._jobs_dir = config.state_dir / "jobs"
         #: names this broker's processes: stable across restarts of the same node and
         #: state directory, so recovery finds (only) what an earlier run left
@@ -241,7 +255,8 @@ class Broker(WarmServing):
                 find_attempt_processes(marker), self.config.broker.kill_grace_s
             )
             jobtype = self.registry.types.get(job.type)
-            self._reclaim_interrupted(job, jobtype, now)
+            attempts = self.store.attempts(job.id)
+            self._reclaim_interrupted(job, jobtype, attempts, now)
             verdict = classify(
                 AttemptFacts(
                     exit_code=None,
@@ -251,6 +266,11 @@ class Broker(WarmServing):
                 ),
                 attempt=job.attempts,
                 max_retries=jobtype.max_retries if jobtype else 0,
+                interruptions=interruptions_before(
+                    a.outcome for a in attempts if a.number < job.attempts
+                ),
+                # a type no longer registered could never run again: set it aside
+                max_interruptions=self.max_interruptions(jobtype) if jobtype else 0,
             )
             reason = verdict.reason
             if survivors:
@@ -272,10 +292,11 @@ class Broker(WarmServing):
         self.queues.recover(now)
         self._status_dirty = True
 
-    def _reclaim_interrupted(self, job: Job, jobtype: JobType | None, now: float) -> None:
+    def _reclaim_interrupted(
+        self, job: Job, jobtype: JobType | None, attempts: list[Attempt], now: float
+    ) -> None:
         """Rebuild the ledger from the store: the memory an interrupted attempt held
         counts until the probe shows its process's share gone (the reclaim gate)."""
-        attempts = self.store.attempts(job.id)
         last = attempts[-1] if attempts else None
         if last is None or last.gpu_uuid is None or last.pid is None or jobtype is None:
             return
@@ -347,6 +368,13 @@ class Broker(WarmServing):
                 self._start(jobs[decision.job_id], types[decision.job_id], decision, now)
         if self._waits != before:
             self._status_dirty = True
+
+    def max_interruptions(self, jobtype: JobType) -> int:
+        """How often a job of ``jobtype`` may be interrupted by this broker's own
+        end before it is quarantined: the type's own limit, else the broker's."""
+        if jobtype.max_interruptions is not None:
+            return jobtype.max_interruptions
+        return self.config.broker.max_interruptions
 
     def footprint(self, jobtype: JobType, override: int | None = None) -> int:
         """The footprint a job is admitted with: its own or its type's declaration,
@@ -493,22 +521,37 @@ class Broker(WarmServing):
         faults.point("after_start_attempt")
         attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
         run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
-        if gpu is not None:
-            self.vram.start(
-                run.holder,
-                gpu,
-                type_name=jobtype.name,
-                job_id=job.id,
-                nbytes=self.footprint(jobtype, job.vram_bytes),
-                coresident=jobtype.coresident,
-                now=now,
-                expected_s=self.run_time_estimate(jobtype.name),
-                backfill_for=decision.backfill_for,
-            )
+        # from here on the attempt is this broker's: whatever fails below, it ends
+        # through a completion (so it is never left running, and a cancel reaches it)
+        self._running[job.id] = run
+        self._waits.pop(job.id, None)
+        self._status_dirty = True
         try:
-            request = self._request(run, gpu)
-        except (OSError, GpuwardenError) as exc:
-            self._completions.put(
+            if gpu is not None:
+                self.vram.start(
+                    run.holder,
+                    gpu,
+                    type_name=jobtype.name,
+                    job_id=job.id,
+                    nbytes=self.footprint(jobtype, job.vram_bytes),
+                    coresident=jobtype.coresident,
+                    now=now,
+                    expected_s=self.run_time_estimate(jobtype.name),
+                    backfill_for=decision.backfill_for,
+                )
+            request = self._request(run, gpu, now)
+            run.thread = threading.Thread(
+                target=self._work,
+                args=(launcher, request, run.stop),
+                name=f"attempt-{job.id}-{attempt.number}",
+                daemon=True,
+            )
+            run.thread.start()
+        except Exception as exc:
+            if not isinstance(exc, OSError | GpuwardenError):
+                log.exception("could not prepare attempt %s", run.holder)
+            run.thread = None
+            self._post(
                 LaunchResult(
                     job_id=job.id,
                     attempt=attempt.number,
@@ -518,25 +561,39 @@ class Broker(WarmServing):
                     launch_error=f"could not prepare the attempt: {exc}",
                 )
             )
-            self._running[job.id] = run
             return
-        run.thread = threading.Thread(
-            target=self._work,
-            args=(launcher, request, run.stop),
-            name=f"attempt-{job.id}-{attempt.number}",
-            daemon=True,
-        )
-        self._running[job.id] = run
-        self._waits.pop(job.id, None)
-        self._status_dirty = True
-        run.thread.start()
         faults.point("after_launch")
+
+    def _make_attempt_dir(self, run: RunningAttempt, now: float) -> None:
+        """Create the attempt's folder fresh; one already there is moved aside
+        (never reused) and that is logged."""
+        made = attemptfs.new_attempt_dir(self._jobs_dir, run.job.id, run.attempt.number, now=now)
+        if made.moved_aside is not None:
+            log.warning(
+                "attempt folder %s was already there (the store lost commits?): moved to %s",
+                made.path,
+                made.moved_aside,
+            )
+            self._emit(
+                "attempt_dir_moved_aside",
+                job=run.job.id,
+                attempt=run.attempt.number,
+                moved_to=str(made.moved_aside),
+            )
+
+    def sandbox_owner(self, jobtype: JobType) -> tuple[int, int] | None:
+        """Who owns the folders a sandboxed attempt (or warm server) writes: the
+        sandbox's user and group when the broker runs as root (every runtime runs
+        the job as that host user); None otherwise (nothing is chowned)."""
+        sandbox = self.sandbox_for(jobtype)
+        if sandbox is None or os.geteuid() != 0:
+            return None
+        return sandbox.limits.uid, sandbox.limits.gid
 
     def _params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]:
         """The job's input directory, and its parameters with inputs made absolute."""
         job = run.job
         input_dir = Path(job.input_dir) if job.input_dir else run.attempt_dir / "inputs"
-        input_dir.mkdir(parents=True, exist_ok=True)
         params = dict(job.params)
         for spec in run.jobtype.params:
             if spec.type.value == "input" and spec.name in params:
@@ -563,15 +620,21 @@ class Broker(WarmServing):
             return None, (Mount(folder, folder, writable=True),)
         return gpu, ()
 
-    def _request(self, run: RunningAttempt, gpu: str | None) -> LaunchRequest:
-        """Lay out the attempt's directories and build its launch request."""
+    def _request(self, run: RunningAttempt, gpu: str | None, now: float) -> LaunchRequest:
+        """Lay out the attempt's folder (fresh, mode 0700; what a sandboxed job
+        writes belongs to the sandbox's user) and build its launch request."""
         job, jobtype = run.job, run.jobtype
         sandbox = self.sandbox_for(jobtype)
+        owner = self.sandbox_owner(jobtype)
         out_dir = run.attempt_dir / "out"
         scratch = run.attempt_dir / "scratch"
         report = run.attempt_dir / "report"
-        for d in (out_dir, scratch, *([report] if sandbox else [])):
-            d.mkdir(parents=True, exist_ok=True)
+        self._make_attempt_dir(run, now)
+        subs = [out_dir, scratch, *([report] if sandbox else [])]
+        if not job.input_dir:
+            subs.append(run.attempt_dir / "inputs")
+        for d in subs:
+            safefs.make_dir(d, owner=owner)
         input_dir, params = self._params(run)
         params_path = run.attempt_dir / "params.json"
         weights = self.config.sandbox.weights_dir
@@ -595,7 +658,8 @@ class Broker(WarmServing):
             params = {
                 k: inside_path(mounts, v) if _is_input(jobtype, k) else v for k, v in params.items()
             }
-        params_path.write_text(json.dumps(params, indent=2))
+        # readable by the sandbox's user through its mount (the folder is 0700)
+        attemptfs.write_new_file(params_path, json.dumps(params, indent=2).encode(), mode=0o644)
         env = self._base_env(gpu)
         env.update(
             {
@@ -657,6 +721,9 @@ class Broker(WarmServing):
                 self._on_server_note(result, now)
                 continue
             run = self._running.get(result.job_id)
+            if isinstance(result, ExchangeNote):
+                self._on_exchange_note(run, result)
+                continue
             if isinstance(result, Started):
                 if run is not None and run.attempt.number == result.attempt:
                     self.vram.set_pid(run.holder, result.pid)
@@ -671,13 +738,60 @@ class Broker(WarmServing):
             self._status_dirty = True
             self._complete(run, result, now)
 
+    def _on_exchange_note(self, run: RunningAttempt | None, note: ExchangeNote) -> None:
+        if run is not None and run.attempt.number == note.attempt:
+            run.exchange_refused = list(note.refused)
+        if note.cleared is not None:
+            self._emit(
+                "exchange_slot_cleared",
+                job=note.job_id,
+                attempt=note.attempt,
+                type=note.type,
+                epoch=note.epoch,
+                found=note.cleared,
+            )
+
     def _complete(self, run: RunningAttempt, result: LaunchResult, now: float) -> None:
-        out_dir = run.attempt_dir / "out"
-        missing = tuple(o for o in run.job.outputs if not (out_dir / o).exists())
+        """Record the attempt's end, then let the node's own state follow.
+
+        Whatever goes wrong while judging the attempt (an output folder no walk can
+        list, a bug), the attempt still ends: ``internal_error``, the job failed
+        with the error named. Only a store that is unavailable for now (locked,
+        unreachable) keeps it for the next tick.
+        """
+        holder = run.server.holder if run.server is not None else run.holder
+        try:
+            verdict, reason, extra = self._judge(run, result, holder)
+        except Exception as exc:
+            log.exception("judging attempt %s failed", run.holder)
+            verdict = internal_error(repr(exc))
+            reason = verdict.reason
+            extra = {"message": reason, "outcome": verdict.outcome.value}
+        self._record_end(run, result, verdict, reason=reason, extra=extra, now=now)
+        faults.point("after_finish_attempt")
+        # the record is written: now the node's own state follows, each step on its
+        # own, so that one failing (a bug) does not leave a server busy or memory held
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("freeing its warm server", lambda: self._free_server(run, result, now)),
+            ("raising its footprint", lambda: self._after_cuda_oom(run, verdict, holder, now)),
+            ("measuring its memory", lambda: self._measure(run, now)),
+            ("noting its run time", lambda: self._note_run_time(run, result, verdict)),
+            ("touching its bundle", lambda: self._touch_bundle(run)),
+        ]
+        for where, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                self._record_error(f"completing {run.holder}: {where}", exc)
+
+    def _judge(
+        self, run: RunningAttempt, result: LaunchResult, holder: str
+    ) -> tuple[Verdict, str, dict[str, Any]]:
+        """Classify the ended attempt; its reason, and its result (outputs, message)."""
+        listing = attemptfs.list_outputs(run.attempt_dir)
         stderr_tail = next(
             (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
         )[:300]
-        holder = run.server.holder if run.server is not None else run.holder
         facts = AttemptFacts(
             exit_code=result.exit_code,
             worker_error=result.worker_error,
@@ -691,23 +805,50 @@ class Broker(WarmServing):
             shutting_down=run.stop_reason == "shutdown",
             launch_error=result.launch_error,
             oom_killed=result.oom_killed,
-            missing_outputs=missing,
+            missing_outputs=attemptfs.missing_outputs(run.job.outputs, listing),
             timeout_s=run.jobtype.timeout_s,
             stderr_tail=stderr_tail,
         )
-        verdict = classify(facts, attempt=run.attempt.number, max_retries=run.jobtype.max_retries)
+        number, max_retries = run.attempt.number, run.jobtype.max_retries
+        verdict = classify(facts, attempt=number, max_retries=max_retries)
+        if verdict.outcome in INFRASTRUCTURE and number > 1:
+            # earlier interruptions by the broker's own end spend no retry (rare:
+            # the store is asked only for a retried infrastructure failure)
+            earlier = [a.outcome for a in self.store.attempts(run.job.id) if a.number < number]
+            verdict = classify(
+                facts,
+                attempt=number,
+                max_retries=max_retries,
+                interruptions=interruptions_before(earlier),
+                max_interruptions=self.max_interruptions(run.jobtype),
+            )
         reason = verdict.reason
         if result.survivors:
             reason += f"; processes {list(result.survivors)} survived SIGKILL (check the host)"
-        message = _read_message(run.attempt_dir / "message.json") or _read_message(
-            run.attempt_dir / "report" / "message.json"
-        )
+        message = attemptfs.read_message(run.attempt_dir)
         extra = self._result_extra(
             run.job,
             run,
             result,
-            {"message": message or reason, "outcome": verdict.outcome.value},
+            {"message": message.text or reason, "outcome": verdict.outcome.value},
+            listing=listing,
         )
+        if message.notes:
+            extra["message_file"] = "; ".join(message.notes)
+        return verdict, reason, extra
+
+    def _record_end(
+        self,
+        run: RunningAttempt,
+        result: LaunchResult,
+        verdict: Verdict,
+        *,
+        reason: str,
+        extra: dict[str, Any],
+        now: float,
+    ) -> None:
+        """Write the attempt's end. One the store refuses as not this attempt's to
+        end (a stale report) is logged; the node's own state follows either way."""
         try:
             self.store.finish_attempt(
                 run.job.id,
@@ -723,14 +864,44 @@ class Broker(WarmServing):
             )
         except TransitionError as exc:
             self._emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
-        except Exception:
-            # the store could not take it (locked, disk full): keep the attempt and
-            # its report, and try again on the next tick; nothing local changed yet
+        except Exception as exc:
+            if not self.store.unavailable(exc):
+                self._record_internal_end(run, result, exc, now)
+                return
+            # the store cannot take it now (locked, unreachable): keep the attempt
+            # and its report, and try again on the next tick; nothing local changed
             self._running[run.job.id] = run
             self._completions.put(result)
             raise
-        faults.point("after_finish_attempt")
-        # the record is written: now the node's own state follows
+
+    def _record_internal_end(
+        self, run: RunningAttempt, result: LaunchResult, exc: Exception, now: float
+    ) -> None:
+        """The store refused the attempt's end as it was given (a bug): end it with
+        the least a record needs, saying why."""
+        log.error("the store refused the end of %s: %r", run.holder, exc)
+        verdict = internal_error(f"the store refused the attempt's result: {exc!r}")
+        try:
+            self.store.finish_attempt(
+                run.job.id,
+                run.attempt.number,
+                target=verdict.target,
+                now=now,
+                outcome=verdict.outcome.value,
+                reason=verdict.reason,
+                exit_code=result.exit_code,
+                result={"message": verdict.reason, "outcome": verdict.outcome.value},
+            )
+        except TransitionError as again:
+            self._emit(
+                "stale_report", job=run.job.id, attempt=run.attempt.number, why=again.message
+            )
+        except Exception:
+            self._running[run.job.id] = run  # tried again on the next tick
+            self._completions.put(result)
+            raise
+
+    def _free_server(self, run: RunningAttempt, result: LaunchResult, now: float) -> None:
         server = run.server
         if (
             server is not None
@@ -740,17 +911,23 @@ class Broker(WarmServing):
             server.state = ServerState.IDLE
             server.idle_since = now
             server.jobs_served += 1
+
+    def _after_cuda_oom(
+        self, run: RunningAttempt, verdict: Verdict, holder: str, now: float
+    ) -> None:
         if verdict.outcome is Outcome.CUDA_OOM:
             # it ran out with the GPU to itself: what it asked for is wrong; the next
             # jobs of its type are admitted with half as much again as it reached
             need = max(self.footprint(run.jobtype, run.job.vram_bytes), self.vram.peak(holder))
             self._raise_footprint(run.jobtype, int(need * 1.5), None, run.job.id, now)
-        if run.attempt.gpu_uuid is not None:
-            self._measure(run, now)
+
+    def _note_run_time(self, run: RunningAttempt, result: LaunchResult, verdict: Verdict) -> None:
         if verdict.outcome is Outcome.SUCCEEDED:
             self._run_times.setdefault(run.jobtype.name, deque(maxlen=RUN_TIME_WINDOW)).append(
                 result.ended_at - result.started_at
             )
+
+    def _touch_bundle(self, run: RunningAttempt) -> None:
         if run.job.bundle and run.job.queue_root:
             self.queues.touch(run.job.queue_root, run.job.bundle)
 
@@ -758,6 +935,8 @@ class Broker(WarmServing):
         """End the attempt's VRAM holding (it now waits for the reclaim gate) and,
         if the job had its GPU to itself and used more than its footprint, raise the
         type's stored footprint so the next jobs are admitted against it."""
+        if run.attempt.gpu_uuid is None:
+            return
         m = self.vram.end(run.holder, now)
         if m is not None and m.alone:
             self._raise_footprint(run.jobtype, m.peak_bytes, run.job.vram_bytes, run.job.id, now)
@@ -784,18 +963,25 @@ class Broker(WarmServing):
         run: RunningAttempt | None,
         result: LaunchResult | None,
         fields: dict[str, Any],
+        *,
+        listing: safefs.Listing | None = None,
     ) -> dict[str, Any]:
-        """What a job's result.json holds beyond the job row itself."""
+        """What a job's result.json holds beyond the job row itself. ``outputs``
+        are the regular files of the attempt's ``out/``; ``refused`` names every
+        entry that is not one (a link, a FIFO, a device, a folder too deep), why,
+        and what its warm server's exchange folder refused."""
         jobtype = self.registry.types.get(job.type)
         extra: dict[str, Any] = dict(fields)
         if jobtype is not None:
             extra["module_fingerprint"] = self.registry.module_of(jobtype).fingerprint
         if run is not None and result is not None:
-            out_dir = run.attempt_dir / "out"
-            extra["output_dir"] = str(out_dir)
-            extra["outputs"] = sorted(
-                str(p.relative_to(out_dir)) for p in out_dir.rglob("*") if p.is_file()
-            )
+            extra["output_dir"] = str(run.attempt_dir / "out")
+            if listing is None:
+                listing = attemptfs.list_outputs(run.attempt_dir)
+            extra["outputs"] = sorted(e.path for e in listing.files)
+            extra["refused"] = [*listing.refused_json(), *run.exchange_refused]
+            if listing.truncated:
+                extra["outputs_truncated"] = listing.truncated
             extra["gpu"] = run.attempt.gpu_uuid
             if result.oom_killed is not None:
                 extra["oom_killed"] = result.oom_killed
@@ -826,9 +1012,10 @@ class Broker(WarmServing):
     # -- status and events --------------------------------------------------
 
     def _publish(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
-        for event in self.store.events(after_id=self._event_cursor):
-            self.events.write(event)
-            self._event_cursor = event.id or self._event_cursor
+        batch = self.store.events(after_id=self._event_cursor)
+        if batch:
+            self.events.write_events(batch)  # the log's cursor moves past them too
+            self._event_cursor = batch[-1].id or self._event_cursor
         since = now - self._last_status
         due = since >= self.config.broker.status_interval_s
         if not (force or due or (self._status_dirty and since >= _MIN_STATUS_GAP_S)):
@@ -925,12 +1112,3 @@ class Broker(WarmServing):
 def _is_input(jobtype: JobType, name: str) -> bool:
     spec = jobtype.param(name)
     return spec is not None and spec.type.value == "input"
-
-
-def _read_message(path: Path) -> str | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    msg = data.get("message") if isinstance(data, dict) else None
-    return str(msg)[:2000] if msg is not None else None

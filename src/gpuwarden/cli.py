@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden import __version__, explain
+from gpuwarden import __version__, explain, safefs
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.broker import result_json
 from gpuwarden.cluster import cli as cluster_cli
@@ -48,7 +48,7 @@ from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import QueuedJob, never_fits
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
-from gpuwarden.eventlog import EventLog, NullLog
+from gpuwarden.eventlog import CURSOR_FILE, EventLog, NullLog
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
@@ -484,6 +484,10 @@ def _print_result(
     if result.get("status") != "done" and result.get("reason"):
         grid.add_row("reason", result["reason"])
     grid.add_row("attempts", str(result.get("attempts")))
+    for entry in result.get("refused") or []:
+        grid.add_row("refused", escape(f"{entry['path']} ({entry['kind']}): {entry['why']}"))
+    if result.get("message_file"):
+        grid.add_row("note", escape(str(result["message_file"])))
     out.print(grid)
     if outputs_dir is None:
         return
@@ -494,22 +498,42 @@ def _print_result(
         else:
             note = "" if kept else "  (removed on exit; --keep keeps it)"
             out.print(f"[bold]output[/]    {path}{note}")
-        out.print(f"[bold]content[/]   {_preview(path)}")
+        out.print(f"[bold]content[/]   {_preview(outputs_dir, rel)}")
     if result.get("status") != "done" and result.get("stderr"):
         out.print("[bold]stderr[/]")
         out.print(result["stderr"], markup=False)
 
 
-def _preview(path: Path, limit: int = 2000) -> str:
+def _preview(outputs_dir: Path, rel: str, limit: int = 2000) -> str:
+    """The start of an output file, read like every file a job wrote: without
+    following a link, never blocking, at most ``limit`` bytes."""
     try:
-        data = path.read_bytes()
-    except OSError as exc:
+        fd = safefs.open_file(rel, under=outputs_dir)
+    except (OSError, safefs.UnsafePathError) as exc:
         return f"(cannot read: {exc})"
     try:
-        text = data[:limit].decode()
+        size = os.fstat(fd).st_size
+        data = os.read(fd, limit)
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode()
     except UnicodeDecodeError:
-        return f"({len(data)} bytes of binary data)"
-    return text + ("..." if len(data) > limit else "")
+        return f"({size} bytes of binary data)"
+    return text + ("..." if size > limit else "")
+
+
+def _copy_outputs(src: Path, dest: Path) -> None:
+    """Copy a job's output folder to ``dest`` the safe way (regular files and
+    folders only, never through a link; a name already in ``dest`` is kept), and
+    say what was not copied."""
+    if dest.exists() or dest.is_symlink():
+        with safefs.opened_dir(dest) as fd:  # a link at dest is refused, not followed
+            listing = safefs.copy_into(src, fd)
+    else:
+        listing = safefs.copy_tree(src, dest)
+    for entry in listing.refused:
+        err.print(f"[yellow]not copied:[/] {escape(entry.path)}: {escape(entry.why)}")
 
 
 # -- commands -------------------------------------------------------------------
@@ -539,14 +563,17 @@ def cmd_run_once(args: argparse.Namespace) -> int:
         outputs: Path | None = None
         if "output_dir" in job.result:
             outputs = tmp / "outputs"
-            shutil.copytree(job.result["output_dir"], outputs, dirs_exist_ok=True)
+            _copy_outputs(Path(job.result["output_dir"]), outputs)
         _print_result(result, outputs, kept=args.keep)
         if args.keep:
             out.print(f"[bold]kept[/]      {tmp}")
         return 0 if job.state is JobState.DONE else 1
     finally:
         if not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:  # what the job left there is removed without following a link
+                safefs.remove_tree(tmp)
+            except (OSError, safefs.UnsafePathError) as exc:
+                err.print(f"[yellow]warning:[/] could not remove {tmp}: {escape(str(exc))}")
 
 
 def _drive(broker: Any, job_id: str) -> Job:
@@ -577,7 +604,13 @@ def _drive(broker: Any, job_id: str) -> Job:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     config = _config(args)
-    events = EventLog(args.log) if args.log else EventLog(stream=sys.stdout)
+    # a log file keeps a cursor in the state directory: a restart writes the events
+    # the last run had not written yet, none twice (SPEC.md section 9, "Event log")
+    events = (
+        EventLog(args.log, cursor=config.state_dir / CURSOR_FILE)
+        if args.log
+        else EventLog(stream=sys.stdout)
+    )
     stop = threading.Event()
     force = threading.Event()
 
@@ -719,8 +752,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         result = result_json(job, store.attempts(job.id))
         outputs = Path(job.result["output_dir"]) if "output_dir" in job.result else None
         if outputs is not None and args.results_dir:
-            shutil.copytree(outputs, args.results_dir, dirs_exist_ok=True)
-            outputs = args.results_dir
+            _copy_outputs(outputs, Path(args.results_dir))
+            outputs = Path(args.results_dir)
         _print_result(result, outputs, kept=True)
         return 0 if job.state is JobState.DONE else 1
     finally:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpuwarden.core.classify import DEFAULT_MAX_INTERRUPTIONS
 from gpuwarden.core.launchrules import LaunchRules, Runtime, image_is_pinned
 from gpuwarden.core.model import GIB, MIB
 from gpuwarden.errors import ConfigError
@@ -53,6 +54,9 @@ class BrokerSettings(_Section):
     kill_grace_s: Annotated[float, Field(ge=0, le=600)] = 5.0
     status_interval_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     clip_chars: Annotated[int, Field(ge=256, le=10_000_000)] = 16384
+    #: times a job may be interrupted by the broker's own end (crash, SIGKILL)
+    #: before it is quarantined; interruptions spend no retry
+    max_interruptions: Annotated[int, Field(ge=0, le=100)] = DEFAULT_MAX_INTERRUPTIONS
 
 
 class VramSettings(_Section):

@@ -47,6 +47,7 @@ class _TypeToml(_Strict):
     coresident: bool = False
     timeout_s: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] = 3600.0
     max_retries: Annotated[int, Field(ge=0, le=100)] = 2
+    max_interruptions: Annotated[int, Field(ge=0, le=100)] | None = None
     description: str = ""
     params: dict[str, _ParamToml] = Field(default_factory=dict)
     # serve launch mode only
@@ -144,6 +145,7 @@ def parse_module(path: Path) -> Module:
                 coresident=t.coresident,
                 timeout_s=t.timeout_s,
                 max_retries=t.max_retries,
+                max_interruptions=t.max_interruptions,
                 params=params,
                 description=t.description,
                 keep_warm=t.keep_warm,

@@ -36,6 +36,21 @@ class ServerNote:
     reason: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ExchangeNote:
+    """Posted by a warm server's job thread before the job's result: what its
+    exchange slot showed (section 12 of SPEC.md, "Exchange folder")."""
+
+    job_id: str
+    attempt: int
+    type: str
+    epoch: int
+    #: what the server had left under the slot's name ("symlink", ...), or None
+    cleared: str | None = None
+    #: entries that could not be used, as ``{"path", "kind", "why"}``
+    refused: tuple[dict[str, str], ...] = ()
+
+
 @dataclass
 class RunningAttempt:
     """An attempt this broker started and has not drained yet (loop-owned)."""
@@ -50,6 +65,8 @@ class RunningAttempt:
     server: WarmServer | None = None  # the warm server it runs on (serve types)
     #: why its GPU stopped it ("gpu_fault" or "app_error" stop reasons)
     fault: str | None = None
+    #: what its warm server's exchange slot refused (an :class:`ExchangeNote`)
+    exchange_refused: list[dict[str, str]] = field(default_factory=list)
 
     @property
     def holder(self) -> str:

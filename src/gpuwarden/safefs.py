@@ -43,13 +43,17 @@ __all__ = [
     "Listing",
     "TooLargeError",
     "UnsafePathError",
+    "copy_into",
     "copy_tree",
     "kind_of",
     "make_dir",
+    "make_dir_at",
     "make_dirs",
     "move_entries",
     "open_dir",
+    "open_dir_at",
     "open_file",
+    "open_regular",
     "opened_dir",
     "read_bytes",
     "read_text",
@@ -691,6 +695,173 @@ def open_regular(
             st.st_ino,
         ):
             raise UnsafePathError(shown, "changed while it was opened")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+# -- folders by descriptor: exchange slots, copies into a folder held open --------
+#
+# Appended for the broker's warm-server exchange slots and the command line's
+# output copies: a folder that a hostile process may rename or replace by a link
+# is held by its descriptor, and everything below it is made relative to that.
+
+
+def open_dir_at(dir_fd: int, rel: str | os.PathLike[str]) -> int:
+    """Open the folder ``rel`` below the open folder ``dir_fd`` and return its
+    descriptor; no component may be a link (:class:`UnsafePathError`). An empty
+    ``rel`` gives a new descriptor of ``dir_fd`` itself."""
+    fd = os.dup(dir_fd)
+    shown = os.fspath(rel)
+    try:
+        for part in _parts(rel):
+            nxt = _open_at(fd, part, _O_DIR, shown)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def make_dir_at(
+    dir_fd: int,
+    name: str,
+    *,
+    mode: int = 0o700,
+    owner: tuple[int, int] | None = None,
+) -> int:
+    """Create the folder ``name`` fresh in the open folder ``dir_fd`` and return its
+    descriptor (the caller closes it).
+
+    It fails with ``FileExistsError`` if anything is there (a link included). The
+    new folder is opened without following a link and must belong to this
+    process's user: a folder swapped in by someone else between the creation and
+    the open is refused (:class:`UnsafePathError`), never chowned. Mode (not
+    reduced by the umask) and owner are set on the descriptor.
+    """
+    if not name or "/" in name or name in (".", ".."):
+        raise UnsafePathError(name, "is not a plain name")
+    os.mkdir(name, 0o700, dir_fd=dir_fd)
+    fd = _open_at(dir_fd, name, _O_DIR, name)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise UnsafePathError(name, "was replaced by someone else's folder as it was created")
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def copy_into(
+    src: str | os.PathLike[str],
+    dst_fd: int,
+    *,
+    under: str | os.PathLike[str] | None = None,
+    owner: tuple[int, int] | None = None,
+    max_bytes: int | None = None,
+    max_entries: int = MAX_ENTRIES,
+    max_depth: int = MAX_DEPTH,
+    dir_mode: int = 0o700,
+    file_mode: int = 0o600,
+) -> Listing:
+    """Copy the regular files and folders of the tree at ``src`` into the open
+    folder ``dst_fd``, by descriptor on both sides (:func:`copy_tree` into a folder
+    that already exists).
+
+    Every folder and file it creates is new, with ``owner`` and the modes set on
+    its descriptor. A name already in the destination is never replaced: an
+    existing real folder is entered (its mode and owner left alone), anything
+    else there keeps its place and the entry is listed in ``refused``
+    (``already in the destination``). What is not a regular file or a folder in
+    ``src`` is listed in ``refused`` too. Past ``max_bytes`` it stops with
+    :class:`TooLargeError`. A missing ``src`` copies nothing.
+    """
+    listing = Listing()
+    try:
+        src_fd = open_dir(src, under=under)
+    except FileNotFoundError:
+        return listing
+    dst_fds: dict[str, int] = {}
+    try:
+        dst_fds[""] = os.dup(dst_fd)
+        for rel, name, st, parent_fd, why in _walk_fd(
+            src_fd, max_entries=max_entries, max_depth=max_depth
+        ):
+            if why:
+                if why.startswith("more than"):
+                    listing.truncated = f"stopped after {max_entries} entries"
+                listing.refused.append(Entry(rel, kind_of(st.st_mode), 0, why))
+                continue
+            out_parent = dst_fds.get(rel.rpartition("/")[0])
+            if out_parent is None:
+                continue  # its folder was refused
+            if stat.S_ISDIR(st.st_mode):
+                sub = _enter_or_make(out_parent, name, rel, owner=owner, mode=dir_mode)
+                if sub is None:
+                    listing.refused.append(
+                        Entry(rel, "folder", 0, "already in the destination, not as a folder")
+                    )
+                    continue
+                dst_fds[rel] = sub
+                listing.dirs.append(rel)
+                continue
+            try:
+                in_fd = _open_at(parent_fd, name, _O_READ, rel)
+            except (UnsafePathError, FileNotFoundError):
+                listing.refused.append(Entry(rel, "file", 0, "changed while it was copied"))
+                continue
+            try:
+                in_st = os.fstat(in_fd)
+                if not stat.S_ISREG(in_st.st_mode):
+                    listing.refused.append(
+                        Entry(rel, kind_of(in_st.st_mode), 0, "changed while it was copied")
+                    )
+                    continue
+                budget = None if max_bytes is None else max_bytes - listing.total_bytes
+                try:
+                    copied = _copy_fd(
+                        in_fd, out_parent, name, budget=budget, owner=owner, mode=file_mode
+                    )
+                except FileExistsError:
+                    listing.refused.append(
+                        Entry(rel, "file", 0, "already in the destination; left as it was")
+                    )
+                    continue
+            finally:
+                os.close(in_fd)
+            if copied is None:
+                raise TooLargeError(os.fspath(src), f"holds more than {max_bytes} bytes")
+            listing.files.append(Entry(rel, "file", copied))
+            listing.total_bytes += copied
+    finally:
+        os.close(src_fd)
+        for fd in dst_fds.values():
+            os.close(fd)
+    return listing
+
+
+def _enter_or_make(
+    parent_fd: int, name: str, rel: str, *, owner: tuple[int, int] | None, mode: int
+) -> int | None:
+    """A descriptor of the folder ``name`` in ``parent_fd``: created fresh, or the
+    real folder already there; None when something else has the name."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    except FileExistsError:
+        try:
+            return _open_at(parent_fd, name, _O_DIR, rel)
+        except UnsafePathError:
+            return None
+    fd = _open_at(parent_fd, name, _O_DIR, rel)
+    try:
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
         raise

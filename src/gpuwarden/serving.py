@@ -8,20 +8,20 @@ messages (:class:`RunningAttempt` results and :class:`ServerNote`) back.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import queue
-import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpuwarden import attemptfs, safefs
+from gpuwarden.attemptfs import ExchangeError, ExchangeSlot
 from gpuwarden.config import Config
 from gpuwarden.core import policy
 from gpuwarden.core.ledger import HoldState
@@ -39,7 +39,7 @@ from gpuwarden.launch.serve import (
     placement_check,
 )
 from gpuwarden.registry import Registry
-from gpuwarden.running import RunningAttempt, ServerNote, Started
+from gpuwarden.running import ExchangeNote, RunningAttempt, ServerNote, Started
 from gpuwarden.store.base import Store
 from gpuwarden.vram import VramBook
 from gpuwarden.warm import ServerState, WarmPool, WarmServer
@@ -62,7 +62,7 @@ class WarmServing:
     _running: dict[str, RunningAttempt]
     _waits: dict[str, str]
     _status_dirty: bool
-    _completions: queue.Queue[LaunchResult | Started | ServerNote]
+    _completions: queue.Queue[LaunchResult | Started | ServerNote | ExchangeNote]
     _wake: threading.Event
     _jobs_dir: Path
 
@@ -77,6 +77,10 @@ class WarmServing:
         def _base_env(self, gpu: str | None) -> dict[str, str]: ...
 
         def sandbox_for(self, jobtype: JobType) -> SandboxLauncher | None: ...
+
+        def sandbox_owner(self, jobtype: JobType) -> tuple[int, int] | None: ...
+
+        def _make_attempt_dir(self, run: RunningAttempt, now: float) -> None: ...
 
         def gpu_access(self, gpu: str | None) -> tuple[str | None, tuple[Mount, ...]]: ...
 
@@ -104,8 +108,10 @@ class WarmServing:
         self._status_dirty = True
         fresh: WarmServer | None = None
         try:
-            for d in (attempt_dir / "out", attempt_dir / "scratch"):
-                d.mkdir(parents=True, exist_ok=True)
+            # the server never sees this folder: its job's files pass through the
+            # server's exchange folder, and the outputs are moved here afterwards
+            self._make_attempt_dir(run, now)
+            safefs.make_dir(attempt_dir / "out")
             if server is None or not decision.warm:
                 server = fresh = self._new_server(jobtype, gpu, job.priority, now)
                 target = self._load_and_serve
@@ -148,7 +154,12 @@ class WarmServing:
 
     def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
         epoch = self.warm.next_epoch()
-        log_dir = self.config.state_dir / "warm" / f"{jobtype.name}-{epoch}"
+        warm_dir = self.config.state_dir / "warm"
+        attemptfs.own_dir(warm_dir)
+        log_dir = warm_dir / f"{jobtype.name}-{epoch}"
+        safefs.make_dir(log_dir)  # fresh: an epoch is never reused
+        # the folder every job of the server passes through (its mount, in a sandbox)
+        safefs.make_dir(log_dir / "exchange", mode=attemptfs.EXCHANGE_MODE)
         sandbox = self.sandbox_for(jobtype)
         env = self._base_env(gpu)
         env["GPUWARDEN_JOB_TYPE"] = jobtype.name
@@ -218,7 +229,9 @@ class WarmServing:
         change while it runs, so the jobs' own folders are never mounted)."""
         log_dir = Path(request.attempt_dir)
         exchange = log_dir / "exchange"
-        exchange.mkdir(parents=True, exist_ok=True)
+        # its load scratch (a bind mount when [sandbox] scratch_mib = 0), the
+        # sandbox's user's like an attempt's
+        safefs.make_dir(log_dir / "scratch", owner=self.sandbox_owner(jobtype))
         weights = self.config.sandbox.weights_dir
         gpu_uuid, gpu_mounts = self.gpu_access(gpu)
         mounts = mounts_for(
@@ -257,6 +270,13 @@ class WarmServing:
             self._serve_one(server, run, started)
         except ServeError as exc:
             self._lost(server, run, started, f"it {stage}: {exc}; its processes are confirmed gone")
+        except ExchangeError as exc:
+            why = f"its exchange folder could not be used safely: {exc.message}"
+            try:
+                server.worker.stop(why)
+            except Exception:
+                log.exception("stopping %s failed", server.holder)
+            self._lost(server, run, started, f"{why}; it was stopped")
         except Exception as exc:  # a bug or an OS error must still end the attempt
             log.exception("serving %s on %s failed", run.job.id, server.holder)
             try:
@@ -291,67 +311,77 @@ class WarmServing:
 
     def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
         input_dir, params = self._params(run)
-        out_dir, scratch = run.attempt_dir / "out", run.attempt_dir / "scratch"
-        mounts = server.worker.request.mounts
-        if not mounts:
-            report = server.worker.run_job(
-                run.job.id,
-                run.attempt.number,
-                params,
-                input_dir,
-                out_dir,
-                scratch,
-                run.jobtype.timeout_s,
-            )
-        else:
-            report = self._serve_through_exchange(server, run, input_dir, params)
+        report = self._serve_through_exchange(server, run, input_dir, params)
         self._after_served(server, run, started, report)
 
     def _serve_through_exchange(
         self, server: WarmServer, run: RunningAttempt, input_dir: Path, params: dict[str, Any]
     ) -> JobReport:
-        """A sandboxed server gets copies of the job's inputs in its exchange folder
-        and writes its outputs there; they are moved to the attempt's ``out/``."""
-        exchange = Path(server.worker.request.attempt_dir) / "exchange"
-        slot = exchange / f"{run.job.id}-{run.attempt.number}"
-        inside = INSIDE / "output" / slot.name
-        shutil.rmtree(slot, ignore_errors=True)
-        for sub in ("in", "out", "scratch"):
-            (slot / sub).mkdir(parents=True)
-        if input_dir.is_dir():
-            shutil.copytree(input_dir, slot / "in", dirs_exist_ok=True)
-        staged = dict(params)
-        for spec in run.jobtype.params:
-            if spec.type.value == "input" and spec.name in staged:
-                rel = Path(str(staged[spec.name])).relative_to(input_dir)
-                staged[spec.name] = str(inside / "in" / rel)
-        sandbox = self.sandbox_for(run.jobtype)
-        if sandbox is not None and os.geteuid() == 0 and sandbox.runtime.needs_image:
-            for p in [slot, *slot.rglob("*")]:
-                os.chown(p, sandbox.limits.uid, sandbox.limits.gid)
+        """Every job reaches its warm server through the server's exchange folder
+        (sandboxed or not: a server outlives its jobs, so it never gets a job's own
+        folders). The job's slot ``<job>-<attempt>`` is made fresh there, whatever
+        the server left under that name removed unfollowed; the job's inputs are
+        copied in and its outputs moved to the attempt's ``out/`` by descriptor
+        (:class:`gpuwarden.attemptfs.ExchangeSlot`)."""
+        request = server.worker.request
+        sandboxed = bool(request.mounts)
+        slot = ExchangeSlot(
+            Path(request.attempt_dir) / "exchange",
+            f"{run.job.id}-{run.attempt.number}",
+            owner=self.sandbox_owner(server.type) if sandboxed else None,
+        )
+        seen = Path(INSIDE / "output" / slot.name) if sandboxed else slot.path
+        failing = True
         try:
-            return server.worker.run_job(
+            slot.open(input_dir)
+            staged = dict(params)
+            for spec in run.jobtype.params:
+                if spec.type.value == "input" and spec.name in staged:
+                    rel = Path(str(staged[spec.name])).relative_to(input_dir)
+                    staged[spec.name] = str(seen / "in" / rel)
+            report = server.worker.run_job(
                 run.job.id,
                 run.attempt.number,
                 staged,
-                Path(inside / "in"),
-                Path(inside / "out"),
-                Path(inside / "scratch"),
+                seen / "in",
+                seen / "out",
+                seen / "scratch",
                 run.jobtype.timeout_s,
             )
+            failing = False
+            return report
         finally:
-            out_dir = run.attempt_dir / "out"
-            out_dir.mkdir(parents=True, exist_ok=True)
-            for item in (slot / "out").iterdir() if (slot / "out").is_dir() else ():
-                with contextlib.suppress(OSError):
-                    shutil.move(str(item), out_dir / item.name)
-            shutil.rmtree(slot, ignore_errors=True)
+            try:
+                slot.collect(run.attempt_dir / "out")
+            except Exception:  # never hides why the job itself ended
+                log.exception("collecting the outputs of %s from %s failed", run.holder, slot.path)
+                slot.refused.append(
+                    {"path": ".", "kind": "output folder", "why": "its outputs could not be moved"}
+                )
+            self._post(
+                ExchangeNote(
+                    run.job.id,
+                    run.attempt.number,
+                    server.type.name,
+                    server.epoch,
+                    cleared=slot.cleared,
+                    refused=tuple(slot.refused),
+                )
+            )
+            try:
+                slot.close()
+            except ExchangeError:
+                if not failing:
+                    raise
+                log.exception("removing %s failed", slot.path)  # the first error stands
 
     def _after_served(
         self, server: WarmServer, run: RunningAttempt, started: float, report: JobReport
     ) -> None:
         if report.message:
-            (run.attempt_dir / "message.json").write_text(json.dumps({"message": report.message}))
+            attemptfs.write_new_file(
+                run.attempt_dir / "message.json", json.dumps({"message": report.message}).encode()
+            )
         for stale in report.stale_dropped:
             self._post(
                 ServerNote(server.type.name, server.epoch, "stale", reason=json.dumps(stale))
@@ -385,7 +415,7 @@ class WarmServing:
             stopped=stopped,
         )
 
-    def _post(self, item: LaunchResult | Started | ServerNote) -> None:
+    def _post(self, item: LaunchResult | Started | ServerNote | ExchangeNote) -> None:
         self._completions.put(item)
         self._wake.set()
 

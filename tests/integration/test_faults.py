@@ -247,3 +247,59 @@ def test_a_gpu_that_stops_answering_pauses_vram_admission_and_cpu_jobs_go_on(
     device.set_hang(first, False)
     run_until(node, lambda: state(node, "blocked").terminal)
     assert state(node, "blocked") is JobState.DONE and "probe_recovered" in kinds(node)
+
+
+# -- interruptions by the broker's own end -----------------------------------------------
+
+
+def crash_during(config: Config, job_id: str, times: int) -> None:
+    """``times`` brokers in a row start the job's attempt and die before it ends
+    (each next one recovers what the last left)."""
+    for _ in range(times):
+        with open_node(config, mock_gpu=True) as n:
+            n.broker.recover()
+            n.store.start_attempt(job_id, node="faultnode", gpu_uuid=None, now=time.time())
+            # ...and the broker is gone: nothing finishes the attempt
+
+
+def test_interruptions_spend_no_retry_until_max_interruptions(tmp_path: Path) -> None:
+    base = make_config(tmp_path)
+    config = base.model_copy(
+        update={"broker": base.broker.model_copy(update={"max_interruptions": 2})}
+    )
+    with open_node(config, mock_gpu=True) as n:
+        submit(n, JobSpec(id="crashy", type="testmods.sleep", params={"seconds": 0.1}))
+    crash_during(config, "crashy", 2)
+    with open_node(config, mock_gpu=True) as n:
+        n.broker.recover()
+        # two interruptions with max_retries = 1: still queued, its retry unspent
+        assert state(n, "crashy") is JobState.QUEUED
+        assert [a.outcome for a in n.store.attempts("crashy")] == ["interrupted"] * 2
+    crash_during(config, "crashy", 1)
+    with open_node(config, mock_gpu=True) as n:
+        n.broker.recover()
+        job = n.store.get_job("crashy")
+        assert job is not None and job.state is JobState.QUARANTINED
+        assert "during 3 of its attempts (max_interruptions = 2)" in job.reason
+        assert "may be what takes the broker down" in job.reason
+        n.broker.shutdown(0)
+
+
+def test_a_type_sets_its_own_max_interruptions_in_module_toml(tmp_path: Path) -> None:
+    module = tmp_path / "mods" / "fragile"
+    (module / "src").mkdir(parents=True)
+    (module / "module.toml").write_text(
+        '[module]\nname = "fragile"\n\n[types.once]\nlane = "cpu"\n'
+        'command = ["{python}", "-c", "pass"]\nmax_interruptions = 0\n'
+    )
+    config = make_config(tmp_path).model_copy(update={"module_paths": [tmp_path / "mods"]})
+    with open_node(config, mock_gpu=True) as n:
+        assert n.broker.max_interruptions(n.broker.registry.get("fragile.once")) == 0
+        submit(n, JobSpec(id="f", type="fragile.once"))
+    crash_during(config, "f", 1)
+    with open_node(config, mock_gpu=True) as n:
+        n.broker.recover()
+        job = n.store.get_job("f")
+        assert job is not None and job.state is JobState.QUARANTINED
+        assert "(max_interruptions = 0)" in job.reason
+        n.broker.shutdown(0)

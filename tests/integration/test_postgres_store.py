@@ -483,3 +483,15 @@ def test_open_store_picks_postgres_for_a_url(pg_url: str, pg_schema: str) -> Non
         store.close()
     with _raw(pg_url, pg_schema) as conn:
         assert conn.execute("SELECT id FROM jobs").fetchall() == [("a",)]
+
+
+def test_unavailable_means_the_database_could_not_be_reached_now(
+    open_pg: Callable[[], PostgresStore], pg_url: str, pg_schema: str
+) -> None:
+    store = open_pg()
+    with pytest.raises(psycopg.OperationalError) as refused:
+        psycopg.connect("postgresql://gpuwarden@127.0.0.1:1/none", connect_timeout=2)
+    assert store.unavailable(refused.value) is True  # a server not there (yet)
+    with _raw(pg_url, pg_schema) as conn, pytest.raises(psycopg.Error) as broken:
+        conn.execute("SELECT * FROM no_such_table")
+    assert store.unavailable(broken.value) is False  # a bug's error: never "try later"

@@ -400,3 +400,96 @@ def test_open_regular_never_opens_what_is_not_a_regular_file(
     for name in ("fifo", "zero", "link", "dir"):
         named = [flags for p, flags in opened if p.rpartition("/")[2] == name]
         assert named and all(flags & os.O_PATH for flags in named), (name, opened)
+
+
+# -- folders by descriptor (appended with make_dir_at, open_dir_at, copy_into) ----
+
+
+def test_make_dir_at_creates_fresh_below_a_held_folder_even_if_its_name_moves(
+    tmp_path: Path,
+) -> None:
+    slot = tmp_path / "slot"
+    slot.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    with safefs.opened_dir(slot) as fd:
+        # the folder's name now leads elsewhere: a link where it was
+        slot.rename(tmp_path / "moved")
+        slot.symlink_to(outside)
+        assert slot.is_symlink() and slot.resolve() == outside
+        sub = safefs.make_dir_at(fd, "out", mode=0o750)
+        os.close(sub)
+    assert (tmp_path / "moved" / "out").is_dir()
+    assert stat.S_IMODE(os.lstat(tmp_path / "moved" / "out").st_mode) == 0o750
+    assert list(outside.iterdir()) == []  # nothing went through the link
+
+
+def test_make_dir_at_fails_if_anything_is_there(tmp_path: Path, secret: Path) -> None:
+    (tmp_path / "out").symlink_to(secret.parent)
+    assert (tmp_path / "out").is_symlink()
+    with safefs.opened_dir(tmp_path) as fd:
+        with pytest.raises(FileExistsError):
+            safefs.make_dir_at(fd, "out")
+        with pytest.raises(UnsafePathError, match="plain name"):
+            safefs.make_dir_at(fd, "a/b")
+    assert (tmp_path / "out").is_symlink()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_make_dir_at_chowns_the_new_folder_only(tmp_path: Path) -> None:
+    with safefs.opened_dir(tmp_path) as fd:
+        os.close(safefs.make_dir_at(fd, "slot", owner=(65534, 65534)))
+    st = os.lstat(tmp_path / "slot")
+    assert (st.st_uid, st.st_gid) == (65534, 65534)
+    assert os.lstat(tmp_path).st_uid == 0
+
+
+def test_open_dir_at_refuses_a_link_in_any_component(tmp_path: Path, secret: Path) -> None:
+    (tmp_path / "slot").mkdir()
+    (tmp_path / "slot" / "out").symlink_to(secret.parent)
+    assert (tmp_path / "slot" / "out").is_symlink()
+    with safefs.opened_dir(tmp_path) as fd:
+        with pytest.raises(UnsafePathError, match="symlink"):
+            safefs.open_dir_at(fd, "slot/out")
+        sub = safefs.open_dir_at(fd, "slot")
+        os.close(sub)
+
+
+def test_copy_into_copies_into_a_held_folder_and_never_replaces(
+    tmp_path: Path, secret: Path
+) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "a").write_text("A")
+    (src / "b").write_text("new b")
+    (src / "d" / "c").write_text("C")
+    (src / "leak").symlink_to(secret)
+    os.mkfifo(src / "pipe")
+    dst = tmp_path / "dst"
+    (dst / "d").mkdir(parents=True)
+    (dst / "b").write_text("old b")
+    with safefs.opened_dir(dst) as fd:
+        listing = safefs.copy_into(src, fd, file_mode=0o640)
+    assert (dst / "a").read_text() == "A"
+    assert stat.S_IMODE(os.lstat(dst / "a").st_mode) == 0o640
+    assert (dst / "b").read_text() == "old b"  # never replaced
+    assert (dst / "d" / "c").read_text() == "C"  # an existing folder is entered
+    assert not os.path.lexists(dst / "leak") and not os.path.lexists(dst / "pipe")
+    refused = {e.path: e.why for e in listing.refused}
+    assert set(refused) == {"b", "leak", "pipe"}
+    assert "already in the destination" in refused["b"]
+    assert sorted(e.path for e in listing.files) == ["a", "d/c"]
+
+
+def test_copy_into_refuses_a_link_where_a_folder_would_go(tmp_path: Path, secret: Path) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "x").write_text("x")
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "d").symlink_to(secret.parent)
+    assert (dst / "d").is_symlink()
+    with safefs.opened_dir(dst) as fd:
+        listing = safefs.copy_into(src, fd)
+    assert [e.path for e in listing.refused] == ["d"]
+    assert not (secret.parent / "x").exists()

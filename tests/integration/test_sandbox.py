@@ -39,6 +39,7 @@ from gpuwarden.config import Config
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
+from gpuwarden.intake.jobs import prepare
 from gpuwarden.launch.base import INSIDE, LaunchRequest, Mount, attempt_marker
 from gpuwarden.launch.host import find_attempt_processes
 from gpuwarden.launch.sandbox import (
@@ -48,6 +49,7 @@ from gpuwarden.launch.sandbox import (
     mounts_for,
 )
 from gpuwarden.launch.serve import ServeError, ServeWorker
+from gpuwarden.store.base import Submission
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
 
@@ -134,13 +136,12 @@ def test_the_probe_sees_no_network_no_capabilities_and_nothing_else_of_the_host(
         params={"marker": str(marker), "input": "scan.txt", "connect": f"127.0.0.1:{port}"},
         inputs=("scan.txt",),
     )
-    submit(node, spec)
-    job = node.store.get_job("probe1")
-    assert job is not None
-    # the inputs go where the broker looks for them (what intake does for a bundle)
-    attempt_inputs = node.broker.config.state_dir / "jobs" / "probe1" / "attempt-1" / "inputs"
-    attempt_inputs.mkdir(parents=True)
-    (attempt_inputs / "scan.txt").write_text("input data")
+    # the job's input folder, as intake records it for a bundle
+    node.store.submit(
+        [prepare(node.broker.registry, spec)],
+        now=time.time(),
+        origin=Submission(input_dir=str(inputs)),
+    )
     with listener:
         run_until(node, lambda: ended(node, "probe1"), timeout=90)
     job = node.store.get_job("probe1")

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sqlite3
+import stat
 from pathlib import Path
+
+import pytest
 
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
@@ -102,5 +106,30 @@ def test_migrating_an_older_database_keeps_its_jobs(tmp_path: Path) -> None:
         assert store.schema_version() == max(v for v, _, _ in load_migrations("sqlite"))
         store.submit([JobSpec(id="new", type="echo.echo", params={})], now=3.0)
         assert store.get_job("new") is not None
+    finally:
+        store.close()
+
+
+def test_a_locked_database_is_unavailable_and_the_file_is_private(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "gpuwarden.db"
+    store = SqliteStore(path, busy_timeout_s=0.05)
+    try:
+        # created 0600 before SQLite opened it; its WAL and SHM files follow its mode
+        for f in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            assert stat.S_IMODE(os.lstat(f).st_mode) == 0o600, f
+        assert stat.S_IMODE(os.lstat(path.parent).st_mode) == 0o700
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN EXCLUSIVE")  # another process holds the write lock
+        try:
+            with pytest.raises(sqlite3.OperationalError) as locked:
+                store.submit([JobSpec(id="x", type="echo.echo", params={"text": "x"})], now=1.0)
+            assert "locked" in str(locked.value)  # the fault is in place
+            assert store.unavailable(locked.value) is True
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        with pytest.raises(sqlite3.OperationalError) as broken, sqlite3.connect(path) as db:
+            db.execute("SELECT * FROM no_such_table")  # a bug's error, not "not now"
+        assert store.unavailable(broken.value) is False
     finally:
         store.close()

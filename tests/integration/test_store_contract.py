@@ -452,3 +452,14 @@ def test_constraints_round_trip(store: Store) -> None:
     listed = {j.id: j.constraints for j in store.list_jobs()}
     assert listed == {"c": want, "plain": {}}
     assert {j.id: j.constraints for j in store.queued_jobs()} == listed
+
+
+def test_unavailable_is_false_for_what_the_store_refused(store: Store) -> None:
+    store.submit([spec("u")], now=1.0)
+    with pytest.raises(TransitionError) as refused:
+        store.transition("u", JobState.DONE, now=2.0)
+    assert store.unavailable(refused.value) is False
+    with pytest.raises(UnknownJobError) as unknown:
+        store.request_cancel("nobody", now=2.0)
+    assert store.unavailable(unknown.value) is False
+    assert store.unavailable(ValueError("a bug")) is False

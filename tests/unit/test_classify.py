@@ -10,6 +10,8 @@ from gpuwarden.core.classify import (
     Outcome,
     Verdict,
     classify,
+    internal_error,
+    interruptions_before,
     is_cuda_oom,
 )
 from gpuwarden.core.states import JobState
@@ -140,21 +142,18 @@ def test_cancel_wins_over_a_non_zero_exit_when_stopped() -> None:
 # --- infrastructure failures: retried up to max_retries, then given up --------------
 
 
-@pytest.mark.parametrize(
-    ("facts", "reason"),
-    [(LAUNCH, LAUNCH_REASON), (INTERRUPTED, INTERRUPTED_REASON)],
-    ids=["launch_error", "interrupted"],
-)
-def test_infrastructure_retry_sequence(facts: AttemptFacts, reason: str) -> None:
-    outcome = Outcome.LAUNCH_ERROR if facts.launch_error else Outcome.INTERRUPTED
-    assert classify(facts, attempt=1, max_retries=2) == Verdict(
-        outcome, JobState.QUEUED, f"{reason}; retrying (1/2)"
+def test_infrastructure_retry_sequence() -> None:
+    outcome = Outcome.LAUNCH_ERROR
+    assert classify(LAUNCH, attempt=1, max_retries=2) == Verdict(
+        outcome, JobState.QUEUED, f"{LAUNCH_REASON}; retrying (1/2)"
     )
-    assert classify(facts, attempt=2, max_retries=2) == Verdict(
-        outcome, JobState.QUEUED, f"{reason}; retrying (2/2)"
+    assert classify(LAUNCH, attempt=2, max_retries=2) == Verdict(
+        outcome, JobState.QUEUED, f"{LAUNCH_REASON}; retrying (2/2)"
     )
-    assert classify(facts, attempt=3, max_retries=2) == Verdict(
-        outcome, JobState.QUARANTINED, f"{reason}; {QUARANTINED_AFTER.format(n=3, s='s')}"
+    assert classify(LAUNCH, attempt=3, max_retries=2) == Verdict(
+        outcome,
+        JobState.QUARANTINED,
+        f"{LAUNCH_REASON}; {QUARANTINED_AFTER.format(n=3, s='s')}",
     )
 
 
@@ -170,16 +169,78 @@ def test_no_retries_allowed() -> None:
 @pytest.mark.parametrize("max_retries", range(5))
 @pytest.mark.parametrize("attempt", range(1, 8))
 def test_infrastructure_retried_while_attempt_within_max(attempt: int, max_retries: int) -> None:
-    for facts in (LAUNCH, INTERRUPTED):
-        verdict = classify(facts, attempt=attempt, max_retries=max_retries)
-        assert verdict.outcome in INFRASTRUCTURE
-        if attempt <= max_retries:
-            assert verdict.target is JobState.QUEUED
-            assert verdict.reason.endswith(f"; retrying ({attempt}/{max_retries})")
-        else:
-            assert verdict.target is JobState.QUARANTINED
-            plural = "" if attempt == 1 else "s"
-            assert verdict.reason.endswith(QUARANTINED_AFTER.format(n=attempt, s=plural))
+    verdict = classify(LAUNCH, attempt=attempt, max_retries=max_retries)
+    assert verdict.outcome in INFRASTRUCTURE
+    if attempt <= max_retries:
+        assert verdict.target is JobState.QUEUED
+        assert verdict.reason.endswith(f"; retrying ({attempt}/{max_retries})")
+    else:
+        assert verdict.target is JobState.QUARANTINED
+        plural = "" if attempt == 1 else "s"
+        assert verdict.reason.endswith(QUARANTINED_AFTER.format(n=attempt, s=plural))
+
+
+# --- interruptions: the broker's own end spends no retry ------------------------------
+
+
+@pytest.mark.parametrize("max_retries", [0, 1, 2])
+def test_an_interruption_spends_no_retry(max_retries: int) -> None:
+    for earlier in range(5):  # up to the default limit of 5, this one included
+        verdict = classify(
+            INTERRUPTED, attempt=earlier + 1, max_retries=max_retries, interruptions=earlier
+        )
+        assert verdict == Verdict(
+            Outcome.INTERRUPTED,
+            JobState.QUEUED,
+            f"{INTERRUPTED_REASON}; re-queued without spending a retry "
+            f"(interruption {earlier + 1}/5)",
+        )
+
+
+def test_a_job_interrupted_past_max_interruptions_is_quarantined_saying_why() -> None:
+    verdict = classify(INTERRUPTED, attempt=3, max_retries=5, interruptions=2, max_interruptions=2)
+    assert verdict.outcome is Outcome.INTERRUPTED and verdict.target is JobState.QUARANTINED
+    assert "during 3 of its attempts (max_interruptions = 2)" in verdict.reason
+    assert "may be what takes the broker down" in verdict.reason
+    none_allowed = classify(INTERRUPTED, attempt=1, max_retries=5, max_interruptions=0)
+    assert none_allowed.target is JobState.QUARANTINED
+
+
+def test_two_broker_crashes_then_a_kill_leave_the_whole_retry_budget() -> None:
+    """The campaign that quarantined innocent jobs: max_retries = 1, the broker
+    killed twice while the job ran (attempts 1 and 2), then a real failure."""
+    killed = AttemptFacts(exit_code=-9)
+    third = classify(killed, attempt=3, max_retries=1, interruptions=2)
+    assert third.target is JobState.QUEUED and third.reason.endswith("; retrying (1/1)")
+    fourth = classify(killed, attempt=4, max_retries=1, interruptions=2)
+    assert fourth.target is JobState.QUARANTINED
+    assert fourth.reason.endswith(QUARANTINED_AFTER.format(n=4, s="s"))
+
+
+@pytest.mark.parametrize("max_retries", range(4))
+@pytest.mark.parametrize("interruptions", range(4))
+@pytest.mark.parametrize("failures", range(1, 6))
+def test_infrastructure_failures_count_without_interruptions(
+    max_retries: int, interruptions: int, failures: int
+) -> None:
+    verdict = classify(
+        LAUNCH,
+        attempt=interruptions + failures,
+        max_retries=max_retries,
+        interruptions=interruptions,
+    )
+    assert (verdict.target is JobState.QUEUED) == (failures <= max_retries)
+
+
+def test_interruptions_before_counts_interrupted_outcomes_only() -> None:
+    assert interruptions_before(["interrupted", "killed", None, "interrupted"]) == 2
+    assert interruptions_before([]) == 0
+
+
+def test_an_internal_error_fails_the_job_naming_the_error() -> None:
+    verdict = internal_error("RecursionError('maximum recursion depth exceeded')")
+    assert verdict.outcome is Outcome.INTERNAL_ERROR and verdict.target is JobState.FAILED
+    assert "RecursionError" in verdict.reason and verdict.outcome not in INFRASTRUCTURE
 
 
 @pytest.mark.parametrize("max_retries", [0, 1, 3, 100])

@@ -68,6 +68,17 @@ def test_a_real_runtime_refuses_host_types_unless_allowed(runtime: Runtime) -> N
     assert runs(LaunchRules(runtime=runtime, allow_host_jobs=True)) == {t.name for t in ALL}
 
 
+@pytest.mark.parametrize("runtime", [Runtime.PODMAN, Runtime.DOCKER, Runtime.BUBBLEWRAP])
+def test_a_host_type_beside_a_sandbox_runtime_is_marked_unsandboxed(runtime: Runtime) -> None:
+    rules = LaunchRules(runtime=runtime, allow_host_jobs=True)
+    warning = rules.unsandboxed_warning(CPU_HOST)
+    assert warning is not None and warning.startswith("UNSANDBOXED: m.cpu_host is a host type")
+    assert runtime.value in warning and "allow_host_jobs = true" in warning
+    # sandboxed types beside it are not
+    for sandboxed in (CPU_CONTAINER, VRAM_CONTAINER, VRAM_SERVE):
+        assert rules.unsandboxed_warning(sandboxed) is None
+
+
 def test_unchecked_rules_refuse_nothing() -> None:
     assert runs(LaunchRules.unchecked()) == {t.name for t in ALL}
 

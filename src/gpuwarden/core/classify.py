@@ -2,11 +2,15 @@
 
 See DESIGN.md, "Failure classification". Infrastructure failures are retried up
 to the type's ``max_retries``, then the job is quarantined with its attempt
-history; the job's own failure and a timeout are never retried.
+history; the job's own failure and a timeout are never retried. An attempt the
+broker's own end interrupted spends no retry: it counts against a limit of its
+own (``max_interruptions``), which still sets aside a job that takes the broker
+down every time it runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -27,6 +31,8 @@ class Outcome(StrEnum):
     KILLED = "killed"  # infrastructure: SIGKILL from outside (the kernel's OOM killer?)
     CUDA_OOM_SHARED = "cuda_oom_shared"  # infrastructure: CUDA OOM beside another job
     CUDA_OOM = "cuda_oom"  # CUDA OOM with the GPU to itself: its footprint is wrong
+    #: the broker failed while it completed the attempt (a bug): the job fails
+    INTERNAL_ERROR = "internal_error"
 
 
 INFRASTRUCTURE = frozenset(
@@ -39,6 +45,10 @@ INFRASTRUCTURE = frozenset(
         Outcome.CUDA_OOM_SHARED,
     }
 )
+
+#: how many times a job may be interrupted by the broker's own end (a crash, a
+#: SIGKILL) before it is quarantined: interruptions do not spend ``max_retries``
+DEFAULT_MAX_INTERRUPTIONS = 5
 
 #: what a process's stderr says when CUDA (or the simulated GPU) ran out of memory
 CUDA_OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "CUDA_ERROR_OUT_OF_MEMORY")
@@ -85,13 +95,46 @@ class Verdict:
     reason: str
 
 
-def classify(facts: AttemptFacts, *, attempt: int, max_retries: int) -> Verdict:
-    """Map an ended attempt to the job's next state and a reason a person can read."""
+def classify(
+    facts: AttemptFacts,
+    *,
+    attempt: int,
+    max_retries: int,
+    interruptions: int = 0,
+    max_interruptions: int = DEFAULT_MAX_INTERRUPTIONS,
+) -> Verdict:
+    """Map an ended attempt to the job's next state and a reason a person can read.
+
+    ``interruptions`` is how many of the job's earlier attempts ended
+    ``interrupted`` (:func:`interruptions_before`). They spend no retry: the
+    infrastructure failure of attempt ``N`` is failure ``N - interruptions``
+    against ``max_retries``. An interruption itself is re-queued while the job's
+    interruptions, this one included, are at most ``max_interruptions``, and
+    quarantined past that: a job that takes the broker down every time it runs
+    must not do so for ever.
+    """
     outcome, reason = _outcome(facts)
-    if outcome in INFRASTRUCTURE:
-        if attempt <= max_retries:
+    if outcome is Outcome.INTERRUPTED:
+        count = interruptions + 1
+        if count <= max_interruptions:
             return Verdict(
-                outcome, JobState.QUEUED, f"{reason}; retrying ({attempt}/{max_retries})"
+                outcome,
+                JobState.QUEUED,
+                f"{reason}; re-queued without spending a retry "
+                f"(interruption {count}/{max_interruptions})",
+            )
+        return Verdict(
+            outcome,
+            JobState.QUARANTINED,
+            f"{reason}; quarantined: the broker stopped unexpectedly during {count} of its "
+            f"attempts (max_interruptions = {max_interruptions}), so the job may be what "
+            "takes the broker down (each attempt's reason: `gpuwarden show JOB`)",
+        )
+    if outcome in INFRASTRUCTURE:
+        failures = attempt - interruptions
+        if failures <= max_retries:
+            return Verdict(
+                outcome, JobState.QUEUED, f"{reason}; retrying ({failures}/{max_retries})"
             )
         return Verdict(
             outcome,
@@ -104,6 +147,22 @@ def classify(facts: AttemptFacts, *, attempt: int, max_retries: int) -> Verdict:
         Outcome.CANCELLED: JobState.CANCELLED,
     }.get(outcome, JobState.FAILED)
     return Verdict(outcome, target, reason)
+
+
+def interruptions_before(outcomes: Iterable[str | None]) -> int:
+    """How many of a job's earlier attempts (their stored outcomes) were interrupted."""
+    return sum(1 for o in outcomes if o == Outcome.INTERRUPTED.value)
+
+
+def internal_error(what: str) -> Verdict:
+    """The verdict when completing an attempt failed inside the broker: the job
+    fails (it is not re-run: the same bug would meet it again) and says why."""
+    return Verdict(
+        Outcome.INTERNAL_ERROR,
+        JobState.FAILED,
+        f"internal error while the broker completed the attempt: {what} "
+        "(a gpuwarden bug: the broker's log has the traceback)",
+    )
 
 
 def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:

@@ -90,11 +90,20 @@ class LaunchRules:
         return None
 
     def unsandboxed_warning(self, jobtype: JobType) -> str | None:
-        """The line logged for each attempt of a container type run without a sandbox."""
+        """The line logged when attempts of ``jobtype`` run without a sandbox while
+        the configuration could give one or has one: a container or serve type
+        under ``allow_unsandboxed_containers``, and a host type beside a real
+        runtime under ``allow_host_jobs``. None for a host type on a node without
+        a sandbox (``local``): nothing there is sandboxed, nothing is hidden."""
         if self.runtime is Runtime.LOCAL and jobtype.launch is not LaunchMode.HOST:
             return (
                 f"UNSANDBOXED: {jobtype.name} is a {jobtype.launch.value} type running as "
                 f"a plain host process (allow_unsandboxed_containers = true)"
+            )
+        if self.runtime is not Runtime.LOCAL and jobtype.launch is LaunchMode.HOST:
+            return (
+                f"UNSANDBOXED: {jobtype.name} is a host type running as a plain host "
+                f"process beside the {self.runtime.value} sandbox (allow_host_jobs = true)"
             )
         return None
 

@@ -68,6 +68,9 @@ class JobType:
     coresident: bool = False
     timeout_s: float = 3600.0
     max_retries: int = 2
+    #: interruptions by the broker's own end before quarantine; None: the broker's
+    #: ``[broker] max_interruptions``
+    max_interruptions: int | None = None
     params: tuple[ParamSpec, ...] = ()
     description: str = ""
     # serve launch mode: the warm server's life

@@ -839,6 +839,9 @@ def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:
         "stdout": last.stdout if last else "",
         "stderr": last.stderr if last else "",
         "outputs": job.result.get("outputs", []) if done else [],
+        # what the broker would not take from the job's folders (SPEC.md section 7)
+        "refused": job.result.get("refused", []),
+        "message_file": job.result.get("message_file"),
         "module_fingerprint": job.result.get("module_fingerprint"),
         "gpu": job.result.get("gpu"),
     }

@@ -359,5 +359,12 @@ class Store(abc.ABC):
 
     # -- lifecycle ----------------------------------------------------------
 
+    def unavailable(self, exc: BaseException) -> bool:
+        """True when ``exc``, raised by one of this store's methods, means the
+        database could not take the request now (busy or locked, unreachable, out
+        of space or memory), so the same request may succeed later. False for
+        anything else: a value it refused, a transition the table forbids, a bug."""
+        return False
+
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -234,6 +234,11 @@ class PostgresStore(PostgresCluster, Store):
         with self._pool.connection() as conn:
             return conn.execute(query).fetchall()
 
+    def unavailable(self, exc: BaseException) -> bool:
+        # connection lost or refused, server shutting down, serialization and
+        # deadlock aborts (psycopg's OperationalError family); no pooled connection
+        return isinstance(exc, psycopg.OperationalError | PoolTimeout)
+
     def close(self) -> None:
         self._pool.close()
 

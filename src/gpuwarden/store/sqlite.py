@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -92,6 +93,12 @@ def quick_check(path: Path, *, timeout_s: float = 30.0) -> None:
         raise DamagedDatabaseError(path, f"quick_check: {problems[0]}{more}")
 
 
+#: SQLite's primary result codes that mean "not now" rather than "never": busy,
+#: locked, out of memory, read-only (a file system remounted), I/O error, full,
+#: cannot open, locking protocol
+_UNAVAILABLE_CODES = frozenset({5, 6, 7, 8, 10, 13, 14, 15})
+
+
 class SqliteStore(SqliteCluster, Store):
     """One connection, guarded by a lock; usable from one process's threads.
 
@@ -106,9 +113,11 @@ class SqliteStore(SqliteCluster, Store):
         file raises :class:`DamagedDatabaseError`, with or without ``check``, and
         is never written to."""
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.exists():
+            path.parent.mkdir(parents=True, mode=0o700)
         if check:
             quick_check(path, timeout_s=busy_timeout_s)
+        _create_private(path)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(
             str(path), isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
@@ -165,6 +174,12 @@ class SqliteStore(SqliteCluster, Store):
                 )
                 applied.append(version)
         return applied
+
+    def unavailable(self, exc: BaseException) -> bool:
+        if not isinstance(exc, sqlite3.OperationalError):
+            return False
+        code = getattr(exc, "sqlite_errorcode", None)
+        return code is None or (code & 0xFF) in _UNAVAILABLE_CODES
 
     def schema_version(self) -> int:
         row = self._db.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
@@ -759,3 +774,16 @@ _job = functools.partial(rows.job, decode=json.loads)
 _bundle = functools.partial(rows.bundle, decode=json.loads)
 _token = rows.token
 _attempt = rows.attempt
+
+
+def _create_private(path: Path) -> None:
+    """Create the database file empty with mode 0600 before SQLite opens it, so it
+    is never readable by others, not even for a moment. SQLite creates the
+    ``-wal`` and ``-shm`` files with the database file's mode (and owner)."""
+    try:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except FileExistsError:
+        return
+    os.close(fd)
