@@ -586,9 +586,7 @@ class Broker(WarmServing):
         sandbox's user and group when the broker runs as root (every runtime runs
         the job as that host user); None otherwise (nothing is chowned)."""
         sandbox = self.sandbox_for(jobtype)
-        if sandbox is None or os.geteuid() != 0:
-            return None
-        return sandbox.limits.uid, sandbox.limits.gid
+        return None if sandbox is None else sandbox.job_owner
 
     def _params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]:
         """The job's input directory, and its parameters with inputs made absolute."""
@@ -805,6 +803,7 @@ class Broker(WarmServing):
             shutting_down=run.stop_reason == "shutdown",
             launch_error=result.launch_error,
             oom_killed=result.oom_killed,
+            limit_exceeded=result.limit_exceeded,
             missing_outputs=attemptfs.missing_outputs(run.job.outputs, listing),
             timeout_s=run.jobtype.timeout_s,
             stderr_tail=stderr_tail,

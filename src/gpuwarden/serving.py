@@ -269,6 +269,12 @@ class WarmServing:
                 stage = "failed"
             self._serve_one(server, run, started)
         except ServeError as exc:
+            if exc.kind == "output_limit":
+                # the job wrote past [sandbox] output_mib: its own failure, not the
+                # server's; the server was stopped all the same
+                self._post(self._served_result(run, started=started, limit_exceeded=exc.message))
+                self._post(ServerNote(server.type.name, server.epoch, "gone", reason=exc.message))
+                return
             self._lost(server, run, started, f"it {stage}: {exc}; its processes are confirmed gone")
         except ExchangeError as exc:
             why = f"its exchange folder could not be used safely: {exc.message}"
@@ -401,6 +407,7 @@ class WarmServing:
         stderr: str = "",
         worker_error: str | None = None,
         stopped: bool = False,
+        limit_exceeded: str | None = None,
     ) -> LaunchResult:
         now = time.time()
         return LaunchResult(
@@ -413,6 +420,7 @@ class WarmServing:
             stderr=stderr,
             worker_error=worker_error,
             stopped=stopped,
+            limit_exceeded=limit_exceeded,
         )
 
     def _post(self, item: LaunchResult | Started | ServerNote | ExchangeNote) -> None:

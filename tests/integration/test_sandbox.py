@@ -178,18 +178,9 @@ def test_echo_container_runs_and_its_processes_are_gone(node: Node) -> None:
         assert node.broker.sandbox.leftovers(node.broker.instance) == []
 
 
-#: the broker makes each job's exchange slot in a sandboxed server's exchange
-#: folder; under bubblewrap the server now runs as the sandbox's uid, so the slot
-#: must be made for that uid (serving.py chowns it only for podman and docker)
-SLOT_OWNER = (
-    "serving.py must make the exchange slot for SandboxLauncher.job_owner under every "
-    "runtime, not only podman/docker (broker side of issue 11)"
-)
-
-
 @pytest.mark.parametrize(
     "runtime_config",
-    [pytest.param("bubblewrap", marks=pytest.mark.xfail(strict=True, reason=SLOT_OWNER)), "podman"],
+    ["bubblewrap", "podman"],
     indirect=True,
 )
 def test_echo_serve_loads_once_in_the_sandbox_and_serves_two_jobs(node: Node) -> None:
