@@ -149,6 +149,18 @@ class EventLog:
         found = self._tail_ids(logged, size, last)
         if found > last:
             log.info("event log %s: lines up to event %d came after its cursor", logged, found)
+        if found > default:
+            # the store has fewer events than the log has written: it lost its last
+            # commits (restored from a copy). The ids after its last one are new
+            # events now; the log goes on with them.
+            log.warning(
+                "event log %s has events up to %d but the store's last is %d (the store "
+                "lost commits?): the log goes on from the store's last event",
+                logged,
+                found,
+                default,
+            )
+            return default
         return found
 
     def _size(self) -> int:

@@ -473,6 +473,9 @@ def test_a_damaged_database_is_one_line_and_exit_2(tmp_path: Path, damage: str) 
         raw = bytearray(db.read_bytes())
         raw[4096 * 5 : 4096 * 5 + 3000] = b"\xab" * 3000
         db.write_bytes(bytes(raw))
+    # the modes a broker leaves its state in: nothing for the start to tighten
+    site.state.chmod(0o700)
+    db.chmod(0o600)
     site.place("inbox", b"waiting.zip", bundle("waiting"))
     lock = "state/broker.lock"  # the state directory's lock: taken before the store opens
     before = tree(tmp_path, skip=("events.jsonl",))

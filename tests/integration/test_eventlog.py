@@ -69,7 +69,7 @@ def test_lines_written_after_the_cursor_are_not_written_again(
     cursor.write_text(before)
     assert json.loads(cursor.read_text())["id"] == 2  # the kill's state is in place
     log = open_log(tmp_path)
-    after = log.resume(0)
+    after = log.resume(store.last_event_id())
     assert after == 5
     log.write_events(store.events(after_id=after))
     log.close()
@@ -90,7 +90,7 @@ def test_a_line_a_kill_cut_short_is_cut_off_and_written_again_whole(
         f.write(whole[:17])  # the kill came in the middle of the third line
     assert not path.read_text().endswith("\n")  # in place
     log = open_log(tmp_path)
-    after = log.resume(0)
+    after = log.resume(store.last_event_id())
     assert after == 2
     log.write_events(store.events(after_id=after))
     log.close()
@@ -112,7 +112,7 @@ def test_copytruncate_keeps_each_event_once_across_the_copy_and_the_file(
     log.close()
     assert ids_in(rotated) == [1, 2, 3] and ids_in(path) == [4, 5]
     log = open_log(tmp_path)
-    after = log.resume(0)
+    after = log.resume(store.last_event_id())
     assert after == 5
     log.write_events(store.events(after_id=after))
     log.close()
@@ -135,7 +135,7 @@ def test_a_kill_after_a_write_into_a_truncated_file_is_found_in_the_new_lines(
     cursor.write_text(before)
     assert json.loads(before)["size"] > path.stat().st_size  # in place: shorter now
     log = open_log(tmp_path)
-    assert log.resume(0) == 4
+    assert log.resume(store.last_event_id()) == 4
     log.close()
 
 
@@ -175,3 +175,39 @@ def test_the_log_file_and_its_cursor_are_the_owners_alone(
     log.close()
     assert (tmp_path / "events.jsonl").stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "state" / CURSOR_FILE).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_store_that_lost_commits_does_not_silence_the_log(tmp_path: Path) -> None:
+    """The store came back from an older copy: its last event id is below the
+    cursor's. The events it writes from then on reuse those ids and are new: the
+    log goes on from the store's last event instead of waiting for it to catch up."""
+    db = tmp_path / "state" / "gpuwarden.db"
+    store = SqliteStore(db)
+    events = add(store, 3)
+    store.close()
+    older = tmp_path / "older.db"
+    older.write_bytes(db.read_bytes())  # no WAL content beyond this point: checkpointed
+    store = SqliteStore(db)
+    log = open_log(tmp_path)
+    log.resume(store.last_event_id())
+    log.write_events(add(store, 4)[3:])
+    log.close()
+    store.close()
+    assert json.loads((tmp_path / "state" / CURSOR_FILE).read_text())["id"] == 7
+    for suffix in ("-wal", "-shm"):
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    db.write_bytes(older.read_bytes())
+    store = SqliteStore(db)
+    try:
+        assert store.last_event_id() == 3  # the store lost events 4..7
+        log = open_log(tmp_path)
+        after = log.resume(store.last_event_id())
+        assert after == 3
+        new = add(store, 2)[3:]
+        log.write_events(store.events(after_id=after))
+        log.close()
+        assert [e.id for e in new] == [4, 5]
+        assert ids_in(tmp_path / "events.jsonl")[-2:] == [4, 5]
+        assert events[0].id == 1
+    finally:
+        store.close()
