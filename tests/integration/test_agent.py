@@ -425,9 +425,15 @@ def test_links_fifos_and_devices_among_a_jobs_outputs_never_go_up(tmp_path: Path
         for p in coord.rglob("*"):
             if p.is_file() and not p.is_symlink():
                 assert b"never on the coordinator" not in p.read_bytes(), p
-        # the result says what did not go up, and why
-        refused = {e["path"]: e["why"] for e in job.result.get("outputs_not_uploaded", [])}
+        # the result says what did not go up, and why: the broker's listing refuses
+        # what is not a regular file (never offered for upload), and the agent
+        # names anything that changed before it went up
+        refused = {
+            e["path"]: f"{e.get('kind', '')} {e['why']}"
+            for e in [*job.result.get("refused", []), *job.result.get("outputs_not_uploaded", [])]
+        }
         assert "link.txt" in refused and "symlink" in refused["link.txt"], job.result
+        assert {"d", "fifo", "null"} <= set(refused), job.result
         # the agent is up: the next job runs and its output goes up
         nxt = prepare(registry, JobSpec(id="e9", type="echo.echo", params={"text": "next"}))
         rig.store.submit([nxt], now=time.time())

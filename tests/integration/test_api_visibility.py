@@ -158,7 +158,7 @@ def test_operators_and_owners_choose_ids_but_not_a_submitters(api: Api) -> None:
         json={**ECHO, "id": f"{api.id_of('submitter')}-later"},
         headers=api.h("owner"),
     )
-    assert r.status_code == 422 and "belong to the submitter token" in r.json()["error"]
+    assert r.status_code == 422 and "belong to the API token" in r.json()["error"]
     assert api.store.get_job(f"{api.id_of('submitter')}-later") is None
 
 
@@ -195,6 +195,7 @@ def test_status_and_explain_name_no_job_of_another_token(api: Api) -> None:
                     theirs: "GPU-1 is held back for job other-1, which waits for it",
                     mine_id: f"GPU-1 is held back for job {theirs}, which waits for it",
                 },
+                "queues": {"/srv/secret-team/queues/demo": {"inbox": 1, "processing": 0}},
             },
         )
     )
@@ -211,6 +212,9 @@ def test_status_and_explain_name_no_job_of_another_token(api: Api) -> None:
         {"job": mine_id, "type": "burn.llm", "attempt": 1},
     ]
     assert node["waiting"] == {mine_id: "GPU-1 is held back for another job, which waits for it"}
+    # a queue root by its name, not the host's path (an operator sees the path)
+    assert node["queues"] == {"demo": {"inbox": 1, "processing": 0}}
+    assert "/srv/secret-team" in seen
     holders = [h["holder"] for h in node["gpus"][0]["holdings"]]
     assert holders == ["another job/1", f"{mine_id}/1"]
     assert [h["job_id"] for h in node["gpus"][0]["holdings"]] == [None, mine_id]

@@ -313,3 +313,17 @@ def test_gpu_constraints_only_for_the_vram_lane(registry: Registry, key: str) ->
         f"job c4: constraint {key} asks for a GPU, but echo.echo runs on the cpu lane "
         "and never uses one"
     )
+
+
+def test_an_id_of_an_api_tokens_form_is_only_that_tokens(registry: Registry) -> None:
+    """``<12 hex>-...`` ids are an API submitter's own: a bundle or the local CLI
+    (no token) may not take one, or that submitter would meet it over HTTP."""
+    spec = JobSpec(id="0a1b2c3d4e5f-run-7", type="echo.echo", params={"text": "x"})
+    with pytest.raises(ValidationError, match="belong to the API token with that id"):
+        prepare(registry, spec)
+    with pytest.raises(ValidationError, match="belong to the API token"):
+        prepare(registry, spec, owner="ffffffffffff")
+    assert prepare(registry, spec, owner="0a1b2c3d4e5f").id == "0a1b2c3d4e5f-run-7"
+    # other ids with hex in them are anyone's
+    for free in ("0a1b2c3d4e5-x", "0a1b2c3d4e5fx-y", "run-0a1b2c3d4e5f"):
+        assert prepare(registry, replace(spec, id=free)).id == free

@@ -6,6 +6,7 @@ GPU (``GET /v1/status``, the wait reasons of ``GET /v1/jobs/{id}/explain``)
 name the jobs there. For a submitter, every job id in them that is not one of its
 own is replaced with ``another job`` (in structured fields: ``null``), whether
 or not such a job exists: the answer is the same for an id that does not exist.
+Queue roots are named by their last path component, not their host path.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ _IN_TEXT = re.compile(
 )
 #: structured fields that hold one job id
 _JOB_FIELDS = frozenset({"job", "job_id", "backfill_for"})
+
+
+def _last_part(path: str) -> str:
+    return path.rstrip("/").rpartition("/")[2] or path
 
 
 class Redactor:
@@ -78,6 +83,9 @@ class Redactor:
                 out[key] = v if v is None or self.own(v) else None
             elif key == "waiting" and isinstance(v, dict):  # job id -> why it waits
                 out[key] = {j: self.value(w) for j, w in v.items() if self.own(j)}
+            elif key == "queues" and isinstance(v, dict):  # queue root path -> depths
+                # the host's paths are not a submitter's business: the roots' names
+                out[key] = {_last_part(str(root)): depth for root, depth in v.items()}
             else:
                 out[key] = self.value(v)
         return out

@@ -14,6 +14,10 @@ from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: a job id of this form belongs to the API submitter token whose id are its 12
+#: hex digits (``<token id>-<id>``): no one else may choose one, so that a submit
+#: over HTTP never meets, and tells of, another's job
+SUBMITTER_ID = re.compile(r"^([0-9a-f]{12})-")
 
 
 def new_job_id(type_name: str) -> str:
@@ -33,13 +37,20 @@ def safe_relpath(path: str, what: str) -> str:
     return str(p)
 
 
-def prepare(registry: Registry, spec: JobSpec) -> JobSpec:
-    """Validate ``spec`` for its job type and return it with defaults filled in.
-    Raise :class:`ValidationError` saying what is wrong and what to do."""
+def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> JobSpec:
+    """Validate ``spec`` for its job type and return it with defaults filled in;
+    ``owner`` is the API token that submits it, if any. Raise
+    :class:`ValidationError` saying what is wrong and what to do."""
     if not JOB_ID.fullmatch(spec.id):
         raise ValidationError(
             f"job id {spec.id!r} is not valid: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
+        )
+    reserved = SUBMITTER_ID.match(spec.id)
+    if reserved is not None and reserved.group(1) != owner:
+        raise ValidationError(
+            f"job id {spec.id!r}: ids that begin with 12 hex digits and '-' belong to the "
+            "API token with that id; choose another id"
         )
     jobtype = registry.get(spec.type)
     refused = registry.rules.refusal(jobtype)

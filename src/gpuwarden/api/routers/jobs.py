@@ -62,11 +62,6 @@ def own_prefix(who: Principal) -> str:
     return f"{who.token_id}-"
 
 
-#: ids of this form are a submitter's own (:func:`own_prefix`): no other token
-#: may choose one over HTTP
-_OWN_FORM = re.compile(r"^[0-9a-f]{12}-")
-
-
 def visible_job(ctx: ApiContext, who: Principal, access: Scope, job_id: str) -> Job:
     """The job, if this principal may see it; else 404, the same answer for a job
     that does not exist and for another's. A submitter may name its own job with
@@ -96,12 +91,7 @@ def _job_id_for(who: Principal, access: Scope, body: JobIn, type_name: str) -> s
             "starting with a letter or digit"
         )
     if access is not Scope.OWN:
-        if chosen is not None and _OWN_FORM.match(chosen):
-            raise ValidationError(
-                f"job id {chosen!r}: ids that begin with 12 hex digits and '-' belong to the "
-                "submitter token with that id; choose another id"
-            )
-        return chosen or new_job_id(type_name)
+        return chosen or new_job_id(type_name)  # prepare() keeps others' prefixes out
     prefix = own_prefix(who)
     if chosen is None:
         return prefix + new_job_id(type_name)
@@ -155,6 +145,7 @@ def submit_job(
             vram_bytes=vram,
             constraints=dict(body.constraints),
         ),
+        owner=who.token_id,
     )
     set_target(request, spec.id)
     _refuse_if_it_never_fits(ctx, spec, jobtype)
