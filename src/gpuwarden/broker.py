@@ -145,6 +145,7 @@ class Broker(WarmServing):
             self._run_times.setdefault(type_name, deque(maxlen=RUN_TIME_WINDOW)).append(seconds)
         self._waits: dict[str, str] = {}
         self._warned_unsandboxed: set[str] = set()
+        self._socket_dir: Path | None = None
         #: the last event written to the event log: where the log's own cursor says
         #: (``serve --log``), or the store's latest event
         self._event_cursor = self.events.resume(store.last_event_id())
@@ -162,6 +163,7 @@ class Broker(WarmServing):
             on_error=self._record_error,
             check=self.check_fits,
             clock=clock,
+            wake=self.wake,  # a finished extraction is taken at once, not next tick
         )
 
     # -- the loop -----------------------------------------------------------
@@ -227,8 +229,9 @@ class Broker(WarmServing):
             self._drain(self.clock())
             time.sleep(0.02)
         self._drain(self.clock())
-        with contextlib.suppress(OSError):  # only if empty: its sockets are gone
-            self.socket_dir().rmdir()
+        if self._socket_dir is not None:
+            with contextlib.suppress(OSError):  # only if empty: its sockets are gone
+                self._socket_dir.rmdir()
         self._finish_bundles(self.clock(), force=True)
         self._emit("broker_stopped")
         self._publish(self.clock(), force=True, stopped=True)

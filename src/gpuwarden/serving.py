@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import queue
 import tempfile
 import threading
@@ -30,7 +29,7 @@ from gpuwarden.errors import TransitionError
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.launch.base import INSIDE, Launcher, LaunchRequest, LaunchResult, Mount
 from gpuwarden.launch.host import HostLauncher
-from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
+from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for, output_limit_reason
 from gpuwarden.launch.serve import (
     JobReport,
     LoadReport,
@@ -65,6 +64,8 @@ class WarmServing:
     _completions: queue.Queue[LaunchResult | Started | ServerNote | ExchangeNote]
     _wake: threading.Event
     _jobs_dir: Path
+    #: made on the first server's start (:meth:`socket_dir`)
+    _socket_dir: Path | None
 
     if TYPE_CHECKING:
 
@@ -148,9 +149,13 @@ class WarmServing:
             )
 
     def socket_dir(self) -> Path:
-        """Where this instance's servers' sockets live: short, since a unix socket's
-        path is limited to 107 bytes (a state directory's may be longer)."""
-        return Path(tempfile.gettempdir()) / f"gpuwarden-{os.getuid()}-{self.instance[-10:]}"
+        """Where this broker's servers' sockets live: short, since a unix socket's
+        path is limited to 107 bytes (a state directory's may be longer). Made
+        fresh, once, with a random name (``mkdtemp``: mode 0700, created
+        atomically), so nothing another user planted in /tmp is ever used."""
+        if self._socket_dir is None:
+            self._socket_dir = Path(tempfile.mkdtemp(prefix=f"gpuwarden-{self.instance[-10:]}-"))
+        return self._socket_dir
 
     def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
         epoch = self.warm.next_epoch()
@@ -178,9 +183,7 @@ class WarmServing:
             kill_grace_s=self.config.broker.kill_grace_s,
             instance=self.instance,
         )
-        sockets = self.socket_dir()
-        sockets.mkdir(mode=0o700, exist_ok=True)
-        socket_path = sockets / f"{epoch}.sock"
+        socket_path = self.socket_dir() / f"{epoch}.sock"
         launcher: Launcher = HostLauncher()
         if sandbox is not None:
             launcher = sandbox
@@ -317,18 +320,39 @@ class WarmServing:
 
     def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
         input_dir, params = self._params(run)
-        report = self._serve_through_exchange(server, run, input_dir, params)
-        self._after_served(server, run, started, report)
+        over: list[str] = []
+        report = self._serve_through_exchange(server, run, input_dir, params, over=over)
+        self._after_served(server, run, started, report, limit_exceeded=over[0] if over else None)
+
+    def _output_over_limit(self, server: WarmServer, out: Path) -> str | None:
+        """``output past N MiB`` when a sandboxed job's outputs in its slot hold more
+        than ``[sandbox] output_mib`` (the server's watch sees the exchange folder
+        only once a second: this is the check at the job's end)."""
+        sandbox = self.sandbox_for(server.type)
+        limit = sandbox.limits.output_bytes if sandbox is not None else 0
+        if limit <= 0:
+            return None
+        listing = safefs.walk(out)
+        if listing.total_bytes <= limit and listing.truncated is None:
+            return None
+        return output_limit_reason(limit)
 
     def _serve_through_exchange(
-        self, server: WarmServer, run: RunningAttempt, input_dir: Path, params: dict[str, Any]
+        self,
+        server: WarmServer,
+        run: RunningAttempt,
+        input_dir: Path,
+        params: dict[str, Any],
+        *,
+        over: list[str],
     ) -> JobReport:
         """Every job reaches its warm server through the server's exchange folder
         (sandboxed or not: a server outlives its jobs, so it never gets a job's own
         folders). The job's slot ``<job>-<attempt>`` is made fresh there, whatever
         the server left under that name removed unfollowed; the job's inputs are
         copied in and its outputs moved to the attempt's ``out/`` by descriptor
-        (:class:`gpuwarden.attemptfs.ExchangeSlot`)."""
+        (:class:`gpuwarden.attemptfs.ExchangeSlot`). A sandboxed job whose outputs
+        are past ``[sandbox] output_mib`` when it ends gets the reason in ``over``."""
         request = server.worker.request
         sandboxed = bool(request.mounts)
         slot = ExchangeSlot(
@@ -354,6 +378,8 @@ class WarmServing:
                 seen / "scratch",
                 run.jobtype.timeout_s,
             )
+            if sandboxed and (why := self._output_over_limit(server, slot.path / "out")):
+                over.append(why)
             failing = False
             return report
         finally:
@@ -382,7 +408,13 @@ class WarmServing:
                 log.exception("removing %s failed", slot.path)  # the first error stands
 
     def _after_served(
-        self, server: WarmServer, run: RunningAttempt, started: float, report: JobReport
+        self,
+        server: WarmServer,
+        run: RunningAttempt,
+        started: float,
+        report: JobReport,
+        *,
+        limit_exceeded: str | None = None,
     ) -> None:
         if report.message:
             attemptfs.write_new_file(
@@ -394,7 +426,11 @@ class WarmServing:
             )
         self._post(
             self._served_result(
-                run, started=started, exit_code=0 if report.ok else 1, stderr=report.error or ""
+                run,
+                started=started,
+                exit_code=0 if report.ok else 1,
+                stderr=report.error or "",
+                limit_exceeded=limit_exceeded,
             )
         )
 

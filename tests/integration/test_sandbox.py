@@ -512,6 +512,28 @@ def test_output_past_output_mib_stops_the_job_which_fails_for_it(node: Node) -> 
     next_job_completes(node, "o2")
 
 
+@both
+def test_a_served_job_past_output_mib_fails_for_it_and_is_not_retried(node: Node) -> None:
+    """A warm server's job that writes past the limit faster than the watch looks
+    (once a second) is caught at its end, before its outputs leave the exchange."""
+    text = "0123456789abcdef" * 4096  # 64 KiB, written 256 times: 16 MiB
+    params = {"text": text, "output": "big.txt", "repeat": 256}
+    submit(node, JobSpec(id="s1", type="echo.serve", params=params))
+    run_until(node, lambda: ended(node, "s1"), timeout=90)
+    job = node.store.get_job("s1")
+    assert job is not None
+    written = job_out(node, "s1") / "big.txt"
+    assert written.stat().st_size == 16 * 2**20 > OUTPUT_MIB * 2**20  # it really wrote past
+    assert job.state is JobState.FAILED, job.reason
+    assert f"output past {OUTPUT_MIB} MiB" in job.reason, job.reason
+    assert len(node.store.attempts("s1")) == 1  # its own failure: not retried
+    submit(node, JobSpec(id="s2", type="echo.serve", params={"text": "after"}))
+    run_until(node, lambda: ended(node, "s2"), timeout=90)
+    after = node.store.get_job("s2")
+    assert after is not None and after.state is JobState.DONE, after and after.reason
+    assert (job_out(node, "s2") / "echo.txt").read_text() == "after"
+
+
 # -- the launcher on its own: mount sources a job could have swapped -----------------
 
 

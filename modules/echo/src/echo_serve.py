@@ -18,9 +18,14 @@ def handle(model: dict, job: JobContext) -> str:
     target = (out_dir / output).resolve()
     if not target.is_relative_to(out_dir):
         raise ValueError(f"output {output!r} must stay inside the output directory")
+    repeat = int(job.params.get("repeat", 1))
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, not {repeat}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text)
-    return f"wrote {len(text)} characters to {output}"
+    with target.open("w") as f:
+        for _ in range(repeat):
+            f.write(text)
+    return f"wrote {len(text) * repeat} characters to {output}"
 
 
 def device_bytes(model: dict) -> int | None:

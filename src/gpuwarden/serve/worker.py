@@ -38,6 +38,7 @@ and :mod:`gpuwarden.errors`, so a worker starts fast.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import tempfile
@@ -169,10 +170,29 @@ def _run(
 ) -> int:
     channel.send({"type": "hello", "epoch": epoch, "pid": os.getpid()})
 
+    own_scratch = not env.get(SCRATCH_ENV)
     scratch = env.get(SCRATCH_ENV) or tempfile.mkdtemp(prefix="gpuwarden-serve-")
-    ctx = LoadContext(
-        gpu=env.get("CUDA_VISIBLE_DEVICES", ""), scratch_dir=Path(scratch), epoch=epoch
-    )
+    try:
+        return _serve_with(
+            channel, epoch, env, Path(scratch), load=load, handle=handle, device_bytes=device_bytes
+        )
+    finally:
+        if own_scratch:  # a folder of its own making: nothing else removes it
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _serve_with(
+    channel: Channel,
+    epoch: int,
+    env: Mapping[str, str],
+    scratch: Path,
+    *,
+    load: Callable[[LoadContext], M],
+    handle: Callable[[M, JobContext], str | None],
+    device_bytes: Callable[[M], int | None] | None,
+) -> int:
+    """Load the model, then take jobs until told to stop."""
+    ctx = LoadContext(gpu=env.get("CUDA_VISIBLE_DEVICES", ""), scratch_dir=scratch, epoch=epoch)
     start = time.monotonic()
     try:
         model = load(ctx)
