@@ -7,18 +7,23 @@ a folder a thousand levels deep, or a file that never ends. Everything here work
 on file descriptors, so a link swapped in between a check and a use is never
 followed:
 
-- :func:`open_file` opens without following a link in any component below a
-  trusted folder and without blocking, and accepts a regular file only
-  (checked with ``fstat`` on the opened descriptor); :func:`read_bytes` reads at
-  most a stated size.
+- :func:`open_file` opens a regular file and nothing else (an ``O_PATH`` look
+  first: a FIFO or a device is never opened), following no link in any component
+  below a trusted folder; :func:`read_bytes` / :func:`read_text` read at most a
+  stated size.
+- :func:`open_dir` / :func:`open_dir_at` open a folder for ``*at`` calls, no
+  link followed below the trusted part.
 - :func:`walk` lists a tree iteratively (no recursion limit), never following a
   link, bounded in entries and depth; anything that is not a regular file or a
   folder is listed as refused, never opened.
-- :func:`make_dir` creates a folder fresh (it fails if anything is there, a link
-  included), sets its mode and owner on its descriptor.
+- :func:`make_dir` / :func:`make_dir_at` create a folder fresh (it fails if
+  anything is there, a link included) and set its mode and owner on its
+  descriptor; :func:`make_dirs` makes the missing folders of a hostile relative
+  path below a trusted one.
 - :func:`remove_tree` removes a tree without following links and fails loudly.
-- :func:`copy_tree` copies the regular files and folders of a hostile tree into
-  a fresh folder the broker owns, by descriptor on both sides.
+- :func:`copy_tree` / :func:`copy_into` copy the regular files and folders of a
+  hostile tree into a folder the broker owns, by descriptor on both sides;
+  :func:`move_entries` renames entries out of a held folder.
 
 Nothing else in gpuwarden opens such a path.
 """
@@ -53,7 +58,6 @@ __all__ = [
     "open_dir",
     "open_dir_at",
     "open_file",
-    "open_regular",
     "opened_dir",
     "read_bytes",
     "read_text",
@@ -155,14 +159,25 @@ def open_dir(path: str | os.PathLike[str], *, under: str | os.PathLike[str] | No
     ``path`` is checked. Raises :class:`UnsafePathError` for a link or a non-folder.
     """
     if under is None:
-        fd = _open_at(None, os.fspath(path), _O_DIR, os.fspath(path))
-        return fd
-    fd = _open_at(None, os.fspath(under), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, "")
-    shown = os.fspath(under)
+        return _open_at(None, os.fspath(path), _O_DIR, os.fspath(path))
+    top = _open_at(None, os.fspath(under), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, "")
     try:
-        for part in _parts(path):
-            shown = f"{shown}/{part}"
-            nxt = _open_at(fd, part, _O_DIR, shown)
+        return open_dir_at(top, path, shown=os.fspath(under))
+    finally:
+        os.close(top)
+
+
+def open_dir_at(dir_fd: int, rel: str | os.PathLike[str], *, shown: str = "") -> int:
+    """Open the folder ``rel`` below the open folder ``dir_fd`` and return its
+    descriptor; no component may be a link (:class:`UnsafePathError`, naming the
+    component, after ``shown``: how ``dir_fd`` is named in errors). An empty
+    ``rel`` gives a new descriptor of ``dir_fd`` itself."""
+    fd = os.dup(dir_fd)
+    done = [shown] if shown else []
+    try:
+        for part in _parts(rel):
+            done.append(part)
+            nxt = _open_at(fd, part, _O_DIR, "/".join(done))
             os.close(fd)
             fd = nxt
     except BaseException:
@@ -171,37 +186,62 @@ def open_dir(path: str | os.PathLike[str], *, under: str | os.PathLike[str] | No
     return fd
 
 
-def open_file(path: str | os.PathLike[str], *, under: str | os.PathLike[str] | None = None) -> int:
-    """Open a regular file for reading, never following a link and never blocking.
-
-    With ``under``, ``path`` is relative to that trusted folder and no component
-    below it may be a link. The opened descriptor is checked with ``fstat``: a
-    FIFO, a device, a socket or a folder is refused with
-    :class:`UnsafePathError` naming what it is (a FIFO never blocks the caller).
-    """
+def _parent_of(
+    path: str | os.PathLike[str], under: str | os.PathLike[str] | None
+) -> tuple[int | None, str, str]:
+    """(descriptor of the folder holding ``path`` or None for the working folder,
+    the last name, the path as shown): with ``under``, no component below it may
+    be a link."""
     text = os.fspath(path)
     if under is None:
         head, _, name = text.rpartition("/")
-        dir_fd: int | None = None
-        shown = text
-        if head or text.startswith("/"):
-            dir_fd = _open_at(None, head or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, head)
-    else:
-        parts = _parts(text)
-        if not parts:
-            raise UnsafePathError(text, "names no file")
-        name = parts[-1]
-        dir_fd = open_dir("/".join(parts[:-1]), under=under)
-        shown = f"{os.fspath(under)}/{text}"
+        if not (head or text.startswith("/")):
+            return None, name, text
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+        return _open_at(None, head or "/", flags, head), name, text
+    parts = _parts(text)
+    if not parts:
+        raise UnsafePathError(text, "names no file")
+    return open_dir("/".join(parts[:-1]), under=under), parts[-1], f"{os.fspath(under)}/{text}"
+
+
+def open_file(path: str | os.PathLike[str], *, under: str | os.PathLike[str] | None = None) -> int:
+    """Open a regular file for reading and return its descriptor, never following
+    a link and never opening anything else, not even without blocking (opening a
+    device can do something).
+
+    With ``under`` (a folder the broker trusts), ``path`` is relative to it and no
+    component below ``under`` may be a link. The entry is first opened with
+    ``O_PATH | O_NOFOLLOW``, which opens nothing and follows no link, and checked
+    with ``fstat``; only a regular file is then opened for reading, through that
+    descriptor (``/proc/self/fd``), so it is the same inode even if the name was
+    swapped meanwhile (where ``/proc`` is not mounted, the name is opened with
+    ``O_NOFOLLOW | O_NONBLOCK`` and checked again). A FIFO, a device, a socket, a
+    folder or a link is refused with :class:`UnsafePathError` naming what it is.
+    """
+    dir_fd, name, shown = _parent_of(path, under)
     try:
-        fd = _open_at(dir_fd, name, _O_READ, shown)
+        pfd = _open_at(dir_fd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, shown)
+        try:
+            st = os.fstat(pfd)
+            if not stat.S_ISREG(st.st_mode):
+                raise UnsafePathError(shown, f"is a {kind_of(st.st_mode)}, not a regular file")
+            try:
+                fd = os.open(f"/proc/self/fd/{pfd}", _O_READ & ~os.O_NOFOLLOW)
+            except FileNotFoundError:  # no /proc here
+                fd = _open_at(dir_fd, name, _O_READ, shown)
+        finally:
+            os.close(pfd)
     finally:
         if dir_fd is not None:
             os.close(dir_fd)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnsafePathError(shown, f"is a {kind_of(mode)}, not a regular file")
+        again = os.fstat(fd)
+        if not stat.S_ISREG(again.st_mode) or (again.st_dev, again.st_ino) != (
+            st.st_dev,
+            st.st_ino,
+        ):
+            raise UnsafePathError(shown, "changed while it was opened")
     except BaseException:
         os.close(fd)
         raise
@@ -385,17 +425,18 @@ def make_dir(
     owner: tuple[int, int] | None = None,
 ) -> None:
     """Create the folder ``path`` fresh: it fails with ``FileExistsError`` if
-    anything is there (a link, a file, a folder). The mode (not reduced by the
-    umask) and, given, the owner are set on the new folder's descriptor, so only
-    what was just created is changed."""
-    os.mkdir(path, 0o700)
-    fd = _open_at(None, os.fspath(path), _O_DIR, os.fspath(path))
+    anything is there (a link, a file, a folder). Mode (not reduced by the umask)
+    and, given, owner are set on the new folder's descriptor, so only what was just
+    created is changed (:func:`make_dir_at`)."""
+    text = os.fspath(path).rstrip("/") or "/"
+    head, _, name = text.rpartition("/")
+    parent = _open_at(
+        None, head or ("/" if text.startswith("/") else "."), os.O_RDONLY | os.O_DIRECTORY, text
+    )
     try:
-        if owner is not None:
-            os.fchown(fd, *owner)
-        os.fchmod(fd, mode)
+        os.close(make_dir_at(parent, name, mode=mode, owner=owner))
     finally:
-        os.close(fd)
+        os.close(parent)
 
 
 def _empty(top_fd: int, shown: str) -> None:
@@ -475,73 +516,23 @@ def copy_tree(
     dir_mode: int = 0o700,
     file_mode: int = 0o600,
 ) -> Listing:
-    """Copy the regular files and folders of the tree at ``src`` into ``dst``.
-
-    ``dst`` is created fresh (:func:`make_dir`) and every folder and file in it is
-    created by the broker, with ``owner`` set on its descriptor. What is not a
-    regular file or a folder is left behind and listed in ``refused``; past
-    ``max_bytes`` the copy stops with :class:`TooLargeError` (``dst`` stays, with
-    what was copied so far, for the caller to remove). A missing ``src`` copies
-    nothing.
-    """
-    listing = Listing()
+    """Copy the regular files and folders of the tree at ``src`` into ``dst``,
+    created fresh (:func:`make_dir`, so it fails if anything is there); the rest is
+    :func:`copy_into`. Past ``max_bytes`` it raises :class:`TooLargeError` and
+    ``dst`` stays, with what was copied so far, for the caller to remove."""
     make_dir(dst, mode=dir_mode, owner=owner)
-    try:
-        src_fd = open_dir(src, under=under)
-    except FileNotFoundError:
-        return listing
-    dst_fd = _open_at(None, os.fspath(dst), _O_DIR, os.fspath(dst))
-    # destination folder descriptors by relative path; "" is dst itself
-    dst_fds: dict[str, int] = {"": dst_fd}
-    try:
-        for rel, name, st, parent_fd, why in _walk_fd(
-            src_fd, max_entries=max_entries, max_depth=max_depth
-        ):
-            if why:
-                if why.startswith("more than"):
-                    listing.truncated = f"stopped after {max_entries} entries"
-                listing.refused.append(Entry(rel, kind_of(st.st_mode), 0, why))
-                continue
-            parent_rel = rel.rpartition("/")[0]
-            out_parent = dst_fds.get(parent_rel)
-            if out_parent is None:
-                continue  # its folder was refused
-            if stat.S_ISDIR(st.st_mode):
-                os.mkdir(name, 0o700, dir_fd=out_parent)
-                fd = _open_at(out_parent, name, _O_DIR, rel)
-                if owner is not None:
-                    os.fchown(fd, *owner)
-                os.fchmod(fd, dir_mode)
-                dst_fds[rel] = fd
-                listing.dirs.append(rel)
-                continue
-            try:
-                in_fd = _open_at(parent_fd, name, _O_READ, rel)
-            except (UnsafePathError, FileNotFoundError):
-                listing.refused.append(Entry(rel, "file", 0, "changed while it was copied"))
-                continue
-            try:
-                in_st = os.fstat(in_fd)
-                if not stat.S_ISREG(in_st.st_mode):
-                    listing.refused.append(
-                        Entry(rel, kind_of(in_st.st_mode), 0, "changed while it was copied")
-                    )
-                    continue
-                budget = None if max_bytes is None else max_bytes - listing.total_bytes
-                copied = _copy_fd(
-                    in_fd, out_parent, name, budget=budget, owner=owner, mode=file_mode
-                )
-            finally:
-                os.close(in_fd)
-            if copied is None:
-                raise TooLargeError(os.fspath(src), f"holds more than {max_bytes} bytes")
-            listing.files.append(Entry(rel, "file", copied))
-            listing.total_bytes += copied
-    finally:
-        os.close(src_fd)
-        for fd in dst_fds.values():
-            os.close(fd)
-    return listing
+    with opened_dir(dst) as dst_fd:
+        return copy_into(
+            src,
+            dst_fd,
+            under=under,
+            owner=owner,
+            max_bytes=max_bytes,
+            max_entries=max_entries,
+            max_depth=max_depth,
+            dir_mode=dir_mode,
+            file_mode=file_mode,
+        )
 
 
 def _copy_fd(
@@ -639,86 +630,6 @@ def make_dirs(
                 if owner is not None:
                     os.fchown(fd, *owner)
                 os.fchmod(fd, mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def open_regular(
-    path: str | os.PathLike[str], *, under: str | os.PathLike[str] | None = None
-) -> int:
-    """:func:`open_file`, except that what is not a regular file is never opened
-    at all, not even without blocking (opening a device can do something).
-
-    The entry is first opened with ``O_PATH`` and ``O_NOFOLLOW``, which opens
-    nothing and follows no link, and checked with ``fstat``; only a regular file
-    is then opened for reading, through that descriptor (``/proc/self/fd``), so
-    it is the same inode even if the name was swapped meanwhile. Where ``/proc``
-    is not mounted it falls back to :func:`open_file`. A FIFO, a device, a
-    socket, a folder or a link is refused with :class:`UnsafePathError` naming
-    what it is.
-    """
-    text = os.fspath(path)
-    if under is None:
-        head, _, name = text.rpartition("/")
-        dir_fd: int | None = None
-        shown = text
-        if head or text.startswith("/"):
-            dir_fd = _open_at(None, head or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, head)
-    else:
-        parts = _parts(text)
-        if not parts:
-            raise UnsafePathError(text, "names no file")
-        name = parts[-1]
-        dir_fd = open_dir("/".join(parts[:-1]), under=under)
-        shown = f"{os.fspath(under)}/{text}"
-    try:
-        pfd = _open_at(dir_fd, name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, shown)
-    finally:
-        if dir_fd is not None:
-            os.close(dir_fd)
-    try:
-        st = os.fstat(pfd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(shown, f"is a {kind_of(st.st_mode)}, not a regular file")
-        try:
-            fd = os.open(f"/proc/self/fd/{pfd}", _O_READ & ~os.O_NOFOLLOW)
-        except FileNotFoundError:  # no /proc here
-            return open_file(path, under=under)
-    finally:
-        os.close(pfd)
-    try:
-        again = os.fstat(fd)
-        if not stat.S_ISREG(again.st_mode) or (again.st_dev, again.st_ino) != (
-            st.st_dev,
-            st.st_ino,
-        ):
-            raise UnsafePathError(shown, "changed while it was opened")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-# -- folders by descriptor: exchange slots, copies into a folder held open --------
-#
-# Appended for the broker's warm-server exchange slots and the command line's
-# output copies: a folder that a hostile process may rename or replace by a link
-# is held by its descriptor, and everything below it is made relative to that.
-
-
-def open_dir_at(dir_fd: int, rel: str | os.PathLike[str]) -> int:
-    """Open the folder ``rel`` below the open folder ``dir_fd`` and return its
-    descriptor; no component may be a link (:class:`UnsafePathError`). An empty
-    ``rel`` gives a new descriptor of ``dir_fd`` itself."""
-    fd = os.dup(dir_fd)
-    shown = os.fspath(rel)
-    try:
-        for part in _parts(rel):
-            nxt = _open_at(fd, part, _O_DIR, shown)
-            os.close(fd)
-            fd = nxt
     except BaseException:
         os.close(fd)
         raise

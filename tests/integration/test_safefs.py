@@ -388,10 +388,10 @@ def test_open_regular_never_opens_what_is_not_a_regular_file(
         ("dir", "folder"),
     ]:
         with pytest.raises(UnsafePathError, match=f"is a {kind}, not a regular file"):
-            safefs.open_regular(tree / name)
+            safefs.open_file(tree / name)
         with pytest.raises(UnsafePathError, match=f"is a {kind}, not a regular file"):
-            safefs.open_regular(name, under=tree)
-    fd = safefs.open_regular("ok", under=tree)
+            safefs.open_file(name, under=tree)
+    fd = safefs.open_file("ok", under=tree)
     try:
         assert os.read(fd, 10) == b"fine"
     finally:

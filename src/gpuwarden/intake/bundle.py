@@ -741,7 +741,7 @@ def extract_bundle(
     """Extract the bundle at ``zip_path`` into ``staging`` and return its jobs.
 
     The bundle is read from ``fileobj`` when given (a regular file the caller
-    opened with :func:`gpuwarden.safefs.open_regular`), else ``zip_path`` is
+    opened with :func:`gpuwarden.safefs.open_file`), else ``zip_path`` is
     opened that way: a FIFO, a device, a socket, a folder or a link is refused
     and never opened. ``staging`` is created here; it must not exist yet, or be
     an empty folder (otherwise FileExistsError).
@@ -763,7 +763,7 @@ def extract_bundle(
     prefix = f"bundle {_shown_file_name(zip_path.name)}: "
     if fileobj is None:
         try:
-            fd = safefs.open_regular(zip_path)
+            fd = safefs.open_file(zip_path)
         except safefs.UnsafePathError as exc:
             raise BundleError(f"{prefix}{exc.why}") from None
         with os.fdopen(fd, "rb") as f:
@@ -1070,7 +1070,7 @@ def _pack_outputs(zf: zipfile.ZipFile, job_id: str, outputs: Path) -> list[dict[
             refused.append({"path": entry.path, "kind": "file", "why": f"not packed: {problem}"})
             continue
         try:
-            fd = safefs.open_regular(entry.path, under=outputs)
+            fd = safefs.open_file(entry.path, under=outputs)
         except (safefs.UnsafePathError, FileNotFoundError) as exc:
             why = exc.why if isinstance(exc, safefs.UnsafePathError) else "it is gone"
             refused.append({"path": entry.path, "kind": "file", "why": f"changed: {why}"})

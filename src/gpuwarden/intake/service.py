@@ -132,7 +132,7 @@ def _extract(task: _Task, cancelled: Callable[[], bool]) -> _Outcome:
             safefs.remove_tree(task.staging)  # a partial extraction from a crashed run
         task.staging.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fd = safefs.open_regular(task.path)
+            fd = safefs.open_file(task.path)
         except safefs.UnsafePathError as exc:
             return _Outcome(
                 task,
