@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -24,7 +24,7 @@ from gpuwarden.errors import StateDirLockedError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
-from tests.brokerkit import submit
+from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
 
 TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
@@ -52,14 +52,6 @@ def node(tmp_path: Path) -> Iterator[Node]:
         make_config(tmp_path), mock_gpu=True, events=EventLog(tmp_path / "events.jsonl")
     ) as n:
         yield n
-
-
-def run_until(node: Node, done: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out waiting for the broker"
-        node.broker.tick()
-        time.sleep(0.02)
 
 
 def drop(node: Node, *specs: JobSpec, files: dict[str, Path] | None = None) -> Path:

@@ -10,7 +10,7 @@ import stat
 import threading
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from gpuwarden.intake.queueroot import QueueRoot, record_name
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Submission
 from gpuwarden.store.sqlite import SqliteStore
+from tests.brokerkit import run_until
 from tests.conftest import MODULES
 
 TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
@@ -54,14 +55,6 @@ def node(tmp_path: Path) -> Iterator[Node]:
         make_config(tmp_path), mock_gpu=True, events=EventLog(tmp_path / "events.jsonl")
     ) as n:
         yield n
-
-
-def run_until(node: Node, done: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "timed out waiting for the broker"
-        node.broker.tick()
-        time.sleep(0.02)
 
 
 def echo(i: str, **params: object) -> JobSpec:
