@@ -390,7 +390,7 @@ def test_registry_parses_echo_with_its_three_types() -> None:
     assert serve.vram_bytes == GIB // 4
     assert serve.coresident is True
     assert (serve.timeout_s, serve.load_timeout_s) == (60.0, 60.0)
-    assert [p.name for p in serve.params] == ["text", "output"]
+    assert [p.name for p in serve.params] == ["text", "output", "repeat"]
     text, output = serve.param("text"), serve.param("output")
     assert text is not None and text.required
     assert output is not None and output.default == "echo.txt"
