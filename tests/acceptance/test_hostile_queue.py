@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ import sqlite3
 import stat
 import subprocess
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,9 +111,18 @@ def bundle(job_id: str, **params: object) -> bytes:
         "version": 1,
         "jobs": [{"id": job_id, "type": "echo.echo", "params": {"text": job_id, **params}}],
     }
-    import io
-    import zipfile
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("manifest.json", json.dumps(doc))
+    return buf.getvalue()
 
+
+def held(job_id: str, release: Path) -> bytes:
+    """A bundle with one job that runs until ``release`` exists (testmods.hold)."""
+    doc = {
+        "version": 1,
+        "jobs": [{"id": job_id, "type": "testmods.hold", "params": {"until": str(release)}}],
+    }
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
         zf.writestr("manifest.json", json.dumps(doc))
@@ -383,7 +394,8 @@ def test_a_bomb_is_refused_while_another_bundles_job_runs_and_completes(
     try:
         b = site.serve()
         b.wait_started()
-        site.place("inbox", b"steady.zip", bundle("steady", sleep_s=3))
+        release = tmp_path / "release-steady"
+        site.place("inbox", b"steady.zip", held("steady", release))
         wait_for(lambda: (r := site.job("steady")) is not None and r["state"] == "running", "run")
         bomb = corpus.real_bomb("bomb", mib=64)
         assert len(bomb) < 200_000  # small on disk, 64 MiB inside
@@ -394,6 +406,7 @@ def test_a_bomb_is_refused_while_another_bundles_job_runs_and_completes(
         reason = str(site.result("failed", b"bomb.zip")["bundle"]["reason"])
         assert "declare 64 MiB unpacked, more than the limit of 16 MiB" in reason
         assert "nothing was extracted" in reason
+        release.touch()
         wait_for(lambda: site.exists("outbox", b"steady.zip"), "the steady job's result")
         assert site.result("outbox", b"steady.zip")["steady"]["status"] == "done"
         staging = site.state / "staging"

@@ -378,3 +378,30 @@ def test_the_coordinator_watcher_takes_bundles_in_and_refuses_fifos(tmp_path: Pa
     finally:
         watcher.stop()
         store.close()
+
+
+def test_a_staging_folder_left_by_a_crash_after_a_bundle_ended_is_swept_at_start(
+    node: Node, tmp_path: Path
+) -> None:
+    """A kill between finishing a bundle (its result written and recorded, its
+    input gone from processing/) and removing its staging folder leaves the
+    folder: the next start removes it, and leaves the staging of an open bundle."""
+    root = root_of(node)
+    place(root.inbox, b"done.zip", bundle_bytes(tmp_path, echo("d1")))
+    run_until(node, (root.outbox / "done.zip").exists)
+    intake = node.broker.queues
+    left = intake.staging_for(root, "done.zip")
+    (left / "inputs").mkdir(parents=True)  # the kill's leftover, as extraction made it
+    (left / "manifest.json").write_text("{}")
+    place(root.inbox, b"open.zip", bundle_bytes(tmp_path, sleeper("o1", 30)))
+    run_until(
+        node, lambda: (j := node.store.get_job("o1")) is not None and j.state.value == "running"
+    )
+    kept = intake.staging_for(root, "open.zip")
+    assert left.is_dir() and kept.is_dir()  # both are there before the start
+    intake.recover(time.time())
+    assert not left.exists()
+    assert kept.is_dir()  # its bundle is open: its inputs stay
+    assert [e["bundle"] for e in events(node, "staging_removed")] == ["done.zip"]
+    node.store.request_cancel("o1", now=time.time())
+    run_until(node, lambda: (j := node.store.get_job("o1")) is not None and j.state.terminal)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
-import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -278,8 +277,33 @@ class QueueIntake:
         self._touched.add((queue_root, bundle))
 
     def staging_for(self, root: QueueRoot, name: str) -> Path:
-        tag = sha256(str(root.path).encode()).hexdigest()[:12]
-        return self._staging_dir / tag / name
+        return self._staging_of(root) / name
+
+    def _staging_of(self, root: QueueRoot) -> Path:
+        """The folder of a queue root's staging folders (one per bundle)."""
+        return self._staging_dir / sha256(str(root.path).encode()).hexdigest()[:12]
+
+    def _remove_staging(self, staging: Path) -> None:
+        """Remove a bundle's staging folder (the broker extracted it; removed all
+        the same without following a link). A failure is reported, not raised: the
+        bundle's own outcome stands, and the next start sweeps what is left."""
+        try:
+            safefs.remove_tree(staging)
+        except OSError as exc:
+            self.on_error(f"removing the staging folder {staging}", exc)
+
+    def _sweep_staging(self, root: QueueRoot, in_processing: set[str]) -> None:
+        """Remove the staging folders of bundles no longer in ``processing/``: a
+        bundle's inputs are needed only while it is open there (a crash between
+        finishing a bundle and removing its staging folder leaves one)."""
+        try:
+            names = [p.name for p in self._staging_of(root).iterdir()]
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name not in in_processing:
+                self.emit("staging_removed", bundle=shown_name(name), why="its bundle has ended")
+                self._remove_staging(self._staging_of(root) / name)
 
     @property
     def extracting(self) -> int:
@@ -317,6 +341,7 @@ class QueueIntake:
                 self._recover_open_bundles(root, seen, now)
             except Exception as exc:
                 self.on_error(f"checking the open bundles of queue root {root.path}", exc)
+            self._sweep_staging(root, {a.name for a in root.in_processing()})
 
     def _recover_one(self, root: QueueRoot, arrival: Arrival, now: float) -> None:
         name = arrival.name
@@ -337,7 +362,7 @@ class QueueIntake:
         elif rec.finished_at is not None:
             self.emit("bundle_recovered", bundle=shown, action="result already written: removed")
             safefs.remove_tree(arrival.path)
-            shutil.rmtree(self.staging_for(root, name), ignore_errors=True)
+            self._remove_staging(self.staging_for(root, name))
         else:
             existing = root.result_of(name)
             if existing is not None:
@@ -399,7 +424,7 @@ class QueueIntake:
             rec.queue_root, rec.name, now=now, outcome=outcome, result_path=str(existing)
         )
         safefs.remove_tree(root.processing / rec.name)
-        shutil.rmtree(self.staging_for(root, rec.name), ignore_errors=True)
+        self._remove_staging(self.staging_for(root, rec.name))
         if not_run:
             self.emit(
                 "bundle_result_exists",
@@ -523,13 +548,13 @@ class QueueIntake:
             )
             faults.point("after_bundle_commit")
         except (DuplicateJobError, DuplicateBundleError) as exc:
-            shutil.rmtree(staging, ignore_errors=True)
+            self._remove_staging(staging)
             self._refuse(root, path, specs, f"duplicate: {exc}", now, duplicate=True)
         except GpuwardenError as exc:
-            shutil.rmtree(staging, ignore_errors=True)
+            self._remove_staging(staging)
             self._refuse(root, path, specs, exc.message, now)
         except Exception as exc:
-            shutil.rmtree(staging, ignore_errors=True)
+            self._remove_staging(staging)
             self._read_failed(root, path, specs, exc, now)
         else:
             self._intake_failures.pop(task.key, None)
@@ -768,7 +793,7 @@ class QueueIntake:
         )
         faults.point("after_bundle_finish")
         root.remove_from_processing(rec.name)
-        shutil.rmtree(self.staging_for(root, rec.name), ignore_errors=True)
+        self._remove_staging(self.staging_for(root, rec.name))
         self.emit("bundle_finished", bundle=rec.name, result=str(path))
 
 
