@@ -1849,7 +1849,14 @@ def cmd_token_create(args: argparse.Namespace) -> int:
     if args.expires_days is not None and not 0 < args.expires_days <= 3660:
         raise UserError("--expires-days must be more than 0 and at most 3660")
     new_store = ""
-    if (client := _remote(args)) is not None:
+    try:
+        client = _remote(args)
+    except UserError as exc:  # the first token cannot come through the API
+        raise UserError(
+            f"{exc.message}; the first token is made in the store, without --url "
+            f"(unset {URL_ENV}): `gpuwarden token create NAME --role owner`"
+        ) from None
+    if client is not None:
         with client:
             made = client.create_token(
                 args.name,

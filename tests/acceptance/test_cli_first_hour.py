@@ -278,6 +278,10 @@ def test_tokens_audit_types_and_gpu_clear_over_http(
     assert local.returncode == remote.returncode == 0, remote.stderr
     assert "echo.echo" in remote.stdout and remote.stdout == local.stdout
 
+    first = run("token", "create", "x", "--role", "owner", *url, "--token-file", tmp_path / "no")
+    assert first.returncode == 2 and "the first token is made in the store, without --url" in (
+        first.stderr
+    )
     made = run_env("token", "create", "ci", "--role", "submitter", "--json", *url, token=owner)
     assert made.returncode == 0, made.stderr
     ci = json.loads(made.stdout)
