@@ -8,8 +8,11 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import codecs
+import difflib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -17,15 +20,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden import __version__, explain, safefs
+from gpuwarden import __version__, explain, joblogs, safefs
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.broker import result_json
 from gpuwarden.cluster import cli as cluster_cli
@@ -39,8 +42,6 @@ from gpuwarden.core.model import (
     JobType,
     Lane,
     LaunchMode,
-    ParamSpec,
-    ParamType,
     Role,
     format_bytes,
 )
@@ -72,8 +73,70 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 # -- argument parsing ---------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that remembers its option names and its sub-commands,
+    so that an unknown option or command can be answered with "did you mean"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: every option string of this parser (``--wait``, ``-p``, ...)
+        self.option_names: list[str] = []
+        #: the sub-commands action, when this parser has one
+        self.commands: Any = None
+        super().__init__(*args, **kwargs)  # adds -h through add_argument
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.option_names += action.option_strings
+        return action
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        self.commands = super().add_subparsers(**kwargs)
+        return self.commands
+
+    def error(self, message: str) -> NoReturn:
+        # argparse: "argument COMMAND: invalid choice: 'sumbit' (choose from ...)"
+        head = message.split(":", 1)[0]
+        if self.commands is not None and head == f"argument {self.commands.metavar}":
+            word = message.partition("invalid choice: ")[2].split(" (", 1)[0].strip("'\"")
+            if word and (hint := did_you_mean(word, list(self.commands.choices))):
+                message = f"unknown command {word!r}{hint}"
+        super().error(message)
+
+
+def did_you_mean(word: str, candidates: Sequence[str]) -> str:
+    """`` (did you mean X?)`` for the candidate closest to ``word``, or ``""``.
+
+    Closest: the fewest edits, where swapping two neighbours is one edit (a typo
+    like ``--wiat`` is one from ``--wait``, two from ``--want``), then difflib's
+    ratio; a candidate more than 2 edits (or half the word) away is no match."""
+    best: tuple[int, float, str] | None = None
+    for c in dict.fromkeys(candidates):
+        d = edits(word, c)
+        if d > 2 or d * 2 >= max(len(word), 1):
+            continue
+        key = (d, -difflib.SequenceMatcher(None, word, c).ratio(), c)
+        best = key if best is None or key < best else best
+    return f" (did you mean {best[2]}?)" if best else ""
+
+
+def edits(a: str, b: str) -> int:
+    """The optimal string alignment distance: inserts, deletes, substitutions and
+    swaps of two neighbours, each one edit."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        row = [i, *([0] * len(b))]
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            row[j] = min(prev[j] + 1, row[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], prev2[j - 2] + 1)
+        prev2, prev = prev, row
+    return prev[len(b)]
+
+
+def build_parser() -> Parser:
+    p = Parser(
         prog="gpuwarden",
         description="A GPU job broker: a durable queue, VRAM admission, sandboxed launches.",
         allow_abbrev=False,
@@ -211,6 +274,22 @@ def build_parser() -> argparse.ArgumentParser:
     remote_args(sp)
     sp.set_defaults(func=cmd_show)
 
+    sp = sub.add_parser(
+        "logs",
+        help="a job's output streams: what it wrote on stdout (or stderr)",
+        description="Print what an attempt of the job wrote on stdout (with --stderr: on "
+        "stderr), from its attempt folder, or with --url through the API. Default: the "
+        "latest attempt. --follow prints what it writes until the attempt ends (a job "
+        "that has not started yet is waited for).",
+        allow_abbrev=False,
+    )
+    sp.add_argument("job")
+    sp.add_argument("--attempt", type=int, metavar="N", help="this attempt (default: the latest)")
+    sp.add_argument("-f", "--follow", action="store_true", help="go on until the attempt has ended")
+    sp.add_argument("--stderr", action="store_true", help="the stderr stream instead of stdout")
+    remote_args(sp)
+    sp.set_defaults(func=cmd_logs)
+
     sp = sub.add_parser("cancel", help="cancel a queued or running job")
     sp.add_argument("job")
     remote_args(sp)
@@ -240,14 +319,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="resume VRAM admission on a GPU after its hardware fault was dealt with",
     )
     clear.add_argument("uuid", help="the GPU's UUID, as `gpuwarden status` shows it")
+    remote_args(clear)
     clear.set_defaults(func=cmd_gpu_clear)
 
     sp = sub.add_parser(
         "token",
-        help="API tokens: create, list, revoke (on the broker's host, straight in the store)",
-        description="Manage the HTTP API's tokens in the store of the state directory. "
-        "Whoever can write that store owns the machine: the first owner token is made "
-        "here (`gpuwarden token create admin --role owner`).",
+        help="API tokens: create, list, revoke (in the store, or with --url through the API)",
+        description="Manage the HTTP API's tokens in the store of the state directory, or "
+        "with --url through the API (an owner token). Whoever can write that store owns "
+        "the machine: the first owner token is made here "
+        "(`gpuwarden token create admin --role owner`).",
     )
     token_sub = sp.add_subparsers(dest="token_command", required=True, metavar="ACTION")
     tc = token_sub.add_parser("create", help="make a token; it is printed once", allow_abbrev=False)
@@ -259,24 +340,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--save", type=Path, metavar="FILE", help="also write the token to FILE (mode 600)"
     )
     tc.add_argument("--json", action="store_true", help="print one JSON object")
+    remote_args(tc)
     tc.set_defaults(func=cmd_token_create)
     tl = token_sub.add_parser("list", help="every token (never a secret)")
     tl.add_argument("--json", action="store_true")
+    remote_args(tl)
     tl.set_defaults(func=cmd_token_list)
     tr = token_sub.add_parser("revoke", help="revoke a token: every request with it is refused")
     tr.add_argument("id", help="the token's id (12 hex digits, `token list` shows it)")
+    remote_args(tr)
     tr.set_defaults(func=cmd_token_revoke)
 
     sp = sub.add_parser("audit", help="the audit log: who did what through the API and the CLI")
     sp.add_argument("--json", action="store_true")
     sp.add_argument("--limit", type=int, default=100, help="most rows (default 100)")
     sp.add_argument("--after", type=int, default=0, metavar="ID", help="rows after this id")
+    remote_args(sp)
     sp.set_defaults(func=cmd_audit)
 
     # several hosts: coordinator, agent, node (gpuwarden/cluster/cli.py)
     cluster_cli.add_parsers(sub, remote_args)
 
     sp = sub.add_parser("types", help="list the job types of the registered modules")
+    remote_args(sp)
     sp.set_defaults(func=cmd_types)
 
     sp = sub.add_parser(
@@ -313,8 +399,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.extra = extra
+    command = _command_parser(parser, args)
+    args.options = command.option_names
     if extra and args.command not in ("run-once", "submit"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        word = next((w for w in extra if w.startswith("-")), None)
+        if word is None:
+            command.error(f"unexpected argument {extra[0]!r}")
+        command.error(unknown_option(word.partition("=")[0], command.option_names))
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -341,17 +432,48 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- helpers --------------------------------------------------------------------
 
 
+#: the options that go before the command (``gpuwarden --state-dir DIR jobs``)
+GLOBAL_OPTIONS = ("--config", "--state-dir", "--mock-gpu", "--verbose", "-v")
+
+
+def _command_parser(parser: Parser, args: argparse.Namespace) -> Parser:
+    """The parser of the (sub-)command that ``args`` were parsed for."""
+    here = parser
+    while here.commands is not None:
+        name = getattr(args, here.commands.dest, None)
+        nxt = here.commands.choices.get(name) if name else None
+        if not isinstance(nxt, Parser):
+            break
+        here = nxt
+    return here
+
+
+def unknown_option(word: str, options: Sequence[str], params: Sequence[str] = ()) -> str:
+    """What to say of ``--word`` that is neither an option of the command nor (for
+    ``run-once`` and ``submit``) a parameter of the job type."""
+    if word in GLOBAL_OPTIONS and word not in options:
+        return (
+            f"{word} is a global option: put it before the command, e.g. "
+            f"`gpuwarden {word} ... COMMAND`"
+        )
+    longs = [o for o in options if o.startswith("--")]
+    said = f"unknown option {word}"
+    return said + did_you_mean(word, [*longs, *params])
+
+
 def _config(args: argparse.Namespace) -> Config:
     return load_config(args.config, state_dir=args.state_dir)
 
 
-def _existing_store(args: argparse.Namespace) -> Store:
-    """The store of a state directory a broker has used; never creates one."""
-    config = _config(args)
+def _existing_store(args: argparse.Namespace, config: Config | None = None) -> Store:
+    """The store of a state directory a broker has used; never creates one: a
+    mistyped ``--state-dir`` is refused, not made into a new, empty store."""
+    config = config or _config(args)
     if not config.database and not config.db_path.exists():
         raise UserError(
-            f"no gpuwarden state in {config.state_dir}: check --config or --state-dir "
-            "(or start `gpuwarden serve` there first)"
+            f"no gpuwarden state in {config.state_dir}: check --state-dir, --config and "
+            f"{STATE_DIR_ENV}; `gpuwarden serve` creates a state directory when it first "
+            "starts there"
         )
     return open_store(config)
 
@@ -367,9 +489,11 @@ def _job_params(jobtype: JobType, args: argparse.Namespace) -> dict[str, Any]:
                 f"unexpected argument {word!r}; job parameters are given as --NAME VALUE"
             )
         name, eq, value = word[2:].partition("=")
+        spec = jobtype.param(name.replace("-", "_"))
+        if spec is None:
+            raise ValidationError(_not_a_parameter(jobtype, f"--{name}", args))
         if not eq:
-            spec = jobtype.param(name.replace("-", "_"))
-            boolean = spec is not None and spec.type.value == "boolean"
+            boolean = spec.type.value == "boolean"
             nxt = words[0] if words else None
             if boolean and (nxt is None or nxt.startswith("--")):
                 value = "true"
@@ -388,15 +512,34 @@ def _job_params(jobtype: JobType, args: argparse.Namespace) -> dict[str, Any]:
         key = name.replace("-", "_")
         spec = jobtype.param(key)
         if spec is None:
-            known = ", ".join(f"--{p.name}" for p in jobtype.params) or "none"
+            close = did_you_mean(key, [p.name for p in jobtype.params])
+            known = ", ".join(p.name for p in jobtype.params) or "none"
             raise ValidationError(
-                f"{jobtype.name} has no parameter {name!r}; its parameters: {known}"
+                f"-p {name}: {jobtype.name} has no parameter {name!r}{close}; "
+                f"its parameters: {known}"
             )
         params[key] = coerce_text(spec, value or "")
     for path in args.inputs:
         if not path.is_file():
             raise ValidationError(f"input file {path} does not exist")
     return params
+
+
+def _not_a_parameter(jobtype: JobType, word: str, args: argparse.Namespace) -> str:
+    """An unknown ``--NAME`` after ``run-once TYPE`` or ``submit TYPE``: neither an
+    option of the command nor a parameter of the type."""
+    # the way the user writes names: --exit-code or --exit_code (both are read)
+    dash = "-" in word[2:]
+    params = [f"--{p.name.replace('_', '-') if dash else p.name}" for p in jobtype.params]
+    said = unknown_option(word, getattr(args, "options", ()), params)
+    if "did you mean" in said or "global option" in said:
+        return said
+    name = word[2:].replace("-", "_")
+    return (
+        f"{said}: not an option of `{args.command}`, and {jobtype.name} has no parameter "
+        f"{name!r}; its parameters: {', '.join(params) or 'none'} "
+        f"(`gpuwarden {args.command} --help` lists the options)"
+    )
 
 
 def parse_constraints(items: Sequence[str]) -> dict[str, Any]:
@@ -576,12 +719,66 @@ def cmd_run_once(args: argparse.Namespace) -> int:
                 err.print(f"[yellow]warning:[/] could not remove {tmp}: {escape(str(exc))}")
 
 
+class Progress:
+    """What a command says while it waits for a job: on a terminal, a spinner with
+    the job's state and why it waits; without one (piped, in a log), one line on
+    stderr, with the time, each time that changes."""
+
+    def __init__(self, first: str) -> None:
+        self._spinner = err.status(printable(first), spinner="dots") if err.is_terminal else None
+        self._said: str | None = None
+        self._first = first
+
+    def __enter__(self) -> Progress:
+        if self._spinner is not None:
+            self._spinner.start()
+        self.update(self._first)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._spinner is not None:
+            self._spinner.stop()
+
+    def update(self, text: str) -> None:
+        text = printable(text)
+        if text == self._said:
+            return
+        self._said = text
+        if self._spinner is not None:
+            self._spinner.update(text)
+        else:
+            err.print(f"{time.strftime('%H:%M:%S')} {text}", markup=False, highlight=False)
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character but tab and newline shown as an escape
+    (``\\x1b``): what a job wrote cannot drive the terminal it is shown on."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() or c in "\t\n" else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
+
+
+def wait_note(lines: Sequence[str]) -> str:
+    """What ``explain`` says about where a job stands, as one line: its lines but
+    the first (the state, shown already), the footprint and where the view came
+    from (they say nothing new while it waits)."""
+    keep = [ln for ln in lines[1:] if not ln.startswith(("footprint ", "(as seen by"))]
+    return "; ".join(keep)
+
+
+def _progress_text(job_id: str, state: str, note: str) -> str:
+    return f"job {job_id}: {state}" + (f": {note}" if note else "")
+
+
 def _drive(broker: Any, job_id: str) -> Job:
     """Tick the broker until the job ends, saying what it waits for."""
     store = broker.store
     stop = threading.Event()
     try:
-        with err.status(f"job {job_id}: starting", spinner="dots") as status:
+        with Progress(f"job {job_id}: starting") as status:
             while True:
                 broker.tick()
                 job = store.get_job(job_id)
@@ -595,7 +792,7 @@ def _drive(broker: Any, job_id: str) -> Job:
                         "run with --mock-gpu to use the simulated GPU"
                     )
                 status.update(
-                    f"job {job_id}: {job.state.value}" + (f" (waiting: {reason})" if reason else "")
+                    _progress_text(job_id, job.state.value, f"it waits: {reason}" if reason else "")
                 )
                 stop.wait(0.02)
     finally:
@@ -723,7 +920,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     config = _config(args)
     registry = Registry.load(config.module_paths, config.launch_rules)
     spec = _spec(registry, args)
-    store = open_store(config)
+    store = _existing_store(args, config)
     try:
         _refuse_if_it_never_fits(spec, registry, store, config)
         _refuse_if_no_node_ever_could(spec, registry, store)
@@ -738,17 +935,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         out.print(f"submitted {spec.id} ({spec.type}) to {config.state_dir}")
         if not args.wait:
             return 0
-        deadline = time.monotonic() + args.wait_timeout
-        with err.status(f"waiting for job {spec.id} to end (is `gpuwarden serve` running?)"):
-            while True:
-                job = store.get_job(spec.id)
-                assert job is not None
-                if job.state.terminal:
-                    break
-                if time.monotonic() > deadline:
-                    err.print(f"gave up waiting after {args.wait_timeout:g} s; job is {job.state}")
-                    return 1
-                time.sleep(0.1)
+        job = _wait_here(store, registry, config, spec.id, args.wait_timeout)
+        if not job.state.terminal:
+            err.print(f"gave up waiting after {args.wait_timeout:g} s; job is {job.state.value}")
+            return 1
         result = result_json(job, store.attempts(job.id))
         outputs = Path(job.result["output_dir"]) if "output_dir" in job.result else None
         if outputs is not None and args.results_dir:
@@ -758,6 +948,44 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0 if job.state is JobState.DONE else 1
     finally:
         store.close()
+
+
+#: how often a waiting command asks again why the job waits (explain's work)
+NOTE_EVERY_S = 1.0
+
+
+def _wait_here(
+    store: Store,
+    registry: Registry,
+    config: Config,
+    job_id: str,
+    timeout: float,
+    *,
+    until: Callable[[Job], bool] = lambda job: job.state.terminal,
+    first: str = "submitted",
+) -> Job:
+    """Poll the store until ``until(job)`` (default: the job has ended) or
+    ``timeout`` passed; return the job. Says what ``explain`` knows of where it
+    stands while it waits (:class:`Progress`)."""
+    deadline = time.monotonic() + timeout
+    next_note = 0.0
+    note = ""
+    state: JobState | None = None
+    with Progress(f"job {job_id}: {first}") as progress:
+        while True:
+            job = store.get_job(job_id)
+            if job is None:
+                raise UserError(f"job {job_id} is no longer in the store of {config.state_dir}")
+            if until(job) or time.monotonic() > deadline:
+                return job
+            if time.monotonic() >= next_note or job.state is not state:
+                state = job.state
+                status = explain.latest_status(store, time.time())
+                view = explain.view_from_status(status, config.broker.cpu_slots) if status else None
+                note = wait_note(explain.explain_job(job, store, registry, view))
+                next_note = time.monotonic() + NOTE_EVERY_S
+            progress.update(_progress_text(job_id, job.state.value, note))
+            time.sleep(0.1)
 
 
 def _refuse_if_it_never_fits(
@@ -784,7 +1012,12 @@ def _refuse_if_no_node_ever_could(spec: JobSpec, registry: Registry, store: Stor
 
 
 def _submit_to_queue(args: argparse.Namespace) -> int:
-    root = QueueRoot.open(args.queue, create=False)
+    root = QueueRoot.open(
+        args.queue,
+        create=False,
+        how_to_create=f"`gpuwarden serve --queue {args.queue}` makes it when the broker starts "
+        "(unless its config says create_queue_roots = false)",
+    )
     try:
         config = _config(args)
         paths, rules = config.module_paths, config.launch_rules
@@ -797,7 +1030,7 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
     out.print(f"submitted {spec.id} ({spec.type}) as {path}")
     if not args.wait:
         return 0
-    with err.status(f"waiting for {path.name} in {root.outbox} or {root.failed}"):
+    with Progress(f"waiting for the result of {path.name} in {root.outbox} or {root.failed}"):
         result_path = root.wait_for_result(path.name, args.wait_timeout)
     if result_path is None:
         err.print(f"no result after {args.wait_timeout:g} s; is a broker watching {root.path}?")
@@ -1054,6 +1287,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             a.reason,
         )
     out.print(table)
+    _logs_hint(job.id, len(attempts))
     ev = Table("when", "event", "change", "detail")
     for e in events:
         change = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else ""
@@ -1062,6 +1296,218 @@ def cmd_show(args: argparse.Namespace) -> int:
         )
     out.print(ev)
     return 0
+
+
+def _logs_hint(job_id: str, attempts: int) -> None:
+    if attempts:
+        more = " --attempt N" if attempts > 1 else ""
+        out.print(
+            f"output: `gpuwarden logs {job_id}{more}` (stdout; add --stderr for stderr)",
+            markup=False,
+        )
+
+
+# -- logs -------------------------------------------------------------------------
+
+
+class StreamOut:
+    """Writes a job's bytes to stdout: as they are when piped; on a terminal as
+    text (invalid UTF-8 shown as U+FFFD) with control characters escaped
+    (:func:`printable`), so what a job wrote cannot drive the terminal."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def write(self, data: bytes) -> None:
+        if self.tty:
+            sys.stdout.write(printable(self._decoder.decode(data)))
+            sys.stdout.flush()
+        else:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+
+    def write_all(self, chunks: Iterable[bytes]) -> None:
+        for chunk in chunks:
+            self.write(chunk)
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stdout.write(printable(self._decoder.decode(b"", final=True)))
+        sys.stdout.flush()
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    if args.attempt is not None and args.attempt < 1:
+        raise UserError(f"--attempt {args.attempt}: attempts are numbered from 1")
+    stream = "stderr" if args.stderr else "stdout"
+    try:
+        if (client := _remote(args)) is not None:
+            with client:
+                return _logs_http(args, client, stream)
+        return _logs_here(args, stream)
+    except BrokenPipeError:  # `gpuwarden logs JOB | head`: the reader has had enough
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _not_started(job_id: str, state: str, terminal: bool) -> str:
+    """As the API says it (``api.routers.logs.not_started``)."""
+    if terminal:
+        return f"job {job_id} ended ({state}) without starting: it has no output"
+    return (
+        f"job {job_id} is {state} and has not started: no output yet "
+        f"(`gpuwarden logs --follow {job_id}` waits for it; `gpuwarden explain {job_id}` "
+        "says why it waits)"
+    )
+
+
+def _pick(job_id: str, numbers: list[int], wanted: int | None) -> int:
+    if wanted is None:
+        return numbers[-1]
+    if wanted not in numbers:
+        have = ", ".join(map(str, numbers))
+        raise UserError(f"job {job_id} has no attempt {wanted} (its attempts: {have})")
+    return wanted
+
+
+def _logs_here(args: argparse.Namespace, stream: str) -> int:
+    config = _config(args)
+    store = _existing_store(args, config)
+    try:
+        job = store.get_job(args.job)
+        if job is None:
+            raise UserError(f"no job with id {args.job!r} (see `gpuwarden jobs`)")
+        try:
+            registry: Registry | None = Registry.load(config.module_paths, config.launch_rules)
+        except GpuwardenError:  # the streams are there whatever the modules say now
+            registry = None
+        if job.attempts == 0 and not job.state.terminal and args.follow and registry is not None:
+            job = _wait_here(
+                store,
+                registry,
+                config,
+                job.id,
+                math.inf,
+                until=lambda j: j.attempts > 0 or j.state.terminal,
+                first="waiting for it to start",
+            )
+        attempts = store.attempts(job.id)
+        if not attempts:
+            raise UserError(_not_started(job.id, job.state.value, job.state.terminal))
+        number = _pick(job.id, [a.number for a in attempts], args.attempt)
+        attempt = next(a for a in attempts if a.number == number)
+        jobs_dir = config.state_dir / "jobs"
+        where = joblogs.locate(
+            jobs_dir, attempt, stream, node=config.node_name, registry=registry, job_type=job.type
+        )
+        sink = StreamOut()
+        fd = where.fd
+        if fd is None and where.later and args.follow:
+            fd = _wait_for_file(store, jobs_dir, attempt, stream)
+        if fd is None:
+            if where.note:
+                err.print(where.note, markup=False, highlight=False)
+            sink.write(where.copy)
+            sink.close()
+            return 1 if where.refused else 0
+        try:
+            if args.follow:
+                sink.write_all(
+                    joblogs.follow(
+                        fd,
+                        lambda: _attempt_ended(store, attempt.job_id, attempt.number),
+                        sleep=time.sleep,
+                        clock=time.monotonic,
+                    )
+                )
+            else:
+                sink.write_all(joblogs.read_all(fd))
+        finally:
+            os.close(fd)
+        sink.close()
+        if args.follow:
+            after = store.get_job(job.id)
+            if after is not None:
+                _after_follow(after.id, attempt.number, after.attempts, after.state.value,
+                              after.state.terminal)  # fmt: skip
+    finally:
+        store.close()
+    return 0
+
+
+def _attempt_ended(store: Store, job_id: str, number: int) -> bool:
+    job = store.get_job(job_id)
+    if job is None or job.state.terminal:
+        return True
+    attempt = next((a for a in store.attempts(job_id) if a.number == number), None)
+    return attempt is None or attempt.ended_at is not None
+
+
+def _wait_for_file(store: Store, jobs_dir: Path, attempt: Any, stream: str) -> int | None:
+    """The stream file of a running attempt once the launcher has made it; None if
+    the attempt ended first."""
+    while True:
+        try:
+            fd = joblogs.reopen(jobs_dir, attempt, stream)
+        except safefs.UnsafePathError as exc:
+            raise GpuwardenError(f"{joblogs.file_name(stream)} of attempt {attempt.number} "
+                                 f"{exc.why}: it is not read") from None  # fmt: skip
+        if fd is not None:
+            return fd
+        if _attempt_ended(store, attempt.job_id, attempt.number):
+            return None
+        time.sleep(joblogs.ENDED_EVERY_S)
+
+
+def _after_follow(job_id: str, number: int, attempts: int, state: str, terminal: bool) -> None:
+    """After --follow: say so when the job goes on with another attempt."""
+    if not terminal and attempts > number:
+        err.print(
+            f"attempt {number} ended; job {job_id} runs again as attempt {attempts}: "
+            f"`gpuwarden logs --follow {job_id}` follows it",
+            markup=False,
+        )
+    elif not terminal:
+        err.print(
+            f"attempt {number} ended; job {job_id} is {state} for another attempt: "
+            f"`gpuwarden logs --follow {job_id}` follows it",
+            markup=False,
+        )
+
+
+def _logs_http(args: argparse.Namespace, client: Any, stream: str) -> int:
+    job = client.get(args.job)
+    if not job.get("attempts_detail") and args.follow and job["state"] not in TERMINAL_STATES:
+        with Progress(f"job {job['id']}: waiting for it to start") as progress:
+
+            def started(j: dict[str, Any]) -> None:
+                progress.update(
+                    _progress_text(j["id"], j["state"], wait_note(j.get("explain", [])))
+                )
+
+            job = client.wait_started(job["id"], progress=started)
+    numbers = [int(a["number"]) for a in job.get("attempts_detail", [])]
+    if not numbers:
+        raise UserError(_not_started(job["id"], job["state"], job["state"] in TERMINAL_STATES))
+    number = _pick(job["id"], numbers, args.attempt)
+    sink = StreamOut()
+    with client.logs(job["id"], stream, attempt=number, follow=args.follow) as got:
+        if got.note:
+            err.print(got.note, markup=False, highlight=False)
+        sink.write_all(got.chunks)
+    sink.close()
+    if args.follow:
+        after = client.get(job["id"])
+        _after_follow(after["id"], number, int(after.get("attempts", 0)), after["state"],
+                      after["state"] in TERMINAL_STATES)  # fmt: skip
+    return 1 if got.refused else 0
+
+
+#: the states after which a job never changes again
+TERMINAL_STATES = frozenset(s.value for s in JobState if s.terminal)
 
 
 def _attempt_json(a: Any) -> dict[str, Any]:
@@ -1099,10 +1545,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_types(args: argparse.Namespace) -> int:
-    config = _config(args)
-    registry = Registry.load(config.module_paths, config.launch_rules)
+    if (client := _remote(args)) is not None:
+        with client:  # the same JobType values, as the API describes them
+            types = client.job_types()
+    else:
+        config = _config(args)
+        types = list(Registry.load(config.module_paths, config.launch_rules).types.values())
     table = Table("type", "lane", "launch", "VRAM", "timeout", "parameters")
-    for t in sorted(registry.types.values(), key=lambda t: t.name):
+    for t in sorted(types, key=lambda t: t.name):
         params = ", ".join(f"{p.name}:{p.type.value}{'' if p.required else '?'}" for p in t.params)
         table.add_row(
             t.name,
@@ -1211,6 +1661,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_gpu_clear(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            client.clear_gpu(args.uuid)
+        out.print(
+            f"asked the broker at {client.url} to clear the fault on {args.uuid}; "
+            "`gpuwarden status` shows it",
+            markup=False,
+        )
+        return 0
     store = _existing_store(args)
     try:
         status = explain.latest_status(store, time.time())
@@ -1271,31 +1730,15 @@ def _read_token(path: Path) -> str:
 
 def _remote_jobtype(client: Any, name: str) -> JobType:
     """The job type as the API describes it: enough to read --NAME VALUE parameters."""
-    types = {t["type"]: t for t in client.types()}
+    types: dict[str, JobType] = {t.name: t for t in client.job_types()}
     t = types.get(name)
     if t is None:
         known = ", ".join(sorted(types)) or "none"
-        raise ValidationError(f"unknown job type {name!r} at {client.url}; known types: {known}")
-    return JobType(
-        name=t["type"],
-        module=t["type"].split(".", 1)[0],
-        module_dir="",
-        lane=Lane(t["lane"]),
-        launch=LaunchMode(t["launch"]),
-        command=(),
-        vram_bytes=int(t["vram_bytes"]),
-        params=tuple(
-            ParamSpec(
-                name=p["name"],
-                type=ParamType(p["type"]),
-                required=bool(p["required"]),
-                default=p.get("default"),
-                description=p.get("description", ""),
-                choices=tuple(p.get("choices", [])),
-            )
-            for p in t["params"]
-        ),
-    )
+        raise ValidationError(
+            f"unknown job type {name!r}{did_you_mean(name, list(types))} at {client.url}; "
+            f"known types: {known}"
+        )
+    return t
 
 
 def _submit_http(args: argparse.Namespace, client: Any) -> int:
@@ -1320,14 +1763,13 @@ def _submit_http(args: argparse.Namespace, client: Any) -> int:
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:
         return 0
-    with err.status(f"waiting for job {job['id']} to end", spinner="dots") as status:
+    with Progress(f"job {job['id']}: submitted") as status:
 
         def progress(j: dict[str, Any]) -> None:
-            why = f" ({j['reason']})" if j.get("reason") else ""
-            status.update(f"job {j['id']}: {j['state']}{why}")
+            status.update(_progress_text(j["id"], j["state"], wait_note(j.get("explain", []))))
 
         try:
-            client.wait(job["id"], timeout=args.wait_timeout, progress=progress)
+            client.wait(job["id"], timeout=args.wait_timeout, progress=progress, explain=True)
         except TimeoutError:
             err.print(f"gave up waiting after {args.wait_timeout:g} s")
             return 1
@@ -1372,6 +1814,7 @@ def _show_http(args: argparse.Namespace, client: Any) -> int:
             a.get("reason", ""),
         )
     out.print(table)
+    _logs_hint(data["id"], len(data.get("attempts_detail", [])))
     ev = Table("when", "event", "change", "detail")
     for e in data.get("events", []):
         rest = {k: v for k, v in e.items() if k not in ("ts", "event", "job", "from", "to")}
@@ -1405,34 +1848,56 @@ def cmd_token_create(args: argparse.Namespace) -> int:
         )
     if args.expires_days is not None and not 0 < args.expires_days <= 3660:
         raise UserError("--expires-days must be more than 0 and at most 3660")
-    now = time.time()
-    expires_at = now + args.expires_days * 86400 if args.expires_days is not None else None
-    config = _config(args)
-    store = open_store(config)  # the first token may come before the first `serve`
+    new_store = ""
     try:
-        record, token = issue_token(
-            store,
-            name=args.name,
-            role=Role(args.role),
-            by=_local_actor(),
-            now=now,
-            expires_at=expires_at,
-            node=args.node,
-        )
-    finally:
-        store.close()
+        client = _remote(args)
+    except UserError as exc:  # the first token cannot come through the API
+        raise UserError(
+            f"{exc.message}; the first token is made in the store, without --url "
+            f"(unset {URL_ENV}): `gpuwarden token create NAME --role owner`"
+        ) from None
+    if client is not None:
+        with client:
+            made = client.create_token(
+                args.name,
+                args.role,
+                expires_in_s=args.expires_days * 86400 if args.expires_days is not None else None,
+                node=args.node,
+            )
+        token_id, name, role, token = made["id"], made["name"], made["role"], made["token"]
+    else:
+        now = time.time()
+        expires_at = now + args.expires_days * 86400 if args.expires_days is not None else None
+        config = _config(args)
+        if not config.database and not config.db_path.exists():
+            new_store = (
+                f"; it is in a new store in {config.state_dir}: start `gpuwarden serve` "
+                "with this state directory for the API to know it"
+            )
+        store = open_store(config)  # the first token may come before the first `serve`
+        try:
+            record, token = issue_token(
+                store,
+                name=args.name,
+                role=Role(args.role),
+                by=_local_actor(),
+                now=now,
+                expires_at=expires_at,
+                node=args.node,
+            )
+        finally:
+            store.close()
+        token_id, name, role = record.id, record.name, record.role.value
     if args.save is not None:
         _save_token(args.save.expanduser(), token)
     if args.json:
-        print(
-            json.dumps(
-                {"id": record.id, "name": record.name, "role": record.role.value, "token": token}
-            )
-        )
+        print(json.dumps({"id": token_id, "name": name, "role": role, "token": token}))
         return 0
     err.print(
-        f"token {record.id} for {record.name} (role {record.role.value}); it is shown once, "
-        "keep it secret" + (f"; saved to {args.save}" if args.save else "")
+        f"token {token_id} for {name} (role {role}); it is shown once, keep it secret"
+        + (f"; saved to {args.save}" if args.save else "")
+        + new_store,
+        markup=False,
     )
     print(token)
     return 0
@@ -1448,52 +1913,67 @@ def _save_token(path: Path, token: str) -> None:
         os.close(fd)
 
 
+def _token_json(t: Any, now: float) -> dict[str, Any]:
+    """A token record as the API shows it (``GET /v1/tokens``)."""
+    return {
+        "id": t.id,
+        "name": t.name,
+        "role": t.role.value,
+        "created_at": t.created_at,
+        "created_by": t.created_by,
+        "expires_at": t.expires_at,
+        "revoked_at": t.revoked_at,
+        "node": t.node,
+        "active": t.active(now),
+    }
+
+
 def cmd_token_list(args: argparse.Namespace) -> int:
-    store = _existing_store(args)
-    try:
-        tokens = store.list_tokens()
-    finally:
-        store.close()
-    now = time.time()
+    if (client := _remote(args)) is not None:
+        with client:
+            rows = client.tokens()
+    else:
+        store = _existing_store(args)
+        try:
+            tokens = store.list_tokens()
+        finally:
+            store.close()
+        now = time.time()
+        rows = [_token_json(t, now) for t in tokens]
     if args.json:
-        rows = [
-            {
-                "id": t.id,
-                "name": t.name,
-                "role": t.role.value,
-                "created_at": t.created_at,
-                "created_by": t.created_by,
-                "expires_at": t.expires_at,
-                "revoked_at": t.revoked_at,
-                "node": t.node,
-                "active": t.active(now),
-            }
-            for t in tokens
-        ]
         out.print_json(json.dumps(rows))
         return 0
     table = Table("id", "name", "role", "created", "by", "expires", "state")
-    for t in tokens:
-        if t.revoked_at is not None:
-            state = f"revoked {_age(t.revoked_at)} ago"
-        elif not t.active(now):
+    for t in rows:
+        if t.get("revoked_at") is not None:
+            state = f"revoked {_age(t['revoked_at'])} ago"
+        elif not t.get("active"):
             state = "expired"
         else:
             state = "active"
+        expires = t.get("expires_at")
         table.add_row(
-            t.id,
-            t.name,
-            t.role.value,
-            _age(t.created_at) + " ago",
-            t.created_by,
-            time.strftime("%Y-%m-%d %H:%M", time.localtime(t.expires_at)) if t.expires_at else "-",
+            escape(str(t["id"])),
+            escape(printable(str(t["name"]))),
+            escape(str(t["role"])),
+            _age(t["created_at"]) + " ago",
+            escape(printable(str(t["created_by"]))),
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(expires)) if expires else "-",
             state,
         )
-    out.print(table if tokens else "no tokens (make one: gpuwarden token create NAME --role ROLE)")
+    out.print(table if rows else "no tokens (make one: gpuwarden token create NAME --role ROLE)")
     return 0
 
 
 def cmd_token_revoke(args: argparse.Namespace) -> int:
+    if (client := _remote(args)) is not None:
+        with client:
+            revoked = client.revoke_token(args.id)
+        out.print(
+            f"revoked token {revoked['id']} ({revoked['name']}); requests with it are refused now",
+            markup=False,
+        )
+        return 0
     store = _existing_store(args)
     try:
         record = store.get_token(args.id)
@@ -1513,47 +1993,52 @@ def cmd_token_revoke(args: argparse.Namespace) -> int:
         )
     finally:
         store.close()
-    out.print(f"revoked token {record.id} ({record.name}); requests with it are refused now")
+    out.print(
+        f"revoked token {record.id} ({record.name}); requests with it are refused now",
+        markup=False,
+    )
     return 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    store = _existing_store(args)
-    try:
-        rows = store.audit_rows(after_id=args.after, limit=args.limit)
-    finally:
-        store.close()
+    if (client := _remote(args)) is not None:
+        with client:
+            rows = client.audit(after_id=args.after, limit=args.limit)
+    else:
+        store = _existing_store(args)
+        try:
+            found = store.audit_rows(after_id=args.after, limit=args.limit)
+        finally:
+            store.close()
+        rows = [
+            {
+                "id": r.id,
+                "ts": r.ts,
+                "actor": r.actor,
+                "actor_name": r.actor_name,
+                "role": r.role,
+                "action": r.action,
+                "target": r.target,
+                "outcome": r.outcome,
+                "detail": r.detail,
+            }
+            for r in found
+        ]
     if args.json:
-        out.print_json(
-            json.dumps(
-                [
-                    {
-                        "id": r.id,
-                        "ts": r.ts,
-                        "actor": r.actor,
-                        "actor_name": r.actor_name,
-                        "role": r.role,
-                        "action": r.action,
-                        "target": r.target,
-                        "outcome": r.outcome,
-                        "detail": r.detail,
-                    }
-                    for r in rows
-                ]
-            )
-        )
+        out.print_json(json.dumps(rows))
         return 0
     table = Table("id", "when", "actor", "role", "action", "target", "outcome")
     for r in rows:
-        actor = r.actor_name if r.actor in ("-", "local") else f"{r.actor_name} ({r.actor})"
+        name = str(r["actor_name"])
+        actor = name if r["actor"] in ("-", "local") else f"{name} ({r['actor']})"
         table.add_row(
-            str(r.id),
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.ts)),
-            escape(actor),
-            r.role,
-            r.action,
-            escape(r.target),
-            escape(r.outcome),
+            str(r["id"]),
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"])),
+            escape(printable(actor)),
+            escape(str(r["role"])),
+            escape(str(r["action"])),
+            escape(printable(str(r["target"]))),
+            escape(printable(str(r["outcome"]))),
         )
     out.print(table if rows else "no audit rows")
     return 0

@@ -13,20 +13,25 @@ request was at fault), so the CLI prints them as one line.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 from urllib.parse import quote
 
 import httpx
 
+from gpuwarden.core.model import JobType, Lane, LaunchMode, ParamSpec, ParamType
 from gpuwarden.errors import GpuwardenError, UserError
 
 #: a JSON array of objects (named here: the client has a method called ``list``)
 Rows = list[dict[str, Any]]
 Lines = list[str]
+JobTypes = list[JobType]
 
 #: the states after which a job never changes again
 TERMINAL = frozenset({"done", "failed", "cancelled", "quarantined"})
@@ -243,24 +248,65 @@ class Client:
         *,
         timeout: float = 3600.0,
         progress: Callable[[dict[str, Any]], None] | None = None,
+        explain: bool = False,
     ) -> dict[str, Any]:
         """Poll until the job has ended; return it. Polls fast at first, then every
         2 s at most; waits out a 429. ``progress`` is called with the job whenever its
-        state or reason changes. Raises ``TimeoutError`` after ``timeout`` seconds."""
+        state or reason changes. With ``explain``, each poll of a job that has not
+        ended also asks why it waits (``GET …/explain``): the job then carries its
+        lines as ``explain``, and a change in them calls ``progress`` too. Raises
+        ``TimeoutError`` after ``timeout`` seconds."""
+        return self._poll(
+            job_id,
+            lambda job: job.get("state") in TERMINAL,
+            timeout=timeout,
+            progress=progress,
+            explain=explain,
+        )
+
+    def wait_started(
+        self,
+        job_id: str,
+        *,
+        timeout: float = math.inf,
+        progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Poll, as :meth:`wait` with ``explain``, until the job has an attempt (or
+        has ended without one); return it."""
+        return self._poll(
+            job_id,
+            lambda job: bool(job.get("attempts_detail")) or job.get("state") in TERMINAL,
+            timeout=timeout,
+            progress=progress,
+            explain=True,
+        )
+
+    def _poll(
+        self,
+        job_id: str,
+        done: Callable[[dict[str, Any]], bool],
+        *,
+        timeout: float,
+        progress: Callable[[dict[str, Any]], None] | None,
+        explain: bool,
+    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         delay = 0.1
-        seen: tuple[str, str] | None = None
+        seen: tuple[str, str, tuple[str, ...]] | None = None
         while True:
             try:
                 job = self.get(job_id)
+                if explain and not done(job):
+                    job["explain"] = self.explain(job_id)
             except RateLimited as exc:
                 time.sleep(min(exc.retry_after, max(0.0, deadline - time.monotonic())))
             else:
-                now_seen = (str(job.get("state")), str(job.get("reason")))
+                lines = tuple(job.get("explain", ()))
+                now_seen = (str(job.get("state")), str(job.get("reason")), lines)
                 if progress is not None and now_seen != seen:
                     progress(job)
                 seen = now_seen
-                if job.get("state") in TERMINAL:
+                if done(job):
                     return job
             left = deadline - time.monotonic()
             if left <= 0:
@@ -283,11 +329,14 @@ class Client:
         return health
 
     def create_token(
-        self, name: str, role: str, *, expires_in_s: float | None = None
+        self, name: str, role: str, *, expires_in_s: float | None = None, node: str | None = None
     ) -> dict[str, Any]:
+        """Make a token (an owner's call); the answer holds it, once, as ``token``."""
         body: dict[str, Any] = {"name": name, "role": role}
         if expires_in_s is not None:
             body["expires_in_s"] = expires_in_s
+        if node is not None:
+            body["node"] = node
         token: dict[str, Any] = self._json("POST", "/v1/tokens", json=body)
         return token
 
@@ -302,6 +351,102 @@ class Client:
     def audit(self, *, after_id: int = 0, limit: int = 100) -> Rows:
         rows: Rows = self._json("GET", "/v1/audit", params={"after_id": after_id, "limit": limit})
         return rows
+
+    def clear_gpu(self, gpu_uuid: str) -> dict[str, Any]:
+        """Ask the broker that owns the GPU to clear its fault (an owner's call)."""
+        done: dict[str, Any] = self._json("POST", f"/v1/gpus/{_seg(gpu_uuid)}/clear")
+        return done
+
+    def job_types(self) -> JobTypes:
+        """:meth:`types` as :class:`~gpuwarden.core.model.JobType` values, as the
+        registry has them on the broker's host (as far as the API tells: no command,
+        no module folder), so that one table shows both."""
+        return [_jobtype(t) for t in self.types()]
+
+    @contextlib.contextmanager
+    def logs(
+        self,
+        job_id: str,
+        stream: str = "stdout",
+        *,
+        attempt: int | None = None,
+        follow: bool = False,
+    ) -> Iterator[LogStream]:
+        """An attempt's ``stdout`` or ``stderr`` (``GET /v1/jobs/{id}/logs/{stream}``),
+        read as it arrives: ``with c.logs(id) as s: for chunk in s.chunks: ...``.
+        With ``follow`` the answer goes on until the attempt has ended (no read
+        timeout: the job may be silent for long)."""
+        params: dict[str, Any] = {"follow": "true" if follow else "false"}
+        if attempt is not None:
+            params["attempt"] = attempt
+        url = f"/v1/jobs/{_seg(job_id)}/logs/{_seg(stream)}"
+        timeout = httpx.Timeout(30.0, read=None) if follow else httpx.USE_CLIENT_DEFAULT
+        try:
+            with self._http.stream("GET", url, params=params, timeout=timeout) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _error(response)
+                yield LogStream(
+                    attempt=int(response.headers.get("X-Gpuwarden-Attempt", "0") or 0),
+                    note=response.headers.get("X-Gpuwarden-Note", ""),
+                    refused=response.headers.get("X-Gpuwarden-Refused") == "true",
+                    chunks=self._chunks(response, job_id),
+                )
+        except httpx.TimeoutException as exc:
+            raise Unreachable(f"{self.url} did not answer in time ({exc})") from None
+        except httpx.TransportError as exc:
+            raise Unreachable(
+                f"reading the logs of {job_id} from {self.url} failed: {exc}"
+            ) from None
+
+    def _chunks(self, response: httpx.Response, job_id: str) -> Iterator[bytes]:
+        try:
+            yield from response.iter_bytes()
+        except httpx.TransportError as exc:
+            raise Unreachable(
+                f"reading the logs of {job_id} from {self.url} failed: {exc}"
+            ) from None
+
+
+@dataclass
+class LogStream:
+    """An answer of :meth:`Client.logs`: the attempt it is of, why the file itself
+    is not sent (``note``; ``refused`` when it was not a regular file reached
+    through no link), and the bytes."""
+
+    attempt: int
+    note: str
+    refused: bool
+    chunks: Iterator[bytes]
+
+
+def _jobtype(t: dict[str, Any]) -> JobType:
+    """A ``GET /v1/types`` row as a JobType (enough to read ``--NAME VALUE``
+    parameters and to list it)."""
+    return JobType(
+        name=t["type"],
+        module=t["type"].split(".", 1)[0],
+        module_dir="",
+        lane=Lane(t["lane"]),
+        launch=LaunchMode(t["launch"]),
+        command=(),
+        vram_bytes=int(t["vram_bytes"]),
+        description=str(t.get("description", "")),
+        coresident=bool(t.get("coresident", False)),
+        timeout_s=float(t.get("timeout_s", 3600.0)),
+        max_retries=int(t.get("max_retries", 2)),
+        params=tuple(
+            ParamSpec(
+                name=p["name"],
+                type=ParamType(p["type"]),
+                required=bool(p["required"]),
+                default=p.get("default"),
+                description=p.get("description", ""),
+                choices=tuple(p.get("choices", [])),
+            )
+            for p in t["params"]
+        ),
+    )
 
 
 def _seg(text: str) -> str:

@@ -7,6 +7,7 @@ Errors name the file and the key.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import re
 import sys
@@ -230,7 +231,11 @@ class Registry:
             return self.types[name]
         except KeyError:
             known = ", ".join(sorted(self.types)) or "none (check module_paths)"
-            raise ValidationError(f"unknown job type {name!r}; known types: {known}") from None
+            close = difflib.get_close_matches(name, list(self.types), n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValidationError(
+                f"unknown job type {name!r}{hint}; known types: {known}"
+            ) from None
 
     def module_of(self, jobtype: JobType) -> Module:
         return self.modules[jobtype.module]

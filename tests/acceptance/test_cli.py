@@ -142,6 +142,10 @@ def test_run_once_reports_a_failing_job() -> None:
         (["nope.nope"], "unknown job type 'nope.nope'"),
         (["echo.echo"], "missing required parameter 'text'"),
         (["echo.echo", "--text", "x", "--colour", "red"], "has no parameter 'colour'"),
+        (["echo.echo", "--text", "x", "--colour"], "unknown option --colour: not an option"),
+        (["echo.echo", "--txet", "x"], "unknown option --txet (did you mean --text?)"),
+        (["echo.ecoh", "--text", "x"], "unknown job type 'echo.ecoh' (did you mean echo.echo?)"),
+        (["echo.echo", "--text", "x", "-p", "colr=1"], "echo.echo has no parameter 'colr'"),
         (["echo.echo", "--text", "x", "--sleep-s", "soon"], "--sleep_s must be a number"),
         (["echo.echo", "--text", "x", "--output", "../escape"], None),
         (["echo.echo", "--text", "x", "--id", "bad id!"], "job id 'bad id!' is not valid"),
@@ -171,7 +175,14 @@ def test_missing_queue_root_is_a_clear_error(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, extra="create_queue_roots = false")
     r = run("--config", cfg, "serve")
     assert r.returncode == 2 and "queues/demo" in r.stderr and "Traceback" not in r.stderr
+    # says which key makes it, in the config's words, not Python's
+    assert "create_queue_roots = true in the broker's config" in r.stderr
+    assert "create=True" not in r.stderr
     assert not (tmp_path / "queues").exists()
+    r = run("submit", "--queue", tmp_path / "q", "echo.echo", "--text", "x")
+    assert r.returncode == 2 and "create=True" not in r.stderr
+    assert f"`gpuwarden serve --queue {tmp_path / 'q'}` makes it" in r.stderr
+    assert not (tmp_path / "q").exists()
 
 
 def test_serve_submit_status_jobs_show(broker: Broker, tmp_path: Path) -> None:
@@ -231,19 +242,10 @@ def test_serve_submit_status_jobs_show(broker: Broker, tmp_path: Path) -> None:
     assert stopped.returncode == 1 and "stopped" in stopped.stdout
 
 
-def test_cancel_through_the_cli(broker: Broker) -> None:
+def test_cancel_through_the_cli(broker: Broker, tmp_path: Path) -> None:
     cfg = broker.config
-    r = run(
-        "--config",
-        cfg,
-        "submit",
-        "testmods.sleep",
-        "--seconds",
-        "1.4",
-        "--ignore-term",
-        "--id",
-        "c1",
-    )
+    # held until the test releases it (never: the cancel ends it), not a sleep
+    r = run("--config", cfg, "submit", "testmods.hold", "--until", tmp_path / "never", "--id", "c1")
     assert r.returncode == 0, r.stderr
     wait_for(
         lambda: bool(
@@ -271,10 +273,26 @@ def test_second_broker_refused_with_pid(broker: Broker) -> None:
     assert f"PID {broker.proc.pid}" in r.stderr
 
 
-def test_read_commands_never_create_a_state_dir(tmp_path: Path) -> None:
-    for cmd in (["jobs"], ["show", "x"], ["cancel", "x"]):
+def test_commands_that_need_a_state_dir_refuse_a_missing_one(tmp_path: Path) -> None:
+    """A mistyped --state-dir is refused the same way by every command that needs
+    an existing state, `submit` too: no new, empty store strands the job."""
+    for cmd in (
+        ["submit", "echo.echo", "--text", "x"],
+        ["jobs"],
+        ["show", "x"],
+        ["cancel", "x"],
+        ["explain", "x"],
+        ["logs", "x"],
+        ["gpu", "clear", "GPU-sim-0"],
+        ["token", "list"],
+        ["token", "revoke", "0123456789ab"],
+        ["audit"],
+    ):
         r = run("--state-dir", tmp_path / "typo", *cmd)
-        assert r.returncode == 2 and "no gpuwarden state in" in r.stderr, cmd
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        assert f"no gpuwarden state in {tmp_path / 'typo'}: check --state-dir" in r.stderr
+        assert "`gpuwarden serve` creates a state directory" in r.stderr, cmd
+        assert "Traceback" not in r.stderr
     assert not (tmp_path / "typo").exists()
 
 
@@ -295,18 +313,11 @@ def test_status_without_a_broker_exits_1(tmp_path: Path) -> None:
 
 def test_sigterm_gives_grace_then_fails_running_job(tmp_path: Path) -> None:
     b = Broker(write_config(tmp_path, grace=0.3), tmp_path / "events.jsonl")
-    try:
+    try:  # held, not a sleep: it runs past any grace until the broker stops it
         r = run(
-            "--config",
-            b.config,
-            "submit",
-            "testmods.sleep",
-            "--seconds",
-            "1.4",
-            "--ignore-term",
-            "--id",
-            "g1",
-        )
+            "--config", b.config, "submit", "testmods.hold", "--until", tmp_path / "never",
+            "--id", "g1",
+        )  # fmt: skip
         assert r.returncode == 0
         wait_for(
             lambda: any(e.get("job") == "g1" and e.get("to") == "running" for e in b.events()),
@@ -324,44 +335,46 @@ def test_broker_killed_mid_job_then_restarted_finishes_the_job(tmp_path: Path) -
     cfg = write_config(tmp_path)
     queue = tmp_path / "queues" / "demo"
     b = Broker(cfg, tmp_path / "events.jsonl")
+    release = tmp_path / "release"
     r = run(
-        "--config",
-        cfg,
-        "submit",
-        "--queue",
-        queue,
-        "testmods.sleep",
-        "--seconds",
-        "1",
-        "--id",
-        "k1",
-    )
+        "--config", cfg, "submit", "--queue", queue, "testmods.hold", "--until", release,
+        "--id", "k1",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     wait_for(
         lambda: any(e.get("job") == "k1" and e.get("to") == "running" for e in b.events()),
         "k1 running",
     )
-    pid_file = tmp_path / "state" / "jobs" / "k1" / "attempt-1" / "out" / "pid"
-    wait_for(pid_file.exists, "the job's pid")
-    job_pid = int(pid_file.read_text())
+    stdout_log = tmp_path / "state" / "jobs" / "k1" / "attempt-1" / "stdout.log"
+    wait_for(lambda: "holding" in _text(stdout_log), "the job's pid")
+    job_pid = int(_text(stdout_log).split()[1].rstrip(":"))
     assert b.stop(signal.SIGKILL) == -signal.SIGKILL  # the fault really happened
+    assert _alive(job_pid)  # held: the job outlives its broker, until recovery stops it
     assert list((queue / "processing").glob("k1-*.zip"))
 
     b2 = Broker(cfg, tmp_path / "events2.jsonl")
     try:
+        # the orphaned job process of the killed broker is stopped by the recovery
+        wait_for(lambda: not _alive(job_pid), "the old job process to be gone", timeout=10)
+        recovered = b2.events("attempt_recovered")
+        assert recovered and recovered[0]["job"] == "k1"
+        release.touch()  # attempt 2 may finish now
         wait_for(
             lambda: bool(list((queue / "outbox").glob("k1-*.zip"))), "k1's result after restart"
         )
         assert list((queue / "processing").iterdir()) == []
-        recovered = b2.events("attempt_recovered")
-        assert recovered and recovered[0]["job"] == "k1"
-        # the orphaned job process of the killed broker is gone too
-        wait_for(lambda: not _alive(job_pid), "the old job process to be gone", timeout=10)
     finally:
         b2.stop()
     show = json.loads(run("--config", cfg, "show", "k1", "--json").stdout)
     assert show["state"] == "done" and show["attempts"] == 2
     assert show["attempts_detail"][0]["outcome"] == "interrupted"
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def _alive(pid: int) -> bool:

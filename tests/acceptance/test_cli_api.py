@@ -106,10 +106,10 @@ def test_submit_and_list_through_http(served: tuple[Path, ApiBroker], tmp_path: 
     assert r.returncode == 0, r.stdout + r.stderr
     assert (out / "d" / "x.txt").read_text() == "again"
 
-    # cancel a job that sleeps, through HTTP
+    # cancel a job that runs until released (never: the cancel ends it), through HTTP
     r = run_env(
-        "submit", "--url", broker.url, "echo.echo", "--id", "sleepy", "--text", "z",
-        "--sleep-s", "30", token=token,
+        "submit", "--url", broker.url, "testmods.hold", "--id", "sleepy",
+        "--until", tmp_path / "never", token=token,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     r = run_env("cancel", "--url", broker.url, "sleepy", token=token)

@@ -426,11 +426,13 @@ def test_results_are_not_overwritten_after_the_store_lost_commits(site: Site) ->
     run again, no result is overwritten, both are reported."""
     first = site.serve(fault="after_result_write@2")
     first.wait_started()
-    site.place("inbox", b"A.zip", bundle("a1", sleep_s=3))
+    release = site.tmp / "release-a1"  # a1 runs until the copy is taken, not for a sleep
+    site.place("inbox", b"A.zip", held("a1", release))
     wait_for(lambda: (r := site.job("a1")) is not None and r["state"] == "running", "a1 running")
     snapshot = site.tmp / "older.db"
     with contextlib.closing(site.db()) as live, contextlib.closing(sqlite3.connect(snapshot)) as c:
         live.backup(c)  # the copy the store will fall back to
+    release.touch()
     wait_for(lambda: site.exists("outbox", b"A.zip"), "A's result")
     site.place("inbox", b"B.zip", bundle("b1"))
     assert first.wait_dead(30) == -signal.SIGKILL  # died right after B's result
@@ -448,9 +450,9 @@ def test_results_are_not_overwritten_after_the_store_lost_commits(site: Site) ->
     b = site.serve()
     b.wait_started()
     wait_for(lambda: len(b.events("bundle_result_exists")) == 2, "both bundles reported")
-    held = {str(e["bundle"]): e for e in b.events("bundle_result_exists")}
-    assert held["A.zip"]["jobs_not_run"] == ["a1"]
-    assert "processing/" in str(held["B.zip"]["action"])
+    reported = {str(e["bundle"]): e for e in b.events("bundle_result_exists")}
+    assert reported["A.zip"]["jobs_not_run"] == ["a1"]
+    assert "processing/" in str(reported["B.zip"]["action"])
     site.place("inbox", b"C.zip", bundle("c1"))
     wait_for(lambda: site.exists("outbox", b"C.zip"), "a bundle after the lost commits")
     assert b.stop() == 0, b.stderr.read_text()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwarden.core.model import JobSpec
 from tests.acceptance.test_chaos import Rig, Serve, echo, finish
 from tests.acceptance.test_cli import wait_for
 
@@ -95,9 +96,14 @@ def test_the_event_log_holds_each_event_once_across_sigkills_and_a_rotation(rig:
 
 
 def test_two_broker_deaths_while_jobs_run_quarantine_none_of_them(rig: Rig) -> None:
-    # echo.echo and testmods.sleep allow max_retries = 1: under the old rule the
-    # second interruption quarantined them
-    jobs = [echo(f"long-{i}", sleep_s=4.0) for i in range(3)]
+    # testmods.hold allows no retry: under the old rule an interruption spent one
+    # and quarantined them. Held until the test releases them: they are running
+    # when each broker dies, never ended by a sleep first
+    release = rig.tmp / "release"
+    jobs = [
+        JobSpec(id=f"long-{i}", type="testmods.hold", params={"until": str(release)})
+        for i in range(3)
+    ]
     rig.drop(jobs)
     for death in (1, 2):
         b = rig.serve()
@@ -118,6 +124,7 @@ def test_two_broker_deaths_while_jobs_run_quarantine_none_of_them(rig: Rig) -> N
             running = [r[0] for r in db.execute("SELECT id FROM jobs WHERE state = 'running'")]
         assert sorted(running) == sorted(j.id for j in jobs)  # died while they ran
 
+    release.touch()
     findings = finish(rig, timeout=60)
     findings.assert_clean()
     assert findings.states == {"done": len(jobs)}

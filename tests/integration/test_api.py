@@ -154,6 +154,7 @@ class Case:
             self.path.replace("{job}", "{job_id}")
             .replace("{token}", "{token_id}")
             .replace("out.txt", "{path}")
+            .replace("logs/stdout", "logs/{stream}")
             .replace("GPU-sim-0000-12345678", "{gpu_uuid}")
         )
 
@@ -166,6 +167,7 @@ CASES = [
     Case("GET", "/v1/jobs/{job}/explain", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/result", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/outputs/out.txt", frozenset(READERS), 200),
+    Case("GET", "/v1/jobs/{job}/logs/stdout", frozenset(READERS), 200),
     Case("GET", "/v1/status", frozenset(READERS), 200),
     Case("GET", "/v1/types", frozenset(READERS), 200),
     Case("GET", "/v1/health", frozenset(r.value for r in Role), 200),

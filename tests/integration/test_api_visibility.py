@@ -47,6 +47,8 @@ ROUTES = [
     ("GET", "/v1/jobs/{id}/explain"),
     ("GET", "/v1/jobs/{id}/result"),
     ("GET", "/v1/jobs/{id}/outputs/out.txt"),
+    ("GET", "/v1/jobs/{id}/logs/stdout"),
+    ("GET", "/v1/jobs/{id}/logs/stderr?attempt=1&follow=true"),
     ("GET", "/v1/jobs/{id}/outputs/..%2F..%2Fetc%2Fpasswd"),
     ("GET", "/v1/jobs/{id}/outputs/" + "x" * 300),
 ]

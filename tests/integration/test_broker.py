@@ -186,13 +186,15 @@ def test_same_job_id_in_another_bundle_is_refused(node: Node) -> None:
     assert not (root.processing / second.name).exists()
 
 
-def test_cancel_running_job_stops_its_process(node: Node) -> None:
-    spec = JobSpec(id="s", type="testmods.sleep", params={"seconds": 1.2, "ignore_term": True})
+def test_cancel_running_job_stops_its_process(node: Node, tmp_path: Path) -> None:
+    # held until the cancel ends it, not a sleep that may end first
+    spec = JobSpec(id="s", type="testmods.hold", params={"until": str(tmp_path / "never")})
     submit(node, spec)
     run_until(node, lambda: node.broker.running == 1)
-    pid_file = node.broker.config.state_dir / "jobs/s/attempt-1/out/pid"
-    run_until(node, pid_file.exists)
-    pid = int(pid_file.read_text())
+    log = node.broker.config.state_dir / "jobs/s/attempt-1/stdout.log"
+    run_until(node, lambda: log.exists() and "holding" in log.read_text())
+    pid = int(log.read_text().split()[1].rstrip(":"))
+    assert psutil.pid_exists(pid)
     node.store.request_cancel("s", now=time.time())
     run_until(node, lambda: node.store.get_job("s").state.terminal)  # type: ignore[union-attr]
     job = node.store.get_job("s")
@@ -242,8 +244,9 @@ def test_vram_job_waits_for_memory_a_foreign_process_holds(node: Node) -> None:
     assert node.store.get_job("f").state is JobState.DONE  # type: ignore[union-attr]
 
 
-def test_shutdown_fails_running_jobs_with_reason(node: Node) -> None:
-    spec = JobSpec(id="x", type="testmods.sleep", params={"seconds": 1.4, "ignore_term": True})
+def test_shutdown_fails_running_jobs_with_reason(node: Node, tmp_path: Path) -> None:
+    # held past the grace: only the shutdown ends it
+    spec = JobSpec(id="x", type="testmods.hold", params={"until": str(tmp_path / "never")})
     submit(node, spec)
     run_until(node, lambda: node.broker.running == 1)
     node.broker.shutdown(0.1)
@@ -344,7 +347,7 @@ def test_a_retried_job_with_a_cancel_request_never_runs_again(node: Node) -> Non
 
 
 def test_a_bundle_whose_result_cannot_be_written_does_not_hold_up_others(
-    node: Node, monkeypatch: pytest.MonkeyPatch
+    node: Node, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     real = bundles.write_result_bundle
 
@@ -356,7 +359,9 @@ def test_a_bundle_whose_result_cannot_be_written_does_not_hold_up_others(
     monkeypatch.setattr(bundles, "write_result_bundle", flaky)
     poison = drop(node, echo("poison"))
     run_until(node, lambda: job_state(node, "poison") is JobState.DONE)
-    waiter = drop(node, JobSpec(id="waiter", type="testmods.sleep", params={"seconds": 5}))
+    waiter = drop(
+        node, JobSpec(id="waiter", type="testmods.hold", params={"until": str(tmp_path / "never")})
+    )
     run_until(node, lambda: job_state(node, "waiter") is JobState.RUNNING)
     node.store.request_cancel("waiter", now=time.time())  # as a client would
     root = node.broker.roots[0]

@@ -126,11 +126,19 @@ def test_cuda_oom_beside_another_job_is_retried(tmp_path: Path) -> None:
         n.broker.shutdown(0)
 
 
-def test_a_worker_killed_from_outside_is_retried(node: Node) -> None:
-    submit(node, JobSpec(id="k", type="testmods.sleep", params={"seconds": 1.2}))
-    pid_file = node.broker.config.state_dir / "jobs" / "k" / "attempt-1" / "out" / "pid"
-    run_until(node, pid_file.exists)
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+def held_pid(node: Node, job_id: str, attempt: int) -> int:
+    """The PID of a testmods.hold attempt, from the line it prints first."""
+    log = node.broker.config.state_dir / "jobs" / job_id / f"attempt-{attempt}" / "stdout.log"
+    run_until(node, lambda: log.exists() and "holding" in log.read_text())
+    return int(log.read_text().split()[1].rstrip(":"))
+
+
+def test_a_worker_killed_from_outside_is_retried(node: Node, tmp_path: Path) -> None:
+    release = tmp_path / "release"  # held: it is running when it is killed, not a sleep
+    submit(node, JobSpec(id="k", type="testmods.hold_retried", params={"until": str(release)}))
+    os.kill(held_pid(node, "k", 1), signal.SIGKILL)
+    run_until(node, lambda: len(node.store.attempts("k")) == 2)
+    release.touch()  # the second attempt may end now
     run_until(node, lambda: state(node, "k").terminal)
     first, second = node.store.attempts("k")
     assert first.outcome == "killed" and "SIGKILL from outside" in first.reason
@@ -138,7 +146,8 @@ def test_a_worker_killed_from_outside_is_retried(node: Node) -> None:
 
 
 def test_a_stopped_worker_past_its_timeout_ends_once(node: Node) -> None:
-    submit(node, JobSpec(id="frozen", type="testmods.sleep", params={"seconds": 1.0}))
+    # it would sleep far past its timeout (1.5 s): only the timeout ends it
+    submit(node, JobSpec(id="frozen", type="testmods.sleep", params={"seconds": 60}))
     pid_file = node.broker.config.state_dir / "jobs" / "frozen" / "attempt-1" / "out" / "pid"
     run_until(node, pid_file.exists)
     pid = int(pid_file.read_text())
@@ -152,14 +161,13 @@ def test_a_stopped_worker_past_its_timeout_ends_once(node: Node) -> None:
     assert len(ends) == 1  # one result, never a second
 
 
-def test_infrastructure_failures_end_in_quarantine_with_their_history(node: Node) -> None:
-    submit(node, JobSpec(id="doomed", type="testmods.sleep", params={"seconds": 5}))
+def test_infrastructure_failures_end_in_quarantine_with_their_history(
+    node: Node, tmp_path: Path
+) -> None:
+    never = str(tmp_path / "never")  # held until killed, never by a sleep that may end first
+    submit(node, JobSpec(id="doomed", type="testmods.hold_retried", params={"until": never}))
     for attempt in (1, 2):
-        pid_file = (
-            node.broker.config.state_dir / "jobs" / "doomed" / f"attempt-{attempt}" / "out" / "pid"
-        )
-        run_until(node, pid_file.exists)
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        os.kill(held_pid(node, "doomed", attempt), signal.SIGKILL)
     run_until(node, lambda: state(node, "doomed").terminal)
     doomed = node.store.get_job("doomed")
     assert doomed is not None and doomed.state is JobState.QUARANTINED

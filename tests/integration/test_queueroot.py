@@ -68,7 +68,7 @@ def test_missing_subfolder_without_create(tmp_path: Path) -> None:
         (root / sub).mkdir()
     with pytest.raises(
         QueueRootError,
-        match=r"queue root .*/q: folder .*/q/failed is missing; create it.*create=True",
+        match=r"queue root .*/q: folder .*/q/failed is missing; create it.*create_queue_roots",
     ):
         QueueRoot.open(root, create=False)
 

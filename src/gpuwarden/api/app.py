@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.routing import Match
 
 from gpuwarden import __version__
-from gpuwarden.api import errors
+from gpuwarden.api import docs, errors
 from gpuwarden.api.auth import (
     MATRIX,
     MUTATING,
@@ -50,7 +50,7 @@ from gpuwarden.api.limits import (
     retry_after,
     send_error,
 )
-from gpuwarden.api.routers import admin, gpus, jobs, nodes, status
+from gpuwarden.api.routers import admin, gpus, jobs, logs, nodes, status
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
 from gpuwarden.registry import Registry
@@ -59,6 +59,7 @@ from gpuwarden.store.base import Store
 #: every router of the API, one per concern; the gate guards the routes of these
 ROUTERS: tuple[APIRouter, ...] = (
     jobs.router,
+    logs.router,
     admin.router,
     status.router,
     nodes.router,
@@ -81,11 +82,13 @@ def create_app(
         version=__version__,
         description="The HTTP API of the gpuwarden GPU job broker (SPEC.md, section 15).",
         default_response_class=errors.AsciiJSONResponse,
+        docs_url=None,  # served by docs.install, from files on this host
         redoc_url=None,
     )
     ctx = ApiContext(store=store, registry=registry, config=config, clock=clock)
     app.state.gw = ctx
     errors.install(app)
+    docs.install(app)
     routes: list[APIRoute] = []
     for router in ROUTERS:
         app.include_router(router)

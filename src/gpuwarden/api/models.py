@@ -268,6 +268,9 @@ class TypeOut(BaseModel):
     lane: str
     launch: str
     vram_bytes: int
+    coresident: bool
+    timeout_s: float
+    max_retries: int
     runs_here: bool
     description: str
     params: list[ParamOut]

@@ -131,17 +131,21 @@ def _plain_name(name: str) -> str:
     return name
 
 
-def _check_writable(root: Path, folder: Path) -> None:
+#: how a missing queue root or subfolder gets made, as a person does it: the
+#: broker's config key (callers that are not the broker say their own way)
+CREATE_HINT = "create_queue_roots = true in the broker's config (the default) makes it"
+
+
+def _check_writable(root: Path, folder: Path, how_to_create: str) -> None:
     """Raise QueueRootError unless ``folder`` is a directory we can create files in."""
     if not folder.is_dir():
         if folder.exists() or folder.is_symlink():
             raise QueueRootError(
                 f"queue root {root}: {folder} is not a directory; move it away so the "
-                "folder can be created (open the queue root with create=True)"
+                f"folder can be created ({how_to_create})"
             )
         raise QueueRootError(
-            f"queue root {root}: folder {folder} is missing; create it, or open the queue "
-            "root with create=True"
+            f"queue root {root}: folder {folder} is missing; create it, or: {how_to_create}"
         )
     hint = "fix its permissions or ownership, or mount the share read-write"
     if not os.access(folder, os.W_OK | os.X_OK):
@@ -204,19 +208,22 @@ class QueueRoot:
         return self.path / "failed"
 
     @classmethod
-    def open(cls, path: Path, *, create: bool) -> QueueRoot:
+    def open(cls, path: Path, *, create: bool, how_to_create: str = CREATE_HINT) -> QueueRoot:
         """Check the queue root at ``path`` and return it.
 
         With ``create`` the root and any missing subfolder are made. Raises
         :class:`QueueRootError`, naming the path and what to do, when the root is
         missing (without ``create``), or the root or a subfolder is not a
         directory or not writable (tested by creating and removing a probe file).
+        ``how_to_create`` ends the message of a missing one: how the person who
+        reads it gets it made.
         """
         root = Path(path)
         if not root.exists():
             if not create:
                 raise QueueRootError(
-                    f"queue root {root} does not exist; create it, or open it with create=True"
+                    f"queue root {root} does not exist; create it with its folders inbox/, "
+                    f"processing/, outbox/ and failed/, or: {how_to_create}"
                 )
             try:
                 root.mkdir(parents=True, exist_ok=True)
@@ -238,7 +245,7 @@ class QueueRoot:
                         f"queue root folder {folder} cannot be created ({exc.strerror}); "
                         "fix the queue root's permissions"
                     ) from None
-            _check_writable(root, folder)
+            _check_writable(root, folder, how_to_create)
         return qr
 
     def _entries(self, folder: Path) -> list[Arrival]:

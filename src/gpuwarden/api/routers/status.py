@@ -61,6 +61,9 @@ def types(ctx: Ctx) -> list[TypeOut]:
             lane=t.lane.value,
             launch=t.launch.value,
             vram_bytes=t.vram_bytes,
+            coresident=t.coresident,
+            timeout_s=t.timeout_s,
+            max_retries=t.max_retries,
             runs_here=rules.refusal(t) is None,
             description=t.description,
             params=[
