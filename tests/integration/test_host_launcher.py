@@ -491,3 +491,14 @@ def test_find_and_stop_attempt_processes(tmp_path: Path) -> None:
 
 def test_stop_processes_with_nothing_alive() -> None:
     assert stop_processes([], 0.1) == ([], [])
+
+
+def test_read_clipped_follows_no_link_and_opens_no_fifo(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the job's")
+    (tmp_path / "stdout.log").symlink_to(secret)
+    os.mkfifo(tmp_path / "stderr.log")
+    assert (tmp_path / "stdout.log").is_symlink()  # the attack is in place
+    assert "not the job's" not in read_clipped(tmp_path / "stdout.log", 100)
+    assert "symlink" in read_clipped(tmp_path / "stdout.log", 100)
+    assert "fifo" in read_clipped(tmp_path / "stderr.log", 100)  # and it did not block

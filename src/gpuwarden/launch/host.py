@@ -37,6 +37,7 @@ from pathlib import Path
 
 import psutil
 
+from gpuwarden import safefs
 from gpuwarden.core.clip import join_clipped
 from gpuwarden.launch.base import ATTEMPT_ENV, LaunchRequest, LaunchResult
 
@@ -76,7 +77,8 @@ def read_clipped(path: Path, limit: int) -> str:
 
     Only the head and the tail of the file are read (at most ``4 * limit``
     bytes, enough for ``limit`` UTF-8 characters), never the whole file. Bytes
-    that are not valid UTF-8 become U+FFFD. A missing file reads as ``""``.
+    that are not valid UTF-8 become U+FFFD. A missing file reads as ``""``; one
+    that is a link or not a regular file is not read (a note says so).
     """
     if limit < 0:
         raise ValueError("limit must be >= 0")
@@ -86,9 +88,12 @@ def read_clipped(path: Path, limit: int) -> str:
     head_window = 4 * head_n
     tail_window = 4 * tail_n
     try:
-        f = path.open("rb")
+        # through safefs: never a link, never anything but a regular file
+        f = os.fdopen(safefs.open_file(path), "rb")
     except FileNotFoundError:
         return ""
+    except safefs.UnsafePathError as exc:
+        return f"[not read: {exc.why}]"
     with f:
         size = os.fstat(f.fileno()).st_size
         if size <= head_window + tail_window:
