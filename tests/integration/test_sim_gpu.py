@@ -1,14 +1,19 @@
-"""The simulated GPU: memory, release after exit, faults, sharing between processes."""
+"""The simulated GPU: memory, release after exit, faults, sharing between processes,
+and processes in PID namespaces of their own (sandboxed jobs, issue 12): listed
+under their host pids, as NVML lists them."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -20,7 +25,8 @@ from gpuwarden.gpu import sim as sim_module
 from gpuwarden.gpu import simclient
 from gpuwarden.gpu.base import GpuReading, ProcessUsage
 from gpuwarden.gpu.select import SIM_STATE_FILE, open_probe
-from gpuwarden.gpu.sim import SimDevice, SimGpuConfig, SimProbe
+from gpuwarden.gpu.sim import SimDevice, SimGpuConfig, SimProbe, find_host_pids, own_pidns
+from tests.conftest import need_tool
 
 SRC_DIR = str(Path(gpuwarden.__file__).resolve().parent.parent)
 T0 = 1_000_000.0  # an injected clock, far from the real one
@@ -406,3 +412,358 @@ def test_concurrent_processes_never_exceed_capacity(path: Path) -> None:
     (reading,) = dev.readings(T0)
     assert reading.used_bytes == 4 * GIB
     assert sum(p.used_bytes for p in reading.processes) == 4 * GIB
+
+
+# -- processes in a PID namespace of their own (sandboxed jobs, issue 12) -----------------
+
+CHILD_NS = """
+import json, os, sys
+from gpuwarden.gpu import simclient
+gpu = simclient.attach()
+for _ in range(int(sys.argv[3])):
+    gpu.allocate(int(sys.argv[1]), leak=sys.argv[2] == "1", label="namespaced")
+seen = {"pid": os.getpid(), "pidns": os.stat("/proc/self/ns/pid").st_ino}
+print(json.dumps(seen), flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    if cmd == "free_all":
+        print(gpu.free_all(), flush=True)
+    elif cmd == "sweep":
+        gpu.device.sweep(float(args[0]))
+        print("swept", flush=True)
+"""
+
+
+class NsChild:
+    """A job-like process in a PID namespace of its own (``unshare --pid``, as
+    bubblewrap and podman give one), attached to the simulated GPU. It allocates
+    ``blocks`` times ``nbytes`` on start, then runs commands sent to it, and
+    exits when its stdin closes."""
+
+    def __init__(self, path: Path, gpu: str, nbytes: int, leak: bool = False, blocks: int = 1):
+        need_tool("unshare")
+        userns = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+        self.proc = subprocess.Popen(
+            [
+                *("unshare", *userns, "--pid", "--fork", "--mount-proc"),
+                *(sys.executable, "-c", CHILD_NS, str(nbytes), "1" if leak else "0", str(blocks)),
+            ],
+            env=child_env(path, gpu),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the namespaced child failed (exit {self.proc.wait(10)})"
+        self.seen: dict[str, int] = json.loads(line)
+        (python,) = psutil.Process(self.proc.pid).children(recursive=True)
+        self.host_pid = python.pid
+
+    def ask(self, command: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def exit(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def ns_child(path: Path, dev: SimDevice) -> Iterator[list[NsChild]]:
+    started: list[NsChild] = []
+    yield started
+    for child in started:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait(10)
+
+
+def assert_own_namespace(child: NsChild) -> None:
+    """The child really is in a PID namespace of its own: it sees another pid."""
+    assert child.seen["pidns"] != own_pidns()
+    assert child.seen["pid"] != child.host_pid
+
+
+def test_a_process_in_its_own_pid_namespace_is_listed_under_its_host_pid(
+    path: Path, dev: SimDevice, ns_child: list[NsChild]
+) -> None:
+    gpu0 = dev.uuids()[0]
+    child = NsChild(path, gpu0, 2 * GIB)
+    ns_child.append(child)
+    assert_own_namespace(child)
+    (alloc,) = dev.allocations()
+    # recorded as it saw itself; nothing has looked for it on the host yet
+    assert (alloc.pid, alloc.pidns, alloc.host_pid) == (
+        child.seen["pid"],
+        child.seen["pidns"],
+        None,
+    )
+
+    reading = by_uuid(dev.readings(T0))[gpu0]
+    assert reading.processes == (ProcessUsage(child.host_pid, 2 * GIB),)
+    assert dev.allocations()[0].host_pid == child.host_pid  # kept: not looked for again
+    assert by_uuid(dev.readings(T0 + 5))[gpu0].processes == reading.processes  # alive: kept
+    # another process in the host's namespace sees the same
+    assert by_uuid(SimDevice.open(path).readings(T0 + 5))[gpu0].processes == reading.processes
+
+    child.exit()
+    gone = by_uuid(dev.readings(T0 + 6))[gpu0]  # noticed gone, listed until released
+    assert gone.processes == (ProcessUsage(child.host_pid, 2 * GIB),)
+    assert by_uuid(dev.readings(T0 + 6.25))[gpu0].used_bytes == 0
+    assert dev.allocations() == []
+
+
+def test_a_namespaced_owner_gone_before_any_reading_is_used_memory_of_no_process(
+    path: Path, dev: SimDevice, ns_child: list[NsChild]
+) -> None:
+    gpu0 = dev.uuids()[0]
+    child = NsChild(path, gpu0, GIB)
+    ns_child.append(child)
+    assert_own_namespace(child)
+    child.exit()  # before the host ever found it
+    first = by_uuid(dev.readings(T0))[gpu0]
+    # as NVML shows a process that exited: its memory used, no process listed
+    assert (first.used_bytes, first.processes) == (GIB, ())
+    (alloc,) = dev.allocations()
+    assert alloc.host_pid is None and alloc.release_at == pytest.approx(T0 + 0.2)
+    assert by_uuid(dev.readings(T0 + 0.25))[gpu0].used_bytes == 0
+
+
+def test_a_namespaced_leak_stays_under_its_host_pid_and_is_freed_by_it(
+    path: Path, dev: SimDevice, ns_child: list[NsChild]
+) -> None:
+    gpu0 = dev.uuids()[0]
+    child = NsChild(path, gpu0, 3 * GIB, leak=True)
+    ns_child.append(child)
+    assert_own_namespace(child)
+    dev.readings(T0)  # found while it runs
+    child.exit()
+    for now in (T0 + 1, T0 + 86_400):
+        assert by_uuid(dev.readings(now))[gpu0].processes == (
+            ProcessUsage(child.host_pid, 3 * GIB),
+        )
+    # the pid the job saw means another process here: it frees nothing
+    assert psutil.pid_exists(child.seen["pid"])
+    assert dev.free_pid(child.seen["pid"]) == 0
+    assert dev.free_pid(child.host_pid) == 1  # the pid status and the degraded reason show
+    assert dev.readings(T0)[0].used_bytes == 0
+
+
+def test_a_namespaced_client_frees_its_own_and_not_a_host_process_of_its_pid(
+    path: Path, dev: SimDevice, ns_child: list[NsChild]
+) -> None:
+    gpu0 = dev.uuids()[0]
+    child = NsChild(path, gpu0, GIB, blocks=2)
+    ns_child.append(child)
+    assert_own_namespace(child)
+    # a host process with the very pid the child sees (its namespace's init is 1,
+    # and so is the host's)
+    same = child.seen["pid"]
+    assert psutil.pid_exists(same)
+    dev.allocate(gpu0, 4 * GIB, same, label="host process")
+    assert child.ask("free_all") == "2"
+    assert [(a.pid, a.label) for a in dev.allocations()] == [(same, "host process")]
+    assert by_uuid(dev.readings(T0))[gpu0].processes == (ProcessUsage(same, 4 * GIB),)
+    child.exit()
+
+
+def test_a_sweep_inside_a_namespace_judges_only_its_own(
+    path: Path, dev: SimDevice, ns_child: list[NsChild]
+) -> None:
+    gpu0 = dev.uuids()[0]
+    # a host process the namespaced one cannot see (a pid that names nothing
+    # there, or another process)
+    dev.allocate(gpu0, GIB, os.getpid(), label="host")
+    child = NsChild(path, gpu0, GIB)
+    ns_child.append(child)
+    assert_own_namespace(child)
+    assert child.ask(f"sweep {T0}") == "swept"
+    assert {a.label: a.release_at for a in dev.allocations()} == {"host": None, "namespaced": None}
+    child.exit()
+
+
+def test_a_host_pid_written_by_someone_else_is_not_believed(path: Path, dev: SimDevice) -> None:
+    gpu0 = dev.uuids()[0]
+    me = os.getpid()
+    forged = {
+        "id": 99,
+        "gpu": gpu0,
+        "nbytes": GIB,
+        "pid": 7,
+        "create_time": psutil.Process(me).create_time(),
+        "label": "forged",
+        "leak": False,
+        "release_at": None,
+        "pidns": 4242,  # a namespace this process is not in
+        "host_pid": me,  # alive, but not in that namespace
+    }
+    state = json.loads(path.read_text())
+    state["allocations"].append(forged)
+    path.write_text(json.dumps(state))
+    first = by_uuid(dev.readings(T0))[gpu0]
+    assert dev.allocations()[0].release_at == pytest.approx(T0 + 0.2)  # taken for gone
+    assert first.processes == (ProcessUsage(me, GIB),)  # until released, as any exited owner
+    assert by_uuid(dev.readings(T0 + 1))[gpu0].used_bytes == 0
+
+
+def test_a_namespaced_pid_given_to_another_process_is_not_the_owner(
+    path: Path, dev: SimDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu0 = dev.uuids()[0]
+    me = os.getpid()
+    monkeypatch.setattr(sim_module, "own_pidns", lambda: 4242)  # allocate as if in a sandbox
+    monkeypatch.setattr(sim_module, "_process_create_time", lambda pid: 1.0)  # long ago
+    dev.allocate(gpu0, GIB, 7, label="previous owner")
+    monkeypatch.undo()
+    # the namespace's pid 7 is now another process (this one, started later)
+    monkeypatch.setattr(sim_module, "find_host_pids", lambda wanted: {(4242, 7): me})
+    reading = dev.readings(T0)[0]
+    (alloc,) = dev.allocations()
+    assert alloc.host_pid is None and alloc.release_at == pytest.approx(T0 + 0.2)
+    assert (reading.used_bytes, reading.processes) == (GIB, ())
+
+
+def test_a_malformed_state_is_a_clear_probe_error_and_create_resets_it(
+    path: Path, dev: SimDevice
+) -> None:
+    gpu0 = dev.uuids()[0]
+    dev.allocate(gpu0, GIB, os.getpid())
+    state = json.loads(path.read_text())
+    state["allocations"][0]["pid"] = "1/../../etc"  # what a job could write there
+    path.write_text(json.dumps(state))
+    assert json.loads(path.read_text())["allocations"][0]["pid"] == "1/../../etc"
+    with pytest.raises(GpuProbeError, match=r"is malformed \(allocation 0: 'pid' is '1/"):
+        dev.readings(T0)
+    with pytest.raises(GpuProbeError, match="restart the broker with --mock-gpu"):
+        SimDevice.open(path)
+    again = SimDevice.create(path, SimGpuConfig(count=2, vram_bytes=8 * GIB))
+    assert again.allocations() == [] and len(again.readings(T0)) == 2
+
+
+def test_a_state_written_before_pid_namespaces_is_read_as_host_pids(
+    path: Path, dev: SimDevice
+) -> None:
+    gpu0 = dev.uuids()[0]
+    me = os.getpid()
+    dev.allocate(gpu0, GIB, me)
+    state = json.loads(path.read_text())
+    del state["host_pidns"]
+    for a in state["allocations"]:
+        del a["pidns"], a["host_pid"]
+    path.write_text(json.dumps(state))
+    assert dev.readings(T0)[0].processes == (ProcessUsage(me, GIB),)
+    reopened = SimDevice.create(path, SimGpuConfig(count=2, vram_bytes=8 * GIB))
+    assert reopened.readings(T0)[0].processes == (ProcessUsage(me, GIB),)
+    (alloc,) = reopened.allocations()
+    assert (alloc.pidns, alloc.host_pid) == (own_pidns(), me)
+
+
+READER = """
+import json, sys
+from pathlib import Path
+from gpuwarden.gpu.sim import SimDevice
+(reading,) = SimDevice.open(Path(sys.argv[1])).readings(float(sys.argv[2]))
+print(json.dumps([[p.pid, p.used_bytes] for p in reading.processes]))
+"""
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder every uid can reach (pytest's are root's alone)."""
+    made = Path(tempfile.mkdtemp(prefix="gw-simns-"))
+    made.chmod(0o755)
+    yield made
+    shutil.rmtree(made)
+
+
+NOBODY = 65534
+AS_NOBODY: dict[str, Any] = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+
+
+def bwrap_as_nobody(state: Path) -> list[str]:
+    """bubblewrap as a broker that is not root runs it (as its own user; here
+    nobody), with the simulated GPU's folder, as much of the host as a job needs."""
+    return [
+        *("bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/"),
+        *("--proc", "/proc", "--dev", "/dev", "--bind", str(state), str(state)),
+    ]
+
+
+def python_for_nobody(state: Path) -> tuple[str, str]:
+    """An interpreter nobody can run inside such a sandbox, with psutil and
+    gpuwarden importable, and its PYTHONPATH: this one (where it lives under a
+    folder nobody may search, the system's, given psutil's folder)."""
+    site = str(Path(psutil.__file__).resolve().parent.parent)
+    tried = []
+    for python, pythonpath in (
+        (sys.executable, SRC_DIR),
+        ("/usr/bin/python3", f"{SRC_DIR}:{site}"),
+    ):
+        done = subprocess.run(
+            [*bwrap_as_nobody(state), python, "-c", "import psutil, gpuwarden.gpu.sim"],
+            env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": pythonpath},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            **AS_NOBODY,
+        )
+        if done.returncode == 0:
+            return python, pythonpath
+        tried.append(f"{python}: {done.stderr.strip()}")
+    pytest.fail("no Python that nobody can run in a sandbox imports psutil: " + "; ".join(tried))
+
+
+def test_a_reader_that_is_not_root_finds_the_host_pid_of_its_own_sandbox(open_dir: Path) -> None:
+    """A broker that is not root runs bubblewrap as its own user: the job's
+    processes are that user's, and the broker, reading as that user, finds them."""
+    need_tool("bwrap")
+    path = open_dir / "simgpu" / "simgpu.json"
+    dev = SimDevice.create(path, SimGpuConfig(count=1, vram_bytes=8 * GIB), shared_folder=True)
+    gpu0 = dev.uuids()[0]
+    python, pythonpath = python_for_nobody(path.parent)
+    env = {**child_env(path, gpu0), "PYTHONPATH": pythonpath}
+    sandbox = subprocess.Popen(
+        [*bwrap_as_nobody(path.parent), python, "-c", CHILD_NS, str(2 * GIB), "0", "1"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        **AS_NOBODY,
+    )
+    try:
+        assert sandbox.stdout is not None and sandbox.stdin is not None
+        line = sandbox.stdout.readline()
+        assert line, f"the sandboxed child failed (exit {sandbox.wait(10)})"
+        seen = json.loads(line)
+        tree = psutil.Process(sandbox.pid).children(recursive=True)
+        (inside,) = [p for p in tree if p.cmdline()[1:3] == ["-c", CHILD_NS]]
+        assert inside.uids().real == NOBODY  # not root on the host
+        assert seen["pidns"] != own_pidns() and seen["pid"] != inside.pid
+        reader = subprocess.run(
+            [python, "-c", READER, str(path), str(T0)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+            **AS_NOBODY,
+        )
+        assert reader.returncode == 0, reader.stderr
+        assert json.loads(reader.stdout) == [[inside.pid, 2 * GIB]]
+    finally:
+        if sandbox.stdin is not None:
+            sandbox.stdin.close()
+        sandbox.wait(30)
+    assert dev.allocations()[0].host_pid == inside.pid
+
+
+def test_find_host_pids_finds_this_process_and_nothing_for_what_is_not_there() -> None:
+    me, ns = os.getpid(), own_pidns()
+    assert ns is not None
+    assert find_host_pids({(ns, me)}) == {(ns, me): me}
+    assert find_host_pids({(4242, 1)}) == {}

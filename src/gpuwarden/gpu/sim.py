@@ -12,6 +12,16 @@ does. When the owner is gone, its memory is released ``release_delay_s`` after
 a sweep first notices, as a real driver tears a context down. Faults are
 injected through small seams: foreign memory, hangs, Xid codes, leaks and slow
 release.
+
+Readings list processes by their *host* pid, as NVML does: the pid in the PID
+namespace of the process that created the device (the broker, "the host").
+A job in a sandbox (bubblewrap, podman) has a PID namespace of its own, and
+records the pid it sees there together with the identity of that namespace
+(the inode of ``/proc/self/ns/pid``); a sweep run in the host's namespace
+finds the host pid (the process in that namespace whose ``NSpid`` chain ends
+in that pid, with the same create time) and keeps it in the state. Until it
+is found (or when the owner is gone before anything saw it), the memory
+counts as used but is listed under no process, as NVML lists no exited one.
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
+import reprlib
 import stat
 import tempfile
 import time
@@ -42,6 +54,8 @@ FOREIGN_PID = 0
 _STATE_VERSION = 1
 #: create times read by two processes may differ by float rounding, never by more
 _CREATE_TIME_TOLERANCE_S = 0.005
+#: the most of ``/proc/<pid>/status`` read for its ``NSpid`` line
+_STATUS_READ_BYTES = 16384
 
 
 #: the state and lock files are readable and writable by everyone, like the
@@ -74,6 +88,7 @@ class SimAllocation:
     id: int
     gpu: str
     nbytes: int
+    #: the owner's pid as the owner saw it (in its own PID namespace)
     pid: int
     #: ``psutil.Process(pid).create_time()`` at allocation; None if it could not be read
     create_time: float | None
@@ -81,6 +96,13 @@ class SimAllocation:
     leak: bool = False
     #: when a sweep found the owner gone: the memory returns at this time (never if ``leak``)
     release_at: float | None = None
+    #: the inode of the owner's PID namespace; None if it could not be read (taken
+    #: as the host's)
+    pidns: int | None = None
+    #: the owner's pid in the host's PID namespace, what readings list: ``pid``
+    #: when the owner runs in the host's namespace; for a sandboxed owner, None
+    #: until a sweep in the host's namespace found it
+    host_pid: int | None = None
 
     @property
     def foreign(self) -> bool:
@@ -102,6 +124,75 @@ def torch_size(nbytes: int) -> str:
     if nbytes >= 1024:
         return f"{nbytes / 1024:.2f} KiB"
     return f"{nbytes} bytes"
+
+
+def own_pidns() -> int | None:
+    """The inode of this process's PID namespace (``/proc/self/ns/pid``), which
+    names it on the whole host; None where it cannot be read. Read each time
+    (one ``stat``): a child forked after ``unshare(CLONE_NEWPID)`` is in
+    another namespace than its parent was."""
+    try:
+        return Path("/proc/self/ns/pid").stat().st_ino
+    except OSError:
+        return None
+
+
+def _pidns_of(pid: int) -> int | None:
+    """The PID namespace of process ``pid`` (as this process sees pids); None when
+    there is no such process. Raises ``PermissionError`` where it may not be read."""
+    try:
+        return Path(f"/proc/{pid}/ns/pid").stat().st_ino
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return None
+
+
+def _innermost_pid(pid: int) -> int | None:
+    """The pid process ``pid`` has in its own PID namespace: the last field of the
+    ``NSpid:`` line of ``/proc/<pid>/status`` (the kernel writes that file; no job
+    can put anything there). None when it cannot be read."""
+    try:
+        with Path(f"/proc/{pid}/status").open("rb") as f:
+            text = f.read(_STATUS_READ_BYTES)
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(b"NSpid:"):
+            fields = line.split()[1:]
+            return int(fields[-1]) if fields and fields[-1].isdigit() else None
+    return None
+
+
+def find_host_pids(wanted: set[tuple[int, int]]) -> dict[tuple[int, int], int]:
+    """Processes named by (PID namespace inode, pid inside that namespace): the pid
+    each has in this process's namespace, for those found.
+
+    One pass over ``/proc``: the namespace of each process is compared first
+    (one ``stat``), and only the processes in a wanted namespace have their
+    ``NSpid`` chain read. Processes whose namespace may not be read (another
+    user's, for a reader that is not root) are passed over.
+    """
+    found: dict[tuple[int, int], int] = {}
+    namespaces = {ns for ns, _ in wanted}
+    try:
+        names = [entry.name for entry in os.scandir("/proc")]
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            ns = _pidns_of(pid)
+        except OSError:
+            continue
+        if ns is None or ns not in namespaces:
+            continue
+        inner = _innermost_pid(pid)
+        if inner is not None and (ns, inner) in wanted:
+            found[(ns, inner)] = pid
+            if len(found) == len(wanted):
+                break
+    return found
 
 
 def _process_create_time(pid: int) -> float | None:
@@ -128,6 +219,21 @@ def _process_is_original(pid: int, create_time: float | None) -> bool:
         return True
 
 
+def _owner_alive(host_pid: int, create_time: float | None, pidns: int | None) -> bool:
+    """The owner is still the process at ``host_pid``: running, the same create
+    time, and (for an owner in a namespace other than the host's) still in
+    namespace ``pidns``, so a pid written into the state by anyone else is not
+    taken for it."""
+    if not _process_is_original(host_pid, create_time):
+        return False
+    if pidns is None:
+        return True
+    try:
+        return _pidns_of(host_pid) == pidns
+    except OSError:  # may not be read: as psutil's AccessDenied, taken as alive
+        return True
+
+
 def _devices_for(path: Path, config: SimGpuConfig) -> list[dict[str, Any]]:
     return [
         {
@@ -150,6 +256,83 @@ def _config_key(config: SimGpuConfig) -> dict[str, Any]:
         "name": config.name,
         "uuid_prefix": config.uuid_prefix,
     }
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _is_time(value: Any) -> bool:
+    """None, or a finite number (a create time, a release time)."""
+    if value is None:
+        return True
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: what each key of an allocation must hold
+_ALLOCATION_KEYS: dict[str, Callable[[Any], bool]] = {
+    "id": _is_int,
+    "gpu": lambda v: isinstance(v, str),
+    "nbytes": _is_int,
+    "pid": _is_int,
+    "create_time": _is_time,
+    "label": lambda v: isinstance(v, str),
+    "leak": lambda v: isinstance(v, bool),
+    "release_at": _is_time,
+    "pidns": lambda v: v is None or _is_int(v, 1),
+    "host_pid": lambda v: v is None or _is_int(v),
+}
+#: what each key of a device must hold (``xid_base`` may be missing)
+_DEVICE_KEYS: dict[str, Callable[[Any], bool]] = {
+    "uuid": lambda v: isinstance(v, str),
+    "index": _is_int,
+    "name": lambda v: isinstance(v, str),
+    "total_bytes": _is_int,
+    "hang": lambda v: isinstance(v, bool),
+    "xids": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "xid_base": _is_int,
+}
+
+
+def _check_state(state: dict[str, Any]) -> str | None:
+    """What is wrong with the shape of a state read from the file, or None. Every
+    job can write the file (a sandboxed one too), so nothing in it is taken on
+    trust: a pid that is not a number never reaches a ``/proc`` path. An
+    allocation written before PID namespaces were recorded gets ``pidns`` (the
+    host's) and ``host_pid`` (its pid) here."""
+    if not isinstance(state.get("devices"), list) or not isinstance(state.get("allocations"), list):
+        return "devices and allocations must be lists"
+    host = state.setdefault("host_pidns", None)
+    if not (host is None or _is_int(host, 1)):
+        return f"host_pidns is {reprlib.repr(host)}"
+    if not _is_int(state.get("next_id"), 1):
+        return f"next_id is {reprlib.repr(state.get('next_id'))}"
+    delay = state.get("release_delay_s")
+    if delay is None or not _is_time(delay) or delay < 0:
+        return f"release_delay_s is {reprlib.repr(delay)}"
+    for i, dev in enumerate(state["devices"]):
+        if not isinstance(dev, dict):
+            return f"device {i} is not an object"
+        for key, value in dev.items():
+            check = _DEVICE_KEYS.get(key)
+            if check is None or not check(value):
+                return f"device {i}: {reprlib.repr(key)} is {reprlib.repr(value)}"
+        if missing := sorted(set(_DEVICE_KEYS) - {"xid_base"} - set(dev)):
+            return f"device {i} has no {', '.join(missing)}"
+    for i, a in enumerate(state["allocations"]):
+        if not isinstance(a, dict):
+            return f"allocation {i} is not an object"
+        if "pidns" not in a:  # written before namespaces were recorded: the host's
+            a["pidns"] = host
+            a.setdefault("host_pid", a.get("pid"))
+        a.setdefault("host_pid", None)
+        for key, value in a.items():
+            check = _ALLOCATION_KEYS.get(key)
+            if check is None or not check(value):
+                return f"allocation {i}: {reprlib.repr(key)} is {reprlib.repr(value)}"
+        if missing := sorted(set(_ALLOCATION_KEYS) - set(a)):
+            return f"allocation {i} has no {', '.join(missing)}"
+    return None
 
 
 class SimDevice:
@@ -188,6 +371,7 @@ class SimDevice:
                 state = device._load()
             except GpuProbeError:
                 state = None
+            host = own_pidns()
             if state is None or state.get("config") != _config_key(config):
                 state = {
                     "version": _STATE_VERSION,
@@ -199,6 +383,8 @@ class SimDevice:
                 }
             else:
                 state["release_delay_s"] = config.release_delay_s
+                _rehost(state, host)
+            state["host_pidns"] = host
             device._save(state)
         return device
 
@@ -248,6 +434,11 @@ class SimDevice:
             ) from exc
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
             raise GpuProbeError(f"simulated GPU state {self.path} has an unknown format")
+        if (wrong := _check_state(state)) is not None:
+            raise GpuProbeError(
+                f"simulated GPU state {self.path} is malformed ({wrong}); a job may have "
+                "written it: restart the broker with --mock-gpu to reset the simulated GPU"
+            )
         return state
 
     def _save(self, state: dict[str, Any]) -> None:
@@ -299,6 +490,7 @@ class SimDevice:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative size: {nbytes}")
         create_time = None if pid == FOREIGN_PID else _process_create_time(pid)
+        pidns = own_pidns()
         with self._transaction() as state:
             dev = self._device(state, gpu_uuid)
             live = [a for a in state["allocations"] if a["gpu"] == gpu_uuid]
@@ -308,7 +500,13 @@ class SimDevice:
                 raise SimOutOfMemoryError(_oom_message(dev, nbytes, max(0, free), live))
             alloc_id = int(state["next_id"])
             state["next_id"] = alloc_id + 1
-            alloc = SimAllocation(alloc_id, gpu_uuid, nbytes, pid, create_time, label, leak)
+            # a process in the host's namespace (or one that cannot tell which it
+            # is in) is listed under its own pid; a sandboxed one once found
+            host = state["host_pidns"]
+            host_pid = pid if pidns is None or pidns == host else None
+            alloc = SimAllocation(
+                alloc_id, gpu_uuid, nbytes, pid, create_time, label, leak, None, pidns, host_pid
+            )
             state["allocations"].append(asdict(alloc))
         return alloc_id
 
@@ -321,9 +519,21 @@ class SimDevice:
                 raise GpuProbeError(f"no allocation {alloc_id} on the simulated GPU")
 
     def free_pid(self, pid: int) -> int:
-        """Release every allocation of process ``pid`` (leaks included); return how many."""
+        """Release every allocation of process ``pid`` (leaks included); return how many.
+
+        ``pid`` is as the caller sees it: a job in a sandbox frees its own by
+        the pid it has there (the client's ``free_all``); in the host's
+        namespace (an operator, the broker) by the host pid readings list.
+        """
+        mine = own_pidns()
+
+        def owned(a: dict[str, Any], host: int | None) -> bool:
+            if a["pid"] == pid and a["pidns"] in (mine, None):
+                return True
+            return mine == host and a["host_pid"] == pid
+
         with self._transaction() as state:
-            keep = [a for a in state["allocations"] if a["pid"] != pid]
+            keep = [a for a in state["allocations"] if not owned(a, state["host_pidns"])]
             freed = len(state["allocations"]) - len(keep)
             state["allocations"] = keep
         return freed
@@ -346,7 +556,10 @@ class SimDevice:
         An allocation whose process is gone (exited, a zombie, or its pid now
         names another process) is given ``release_at = now + release_delay_s``;
         allocations past ``release_at`` are removed, except leaks, which stay
-        until freed explicitly. Foreign memory is never swept.
+        until freed explicitly. Foreign memory is never swept. Run in the host's
+        PID namespace, it first finds the host pids of sandboxed owners (see
+        the module docstring); a sandboxed owner that no process of the host
+        is any more counts as gone.
         """
         with self._lock():
             state = self._load()
@@ -355,18 +568,33 @@ class SimDevice:
 
     @staticmethod
     def _sweep(state: dict[str, Any], now: float) -> bool:
+        """Find the host pids of sandboxed owners, notice owners gone, release
+        what is due. A sweep in the host's namespace judges every owner; one
+        run elsewhere (inside a sandbox) only the owners in its own namespace,
+        since it cannot see the others."""
         delay = float(state["release_delay_s"])
-        changed = False
+        host = state["host_pidns"]
+        here = own_pidns()
+        at_host = here == host
+        pending = [
+            a for a in state["allocations"] if a["pid"] != FOREIGN_PID and a["release_at"] is None
+        ]
+        changed = at_host and _find_hosts(pending, host)
         keep: list[dict[str, Any]] = []
         for a in state["allocations"]:
-            gone = (
-                a["pid"] != FOREIGN_PID
-                and a["release_at"] is None
-                and not _process_is_original(a["pid"], a["create_time"])
-            )
-            if gone:
-                a["release_at"] = now + delay
-                changed = True
+            if a["pid"] != FOREIGN_PID and a["release_at"] is None:
+                if at_host:
+                    theirs = None if a["pidns"] in (None, host) else a["pidns"]
+                    alive = a["host_pid"] is not None and _owner_alive(
+                        a["host_pid"], a["create_time"], theirs
+                    )
+                elif a["pidns"] == here:
+                    alive = _process_is_original(a["pid"], a["create_time"])
+                else:
+                    alive = True  # not this sweep's to judge
+                if not alive:
+                    a["release_at"] = now + delay
+                    changed = True
             if a["release_at"] is not None and a["release_at"] <= now and not a["leak"]:
                 changed = True
                 continue
@@ -390,17 +618,15 @@ class SimDevice:
                 )
         out: list[GpuReading] = []
         for dev in state["devices"]:
-            by_pid: dict[int, int] = {}
-            for a in state["allocations"]:
-                if a["gpu"] == dev["uuid"]:
-                    by_pid[a["pid"]] = by_pid.get(a["pid"], 0) + a["nbytes"]
+            on_gpu = [a for a in state["allocations"] if a["gpu"] == dev["uuid"]]
+            by_pid = _by_host_pid(on_gpu)
             extra = {"xid": str(dev["xids"][-1])} if dev["xids"] else {}
             out.append(
                 GpuReading(
                     uuid=dev["uuid"],
                     name=dev["name"],
                     total_bytes=dev["total_bytes"],
-                    used_bytes=sum(by_pid.values()),
+                    used_bytes=sum(a["nbytes"] for a in on_gpu),
                     processes=tuple(ProcessUsage(p, n) for p, n in sorted(by_pid.items())),
                     index=dev["index"],
                     driver="sim",
@@ -423,7 +649,9 @@ class SimDevice:
             self._device(state, gpu_uuid)
             alloc_id = int(state["next_id"])
             state["next_id"] = alloc_id + 1
-            alloc = SimAllocation(alloc_id, gpu_uuid, nbytes, FOREIGN_PID, None, label)
+            alloc = SimAllocation(
+                alloc_id, gpu_uuid, nbytes, FOREIGN_PID, None, label, host_pid=FOREIGN_PID
+            )
             state["allocations"].append(asdict(alloc))
         return alloc_id
 
@@ -471,10 +699,53 @@ class SimDevice:
             state["release_delay_s"] = float(seconds)
 
 
-def _oom_message(dev: dict[str, Any], nbytes: int, free: int, live: list[dict[str, Any]]) -> str:
+def _rehost(state: dict[str, Any], host: int | None) -> None:
+    """The device is opened by a broker in PID namespace ``host``: host pids found
+    from another namespace mean nothing there, and are looked for again."""
+    for a in state["allocations"]:
+        if a["pid"] == FOREIGN_PID:
+            continue
+        if a["pidns"] is None:  # written before namespaces were recorded, or by a
+            # process that could not tell its own: taken as the host's, as it said
+            a["pidns"], a["host_pid"] = host, a["pid"]
+        elif state["host_pidns"] != host:
+            a["host_pid"] = a["pid"] if a["pidns"] == host else None
+
+
+def _find_hosts(pending: list[dict[str, Any]], host: int | None) -> bool:
+    """Give sandboxed owners not found yet their host pids (one pass over
+    ``/proc`` for all of them); True if any was found. An owner is taken only
+    when the process found has its create time: an owner that is gone and whose
+    pid its namespace gave to another process is not. One not found stays
+    without, and the sweep takes it for gone."""
+    wanted = {
+        (a["pidns"], a["pid"])
+        for a in pending
+        if a["host_pid"] is None and a["pidns"] is not None and a["pidns"] != host
+    }
+    if not wanted:
+        return False
+    found = find_host_pids(wanted)
+    changed = False
+    for a in pending:
+        hit = found.get((a["pidns"], a["pid"])) if a["host_pid"] is None else None
+        if hit is not None and _process_is_original(hit, a["create_time"]):
+            a["host_pid"] = hit
+            changed = True
+    return changed
+
+
+def _by_host_pid(allocations: list[dict[str, Any]]) -> dict[int, int]:
+    """Bytes per host pid; memory of owners without one is listed under none."""
     by_pid: dict[int, int] = {}
-    for a in live:
-        by_pid[a["pid"]] = by_pid.get(a["pid"], 0) + a["nbytes"]
+    for a in allocations:
+        if a["host_pid"] is not None:
+            by_pid[a["host_pid"]] = by_pid.get(a["host_pid"], 0) + a["nbytes"]
+    return by_pid
+
+
+def _oom_message(dev: dict[str, Any], nbytes: int, free: int, live: list[dict[str, Any]]) -> str:
+    by_pid = _by_host_pid(live)
     holders = " ".join(
         f"Process {pid} has {torch_size(n)} memory in use."
         for pid, n in sorted(by_pid.items(), key=lambda kv: -kv[1])

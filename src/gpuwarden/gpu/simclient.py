@@ -12,7 +12,10 @@ environment: ``GPUWARDEN_SIM_GPU`` (the device state file) and
     gpu.free(weights)
 
 Memory is attributed to the calling process; what it does not free is released
-some time after it exits, unless it was allocated with ``leak=True``.
+some time after it exits, unless it was allocated with ``leak=True``. In a
+sandbox with a PID namespace of its own (bubblewrap, podman) the process is
+recorded by the pid it sees and that namespace; the broker's probe lists it
+under its host pid, as NVML would (see :mod:`gpuwarden.gpu.sim`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class SimClient:
         self.device.free(alloc_id)
 
     def free_all(self) -> int:
-        """Release everything this process holds; return how many allocations went."""
+        """Release everything this process holds (by its pid in its own PID
+        namespace); return how many allocations went."""
         return self.device.free_pid(os.getpid())
 
 
