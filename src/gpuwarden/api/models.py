@@ -276,6 +276,9 @@ class TypeOut(BaseModel):
 class StatusOut(BaseModel):
     nodes: list[dict[str, Any]]
     jobs: dict[str, int]
+    #: on a coordinator: every enrolled node as its agent last reported it (null on
+    #: a broker's own API)
+    cluster: list[dict[str, Any]] | None = None
 
 
 class Health(BaseModel):
