@@ -224,9 +224,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             f"  queue roots {', '.join(str(r.path) for r in roots) or 'none'}"
         )
         if ignored := _launch_keys_set(config):
+            verb = "mean" if len(ignored) > 1 else "means"
             cli.err.print(
-                f"note: {', '.join(ignored)} in this config mean nothing here: the coordinator "
-                "runs no job; each agent's own config decides which types its node runs"
+                f"note: {', '.join(ignored)} in this config {verb} nothing here: the "
+                "coordinator runs no job; each agent's own config decides which types its "
+                "node runs"
             )
         if bound[0] not in ("127.0.0.1", "::1"):
             cli.err.print(
