@@ -36,7 +36,11 @@ def health() -> Health:
 
 
 @router.get(
-    "/v1/status", response_model=StatusOut, responses=_ERRORS, dependencies=[Depends(get_scope)]
+    "/v1/status",
+    response_model=StatusOut,
+    response_model_exclude_unset=True,  # ``cluster`` only on a coordinator
+    responses=_ERRORS,
+    dependencies=[Depends(get_scope)],
 )
 @action("status.read")
 def status(
@@ -62,6 +66,8 @@ def status(
         if cluster is not None:
             cluster = [redactor.value(n) for n in cluster]
     counts = {k.value: v for k, v in ctx.store.count_by_state().items()}
+    if cluster is None:
+        return StatusOut(nodes=nodes, jobs=counts)
     return StatusOut(nodes=nodes, jobs=counts, cluster=cluster)
 
 
