@@ -54,6 +54,7 @@ import httpx
 from gpuwarden import __version__, safefs
 from gpuwarden.app import open_node
 from gpuwarden.broker import Broker
+from gpuwarden.cluster.coordinator import heartbeat_every_s
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event, JobSpec, Lane
 from gpuwarden.core.states import JobState
@@ -412,7 +413,7 @@ class Agent:
         self.lease_s = lease_s
         #: stop held jobs when the last answered heartbeat is this old
         self.stop_after_s = lease_s - min(20.0, lease_s / 3)
-        self.heartbeat_every_s = max(0.2, min(15.0, lease_s / 6))
+        self.heartbeat_every_s = heartbeat_every_s(lease_s)
         self.coordinator.set_timeout(max(0.5, min(10.0, lease_s / 4)))
 
     # -- the step -------------------------------------------------------------
