@@ -215,7 +215,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         cli.err.print(
             f"gpuwarden coordinator (PID {os.getpid()}) listening on http://{shown}:{bound[1]}\n"
             f"  agents use  {url}"
-            + ("" if c.coordinator_url else "  (set [cluster] coordinator_url to say another)")
+            + (
+                ""
+                if c.coordinator_url
+                else escape("  (set [cluster] coordinator_url to say another)")
+            )
             + f"\n  store       {where}\n"
             f"  job types   {', '.join(sorted(registry.types)) or 'none'} (each node runs what "
             "its own launch rules allow)\n"
@@ -536,9 +540,11 @@ def cmd_node_resume(args: argparse.Namespace) -> int:
         finally:
             store.close()
     if changed:
-        cli.err.print(f"node {args.name} takes new work again")
+        cli.err.print(f"node {escape(args.name)} takes new work again")
     else:
-        cli.err.print(f"node {args.name} was not draining (it is {state}): nothing to resume")
+        cli.err.print(
+            f"node {escape(args.name)} was not draining (it is {state}): nothing to resume"
+        )
     return 0
 
 
