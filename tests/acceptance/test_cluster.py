@@ -426,6 +426,8 @@ def test_node_invite_prints_the_coordinators_url(cluster: Cluster) -> None:
     # the coordinator names the address it listens on (no coordinator_url configured)
     assert f"gpuwarden agent --coordinator {cluster.urls[1]} --enroll-file FILE" in said
     assert "is a loopback address" in said
+    banner = (cluster.tmp / "coordinator1.stderr").read_text()
+    assert f"agents use  {cluster.urls[1]}  (set [cluster] coordinator_url to say" in banner
     token = done.stdout.strip()
     assert token.startswith("gw_") and token not in done.stderr
     token_id = token.split("_")[1]
