@@ -56,6 +56,18 @@ class Site:
         co.enroll(self.store, name, token_id=token.id, capabilities={}, now=time.time())
         self.beat(name, runtime, **allow)
 
+    def run(self, name: str, job_id: str) -> None:
+        """An echo job, leased to the node and started there, as its agent reports."""
+        self.store.submit([JobSpec(id=job_id, type="echo.echo", params={"text": "x"})], now=1.0)
+        record = self.store.get_node(name)
+        assert record is not None
+        now = time.time()
+        [leased] = co.claim(
+            self.store, Registry.load(MODULES), name, co.node_view(record), now, lease_s=30.0
+        )
+        assert leased["id"] == job_id
+        co.start(self.store, name, job_id, lease_id=leased["lease_id"], gpu_uuid=None, now=now)
+
     def beat(
         self, name: str, runtime: str = "local", *, ago: float = 0.0, **kw: Any
     ) -> dict[str, Any]:
@@ -118,20 +130,15 @@ def test_status_shows_every_node_and_fails_for_a_degraded_gpu_or_an_offline_node
     assert code == 1 and "no broker status" in err  # nothing enrolled yet
     site.enrol("gpu-a")
     site.enrol("gpu-b", "bubblewrap")
-    site.store.submit([JobSpec(id="run-1", type="echo.echo", params={"text": "x"})], now=1.0)
-    rec = site.store.get_node("gpu-a")
-    assert rec is not None
-    [leased] = co.claim(site.store, Registry.load(MODULES), "gpu-a", co.node_view(rec),
-                        time.time(), lease_s=30.0)  # fmt: skip
-    co.start(site.store, "gpu-a", "run-1", lease_id=leased["lease_id"], gpu_uuid=None,
-             now=time.time())  # fmt: skip
+    site.run("gpu-a", "run-1")
     code, out, err = site.gw("status")
     assert code == 0, out + err
     assert "node gpu-a  active  heartbeat" in out and "node gpu-b  active" in out
     assert "1 running" in out and "ok" in out
     for column in ("total", "used", "gpuwarden", "free"):
         assert column in out
-    assert "run-1" in out and "echo.echo" in out and "23.5 GiB" not in out
+    assert "run-1" in out and "echo.echo" in out
+    assert "24.0 GiB" in out and "3.0 GiB" in out and "20.0 GiB" in out  # total, used, free
     code, out, _ = site.gw("status", "--json")
     data = json.loads(out)
     assert code == 0 and [n["node"] for n in data["cluster"]] == ["gpu-a", "gpu-b"]
@@ -157,13 +164,7 @@ def test_status_shows_every_node_and_fails_for_a_degraded_gpu_or_an_offline_node
 
 def test_a_silent_node_and_its_jobs_say_so(site: Site) -> None:
     site.enrol("gpu-a")
-    site.store.submit([JobSpec(id="run-1", type="echo.echo", params={"text": "x"})], now=1.0)
-    rec = site.store.get_node("gpu-a")
-    assert rec is not None
-    [leased] = co.claim(site.store, Registry.load(MODULES), "gpu-a", co.node_view(rec),
-                        time.time(), lease_s=30.0)  # fmt: skip
-    co.start(site.store, "gpu-a", "run-1", lease_id=leased["lease_id"], gpu_uuid=None,
-             now=time.time())  # fmt: skip
+    site.run("gpu-a", "run-1")
     code, out, _ = site.gw("node", "list")
     assert code == 0 and "active" in out and "silent" not in out
     code, out, _ = site.gw("explain", "run-1")
