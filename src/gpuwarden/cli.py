@@ -1064,7 +1064,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             for n in data.get("nodes", [])
         ]
         counts = {JobState(k): int(v) for k, v in data.get("jobs", {}).items()}
-        return _report_status(args, statuses, counts, client.url)
+        cluster = data.get("cluster")
+        return _report_status(args, statuses, counts, client.url, cluster)
     config = _config(args)
     if not config.database and not config.db_path.exists():
         err.print(f"no broker has run on state directory {config.state_dir}")
@@ -1073,9 +1074,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         statuses = store.node_statuses()
         counts = store.count_by_state()
+        cluster = None
+        if isinstance(store, ClusterStore) and store.list_nodes():
+            # a coordinator's store: its agents' reports
+            cluster = coordinator.cluster_status(
+                store, time.time(), offline_after_s=config.cluster.offline_after_s
+            )
     finally:
         store.close()
-    return _report_status(args, statuses, counts, str(config.state_dir))
+    return _report_status(args, statuses, counts, str(config.state_dir), cluster)
 
 
 def _report_status(
@@ -1083,21 +1090,34 @@ def _report_status(
     statuses: list[NodeStatus],
     counts: dict[JobState, int],
     where: str,
+    cluster: list[dict[str, Any]] | None = None,
 ) -> int:
+    """Print the status (or ``--json``); 0 when every node is well, else 1. With
+    ``cluster`` (a coordinator's enrolled nodes), those nodes are what counts."""
     if args.json:
-        out.print_json(
-            json.dumps(
-                {
-                    "nodes": [
-                        {"node": s.node, "pid": s.pid, "updated_at": s.updated_at, **s.payload}
-                        for s in statuses
-                    ],
-                    "jobs": {k.value: v for k, v in counts.items()},
-                }
-            )
-        )
+        data: dict[str, Any] = {
+            "nodes": [
+                {"node": s.node, "pid": s.pid, "updated_at": s.updated_at, **s.payload}
+                for s in statuses
+            ],
+            "jobs": {k.value: v for k, v in counts.items()},
+        }
+        if cluster is not None:
+            data["cluster"] = cluster
+        out.print_json(json.dumps(data))
     healthy = bool(statuses)
-    if not statuses:
+    if cluster is not None:
+        working = [n for n in cluster if n.get("state") != "revoked"]
+        healthy = bool(working) and all(not n.get("problem") for n in working)
+        if not working:
+            err.print(
+                f"no node is enrolled with the coordinator at {where}: "
+                "`gpuwarden node invite NAME` makes an enrolment token"
+            )
+        if not args.json:
+            for n in cluster:
+                _print_cluster_node(n)
+    elif not statuses:
         err.print(f"no broker status in {where}: start `gpuwarden serve`")
     for s in statuses:
         age = time.time() - s.updated_at
@@ -1119,6 +1139,60 @@ def _report_status(
             "jobs: " + (", ".join(f"{k.value} {v}" for k, v in sorted(counts.items())) or "none")
         )
     return 0 if healthy else 1
+
+
+def _maybe_bytes(value: Any) -> str:
+    return "-" if value is None else format_bytes(int(value))
+
+
+def _print_cluster_node(n: dict[str, Any]) -> None:
+    """One enrolled node of a coordinator, as its agent last reported it."""
+    name, state, problem = escape(str(n["node"])), str(n["state"]), str(n.get("problem") or "")
+    shown = f"[red]{escape(problem)}[/]" if problem else "[green]ok[/]"
+    if state == "revoked":
+        out.print(f"[bold]node {name}[/]  revoked")
+        return
+    leased = f", {n['leased']} leased here and waiting" if n.get("leased") else ""
+    out.print(
+        f"[bold]node {name}[/]  {state}  heartbeat {float(n['heard_s_ago']):.1f} s ago  "
+        f"{len(n.get('running', []))} running{leased}  {shown}"
+    )
+    out.print(
+        f"probe: {escape(str(n.get('probe') or '?'))}"
+        + (f"  [red]error: {escape(str(n['probe_error']))}[/]" if n.get("probe_error") else "")
+    )
+    gpus = Table("GPU", "name", "total", "used", "gpuwarden", "free", "state")
+    for g in n.get("gpus", []):
+        gpus.add_row(
+            escape(str(g["uuid"])),
+            escape(str(g["name"])),
+            format_bytes(int(g["total_bytes"])),
+            _maybe_bytes(g.get("used_bytes")),
+            _maybe_bytes(g.get("ledger_bytes")),
+            _maybe_bytes(g.get("free_bytes")),
+            f"[red]degraded: {escape(str(g['degraded']))}[/]" if g.get("degraded") else "ok",
+        )
+    out.print(gpus if gpus.row_count else "GPUs: none reported")
+    warm = Table("warm server", "GPU", "state", "jobs served")
+    for w in n.get("warm", []):
+        served = w.get("jobs_served")
+        warm.add_row(
+            escape(str(w["type"])),
+            escape(str(w.get("gpu") or "-")),
+            escape(str(w.get("state") or "-")),
+            "-" if served is None else str(served),
+        )
+    out.print(warm if warm.row_count else "warm servers: none")
+    running = Table("running job", "type", "attempt", "GPU", "for")
+    for r in n.get("running", []):
+        running.add_row(
+            escape(str(r["job"] or "another job")),
+            escape(str(r.get("type") or "")),
+            str(r.get("attempt") or "-"),
+            escape(str(r.get("gpu") or "-")),
+            _age(r["started_at"]) if r.get("started_at") else "-",
+        )
+    out.print(running if running.row_count else "running: none")
 
 
 def _print_status(node: str, pid: int | None, age: float, p: dict[str, Any], problem: str) -> None:

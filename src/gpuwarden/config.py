@@ -122,6 +122,22 @@ class ClusterSettings(_Section):
     max_jobs: Annotated[int, Field(ge=1, le=10_000)] = 4
     #: agent: labels offered for job constraints, e.g. {rack = "a"}
     labels: dict[str, str] = Field(default_factory=dict)
+    #: the coordinator's URL as agents reach it (http://HOST:PORT): the coordinator
+    #: prints it in `node invite`; an agent enrols with it when no --coordinator
+    coordinator_url: str = ""
+
+    @pydantic.field_validator("coordinator_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if value == "":
+            return value
+        m = re.fullmatch(r"(https?)://([^/@\s?#]+)(/[^\s?#]*)?", value)
+        if m is None or m.group(2).startswith(":"):
+            raise ValueError(
+                "must be an http:// or https:// URL with a host, e.g. http://10.0.0.1:8765 "
+                "(no user, query or fragment)"
+            )
+        return value.rstrip("/")
 
 
 class SandboxSettings(_Section):

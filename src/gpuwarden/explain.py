@@ -152,6 +152,7 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
         a = attempts[-1]
         where = f"on {a.gpu_uuid}" if a.gpu_uuid else "on a cpu slot"
         lines.append(f"attempt {a.number} runs {where} since {time.ctime(a.started_at)}")
+        lines += _cluster_running_lines(job, store)
         return lines
     cluster = _cluster_lines(job, store, registry)
     if cluster:  # several hosts: agents are offered jobs by the coordinator
@@ -178,3 +179,13 @@ def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
     if not isinstance(store, ClusterStore):
         return []
     return explain_placement(store, registry, job, time.time())
+
+
+def _cluster_running_lines(job: Job, store: Store) -> list[str]:
+    """Which node runs a leased job, and whether that node is silent (else nothing)."""
+    from gpuwarden.cluster.coordinator import explain_running
+    from gpuwarden.store.cluster import ClusterStore
+
+    if not isinstance(store, ClusterStore):
+        return []
+    return explain_running(store, job, time.time())

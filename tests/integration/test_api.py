@@ -254,6 +254,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "node.fetch": {"node"},
         "node.list": {R, OP},
         "node.drain": {R, OP},
+        "node.resume": {R, OP},
         "node.revoke": {R},
         "gpu.clear": {R},
     }

@@ -337,7 +337,12 @@ def test_explain_placement(s: ClusterStore, registry: Registry) -> None:
     assert line.startswith("no node can ever run it") and "mid:" in line
     enrol(s, "huge", 80, now=1.0, free=10)
     lines = co.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING)  # type: ignore[arg-type]
-    assert any(ln.startswith("node huge: needs 40.0 GiB") for ln in lines), lines
+    room = (
+        "node huge has no GPU with room for it now: it needs 40.0 GiB on one GPU, the most "
+        "room it reported is 10.0 GiB"
+    )
+    never = "node small can never hold it: it needs 40.0 GiB on one GPU, its largest has 8.0 GiB"
+    assert room in lines and never in lines, lines
     claim(s, registry, "huge", 2.0)
     s.touch_node("huge", report(80), 2.0)
     assert claim(s, registry, "huge", 2.0) == ["big"]
@@ -441,3 +446,242 @@ def test_submission_refusal_judges_enrolled_nodes(s: ClusterStore, registry: Reg
     )
     co.revoke(s, registry, "n1", now=2.0)  # a revoked node is not judged: it waits
     assert co.submission_refusal(s, registry, pinned, 3.0) is None
+
+
+# -- each node's own launch rules ---------------------------------------------------
+
+
+def rules_report(gib: float, runtime: str, **allow: bool) -> dict[str, Any]:
+    """A report as an agent sends it: the types it runs by its own rules."""
+    from gpuwarden.core.launchrules import LaunchRules, Runtime
+
+    rules = LaunchRules(runtime=Runtime(runtime), **allow)
+    reg = Registry.load([REPO / "modules", REPO / "tests" / "modules"], rules)
+    return {
+        **report(gib),
+        "types": sorted(t.name for t in reg.types.values() if rules.refusal(t) is None),
+        "modules": sorted(reg.types),
+        "launch_rules": rules.to_json(),
+    }
+
+
+@pytest.fixture
+def open_registry() -> Registry:
+    """The coordinator's: every type of its modules, judged by no rules of its own."""
+    from gpuwarden.core.launchrules import LaunchRules
+
+    return Registry.load([REPO / "modules", REPO / "tests" / "modules"], LaunchRules.unchecked())
+
+
+def test_each_node_is_offered_what_its_own_launch_rules_allow(
+    s: ClusterStore, open_registry: Registry
+) -> None:
+    enrol(s, "gpu-a", 24)
+    enrol(s, "gpu-b", 24)
+    s.touch_node("gpu-a", rules_report(24, "local"), 0.0)
+    s.touch_node("gpu-b", rules_report(24, "bubblewrap"), 0.0)
+    s.submit(
+        [
+            gpu_job("box", 1),  # testmods.gpu: a container type
+            JobSpec(id="host", type="echo.echo", params={"text": "x"}),
+            JobSpec(id="served", type="testmods.warm", params={}),
+        ],
+        now=1.0,
+    )
+    assert claim(s, open_registry, "gpu-a", 40.0) == ["host"]
+    assert claim(s, open_registry, "gpu-b", 40.0) == ["box", "served"]
+
+
+def test_submission_judges_by_the_nodes_rules_and_names_each_nodes_reason(
+    s: ClusterStore, open_registry: Registry
+) -> None:
+    enrol(s, "gpu-a", 24)
+    s.touch_node("gpu-a", rules_report(24, "local"), 0.0)
+    box = gpu_job("box", 1)
+    assert co.submission_refusal(s, open_registry, box, 1.0) == (
+        "no node can ever run it: gpu-a: refuses container types (its runtime is local)"
+    )
+    host = JobSpec(id="host", type="echo.echo", params={"text": "x"})
+    assert co.submission_refusal(s, open_registry, host, 1.0) is None
+    enrol(s, "gpu-b", 24)
+    s.touch_node("gpu-b", rules_report(24, "bubblewrap"), 0.0)
+    assert co.submission_refusal(s, open_registry, box, 1.0) is None
+    assert co.submission_refusal(s, open_registry, host, 1.0) is None
+    pinned = replace(box, constraints={"node": "gpu-a"})
+    assert co.submission_refusal(s, open_registry, pinned, 1.0) == (
+        "no node can ever run it: gpu-a: refuses container types (its runtime is local); "
+        "gpu-b: the job asks for node 'gpu-a'"
+    )
+    jobtype = open_registry.types["testmods.gpu"]
+    assert co.type_refusal(s, open_registry, jobtype) is None
+    co.revoke(s, open_registry, "gpu-b", now=2.0)
+    why = co.type_refusal(s, open_registry, jobtype)
+    assert why == "no node can ever run it: gpu-a: refuses container types (its runtime is local)"
+
+
+def test_a_node_is_judged_by_the_rules_it_enrolled_with_before_its_first_report(
+    s: ClusterStore, open_registry: Registry
+) -> None:
+    from gpuwarden.core.launchrules import LaunchRules
+
+    s.create_token(
+        token_id="t-new", name="new", role=Role.NODE, secret_hash="x", now=0.0,
+        created_by="local", node="new",
+    )  # fmt: skip
+    caps = {
+        "gpus": [{"uuid": "GPU-1", "name": "sim", "total_bytes": 24 * GIB}],
+        "types": sorted(open_registry.types),
+        "launch_rules": LaunchRules().to_json(),
+    }
+    co.enroll(s, "new", token_id="t-new", capabilities=caps, now=0.0)
+    assert co.submission_refusal(s, open_registry, gpu_job("box", 1), 1.0) == (
+        "no node can ever run it: new: refuses container types (its runtime is local)"
+    )
+    ghost = JobSpec(id="g", type="echo.echo", params={"text": "x"})
+    caps_without_echo = {**caps, "types": ["testmods.gpu"]}
+    co.enroll(s, "new", token_id="t-new", capabilities=caps_without_echo, now=0.0)
+    assert co.submission_refusal(s, open_registry, ghost, 1.0) == (
+        "no node can ever run it: new: has no module for echo.echo"
+    )
+
+
+def test_explain_says_which_node_refuses_the_type_and_why(
+    s: ClusterStore, open_registry: Registry
+) -> None:
+    enrol(s, "gpu-a", 24, now=1.0)
+    enrol(s, "gpu-b", 24, now=1.0)
+    s.touch_node("gpu-a", rules_report(24, "local"), 1.0)
+    s.touch_node("gpu-b", {**rules_report(24, "bubblewrap"), "busy": 4}, 1.0)
+    s.submit([gpu_job("box", 1)], now=1.0)
+    job = s.get_job("box")
+    assert job is not None
+    lines = co.explain_placement(s, open_registry, job, 2.0, TIMING)
+    assert lines == [
+        "node gpu-a refuses container types (its runtime is local)",
+        "node gpu-b is busy (4 of its 4 jobs)",
+    ]
+    co.drain(s, "gpu-b", now=2.0)
+    lines = co.explain_placement(s, open_registry, job, 2.5, TIMING)
+    assert lines[1] == (
+        "node gpu-b is draining: it takes no new work (`gpuwarden node resume gpu-b` gives "
+        "it work again)"
+    )
+
+
+# -- silent nodes, resume, status -----------------------------------------------------
+
+
+def test_a_node_whose_heartbeat_is_overdue_is_silent_and_its_jobs_say_so(
+    s: ClusterStore, registry: Registry
+) -> None:
+    enrol(s, "n", 80, now=0.0)
+    s.touch_node("n", {**report(80), "heartbeat_every_s": 1.0}, 0.0)
+    s.submit([gpu_job("run", 1), gpu_job("wait", 1)], now=0.0)
+    assert sorted(claim(s, registry, "n", 0.0)) == ["run", "wait"]  # leases end at 10.0
+    co.start(s, "n", "run", lease_id=s.lease_of("run").lease_id, gpu_uuid="GPU-0", now=0.5)  # type: ignore[union-attr]
+    record = s.get_node("n")
+    assert record is not None
+    assert co.silence(record, s.leases(), 3.0) is None  # 2 beats and a second: on time
+    got = co.node_json(record, s.leases(), 4.0)
+    assert got["state"] == "active" and got["condition"] == "silent for 4 s (lease ends in 6 s)"
+    assert got["silent_s"] == 4.0 and got["lease_ends_in_s"] == 6.0
+    assert co.node_json(record, s.leases(), 11.0)["condition"] == (
+        "silent for 11 s (its lease ended 1 s ago)"
+    )
+    running = s.get_job("run")
+    assert running is not None
+    assert co.explain_running(s, running, 2.0) == [
+        "on node n, heard from 2 s ago (lease ends in 8 s unless renewed)"
+    ]
+    [line] = co.explain_running(s, running, 4.0)
+    assert line.startswith("its node n is silent for 4 s (lease ends in 6 s): it may still run")
+    waiting = s.get_job("wait")
+    assert waiting is not None
+    [line] = co.explain_placement(s, registry, waiting, 4.0, TIMING)
+    assert line.startswith("it is leased to node n, silent for 4 s (lease ends in 6 s)")
+    # a heartbeat: heard from again
+    co.heartbeat(s, "n", {**report(80), "heartbeat_every_s": 1.0}, 4.5, 10.0, held=["run"])
+    record = s.get_node("n")
+    assert record is not None and co.node_json(record, s.leases(), 5.0)["condition"] == ""
+    # an agent that says nothing of its interval is judged by the default (15 s)
+    enrol(s, "quiet", 24, now=0.0)
+    quiet = s.get_node("quiet")
+    assert quiet is not None and co.silence(quiet, [], 30.0) is None
+    assert co.silence(quiet, [], 32.0) == co.Silence(32.0, None)
+    assert co.Silence(32.0, None).text() == "silent for 32 s"
+
+
+def test_a_drained_node_can_be_resumed(s: ClusterStore, registry: Registry) -> None:
+    enrol(s, "n", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)
+    co.drain(s, "n", now=1.5)
+    assert claim(s, registry, "n", 2.0) == []
+    record, changed = co.resume(s, "n", now=3.0)
+    assert changed and record.state is NodeState.ACTIVE
+    s.touch_node("n", report(24), 3.0)
+    assert claim(s, registry, "n", 40.0) == ["a"]
+    record, changed = co.resume(s, "n", now=4.0)  # not draining: nothing to do
+    assert not changed and record.state is NodeState.ACTIVE
+    events = [e for e in s.events() if e.kind == "node_state"]
+    assert [(e.detail["from"], e.detail["to"]) for e in events] == [
+        ("active", "draining"),
+        ("draining", "active"),
+    ]
+    with pytest.raises(co.UnknownNode):
+        co.resume(s, "ghost", now=5.0)
+    co.revoke(s, registry, "n", now=5.0)
+    with pytest.raises(UserError, match="was revoked; enrol it again"):
+        co.resume(s, "n", now=6.0)
+
+
+def test_cluster_status_shows_each_node_and_its_first_problem(
+    s: ClusterStore, registry: Registry
+) -> None:
+    gpu = {
+        "uuid": "GPU-0", "name": "sim", "total_bytes": 24 * GIB, "free_bytes": 20 * GIB,
+        "usable_bytes": 24 * GIB, "used_bytes": 3 * GIB, "ledger_bytes": 4 * GIB, "degraded": "",
+    }  # fmt: skip
+    live = {
+        "gpus": [gpu], "warm": ["testmods.warm"], "heartbeat_every_s": 1.0, "max_jobs": 4,
+        "warm_servers": [{"type": "testmods.warm", "gpu": "GPU-0", "state": "idle",
+                          "jobs_served": 3}],
+        "probe": "sim", "probe_error": "",
+    }  # fmt: skip
+    for name in ("ok", "sick", "blind", "gone", "late", "drained", "out"):
+        enrol(s, name, 24, now=0.0)
+        s.touch_node(name, live, 100.0)
+    s.touch_node("sick", {**live, "gpus": [{**gpu, "degraded": "3 GiB leaked"}]}, 100.0)
+    s.touch_node("blind", {**live, "probe_error": "NVML: driver gone"}, 100.0)
+    s.touch_node("gone", live, 10.0)  # past offline_after_s (20 s here)
+    s.touch_node("late", live, 96.0)  # 4 s: overdue, not offline
+    co.drain(s, "drained", now=100.0)
+    co.revoke(s, registry, "out", now=100.0)
+    s.submit([gpu_job("r", 1)], now=100.0)
+    s.touch_node("ok", live, 100.0)
+    [payload] = co.claim(s, registry, "ok", co.node_view(s.get_node("ok")), 100.0, lease_s=10.0)  # type: ignore[arg-type]
+    co.start(s, "ok", "r", lease_id=payload["lease_id"], gpu_uuid="GPU-0", now=100.5)
+    got = {n["node"]: n for n in co.cluster_status(s, 101.0, offline_after_s=20.0)}
+    assert {k: v["problem"] for k, v in got.items()} == {
+        "ok": "",
+        "sick": "1 GPU(s) degraded: VRAM admission paused there",
+        "blind": "the GPU probe fails: VRAM admission paused",
+        "gone": "offline: not heard from for 91 s",
+        "late": "silent for 5 s",
+        "drained": "",
+        "out": "",
+    }
+    ok = got["ok"]
+    assert ok["state"] == "active" and ok["heard_s_ago"] == 1.0 and ok["probe"] == "sim"
+    assert ok["gpus"] == [
+        {
+            "uuid": "GPU-0", "name": "sim", "total_bytes": 24 * GIB, "used_bytes": 3 * GIB,
+            "ledger_bytes": 4 * GIB, "free_bytes": 20 * GIB, "degraded": "",
+        }
+    ]  # fmt: skip
+    assert ok["warm"] == [
+        {"type": "testmods.warm", "gpu": "GPU-0", "state": "idle", "jobs_served": 3}
+    ]
+    [run] = ok["running"]
+    assert run["job"] == "r" and run["attempt"] == 1 and run["gpu"] == "GPU-0"
+    assert run["started_at"] == 100.5 and run["type"] == "testmods.gpu"
+    assert got["drained"]["state"] == "draining" and got["out"]["state"] == "revoked"

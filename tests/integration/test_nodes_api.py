@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from gpuwarden.api import create_app
 from gpuwarden.api.auth import Principal, issue_token
-from gpuwarden.api.routers.nodes import install_sweeper
+from gpuwarden.api.routers.nodes import install_coordinator, install_sweeper
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState
@@ -404,6 +404,7 @@ ROLE_CASES = [
     ("GET", "/v1/node/jobs/j/inputs/i.txt?lease_id=x", {"node"}, None),
     ("GET", "/v1/nodes", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/drain", {"owner", "operator"}, None),
+    ("POST", "/v1/nodes/n/resume", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/revoke", {"owner"}, None),
 ]
 
@@ -541,3 +542,146 @@ def test_a_node_enrolled_but_not_yet_heard_is_judged_by_its_enrolment(env: Env) 
     assert r.status_code == 422 and "a GPU model matching 'H100'" in r.json()["error"]
     ok = {**job, "constraints": {"gpu_model": "a100", "labels": {"rack": "a"}}}
     assert env.post("/v1/jobs", "submitter", ok).status_code == 201
+
+
+# -- a coordinator: it runs nothing, the nodes' own rules decide -----------------------
+
+
+class CoordinatorEnv(Env):
+    """As ``gpuwarden coordinator`` makes it: a config with no launch rules (only the
+    store), every type of its modules known, judged by the nodes."""
+
+    def __init__(self, tmp: Path, **cluster: Any) -> None:
+        from gpuwarden.core.launchrules import LaunchRules
+
+        self.config = Config.model_validate(
+            {
+                "state_dir": tmp,
+                "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
+                "api": {"rate_per_s": 10_000, "burst": 10_000},
+                "cluster": {"lease_s": 10, "offline_after_s": 20, **cluster},
+            }
+        )
+        self.store = SqliteStore(tmp / "gpuwarden.db")
+        self.clock = Clock(time.time())
+        self.registry = Registry.load(self.config.module_paths, LaunchRules.unchecked())
+        self.app = create_app(self.store, self.registry, self.config, clock=self.clock)
+        install_coordinator(self.app)
+        self.client = TestClient(self.app)
+        self.tokens = {}
+        for role in (Role.OWNER, Role.OPERATOR, Role.SUBMITTER):
+            _, self.tokens[role.value] = issue_token(
+                self.store, name=role.value, role=role, by=ADMIN, now=1.0
+            )
+
+
+@pytest.fixture
+def coord(tmp_path: Path) -> Iterator[CoordinatorEnv]:
+    e = CoordinatorEnv(tmp_path)
+    yield e
+    e.store.close()
+
+
+def agent_report(gib: float, runtime: str, **allow: bool) -> dict[str, Any]:
+    from gpuwarden.core.launchrules import LaunchRules, Runtime
+
+    rules = LaunchRules(runtime=Runtime(runtime), **allow)
+    reg = Registry.load([REPO / "modules", REPO / "tests" / "modules"], rules)
+    return report(
+        gib,
+        types=sorted(t.name for t in reg.types.values() if rules.refusal(t) is None),
+        modules=sorted(reg.types),
+        launch_rules=rules.to_json(),
+        heartbeat_every_s=1.0,
+    )
+
+
+def test_a_coordinator_without_launch_rules_takes_what_a_node_runs(coord: CoordinatorEnv) -> None:
+    box = {"type": "testmods.gpu", "params": {}, "vram_gib": 1}  # a container type
+    host = {"type": "echo.echo", "params": {"text": "x"}}
+    coord.enrol("gpu-a")
+    coord.post("/v1/node/heartbeat", "gpu-a", {"report": agent_report(24, "local")})
+    r = coord.post("/v1/jobs", "submitter", box)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"].endswith(
+        "no node can ever run it: gpu-a: refuses container types (its runtime is local)"
+    )
+    assert coord.post("/v1/jobs", "submitter", host).status_code == 201
+    types = {t["type"]: t for t in coord.client.get("/v1/types", headers=coord.h("owner")).json()}
+    assert types["echo.echo"]["runs_here"] and not types["testmods.gpu"]["runs_here"]
+    coord.enrol("gpu-b")
+    coord.post("/v1/node/heartbeat", "gpu-b", {"report": agent_report(24, "bubblewrap")})
+    r = coord.post("/v1/jobs", "submitter", box)
+    assert r.status_code == 201, r.text
+    box_id = r.json()["id"]
+    types = {t["type"]: t for t in coord.client.get("/v1/types", headers=coord.h("owner")).json()}
+    assert types["testmods.gpu"]["runs_here"]
+    lines = coord.client.get(f"/v1/jobs/{box_id}/explain", headers=coord.h("owner"))
+    assert "node gpu-a refuses container types (its runtime is local)" in lines.json()["lines"]
+    got = coord.post("/v1/node/claim", "gpu-a", {"report": agent_report(24, "local"), "want": 4})
+    assert len(got.json()["jobs"]) == 1 and box_id not in [j["id"] for j in got.json()["jobs"]]
+    got = coord.post("/v1/node/claim", "gpu-b", {"report": agent_report(24, "bubblewrap")})
+    assert [j["id"] for j in got.json()["jobs"]] == [box_id]
+
+
+def test_resume_over_http_is_audited(coord: CoordinatorEnv) -> None:
+    coord.enrol("n")
+    assert coord.post("/v1/nodes/n/drain", "operator").json()["state"] == "draining"
+    r = coord.post("/v1/nodes/n/resume", "operator")
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "active" and r.json()["resumed"] is True
+    again = coord.post("/v1/nodes/n/resume", "owner")
+    assert again.status_code == 200 and again.json()["resumed"] is False
+    assert coord.post("/v1/nodes/ghost/resume", "owner").status_code == 404
+    assert coord.post("/v1/nodes/n/resume", "submitter").status_code == 403
+    coord.post("/v1/nodes/n/revoke", "owner")
+    gone = coord.post("/v1/nodes/n/resume", "owner")
+    assert gone.status_code == 409 and "was revoked" in gone.json()["error"]
+    rows = [(a.action, a.target, a.outcome) for a in coord.store.audit_rows()]
+    resumes = [r for r in rows if r[0] == "node.resume"]
+    assert ("node.resume", "n", "ok") in resumes
+    assert any(r[2].startswith("refused") and "was revoked" in r[2] for r in resumes), resumes
+    assert any(r[2].startswith("refused") and "operator" in r[2] for r in resumes), resumes
+
+
+def test_the_invite_names_the_url_agents_use(tmp_path: Path) -> None:
+    coord = CoordinatorEnv(tmp_path / "a")
+    try:
+        assert coord.post("/v1/nodes/invite", "owner", {"name": "x"}).json()[
+            "coordinator_url"
+        ] is None  # fmt: skip
+    finally:
+        coord.store.close()
+    coord = CoordinatorEnv(tmp_path / "b", coordinator_url="http://gpu-coord.lan:8765")
+    try:
+        got = coord.post("/v1/nodes/invite", "owner", {"name": "x"}).json()
+        assert got["coordinator_url"] == "http://gpu-coord.lan:8765"
+    finally:
+        coord.store.close()
+
+
+def test_status_on_a_coordinator_lists_every_node_and_hides_others_jobs(
+    coord: CoordinatorEnv,
+) -> None:
+    r = coord.client.get("/v1/status", headers=coord.h("owner"))
+    assert r.status_code == 200 and r.json()["cluster"] == []
+    coord.enrol("gpu-a")
+    rep = agent_report(24, "bubblewrap")
+    rep["gpus"][0].update(used_bytes=2 * GIB, ledger_bytes=2 * GIB, degraded="")
+    coord.post("/v1/node/heartbeat", "gpu-a", {"report": rep})
+    owner_job = coord.post("/v1/jobs", "owner", {"type": "testmods.gpu", "params": {}})
+    job_id = owner_job.json()["id"]
+    [leased] = coord.post("/v1/node/claim", "gpu-a", {"report": rep}).json()["jobs"]
+    coord.post(f"/v1/node/jobs/{job_id}/start", "gpu-a", {"lease_id": leased["lease_id"]})
+    [node] = coord.client.get("/v1/status", headers=coord.h("operator")).json()["cluster"]
+    assert node["node"] == "gpu-a" and node["state"] == "active" and node["problem"] == ""
+    assert node["gpus"][0]["used_bytes"] == 2 * GIB and node["gpus"][0]["ledger_bytes"] == 2 * GIB
+    assert [r["job"] for r in node["running"]] == [job_id]
+    [seen] = coord.client.get("/v1/status", headers=coord.h("submitter")).json()["cluster"]
+    assert [r["job"] for r in seen["running"]] == [None]  # not the submitter's job
+    # a broker's own API (not a coordinator) has no cluster list
+    env = Env(coord.config.state_dir / "plain")
+    try:
+        assert "cluster" not in env.client.get("/v1/status", headers=env.h("owner")).json()
+    finally:
+        env.store.close()

@@ -111,3 +111,35 @@ def test_widening_keys_are_refused_and_ld_preload_is_named() -> None:
         assert widening_refusal(key, []) is not None, key
     assert widening_refusal("params", {}) is None
     assert widening_refusal("priority", 1) is None
+
+
+def test_a_nodes_short_refusal_says_which_types_and_why() -> None:
+    assert LaunchRules().node_refusal(LaunchMode.CONTAINER, Lane.CPU) == (
+        "refuses container types (its runtime is local)"
+    )
+    assert LaunchRules().node_refusal(LaunchMode.SERVE, Lane.VRAM) == (
+        "refuses serve types (its runtime is local)"
+    )
+    assert LaunchRules(runtime=Runtime.PODMAN).node_refusal(LaunchMode.HOST, Lane.CPU) == (
+        "refuses host types (its runtime is podman)"
+    )
+    assert "vram lane" in (LaunchRules().node_refusal(LaunchMode.HOST, Lane.VRAM) or "")
+    # the short reason refuses exactly what the long one does
+    for rules in (
+        LaunchRules(),
+        LaunchRules(allow_unsandboxed_containers=True),
+        LaunchRules(runtime=Runtime.BUBBLEWRAP),
+        LaunchRules(runtime=Runtime.DOCKER, allow_host_jobs=True),
+    ):
+        for t in ALL:
+            assert (rules.node_refusal(t.launch, t.lane) is None) == (rules.refusal(t) is None)
+
+
+def test_rules_go_through_json_and_garbage_is_no_rules() -> None:
+    for rules in (LaunchRules(), LaunchRules(runtime=Runtime.BUBBLEWRAP, allow_host_jobs=True)):
+        assert LaunchRules.from_json(rules.to_json()) == rules
+    assert LaunchRules.from_json(None) is None
+    assert LaunchRules.from_json("local") is None
+    assert LaunchRules.from_json({"runtime": "chroot"}) is None
+    bad_flag = {**LaunchRules().to_json(), "allow_host_jobs": "yes"}
+    assert LaunchRules.from_json(bad_flag) is None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gpuwarden.core.model import GIB, Lane
+from gpuwarden.core.launchrules import LaunchRules, Runtime
+from gpuwarden.core.model import GIB, Lane, LaunchMode
 from gpuwarden.core.placement import (
     Constraints,
     GpuRoom,
@@ -10,6 +11,8 @@ from gpuwarden.core.placement import (
     Offerable,
     never_placeable,
     offers_for,
+    refusal,
+    type_refusal,
 )
 
 
@@ -104,3 +107,72 @@ def test_never_placeable_says_why_per_node() -> None:
     assert never_placeable(job(1, 100), []) is None  # no node yet: it waits
     pinned = job(2, 1, constraints=Constraints(node="gone"))
     assert "asks for node 'gone'" in (never_placeable(pinned, [SMALL]) or "")
+
+
+# -- the node's own launch rules ---------------------------------------------------
+
+BWRAP = LaunchRules(runtime=Runtime.BUBBLEWRAP)
+LOCAL = LaunchRules()
+LOCAL_OPEN = LaunchRules(allow_unsandboxed_containers=True)
+
+
+def test_a_node_is_offered_only_types_its_launch_rules_allow() -> None:
+    sandbox = NodeView("gpu-b", gpus=(gpu("b0", 24),), rules=BWRAP, modules=frozenset({"m.t"}))
+    plain = NodeView("gpu-a", gpus=(gpu("a0", 24),), rules=LOCAL, modules=frozenset({"m.t"}))
+    container = job(1, 4, launch=LaunchMode.CONTAINER)
+    host = job(2, 0, launch=LaunchMode.HOST)
+    served = job(3, 4, launch=LaunchMode.SERVE)
+    queued = [container, host, served]
+    assert offers_for(sandbox, queued, [plain], now=200) == ["j1", "j3"]
+    assert offers_for(plain, queued, [sandbox], now=200) == ["j2"]
+    assert refusal(container, plain) == "refuses container types (its runtime is local)"
+    assert refusal(served, plain) == "refuses serve types (its runtime is local)"
+    assert refusal(host, sandbox) == "refuses host types (its runtime is bubblewrap)"
+    vram_host = job(4, 4, launch=LaunchMode.HOST)
+    opened = NodeView("o", gpus=(gpu("o0", 24),), rules=LOCAL_OPEN)
+    assert refusal(vram_host, opened) == (
+        "refuses host types on the vram lane (model code on a GPU runs sandboxed)"
+    )
+    assert refusal(container, opened) is None
+
+
+def test_the_types_a_node_says_it_runs_decide_and_its_modules_and_rules_say_why_not() -> None:
+    container = job(1, 0, type_="m.box", launch=LaunchMode.CONTAINER)
+    # it says it runs m.box: offered, whatever its rules would say of the coordinator's
+    # idea of the type (its module may declare it otherwise)
+    says = NodeView("n", types=frozenset({"m.box"}), modules=frozenset({"m.box"}), rules=LOCAL)
+    assert type_refusal(container, says) is None
+    assert offers_for(says, [container], [], now=200) == ["j1"]
+    no_module = NodeView("n", types=frozenset(), modules=frozenset({"m.other"}), rules=BWRAP)
+    assert type_refusal(container, no_module) == "has no module for m.box"
+    refused = NodeView("n", types=frozenset(), modules=frozenset({"m.box"}), rules=LOCAL)
+    assert type_refusal(container, refused) == "refuses container types (its runtime is local)"
+    unknown_why = NodeView("n", types=frozenset())
+    assert type_refusal(container, unknown_why) == "does not run m.box"
+    # before its first report (its enrolment: modules and rules, no list of types)
+    enrolled = NodeView("n", modules=frozenset({"m.box"}), rules=BWRAP)
+    assert type_refusal(container, enrolled) is None
+    assert type_refusal(container, NodeView("n")) is None  # an agent that says nothing
+
+
+def test_never_placeable_names_each_nodes_launch_rules() -> None:
+    plain = NodeView("gpu-a", gpus=(gpu("a0", 24),), rules=LOCAL)
+    sandbox = NodeView("gpu-b", gpus=(gpu("b0", 24),), rules=BWRAP)
+    container = job(1, 4, launch=LaunchMode.CONTAINER)
+    assert never_placeable(container, [plain, sandbox]) is None
+    assert never_placeable(container, [plain]) == (
+        "no node can ever run it: gpu-a: refuses container types (its runtime is local)"
+    )
+    pinned = job(2, 4, launch=LaunchMode.CONTAINER, constraints=Constraints(node="gpu-a"))
+    assert never_placeable(pinned, [plain, sandbox]) == (
+        "no node can ever run it: gpu-a: refuses container types (its runtime is local); "
+        "gpu-b: the job asks for node 'gpu-a'"
+    )
+
+
+def test_a_job_warm_on_a_node_whose_rules_refuse_it_is_not_held_back_for_it() -> None:
+    served = job(1, 4, type_="m.warm", launch=LaunchMode.SERVE)
+    # a warm server of the type on a node that refuses it now (its config changed)
+    stale = NodeView("stale", gpus=(gpu("s0", 24),), warm=frozenset({"m.warm"}), rules=LOCAL)
+    cold = NodeView("cold", gpus=(gpu("c0", 24),), rules=BWRAP)
+    assert offers_for(cold, [served], [stale], now=101) == ["j1"]

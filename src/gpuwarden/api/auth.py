@@ -77,6 +77,7 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "node.fetch":    (None, None,    None,     ALL,  None),
     "node.list":     (ALL,  ALL,     None,     None, None),
     "node.drain":    (ALL,  ALL,     None,     None, None),
+    "node.resume":   (ALL,  ALL,     None,     None, None),
     "node.revoke":   (ALL,  None,    None,     None, None),
     "gpu.clear":     (ALL,  None,    None,     None, None),
 }
@@ -87,7 +88,8 @@ _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)
 MUTATING = frozenset(
     {"job.submit", "job.cancel", "token.create", "token.revoke"}
     | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
-    | {"node.finish", "node.upload", "node.drain", "node.revoke", "gpu.clear"}
+    | {"node.finish", "node.upload", "node.drain", "node.resume", "node.revoke"}
+    | {"gpu.clear"}
 )
 #: actions that need no token
 PUBLIC = frozenset({"health.read"})

@@ -279,6 +279,9 @@ class TypeOut(BaseModel):
 class StatusOut(BaseModel):
     nodes: list[dict[str, Any]]
     jobs: dict[str, int]
+    #: on a coordinator: every enrolled node as its agent last reported it (absent
+    #: from a broker's own API)
+    cluster: list[dict[str, Any]] | None = None
 
 
 class Health(BaseModel):

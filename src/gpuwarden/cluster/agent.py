@@ -54,6 +54,7 @@ import httpx
 from gpuwarden import __version__, safefs
 from gpuwarden.app import open_node
 from gpuwarden.broker import Broker
+from gpuwarden.cluster.coordinator import heartbeat_every_s
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event, JobSpec, Lane
 from gpuwarden.core.states import JobState
@@ -264,6 +265,9 @@ class Credential:
     token: str
     token_id: str = ""
     lease_s: float = 90.0
+    #: the id of the enrolment token this credential was got with: that token is
+    #: used up, so an agent started again with it keeps this credential
+    enrolled_with: str = ""
 
     def save(self, path: Path) -> None:
         """Write it, readable by its owner only (mode 600)."""
@@ -303,6 +307,7 @@ class Credential:
                 token=str(data["token"]),
                 token_id=str(data.get("token_id", "")),
                 lease_s=float(data.get("lease_s", 90.0)),
+                enrolled_with=str(data.get("enrolled_with", "")),
             )
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"node credential {path} cannot be read: {exc}") from None
@@ -331,6 +336,7 @@ def capabilities(broker: Broker, config: Config, labels: dict[str, str]) -> dict
         "driver": next((r.driver for r in readings if r.driver), ""),
         "cuda": next((r.extra.get("cuda", "") for r in readings if r.extra.get("cuda")), ""),
         "container_runtime": config.container_runtime.value,
+        "launch_rules": broker.rules.to_json(),
         "labels": labels,
         "types": sorted(broker.registry.types),
     }
@@ -407,7 +413,7 @@ class Agent:
         self.lease_s = lease_s
         #: stop held jobs when the last answered heartbeat is this old
         self.stop_after_s = lease_s - min(20.0, lease_s / 3)
-        self.heartbeat_every_s = max(0.2, min(15.0, lease_s / 6))
+        self.heartbeat_every_s = heartbeat_every_s(lease_s)
         self.coordinator.set_timeout(max(0.5, min(10.0, lease_s / 4)))
 
     # -- the step -------------------------------------------------------------
@@ -458,8 +464,13 @@ class Agent:
     # -- heartbeat and claims -----------------------------------------------------
 
     def report(self) -> dict[str, Any]:
-        """This node now, as placement needs it."""
+        """This node now, as placement and ``gpuwarden status`` need it: per GPU its
+        room (``free_bytes``, what its ledger lets a new job take), what the probe
+        shows used and what the ledger holds; the job types it runs, its modules'
+        types and its launch rules; warm servers, running jobs, labels."""
         b = self.broker
+        st = b.status()
+        by_uuid = {str(g.get("uuid")): g for g in st.get("gpus", [])}
         idle_warm = {
             s.holder for s in b.warm if s.state is ServerState.IDLE and not s.type.keep_warm
         }
@@ -468,6 +479,7 @@ class Agent:
             usable = max(0, v.total_bytes - v.reserve_bytes)
             evictable = sum(h.bytes for h in v.holdings if h.holder in idle_warm)
             free = 0 if v.degraded else min(usable, v.free_bytes + evictable)
+            seen = by_uuid.get(v.uuid, {})
             gpus.append(
                 {
                     "uuid": v.uuid,
@@ -475,6 +487,11 @@ class Agent:
                     "total_bytes": v.total_bytes,
                     "free_bytes": free,
                     "usable_bytes": usable,
+                    "used_bytes": int(seen.get("used_bytes", 0)),
+                    "ledger_bytes": v.held_bytes,
+                    "foreign_bytes": v.foreign_bytes,
+                    "reserve_bytes": v.reserve_bytes,
+                    "degraded": v.degraded,
                 }
             )
         # what is leased here but not started yet will take room too
@@ -497,13 +514,38 @@ class Agent:
             g["free_bytes"] = int(g["free_bytes"]) - take
             waiting -= take
         runs_here = sorted(t.name for t in b.registry.types.values() if b.rules.refusal(t) is None)
+        running = [
+            {
+                "job": self._by_local[str(r["job"])],
+                "type": r.get("type"),
+                "gpu": r.get("gpu"),
+                "started_at": r.get("started_at"),
+            }
+            for r in st.get("running", [])
+            if str(r.get("job")) in self._by_local
+        ]
         return {
             "gpus": gpus,
             "warm": sorted(s.type.name for s in b.warm if s.state is not ServerState.STOPPING),
+            "warm_servers": [
+                {
+                    "type": w.get("type"),
+                    "gpu": w.get("gpu"),
+                    "state": w.get("state"),
+                    "jobs_served": w.get("jobs_served"),
+                }
+                for w in st.get("warm", [])
+            ],
+            "running": running,
             "busy": self._busy(),
             "max_jobs": self.max_jobs,
             "labels": self.labels,
             "types": runs_here,
+            "modules": sorted(b.registry.types),
+            "launch_rules": b.rules.to_json(),
+            "probe": b.probe.kind,
+            "probe_error": str(st.get("probe_error") or ""),
+            "heartbeat_every_s": self.heartbeat_every_s,
             "accepting": self.state == "active" and b.accepting and not self.stopping,
         }
 
@@ -965,12 +1007,21 @@ def run_agent(
     cred_path = credential_path or config.state_dir / CREDENTIAL_FILE
     labels = dict(config.cluster.labels if labels is None else labels)
     max_jobs = max_jobs or config.cluster.max_jobs
+    coordinator_url = coordinator_url or config.cluster.coordinator_url or None
+    if enroll_token is not None and (used := _enrolled_with(cred_path, enroll_token)):
+        # started again with the token it enrolled with (a service's environment
+        # file still holds it): that token is used up; the credential it got stands
+        say(f"already enrolled as node {used.node} with this token: using {cred_path}")
+        enroll_token = None
     if enroll_token is None:
         cred = Credential.load(cred_path)
         if coordinator_url and coordinator_url.rstrip("/") != cred.coordinator:
             cred = dataclasses.replace(cred, coordinator=coordinator_url.rstrip("/"))
     elif not coordinator_url:
-        raise UserError("enrolling needs --coordinator URL (the coordinator to enrol with)")
+        raise UserError(
+            "enrolling needs the coordinator's URL: --coordinator URL, or [cluster] "
+            "coordinator_url in the config"
+        )
     else:
         cred = None
     # the agent's own store is SQLite in its state directory, never a shared one
@@ -988,6 +1039,7 @@ def run_agent(
                 token=str(got["token"]),
                 token_id=str(got.get("token_id", "")),
                 lease_s=float(got.get("lease_s", 90.0)),
+                enrolled_with=_token_id(enroll_token),
             )
             cred.save(cred_path)
             say(f"enrolled as node {cred.node}; credential saved to {cred_path} (mode 600)")
@@ -1043,6 +1095,25 @@ def run_agent(
             agent.final_reports()
         client.close()
     return status
+
+
+def _token_id(token: str) -> str:
+    """The id of a token of gpuwarden's form (``gw_<id>_...``), or ""."""
+    m = _TOKEN_ID.match(token)
+    return m.group(1) if m else ""
+
+
+def _enrolled_with(path: Path, token: str) -> Credential | None:
+    """The saved credential when it was got with ``token`` (so that token is used up),
+    else None (no credential, an unreadable one, or another token: enrol)."""
+    token_id = _token_id(token)
+    if not token_id or not path.exists():
+        return None
+    try:
+        cred = Credential.load(path)
+    except UserError:
+        return None
+    return cred if cred.enrolled_with == token_id else None
 
 
 def _is_utf8(name: str) -> bool:

@@ -109,7 +109,9 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
     _local_flags(sp)
     sp.set_defaults(func=cmd_agent)
 
-    sp = sub.add_parser("node", help="the nodes of a coordinator: invite, list, drain, revoke")
+    sp = sub.add_parser(
+        "node", help="the nodes of a coordinator: invite, list, drain, resume, revoke"
+    )
     node_sub = sp.add_subparsers(dest="node_command", required=True, metavar="ACTION")
     ni = node_sub.add_parser(
         "invite", help="a one-time enrolment token for a new node (valid 15 minutes)"
@@ -126,6 +128,10 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
     nd.add_argument("name")
     remote_args(nd)
     nd.set_defaults(func=cmd_node_drain)
+    nu = node_sub.add_parser("resume", help="a draining node takes new work again")
+    nu.add_argument("name")
+    remote_args(nu)
+    nu.set_defaults(func=cmd_node_resume)
     nr = node_sub.add_parser(
         "revoke", help="refuse the node's credential now; its jobs go back to the queue"
     )
@@ -142,10 +148,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
     from gpuwarden import cli
     from gpuwarden.api import create_app
-    from gpuwarden.api.routers.nodes import install_sweeper
+    from gpuwarden.api.routers.nodes import install_coordinator, set_coordinator_url
     from gpuwarden.app import open_store
     from gpuwarden.cluster.queues import QueueWatcher
     from gpuwarden.config import DATABASE_URL_PREFIXES
+    from gpuwarden.core.launchrules import LaunchRules
     from gpuwarden.intake.queueroot import QueueRoot
     from gpuwarden.registry import Registry
     from gpuwarden.store.base import Store
@@ -173,9 +180,11 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         where = config.database or str(config.db_path)
     watcher: QueueWatcher | None = None
     try:
-        registry = Registry.load(config.module_paths, config.launch_rules)
+        # the coordinator runs nothing: each agent's own launch rules decide what its
+        # node runs, and placement and submission judge by what the agents report
+        registry = Registry.load(config.module_paths, LaunchRules.unchecked())
         app = create_app(store, registry, config)
-        install_sweeper(app)
+        install_coordinator(app)
         server = uvicorn.Server(
             uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
         )
@@ -201,14 +210,30 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         bound = server.servers[0].sockets[0].getsockname()
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         c = config.cluster
+        url = c.coordinator_url or advertised_url(bound[0], bound[1])
+        set_coordinator_url(app, url)
         cli.err.print(
             f"gpuwarden coordinator (PID {os.getpid()}) listening on http://{shown}:{bound[1]}\n"
-            f"  store       {where}\n"
-            f"  job types   {', '.join(sorted(registry.types)) or 'none'}\n"
+            f"  agents use  {url}"
+            + (
+                ""
+                if c.coordinator_url
+                else escape("  (set [cluster] coordinator_url to say another)")
+            )
+            + f"\n  store       {where}\n"
+            f"  job types   {', '.join(sorted(registry.types)) or 'none'} (each node runs what "
+            "its own launch rules allow)\n"
             f"  leases      {c.lease_s:g} s; offline after {c.offline_after_s:g} s; "
             f"sweep every {c.sweep_every_s:g} s\n"
             f"  queue roots {', '.join(str(r.path) for r in roots) or 'none'}"
         )
+        if ignored := _launch_keys_set(config):
+            verb = "mean" if len(ignored) > 1 else "means"
+            cli.err.print(
+                f"note: {', '.join(ignored)} in this config {verb} nothing here: the "
+                "coordinator runs no job; each agent's own config decides which types its "
+                "node runs"
+            )
         if bound[0] not in ("127.0.0.1", "::1"):
             cli.err.print(
                 "[yellow]warning:[/] the API speaks plain HTTP: tokens cross the network in "
@@ -225,6 +250,30 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             watcher.stop()
         store.close()
     return 0
+
+
+def advertised_url(host: str, port: int) -> str:
+    """The URL to give agents when ``[cluster] coordinator_url`` is not set: the
+    address listened on, or this host's name when that is every address."""
+    import socket
+
+    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - reading the bind, not binding
+        host = socket.getfqdn()
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def _launch_keys_set(config: Any) -> list[str]:
+    """The launch-rule keys a coordinator's config sets (none of them applies there)."""
+    from gpuwarden.core.launchrules import Runtime
+
+    keys = []
+    if config.container_runtime is not Runtime.LOCAL:
+        keys.append(f"container_runtime = {config.container_runtime.value!r}")
+    for key in ("allow_unsandboxed_containers", "allow_host_jobs"):
+        if getattr(config, key):
+            keys.append(f"{key} = true")
+    return keys
 
 
 def _refuse_a_password_on_the_command_line(url: str) -> None:
@@ -369,16 +418,45 @@ def cmd_node_invite(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(got))
         return 0
-    url = escape(str(getattr(args, "url", None) or "URL"))
+    url, note = _agent_url(got.get("coordinator_url"), getattr(args, "url", None), args)
     cli.err.print(
         f"enrolment token for node {escape(str(got['node']))}, valid 15 minutes, once. On that "
         "host, write it to a file only root can read (chmod 600) and run\n"
-        f"  gpuwarden agent --coordinator {url} --enroll-file FILE\n"
+        f"  gpuwarden agent --coordinator {escape(url)} --enroll-file FILE\n"
         f"(or pipe it in with --enroll -, or set {ENROLL_ENV}; never put it on a command "
-        "line: every user of the host can read that)"
+        "line: every user of the host can read that)" + (f"\n{escape(note)}" if note else "")
     )
     print(got["token"])
     return 0
+
+
+def _agent_url(advertised: Any, given: str | None, args: argparse.Namespace) -> tuple[str, str]:
+    """The coordinator's URL for the command an invite prints, and a note when it may
+    not be one the GPU host reaches: what the coordinator says agents use (``[cluster]
+    coordinator_url``, else its address), else ``--url``, else the local config's
+    ``coordinator_url``, else a placeholder."""
+    from urllib.parse import urlsplit
+
+    from gpuwarden import cli
+
+    url = str(advertised or given or "")
+    if not url:
+        try:
+            url = cli._config(args).cluster.coordinator_url
+        except UserError:
+            url = ""
+    if not url:
+        return "URL", (
+            "URL: the coordinator's address as the GPU host reaches it (set [cluster] "
+            "coordinator_url in the coordinator's config to have it printed here)"
+        )
+    host = urlsplit(url).hostname or ""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return url, (
+            f"{url} is a loopback address: it reaches the coordinator only from its own "
+            "host; on another GPU host use an address that host reaches it at"
+        )
+    return url, ""
 
 
 def cmd_node_list(args: argparse.Namespace) -> int:
@@ -409,9 +487,13 @@ def cmd_node_list(args: argparse.Namespace) -> int:
             f"{g.get('name', '?')} {int(g.get('total_bytes', 0)) / 1024**3:.0f} GiB"
             for g in n.get("gpus", [])
         )
+        state = str(n["state"])
+        if n.get("condition"):
+            shown = str(n["condition"])
+            state = shown if state == "active" else f"{state}, {shown}"
         table.add_row(
             escape(n["name"]),
-            n["state"],
+            escape(state),
             f"{seen:.0f} s ago" if seen is not None else "never",
             str(n.get("leases", 0)),
             str(n.get("running", 0)),
@@ -437,6 +519,32 @@ def cmd_node_drain(args: argparse.Namespace) -> int:
         finally:
             store.close()
     cli.err.print(f"node {args.name} is draining: its running jobs finish, it gets no new ones")
+    return 0
+
+
+def cmd_node_resume(args: argparse.Namespace) -> int:
+    from gpuwarden import cli
+    from gpuwarden.cluster import coordinator as co
+
+    if (client := cli._remote(args)) is not None:
+        with client:
+            got: dict[str, Any] = client._json("POST", f"/v1/nodes/{args.name}/resume")
+        changed = bool(got.get("resumed"))
+        state = str(got.get("state"))
+    else:
+        store = _local(args)
+        try:
+            record, changed = co.resume(store, args.name, now=time.time())
+            _audit(store, "node.resume", args.name, {"resumed": changed})
+            state = record.state.value
+        finally:
+            store.close()
+    if changed:
+        cli.err.print(f"node {escape(args.name)} takes new work again")
+    else:
+        cli.err.print(
+            f"node {escape(args.name)} was not draining (it is {state}): nothing to resume"
+        )
     return 0
 
 

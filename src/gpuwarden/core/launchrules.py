@@ -16,8 +16,10 @@ configuration may have changed since the job was accepted).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from gpuwarden.core.model import JobType, Lane, LaunchMode
 
@@ -63,30 +65,82 @@ class LaunchRules:
         """True when attempts of ``jobtype`` run inside the runtime's sandbox."""
         return self.runtime is not Runtime.LOCAL and jobtype.launch is not LaunchMode.HOST
 
+    def to_json(self) -> dict[str, Any]:
+        """What an agent reports of its rules (the coordinator judges by them)."""
+        return {
+            "runtime": self.runtime.value,
+            "allow_unsandboxed_containers": self.allow_unsandboxed_containers,
+            "allow_host_jobs": self.allow_host_jobs,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> LaunchRules | None:
+        """The rules a node reported, or None when ``raw`` is not such a report (an
+        older agent, or garbage): then nothing is judged by them."""
+        if not isinstance(raw, Mapping):
+            return None
+        try:
+            runtime = Runtime(str(raw.get("runtime")))
+        except ValueError:
+            return None
+        flags = (raw.get("allow_unsandboxed_containers"), raw.get("allow_host_jobs"))
+        if not all(isinstance(f, bool) for f in flags):
+            return None
+        return cls(
+            runtime=runtime,
+            allow_unsandboxed_containers=bool(flags[0]),
+            allow_host_jobs=bool(flags[1]),
+        )
+
+    def _refused(self, launch: LaunchMode, lane: Lane) -> str | None:
+        """Which rule refuses a type of this launch mode and lane: ``vram_host``
+        (model code on a GPU unsandboxed), ``unsandboxed`` (a container or serve type
+        with no sandbox), ``host`` (a host type beside a sandbox); None: it runs."""
+        if self.runtime is Runtime.LOCAL:
+            if launch is LaunchMode.HOST and lane is Lane.VRAM:
+                return "vram_host"
+            if launch is not LaunchMode.HOST and not self.allow_unsandboxed_containers:
+                return "unsandboxed"
+            return None
+        if launch is LaunchMode.HOST and not self.allow_host_jobs:
+            return "host"
+        return None
+
     def refusal(self, jobtype: JobType) -> str | None:
         """Why ``jobtype`` may not run on this node (what to change), or None."""
         name, launch = jobtype.name, jobtype.launch
-        if self.runtime is Runtime.LOCAL:
-            if launch is LaunchMode.HOST and jobtype.lane is Lane.VRAM:
-                return (
-                    f"{name} runs on a GPU as a plain host process, but vram types must be "
-                    f'container types (launch = "container" or "serve" in its '
-                    f"module.toml) so that model code runs sandboxed"
-                )
-            if launch is not LaunchMode.HOST and not self.allow_unsandboxed_containers:
-                return (
-                    f'{name} is a {launch.value} type and container_runtime is "local" '
-                    f"(no sandbox here): set container_runtime to podman, docker or "
-                    f"bubblewrap, or set allow_unsandboxed_containers = true to run it "
-                    f"as a plain host process"
-                )
-            return None
-        if launch is LaunchMode.HOST and not self.allow_host_jobs:
+        rule = self._refused(launch, jobtype.lane)
+        if rule == "vram_host":
+            return (
+                f"{name} runs on a GPU as a plain host process, but vram types must be "
+                f'container types (launch = "container" or "serve" in its '
+                f"module.toml) so that model code runs sandboxed"
+            )
+        if rule == "unsandboxed":
+            return (
+                f'{name} is a {launch.value} type and container_runtime is "local" '
+                f"(no sandbox here): set container_runtime to podman, docker or "
+                f"bubblewrap, or set allow_unsandboxed_containers = true to run it "
+                f"as a plain host process"
+            )
+        if rule == "host":
             return (
                 f"{name} is a host type (no sandbox) and this node runs jobs in "
                 f"{self.runtime.value}: run a container type instead, or set "
                 f"allow_host_jobs = true"
             )
+        return None
+
+    def node_refusal(self, launch: LaunchMode, lane: Lane) -> str | None:
+        """As a node's reason, short, for placement and ``explain``: ``refuses
+        container types (its runtime is local)``; None when such a type runs."""
+        rule = self._refused(launch, lane)
+        if rule == "vram_host":
+            return "refuses host types on the vram lane (model code on a GPU runs sandboxed)"
+        if rule == "unsandboxed":
+            return f"refuses {launch.value} types (its runtime is local)"
+        if rule == "host":
+            return f"refuses host types (its runtime is {self.runtime.value})"
         return None
 
     def unsandboxed_warning(self, jobtype: JobType) -> str | None:

@@ -1,8 +1,9 @@
 """Placement across hosts: which queued jobs the coordinator offers to a node.
 
 Pure. A node reports what it has (GPUs with their room by its own ledger, warm
-servers, running jobs, labels); the coordinator offers it only jobs that fit one
-of its GPUs and meet the job's constraints, and leaves a job whose model is warm
+servers, running jobs, labels, the job types its modules have and its launch
+rules); the coordinator offers it only jobs of types it runs that fit one of its
+GPUs and meet the job's constraints, and leaves a job whose model is warm
 on another node that can take it soon for that node, for a while. The node's own
 broker loop still admits each job against its live ledger: an offer is a lease,
 not a start.
@@ -16,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwarden.core.model import GIB, Lane, format_bytes
+from gpuwarden.core.launchrules import LaunchRules
+from gpuwarden.core.model import GIB, Lane, LaunchMode, format_bytes
 
 __all__ = [
     "CONSTRAINT_KEYS",
@@ -27,6 +29,8 @@ __all__ = [
     "check_constraints",
     "never_placeable",
     "offers_for",
+    "refusal",
+    "type_refusal",
 ]
 
 #: the keys of a job's ``constraints`` object (SPEC.md section 4)
@@ -163,6 +167,13 @@ class NodeView:
     labels: Mapping[str, str] = field(default_factory=dict)
     #: False when draining, revoked or offline: no new work
     accepting: bool = True
+    #: the job types it runs (its modules have them, its launch rules allow them);
+    #: None when it did not say (judged by ``modules`` and ``rules`` then)
+    types: frozenset[str] | None = None
+    #: the job types its modules have, whatever its rules say; None: not reported
+    modules: frozenset[str] | None = None
+    #: its launch rules (runtime, ``allow_*``); None: not reported
+    rules: LaunchRules | None = None
 
     @property
     def slots(self) -> int:
@@ -183,6 +194,30 @@ class Offerable:
     constraints: Constraints = Constraints()
     #: nodes where an earlier attempt of this job was lost (prefer another)
     avoid: frozenset[str] = frozenset()
+    #: its type's launch mode, for the node's launch rules
+    launch: LaunchMode = LaunchMode.CONTAINER
+
+
+def type_refusal(job: Offerable, node: NodeView) -> str | None:
+    """Why ``node`` does not run jobs of ``job``'s type, as a phrase about the node
+    (``has no module for m.t``, ``refuses container types (its runtime is local)``),
+    or None when it does. The types it says it runs decide; its modules and launch
+    rules say why not (and decide alone before it has said, from its enrolment)."""
+    if node.types is not None and job.type in node.types:
+        return None
+    if node.modules is not None and job.type not in node.modules:
+        return f"has no module for {job.type}"
+    if node.rules is not None and (why := node.rules.node_refusal(job.launch, job.lane)):
+        return why
+    if node.types is not None:
+        return f"does not run {job.type}"
+    return None
+
+
+def refusal(job: Offerable, node: NodeView) -> str | None:
+    """Why ``node`` can never take ``job`` as it is now (its types and launch rules,
+    then the job's constraints), or None."""
+    return type_refusal(job, node) or job.constraints.refusal(node)
 
 
 def offers_for(
@@ -206,7 +241,7 @@ def offers_for(
     for job in sorted(queued, key=lambda j: (-j.priority, j.seq)):
         if len(chosen) >= node.slots:
             break
-        if job.constraints.refusal(node) is not None:
+        if refusal(job, node) is not None:
             continue
         waited = now - job.submitted_at
         if job.type not in node.warm and waited < affinity_wait_s:
@@ -232,7 +267,7 @@ def offers_for(
 
 
 def _could_run(job: Offerable, node: NodeView) -> bool:
-    if job.constraints.refusal(node) is not None:
+    if refusal(job, node) is not None:
         return False
     if job.lane is not Lane.VRAM:
         return True
@@ -247,7 +282,7 @@ def never_placeable(job: Offerable, nodes: Sequence[NodeView]) -> str | None:
         return None
     reasons = []
     for node in nodes:
-        why = job.constraints.refusal(node)
+        why = refusal(job, node)
         if why is None and job.lane is Lane.VRAM:
             biggest = max((g.usable_bytes for g in job.constraints.gpus(node)), default=0)
             if biggest < job.vram_bytes:

@@ -8,8 +8,9 @@
   ``/v1/node/jobs/{id}/finish``, ``PUT /v1/node/jobs/{id}/outputs/{path}``,
   ``GET /v1/node/jobs/{id}/inputs/{name}`` (a node token): the node is the one
   the token is bound to, never a name in the body.
-* ``GET /v1/nodes`` (operator, owner), ``POST /v1/nodes/{name}/drain`` (operator,
-  owner), ``POST /v1/nodes/{name}/revoke`` (owner).
+* ``GET /v1/nodes`` (operator, owner), ``POST /v1/nodes/{name}/drain`` and
+  ``POST /v1/nodes/{name}/resume`` (operator, owner), ``POST /v1/nodes/{name}/revoke``
+  (owner).
 
 The rules are in :mod:`gpuwarden.cluster.coordinator`. Every mutating call is
 audited, refusals too, except a heartbeat or a claim that succeeds with nothing
@@ -247,6 +248,7 @@ def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, An
         "token": token,
         "token_id": record.id,
         "expires_at": record.expires_at,
+        "coordinator_url": coordinator_url(request),
     }
 
 
@@ -311,16 +313,14 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
     record = store.touch_node(name, body.report, now)
     if record is None:  # pragma: no cover - node_of found it
         raise ApiError(401, f"no node named {name!r}")
-    types = body.report.get("types")
     jobs = co.claim(
         store,
         ctx.registry,
         name,
-        co.node_view(record),
+        co.node_view(record),  # the types it runs and its launch rules are in its report
         now,
         lease_s=t.lease_s,
         timing=t,
-        types=[str(x) for x in types] if isinstance(types, list) else None,
         want=body.want,
         inputs_here=_inputs_here,
     )
@@ -511,6 +511,23 @@ def drain(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
     return co.node_json(record, store.leases(), ctx.clock())
 
 
+@router.post("/v1/nodes/{name}/resume", responses=_ERRORS)
+@action("node.resume")
+def resume(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
+    """A draining node takes new work again (``resumed``: false when it was not
+    draining, and nothing changed)."""
+    set_target(request, name)
+    store = cluster_store(ctx)
+    try:
+        record, changed = co.resume(store, _name(name), now=ctx.clock())
+    except co.UnknownNode as exc:
+        raise ApiError(404, exc.message) from None
+    except UserError as exc:
+        raise ApiError(409, exc.message) from None
+    audit_ok(request, {"resumed": changed})
+    return {**co.node_json(record, store.leases(), ctx.clock()), "resumed": changed}
+
+
 @router.post("/v1/nodes/{name}/revoke", responses=_ERRORS)
 @action("node.revoke")
 def revoke(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
@@ -523,6 +540,34 @@ def revoke(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
         raise ApiError(404, exc.message) from None
     audit_ok(request, got)
     return got
+
+
+# -- the coordinator -----------------------------------------------------------------
+
+
+def install_coordinator(app: FastAPI, *, clock: Callable[[], float] | None = None) -> None:
+    """Make ``app`` a coordinator's: it sweeps (:func:`install_sweeper`), and
+    ``GET /v1/status`` shows every enrolled node (:func:`is_coordinator`)."""
+    app.state.gw_coordinator = True
+    install_sweeper(app, clock=clock)
+
+
+def is_coordinator(request: Request) -> bool:
+    return bool(getattr(request.app.state, "gw_coordinator", False))
+
+
+def set_coordinator_url(app: FastAPI, url: str) -> None:
+    """The URL agents reach this coordinator at (``[cluster] coordinator_url``, else
+    the address it listens on): the answer to an invite names it."""
+    app.state.gw_coordinator_url = url
+
+
+def coordinator_url(request: Request) -> str | None:
+    ctx: ApiContext = request.app.state.gw
+    url = ctx.config.cluster.coordinator_url or getattr(
+        request.app.state, "gw_coordinator_url", None
+    )
+    return str(url) if url else None
 
 
 # -- the sweeper --------------------------------------------------------------------

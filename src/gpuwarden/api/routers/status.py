@@ -1,16 +1,25 @@
-"""Node status, job types, and health (the one route that needs no token)."""
+"""Node status, job types, and health (the one route that needs no token).
+
+On a coordinator (``gpuwarden coordinator``), ``GET /v1/status`` also lists every
+enrolled node as its agent last reported it (``cluster``), and ``GET /v1/types``
+says a type runs when an enrolled node's types and launch rules allow it: the
+coordinator runs nothing itself.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from gpuwarden import __version__
 from gpuwarden.api.auth import Principal, Scope, allowed
 from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, get_scope
 from gpuwarden.api.models import ErrorOut, Health, ParamOut, StatusOut, TypeOut
 from gpuwarden.api.redact import Redactor
+from gpuwarden.api.routers.nodes import is_coordinator
+from gpuwarden.cluster import coordinator as co
+from gpuwarden.store.cluster import ClusterStore
 
 router = APIRouter(tags=["status"])
 
@@ -27,22 +36,39 @@ def health() -> Health:
 
 
 @router.get(
-    "/v1/status", response_model=StatusOut, responses=_ERRORS, dependencies=[Depends(get_scope)]
+    "/v1/status",
+    response_model=StatusOut,
+    response_model_exclude_unset=True,  # ``cluster`` only on a coordinator
+    responses=_ERRORS,
+    dependencies=[Depends(get_scope)],
 )
 @action("status.read")
-def status(ctx: Ctx, who: Annotated[Principal, Depends(get_principal)]) -> StatusOut:
-    """What each node's broker last published (as `gpuwarden status --json`). A
-    submitter is shown no id of another token's job (``null``, or ``another job``
-    in text)."""
+def status(
+    request: Request, ctx: Ctx, who: Annotated[Principal, Depends(get_principal)]
+) -> StatusOut:
+    """What each node's broker last published (as `gpuwarden status --json`); on a
+    coordinator also ``cluster``: every enrolled node as its agent last reported it
+    (state, the first problem, GPUs, warm servers, running jobs, how long since it
+    was heard from). A submitter is shown no id of another token's job (``null``, or
+    ``another job`` in text)."""
     nodes = [
         {"node": s.node, "pid": s.pid, "updated_at": s.updated_at, **s.payload}
         for s in ctx.store.node_statuses()
     ]
+    cluster: list[dict[str, Any]] | None = None
+    if is_coordinator(request) and isinstance(ctx.store, ClusterStore):
+        cluster = co.cluster_status(
+            ctx.store, ctx.clock(), offline_after_s=ctx.config.cluster.offline_after_s
+        )
     if allowed(who.role, "job.read") is Scope.OWN:
         redactor = Redactor(ctx.store, who.token_id)
         nodes = [redactor.value(n) for n in nodes]
+        if cluster is not None:
+            cluster = [redactor.value(n) for n in cluster]
     counts = {k.value: v for k, v in ctx.store.count_by_state().items()}
-    return StatusOut(nodes=nodes, jobs=counts)
+    if cluster is None:
+        return StatusOut(nodes=nodes, jobs=counts)
+    return StatusOut(nodes=nodes, jobs=counts, cluster=cluster)
 
 
 @router.get(
@@ -52,9 +78,19 @@ def status(ctx: Ctx, who: Annotated[Principal, Depends(get_principal)]) -> Statu
     dependencies=[Depends(get_scope)],
 )
 @action("types.read")
-def types(ctx: Ctx) -> list[TypeOut]:
-    """The job types this API accepts, with their parameters."""
+def types(request: Request, ctx: Ctx) -> list[TypeOut]:
+    """The job types this API accepts, with their parameters, and whether they run
+    here (on a coordinator: on an enrolled node, or no node is enrolled yet)."""
     rules = ctx.registry.rules
+    store = ctx.store
+    cluster = is_coordinator(request) and isinstance(store, ClusterStore)
+
+    def runs(t: Any) -> bool:
+        if cluster:
+            assert isinstance(store, ClusterStore)
+            return co.type_refusal(store, ctx.registry, t) is None
+        return rules.refusal(t) is None
+
     return [
         TypeOut(
             type=t.name,
@@ -64,7 +100,7 @@ def types(ctx: Ctx) -> list[TypeOut]:
             coresident=t.coresident,
             timeout_s=t.timeout_s,
             max_retries=t.max_retries,
-            runs_here=rules.refusal(t) is None,
+            runs_here=runs(t),
             description=t.description,
             params=[
                 ParamOut(
