@@ -55,7 +55,7 @@ from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store, Submission
-from gpuwarden.store.cluster import ClusterStore
+from gpuwarden.store.cluster import ClusterStore, NodeState
 
 #: a broker whose status is older than this is reported as not running
 STALE_AFTER_S = 120.0
@@ -918,10 +918,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.queue is not None:
         return _submit_to_queue(args)
     config = _config(args)
-    registry = Registry.load(config.module_paths, config.launch_rules)
-    spec = _spec(registry, args)
     store = _existing_store(args, config)
     try:
+        # on a coordinator's store (PostgreSQL, or one with enrolled nodes) the
+        # nodes' own launch rules decide (checked below), not this host's config
+        coordinated = bool(config.database) or _has_nodes(store)
+        rules = LaunchRules.unchecked() if coordinated else config.launch_rules
+        registry = Registry.load(config.module_paths, rules)
+        spec = _spec(registry, args)
         _refuse_if_it_never_fits(spec, registry, store, config)
         _refuse_if_no_node_ever_could(spec, registry, store)
         input_dir = config.state_dir / "inputs" / spec.id
@@ -1000,6 +1004,13 @@ def _refuse_if_it_never_fits(
     need = explain.effective_footprint(jobtype, spec.vram_bytes, store)
     if (why := never_fits(need, view.gpus)) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
+
+
+def _has_nodes(store: Store) -> bool:
+    """True for a coordinator's store: one with an enrolled node that is not revoked."""
+    return isinstance(store, ClusterStore) and any(
+        n.state is not NodeState.REVOKED for n in store.list_nodes()
+    )
 
 
 def _refuse_if_no_node_ever_could(spec: JobSpec, registry: Registry, store: Store) -> None:

@@ -230,3 +230,18 @@ def test_node_invite_prints_the_url_to_paste(site: Site) -> None:
     assert code == 0
     assert "gpuwarden agent --coordinator http://gpu-coord.lan:8765 --enroll-file FILE" in err
     assert "coordinator_url" not in err and "loopback" not in err
+
+
+def test_a_local_submit_on_the_coordinators_host_follows_the_nodes_rules(site: Site) -> None:
+    """The coordinator's config names no runtime (its own rules would refuse every
+    container type): a submit through its store is decided by the enrolled nodes."""
+    code, _, err = site.gw("submit", "echo.container", "--text", "x")
+    assert code == 0, err  # nothing enrolled yet: accepted, it waits for a node
+    site.enrol("gpu-a")  # local, no allowances: host types only
+    code, _, err = site.gw("submit", "echo.container", "--text", "x")
+    assert code == 2 and "no node can ever run it: gpu-a: refuses container types" in err, err
+    site.enrol("gpu-b", "bubblewrap")  # this one runs container types
+    code, out, err = site.gw("submit", "echo.container", "--text", "x", "--id", "box-2")
+    assert code == 0, err
+    job = site.store.get_job("box-2")
+    assert job is not None and job.type == "echo.container"
