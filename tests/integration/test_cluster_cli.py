@@ -241,7 +241,7 @@ def test_a_local_submit_on_the_coordinators_host_follows_the_nodes_rules(site: S
     code, _, err = site.gw("submit", "echo.container", "--text", "x")
     assert code == 2 and "no node can ever run it: gpu-a: refuses container types" in err, err
     site.enrol("gpu-b", "bubblewrap")  # this one runs container types
-    code, out, err = site.gw("submit", "echo.container", "--text", "x", "--id", "box-2")
+    code, _, err = site.gw("submit", "echo.container", "--text", "x", "--id", "box-2")
     assert code == 0, err
     job = site.store.get_job("box-2")
     assert job is not None and job.type == "echo.container"
