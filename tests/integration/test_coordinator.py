@@ -26,7 +26,7 @@ TIMING = Timing(lease_s=10.0, offline_after_s=20.0, affinity_wait_s=30.0)
 
 @pytest.fixture(scope="module")
 def registry() -> Registry:
-    return Registry.load([REPO / "modules", REPO / "tests" / "modules"])
+    return Registry.load([REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"])
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from gpuwarden.doctor import Host, check_cdi, check_toolkit, judge
 from gpuwarden.gpu.base import GpuReading
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = REPO / "modules"
+MODULES = REPO / "src" / "gpuwarden" / "modules"
 TEST_MODULES = REPO / "tests" / "modules"
 GW = [sys.executable, "-m", "gpuwarden"]
 
