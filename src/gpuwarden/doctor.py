@@ -234,7 +234,7 @@ def check_config(host: Host) -> Check:
         return Check(
             "config",
             Status.OK,
-            f"{where}; state_dir {c.state_dir}; container_runtime {c.container_runtime.value}; "
+            f"{where}; state_dir {c.state_dir}; container_runtime {c.runtime_shown}; "
             f"node {c.node_name}",
         )
     try:
@@ -333,11 +333,16 @@ def _local_runtime(host: Host, config: Config) -> Check:
         types = []  # the modules check says why
     sandboxable = sorted(t.name for t in types if t.launch is not LaunchMode.HOST)
     named = f": {', '.join(sandboxable)}" if sandboxable else ""
+    local = (
+        f'container_runtime = "auto" ({config.container_runtime_auto})'
+        if config.container_runtime_auto
+        else 'container_runtime = "local"'
+    )
     if config.allow_unsandboxed_containers and sandboxable:
         return Check(
             "runtime",
             Status.WARN,
-            f'container_runtime = "local": no sandbox, and allow_unsandboxed_containers = true, '
+            f"{local}: no sandbox, and allow_unsandboxed_containers = true, "
             f"so container and serve types run UNSANDBOXED as plain host processes{named}",
             'install bubblewrap or podman and set container_runtime = "bubblewrap" or '
             '"podman" (then allow_unsandboxed_containers is not needed)',
@@ -349,7 +354,7 @@ def _local_runtime(host: Host, config: Config) -> Check:
     return Check(
         "runtime",
         Status.OK,
-        f'container_runtime = "local": no sandbox; host types run as host processes, {what}',
+        f"{local}: no sandbox; host types run as host processes, {what}",
     )
 
 
