@@ -405,7 +405,9 @@ def _dist(ep: importlib.metadata.EntryPoint) -> str:
 
 def _package_dir(where: str, dotted: str) -> Path:
     """The folder of the package ``dotted``, found the way ``import`` would find it
-    but without running any of it (a parent package's ``__init__`` included)."""
+    but without running any of it (a parent package's ``__init__`` included): the
+    top-level package through the import system's finders (which execute
+    nothing), then each sub-package as a folder inside it."""
     parts = dotted.split(".")
     if not all(p.isidentifier() for p in parts):
         raise ModuleError(
@@ -414,24 +416,27 @@ def _package_dir(where: str, dotted: str) -> Path:
         )
     try:
         spec = importlib.util.find_spec(parts[0])
-        for i in range(1, len(parts)):
-            if spec is None or spec.submodule_search_locations is None:
-                break
-            search = list(spec.submodule_search_locations)
-            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), search)
-    except (ImportError, ValueError) as exc:
-        raise ModuleError(f"{where}: package {dotted!r} cannot be found: {exc}") from None
+    except Exception as exc:  # a finder's own failure: say it, never a traceback
+        raise ModuleError(f"{where}: package {parts[0]!r} cannot be found: {exc}") from None
     if spec is None:
         raise ModuleError(
             f"{where}: package {dotted!r} is not installed here; reinstall the "
             f"distribution, or uninstall it"
         )
-    if not spec.submodule_search_locations:
+    locations = [Path(p) for p in (spec.submodule_search_locations or ())]
+    if not locations:
         raise ModuleError(
-            f"{where}: {dotted!r} is a module, not a package: name the folder that holds "
+            f"{where}: {parts[0]!r} is a module, not a package: name the folder that holds "
             f"module.toml"
         )
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    if not (folder / "module.toml").is_file():
-        raise ModuleError(f"{where}: {folder} has no module.toml")
-    return folder
+    for part in parts[1:]:
+        locations = [loc / part for loc in locations if (loc / part).is_dir()]
+        if not locations:
+            raise ModuleError(
+                f"{where}: package {dotted!r} is not installed here (no folder {part!r}); "
+                f"reinstall the distribution, or uninstall it"
+            )
+    for folder in locations:
+        if (folder / "module.toml").is_file():
+            return folder
+    raise ModuleError(f"{where}: {locations[0]} has no module.toml")

@@ -598,7 +598,7 @@ def fake_dist(
     for dotted, toml in packages.items():
         folder = site.joinpath(*dotted.split("."))
         folder.mkdir(parents=True, exist_ok=True)
-        for parent in [folder, *folder.relative_to(site).parents]:
+        for parent in folder.relative_to(site).parents:  # the module folder needs none
             init = site / parent / "__init__.py"
             if parent != Path(".") and not init.exists():
                 marker = site / "imported"
@@ -679,6 +679,11 @@ def test_module_paths_come_before_pip_packages_which_come_before_the_shipped_one
             "the value must name a package (a folder holding module.toml)",
         ),
         ("nopkg.gw", {}, "package 'nopkg.gw' is not installed here"),
+        (
+            "thirdpkg.nope",
+            {"thirdpkg.gw": head("third") + GOOD_TYPE},
+            "package 'thirdpkg.nope' is not installed here (no folder 'nope')",
+        ),
         ("thirdpkg.gw", {"thirdpkg.gw": None}, "has no module.toml"),
     ],
 )
@@ -695,6 +700,14 @@ def test_a_broken_entry_point_names_itself_and_what_is_wrong(
             f"entry point third = {entry!r} (group gpuwarden.modules, from third_party 1.0): "
         )
     assert not (site / "imported").exists()
+
+
+def test_an_entry_point_that_names_a_plain_module_is_refused(site: Path) -> None:
+    fake_dist(site, "third_party", {"third": "thirdmod"}, {})
+    (site / "thirdmod.py").write_text("raise SystemExit('imported')\n")
+    with pytest.raises(ModuleError) as info:
+        installed(site)
+    assert "'thirdmod' is a module, not a package" in str(info.value)
 
 
 def test_an_entry_point_that_is_not_a_module_name_is_refused(site: Path) -> None:
