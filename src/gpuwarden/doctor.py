@@ -522,7 +522,8 @@ def check_modules(host: Host) -> Check:
             "set module_paths to the folders that hold your modules (each a folder with "
             "a module.toml)",
         )
-    found = f"{len(registry.modules)} module(s), {len(registry.types)} type(s) from {paths}"
+    sources = "; ".join(sorted({str(m.source) for m in registry.modules.values()}))
+    found = f"{len(registry.modules)} module(s), {len(registry.types)} type(s) from {sources}"
     # one line per kind of refusal: the reasons differ only in the type's name
     refused: dict[str, list[str]] = {}
     for t in sorted(registry.types.values(), key=lambda t: t.name):
