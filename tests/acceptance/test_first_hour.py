@@ -454,3 +454,27 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert vision["started_at"] >= llm["ended_at"]
     assert whisper["started_at"] >= vision["ended_at"]
     assert len(unsandboxed_lines(done.stderr)) == 1  # the broker said it once
+
+
+def test_a_config_cannot_claim_what_auto_found_and_errors_list_auto(tmp_path: Path) -> None:
+    forged = tmp_path / "forged.toml"
+    forged.write_text('container_runtime = "local"\ncontainer_runtime_auto = "bubblewrap works"\n')
+    r = run("--config", forged, "types")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (
+        "error: config key 'container_runtime_auto' is set by gpuwarden, not in a config "
+        'file: write container_runtime = "auto"'
+    )
+    typo = tmp_path / "typo.toml"
+    typo.write_text('container_runtime = "bwrap"\n')
+    r = run("--config", typo, "types")
+    assert r.returncode == 2
+    assert (
+        "key 'container_runtime': must be one of auto, local, podman, docker, bubblewrap "
+        "(got 'bwrap')"
+    ) in r.stderr
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("container_runtimes = 1\n")
+    r = run("--config", unknown, "types")
+    assert r.returncode == 2 and "allowed keys here: " in r.stderr
+    assert "container_runtime_auto" not in r.stderr  # not a key a file may hold
