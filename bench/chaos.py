@@ -82,7 +82,10 @@ def say(msg: str) -> None:
 
 def write_config(tmp: Path) -> Path:
     cfg = tmp / "chaos.toml"
-    paths = ", ".join(json.dumps(str(p)) for p in (REPO / "modules", REPO / "tests" / "modules"))
+    paths = ", ".join(
+        json.dumps(str(p))
+        for p in (REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules")
+    )
     cfg.write_text(
         f"""
 state_dir = {json.dumps(str(tmp / "state"))}

@@ -39,7 +39,7 @@ def main() -> None:
     args = p.parse_args()
     schema = f"gw_bench_{uuid.uuid4().hex[:12]}"
     store = PostgresStore(args.url, schema=schema, max_size=args.threads + 2)
-    registry = Registry.load([REPO / "modules"])
+    registry = Registry.load([REPO / "src" / "gpuwarden" / "modules"])
     try:
         run(store, registry, args)
     finally:

@@ -73,7 +73,7 @@ def database(kind: str, pg: str, work: Path) -> Iterator[str]:
 def write_config(path: Path, db: str, **extra: str) -> Path:
     lines = [
         f'state_dir = "{path.parent / "state"}"',
-        f'module_paths = ["{REPO / "modules"}"]',
+        f'module_paths = ["{REPO / "src" / "gpuwarden" / "modules"}"]',
     ]
     if db.startswith("postgresql://"):
         lines.append(f'database = "{db}"')
@@ -219,7 +219,7 @@ def jobs_per_s(co: Coordinator, work: Path, n: int) -> float:
             cfg.write_text(
                 f'state_dir = "{home / "state"}"\n'
                 f'node_name = "bench-agent-{i}"\n'
-                f'module_paths = ["{REPO / "modules"}"]\n'
+                f'module_paths = ["{REPO / "src" / "gpuwarden" / "modules"}"]\n'
                 "[broker]\npoll_interval_s = 0.02\ncpu_slots = 4\n"
                 "[cluster]\nclaim_every_s = 0.05\nmax_jobs = 8\n"
             )

@@ -178,7 +178,7 @@ def write_config(tmp: Path, s: Settings) -> Path:
                 f"state_dir = {_toml_str(tmp / 'state')}",
                 'node_name = "bench"',
                 'gpu = "sim"',
-                f"module_paths = [{_toml_str(REPO / 'modules')}]",
+                f"module_paths = [{_toml_str(REPO / 'src' / 'gpuwarden' / 'modules')}]",
                 f"queue_roots = [{_toml_str(tmp / 'queue')}]",
                 "create_queue_roots = true",
                 "",

@@ -44,7 +44,7 @@ Builds the sandbox image from BASE with every module's provision.sh run in it.
                            without a registry
   --tag NAME               tag for the result (default: $default_tag)
   --pin                    print  sandbox_image = "sha256:<id>"  for the config
-  --modules DIR            modules folder (default: the repository's modules/)
+  --modules DIR            modules folder (default: the shipped modules, src/gpuwarden/modules/)
   --isolation MODE         podman RUN-step isolation (default: auto, see the
                            comment at the top of this script)
   --no-cache               rebuild every step (default: reuse cached layers)
@@ -67,7 +67,7 @@ only_given=0
 base=$default_base
 tag=$default_tag
 pin=0
-modules_dir=$here/../modules
+modules_dir=$here/../src/gpuwarden/modules
 isolation=auto
 no_cache=0
 check=1

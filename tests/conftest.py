@@ -19,7 +19,7 @@ from gpuwarden.store.base import Store
 from gpuwarden.store.sqlite import SqliteStore
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = REPO / "modules"
+MODULES = REPO / "src" / "gpuwarden" / "modules"
 
 STORE_BACKENDS = ["sqlite", "postgres"]
 

@@ -144,7 +144,6 @@ class Broker(WarmServing):
         for type_name, seconds in reversed(store.recent_run_times()):
             self._run_times.setdefault(type_name, deque(maxlen=RUN_TIME_WINDOW)).append(seconds)
         self._waits: dict[str, str] = {}
-        self._warned_unsandboxed: set[str] = set()
         self._socket_dir: Path | None = None
         #: the last event written to the event log: where the log's own cursor says
         #: (``serve --log``), or the store's latest event
@@ -165,6 +164,10 @@ class Broker(WarmServing):
             clock=clock,
             wake=self.wake,  # a finished extraction is taken at once, not next tick
         )
+        # said once, as the broker starts and before anything runs: every type that
+        # would run unsandboxed here, and why (each such attempt is an event too)
+        if summary := self.rules.unsandboxed_summary(registry.types.values()):
+            log.warning("%s", summary)
 
     # -- the loop -----------------------------------------------------------
 
@@ -498,10 +501,7 @@ class Broker(WarmServing):
                 job.id, JobState.FAILED, now=now, reason=f"refused by the launch rules: {refused}"
             )
             return
-        if warning := self.rules.unsandboxed_warning(jobtype):
-            if jobtype.name not in self._warned_unsandboxed:  # loud, but once per type
-                self._warned_unsandboxed.add(jobtype.name)
-                log.warning("%s; every attempt is marked 'unsandboxed' in the log", warning)
+        if self.rules.unsandboxed_warning(jobtype):  # the broker said so when it started
             self._emit("unsandboxed", job=job.id, type=jobtype.name)
         if jobtype.launch is LaunchMode.SERVE and gpu is not None:
             self._start_served(job, jobtype, decision, gpu, now)

@@ -361,7 +361,15 @@ def build_parser() -> Parser:
     # several hosts: coordinator, agent, node (gpuwarden/cluster/cli.py)
     cluster_cli.add_parsers(sub, remote_args)
 
-    sp = sub.add_parser("types", help="list the job types of the registered modules")
+    sp = sub.add_parser(
+        "types",
+        help="list the job types: what each does, whether and how it runs here, its source",
+        description="List every job type of the modules found (module_paths, packages "
+        "installed with pip, the shipped ones): what it does, its lane and VRAM, whether "
+        "this node's launch rules refuse it (and why), whether it runs sandboxed, and "
+        "where its module came from.",
+    )
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
     remote_args(sp)
     sp.set_defaults(func=cmd_types)
 
@@ -1631,24 +1639,71 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_types(args: argparse.Namespace) -> int:
     if (client := _remote(args)) is not None:
-        with client:  # the same JobType values, as the API describes them
-            types = client.job_types()
-    else:
-        config = _config(args)
-        types = list(Registry.load(config.module_paths, config.launch_rules).types.values())
-    table = Table("type", "lane", "launch", "VRAM", "timeout", "parameters")
-    for t in sorted(types, key=lambda t: t.name):
-        params = ", ".join(f"{p.name}:{p.type.value}{'' if p.required else '?'}" for p in t.params)
+        with client:  # /v1/types: the rows `types --json` gives here, as that host has them
+            described = client.types()
+        if args.json:
+            print(json.dumps({"types": described}, indent=2))
+            return 0
+        _print_types(described)
+        return 0
+    config = _config(args)
+    registry = Registry.load(config.module_paths, config.launch_rules)
+    rules = registry.rules
+    described = registry.describe()
+    summary = rules.unsandboxed_summary(registry.types.values())
+    if args.json:
+        doc = {
+            "container_runtime": config.container_runtime.value,
+            "container_runtime_auto": config.container_runtime_auto or None,
+            "types": described,
+            "unsandboxed": summary,
+            "passed_over": list(registry.passed_over),
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    out.print(f"container runtime: {config.runtime_shown}", markup=False)
+    _print_types(described)
+    if summary:
+        out.print(summary, markup=False)
+    for line in registry.passed_over:
+        out.print(f"not used: module {line}", markup=False)
+    sources = sorted({str(registry.modules[m].source) for m in registry.modules})
+    out.print(f"modules from: {'; '.join(sources) or 'nowhere'}", markup=False)
+    return 0
+
+
+def _print_types(described: list[dict[str, Any]]) -> None:
+    """The table of ``types`` and its refusals, from :meth:`Registry.describe` rows
+    (the API's ``/v1/types`` rows are the same)."""
+    table = Table("type", "lane, launch", "VRAM", "runs here", "from", "what it does; parameters")
+    for d in described:
+        params = ", ".join(
+            f"{p['name']}:{p['type']}{'' if p['required'] else '?'}" for p in d["params"]
+        )
+        source = d.get("source") or {"kind": "?"}
+        shown_from = {"built-in": "built-in", "module_paths": "module_paths"}.get(
+            source["kind"], f"pip {source.get('dist', '')}".strip()
+        )
+        runs = (d.get("runs_as") or "runs") if d["runs_here"] else "[red]REFUSED[/]"
+        if d.get("unsandboxed"):
+            runs = "[yellow]UNSANDBOXED[/]"
+        what = escape(d["description"] or "-") + (f"\n[dim]{escape(params)}[/]" if params else "")
         table.add_row(
-            t.name,
-            t.lane.value,
-            t.launch.value,
-            format_bytes(t.vram_bytes) if t.vram_bytes else "-",
-            f"{t.timeout_s:g}s",
-            params,
+            escape(d["type"]),
+            f"{d['lane']}, {d['launch']}",
+            format_bytes(d["vram_bytes"]) if d["vram_bytes"] else "-",
+            runs,
+            escape(shown_from),
+            what,
         )
     out.print(table)
-    return 0
+    refused: dict[str, list[str]] = {}  # one line per reason: they differ only in the name
+    for d in described:
+        if d.get("refused"):
+            refused.setdefault(d["refused"].replace(d["type"], "\0"), []).append(d["type"])
+    for why, names in refused.items():
+        shown = why.replace("\0", "each" if names[1:] else names[0])
+        out.print(f"REFUSED here: {', '.join(names)}: {shown}", markup=False)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -1680,6 +1735,10 @@ def cmd_preview(args: argparse.Namespace) -> int:
     override = int(args.vram_gib * GIB) if args.vram_gib is not None else None
     if override is not None and jobtype.lane is not Lane.VRAM:
         raise ValidationError(f"{jobtype.name} runs on the cpu lane; --vram-gib does not apply")
+    if (refused := explain.refused_line(registry, jobtype)) is not None:
+        # what `submit` would answer, before any GPU's room matters
+        out.print(f"{jobtype.name} {refused}", markup=False)
+        return 0
     store = open_store(config) if config.database or config.db_path.exists() else None
     try:
         status = explain.latest_status(store, time.time()) if store else None
@@ -1717,6 +1776,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
     if jobtype.lane is Lane.VRAM:
         out.print(f"{jobtype.name}: footprint {format_bytes(need)}", markup=False)
     out.print(f"{explain.describe(decision)}", markup=False)
+    out.print(explain.sandbox_line(registry, jobtype), markup=False)
     out.print(f"(as seen by the {view.source}; {len(queued)} job(s) queued ahead or around it)")
     return 0
 

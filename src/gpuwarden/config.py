@@ -21,6 +21,7 @@ from gpuwarden.core.classify import DEFAULT_MAX_INTERRUPTIONS
 from gpuwarden.core.launchrules import LaunchRules, Runtime, image_is_pinned
 from gpuwarden.core.model import GIB, MIB
 from gpuwarden.errors import ConfigError
+from gpuwarden.launch.detect import detect_runtime
 
 CONFIG_ENV = "GPUWARDEN_CONFIG"
 STATE_DIR_ENV = "GPUWARDEN_STATE_DIR"
@@ -192,8 +193,12 @@ class Config(_Section):
     limits: LimitSettings = LimitSettings()
     api: ApiSettings = ApiSettings()
     cluster: ClusterSettings = ClusterSettings()
-    #: "local" (no sandbox), "podman", "docker" or "bubblewrap"
+    #: "local" (no sandbox), "podman", "docker", "bubblewrap", or "auto": bubblewrap
+    #: where it is installed and starts a sandbox here, else "local" (found when the
+    #: config is loaded; the value here is then the one found)
     container_runtime: Runtime = Runtime.LOCAL
+    #: with container_runtime = "auto": what it found, in words (never in a file)
+    container_runtime_auto: str = Field(default="", exclude=True)
     #: the image sandboxed attempts run in (podman, docker): pinned by digest or id
     sandbox_image: str = ""
     allow_unpinned_images: bool = False
@@ -202,6 +207,46 @@ class Config(_Section):
     #: with a real runtime: run host types too (unsandboxed)
     allow_host_jobs: bool = False
     sandbox: SandboxSettings = SandboxSettings()
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _resolve_auto_runtime(cls, data: Any) -> Any:
+        """``container_runtime = "auto"``: take bubblewrap where it works here, else
+        ``local``; what was found goes to ``container_runtime_auto``."""
+        if not isinstance(data, dict):
+            return data
+        if "container_runtime_auto" in data:
+            raise ConfigError(
+                "config key 'container_runtime_auto' is set by gpuwarden, not in a config "
+                'file: write container_runtime = "auto"'
+            )
+        if data.get("container_runtime") != "auto":
+            return data
+        try:
+            sandbox = SandboxSettings.model_validate(data.get("sandbox", {}))
+        except pydantic.ValidationError:
+            sandbox = SandboxSettings()  # the whole validation says what is wrong
+        found = detect_runtime(sandbox.uid, sandbox.gid)
+        return {
+            **data,
+            "container_runtime": found.runtime.value,
+            "container_runtime_auto": found.detail,
+        }
+
+    @pydantic.field_serializer("container_runtime")
+    def _dump_runtime(self, value: Runtime) -> str:
+        # what the file said: loading it again finds out again
+        return "auto" if self.container_runtime_auto else value.value
+
+    @property
+    def runtime_shown(self) -> str:
+        """The runtime in words, with what ``auto`` found (doctor, ``types``)."""
+        if self.container_runtime_auto:
+            return (
+                f'{self.container_runtime.value} (container_runtime = "auto": '
+                f"{self.container_runtime_auto})"
+            )
+        return self.container_runtime.value
 
     @pydantic.field_validator("database")
     @classmethod
@@ -223,6 +268,7 @@ class Config(_Section):
             runtime=self.container_runtime,
             allow_unsandboxed_containers=self.allow_unsandboxed_containers,
             allow_host_jobs=self.allow_host_jobs,
+            auto=self.container_runtime_auto,
         )
 
     def check_sandbox(self) -> None:
@@ -268,18 +314,13 @@ def default_state_dir() -> Path:
 
 
 def default_module_paths() -> list[Path]:
-    """``$GPUWARDEN_MODULES`` (colon-separated), else ``./modules`` if it exists, plus
-    the ``modules/`` folder of the source checkout gpuwarden was installed from."""
+    """``$GPUWARDEN_MODULES`` (colon-separated), else ``./modules`` if it exists. The
+    shipped modules and those installed with pip (entry point ``gpuwarden.modules``)
+    come on top of these: :meth:`gpuwarden.registry.Registry.load`."""
     if env := os.environ.get(MODULES_ENV):
         return [Path(p) for p in env.split(os.pathsep) if p]
-    paths: list[Path] = []
     cwd_modules = Path.cwd() / "modules"
-    if cwd_modules.is_dir():
-        paths.append(cwd_modules)
-    checkout = Path(__file__).resolve().parents[2] / "modules"
-    if checkout.is_dir() and checkout.resolve() not in {p.resolve() for p in paths}:
-        paths.append(checkout)
-    return paths
+    return [cwd_modules] if cwd_modules.is_dir() else []
 
 
 def load_config(path: Path | None, *, state_dir: Path | None = None, check: bool = True) -> Config:
@@ -332,8 +373,14 @@ def _explain(exc: pydantic.ValidationError, path: Path | None) -> str:
         loc = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             section = _section_for(err["loc"][:-1])
-            allowed = ", ".join(sorted(section.model_fields)) if section else "?"
+            fields = section.model_fields if section else {}
+            allowed = ", ".join(sorted(k for k in fields if k != "container_runtime_auto")) or "?"
             lines.append(f"unknown key {loc!r}; allowed keys here: {allowed}")
+        elif loc == "container_runtime" and err["type"] == "enum":
+            lines.append(
+                f"key {loc!r}: must be one of auto, local, podman, docker, bubblewrap "
+                f"(got {err.get('input')!r})"
+            )
         else:
             lines.append(f"key {loc!r}: {err['msg']} (got {err.get('input')!r})")
     return f"{where} is not valid:\n  " + "\n  ".join(lines)

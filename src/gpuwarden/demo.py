@@ -11,7 +11,7 @@ model, small embedding and speech models) runs twice on a fresh simulated
    process, with its own state directory), which admits each against the GPU's
    memory. None crashes.
 
-Both runs start the same ``modules/burn/src/burn.py`` with the environment a
+Both runs start the same ``gpuwarden/modules/burn/src/burn.py`` with the environment a
 broker gives a job (SPEC.md section 7). A sampler reads the device every 50 ms
 for the peak. The demo ends with a table of jobs done, jobs crashed by
 out-of-memory, peak VRAM, model loads and wall time.
@@ -56,7 +56,7 @@ from gpuwarden.gpu.select import SIM_STATE_FILE
 from gpuwarden.gpu.sim import SimDevice, SimGpuConfig, SimProbe
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.launch.base import ATTEMPT_ENV
-from gpuwarden.registry import Registry
+from gpuwarden.registry import BUILTIN_DIR, Registry
 
 #: what a job's stderr says when it died of a (simulated or real) CUDA out-of-memory
 OOM_TEXT = "CUDA out of memory"
@@ -439,10 +439,9 @@ def _conclusion(own: RunStats, gw: RunStats) -> str:
 
 
 def _module_paths() -> list[Path]:
-    """The checkout's ``modules/`` (where burn lives) first, then the usual paths."""
-    checkout = Path(__file__).resolve().parents[2] / "modules"
-    paths = [checkout] if (checkout / "burn" / "module.toml").is_file() else []
-    return paths + [p for p in default_module_paths() if p.resolve() != checkout]
+    """The shipped modules (where burn lives) first, then the usual paths: a
+    ``burn`` folder of one's own does not change the demo."""
+    return [BUILTIN_DIR, *(p for p in default_module_paths() if p.resolve() != BUILTIN_DIR)]
 
 
 class _DropUnsandboxed(logging.Filter):
@@ -482,8 +481,8 @@ def run_demo(
     registry = Registry.load(paths, LaunchRules(allow_unsandboxed_containers=True))
     if "burn.llm" not in registry.types:
         raise UserError(
-            "the demo needs the burn module (modules/burn), which is not on the module paths: "
-            + (", ".join(str(p) for p in paths) or "none")
+            "the demo needs the burn module (shipped in gpuwarden/modules/burn), which is not on "
+            "the module paths: " + (", ".join(str(p) for p in paths) or "none")
         )
     work = workload(seed, jobs)
     specs = [prepare(registry, JobSpec(id=j.id, type=j.type, params=j.params)) for j in work]

@@ -234,7 +234,7 @@ def check_config(host: Host) -> Check:
         return Check(
             "config",
             Status.OK,
-            f"{where}; state_dir {c.state_dir}; container_runtime {c.container_runtime.value}; "
+            f"{where}; state_dir {c.state_dir}; container_runtime {c.runtime_shown}; "
             f"node {c.node_name}",
         )
     try:
@@ -333,11 +333,16 @@ def _local_runtime(host: Host, config: Config) -> Check:
         types = []  # the modules check says why
     sandboxable = sorted(t.name for t in types if t.launch is not LaunchMode.HOST)
     named = f": {', '.join(sandboxable)}" if sandboxable else ""
+    local = (
+        f'container_runtime = "auto" ({config.container_runtime_auto})'
+        if config.container_runtime_auto
+        else 'container_runtime = "local"'
+    )
     if config.allow_unsandboxed_containers and sandboxable:
         return Check(
             "runtime",
             Status.WARN,
-            f'container_runtime = "local": no sandbox, and allow_unsandboxed_containers = true, '
+            f"{local}: no sandbox, and allow_unsandboxed_containers = true, "
             f"so container and serve types run UNSANDBOXED as plain host processes{named}",
             'install bubblewrap or podman and set container_runtime = "bubblewrap" or '
             '"podman" (then allow_unsandboxed_containers is not needed)',
@@ -349,7 +354,7 @@ def _local_runtime(host: Host, config: Config) -> Check:
     return Check(
         "runtime",
         Status.OK,
-        f'container_runtime = "local": no sandbox; host types run as host processes, {what}',
+        f"{local}: no sandbox; host types run as host processes, {what}",
     )
 
 
@@ -517,7 +522,8 @@ def check_modules(host: Host) -> Check:
             "set module_paths to the folders that hold your modules (each a folder with "
             "a module.toml)",
         )
-    found = f"{len(registry.modules)} module(s), {len(registry.types)} type(s) from {paths}"
+    sources = "; ".join(sorted({str(m.source) for m in registry.modules.values()}))
+    found = f"{len(registry.modules)} module(s), {len(registry.types)} type(s) from {sources}"
     # one line per kind of refusal: the reasons differ only in the type's name
     refused: dict[str, list[str]] = {}
     for t in sorted(registry.types.values(), key=lambda t: t.name):

@@ -7,6 +7,11 @@ reads that reason; ``preview`` adds a would-be job to the queue and runs
 anything. It is the broker's policy on the broker's last view, not a promise:
 run-time estimates and the broker's running cpu jobs are not published, so a
 backfill the broker would allow may show here as a wait.
+
+Both apply the node's launch rules first, as ``submit`` and the broker do: a
+type this node refuses "would be refused" (``preview``), and a queued job of
+such a type (accepted under another configuration) "will fail when it is due
+to start" (``explain``), whatever room the GPUs have.
 """
 
 from __future__ import annotations
@@ -121,6 +126,22 @@ def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.De
     raise AssertionError(f"plan gave no decision for {job_id}")  # pragma: no cover
 
 
+def refused_line(registry: Registry, jobtype: JobType) -> str | None:
+    """``preview``: the launch rules' refusal of ``jobtype`` (as ``submit`` says it)."""
+    why = registry.rules.refusal(jobtype)
+    return None if why is None else f"would be refused: this node's launch rules: {why}"
+
+
+def sandbox_line(registry: Registry, jobtype: JobType) -> str:
+    """How attempts of ``jobtype`` run here, for a type the rules let run."""
+    rules = registry.rules
+    if rules.sandboxed(jobtype):
+        return f"it would run sandboxed ({rules.runtime.value})"
+    if (why := rules.unsandboxed_reason(jobtype)) is not None:
+        return f"it would run UNSANDBOXED, as a plain host process ({why})"
+    return "it would run as a plain host process (no sandbox on this node)"
+
+
 def describe(decision: policy.Decision) -> str:
     if isinstance(decision, policy.Start) and decision.warm:
         return f"would go now to its warm server on {decision.gpu_uuid} (no load)"
@@ -157,6 +178,18 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
     cluster = _cluster_lines(job, store, registry)
     if cluster:  # several hosts: agents are offered jobs by the coordinator
         lines += cluster
+        return lines
+    if jobtype is None:
+        lines.append(
+            f"its type {job.type} is not among this node's job types (module_paths, "
+            f"installed modules): a broker here fails it when it is due to start"
+        )
+        return lines
+    if (refused := registry.rules.refusal(jobtype)) is not None:
+        lines.append(
+            f"it will fail when it is due to start: this node's launch rules refuse it "
+            f"now (it was accepted under another configuration): {refused}"
+        )
         return lines
     if view is None:
         lines.append("no broker is running here, so nothing will start it: run `gpuwarden serve`")

@@ -1,4 +1,15 @@
-"""The module registry: reads every ``modules/<name>/module.toml`` at start.
+"""The module registry: reads every module's ``module.toml`` at start.
+
+Modules come from three places, in this order (the first module of a name wins;
+``types`` says where each came from and which were passed over):
+
+1. the folders on ``module_paths`` (each holds ``<name>/module.toml`` folders);
+2. packages installed with pip that declare an entry point in the group
+   ``gpuwarden.modules``: ``<module name> = "<package>"``, the package's folder
+   holding ``module.toml`` and ``src/``. The package is found without being
+   imported: nothing of it runs in the broker;
+3. the modules shipped inside gpuwarden (``gpuwarden/modules/``, wherever the
+   package is installed).
 
 The broker reads a module's metadata and never imports its code: a job runs the
 type's ``command`` as a process under the contract in ``docs/MODULE_GUIDE.md``.
@@ -9,10 +20,15 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
 import re
 import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +41,11 @@ from gpuwarden.core.params import value_fits
 from gpuwarden.errors import ModuleError, ValidationError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+#: the modules that ship inside the package: found wherever gpuwarden is installed
+BUILTIN_DIR = Path(__file__).resolve().parent / "modules"
+#: the entry-point group a package installed with pip registers its modules in
+ENTRY_POINT_GROUP = "gpuwarden.modules"
 
 
 class _Strict(BaseModel):
@@ -69,6 +90,37 @@ class _ModuleToml(_Strict):
     types: Annotated[dict[str, _TypeToml], Field(min_length=1)]
 
 
+class SourceKind(StrEnum):
+    PATH = "module_paths"
+    ENTRY_POINT = "entry point"
+    BUILTIN = "built-in"
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSource:
+    """Where a module was found."""
+
+    kind: SourceKind
+    #: the module_paths folder that holds it; the package an entry point names
+    #: (``pkg.sub``); for a shipped module, the shipped folder
+    where: str = ""
+    #: the installed distribution that declares the entry point: ``name version``
+    dist: str = ""
+
+    def __str__(self) -> str:
+        if self.kind is SourceKind.PATH:
+            return f"module_paths {self.where}"
+        if self.kind is SourceKind.ENTRY_POINT:
+            return f"pip package {self.dist} (entry point {self.where})"
+        return "built-in"
+
+    def to_json(self) -> dict[str, str]:
+        out = {"kind": self.kind.value, "where": self.where}
+        if self.dist:
+            out["dist"] = self.dist
+        return out
+
+
 @dataclass(frozen=True, slots=True)
 class Module:
     name: str
@@ -76,10 +128,16 @@ class Module:
     description: str
     fingerprint: str  # sha256 over src/: names and contents
     types: tuple[JobType, ...]
+    source: ModuleSource = ModuleSource(SourceKind.PATH)
 
 
-def parse_module(path: Path) -> Module:
-    """Parse and validate ``path/module.toml``. Raise :class:`ModuleError` naming the key."""
+def parse_module(
+    path: Path, *, name: str | None = None, source: ModuleSource | None = None
+) -> Module:
+    """Parse and validate ``path/module.toml``. Raise :class:`ModuleError` naming the key.
+
+    The module's name must be its folder's name, or ``name`` where one is given
+    (an entry point's name: a package's folder is named for Python, not for us)."""
     toml_path = path / "module.toml"
     try:
         raw = tomllib.loads(toml_path.read_text())
@@ -98,7 +156,12 @@ def parse_module(path: Path) -> Module:
             f"key {'.'.join(str(p) for p in e['loc'])!r}: {e['msg']}" for e in exc.errors()
         )
         raise ModuleError(f"{toml_path}: {problems}") from None
-    if meta.module.name != path.name:
+    if name is not None and meta.module.name != name:
+        raise ModuleError(
+            f"{toml_path}: key 'module.name' is {meta.module.name!r} but the entry point "
+            f"({ENTRY_POINT_GROUP}) that names this folder is {name!r}; they must match"
+        )
+    if name is None and meta.module.name != path.name:
         raise ModuleError(
             f"{toml_path}: key 'module.name' is {meta.module.name!r} but the folder is "
             f"{path.name!r}; they must match"
@@ -163,6 +226,7 @@ def parse_module(path: Path) -> Module:
         description=meta.module.description,
         fingerprint=fingerprint(path / "src"),
         types=tuple(types),
+        source=source or ModuleSource(SourceKind.PATH, str(path.resolve().parent)),
     )
 
 
@@ -200,31 +264,52 @@ def fingerprint(src: Path) -> str:
 
 
 class Registry:
-    """Every job type of every module found on the module paths, and the node's
-    launch rules: which of them may run here (checked at submission)."""
+    """Every job type of every module found, and the node's launch rules: which
+    of them may run here (checked at submission)."""
 
-    def __init__(self, modules: list[Module], rules: LaunchRules | None = None) -> None:
+    def __init__(
+        self,
+        modules: list[Module],
+        rules: LaunchRules | None = None,
+        passed_over: tuple[str, ...] = (),
+    ) -> None:
         self.modules = {m.name: m for m in modules}
         self.types = {t.name: t for m in modules for t in m.types}
         self.rules = rules or LaunchRules()
+        #: modules not used because one of the same name came first, in words
+        self.passed_over = passed_over
 
     @classmethod
-    def load(cls, paths: list[Path], rules: LaunchRules | None = None) -> Registry:
-        """Load every module under ``paths``. Folders starting with ``_`` or ``.``
-        (``_TEMPLATE``) are skipped. The first path that has a module wins."""
-        modules: dict[str, Module] = {}
+    def load(
+        cls,
+        paths: list[Path],
+        rules: LaunchRules | None = None,
+        *,
+        installed: bool = True,
+        builtin: bool = True,
+    ) -> Registry:
+        """Load every module under ``paths``, then those installed with pip
+        (``installed``), then the shipped ones (``builtin``). Folders starting
+        with ``_`` or ``.`` (``_TEMPLATE``) are skipped. The first module of a name
+        wins; the others are listed in :attr:`passed_over`."""
+        found: dict[str, Module] = {}
+        passed: list[str] = []
+
+        def first(name: str, path: Path, source: ModuleSource) -> bool:
+            kept = found.get(name)
+            if kept is None:
+                return True
+            if kept.path != path.resolve():
+                passed.append(f"{name} from {source} (the one from {kept.source} comes first)")
+            return False
+
         for root in paths:
-            if not root.is_dir():
-                raise ModuleError(
-                    f"module path {root} is not a directory (config key module_paths)"
-                )
-            for sub in sorted(root.iterdir()):
-                if not sub.is_dir() or sub.name.startswith(("_", ".")) or sub.name in modules:
-                    continue
-                if not (sub / "module.toml").exists():
-                    continue
-                modules[sub.name] = parse_module(sub)
-        return cls(list(modules.values()), rules)
+            _load_root(root, found, first)
+        if installed:
+            _load_installed(found, first)
+        if builtin:
+            _load_root(BUILTIN_DIR, found, first)
+        return cls(list(found.values()), rules, tuple(passed))
 
     def get(self, name: str) -> JobType:
         try:
@@ -247,13 +332,116 @@ class Registry:
         return tuple(python if a == "{python}" else a for a in jobtype.command)
 
     def describe(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "type": t.name,
-                "lane": t.lane.value,
-                "launch": t.launch.value,
-                "vram_bytes": t.vram_bytes,
-                "runs_here": self.rules.refusal(t) is None,
-            }
-            for t in sorted(self.types.values(), key=lambda t: t.name)
-        ]
+        """Every type, what it is, where it came from and whether (and how) it runs
+        here under the launch rules (``gpuwarden types --json``)."""
+        rules = self.rules
+        out = []
+        for t in sorted(self.types.values(), key=lambda t: t.name):
+            refused = rules.refusal(t)
+            out.append(
+                {
+                    "type": t.name,
+                    "module": t.module,
+                    "description": t.description,
+                    "lane": t.lane.value,
+                    "launch": t.launch.value,
+                    "vram_bytes": t.vram_bytes,
+                    "coresident": t.coresident,
+                    "timeout_s": t.timeout_s,
+                    "runs_here": refused is None,
+                    "refused": refused,
+                    "runs_as": rules.where(t),
+                    "sandboxed": refused is None and rules.sandboxed(t),
+                    "unsandboxed": rules.unsandboxed_reason(t),
+                    "source": self.modules[t.module].source.to_json(),
+                    "params": [
+                        {
+                            "name": p.name,
+                            "type": p.type.value,
+                            "required": p.required,
+                            "default": p.default,
+                            "description": p.description,
+                            **({"choices": list(p.choices)} if p.choices else {}),
+                        }
+                        for p in t.params
+                    ],
+                }
+            )
+        return out
+
+
+_First = Callable[[str, Path, ModuleSource], bool]
+
+
+def _load_root(root: Path, found: dict[str, Module], first: _First) -> None:
+    if not root.is_dir():
+        raise ModuleError(f"module path {root} is not a directory (config key module_paths)")
+    shipped = root.resolve() == BUILTIN_DIR
+    source = ModuleSource(SourceKind.BUILTIN if shipped else SourceKind.PATH, str(root.resolve()))
+    for sub in sorted(root.iterdir()):
+        if not sub.is_dir() or sub.name.startswith(("_", ".")):
+            continue
+        if (sub / "module.toml").exists() and first(sub.name, sub, source):
+            found[sub.name] = parse_module(sub, source=source)
+
+
+def _load_installed(found: dict[str, Module], first: _First) -> None:
+    eps = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in sorted(eps, key=lambda e: (e.name, _dist(e))):
+        dist = _dist(ep)
+        where = (
+            f"entry point {ep.name} = {ep.value!r} (group {ENTRY_POINT_GROUP}, "
+            f"from {dist or 'an unknown distribution'})"
+        )
+        if not _NAME.fullmatch(ep.name):
+            raise ModuleError(
+                f"{where}: the name must be the module's name: lower-case letters, digits and _"
+            )
+        path = _package_dir(where, ep.value)
+        source = ModuleSource(SourceKind.ENTRY_POINT, ep.value, dist)
+        if first(ep.name, path, source):
+            found[ep.name] = parse_module(path, name=ep.name, source=source)
+
+
+def _dist(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    return f"{dist.name} {dist.version}" if dist is not None else ""
+
+
+def _package_dir(where: str, dotted: str) -> Path:
+    """The folder of the package ``dotted``, found the way ``import`` would find it
+    but without running any of it (a parent package's ``__init__`` included): the
+    top-level package through the import system's finders (which execute
+    nothing), then each sub-package as a folder inside it."""
+    parts = dotted.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise ModuleError(
+            f"{where}: the value must name a package (a folder holding module.toml), "
+            f"e.g. mymod = \"mypackage.gpuwarden_module\"; no ':' or attribute"
+        )
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except Exception as exc:  # a finder's own failure: say it, never a traceback
+        raise ModuleError(f"{where}: package {parts[0]!r} cannot be found: {exc}") from None
+    if spec is None:
+        raise ModuleError(
+            f"{where}: package {dotted!r} is not installed here; reinstall the "
+            f"distribution, or uninstall it"
+        )
+    locations = [Path(p) for p in (spec.submodule_search_locations or ())]
+    if not locations:
+        raise ModuleError(
+            f"{where}: {parts[0]!r} is a module, not a package: name the folder that holds "
+            f"module.toml"
+        )
+    for part in parts[1:]:
+        locations = [loc / part for loc in locations if (loc / part).is_dir()]
+        if not locations:
+            raise ModuleError(
+                f"{where}: package {dotted!r} is not installed here (no folder {part!r}); "
+                f"reinstall the distribution, or uninstall it"
+            )
+    for folder in locations:
+        if (folder / "module.toml").is_file():
+            return folder
+    raise ModuleError(f"{where}: {locations[0]} has no module.toml")

@@ -208,7 +208,10 @@ def test_preview_without_a_broker_reads_the_probe(tmp_path: Path) -> None:
         [*GW, "--mock-gpu", "--state-dir", str(tmp_path / "s"), "preview", "echo.echo"],
         capture_output=True,
         text=True,
-        env={**env(), "GPUWARDEN_MODULES": str(Path(__file__).parents[2] / "modules")},
+        env={
+            **env(),
+            "GPUWARDEN_MODULES": str(Path(__file__).parents[2] / "src" / "gpuwarden" / "modules"),
+        },
     )
     assert r.returncode == 0, r.stderr
     assert "would start now on a cpu slot" in r.stdout and "no broker is running" in r.stdout

@@ -62,7 +62,10 @@ class Site:
             self.tmp / f"{name}.toml",
             {
                 "state_dir": str(self.tmp / name),
-                "module_paths": [str(REPO / "modules"), str(REPO / "tests" / "modules")],
+                "module_paths": [
+                    str(REPO / "src" / "gpuwarden" / "modules"),
+                    str(REPO / "tests" / "modules"),
+                ],
                 "allow_unsandboxed_containers": True,
                 "sim_gpu": {"vram_gib": 24, "release_delay_s": 0.05},
                 "broker": {"poll_interval_s": 0.05, "shutdown_grace_s": 1},
@@ -83,7 +86,10 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
         tmp / "coordinator.toml",
         {
             "state_dir": str(tmp / "coordinator"),
-            "module_paths": [str(REPO / "modules"), str(REPO / "tests" / "modules")],
+            "module_paths": [
+                str(REPO / "src" / "gpuwarden" / "modules"),
+                str(REPO / "tests" / "modules"),
+            ],
             "allow_unsandboxed_containers": True,
             "api": {"rate_per_s": 10_000, "burst": 10_000},
         },

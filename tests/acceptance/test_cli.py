@@ -54,7 +54,7 @@ state_dir = "state"
 node_name = "accept"
 gpu = "sim"
 allow_unsandboxed_containers = true
-module_paths = ["{REPO / "modules"}", "{TEST_MODULES}"]
+module_paths = ["{REPO / "src" / "gpuwarden" / "modules"}", "{TEST_MODULES}"]
 queue_roots = ["queues/demo"]
 {extra}
 [sim_gpu]

@@ -163,7 +163,7 @@ def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
     db_url = pg_url.rsplit("/", 1)[0] + f"/{dbname}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
-    modules = [str(REPO / "modules"), str(REPO / "tests" / "modules")]
+    modules = [str(REPO / "src" / "gpuwarden" / "modules"), str(REPO / "tests" / "modules")]
     # the store and the cluster's timings; no launch rules (they are the agents')
     common = {
         "state_dir": str(tmp / "coordinator"),

@@ -65,7 +65,7 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
 
 def test_coordinator_reads_its_queue_root(database: str | None, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
-    modules = [str(REPO / "modules"), str(REPO / "tests" / "modules")]
+    modules = [str(REPO / "src" / "gpuwarden" / "modules"), str(REPO / "tests" / "modules")]
     queue = tmp_path / "queue"
     coord: dict[str, object] = {
         "state_dir": str(tmp_path / "coordinator"),

@@ -41,7 +41,7 @@ from gpuwarden.store.base import Submission
 from gpuwarden.store.sqlite import SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = [REPO / "modules", REPO / "tests" / "modules"]
+MODULES = [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"]
 ADMIN = Principal(token_id="local", name="tester", role=Role.OWNER)
 
 

@@ -69,7 +69,7 @@ def make_config(tmp: Path, **api: Any) -> Config:
     return Config.model_validate(
         {
             "state_dir": tmp,
-            "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
+            "module_paths": [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"],
             "allow_unsandboxed_containers": True,
             "api": {"rate_per_s": 10_000, "burst": 10_000, **api},
         }

@@ -39,7 +39,7 @@ atexit.register(shutil.rmtree, _tmp, ignore_errors=True)
 _config = Config.model_validate(
     {
         "state_dir": _tmp,
-        "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
+        "module_paths": [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"],
         "allow_unsandboxed_containers": True,
         "api": {"rate_per_s": 1_000_000, "burst": 1_000_000},
         "cluster": {"lease_s": 3600},

@@ -21,7 +21,7 @@ from gpuwarden.registry import Registry
 from tests.conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
-BURN = REPO / "modules" / "burn"
+BURN = REPO / "src" / "gpuwarden" / "modules" / "burn"
 GW = [sys.executable, "-m", "gpuwarden"]
 DECLARED = {"llm": 14, "vision": 6, "embed": 3, "whisper": 2, "custom": 1}
 CORESIDENT = {"embed", "whisper"}
@@ -109,7 +109,7 @@ def wait_used(device: SimDevice, want: int, timeout: float = 10) -> int:
 
 
 def test_types_declare_footprint_coresidence_and_gib_default() -> None:
-    registry = Registry.load([REPO / "modules"])
+    registry = Registry.load([REPO / "src" / "gpuwarden" / "modules"])
     for name, gib in DECLARED.items():
         t = registry.get(f"burn.{name}")
         assert t.lane.value == "vram"
@@ -138,7 +138,9 @@ def burn_config(tmp_path: Path, runtime: str) -> Path:
     else:
         text = "allow_unsandboxed_containers = true\n"
     cfg = tmp_path / "gpuwarden.toml"
-    cfg.write_text(text + f'module_paths = ["{REPO / "modules"}"]\nstate_dir = "state"\n')
+    cfg.write_text(
+        text + f'module_paths = ["{REPO / "src" / "gpuwarden" / "modules"}"]\nstate_dir = "state"\n'
+    )
     return cfg
 
 

@@ -28,7 +28,7 @@ def setup(tmp_path: Path) -> Iterator[tuple[SqliteStore, TestClient, dict[str, s
     config = Config.model_validate(
         {
             "state_dir": tmp_path,
-            "module_paths": [REPO / "modules"],
+            "module_paths": [REPO / "src" / "gpuwarden" / "modules"],
             "api": {"rate_per_s": 0.001, "burst": 30},
         }
     )

@@ -30,7 +30,7 @@ from gpuwarden.store.cluster import NodeState
 from gpuwarden.store.postgres import PostgresStore
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = [REPO / "modules", REPO / "tests" / "modules"]
+MODULES = [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"]
 #: a node last heard from 10 s ago, its lease renewed then for 30 s (the seconds
 #: are the CLI's own clock: a second or two of leeway for a slow machine)
 SILENT = re.compile(r"silent for 1[0-2] s \(lease ends in (1[89]|20) s\)")

@@ -83,7 +83,7 @@ def api(tmp_path: Path) -> Iterator[tuple[SqliteStore, TestClient, str]]:
     config = Config.model_validate(
         {
             "state_dir": tmp_path,
-            "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
+            "module_paths": [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"],
             "allow_unsandboxed_containers": True,
             "api": {"rate_per_s": 10_000, "burst": 10_000},
         }

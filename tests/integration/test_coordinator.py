@@ -26,7 +26,7 @@ TIMING = Timing(lease_s=10.0, offline_after_s=20.0, affinity_wait_s=30.0)
 
 @pytest.fixture(scope="module")
 def registry() -> Registry:
-    return Registry.load([REPO / "modules", REPO / "tests" / "modules"])
+    return Registry.load([REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"])
 
 
 @pytest.fixture
@@ -456,7 +456,7 @@ def rules_report(gib: float, runtime: str, **allow: bool) -> dict[str, Any]:
     from gpuwarden.core.launchrules import LaunchRules, Runtime
 
     rules = LaunchRules(runtime=Runtime(runtime), **allow)
-    reg = Registry.load([REPO / "modules", REPO / "tests" / "modules"], rules)
+    reg = Registry.load([REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"], rules)
     return {
         **report(gib),
         "types": sorted(t.name for t in reg.types.values() if rules.refusal(t) is None),
@@ -470,7 +470,10 @@ def open_registry() -> Registry:
     """The coordinator's: every type of its modules, judged by no rules of its own."""
     from gpuwarden.core.launchrules import LaunchRules
 
-    return Registry.load([REPO / "modules", REPO / "tests" / "modules"], LaunchRules.unchecked())
+    return Registry.load(
+        [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"],
+        LaunchRules.unchecked(),
+    )
 
 
 def test_each_node_is_offered_what_its_own_launch_rules_allow(

@@ -24,7 +24,7 @@ from gpuwarden.doctor import Host, check_cdi, check_toolkit, judge
 from gpuwarden.gpu.base import GpuReading
 
 REPO = Path(__file__).resolve().parents[2]
-MODULES = REPO / "modules"
+MODULES = REPO / "src" / "gpuwarden" / "modules"
 TEST_MODULES = REPO / "tests" / "modules"
 GW = [sys.executable, "-m", "gpuwarden"]
 
@@ -241,8 +241,17 @@ def test_bubblewrap_sandbox_start_is_checked_for_real(tmp_path: Path) -> None:
 
 
 def test_sandbox_check_without_the_probe_module_warns(tmp_path: Path) -> None:
+    # the shipped probe module is always found, unless a module of its name on
+    # module_paths comes first: one without the probe.sandbox type
+    mine = tmp_path / "mods" / "probe"
+    (mine / "src").mkdir(parents=True)
+    (mine / "module.toml").write_text(
+        '[module]\nname = "probe"\n[types.other]\nlane = "cpu"\ncommand = ["true"]\n'
+    )
     cfg = write_config(
-        tmp_path, 'gpu = "sim"\ncontainer_runtime = "bubblewrap"', modules=f'["{TEST_MODULES}"]'
+        tmp_path,
+        'gpu = "sim"\ncontainer_runtime = "bubblewrap"',
+        modules=f'["{tmp_path / "mods"}", "{TEST_MODULES}"]',
     )
     _, _, checks = doctor_json(cfg)
     assert checks["sandbox"]["status"] == "WARN"

@@ -35,7 +35,7 @@ from gpuwarden.serve.worker import JobContext, LoadContext
 from tests.conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
-EMBED = REPO / "modules" / "embed"
+EMBED = REPO / "src" / "gpuwarden" / "modules" / "embed"
 WORKER = EMBED / "src" / "worker.py"
 REQUIRE_ENV = "GPUWARDEN_REQUIRE_EMBED"
 NOT_INSTALLED = "the embed extra is not installed: pip install torch==2.13.0 -e '.[embed]'"
@@ -388,7 +388,7 @@ def test_through_the_broker_on_the_simulated_gpu(extra: None, tmp_path: Path, ru
     else:
         setting = "allow_unsandboxed_containers = true\n"
     cfg = tmp_path / "gpuwarden.toml"
-    cfg.write_text(setting + f'module_paths = ["{REPO / "modules"}"]\n')
+    cfg.write_text(setting + f'module_paths = ["{REPO / "src" / "gpuwarden" / "modules"}"]\n')
     texts = json.dumps([CAT, KITTEN, REVENUE])
     r = subprocess.run(
         [

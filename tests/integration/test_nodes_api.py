@@ -39,7 +39,10 @@ class Env:
         self.config = Config.model_validate(
             {
                 "state_dir": tmp,
-                "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
+                "module_paths": [
+                    REPO / "src" / "gpuwarden" / "modules",
+                    REPO / "tests" / "modules",
+                ],
                 "allow_unsandboxed_containers": True,
                 "api": {"rate_per_s": 10_000, "burst": 10_000},
                 "cluster": {"lease_s": 10, "offline_after_s": 20, "sweep_every_s": 0.05},

@@ -34,8 +34,8 @@ from gpuwarden.launch.serve import LoadReport, ServeWorker
 from gpuwarden.registry import parse_module
 
 REPO = Path(__file__).resolve().parents[2]
-PROBE = REPO / "modules" / "probe"
-ECHO = REPO / "modules" / "echo"
+PROBE = REPO / "src" / "gpuwarden" / "modules" / "probe"
+ECHO = REPO / "src" / "gpuwarden" / "modules" / "echo"
 PY = sys.executable
 
 #: every key of report.json, and the type(s) of its value

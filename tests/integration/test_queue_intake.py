@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_outputs_left_on_the_agent_are_named_not_packed(tmp_path: Path) -> None:
     config = Config.model_validate(
-        {"state_dir": tmp_path / "state", "module_paths": [REPO / "modules"]}
+        {"state_dir": tmp_path / "state", "module_paths": [REPO / "src" / "gpuwarden" / "modules"]}
     )
     registry = Registry.load(config.module_paths)
     root = QueueRoot.open(tmp_path / "queue", create=True)

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def config_for(tmp_path: Path, runtime: str, request: pytest.FixtureRequest) -> Config:
-    modules = [REPO / "modules", TEST_MODULES]
+    modules = [REPO / "src" / "gpuwarden" / "modules", TEST_MODULES]
     if runtime == "local":  # the baseline: the same job types, unsandboxed
         return make_config(
             tmp_path, runtime, module_paths=modules, allow_unsandboxed_containers=True

@@ -15,7 +15,7 @@ from gpuwarden.errors import UserError, ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare, safe_relpath
 from gpuwarden.registry import Registry
 
-MODULES = Path(__file__).parents[2] / "modules"
+MODULES = Path(__file__).parents[2] / "src" / "gpuwarden" / "modules"
 
 ECHO_DEFAULTS = {"output": "echo.txt", "sleep_s": 0, "exit_code": 0}
 

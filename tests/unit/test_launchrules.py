@@ -79,6 +79,83 @@ def test_a_host_type_beside_a_sandbox_runtime_is_marked_unsandboxed(runtime: Run
         assert rules.unsandboxed_warning(sandboxed) is None
 
 
+# -- container_runtime = "auto" --------------------------------------------------------
+
+FOUND = "bubblewrap 0.8.0 works (/usr/bin/bwrap)"
+MISSING = "bwrap is not on PATH; install bubblewrap 0.8.0 or later: sudo apt-get install bubblewrap"
+
+
+def test_auto_without_a_sandbox_refuses_what_needs_one_and_says_what_auto_found() -> None:
+    rules = LaunchRules(runtime=Runtime.LOCAL, auto=MISSING)
+    assert runs(rules) == {CPU_HOST.name}  # the same rules as "local": nothing by surprise
+    why = rules.refusal(VRAM_CONTAINER)
+    assert why == (
+        'm.vram_container is a container type and container_runtime = "auto" found no '
+        f"sandbox here: {MISSING}. Or set allow_unsandboxed_containers = true to run it as "
+        "a plain host process"
+    )
+    assert rules.unsandboxed_summary(ALL) is None  # nothing runs unsandboxed
+    assert {t.name: rules.where(t) for t in ALL} == {
+        CPU_HOST.name: "host process",
+        CPU_CONTAINER.name: "refused",
+        VRAM_HOST.name: "refused",
+        VRAM_CONTAINER.name: "refused",
+        VRAM_SERVE.name: "refused",
+    }
+
+
+def test_auto_without_a_sandbox_but_allowed_runs_them_unsandboxed_and_says_so_once() -> None:
+    rules = LaunchRules(runtime=Runtime.LOCAL, allow_unsandboxed_containers=True, auto=MISSING)
+    assert runs(rules) == {CPU_HOST.name, CPU_CONTAINER.name, VRAM_CONTAINER.name, VRAM_SERVE.name}
+    reason = (
+        'container and serve types; container_runtime = "auto" found no sandbox here '
+        f"({MISSING}), and allow_unsandboxed_containers = true"
+    )
+    assert rules.unsandboxed_reason(VRAM_SERVE) == reason
+    assert rules.unsandboxed_reason(CPU_HOST) is None  # nothing here is sandboxed
+    assert rules.unsandboxed_reason(VRAM_HOST) is None  # refused, so it does not run
+    assert rules.unsandboxed_summary(ALL) == (
+        "UNSANDBOXED on this node, as plain host processes with the broker's user: "
+        f"m.cpu_container, m.vram_container, m.vram_serve ({reason}). Host types run as "
+        "host processes too: nothing is sandboxed on this node. Each unsandboxed attempt "
+        "is marked 'unsandboxed' in the event log."
+    )
+    warning = rules.unsandboxed_warning(VRAM_CONTAINER) or ""
+    assert warning.startswith("UNSANDBOXED: m.vram_container is a container type") and (
+        MISSING in warning
+    )
+    assert rules.where(VRAM_SERVE) == "UNSANDBOXED"
+
+
+def test_auto_with_bubblewrap_sandboxes_and_names_the_host_types_beside_it() -> None:
+    rules = LaunchRules(runtime=Runtime.BUBBLEWRAP, allow_host_jobs=True, auto=FOUND)
+    assert runs(rules) == {t.name for t in ALL}
+    assert rules.where(VRAM_CONTAINER) == "sandboxed: bubblewrap"
+    assert rules.where(CPU_HOST) == "UNSANDBOXED"
+    assert rules.unsandboxed_summary(ALL) == (
+        "UNSANDBOXED on this node, as plain host processes with the broker's user: "
+        "m.cpu_host, m.vram_host (host types beside the bubblewrap sandbox; "
+        "allow_host_jobs = true). Every other type that runs here is sandboxed in "
+        'bubblewrap (chosen by container_runtime = "auto"). Each unsandboxed attempt is '
+        "marked 'unsandboxed' in the event log."
+    )
+    strict = LaunchRules(runtime=Runtime.BUBBLEWRAP, auto=FOUND)
+    assert strict.refusal(CPU_HOST) == (
+        "m.cpu_host is a host type (no sandbox) and this node runs jobs in bubblewrap "
+        '(chosen by container_runtime = "auto"): run a container type instead, or set '
+        "allow_host_jobs = true"
+    )
+    assert strict.unsandboxed_summary(ALL) is None
+
+
+def test_a_named_runtime_summary_does_not_mention_auto() -> None:
+    rules = LaunchRules(runtime=Runtime.PODMAN, allow_host_jobs=True)
+    summary = rules.unsandboxed_summary([CPU_HOST, VRAM_SERVE]) or ""
+    assert "m.cpu_host (host types beside the podman sandbox" in summary
+    assert "sandboxed in podman." in summary and "auto" not in summary
+    assert LaunchRules().unsandboxed_summary(ALL) is None
+
+
 def test_unchecked_rules_refuse_nothing() -> None:
     assert runs(LaunchRules.unchecked()) == {t.name for t in ALL}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import shutil
 import sys
 from pathlib import Path
@@ -10,9 +11,16 @@ import pytest
 
 from gpuwarden.core.model import GIB, JobType, Lane, LaunchMode, ParamSpec, ParamType
 from gpuwarden.errors import ModuleError, UserError, ValidationError
-from gpuwarden.registry import Registry, fingerprint, parse_module
+from gpuwarden.registry import (
+    BUILTIN_DIR,
+    ModuleSource,
+    Registry,
+    SourceKind,
+    fingerprint,
+    parse_module,
+)
 
-MODULES = Path(__file__).parents[2] / "modules"
+MODULES = Path(__file__).parents[2] / "src" / "gpuwarden" / "modules"
 
 GOOD_TYPE = """
 [types.run]
@@ -41,6 +49,11 @@ def module_error(path: Path) -> str:
 
 def head(name: str = "mine") -> str:
     return f'[module]\nname = "{name}"\n'
+
+
+def only(*paths: Path) -> Registry:
+    """The modules on ``paths`` alone: none installed with pip, none shipped."""
+    return Registry.load(list(paths), installed=False, builtin=False)
 
 
 # --- the shipped modules --------------------------------------------------------------
@@ -97,11 +110,31 @@ def test_echo_module(shipped: Registry) -> None:
 
 
 def test_describe(shipped: Registry) -> None:
-    described = shipped.describe()
-    echo = {"type": "echo.echo", "lane": "cpu", "launch": "host", "vram_bytes": 0}
-    assert {**echo, "runs_here": True} in described
-    # the default rules (no runtime, nothing allowed) refuse container types
-    assert next(d for d in described if d["type"] == "echo.container")["runs_here"] is False
+    described = {d["type"]: d for d in shipped.describe()}
+    echo = described["echo.echo"]
+    assert {k: echo[k] for k in ("type", "lane", "launch", "vram_bytes", "runs_here")} == {
+        "type": "echo.echo",
+        "lane": "cpu",
+        "launch": "host",
+        "vram_bytes": 0,
+        "runs_here": True,
+    }
+    assert echo["description"].startswith("Write `text` to the output file")
+    assert echo["source"] == {"kind": "built-in", "where": str(MODULES.resolve())}
+    assert echo["refused"] is None and echo["runs_as"] == "host process"
+    assert echo["unsandboxed"] is None and echo["sandboxed"] is False
+    assert [p["name"] for p in echo["params"]] == ["text", "output", "sleep_s", "exit_code"]
+    assert echo["params"][0] == {
+        "name": "text",
+        "type": "string",
+        "required": True,
+        "default": None,
+        "description": "The text to write.",
+    }
+    # the default rules (no runtime, nothing allowed) refuse container types, and say why
+    container = described["echo.container"]
+    assert container["runs_here"] is False and container["runs_as"] == "refused"
+    assert 'container_runtime is "local"' in container["refused"]
 
 
 def test_get_unknown_type_lists_known_types(shipped: Registry) -> None:
@@ -147,7 +180,7 @@ def test_argv_replaces_only_whole_python_arguments() -> None:
 
 def test_template_is_skipped_even_under_another_root(tmp_path: Path) -> None:
     shutil.copytree(MODULES / "_TEMPLATE", tmp_path / "_TEMPLATE")
-    registry = Registry.load([tmp_path])
+    registry = only(tmp_path)
     assert registry.modules == {}
     assert registry.types == {}
 
@@ -201,7 +234,7 @@ def test_load_skips_folders_without_module_toml_and_hidden_ones(tmp_path: Path) 
     make_module(tmp_path, ".hidden", head(".hidden") + GOOD_TYPE)
     (tmp_path / "stray.txt").write_text("not a module")
     make_module(tmp_path, "mine", head() + GOOD_TYPE)
-    registry = Registry.load([tmp_path])
+    registry = only(tmp_path)
     assert list(registry.modules) == ["mine"]
     assert list(registry.types) == ["mine.run"]
 
@@ -230,7 +263,7 @@ def test_load_several_modules_and_types(tmp_path: Path) -> None:
         + GOOD_TYPE
         + '[types.gen]\nlane = "vram"\nvram_gib = 1.5\ncoresident = true\ncommand = ["x"]\n',
     )
-    registry = Registry.load([tmp_path])
+    registry = only(tmp_path)
     assert sorted(registry.types) == ["alpha.run", "beta.gen", "beta.run"]
     gen = registry.get("beta.gen")
     assert gen.vram_bytes == int(1.5 * GIB)
@@ -516,3 +549,169 @@ def test_module_fingerprint_changes_with_its_src(tmp_path: Path) -> None:
     after = parse_module(path).fingerprint
     (path / "README.md").write_text("docs")
     assert parse_module(path).fingerprint == after
+
+
+# --- where modules come from: module_paths, pip packages, the shipped ones --------------
+
+
+def test_the_shipped_modules_come_with_any_module_paths(tmp_path: Path) -> None:
+    make_module(tmp_path, "mine", head() + GOOD_TYPE)
+    registry = Registry.load([tmp_path], installed=False)
+    assert {"mine.run", "echo.echo", "burn.llm", "probe.gpu"} <= set(registry.types)
+    assert registry.modules["mine"].source == ModuleSource(SourceKind.PATH, str(tmp_path))
+    assert registry.modules["echo"].source == ModuleSource(SourceKind.BUILTIN, str(BUILTIN_DIR))
+    assert registry.modules["echo"].path == BUILTIN_DIR / "echo"
+    assert str(registry.modules["echo"].source) == "built-in"
+    assert str(registry.modules["mine"].source) == f"module_paths {tmp_path}"
+    assert registry.passed_over == ()
+
+
+def test_the_shipped_folder_on_module_paths_is_not_passed_over() -> None:
+    registry = Registry.load([MODULES], installed=False)
+    assert registry.modules["echo"].source.kind is SourceKind.BUILTIN
+    assert registry.passed_over == ()
+
+
+def test_a_module_on_module_paths_comes_before_the_shipped_one_and_says_so(
+    tmp_path: Path,
+) -> None:
+    make_module(tmp_path, "echo", head("echo") + GOOD_TYPE)
+    registry = Registry.load([tmp_path], installed=False)
+    assert registry.modules["echo"].path == (tmp_path / "echo").resolve()
+    assert "echo.run" in registry.types and "echo.echo" not in registry.types
+    assert registry.passed_over == (
+        f"echo from built-in (the one from module_paths {tmp_path} comes first)",
+    )
+
+
+def fake_dist(
+    site: Path, dist: str, entries: dict[str, str], packages: dict[str, str | None]
+) -> None:
+    """An installed distribution as pip leaves one: ``dist-info`` with its entry
+    points, and for each package folder a module.toml (or none). Each package's
+    ``__init__.py`` writes a marker if it is ever imported."""
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "".join(f"{k} = {v}\n" for k, v in entries.items())
+    (info / "entry_points.txt").write_text(f"[gpuwarden.modules]\n{lines}")
+    for dotted, toml in packages.items():
+        folder = site.joinpath(*dotted.split("."))
+        folder.mkdir(parents=True, exist_ok=True)
+        for parent in folder.relative_to(site).parents:  # the module folder needs none
+            init = site / parent / "__init__.py"
+            if parent != Path(".") and not init.exists():
+                marker = site / "imported"
+                init.write_text(f"open({str(marker)!r}, 'a').write({str(parent)!r})\n")
+        if toml is not None:
+            (folder / "module.toml").write_text(toml)
+            (folder / "src").mkdir()
+            (folder / "src" / "run.py").write_text("print('hi')\n")
+
+
+@pytest.fixture
+def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    return site
+
+
+def installed(site: Path) -> Registry:
+    importlib.invalidate_caches()
+    return Registry.load([], builtin=False)
+
+
+def test_a_pip_package_declares_a_module_by_entry_point_and_is_never_imported(
+    site: Path,
+) -> None:
+    fake_dist(
+        site,
+        "third_party",
+        {"third": "thirdpkg.gw_third"},
+        {"thirdpkg.gw_third": head("third") + GOOD_TYPE},
+    )
+    registry = installed(site)
+    module = registry.modules["third"]
+    assert module.path == (site / "thirdpkg" / "gw_third").resolve()
+    assert module.source == ModuleSource(
+        SourceKind.ENTRY_POINT, "thirdpkg.gw_third", "third_party 1.0"
+    )
+    assert str(module.source) == "pip package third_party 1.0 (entry point thirdpkg.gw_third)"
+    assert "third.run" in registry.types
+    assert not (site / "imported").exists()  # found, not imported: none of it ran
+
+
+def test_module_paths_come_before_pip_packages_which_come_before_the_shipped_ones(
+    site: Path, tmp_path: Path
+) -> None:
+    fake_dist(
+        site,
+        "both",
+        {"echo": "bothpkg.echo", "mine": "bothpkg.mine"},
+        {"bothpkg.echo": head("echo") + GOOD_TYPE, "bothpkg.mine": head("mine") + GOOD_TYPE},
+    )
+    make_module(tmp_path / "paths", "mine", head() + GOOD_TYPE)
+    importlib.invalidate_caches()
+    registry = Registry.load([tmp_path / "paths"])
+    assert registry.modules["mine"].source.kind is SourceKind.PATH
+    assert registry.modules["echo"].source.kind is SourceKind.ENTRY_POINT
+    assert registry.passed_over == (
+        f"mine from pip package both 1.0 (entry point bothpkg.mine) (the one from "
+        f"module_paths {tmp_path / 'paths'} comes first)",
+        "echo from built-in (the one from pip package both 1.0 (entry point "
+        "bothpkg.echo) comes first)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "packages", "expected"),
+    [
+        (
+            "thirdpkg.gw",
+            {"thirdpkg.gw": head("other") + GOOD_TYPE},
+            "key 'module.name' is 'other' but the entry point (gpuwarden.modules) that "
+            "names this folder is 'third'; they must match",
+        ),
+        (
+            "thirdpkg.gw:folder",
+            {"thirdpkg.gw": head("third") + GOOD_TYPE},
+            "the value must name a package (a folder holding module.toml)",
+        ),
+        ("nopkg.gw", {}, "package 'nopkg.gw' is not installed here"),
+        (
+            "thirdpkg.nope",
+            {"thirdpkg.gw": head("third") + GOOD_TYPE},
+            "package 'thirdpkg.nope' is not installed here (no folder 'nope')",
+        ),
+        ("thirdpkg.gw", {"thirdpkg.gw": None}, "has no module.toml"),
+    ],
+)
+def test_a_broken_entry_point_names_itself_and_what_is_wrong(
+    site: Path, entry: str, packages: dict[str, str | None], expected: str
+) -> None:
+    fake_dist(site, "third_party", {"third": entry}, packages)
+    with pytest.raises(ModuleError) as info:
+        installed(site)
+    message = str(info.value)
+    assert expected in message, message
+    if "module.name" not in expected:
+        assert message.startswith(
+            f"entry point third = {entry!r} (group gpuwarden.modules, from third_party 1.0): "
+        )
+    assert not (site / "imported").exists()
+
+
+def test_an_entry_point_that_names_a_plain_module_is_refused(site: Path) -> None:
+    fake_dist(site, "third_party", {"third": "thirdmod"}, {})
+    (site / "thirdmod.py").write_text("raise SystemExit('imported')\n")
+    with pytest.raises(ModuleError) as info:
+        installed(site)
+    assert "'thirdmod' is a module, not a package" in str(info.value)
+
+
+def test_an_entry_point_that_is_not_a_module_name_is_refused(site: Path) -> None:
+    fake_dist(site, "third_party", {"Bad-Name": "thirdpkg.gw"}, {"thirdpkg.gw": None})
+    with pytest.raises(ModuleError) as info:
+        installed(site)
+    assert "the name must be the module's name" in str(info.value)

@@ -265,6 +265,7 @@ class ParamOut(BaseModel):
 
 class TypeOut(BaseModel):
     type: str
+    module: str
     lane: str
     launch: str
     vram_bytes: int
@@ -272,6 +273,14 @@ class TypeOut(BaseModel):
     timeout_s: float
     max_retries: int
     runs_here: bool
+    #: why this host's launch rules refuse it (a broker's API), else None
+    refused: str | None = None
+    #: how it runs here, in a few words (`sandboxed: bubblewrap`, `UNSANDBOXED`, ...)
+    runs_as: str | None = None
+    #: why it runs unsandboxed here, else None
+    unsandboxed: str | None = None
+    #: where its module came from (`{"kind": "built-in" | "module_paths" | "entry_point", ...}`)
+    source: dict[str, Any] = {}
     description: str
     params: list[ParamOut]
 

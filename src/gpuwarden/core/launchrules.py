@@ -11,12 +11,15 @@ configuration may have changed since the job was accepted).
   model code on a GPU is what the sandbox is for.
 - a real runtime (podman, docker, bubblewrap): container and serve types run
   sandboxed; host types are refused unless ``allow_host_jobs``.
+- ``container_runtime = "auto"``: the configuration found out which of
+  bubblewrap and ``local`` this host has (``auto`` holds what it found) and the
+  rules above apply to that one; every message then says that ``auto`` chose.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -54,6 +57,10 @@ class LaunchRules:
     runtime: Runtime = Runtime.LOCAL
     allow_unsandboxed_containers: bool = False
     allow_host_jobs: bool = False
+    #: with ``container_runtime = "auto"``: what it found on this host, in words
+    #: ("bubblewrap 0.8.0 works (/usr/bin/bwrap)", "bwrap is not on PATH; ...");
+    #: "" when the configuration names the runtime
+    auto: str = ""
 
     @classmethod
     def unchecked(cls) -> LaunchRules:
@@ -117,6 +124,13 @@ class LaunchRules:
                 f"module.toml) so that model code runs sandboxed"
             )
         if rule == "unsandboxed":
+            if self.auto:
+                return (
+                    f'{name} is a {launch.value} type and container_runtime = "auto" '
+                    f"found no sandbox here: {self.auto}. Or set "
+                    f"allow_unsandboxed_containers = true to run it as a plain host "
+                    f"process"
+                )
             return (
                 f'{name} is a {launch.value} type and container_runtime is "local" '
                 f"(no sandbox here): set container_runtime to podman, docker or "
@@ -126,10 +140,65 @@ class LaunchRules:
         if rule == "host":
             return (
                 f"{name} is a host type (no sandbox) and this node runs jobs in "
-                f"{self.runtime.value}: run a container type instead, or set "
+                f"{self._runtime_shown()}: run a container type instead, or set "
                 f"allow_host_jobs = true"
             )
         return None
+
+    def _runtime_shown(self) -> str:
+        if self.auto:
+            return f'{self.runtime.value} (chosen by container_runtime = "auto")'
+        return self.runtime.value
+
+    def unsandboxed_reason(self, jobtype: JobType) -> str | None:
+        """Why attempts of ``jobtype`` run without a sandbox here although it or
+        the node has one (see :meth:`unsandboxed_warning`), in a few words; None
+        when it runs sandboxed, is refused, or nothing on the node is sandboxed."""
+        if self.refusal(jobtype) is not None:
+            return None
+        if self.runtime is Runtime.LOCAL and jobtype.launch is not LaunchMode.HOST:
+            if self.auto:
+                return (
+                    f'container and serve types; container_runtime = "auto" found no '
+                    f"sandbox here ({self.auto}), and allow_unsandboxed_containers = true"
+                )
+            return (
+                'container and serve types; container_runtime = "local" (no sandbox), '
+                "and allow_unsandboxed_containers = true"
+            )
+        if self.runtime is not Runtime.LOCAL and jobtype.launch is LaunchMode.HOST:
+            return f"host types beside the {self.runtime.value} sandbox; allow_host_jobs = true"
+        return None
+
+    def where(self, jobtype: JobType) -> str:
+        """How attempts of ``jobtype`` run here, in a few words (``types``, ``preview``)."""
+        if self.refusal(jobtype) is not None:
+            return "refused"
+        if self.sandboxed(jobtype):
+            return f"sandboxed: {self.runtime.value}"
+        if self.unsandboxed_reason(jobtype) is not None:
+            return "UNSANDBOXED"
+        return "host process"  # a host type on a node without a sandbox
+
+    def unsandboxed_summary(self, jobtypes: Iterable[JobType]) -> str | None:
+        """One line naming every type of ``jobtypes`` that runs unsandboxed here and
+        why (a broker says it once, when it starts); None when there is none."""
+        groups: dict[str, list[str]] = {}
+        for t in sorted(jobtypes, key=lambda t: t.name):
+            if (why := self.unsandboxed_reason(t)) is not None:
+                groups.setdefault(why, []).append(t.name)
+        if not groups:
+            return None
+        parts = [f"{', '.join(names)} ({why})" for why, names in groups.items()]
+        if self.runtime is not Runtime.LOCAL:
+            rest = f"Every other type that runs here is sandboxed in {self._runtime_shown()}."
+        else:
+            rest = "Host types run as host processes too: nothing is sandboxed on this node."
+        return (
+            f"UNSANDBOXED on this node, as plain host processes with the broker's user: "
+            f"{'; '.join(parts)}. {rest} Each unsandboxed attempt is marked 'unsandboxed' "
+            f"in the event log."
+        )
 
     def node_refusal(self, launch: LaunchMode, lane: Lane) -> str | None:
         """As a node's reason, short, for placement and ``explain``: ``refuses
@@ -150,14 +219,19 @@ class LaunchRules:
         runtime under ``allow_host_jobs``. None for a host type on a node without
         a sandbox (``local``): nothing there is sandboxed, nothing is hidden."""
         if self.runtime is Runtime.LOCAL and jobtype.launch is not LaunchMode.HOST:
+            why = (
+                f'container_runtime = "auto" found no sandbox here ({self.auto}); '
+                if self.auto
+                else ""
+            )
             return (
                 f"UNSANDBOXED: {jobtype.name} is a {jobtype.launch.value} type running as "
-                f"a plain host process (allow_unsandboxed_containers = true)"
+                f"a plain host process ({why}allow_unsandboxed_containers = true)"
             )
         if self.runtime is not Runtime.LOCAL and jobtype.launch is LaunchMode.HOST:
             return (
                 f"UNSANDBOXED: {jobtype.name} is a host type running as a plain host "
-                f"process beside the {self.runtime.value} sandbox (allow_host_jobs = true)"
+                f"process beside the {self._runtime_shown()} sandbox (allow_host_jobs = true)"
             )
         return None
 

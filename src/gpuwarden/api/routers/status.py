@@ -91,28 +91,39 @@ def types(request: Request, ctx: Ctx) -> list[TypeOut]:
             return co.type_refusal(store, ctx.registry, t) is None
         return rules.refusal(t) is None
 
-    return [
-        TypeOut(
-            type=t.name,
-            lane=t.lane.value,
-            launch=t.launch.value,
-            vram_bytes=t.vram_bytes,
-            coresident=t.coresident,
-            timeout_s=t.timeout_s,
-            max_retries=t.max_retries,
-            runs_here=runs(t),
-            description=t.description,
-            params=[
-                ParamOut(
-                    name=p.name,
-                    type=p.type.value,
-                    required=p.required,
-                    default=p.default,
-                    choices=list(p.choices),
-                    description=p.description,
-                )
-                for p in t.params
-            ],
+    described = {d["type"]: d for d in ctx.registry.describe()}
+    out = []
+    for t in sorted(ctx.registry.types.values(), key=lambda t: t.name):
+        d = described[t.name]
+        runs_here = runs(t)
+        out.append(
+            TypeOut(
+                type=t.name,
+                module=t.module,
+                lane=t.lane.value,
+                launch=t.launch.value,
+                vram_bytes=t.vram_bytes,
+                coresident=t.coresident,
+                timeout_s=t.timeout_s,
+                max_retries=t.max_retries,
+                runs_here=runs_here,
+                # a coordinator runs nothing: how a type runs is each node's business
+                refused=None if cluster else d["refused"],
+                runs_as=("on an enrolled node" if runs_here else None) if cluster else d["runs_as"],
+                unsandboxed=None if cluster else d["unsandboxed"],
+                source=d["source"],
+                description=t.description,
+                params=[
+                    ParamOut(
+                        name=p.name,
+                        type=p.type.value,
+                        required=p.required,
+                        default=p.default,
+                        choices=list(p.choices),
+                        description=p.description,
+                    )
+                    for p in t.params
+                ],
+            )
         )
-        for t in sorted(ctx.registry.types.values(), key=lambda t: t.name)
-    ]
+    return out

@@ -41,7 +41,8 @@ MAX_TEXTS = 4096
 BATCH_SIZE = 32
 NOT_INSTALLED = (
     "the embed extra is not installed in the broker's Python: "
-    "pip install torch==2.13.0 && pip install -e '.[embed]' (see modules/embed/README.md)"
+    "pip install torch==2.13.0 && pip install 'gpuwarden[embed]' (from a checkout: "
+    "pip install -e '.[embed]'; see the embed module's README.md)"
 )
 
 
