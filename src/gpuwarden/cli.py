@@ -258,6 +258,15 @@ def build_parser() -> Parser:
 
     sp = sub.add_parser("status", help="the broker's GPUs, ledger, queues and health")
     sp.add_argument("--json", action="store_true")
+    sp.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=60.0,
+        metavar="SECONDS",
+        help="first wait until a broker reports and is well (default 60 s; for scripts "
+        "that start `gpuwarden serve` in the background)",
+    )
     remote_args(sp)
     sp.set_defaults(func=cmd_status)
 
@@ -1069,7 +1078,28 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
     return 0 if result.get("status") == "done" else 1
 
 
+_Gathered = tuple[list[NodeStatus], dict[JobState, int], str, list[dict[str, Any]] | None]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    gathered = _gather_status(args)
+    if args.wait is not None:
+        deadline = time.monotonic() + args.wait
+        where = gathered[2] if gathered else str(_config(args).state_dir)
+        if not _broker_up(gathered):
+            err.print(f"waiting up to {args.wait:g} s for a broker to report on {where} ...")
+        while not _broker_up(gathered) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            gathered = _gather_status(args)
+    if gathered is None:
+        err.print(f"no broker has run on state directory {_config(args).state_dir}")
+        return 1
+    return _report_status(args, *gathered)
+
+
+def _gather_status(args: argparse.Namespace) -> _Gathered | None:
+    """What ``status`` reports, from the API (``--url``) or the state directory;
+    None where no broker has made that state directory yet."""
     if (client := _remote(args)) is not None:
         with client:
             data = client.status()
@@ -1083,12 +1113,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             for n in data.get("nodes", [])
         ]
         counts = {JobState(k): int(v) for k, v in data.get("jobs", {}).items()}
-        cluster = data.get("cluster")
-        return _report_status(args, statuses, counts, client.url, cluster)
+        return statuses, counts, client.url, data.get("cluster")
     config = _config(args)
     if not config.database and not config.db_path.exists():
-        err.print(f"no broker has run on state directory {config.state_dir}")
-        return 1
+        return None
     store = open_store(config)
     try:
         statuses = store.node_statuses()
@@ -1101,7 +1129,33 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
     finally:
         store.close()
-    return _report_status(args, statuses, counts, str(config.state_dir), cluster)
+    return statuses, counts, str(config.state_dir), cluster
+
+
+def _broker_up(gathered: _Gathered | None) -> bool:
+    """Whether ``status --wait`` is done waiting: a broker (or, on a coordinator,
+    an enrolled node) reports and reports no problem."""
+    if gathered is None:
+        return False
+    statuses, _, _, cluster = gathered
+    if cluster is not None:
+        working = [n for n in cluster if n.get("state") != "revoked"]
+        return bool(working) and all(not n.get("problem") for n in working)
+    return bool(statuses) and not any(_status_problem(s) for s in statuses)
+
+
+def _status_problem(s: NodeStatus) -> str:
+    """What is wrong with one broker's last status, or ``""``."""
+    age = time.time() - s.updated_at
+    if s.payload.get("stopped"):
+        return "the broker has stopped"
+    if age > STALE_AFTER_S:
+        return f"status is {age:.0f} s old: the broker is not running or is stuck"
+    if degraded := s.payload.get("degraded"):
+        return f"{len(degraded)} GPU(s) degraded: VRAM admission paused there"
+    if s.payload.get("probe_error"):
+        return "the GPU probe fails: VRAM admission paused"
+    return ""
 
 
 def _report_status(
@@ -1139,20 +1193,10 @@ def _report_status(
     elif not statuses:
         err.print(f"no broker status in {where}: start `gpuwarden serve`")
     for s in statuses:
-        age = time.time() - s.updated_at
-        problem = ""
-        if s.payload.get("stopped"):
-            problem = "the broker has stopped"
-        elif age > STALE_AFTER_S:
-            problem = f"status is {age:.0f} s old: the broker is not running or is stuck"
-        elif degraded := s.payload.get("degraded"):
-            problem = f"{len(degraded)} GPU(s) degraded: VRAM admission paused there"
-        elif s.payload.get("probe_error"):
-            problem = "the GPU probe fails: VRAM admission paused"
-        if problem:
+        if problem := _status_problem(s):
             healthy = False
         if not args.json:
-            _print_status(s.node, s.pid, age, s.payload, problem)
+            _print_status(s.node, s.pid, time.time() - s.updated_at, s.payload, problem)
     if not args.json:
         out.print(
             "jobs: " + (", ".join(f"{k.value} {v}" for k, v in sorted(counts.items())) or "none")

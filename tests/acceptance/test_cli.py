@@ -311,6 +311,33 @@ def test_status_without_a_broker_exits_1(tmp_path: Path) -> None:
     assert r.returncode == 1 and "no broker" in r.stderr
 
 
+def test_status_wait_waits_for_a_broker_starting_in_the_background(tmp_path: Path) -> None:
+    """`serve &` then `status --wait`: the script goes on once the broker reports,
+    not before (a submit right after `serve &` can meet no state directory yet)."""
+    cfg = write_config(tmp_path)
+    waiting = subprocess.Popen(
+        [*GW, "--config", str(cfg), "status", "--wait", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+    )
+    time.sleep(0.5)  # it must already be waiting, with no state directory yet
+    assert waiting.poll() is None and not (tmp_path / "state").exists()
+    b = Broker(cfg, tmp_path / "events.jsonl")
+    try:
+        stdout, stderr = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, stderr
+        assert f"waiting up to 60 s for a broker to report on {tmp_path / 'state'}" in stderr
+        assert "node accept" in stdout and "running" in stdout
+    finally:
+        b.stop(signal.SIGKILL)
+    # nothing comes: it says what it waited for, then why it gave up (exit 1)
+    r = run("--state-dir", tmp_path / "nothing", "status", "--wait", "0.5")
+    assert r.returncode == 1
+    assert "waiting up to 0.5 s for a broker" in r.stderr and "no broker has run" in r.stderr
+
+
 def test_sigterm_gives_grace_then_fails_running_job(tmp_path: Path) -> None:
     b = Broker(write_config(tmp_path, grace=0.3), tmp_path / "events.jsonl")
     try:  # held, not a sleep: it runs past any grace until the broker stops it

@@ -10,10 +10,12 @@ start runs as written: a VRAM job admitted, one held back, then started.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from gpuwarden.store.sqlite import SqliteStore
 from tests.conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +109,22 @@ def types_json(config: Path, **extra: str) -> dict[str, Any]:
 
 def by_type(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {t["type"]: t for t in doc["types"]}
+
+
+def made_state(state: Path) -> Path:
+    """A state directory as `gpuwarden serve` leaves it: the CLI submits only into
+    one that a broker has made (a mistyped --state-dir is refused)."""
+    state.mkdir(mode=0o700)
+    SqliteStore(state / "gpuwarden.db").close()
+    return state
+
+
+def jobs_in(state: Path) -> list[str]:
+    store = SqliteStore(state / "gpuwarden.db")
+    try:
+        return [j.id for j in store.list_jobs()]
+    finally:
+        store.close()
 
 
 def unsandboxed_lines(stderr: str) -> list[str]:
@@ -211,10 +230,11 @@ def test_auto_without_bubblewrap_runs_unsandboxed_only_where_the_config_allows(
         f"here: {missing}. Or set allow_unsandboxed_containers = true to run it as a plain "
         "host process"
     )
-    r = run("--config", SANDBOXED, "--state-dir", tmp_path / "s", "submit", "burn.llm", PATH=path)
+    state = made_state(tmp_path / "s")
+    r = run("--config", SANDBOXED, "--state-dir", state, "submit", "burn.llm", PATH=path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert strict["burn.llm"]["refused"] in " ".join(r.stderr.split())
-    assert not (tmp_path / "s" / "gpuwarden.db").exists()  # nothing was stored
+    assert jobs_in(state) == []  # nothing was stored
     p = run("--mock-gpu", "--config", SANDBOXED, "preview", "burn.llm", PATH=path)
     assert p.returncode == 0
     assert p.stdout.strip() == (
@@ -252,7 +272,7 @@ def test_auto_takes_a_bubblewrap_only_when_it_works(
 
 
 def test_preview_refuses_what_submit_refuses_whatever_the_gpu_has(tmp_path: Path) -> None:
-    state = tmp_path / "state"
+    state = made_state(tmp_path / "state")
     sub = run("--state-dir", state, "submit", "burn.llm", "--id", "llm")
     assert sub.returncode == 2, sub.stdout + sub.stderr
     said = " ".join(sub.stderr.split())
@@ -273,7 +293,7 @@ def test_preview_refuses_what_submit_refuses_whatever_the_gpu_has(tmp_path: Path
 
 
 def test_explain_says_a_queued_job_the_rules_now_refuse_will_fail(tmp_path: Path) -> None:
-    state = tmp_path / "state"
+    state = made_state(tmp_path / "state")
     # accepted where host types run (no config: container_runtime "local")
     r = run("--state-dir", state, "submit", "echo.echo", "--text", "x", "--id", "e1")
     assert r.returncode == 0, r.stderr
@@ -433,16 +453,31 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     cli = venv_bin / "gpuwarden"
     cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m gpuwarden "$@"\n')
     cli.chmod(0o755)
-    done = subprocess.run(
+    # its own process group: a block that stops early leaves no broker holding the pipes
+    proc = subprocess.Popen(
         ["bash", "-e", "-c", block],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
         cwd=tmp_path,
         env=env(),
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(
+            f"the quick start did not finish in 100 s:\n{stdout}{stderr}"
+        ) from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
+    assert "waiting up to 60 s for a broker" in done.stderr or "node local" in out
     assert "submitted llm (burn.llm)" in out and "submitted vision (burn.vision)" in out
     assert re.search(r"^vision \(burn\.vision\) is (queued|running|done)$", out, re.MULTILINE)
     assert re.search(r"^job\s+whisper\s*$", out, re.MULTILINE) and re.search(r"status\s+done", out)

@@ -560,7 +560,7 @@ class CoordinatorEnv(Env):
         self.config = Config.model_validate(
             {
                 "state_dir": tmp,
-                "module_paths": [REPO / "modules", REPO / "tests" / "modules"],
+                "module_paths": [REPO / "tests" / "modules"],
                 "api": {"rate_per_s": 10_000, "burst": 10_000},
                 "cluster": {"lease_s": 10, "offline_after_s": 20, **cluster},
             }
@@ -589,7 +589,7 @@ def agent_report(gib: float, runtime: str, **allow: bool) -> dict[str, Any]:
     from gpuwarden.core.launchrules import LaunchRules, Runtime
 
     rules = LaunchRules(runtime=Runtime(runtime), **allow)
-    reg = Registry.load([REPO / "modules", REPO / "tests" / "modules"], rules)
+    reg = Registry.load([REPO / "tests" / "modules"], rules)
     return report(
         gib,
         types=sorted(t.name for t in reg.types.values() if rules.refusal(t) is None),
