@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuwarden.broker import Broker
 from gpuwarden.config import DATABASE_URL_PREFIXES, Config
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import GIB, MIB, LaunchMode
@@ -21,6 +20,7 @@ from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.host import HostLauncher
 from gpuwarden.launch.sandbox import SandboxLauncher, SandboxLimits
+from gpuwarden.node.loop import Broker
 from gpuwarden.registry import Registry
 from gpuwarden.statelock import StateLock
 from gpuwarden.store.base import Store

@@ -28,9 +28,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden import __version__, explain, joblogs, safefs
+from gpuwarden import __version__, safefs
 from gpuwarden.app import make_probe, open_node, open_store
-from gpuwarden.broker import result_json
 from gpuwarden.cluster import cli as cluster_cli
 from gpuwarden.cluster import coordinator
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
@@ -53,6 +52,8 @@ from gpuwarden.eventlog import CURSOR_FILE, EventLog, NullLog
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.node import explain, joblogs
+from gpuwarden.node.loop import result_json
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store, Submission
 from gpuwarden.store.cluster import ClusterStore, NodeState
@@ -1826,7 +1827,7 @@ def cmd_preview(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gpuwarden.demo import run_demo
+    from gpuwarden.tools.demo import run_demo
 
     return run_demo(
         err if args.json else out,
@@ -1838,7 +1839,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from gpuwarden.doctor import run_doctor
+    from gpuwarden.tools.doctor import run_doctor
 
     return run_doctor(
         args.config,

@@ -1,4 +1,4 @@
-"""``GET /v1/jobs/{id}/logs/{stream}`` and :mod:`gpuwarden.joblogs`: a job's output
+"""``GET /v1/jobs/{id}/logs/{stream}`` and :mod:`gpuwarden.node.joblogs`: a job's output
 streams read through safefs, bounded, with the role rules of the other job routes."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuwarden import cli, joblogs
+from gpuwarden import cli
 from gpuwarden.api.routers import logs as logs_route
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
+from gpuwarden.node import joblogs
 from gpuwarden.store.base import Submission
 from tests.integration.test_api import Api, build
 

@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 
-from gpuwarden import attemptfs, safefs
+from gpuwarden import safefs
 from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.intake.jobs import prepare
+from gpuwarden.node import attemptfs
 from gpuwarden.store.base import Submission
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
@@ -469,7 +470,7 @@ def test_host_jobs_beside_a_sandbox_runtime_are_marked_unsandboxed(
         allow_unsandboxed_containers=False,
     )
     with (
-        caplog.at_level("WARNING", logger="gpuwarden.broker"),
+        caplog.at_level("WARNING", logger="gpuwarden.node.loop"),
         open_node(config, mock_gpu=True) as n,
     ):
         submit(n, hostile("h1"), hostile("h2"), JobSpec(id="s1", type="testmods.sleep"))

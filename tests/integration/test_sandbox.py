@@ -48,7 +48,7 @@ from gpuwarden.launch.sandbox import (
     container_name,
     mounts_for,
 )
-from gpuwarden.launch.serve import ServeError, ServeWorker
+from gpuwarden.launch.warmproc import ServeError, WarmProcess
 from gpuwarden.store.base import Submission
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
@@ -619,7 +619,7 @@ def test_a_writable_folder_with_content_is_never_handed_over(
 
 FILL_SERVER = """
 import time
-from gpuwarden.serve.worker import serve
+from gpuwarden.server.worker import serve
 
 def load(ctx):
     return None
@@ -671,7 +671,7 @@ def test_a_serve_worker_past_output_mib_in_its_exchange_folder_is_stopped_for_it
         instance="serve-limit-test",
         mounts=mounts,
     )
-    worker = ServeWorker(launcher, req, socket_path, epoch=1, stop_wait_s=1)
+    worker = WarmProcess(launcher, req, socket_path, epoch=1, stop_wait_s=1)
     try:
         worker.start(load_timeout_s=60)
         assert exchange.stat().st_uid == NOBODY  # handed to the sandbox's user, while empty

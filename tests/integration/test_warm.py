@@ -281,7 +281,7 @@ def test_a_cancel_while_the_server_loads_is_a_cancel(node: Node) -> None:
 
 
 def test_preview_sees_the_idle_warm_server(tmp_path: Path) -> None:
-    from gpuwarden import explain
+    from gpuwarden.node import explain
 
     with open_node(make_config(tmp_path), mock_gpu=True) as n:
         submit(n, warm("a"))

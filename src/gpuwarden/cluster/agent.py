@@ -53,7 +53,6 @@ import httpx
 
 from gpuwarden import __version__, safefs
 from gpuwarden.app import open_node
-from gpuwarden.broker import Broker
 from gpuwarden.cluster.coordinator import heartbeat_every_s
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event, JobSpec, Lane
@@ -61,8 +60,9 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake.jobs import JOB_ID, safe_relpath
+from gpuwarden.node.loop import Broker
+from gpuwarden.node.warmpool import ServerState
 from gpuwarden.store.base import DIRECT, DuplicateJobError, Store, Submission
-from gpuwarden.warm import ServerState
 
 log = logging.getLogger("gpuwarden.agent")
 

@@ -17,7 +17,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gpuwarden import explain
 from gpuwarden.api import files
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.context import (
@@ -32,13 +31,14 @@ from gpuwarden.api.context import (
 from gpuwarden.api.errors import ApiError
 from gpuwarden.api.models import ErrorOut, Explanation, JobDetail, JobIn, JobOut
 from gpuwarden.api.redact import Redactor
-from gpuwarden.broker import result_json
 from gpuwarden.cluster import coordinator
 from gpuwarden.core import policy
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
+from gpuwarden.node import explain
+from gpuwarden.node.loop import result_json
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.cluster import ClusterStore
 

@@ -2,7 +2,7 @@
 
 The same role rules as the other job routes (action ``job.read``): a submitter
 reads its own jobs' streams only, and another's job is the 404 of a job that does
-not exist. The stream file is opened through :mod:`gpuwarden.joblogs` (safefs:
+not exist. The stream file is opened through :mod:`gpuwarden.node.joblogs` (safefs:
 no link, no FIFO, regular files only) and sent in chunks; with ``follow`` the
 answer goes on until the attempt has ended. At most :data:`MAX_FOLLOWERS`
 answers follow a stream at once (429 past that)."""
@@ -22,13 +22,14 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from gpuwarden import joblogs, safefs
+from gpuwarden import safefs
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, get_scope
 from gpuwarden.api.errors import ApiError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.api.routers.jobs import visible_job
 from gpuwarden.core.model import Attempt, Job
+from gpuwarden.node import joblogs
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """The warm-server half of the broker loop (launch mode ``serve``).
 
-:class:`WarmServing` is mixed into :class:`gpuwarden.broker.Broker`: these
+:class:`WarmServing` is mixed into :class:`gpuwarden.node.loop.Broker`: these
 methods run on the loop thread, except ``_load_and_serve`` and ``_serve``, which
-run on a worker thread per job, drive a :class:`ServeWorker`, and only post
+run on a worker thread per job, drive a :class:`WarmProcess`, and only post
 messages (:class:`RunningAttempt` results and :class:`ServerNote`) back.
 """
 
@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuwarden import attemptfs, safefs
-from gpuwarden.attemptfs import ExchangeError, ExchangeSlot
+from gpuwarden import safefs
 from gpuwarden.config import Config
 from gpuwarden.core import policy
 from gpuwarden.core.ledger import HoldState
@@ -30,20 +29,22 @@ from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.launch.base import INSIDE, Launcher, LaunchRequest, LaunchResult, Mount
 from gpuwarden.launch.host import HostLauncher
 from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for, output_limit_reason
-from gpuwarden.launch.serve import (
+from gpuwarden.launch.warmproc import (
     JobReport,
     LoadReport,
     ServeError,
-    ServeWorker,
+    WarmProcess,
     placement_check,
 )
+from gpuwarden.node import attemptfs
+from gpuwarden.node.attemptfs import ExchangeError, ExchangeSlot
+from gpuwarden.node.running import ExchangeNote, RunningAttempt, ServerNote, Started
+from gpuwarden.node.vram import VramBook
+from gpuwarden.node.warmpool import ServerState, WarmPool, WarmServer
 from gpuwarden.registry import Registry
-from gpuwarden.running import ExchangeNote, RunningAttempt, ServerNote, Started
 from gpuwarden.store.base import Store
-from gpuwarden.vram import VramBook
-from gpuwarden.warm import ServerState, WarmPool, WarmServer
 
-log = logging.getLogger("gpuwarden.broker")
+log = logging.getLogger("gpuwarden.node.loop")
 
 
 class WarmServing:
@@ -188,7 +189,7 @@ class WarmServing:
         if sandbox is not None:
             launcher = sandbox
             request = self._sandboxed_server_request(request, gpu, socket_path, jobtype)
-        worker = ServeWorker(
+        worker = WarmProcess(
             launcher,
             request,
             socket_path,
@@ -351,7 +352,7 @@ class WarmServing:
         folders). The job's slot ``<job>-<attempt>`` is made fresh there, whatever
         the server left under that name removed unfollowed; the job's inputs are
         copied in and its outputs moved to the attempt's ``out/`` by descriptor
-        (:class:`gpuwarden.attemptfs.ExchangeSlot`). A sandboxed job whose outputs
+        (:class:`gpuwarden.node.attemptfs.ExchangeSlot`). A sandboxed job whose outputs
         are past ``[sandbox] output_mib`` when it ends gets the reason in ``over``."""
         request = server.worker.request
         sandboxed = bool(request.mounts)

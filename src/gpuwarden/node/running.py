@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpuwarden.core.model import Attempt, Job, JobType
-from gpuwarden.launch.serve import LoadReport
+from gpuwarden.launch.warmproc import LoadReport
 
 if TYPE_CHECKING:
-    from gpuwarden.warm import WarmServer
+    from gpuwarden.node.warmpool import WarmServer
 
 
 @dataclass(frozen=True, slots=True)

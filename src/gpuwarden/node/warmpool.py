@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuwarden.core.model import JobType
 from gpuwarden.core.policy import WarmView
-from gpuwarden.launch.serve import ServeWorker
+from gpuwarden.launch.warmproc import WarmProcess
 
 
 class ServerState(StrEnum):
@@ -33,7 +33,7 @@ class WarmServer:
     type: JobType
     gpu: str
     epoch: int
-    worker: ServeWorker
+    worker: WarmProcess
     footprint: int
     idle_grace_s: float
     state: ServerState = ServerState.LOADING

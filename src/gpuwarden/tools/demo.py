@@ -453,7 +453,7 @@ class _DropUnsandboxed(logging.Filter):
 def _quiet_unsandboxed() -> Iterator[None]:
     """The broker's UNSANDBOXED warning, once per type, would cut through the demo's
     progress bars; the demo says it once, above them."""
-    logger = logging.getLogger("gpuwarden.broker")
+    logger = logging.getLogger("gpuwarden.node.loop")
     quiet = _DropUnsandboxed()
     logger.addFilter(quiet)
     try:

@@ -22,7 +22,7 @@ from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
-from gpuwarden import attemptfs, faults, safefs
+from gpuwarden import faults, safefs
 from gpuwarden.config import Config
 from gpuwarden.core import policy
 from gpuwarden.core.classify import (
@@ -63,19 +63,20 @@ from gpuwarden.launch.host import (
     stop_processes,
 )
 from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
+from gpuwarden.node import attemptfs
+from gpuwarden.node.running import ExchangeNote, RunningAttempt, ServerNote, Started
+from gpuwarden.node.vram import VramBook
+from gpuwarden.node.warm import WarmServing
+from gpuwarden.node.warmpool import ServerState, WarmPool
 from gpuwarden.registry import Registry
-from gpuwarden.running import ExchangeNote, RunningAttempt, ServerNote, Started
-from gpuwarden.serving import WarmServing
 from gpuwarden.store.base import (
     NodeStatus,
     Store,
 )
-from gpuwarden.vram import VramBook
-from gpuwarden.warm import ServerState, WarmPool
 
 __all__ = ["RUN_TIME_WINDOW", "Broker", "result_json"]
 
-log = logging.getLogger("gpuwarden.broker")
+log = logging.getLogger("gpuwarden.node.loop")
 
 #: operator requests (gpu clear) are looked for this often
 _REQUESTS_EVERY_S = 0.5

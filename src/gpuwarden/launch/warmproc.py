@@ -1,8 +1,8 @@
 """The broker side of one serve worker (launch mode ``serve``).
 
-A :class:`ServeWorker` is one warm model server: a host process started with its
+A :class:`WarmProcess` is one warm model server: a host process started with its
 GPU and a unix socket, which loads its model once and then takes jobs one at a
-time over the socket (the protocol is in :mod:`gpuwarden.serve.protocol`).
+time over the socket (the protocol is in :mod:`gpuwarden.server.protocol`).
 
 The process is run by the host launcher on a daemon thread, exactly like an
 attempt (with an infinite timeout), so stopping it reuses the launcher's tree
@@ -24,7 +24,7 @@ so they are *infrastructure* failures — the job is retried up to its type's
                     malformed message
 ``crashed``         the worker closed the connection or its process ended
 ``timeout``         no result within the job's timeout (the worker hung)
-``stopped``         :meth:`ServeWorker.stop` was called (cancel, eviction,
+``stopped``         :meth:`WarmProcess.stop` was called (cancel, eviction,
                     shutdown) while ``start`` or ``run_job`` waited
 ``output_limit``    the sandbox stopped the worker: its exchange folder (its
                     output mount) held more than ``[sandbox] output_mib``
@@ -62,14 +62,14 @@ from typing import Any, Literal
 
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult
-from gpuwarden.serve.protocol import (
+from gpuwarden.server.protocol import (
     Channel,
     PeerClosed,
     ProtocolError,
     field,
     optional_field,
 )
-from gpuwarden.serve.worker import EPOCH_ENV, SCRATCH_ENV, SOCKET_ENV
+from gpuwarden.server.worker import EPOCH_ENV, SCRATCH_ENV, SOCKET_ENV
 
 __all__ = [
     "PLACEMENT_MIN_FRACTION",
@@ -78,13 +78,13 @@ __all__ = [
     "LoadReport",
     "ServeError",
     "ServeFailure",
-    "ServeWorker",
+    "WarmProcess",
     "placement_check",
 ]
 
 log = logging.getLogger(__name__)
 
-#: how long :meth:`ServeWorker.stop` waits for an idle worker to exit after ``stop``
+#: how long :meth:`WarmProcess.stop` waits for an idle worker to exit after ``stop``
 #: before the launcher stops its process tree
 STOP_WAIT_S = 2.0
 #: longest single wait while waiting for the worker, so that a ``stop`` from another
@@ -206,7 +206,7 @@ class _Failure(Exception):
         self.with_exit = with_exit
 
 
-class ServeWorker:
+class WarmProcess:
     """One serve worker process and the connection to it.
 
     ``req`` is a host launch request for the worker process: its argv, cwd,
@@ -326,7 +326,7 @@ class ServeWorker:
         :class:`ServeError` is raised. Called once.
         """
         if self._thread is not None or self._stop_result is not None:
-            raise RuntimeError("ServeWorker.start() may be called once")
+            raise RuntimeError("WarmProcess.start() may be called once")
         deadline = time.monotonic() + load_timeout_s if load_timeout_s < math.inf else None
         try:
             self._listener = self._listen()
@@ -502,7 +502,7 @@ class ServeWorker:
         worker is stopped (confirmed gone) and a :class:`ServeError` raised.
         """
         if not self._loaded:
-            raise RuntimeError("ServeWorker.run_job() before a successful start()")
+            raise RuntimeError("WarmProcess.run_job() before a successful start()")
         stale: list[dict[str, Any]] = []
         self._busy = True
         try:
