@@ -36,7 +36,7 @@ class Served:
             f"""
 state_dir = "{self.state}"
 node_name = "sandboxcli"
-module_paths = ["{REPO / "modules"}", "{REPO / "tests" / "modules"}"]
+module_paths = ["{REPO / "tests" / "modules"}"]
 container_runtime = "{runtime}"
 sandbox_image = "{image}"
 

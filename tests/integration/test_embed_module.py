@@ -331,7 +331,10 @@ def serve_launch(tmp: Path, sock_dir: Path, name: str) -> Any:
         timeout_s=math.inf,
         instance="test-embed",
     )
-    return serve, serve.WarmProcess(HostLauncher(), req, sock_dir / "w.sock", 11), attempt_dir
+    # a torch process can take seconds to exit on a loaded machine: the broker gives
+    # it [warm] stop_grace_s; this test's clean-exit check gives it as long
+    worker = serve.WarmProcess(HostLauncher(), req, sock_dir / "w.sock", 11, stop_wait_s=30)
+    return serve, worker, attempt_dir
 
 
 def test_serve_worker_loads_once_for_two_jobs(extra: None, tmp_path: Path, sock_dir: Path) -> None:
