@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import sqlite3
 import stat
 from pathlib import Path
@@ -43,8 +44,6 @@ def test_every_named_query_parses(tmp_path: Path) -> None:
 
 
 def _params(sql: str) -> set[str]:
-    import re
-
     return set(re.findall(r":(\w+)", sql))
 
 
