@@ -81,6 +81,7 @@ class PostgresStore(SqlClusterStore[Conn]):
     """
 
     queries = load_dialect("postgres")
+    unique_violation: ClassVar[tuple[type[Exception], ...]] = (pg_errors.UniqueViolation,)
 
     def __init__(
         self,
@@ -243,8 +244,6 @@ class PostgresStore(SqlClusterStore[Conn]):
     def _text(self, value: str) -> str:
         return _no_nul(value)
 
-    unique_violation: ClassVar[tuple[type[Exception], ...]] = (pg_errors.UniqueViolation,)
-
     # -- rows written -------------------------------------------------------
 
     def _append(self, conn: Conn, log: str, params: Mapping[str, Any]) -> int:
@@ -257,7 +256,7 @@ class PostgresStore(SqlClusterStore[Conn]):
     def _returning(
         self, conn: Conn, query: str, params: Mapping[str, Any], *, reread: str
     ) -> Row | None:
-        return conn.execute(self.queries[query], params).fetchone()  # RETURNING *
+        return conn.execute(self.queries[query], params).fetchone()  # RETURNING *: no reread
 
     def _insert_jobs(self, conn: Conn, jobs: Sequence[Mapping[str, Any]]) -> None:
         with conn.cursor() as cur:
@@ -307,7 +306,7 @@ class PostgresStore(SqlClusterStore[Conn]):
         self._maintenance.release()
 
 
-# -- values in and out ------------------------------------------------------------
+# -- URLs, lock keys, values PostgreSQL can store ------------------------------------
 
 
 def redact_url(url: str) -> str:
