@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from gpuwarden.api.auth import Principal, Scope
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.config import Config
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import AuditRow, Store
@@ -38,14 +38,14 @@ def get_ctx(request: Request) -> ApiContext:
 def get_principal(request: Request) -> Principal:
     principal = request.scope.get("state", {}).get("gw_principal")
     if not isinstance(principal, Principal):  # the gate lets no such request through
-        raise ApiError(401, "no token", {"WWW-Authenticate": "Bearer"})
+        raise HttpError(401, "no token", {"WWW-Authenticate": "Bearer"})
     return principal
 
 
 def get_scope(request: Request) -> Scope:
     scope = request.scope.get("state", {}).get("gw_scope")
     if not isinstance(scope, Scope):  # the gate grants one to every request it lets by
-        raise ApiError(403, "this endpoint is in no row of the permission matrix")
+        raise HttpError(403, "this endpoint is in no row of the permission matrix")
     return scope
 
 

@@ -40,7 +40,7 @@ from gpuwarden import safefs
 from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
 from gpuwarden.core.placement import check_constraints
-from gpuwarden.errors import BundleError
+from gpuwarden.errors import BundleError, GpuwardenError
 
 __all__ = [
     "BundleLimits",
@@ -581,7 +581,7 @@ class _Budget:
         self.what = what
 
 
-class ExtractionCancelled(Exception):
+class ExtractionCancelled(GpuwardenError):
     """The caller asked an extraction to stop (the broker is shutting down)."""
 
 

@@ -195,7 +195,7 @@ def _size(nbytes: int, scale: int) -> str:
     return f"{nbytes} B"
 
 
-class _Failure(Exception):
+class _Failure(GpuwardenError):
     """Why waiting for the worker ended; turned into a ServeError after the stop."""
 
     def __init__(self, kind: ServeFailure, reason: str, *, with_exit: bool = False) -> None:

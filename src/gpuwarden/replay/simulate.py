@@ -87,12 +87,13 @@ from gpuwarden.core.policy import (
     Wait,
     WarmView,
 )
+from gpuwarden.errors import GpuwardenError
 
 #: ``plan`` or anything with its signature.
 Planner = Callable[[Snapshot, float], Sequence[Decision]]
 
 
-class SimError(Exception):
+class SimError(GpuwardenError):
     """The planner broke the protocol (started a job that is not queued, onto no GPU...)."""
 
 
