@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden.core import placement
+from gpuwarden.core.classify import retry_or_quarantine
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import Job, JobSpec, JobType, Lane, format_bytes
 from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
@@ -492,14 +493,14 @@ def finish(
         raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
     if state is JobState.QUEUED:
         current = store.get_job(job_id)
-        jobtype = registry.types.get(current.type) if current is not None else None
-        limit = jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
-        if lease.attempt > limit:
-            state = JobState.QUARANTINED
-            reason = (
-                f"{reason}; quarantined after {lease.attempt} attempts on all nodes "
-                "(each attempt's reason: `gpuwarden show JOB`)"
-            )
+        target, why = retry_or_quarantine(
+            reason,
+            attempt=lease.attempt,
+            max_retries=_max_retries(registry, current.type if current is not None else None),
+            where=" on all nodes",
+        )
+        if target is JobState.QUARANTINED:  # a retry keeps the node's own reason
+            state, reason = target, why
     body = dict(result or {})
     body["node"] = node_name
     if output_dir is not None and state in (JobState.DONE, JobState.FAILED):
@@ -767,6 +768,13 @@ def cluster_status(
 # -- maintenance ----------------------------------------------------------------
 
 
+def _max_retries(registry: Registry | None, type_name: str | None) -> int:
+    """The type's ``max_retries``; :data:`DEFAULT_MAX_RETRIES` when the type is not
+    known here."""
+    jobtype = registry.types.get(type_name) if registry is not None and type_name else None
+    return jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
+
+
 def _reclaim(
     store: ClusterStore, registry: Registry | None, lease: Lease, now: float, why: str
 ) -> bool:
@@ -778,18 +786,11 @@ def _reclaim(
         attempts = store.attempts(job.id)
         last = attempts[-1] if attempts else None
         if last is not None and last.node == lease.node and last.ended_at is None:
-            jobtype = registry.types.get(job.type) if registry is not None else None
-            limit = jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
             if job.cancel_requested:
                 target, reason = JobState.CANCELLED, f"{why}; it had been asked to stop"
-            elif last.number <= limit:
-                target, reason = JobState.QUEUED, f"{why}; retrying ({last.number}/{limit})"
             else:
-                target = JobState.QUARANTINED
-                reason = (
-                    f"{why}; quarantined after {last.number} attempt"
-                    f"{'s' if last.number != 1 else ''} (each attempt's reason: "
-                    "`gpuwarden show JOB`)"
+                target, reason = retry_or_quarantine(
+                    why, attempt=last.number, max_retries=_max_retries(registry, job.type)
                 )
             try:
                 store.finish_attempt(
