@@ -117,18 +117,21 @@ class AuditHook:
 
 F = Any
 
+#: the attribute :func:`action` sets on a route's function
+ACTION_ATTRIBUTE = "gpuwarden_action"
+
 
 def action(name: str) -> Callable[[F], F]:
     """Name the permission-matrix action of a route (``gpuwarden.api.auth.MATRIX``).
     The gate checks it before the route runs; every route must have one."""
 
     def mark(fn: F) -> F:
-        fn._gw_action = name
+        setattr(fn, ACTION_ATTRIBUTE, name)
         return fn
 
     return mark
 
 
 def action_of(endpoint: Any) -> str | None:
-    name = getattr(endpoint, "_gw_action", None)
+    name = getattr(endpoint, ACTION_ATTRIBUTE, None)
     return name if isinstance(name, str) else None

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -817,8 +818,6 @@ def _write_with_note(
 ) -> Path:
     """A result bundle where some jobs' outputs stayed on their agents: each such
     job gets ``<id>/outputs/OUTPUTS.txt`` saying where they are."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="gpuwarden-note-") as tmp:
         packed: list[tuple[dict[str, Any], Path | None]] = []
         for body, outputs in results:

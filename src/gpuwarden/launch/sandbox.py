@@ -368,7 +368,8 @@ class SandboxLauncher:
         """bubblewrap: the nodes of the request's GPU and the driver's control nodes."""
         if req.gpu_uuid is None:
             return []
-        from gpuwarden.gpu.nvml import device_nodes  # imports NVML: only with a real GPU
+        # pynvml takes ~80 ms to import: only a launch on a real GPU pays for it
+        from gpuwarden.gpu.nvml import device_nodes
 
         return device_nodes(req.gpu_uuid)
 
