@@ -741,7 +741,7 @@ def copy_into(
 
 
 def _copy_file(
-    parent_fd: int,
+    parent_fd: int | None,
     name: str,
     rel: str,
     out_parent: int,
