@@ -31,7 +31,7 @@ from rich.table import Table
 from gpuwarden import __version__, safefs
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.cluster import cli as cluster_cli
-from gpuwarden.cluster import coordinator
+from gpuwarden.cluster import coordinator, report
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import (
@@ -1125,7 +1125,7 @@ def _gather_status(args: argparse.Namespace) -> _Gathered | None:
         cluster = None
         if isinstance(store, ClusterStore) and store.list_nodes():
             # a coordinator's store: its agents' reports
-            cluster = coordinator.cluster_status(
+            cluster = report.cluster_status(
                 store, time.time(), offline_after_s=config.cluster.offline_after_s
             )
     finally:

@@ -47,6 +47,8 @@ from gpuwarden.api.context import (
 from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster.nodeview import Timing, node_view
+from gpuwarden.cluster.report import node_json
 from gpuwarden.cluster.sweeper import Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
@@ -176,9 +178,9 @@ def cluster_store(ctx: ApiContext) -> ClusterStore:
     return store
 
 
-def timing(ctx: ApiContext) -> co.Timing:
+def timing(ctx: ApiContext) -> Timing:
     c = ctx.config.cluster
-    return co.Timing(
+    return Timing(
         lease_s=c.lease_s, offline_after_s=c.offline_after_s, affinity_wait_s=c.affinity_wait_s
     )
 
@@ -317,7 +319,7 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
         store,
         ctx.registry,
         name,
-        co.node_view(record),  # the types it runs and its launch rules are in its report
+        node_view(record),  # the types it runs and its launch rules are in its report
         now,
         lease_s=t.lease_s,
         timing=t,
@@ -486,7 +488,7 @@ def list_nodes(ctx: Ctx) -> list[dict[str, Any]]:
     store = cluster_store(ctx)
     now = ctx.clock()
     leases = store.leases()
-    return [co.node_json(r, leases, now) for r in store.list_nodes()]
+    return [node_json(r, leases, now) for r in store.list_nodes()]
 
 
 def _name(name: str) -> str:
@@ -508,7 +510,7 @@ def drain(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
     except UserError as exc:
         raise HttpError(409, exc.message) from None
     audit_ok(request)
-    return co.node_json(record, store.leases(), ctx.clock())
+    return node_json(record, store.leases(), ctx.clock())
 
 
 @router.post("/v1/nodes/{name}/resume", responses=_ERRORS)
@@ -525,7 +527,7 @@ def resume(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
     except UserError as exc:
         raise HttpError(409, exc.message) from None
     audit_ok(request, {"resumed": changed})
-    return {**co.node_json(record, store.leases(), ctx.clock()), "resumed": changed}
+    return {**node_json(record, store.leases(), ctx.clock()), "resumed": changed}
 
 
 @router.post("/v1/nodes/{name}/revoke", responses=_ERRORS)
