@@ -43,7 +43,9 @@ from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import BundleError, GpuwardenError, TransitionError, UserError
 from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake import bundlewrite
 from gpuwarden.intake.jobs import prepare
+from gpuwarden.intake.manifest import BundleLimits
 from gpuwarden.intake.queueroot import (
     INPUT_TAG,
     REASON_TAG,
@@ -55,6 +57,7 @@ from gpuwarden.intake.queueroot import (
     shown_name,
     unique_tag,
 )
+from gpuwarden.intake.zipread import ExtractionCancelled
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import (
     BundleRecord,
@@ -105,7 +108,7 @@ class _Task:
     root: QueueRoot
     path: Path  # processing/<name>
     staging: Path
-    limits: bundles.BundleLimits
+    limits: BundleLimits
 
     @property
     def key(self) -> tuple[str, str]:
@@ -145,7 +148,7 @@ def _extract(task: _Task, cancelled: Callable[[], bool]) -> _Outcome:
             )
     except BundleError as exc:
         return _Outcome(task, refusal=exc.message)
-    except bundles.ExtractionCancelled:
+    except ExtractionCancelled:
         return _Outcome(task, cancelled=True)
     except Exception as exc:  # not the bundle's fault: the loop decides
         return _Outcome(task, error=exc)
@@ -640,7 +643,7 @@ class QueueIntake:
         else:
             result_name, input_name = name, own_name(name, INPUT_TAG)
         result = self._write_unique(
-            bundles.write_result_bundle, root.failed, result_name, results, bundle=name, now=now
+            bundlewrite.write_result_bundle, root.failed, result_name, results, bundle=name, now=now
         )
         kept = root.move_to_failed(path, input_name)
         if not duplicate:
@@ -689,9 +692,9 @@ class QueueIntake:
         )
         return path
 
-    def _limits(self) -> bundles.BundleLimits:
+    def _limits(self) -> BundleLimits:
         zip_bytes, entries, unpacked, jobs = self.config.bundle_limits_bytes()
-        return bundles.BundleLimits(
+        return BundleLimits(
             max_zip_bytes=zip_bytes,
             max_entries=entries,
             max_unpacked_bytes=unpacked,
@@ -781,7 +784,7 @@ class QueueIntake:
         write: Writer = (
             _write_with_note
             if any("outputs_on" in body for body, _ in results)
-            else bundles.write_result_bundle
+            else bundlewrite.write_result_bundle
         )
         path = self._write_unique(write, dest, rec.name, results, bundle=rec.name, now=now)
         faults.point("after_result_write")
@@ -834,7 +837,7 @@ def _write_with_note(
                 packed.append((body, folder))
             else:
                 packed.append((body, outputs))
-        return bundles.write_result_bundle(dest, name, packed)
+        return bundlewrite.write_result_bundle(dest, name, packed)
 
 
 def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:
