@@ -26,6 +26,10 @@ followed:
   :func:`move_entries` renames entries out of a held folder.
 
 Nothing else in gpuwarden opens such a path.
+
+One file on purpose: it is the whole list of the ways a hostile path is
+touched, all built on the same opening rules (:func:`_open_at`), so that a
+review of that list is a review of one module.
 """
 
 from __future__ import annotations

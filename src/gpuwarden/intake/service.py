@@ -21,6 +21,11 @@ small bundle is still accepted in the pass that claimed it. The alternative,
 bounded work per tick on the loop thread, would have to cut zipfile's reads
 into slices and keep half-extracted state between ticks; threads keep the
 extraction code straight and the loop's pass short.
+
+One file because a bundle's life in a queue root is one state machine over one
+store: its claim, extraction, acceptance or refusal, its result bundle and the
+recovery after a crash each decide from what the others left (its staging
+folder, its record, its name in ``processing/``).
 """
 
 from __future__ import annotations

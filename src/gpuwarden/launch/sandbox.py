@@ -28,6 +28,10 @@ tree stopped and confirmed gone); for podman and docker this launcher also
 stops the container by name on a stop or timeout, asks the runtime whether it
 recorded an OOM kill, removes the container and confirms it gone before the
 attempt ends, so its memory never counts free too early.
+
+One file because the lock-down is one policy for three runtimes: the arguments
+that set each limit, the folders and filter prepared for them, and the checks
+and clean-up that enforce them at the end must change together.
 """
 
 from __future__ import annotations

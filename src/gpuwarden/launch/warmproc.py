@@ -40,6 +40,10 @@ by a previous holder, a driver fall-back); ``max_retries`` and quarantine bound
 the cost of a load that always fails. A failure *inside* ``handle`` is not a
 ``ServeError``: it comes back as a :class:`JobReport` with ``ok`` false, the
 job's own failure, and the worker goes on serving.
+
+One file because it is one object: :class:`WarmProcess` owns one process, one
+socket and the locks between them, and its start, jobs and stop are the states
+of that one worker.
 """
 
 from __future__ import annotations
