@@ -34,6 +34,8 @@ __all__ = [
     "is_temp_name",
     "manifest_doc",
     "parse_manifest",
+    "path_problem",
+    "show",
 ]
 
 MANIFEST = "manifest.json"

@@ -27,8 +27,13 @@ from gpuwarden.errors import BundleError, GpuwardenError
 from gpuwarden.intake.manifest import CHUNK, MAX_NAME_BYTES, BundleLimits, path_problem, show
 
 __all__ = [
+    "Budget",
     "ExtractionCancelled",
+    "ZipEntry",
+    "check_declared",
+    "copy_member",
     "open_zip",
+    "read_member",
     "scan_entries",
 ]
 
