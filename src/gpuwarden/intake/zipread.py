@@ -65,6 +65,8 @@ _ZIP_READ_ERRORS = (
 
 @dataclass(frozen=True)
 class ZipEntry:
+    """One entry of a zip whose header passed :func:`scan_entries`."""
+
     info: zipfile.ZipInfo
     name: str  # the full name as stored, trailing '/' removed for directories
     is_dir: bool
