@@ -31,7 +31,7 @@ from rich.table import Table
 from gpuwarden import __version__, safefs
 from gpuwarden.app import make_probe, open_node, open_store
 from gpuwarden.cluster import cli as cluster_cli
-from gpuwarden.cluster import coordinator
+from gpuwarden.cluster import coordinator, report
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import (
@@ -50,6 +50,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
 from gpuwarden.eventlog import CURSOR_FILE, EventLog, NullLog
 from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake.bundlewrite import write_bundle
 from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.node import explain, joblogs
@@ -1055,7 +1056,7 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
         paths, rules = load_config(None).module_paths, LaunchRules.unchecked()
     spec = _spec(Registry.load(paths, rules), args)
     files = {p.name: p for p in args.inputs}
-    path = bundles.write_bundle(root.inbox, [spec], files, now=time.time())
+    path = write_bundle(root.inbox, [spec], files, now=time.time())
     out.print(f"submitted {spec.id} ({spec.type}) as {path}")
     if not args.wait:
         return 0
@@ -1125,7 +1126,7 @@ def _gather_status(args: argparse.Namespace) -> _Gathered | None:
         cluster = None
         if isinstance(store, ClusterStore) and store.list_nodes():
             # a coordinator's store: its agents' reports
-            cluster = coordinator.cluster_status(
+            cluster = report.cluster_status(
                 store, time.time(), offline_after_s=config.cluster.offline_after_s
             )
     finally:

@@ -23,6 +23,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import StateDirLockedError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake import bundlewrite
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
@@ -56,7 +57,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 def drop(node: Node, *specs: JobSpec, files: dict[str, Path] | None = None) -> Path:
     root = node.broker.roots[0]
-    return bundles.write_bundle(root.inbox, list(specs), files, now=time.time())
+    return bundlewrite.write_bundle(root.inbox, list(specs), files, now=time.time())
 
 
 def result_of(node: Node, name: str, timeout: float = 20.0) -> tuple[Path, dict[str, dict]]:
@@ -292,7 +293,7 @@ def test_recovery_rereads_a_bundle_never_recorded(tmp_path: Path) -> None:
     config = make_config(tmp_path)
     with open_node(config, mock_gpu=True) as first:
         root = first.broker.roots[0]
-        path = bundles.write_bundle(root.inbox, [echo("z")], None, now=time.time())
+        path = bundlewrite.write_bundle(root.inbox, [echo("z")], None, now=time.time())
         root.claim(path)  # crashed right after moving it to processing/
     with open_node(config, mock_gpu=True) as second:
         second.broker.recover()
@@ -349,14 +350,14 @@ def test_a_retried_job_with_a_cancel_request_never_runs_again(node: Node) -> Non
 def test_a_bundle_whose_result_cannot_be_written_does_not_hold_up_others(
     node: Node, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    real = bundles.write_result_bundle
+    real = bundlewrite.write_result_bundle
 
     def flaky(dest: Path, name: str, results: list) -> Path:  # type: ignore[type-arg]
         if name.startswith("poison"):
             raise PermissionError("an output file is unreadable")
         return real(dest, name, results)
 
-    monkeypatch.setattr(bundles, "write_result_bundle", flaky)
+    monkeypatch.setattr(bundlewrite, "write_result_bundle", flaky)
     poison = drop(node, echo("poison"))
     run_until(node, lambda: job_state(node, "poison") is JobState.DONE)
     waiter = drop(

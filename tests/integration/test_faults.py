@@ -20,7 +20,7 @@ from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.gpu.select import SIM_STATE_FILE
-from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake import bundlewrite
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
@@ -221,9 +221,9 @@ def test_a_result_that_can_never_be_written_gives_its_input_to_failed(
     def broken(dest: Path, name: str, results: list) -> Path:  # type: ignore[type-arg]
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bundles, "write_result_bundle", broken)
+    monkeypatch.setattr(bundlewrite, "write_result_bundle", broken)
     root = node.broker.roots[0]
-    path = bundles.write_bundle(
+    path = bundlewrite.write_bundle(
         root.inbox, [JobSpec(id="nowhere", type="echo.echo", params={"text": "x"})], now=time.time()
     )
     run_until(node, (root.failed / f"{path.name}.reason.txt").exists, timeout=20)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gpuwarden.core.model import Role
+from gpuwarden.errors import GpuwardenError
 from gpuwarden.store.base import AuditRow, Store, TokenRecord
 
 __all__ = [
@@ -153,12 +154,11 @@ def parse_token(token: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
-class AuthFailed(Exception):
+class AuthFailed(GpuwardenError):
     """A request's token is missing or not valid (401): the message says which."""
 
     def __init__(self, message: str, token_id: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
         self.token_id = token_id
 
 

@@ -53,7 +53,7 @@ import httpx
 
 from gpuwarden import __version__, safefs
 from gpuwarden.app import open_node
-from gpuwarden.cluster.coordinator import heartbeat_every_s
+from gpuwarden.cluster.nodeview import heartbeat_every_s
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event, JobSpec, Lane
 from gpuwarden.core.states import JobState

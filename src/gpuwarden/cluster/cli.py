@@ -461,7 +461,7 @@ def _agent_url(advertised: Any, given: str | None, args: argparse.Namespace) -> 
 
 def cmd_node_list(args: argparse.Namespace) -> int:
     from gpuwarden import cli
-    from gpuwarden.cluster.coordinator import node_json
+    from gpuwarden.cluster.report import node_json
 
     if (client := cli._remote(args)) is not None:
         with client:

@@ -74,7 +74,6 @@ class QueueWatcher:
         self._held: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.last_error: dict[str, Any] | None = None
 
     # -- the thread ---------------------------------------------------------
 
@@ -150,6 +149,5 @@ class QueueWatcher:
 
     def _record_error(self, where: str, exc: Exception) -> None:
         log.error("queue roots: %s failed: %s", where, exc, exc_info=exc)
-        self.last_error = {"ts": self.clock(), "where": where, "message": str(exc)}
         with contextlib.suppress(Exception):  # the store itself may be what failed
             self._emit("loop_error", where=where, message=str(exc))

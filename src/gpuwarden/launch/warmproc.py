@@ -40,6 +40,10 @@ by a previous holder, a driver fall-back); ``max_retries`` and quarantine bound
 the cost of a load that always fails. A failure *inside* ``handle`` is not a
 ``ServeError``: it comes back as a :class:`JobReport` with ``ok`` false, the
 job's own failure, and the worker goes on serving.
+
+One file because it is one object: :class:`WarmProcess` owns one process, one
+socket and the locks between them, and its start, jobs and stop are the states
+of that one worker.
 """
 
 from __future__ import annotations
@@ -195,7 +199,7 @@ def _size(nbytes: int, scale: int) -> str:
     return f"{nbytes} B"
 
 
-class _Failure(Exception):
+class _Failure(GpuwardenError):
     """Why waiting for the worker ended; turned into a ServeError after the stop."""
 
     def __init__(self, kind: ServeFailure, reason: str, *, with_exit: bool = False) -> None:
@@ -506,52 +510,19 @@ class WarmProcess:
         stale: list[dict[str, Any]] = []
         self._busy = True
         try:
-            if self._stopping.is_set():
-                raise _Failure("stopped", f"the serve worker was stopped: {self._stop_reason}")
-            channel = self._channel
-            assert channel is not None
-            job = {
-                "type": "job",
-                "epoch": self._epoch,
-                "job": job_id,
-                "attempt": attempt,
-                "params": dict(params),
-                "input_dir": str(input_dir),
-                "output_dir": str(output_dir),
-                "scratch_dir": str(scratch_dir),
-            }
-            try:
-                channel.send(job, timeout_s=SEND_TIMEOUT_S)
-            except TimeoutError:
-                raise _Failure(
-                    "timeout", f"the serve worker did not take a job within {SEND_TIMEOUT_S:g} s"
-                ) from None
-            deadline = time.monotonic() + timeout_s if timeout_s < math.inf else None
-
-            def late() -> _Failure:
-                return _Failure(
-                    "timeout",
-                    f"job {job_id} attempt {attempt} got no result within {timeout_s:g} s "
-                    f"(the serve worker hung)",
-                )
-
-            while True:
-                msg = self._receive(deadline, late)
-                if (
-                    msg["type"] == "result"
-                    and msg["epoch"] == self._epoch
-                    and msg.get("job") == job_id
-                    and msg.get("attempt") == attempt
-                    and not isinstance(msg.get("attempt"), bool)
-                ):
-                    ok = field(msg, "ok", bool)
-                    message = optional_field(msg, "message", str)
-                    error = optional_field(msg, "error", str)
-                    if not ok and error is None:
-                        error = "the worker reported a failure without an error"
-                    return JobReport(ok, message, None if ok else error, stale)
-                log.debug("serve worker epoch %d: dropped %r", self._epoch, msg)
-                stale.append(msg)
+            self._send_job(
+                {
+                    "type": "job",
+                    "epoch": self._epoch,
+                    "job": job_id,
+                    "attempt": attempt,
+                    "params": dict(params),
+                    "input_dir": str(input_dir),
+                    "output_dir": str(output_dir),
+                    "scratch_dir": str(scratch_dir),
+                }
+            )
+            return self._await_result(job_id, attempt, timeout_s, stale)
         except ProtocolError as exc:
             raise self._fail(
                 _Failure("protocol", f"protocol error: {exc.message}"), stale
@@ -569,6 +540,52 @@ class WarmProcess:
             raise self._fail(failure, stale) from None
         finally:
             self._busy = False
+
+    def _send_job(self, job: dict[str, Any]) -> None:
+        """Send the ``job`` message; a worker that does not take it in
+        :data:`SEND_TIMEOUT_S` is stuck."""
+        if self._stopping.is_set():
+            raise _Failure("stopped", f"the serve worker was stopped: {self._stop_reason}")
+        channel = self._channel
+        assert channel is not None
+        try:
+            channel.send(job, timeout_s=SEND_TIMEOUT_S)
+        except TimeoutError:
+            raise _Failure(
+                "timeout", f"the serve worker did not take a job within {SEND_TIMEOUT_S:g} s"
+            ) from None
+
+    def _await_result(
+        self, job_id: str, attempt: int, timeout_s: float, stale: list[dict[str, Any]]
+    ) -> JobReport:
+        """Wait up to ``timeout_s`` for the job's ``result``; any other message is
+        dropped into ``stale``."""
+        deadline = time.monotonic() + timeout_s if timeout_s < math.inf else None
+
+        def late() -> _Failure:
+            return _Failure(
+                "timeout",
+                f"job {job_id} attempt {attempt} got no result within {timeout_s:g} s "
+                f"(the serve worker hung)",
+            )
+
+        while True:
+            msg = self._receive(deadline, late)
+            if (
+                msg["type"] == "result"
+                and msg["epoch"] == self._epoch
+                and msg.get("job") == job_id
+                and msg.get("attempt") == attempt
+                and not isinstance(msg.get("attempt"), bool)
+            ):
+                ok = field(msg, "ok", bool)
+                message = optional_field(msg, "message", str)
+                error = optional_field(msg, "error", str)
+                if not ok and error is None:
+                    error = "the worker reported a failure without an error"
+                return JobReport(ok, message, None if ok else error, stale)
+            log.debug("serve worker epoch %d: dropped %r", self._epoch, msg)
+            stale.append(msg)
 
     # -- waiting --------------------------------------------------------------
 

@@ -206,7 +206,7 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
 
 def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
     """Why no agent took a queued job, where nodes are enrolled (else nothing)."""
-    from gpuwarden.cluster.coordinator import explain_placement
+    from gpuwarden.cluster.report import explain_placement
     from gpuwarden.store.cluster import ClusterStore
 
     if not isinstance(store, ClusterStore):
@@ -216,7 +216,7 @@ def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
 
 def _cluster_running_lines(job: Job, store: Store) -> list[str]:
     """Which node runs a leased job, and whether that node is silent (else nothing)."""
-    from gpuwarden.cluster.coordinator import explain_running
+    from gpuwarden.cluster.report import explain_running
     from gpuwarden.store.cluster import ClusterStore
 
     if not isinstance(store, ClusterStore):

@@ -28,7 +28,7 @@ from gpuwarden.api.context import (
     get_scope,
     set_target,
 )
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut, Explanation, JobDetail, JobIn, JobOut
 from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster import coordinator
@@ -74,7 +74,7 @@ def visible_job(ctx: ApiContext, who: Principal, access: Scope, job_id: str) -> 
             mine = ctx.store.get_job(prefix + job_id)
             job = mine if mine is not None and mine.owner == who.token_id else None
     if job is None:
-        raise ApiError(404, f"no job with id {job_id!r} (GET /v1/jobs lists yours)")
+        raise HttpError(404, f"no job with id {job_id!r} (GET /v1/jobs lists yours)")
     return job
 
 
@@ -130,7 +130,7 @@ def submit_job(
     if body.id is not None:
         set_target(request, body.id)
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
-        raise ApiError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
+        raise HttpError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
     jobtype = ctx.registry.get(body.type)
     _refuse_file_inputs(jobtype, body)
     vram = math.ceil(body.vram_gib * GIB) if body.vram_gib is not None else None
@@ -260,7 +260,7 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
     """Cancel a queued job at once, or ask the broker to stop a running one."""
     job = visible_job(ctx, who, access, job_id)
     if job.state.terminal:
-        raise ApiError(
+        raise HttpError(
             409, f"job {job.id} has already ended ({job.state.value}); nothing to cancel"
         )
     job = ctx.store.request_cancel(job.id, now=ctx.clock())
@@ -288,7 +288,7 @@ def job_result(job_id: str, ctx: Ctx, who: Who, access: Access) -> dict[str, Any
     """The job's result.json (SPEC.md section 5), once it has ended."""
     job = visible_job(ctx, who, access, job_id)
     if not job.state.terminal:
-        raise ApiError(
+        raise HttpError(
             409, f"job {job.id} is {job.state.value}: its result exists once it has ended"
         )
     return result_json(job, ctx.store.attempts(job.id))
@@ -307,24 +307,24 @@ def job_output(
     job = visible_job(ctx, who, access, job_id)
     rel = files.check_name(path, "output path", raw_path=request.scope.get("raw_path"))
     if job.state is not JobState.DONE:
-        raise ApiError(
+        raise HttpError(
             409, f"job {job.id} is {job.state.value}: outputs are returned for done jobs only"
         )
     outputs = [str(p) for p in job.result.get("outputs", [])]
     if rel not in outputs:
         listed = ", ".join(outputs) if len(outputs) <= 20 else f"{len(outputs)} files"
-        raise ApiError(
+        raise HttpError(
             404,
             f"job {job.id} has no output {files.shown(rel)} (its outputs: {listed or 'none'}; "
             f"GET /v1/jobs/{job.id}/result lists them)",
         )
     out_dir = job.result.get("output_dir")
     if not out_dir:
-        raise ApiError(404, f"output {files.shown(rel)} of job {job.id} is not on this host")
+        raise HttpError(404, f"output {files.shown(rel)} of job {job.id} is not on this host")
     try:
         fd, st = files.open_below(Path(str(out_dir)), rel)
     except files.NotServed as exc:
-        raise ApiError(
+        raise HttpError(
             404,
             f"output {files.shown(rel)} of job {job.id} is not served: it {exc.why} (only "
             "regular files reached through no link are)",
