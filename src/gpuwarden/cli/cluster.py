@@ -50,7 +50,6 @@ from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore
-from gpuwarden.store.postgres import PostgresStore, redact_url
 from gpuwarden.store.sqlite import SqliteStore
 
 
@@ -228,6 +227,10 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 def _coordinator_store(db: str | None, config: Config) -> tuple[Store, str]:
     """The store ``--db`` names (else the config's), and where it is, as shown."""
     if db and db.startswith(DATABASE_URL_PREFIXES):
+        # psycopg (PostgreSQL only) loads when it is used, as in app.open_store:
+        # every other command starts without it (the one lazy import of the CLI)
+        from gpuwarden.store.postgres import PostgresStore, redact_url
+
         return PostgresStore(db), redact_url(db)
     if db:
         path = Path(db).expanduser().resolve()
