@@ -458,6 +458,6 @@ def test_the_coordinator_client_refuses_to_read_a_link_or_a_fifo(rig: Rig, tmp_p
 
 
 def test_the_cli_names_the_same_variable() -> None:
-    from gpuwarden.cluster import cli as cluster_cli
+    from gpuwarden.cli import cluster as cluster_cli
 
     assert cluster_cli.ENROLL_ENV == ENROLL_ENV == "GPUWARDEN_ENROLL_TOKEN"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwarden import cli
 from gpuwarden.api.routers import logs as logs_route
+from gpuwarden.cli.common import did_you_mean, printable
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.node import joblogs
@@ -178,8 +178,8 @@ def test_a_read_stops_at_the_size_the_file_had(tmp_path: Path) -> None:
 
 
 def test_terminal_output_is_escaped() -> None:
-    assert cli.printable("ok\tfine\n") == "ok\tfine\n"
-    assert cli.printable("\x1b]0;pwned\x07red\r\x9b2J") == "\\x1b]0;pwned\\x07red\\r\\x9b2J"
+    assert printable("ok\tfine\n") == "ok\tfine\n"
+    assert printable("\x1b]0;pwned\x07red\r\x9b2J") == "\\x1b]0;pwned\\x07red\\r\\x9b2J"
 
 
 @pytest.mark.parametrize(
@@ -193,4 +193,4 @@ def test_terminal_output_is_escaped() -> None:
     ],
 )
 def test_did_you_mean(word: str, candidates: list[str], said: str) -> None:
-    assert cli.did_you_mean(word, candidates) == said
+    assert did_you_mean(word, candidates) == said
