@@ -19,7 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpuwarden import safefs
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.app import Node, open_node
 from gpuwarden.cluster import coordinator as co

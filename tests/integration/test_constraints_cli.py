@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from gpuwarden import cli
 from gpuwarden import client as c
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.cli import common
 from gpuwarden.cli.submit import parse_constraints

@@ -45,6 +45,8 @@ TOKEN_PREFIX = "gw_"  # noqa: S105 - a prefix, not a secret
 _TOKEN = re.compile(r"^gw_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 #: the actor of what the machine's owner does through the CLI on the host
 LOCAL = "local"
+#: how long an enrolment token from ``node invite`` is valid
+INVITE_TTL_S = 15 * 60.0
 
 
 class Scope(StrEnum):

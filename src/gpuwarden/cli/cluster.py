@@ -20,9 +20,7 @@ from urllib.parse import parse_qsl, urlsplit
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden.api import create_app
-from gpuwarden.api.auth import issue_token
-from gpuwarden.api.routers.nodes import INVITE_TTL_S, install_coordinator, set_coordinator_url
+from gpuwarden.api.auth import INVITE_TTL_S, issue_token
 from gpuwarden.app import open_store
 from gpuwarden.cli.common import (
     Commands,
@@ -195,9 +193,9 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         # the coordinator runs nothing: each agent's own launch rules decide what its
         # node runs, and placement and submission judge by what the agents report
         registry = Registry.load(config.module_paths, LaunchRules.unchecked())
-        app = create_app(store, registry, config)
-        install_coordinator(app)
-        api = ApiThread(app, host, port, name="gpuwarden-coordinator")
+        api = ApiThread(
+            store, registry, config, host, port, name="gpuwarden-coordinator", coordinator=True
+        )
 
         def on_signal(_signum: int, _frame: Any) -> None:
             api.server.should_exit = True
@@ -210,7 +208,7 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
                 "address of this host?)"
             )
         url = config.cluster.coordinator_url or advertised_url(*api.bound)
-        set_coordinator_url(app, url)
+        api.advertise(url)
         _say_listening(api, url=url, config=config, where=where, registry=registry, roots=roots)
         if roots:
             # bundles in, result bundles out; agents run the jobs

@@ -20,7 +20,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden import __version__, safefs
-from gpuwarden.api import create_app
 from gpuwarden.app import open_node, open_store
 from gpuwarden.cli.common import (
     Commands,
@@ -226,9 +225,7 @@ class _ApiServer:
 
     def __init__(self, config: Config, registry: Registry, host: str, port: int) -> None:
         self.store = open_store(config)
-        self.http = ApiThread(
-            create_app(self.store, registry, config), host, port, name="gpuwarden-api"
-        )
+        self.http = ApiThread(self.store, registry, config, host, port, name="gpuwarden-api")
         if not self.http.start():
             self.store.close()
             raise UserError(

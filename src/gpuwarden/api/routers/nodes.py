@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import files
-from gpuwarden.api.auth import Principal, issue_token
+from gpuwarden.api.auth import INVITE_TTL_S, Principal, issue_token
 from gpuwarden.api.context import (
     ApiContext,
     action,
@@ -57,8 +57,6 @@ from gpuwarden.intake.jobs import JOB_ID
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
-#: how long an enrolment token from ``node invite`` is valid
-INVITE_TTL_S = 15 * 60.0
 #: the upload route, whose bodies may be as large as ``api.max_output_mib``
 UPLOAD_PATH = re.compile(r"/v1/node/jobs/[^/]+/outputs/.+")
 
