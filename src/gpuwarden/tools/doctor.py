@@ -52,6 +52,7 @@ from gpuwarden.gpu.base import GpuProbe, GpuReading
 from gpuwarden.intake.queueroot import SUBFOLDERS
 from gpuwarden.launch.base import LaunchRequest, inside_path
 from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
+from gpuwarden.node.attempts import AttemptLayout, job_env
 from gpuwarden.registry import Registry
 
 __all__ = ["CHECKS", "Check", "Host", "Status", "render", "run_checks", "run_doctor"]
@@ -840,7 +841,8 @@ def _run_probe(
     gpu: GpuReading | None,
 ) -> ProbeRun:
     """Run ``jobtype`` once through ``launcher`` with a request built as the broker
-    builds one (see ``Broker._request``), in a folder under the state directory."""
+    builds one (``gpuwarden.node.attempts.Launching.request``: the same folder
+    layout and job environment), in a folder under the state directory."""
     base = config.state_dir / "doctor"
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="doctor-", dir=base))
@@ -894,22 +896,21 @@ def _probe_request(
     work: Path,
     target: str,
 ) -> LaunchRequest:
-    input_dir, out_dir, scratch, report = (work / d for d in ("inputs", "out", "scratch", "report"))
-    for d in (input_dir, out_dir, scratch, report):
+    layout = AttemptLayout(work, sandboxed=True)
+    for d in layout.folders():
         d.mkdir(mode=0o755)
-    params_path = work / "params.json"
     weights = config.sandbox.weights_dir
     mounts = mounts_for(
         module_dir=jobtype.module_dir,
-        input_dir=str(input_dir),
-        output_dir=str(out_dir),
-        scratch_dir=str(scratch),
-        report_dir=str(report),
-        params_file=str(params_path),
+        input_dir=str(layout.inputs),
+        output_dir=str(layout.out),
+        scratch_dir=str(layout.scratch),
+        report_dir=str(layout.report),
+        params_file=str(layout.params),
         weights_dir=str(weights) if weights is not None else None,
         scratch_bytes=int(config.sandbox.scratch_mib * MIB),
     )
-    given = input_dir / "doctor-input.txt"
+    given = layout.inputs / "doctor-input.txt"
     given.write_text("gpuwarden doctor: an input the job may read but not write\n")
     marker = work / f"marker-{secrets.token_hex(6)}"  # beside the mounts, never in one
     marker.write_text("a host file no sandbox may see\n")
@@ -920,24 +921,18 @@ def _probe_request(
     }
     if jobtype.param("cuda") is not None:
         params["cuda"] = True
-    params_path.write_text(json.dumps(params, indent=2))
+    layout.params.write_text(json.dumps(params, indent=2))
     gpu_uuid = gpu.uuid if gpu is not None else None
-    env = dict(host.probe.job_env(gpu_uuid)) if host.probe else {"CUDA_VISIBLE_DEVICES": ""}
-    env.update(
-        {
-            "PYTHONUNBUFFERED": "1",
-            "GPUWARDEN_JOB_ID": f"doctor-{jobtype.name}",
-            "GPUWARDEN_JOB_TYPE": jobtype.name,
-            "GPUWARDEN_ATTEMPT_NUMBER": "1",
-            "GPUWARDEN_PARAMS": str(params_path),
-            "GPUWARDEN_INPUT_DIR": str(input_dir),
-            "GPUWARDEN_OUTPUT_DIR": str(out_dir),
-            "GPUWARDEN_SCRATCH_DIR": str(scratch),
-            "GPUWARDEN_RESULT": str(report / "message.json"),
-        }
+    # the probe's GPU variables alone: none of the broker's own environment
+    base = dict(host.probe.job_env(gpu_uuid)) if host.probe else {"CUDA_VISIBLE_DEVICES": ""}
+    env = job_env(
+        layout,
+        job_id=f"doctor-{jobtype.name}",
+        job_type=jobtype.name,
+        attempt=1,
+        base=base,
+        weights_dir=weights,
     )
-    if weights is not None:
-        env["GPUWARDEN_WEIGHTS_DIR"] = str(weights)
     return LaunchRequest(
         job_id=f"doctor-{jobtype.name}",
         attempt=1,
