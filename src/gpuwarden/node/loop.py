@@ -124,28 +124,6 @@ class Broker:
         #: names this broker's processes: stable across restarts of the same node and
         #: state directory, so recovery finds (only) what an earlier run left
         self.instance = f"{self.node}-{sha256(str(settings.state_dir).encode()).hexdigest()[:10]}"
-        self.mailbox = Mailbox()
-        self.vram = VramBook(settings.vram)
-        self.footprints = Footprints(store, step_bytes=settings.vram.step_bytes)
-        self.run_times = RunTimes(store.recent_run_times())
-        self.launching = Launching(
-            settings=settings,
-            probe=probe,
-            registry=registry,
-            sandbox=self.sandbox,
-            instance=self.instance,
-            emit=self.emit,
-        )
-        self.warm = WarmServers(
-            settings=settings,
-            probe_kind=probe.kind,
-            vram=self.vram,
-            footprints=self.footprints,
-            launching=self.launching,
-            mailbox=self.mailbox,
-            emit=self.emit,
-            clock=clock,
-        )
         self._last_error: LoopError | None = None
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
@@ -157,11 +135,41 @@ class Broker:
         #: the last event written to the event log: where the log's own cursor says
         #: (``serve --log``), or the store's latest event
         self._event_cursor = self.events.resume(store.last_event_id())
+        self._build(intake)
+        # said once, as the broker starts and before anything runs: every type that
+        # would run unsandboxed here, and why (each such attempt is an event too)
+        if summary := self.rules.unsandboxed_summary(registry.types.values()):
+            log.warning("%s", summary)
+
+    def _build(self, intake: IntakeFactory) -> None:
+        """Build the collaborators, each given what it depends on."""
+        self.mailbox = Mailbox()
+        self.vram = VramBook(self.settings.vram)
+        self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
+        self.run_times = RunTimes(self.store.recent_run_times())
+        self.launching = Launching(
+            settings=self.settings,
+            probe=self.probe,
+            registry=self.registry,
+            sandbox=self.sandbox,
+            instance=self.instance,
+            emit=self.emit,
+        )
+        self.warm = WarmServers(
+            settings=self.settings,
+            probe_kind=self.probe.kind,
+            vram=self.vram,
+            footprints=self.footprints,
+            launching=self.launching,
+            mailbox=self.mailbox,
+            emit=self.emit,
+            clock=self._clock,
+        )
         #: the queue roots' bundles: intake, results, recovery
         self.queues = intake(self)
         self.attempts = AttemptRunner(
             node=self.node,
-            store=store,
+            store=self.store,
             vram=self.vram,
             launching=self.launching,
             footprints=self.footprints,
@@ -170,13 +178,9 @@ class Broker:
             emit=self.emit,
             on_error=self.record_error,
             touch=self.queues.touch,
-            max_interruptions=settings.max_interruptions,
-            clock=clock,
+            max_interruptions=self.settings.max_interruptions,
+            clock=self._clock,
         )
-        # said once, as the broker starts and before anything runs: every type that
-        # would run unsandboxed here, and why (each such attempt is an event too)
-        if summary := self.rules.unsandboxed_summary(registry.types.values()):
-            log.warning("%s", summary)
 
     @property
     def clock(self) -> Clock:
