@@ -14,14 +14,16 @@ it is built:
 - ``attempts`` (:class:`gpuwarden.node.runner.AttemptRunner`): host and container
   attempts, from their start to their recorded end;
 - ``warm`` (:class:`gpuwarden.node.warm.WarmServers`): the serve types' servers;
-- ``vram`` (:class:`gpuwarden.node.vram.VramBook`): the ledger and what the
-  probe shows; ``footprints`` and ``run_times`` (:mod:`gpuwarden.node.measured`);
+- ``gpus`` (:class:`gpuwarden.node.gpus.GpuWatch`): the probe read, a GPU's Xid
+  answered; ``vram`` (:class:`gpuwarden.node.vram.VramBook`): the ledger;
+- ``footprints`` and ``run_times`` (:mod:`gpuwarden.node.measured`): what the
+  node learned from its attempts;
 - ``launching`` (:class:`gpuwarden.node.attempts.Launching`): how an attempt is
-  laid out and launched here.
+  laid out and launched here;
+- at start, :class:`gpuwarden.node.recovery.Recovery`: what an earlier run left.
 
 What the loop decides itself: what to start (:func:`gpuwarden.core.policy.plan`
-on a snapshot), what a GPU's Xid means, what is left after a crash (recovery),
-and what it publishes (:class:`gpuwarden.node.status.BrokerStatus`).
+on a snapshot) and what it publishes (:class:`gpuwarden.node.status.BrokerStatus`).
 """
 
 from __future__ import annotations
@@ -36,17 +38,17 @@ from typing import Any
 
 from gpuwarden import faults
 from gpuwarden.core import policy
-from gpuwarden.core.classify import xid_kind
 from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import GpuProbeError, ValidationError
+from gpuwarden.errors import ValidationError
 from gpuwarden.eventlog import EventLog, NullLog
-from gpuwarden.gpu.base import GpuProbe, GpuReading
+from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake, result_json
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
+from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner
@@ -72,9 +74,6 @@ from gpuwarden.store.base import NodeStatus, Store
 __all__ = ["Broker", "IntakeFactory", "result_json"]
 
 log = logging.getLogger("gpuwarden.node.loop")
-
-#: operator requests (gpu clear) are looked for this often
-_REQUESTS_EVERY_S = 0.5
 
 #: at most this many wait reasons go into the status row
 _STATUS_WAITING_MAX = 1000
@@ -127,10 +126,6 @@ class Broker:
         self._last_error: LoopError | None = None
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
-        self._last_requests_check = 0.0
-        self._readings: list[GpuReading] = []
-        self._probe_error = ""
-        self._observed_at = -1.0
         self._waits: dict[str, str] = {}
         #: the last event written to the event log: where the log's own cursor says
         #: (``serve --log``), or the store's latest event
@@ -180,6 +175,14 @@ class Broker:
             touch=self.queues.touch,
             max_interruptions=self.settings.max_interruptions,
             clock=self._clock,
+        )
+        self.gpus = GpuWatch(
+            probe=self.probe,
+            vram=self.vram,
+            store=self.store,
+            attempts=self.attempts,
+            warm=self.warm,
+            emit=self.emit,
         )
 
     @property
@@ -375,7 +378,7 @@ class Broker:
             running_cpu=sum(1 for r in self.attempts if r.jobtype.lane is Lane.CPU),
             cpu_slots=self.settings.cpu_slots,
             accepting=self.accepting,
-            vram_paused=f"the GPU probe failed: {self._probe_error}" if self._probe_error else "",
+            vram_paused=f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else "",
             warm=self.warm.views(),
         )
 
@@ -448,64 +451,13 @@ class Broker:
 
     def _observe(self, now: float) -> None:
         """Read the probe (once per tick at most) and let the VRAM book take it in."""
-        if self._observed_at == now:
-            return
-        self._observed_at = now
-        try:
-            self._readings = self.probe.read()
-        except GpuProbeError as exc:
-            if not self._probe_error:
-                self.emit("probe_failed", reason=exc.message)
-            self._probe_error = exc.message  # admission fails closed
-            return
-        if self._probe_error:
-            self.emit("probe_recovered")
-        self._probe_error = ""
-        for event in self.vram.observe(self._readings, now):
-            kind = event.pop("event")
-            if kind == "gpu_xid":
-                self._on_xid(event["gpu"], int(event["xid"]))
-                continue
-            self.emit(kind, **event)
+        if self.gpus.observe(now):
             self._status_dirty = True
-
-    def _on_xid(self, gpu: str, code: int) -> None:
-        """A GPU reported an Xid. A critical one stops VRAM admission there until an
-        operator clears it, and its jobs go back to the queue as infrastructure
-        failures; an application one fails the jobs running there; others are logged."""
-        kind = xid_kind(code)
-        self.emit("gpu_xid", gpu=gpu, xid=code, severity=kind)
-        if kind == "other":
-            return
-        if kind == "critical":
-            reason = (
-                f"Xid {code}: check `nvidia-smi -q` and the kernel log (dmesg) on this host; "
-                f"once fixed, `gpuwarden gpu clear {gpu}` (or a broker restart) resumes it"
-            )
-            self.vram.fault(gpu, reason)
-            self.emit("gpu_fault", gpu=gpu, xid=code, reason=reason)
-            self.warm.stop_idle_on(gpu, f"its GPU reported Xid {code}")
-        for run in self.attempts:
-            if run.attempt.gpu_uuid != gpu or run.stop_reason is not None:
-                continue
-            run.stop_reason = "gpu_fault" if kind == "critical" else "app_error"
-            run.fault = f"Xid {code}"
-            run.stop.set()
-            if run.server is not None and run.server.state is not ServerState.STOPPING:
-                self.warm.stop(run.server, f"its GPU reported Xid {code}")
-        self._status_dirty = True
 
     def _operator_requests(self, now: float) -> None:
         """Carry out what operators asked through the store (``gpuwarden gpu clear``)."""
-        if now - self._last_requests_check < _REQUESTS_EVERY_S:
-            return
-        self._last_requests_check = now
-        for gpu in self.store.take_gpu_clears(now=now):
-            if self.vram.clear_fault(gpu):
-                self.emit("gpu_fault_cleared", gpu=gpu)
-                self._status_dirty = True
-            else:
-                self.emit("gpu_clear_ignored", gpu=gpu, reason="no fault on that GPU here")
+        if self.gpus.operator_requests(now):
+            self._status_dirty = True
 
     def check_fits(self, specs: list[JobSpec]) -> None:
         """Refuse, at submission, a job whose footprint exceeds every GPU here."""
@@ -535,7 +487,7 @@ class Broker:
                 waiting += self.footprints.of(jobtype, job.vram_bytes)
         return gpu_reports(
             self.vram.views(),
-            used={r.uuid: r.used_bytes for r in self._readings},
+            used={r.uuid: r.used_bytes for r in self.gpus.readings},
             evictable=self.warm.evictable(),
             waiting=waiting,
         )
@@ -578,7 +530,7 @@ class Broker:
             stopped=stopped,
             accepting=self.accepting,
             probe=self.probe.kind,
-            probe_error=self._probe_error,
+            probe_error=self.gpus.error,
             gpus=tuple(
                 GpuStatus(
                     uuid=g.uuid,
@@ -588,7 +540,7 @@ class Broker:
                     processes=tuple(ProcessUse(p.pid, p.used_bytes) for p in g.processes),
                     view=views.get(g.uuid),
                 )
-                for g in self._readings
+                for g in self.gpus.readings
             ),
             degraded=self.vram.degraded(),
             footprints={
