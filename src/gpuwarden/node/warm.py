@@ -65,7 +65,9 @@ class WarmServers:
         clock: Callable[[], float],
     ) -> None:
         self.settings = settings
-        #: on a real GPU a worker must say how much of its model is on the device
+        #: on a real GPU a worker must say how much of its model is on the device. The
+        #: simulated GPU has no device for a real model: a worker that reports no
+        #: figure there (it runs on the CPU by design) is not checked
         self.strict = probe_kind != "sim"
         self.vram = vram
         self.footprints = footprints
@@ -233,9 +235,7 @@ class WarmServers:
         try:
             if load:
                 report = self._load(server)
-                self.mailbox.post(
-                    ServerNote(server.type.name, server.epoch, "loaded", report=report)
-                )
+                self._note(server, "loaded", report=report)
                 stage = "failed"
             self._serve_one(server, run, started)
         except ServeError as exc:
@@ -245,9 +245,7 @@ class WarmServers:
                 self.mailbox.post(
                     self._served_result(run, started=started, limit_exceeded=exc.message)
                 )
-                self.mailbox.post(
-                    ServerNote(server.type.name, server.epoch, "gone", reason=exc.message)
-                )
+                self._note(server, "gone", reason=exc.message)
                 return
             self._lost(server, run, started, f"it {stage}: {exc}; its processes are confirmed gone")
         except ExchangeError as exc:
@@ -273,16 +271,11 @@ class WarmServers:
 
     def _load(self, server: WarmServer) -> LoadReport:
         jobtype = server.type
-        # On a real GPU a worker must say how much of its model is on the device. The
-        # simulated GPU has no device for a real model: a worker that reports no
-        # figure there (it runs on the CPU by design) is not checked.
         strict = self.strict
         expected = jobtype.expected_device_bytes
         report = server.worker.start(
             jobtype.load_timeout_s,
-            on_pid=lambda pid: self.mailbox.post(
-                ServerNote(jobtype.name, server.epoch, "pid", pid=pid)
-            ),
+            on_pid=lambda pid: self._note(server, "pid", pid=pid),
             expected_device_bytes=expected if strict else None,
         )
         why = None if strict or report.device_bytes is None else placement_check(report, expected)

@@ -5,6 +5,11 @@ A server's life: ``loading`` (its first job waits for it) -> ``busy`` (a job
 runs on it) <-> ``idle`` -> ``stopping`` (evicted, or it failed) -> gone. While it
 exists its memory is a ``warm`` holding in the VRAM ledger; once its process is
 confirmed gone the holding goes through the reclaim gate like an attempt's.
+
+The data only (a server and its state, the pool of them); driving them is
+:mod:`gpuwarden.node.warm`'s. It stays apart so that a running attempt
+(:mod:`gpuwarden.node.running`) can name its server without importing what
+drives it.
 """
 
 from __future__ import annotations
