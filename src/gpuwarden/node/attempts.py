@@ -46,6 +46,7 @@ from gpuwarden.node.running import RunningAttempt
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.registry import Registry
 
+#: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
 
 #: the broker's environment variables that pass on to a job

@@ -42,6 +42,7 @@ from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState
 from gpuwarden.store.base import Store
 
+#: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
 
 Emit = Callable[..., None]

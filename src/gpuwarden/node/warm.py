@@ -44,6 +44,7 @@ from gpuwarden.node.status import WarmStatus
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState, WarmPool, WarmServer
 
+#: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
 
 Emit = Callable[..., None]
