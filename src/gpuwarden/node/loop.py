@@ -267,6 +267,7 @@ class Broker:
             if run.thread is not None:
                 run.thread.join()
         self.warm.stop_all("the broker is shutting down")
+        # a real wait, whatever the loop's clock says: processes take real time to go
         deadline = time.monotonic() + 60
         while len(self.warm) and time.monotonic() < deadline:
             self._drain(self.clock())
