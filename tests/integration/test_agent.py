@@ -23,14 +23,9 @@ from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.app import Node, open_node
 from gpuwarden.cluster import coordinator as co
-from gpuwarden.cluster.agent import (
-    ENROLL_ENV,
-    Agent,
-    Coordinator,
-    CredentialRefused,
-    enroll,
-    enrolment_token,
-)
+from gpuwarden.cluster.coordinator_client import Coordinator, CredentialRefused, enroll
+from gpuwarden.cluster.enrolment import ENROLL_ENV, enrolment_token
+from gpuwarden.cluster.sync import Agent
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState

@@ -94,7 +94,7 @@ def test_bundle_runs_and_result_lands_in_outbox(node: Node, tmp_path: Path) -> N
     assert (out / "a.txt").read_text() == "hi a"
     root = node.broker.roots[0]
     assert list(root.processing.iterdir()) == []
-    assert not any((node.broker.config.state_dir / "staging").rglob("*.zip"))
+    assert not any((node.config.state_dir / "staging").rglob("*.zip"))
     lines = [json.loads(ln) for ln in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert {"submitted", "transition", "bundle_accepted", "bundle_finished"} <= {
         ln["event"] for ln in lines
@@ -192,7 +192,7 @@ def test_cancel_running_job_stops_its_process(node: Node, tmp_path: Path) -> Non
     spec = JobSpec(id="s", type="testmods.hold", params={"until": str(tmp_path / "never")})
     submit(node, spec)
     run_until(node, lambda: node.broker.running == 1)
-    log = node.broker.config.state_dir / "jobs/s/attempt-1/stdout.log"
+    log = node.config.state_dir / "jobs/s/attempt-1/stdout.log"
     run_until(node, lambda: log.exists() and "holding" in log.read_text())
     pid = int(log.read_text().split()[1].rstrip(":"))
     assert psutil.pid_exists(pid)
@@ -217,7 +217,7 @@ def test_vram_jobs_one_per_gpu_on_sim(node: Node) -> None:
     specs = [JobSpec(id=f"g{i}", type="testmods.gpu", params={"seconds": 0.5}) for i in range(3)]
     submit(node, *specs)
     run_until(node, lambda: node.broker.running == 2)
-    status = node.broker.status()
+    status = node.broker.status().to_json()
     held = {g["uuid"]: [h["job_id"] for h in g["holdings"]] for g in status["gpus"]}
     assert len(held) == 2 and all(len(v) == 1 for v in held.values())
     assert "needs a GPU to itself" in (node.broker.wait_reason("g2") or "")

@@ -38,7 +38,8 @@ from gpuwarden.cli.httpserver import ApiThread
 from gpuwarden.client import Client
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster import report
-from gpuwarden.cluster.agent import ENROLL_ENV, enrolment_token, parse_labels, run_agent
+from gpuwarden.cluster.agent import run_agent
+from gpuwarden.cluster.enrolment import ENROLL_ENV, enrolment_token, parse_labels
 from gpuwarden.cluster.queues import QueueWatcher
 from gpuwarden.config import DATABASE_URL_PREFIXES, Config
 from gpuwarden.core.launchrules import LaunchRules, Runtime

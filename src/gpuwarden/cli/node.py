@@ -42,8 +42,8 @@ from gpuwarden.core.model import Job, format_bytes
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.eventlog import CURSOR_FILE, EventLog, NullLog
+from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
-from gpuwarden.node.loop import result_json
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Submission
 

@@ -46,8 +46,8 @@ from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.bundlewrite import write_bundle
 from gpuwarden.intake.jobs import new_job_id, prepare
 from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
-from gpuwarden.node.loop import result_json
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store, Submission
 from gpuwarden.store.cluster import ClusterStore, NodeState

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from gpuwarden.core import policy
+from gpuwarden.cluster.report import explain_placement, explain_running
+from gpuwarden.core import footprint, policy
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store
+from gpuwarden.store.cluster import ClusterStore
 
 #: a status older than this is not trusted for a preview (the probe is read instead)
 FRESH_S = 120.0
@@ -46,7 +48,7 @@ class View:
 
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
     measured = store.footprints().get(jobtype.name)
-    return max(override or jobtype.vram_bytes, measured.bytes if measured else 0)
+    return footprint.effective(jobtype.vram_bytes, override, measured.bytes if measured else 0)
 
 
 def latest_status(store: Store, now: float) -> NodeStatus | None:
@@ -60,13 +62,18 @@ def latest_status(store: Store, now: float) -> NodeStatus | None:
 
 
 def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
-    p: dict[str, Any] = status.payload
-    gpus = tuple(policy.GpuView.from_json(g) for g in p.get("gpus", []) if "holdings" in g)
+    published = BrokerStatus.from_json(status.payload)
     age = time.time() - status.updated_at
-    paused = f"the GPU probe failed: {p['probe_error']}" if p.get("probe_error") else ""
-    warm = tuple(policy.WarmView.from_json(w) for w in p.get("warm_views", []))
+    paused = f"the GPU probe failed: {published.probe_error}" if published.probe_error else ""
     source = f"broker on {status.node}, {age:.0f} s ago"
-    return View(gpus, cpu_slots, source, p.get("waiting", {}), paused, warm)
+    return View(
+        published.gpu_views(),
+        cpu_slots,
+        source,
+        dict(published.waiting),
+        paused,
+        published.warm_views,
+    )
 
 
 def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View:
@@ -95,7 +102,9 @@ def queued_entries(
             continue
         need = 0
         if jobtype.lane is Lane.VRAM:
-            need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+            need = footprint.effective(
+                jobtype.vram_bytes, job.vram_bytes, footprints.get(jobtype.name, 0)
+            )
         out.append(
             policy.QueuedJob(
                 id=job.id,
@@ -206,9 +215,6 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
 
 def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
     """Why no agent took a queued job, where nodes are enrolled (else nothing)."""
-    from gpuwarden.cluster.report import explain_placement
-    from gpuwarden.store.cluster import ClusterStore
-
     if not isinstance(store, ClusterStore):
         return []
     return explain_placement(store, registry, job, time.time())
@@ -216,9 +222,6 @@ def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
 
 def _cluster_running_lines(job: Job, store: Store) -> list[str]:
     """Which node runs a leased job, and whether that node is silent (else nothing)."""
-    from gpuwarden.cluster.report import explain_running
-    from gpuwarden.store.cluster import ClusterStore
-
     if not isinstance(store, ClusterStore):
         return []
     return explain_running(store, job, time.time())

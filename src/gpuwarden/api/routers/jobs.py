@@ -37,8 +37,8 @@ from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
+from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
-from gpuwarden.node.loop import result_json
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.cluster import ClusterStore
 
