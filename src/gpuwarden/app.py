@@ -21,6 +21,7 @@ from gpuwarden.eventlog import EventLog
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.gpu.select import open_probe
 from gpuwarden.gpu.sim import SimGpuConfig
+from gpuwarden.intake.manifest import BundleLimits
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
 from gpuwarden.launch.base import Launcher
@@ -58,7 +59,8 @@ def open_store(config: Config, *, check: bool = False) -> Store:
             "config key 'database' must be \"\" (SQLite in the state directory) or a "
             "PostgreSQL URL postgresql://USER@HOST:PORT/DBNAME"
         )
-    from gpuwarden.store.postgres import PostgresStore  # psycopg only when it is used
+    # psycopg only when it is used: every other command starts without it
+    from gpuwarden.store.postgres import PostgresStore  # noqa: PLC0415
 
     return PostgresStore(config.database)
 
@@ -128,6 +130,14 @@ def node_settings(config: Config) -> NodeSettings:
     )
 
 
+def bundle_limits(config: Config) -> BundleLimits:
+    """The config's ``[limits]`` for a bundle, in bytes, as intake checks them."""
+    zip_bytes, entries, unpacked, jobs = config.bundle_limits_bytes()
+    return BundleLimits(
+        max_zip_bytes=zip_bytes, max_entries=entries, max_unpacked_bytes=unpacked, max_jobs=jobs
+    )
+
+
 def queue_intake(
     config: Config, store: Store, registry: Registry, roots: list[QueueRoot]
 ) -> IntakeFactory:
@@ -138,7 +148,8 @@ def queue_intake(
         return QueueIntake(
             store=store,
             registry=registry,
-            config=config,
+            staging_dir=config.state_dir / "staging",
+            limits=bundle_limits(config),
             roots=roots,
             emit=broker.emit,
             on_error=broker.record_error,

@@ -228,8 +228,8 @@ def _coordinator_store(db: str | None, config: Config) -> tuple[Store, str]:
     """The store ``--db`` names (else the config's), and where it is, as shown."""
     if db and db.startswith(DATABASE_URL_PREFIXES):
         # psycopg (PostgreSQL only) loads when it is used, as in app.open_store:
-        # every other command starts without it (the one lazy import of the CLI)
-        from gpuwarden.store.postgres import PostgresStore, redact_url
+        # every other command starts without it
+        from gpuwarden.store.postgres import PostgresStore, redact_url  # noqa: PLC0415
 
         return PostgresStore(db), redact_url(db)
     if db:

@@ -26,11 +26,11 @@ from gpuwarden import __version__
 from gpuwarden.api.auth import Principal, local_principal
 from gpuwarden.app import open_store
 from gpuwarden.client import Client
+from gpuwarden.cluster import report
 from gpuwarden.config import CONFIG_ENV, STATE_DIR_ENV, Config, load_config
 from gpuwarden.core.model import Job
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError
-from gpuwarden.node import explain
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 
@@ -441,9 +441,8 @@ def wait_here(
                 return job
             if time.monotonic() >= next_note or job.state is not state:
                 state = job.state
-                status = explain.latest_status(store, time.time())
-                view = explain.view_from_status(status, config.broker.cpu_slots) if status else None
-                note = wait_note(explain.explain_job(job, store, registry, view))
+                lines = report.explain(job, store, registry, config.broker.cpu_slots, time.time())
+                note = wait_note(lines)
                 next_note = time.monotonic() + NOTE_EVERY_S
             progress.update(progress_text(job_id, job.state.value, note))
             time.sleep(0.1)

@@ -34,10 +34,10 @@ class ApiThread:
         coordinator: bool = False,
     ) -> None:
         # the web stack, only here (the module docstring says why)
-        import uvicorn
+        import uvicorn  # noqa: PLC0415
 
-        from gpuwarden.api.app import create_app
-        from gpuwarden.api.routers import nodes
+        from gpuwarden.api.app import create_app  # noqa: PLC0415
+        from gpuwarden.api.routers import nodes  # noqa: PLC0415
 
         self.app = create_app(store, registry, config)
         if coordinator:

@@ -23,6 +23,7 @@ from gpuwarden.cli.common import (
     out,
 )
 from gpuwarden.client import Client
+from gpuwarden.cluster import report
 from gpuwarden.core.model import GIB, Attempt, Event, Job, Lane, LaunchMode, format_bytes
 from gpuwarden.core.policy import QueuedJob
 from gpuwarden.core.states import JobState
@@ -295,9 +296,7 @@ def _explain_here(args: argparse.Namespace) -> list[str]:
     try:
         job = _get_job(store, args.job)
         registry = Registry.load(config.module_paths, config.launch_rules)
-        status = explain.latest_status(store, time.time())
-        view = explain.view_from_status(status, config.broker.cpu_slots) if status else None
-        return explain.explain_job(job, store, registry, view)
+        return report.explain(job, store, registry, config.broker.cpu_slots, time.time())
     finally:
         store.close()
 

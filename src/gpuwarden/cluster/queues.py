@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpuwarden.app import bundle_limits
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event
 from gpuwarden.intake.queueroot import QueueRoot
@@ -62,7 +63,8 @@ class QueueWatcher:
         self.intake = QueueIntake(
             store=store,
             registry=registry,
-            config=config,
+            staging_dir=config.state_dir / "staging",
+            limits=bundle_limits(config),
             roots=self.roots,
             emit=self._emit,
             on_error=self._record_error,

@@ -3,8 +3,9 @@
 The node list (:func:`node_json`: ``GET /v1/nodes``, ``gpuwarden node list``),
 ``gpuwarden status`` over a coordinator (:func:`cluster_status`), and why a
 queued job is not taken or where a running one runs (:func:`explain_placement`,
-:func:`explain_running`, for ``gpuwarden explain``). Read only: nothing here
-changes the store.
+:func:`explain_running`), added to the node's own explanation by :func:`explain`
+(``gpuwarden explain``, ``GET /v1/jobs/{id}/explain``, ``submit --wait``). Read
+only: nothing here changes the store.
 """
 
 from __future__ import annotations
@@ -27,8 +28,28 @@ from gpuwarden.core import placement
 from gpuwarden.core.model import Job, Lane, format_bytes
 from gpuwarden.core.placement import NodeView, Offerable
 from gpuwarden.core.states import JobState
+from gpuwarden.node.explain import explain_job, latest_status, view_from_status
 from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore, Lease, NodeRecord, NodeState
+
+
+def explain(job: Job, store: Store, registry: Registry, cpu_slots: int, now: float) -> list[str]:
+    """Where a job stands and, if it waits, why: as the broker last published its
+    view, and, over a coordinator's store, what the enrolled nodes say."""
+    status = latest_status(store, now)
+    view = view_from_status(status, cpu_slots) if status else None
+    if not isinstance(store, ClusterStore):
+        return explain_job(job, store, registry, view)
+    return explain_job(
+        job,
+        store,
+        registry,
+        view,
+        placement=lambda j: explain_placement(store, registry, j, now),
+        running=lambda j: explain_running(store, j, now),
+    )
+
 
 # -- the node list and status ------------------------------------------------------
 

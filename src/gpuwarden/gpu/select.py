@@ -32,7 +32,7 @@ def open_probe(kind: str, *, state_dir: Path, sim: SimGpuConfig) -> GpuProbe:
     if kind == "none":
         return NoGpuProbe()
     # pynvml takes ~80 ms to import: only a host that probes a real GPU pays for it
-    from gpuwarden.gpu.nvml import NvmlProbe
+    from gpuwarden.gpu.nvml import NvmlProbe  # noqa: PLC0415
 
     if kind == "nvml":
         return NvmlProbe()

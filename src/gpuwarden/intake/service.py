@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden import faults, safefs
-from gpuwarden.config import Config
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import BundleError, GpuwardenError, TransitionError, UserError
@@ -252,7 +251,8 @@ class QueueIntake:
         *,
         store: Store,
         registry: Registry,
-        config: Config,
+        staging_dir: Path,
+        limits: BundleLimits,
         roots: Iterable[QueueRoot],
         emit: Emit,
         on_error: OnError,
@@ -263,14 +263,14 @@ class QueueIntake:
     ) -> None:
         self.store = store
         self.registry = registry
-        self.config = config
+        self.limits = limits
         self.roots = list(roots)
         self.emit = emit
         self.on_error = on_error
         self.check = check
         self.clock = clock
         self.remote_outputs = remote_outputs
-        self._staging_dir = config.state_dir / "staging"
+        self._staging_dir = staging_dir
         #: (queue root, bundle name) -> how often reading it failed for reasons not its own
         self._intake_failures: dict[tuple[str, str], int] = {}
         #: bundles (queue root, name) whose jobs changed since the last look
@@ -514,7 +514,7 @@ class QueueIntake:
             if existing is not None:
                 self._hold(root, name, existing)
                 return "decided"
-        task = _Task(root, path, self.staging_for(root, name), self._limits())
+        task = _Task(root, path, self.staging_for(root, name), self.limits)
         self._in_flight[task.key] = task
         self._extractors.submit(task)
         return "extracting"
@@ -696,15 +696,6 @@ class QueueIntake:
             reason="a file of that name is already there; it was left as it is",
         )
         return path
-
-    def _limits(self) -> BundleLimits:
-        zip_bytes, entries, unpacked, jobs = self.config.bundle_limits_bytes()
-        return BundleLimits(
-            max_zip_bytes=zip_bytes,
-            max_entries=entries,
-            max_unpacked_bytes=unpacked,
-            max_jobs=jobs,
-        )
 
     # -- results ------------------------------------------------------------
 

@@ -373,7 +373,7 @@ class SandboxLauncher:
         if req.gpu_uuid is None:
             return []
         # pynvml takes ~80 ms to import: only a launch on a real GPU pays for it
-        from gpuwarden.gpu.nvml import device_nodes
+        from gpuwarden.gpu.nvml import device_nodes  # noqa: PLC0415
 
         return device_nodes(req.gpu_uuid)
 

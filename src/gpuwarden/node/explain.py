@@ -17,16 +17,15 @@ to start" (``explain``), whatever room the GPUs have.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwarden.cluster.report import explain_placement, explain_running
 from gpuwarden.core import footprint, policy
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store
-from gpuwarden.store.cluster import ClusterStore
 
 #: a status older than this is not trusted for a preview (the probe is read instead)
 FRESH_S = 120.0
@@ -162,7 +161,21 @@ def describe(decision: policy.Decision) -> str:
     return f"would wait: {decision.reason}"
 
 
-def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -> list[str]:
+#: what a coordinator adds to a job's explanation, given by the caller (the node knows
+#: nothing of the cluster): why no node took a queued job, which node runs a leased
+#: one; ``[]`` where it has nothing to add. ``cluster.report.explain`` passes them.
+ClusterLines = Callable[[Job], list[str]]
+
+
+def explain_job(
+    job: Job,
+    store: Store,
+    registry: Registry,
+    view: View | None,
+    *,
+    placement: ClusterLines | None = None,
+    running: ClusterLines | None = None,
+) -> list[str]:
     """Lines that say where a job stands and, if it waits, why."""
     lines = [f"{job.id} ({job.type}) is {job.state.value}"]
     jobtype = registry.types.get(job.type)
@@ -182,9 +195,9 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
         a = attempts[-1]
         where = f"on {a.gpu_uuid}" if a.gpu_uuid else "on a cpu slot"
         lines.append(f"attempt {a.number} runs {where} since {time.ctime(a.started_at)}")
-        lines += _cluster_running_lines(job, store)
+        lines += running(job) if running else []
         return lines
-    cluster = _cluster_lines(job, store, registry)
+    cluster = placement(job) if placement else []
     if cluster:  # several hosts: agents are offered jobs by the coordinator
         lines += cluster
         return lines
@@ -211,17 +224,3 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
         lines.append(describe(decide(view, queued_entries(store, registry, warm_types), job.id)))
     lines.append(f"(as seen by the {view.source})")
     return lines
-
-
-def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
-    """Why no agent took a queued job, where nodes are enrolled (else nothing)."""
-    if not isinstance(store, ClusterStore):
-        return []
-    return explain_placement(store, registry, job, time.time())
-
-
-def _cluster_running_lines(job: Job, store: Store) -> list[str]:
-    """Which node runs a leased job, and whether that node is silent (else nothing)."""
-    if not isinstance(store, ClusterStore):
-        return []
-    return explain_running(store, job, time.time())

@@ -31,7 +31,7 @@ from gpuwarden.api.context import (
 from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut, Explanation, JobDetail, JobIn, JobOut
 from gpuwarden.api.redact import Redactor
-from gpuwarden.cluster import coordinator
+from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
@@ -273,9 +273,7 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
 def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
     """Where the job stands and, if it waits, why (as `gpuwarden explain`)."""
     job = visible_job(ctx, who, access, job_id)
-    status = explain.latest_status(ctx.store, time.time())
-    view = explain.view_from_status(status, ctx.config.broker.cpu_slots) if status else None
-    lines = explain.explain_job(job, ctx.store, ctx.registry, view)
+    lines = report.explain(job, ctx.store, ctx.registry, ctx.config.broker.cpu_slots, time.time())
     if access is Scope.OWN:  # wait reasons name other jobs: not another token's
         redactor = Redactor(ctx.store, who.token_id)
         lines = [redactor.text(line) for line in lines]
