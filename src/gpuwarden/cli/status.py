@@ -28,6 +28,7 @@ from gpuwarden.client import Client
 from gpuwarden.cluster import report
 from gpuwarden.core.model import format_bytes
 from gpuwarden.core.states import JobState
+from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import NodeStatus
 from gpuwarden.store.cluster import ClusterStore
 
@@ -129,13 +130,14 @@ def _broker_up(gathered: _Gathered | None) -> bool:
 def _status_problem(s: NodeStatus) -> str:
     """What is wrong with one broker's last status, or ``""``."""
     old_s = time.time() - s.updated_at
-    if s.payload.get("stopped"):
+    st = BrokerStatus.from_json(s.payload)
+    if st.stopped:
         return "the broker has stopped"
     if old_s > STALE_AFTER_S:
         return f"status is {old_s:.0f} s old: the broker is not running or is stuck"
-    if degraded := s.payload.get("degraded"):
-        return f"{len(degraded)} GPU(s) degraded: VRAM admission paused there"
-    if s.payload.get("probe_error"):
+    if st.degraded:
+        return f"{len(st.degraded)} GPU(s) degraded: VRAM admission paused there"
+    if st.probe_error:
         return "the GPU probe fails: VRAM admission paused"
     return ""
 
@@ -178,7 +180,8 @@ def _report_status(
         if problem := _status_problem(s):
             healthy = False
         if not args.json:
-            _print_status(s.node, s.pid, time.time() - s.updated_at, s.payload, problem)
+            st = BrokerStatus.from_json(s.payload)
+            _print_status(s.node, s.pid, time.time() - s.updated_at, st, problem)
     if not args.json:
         out.print(
             "jobs: " + (", ".join(f"{k.value} {v}" for k, v in sorted(counts.items())) or "none")
@@ -240,88 +243,82 @@ def _print_cluster_node(n: dict[str, Any]) -> None:
     out.print(running if running.row_count else "running: none")
 
 
-def _print_status(
-    node: str, pid: int | None, old_s: float, p: dict[str, Any], problem: str
-) -> None:
-    """One broker's last status, as the broker wrote it (``p``: its payload)."""
+def _print_status(node: str, pid: int | None, old_s: float, st: BrokerStatus, problem: str) -> None:
+    """One broker's last status, as the broker wrote it."""
     state = f"[red]{problem}[/]" if problem else "[green]running[/]"
     out.print(f"[bold]node {node}[/]  PID {pid}  status {old_s:.1f} s old  {state}")
     out.print(
-        f"probe: {p.get('probe')}"
-        + (f"  [red]error: {p['probe_error']}[/]" if p.get("probe_error") else "")
+        f"probe: {st.probe}" + (f"  [red]error: {st.probe_error}[/]" if st.probe_error else "")
     )
-    _print_gpus(p)
+    _print_gpus(st)
     warm = Table("warm server", "GPU", "state", "VRAM", "jobs served", "load", "idle", "epoch")
-    for w in p.get("warm", []):
+    for w in st.warm:
         warm.add_row(
-            w["type"] + (" (kept warm)" if w.get("keep_warm") else ""),
-            w["gpu"],
-            w["state"],
-            format_bytes(w["footprint_bytes"]),
-            str(w["jobs_served"]),
-            "-" if w["load_s"] is None else f"{w['load_s']:.2f}s",
-            "-" if w["idle_s"] is None else f"{w['idle_s']:.0f}s",
-            str(w["epoch"]),
+            w.type + (" (kept warm)" if w.keep_warm else ""),
+            w.gpu,
+            w.state,
+            format_bytes(w.footprint_bytes),
+            str(w.jobs_served),
+            "-" if w.load_s is None else f"{w.load_s:.2f}s",
+            "-" if w.idle_s is None else f"{w.idle_s:.0f}s",
+            str(w.epoch),
         )
     out.print(warm if warm.row_count else "warm servers: none")
     footprints = Table("job type", "declared", "measured", "admitted with")
-    for name, f in p.get("footprints", {}).items():
+    for name, f in st.footprints.items():
         footprints.add_row(
             name,
-            format_bytes(f["declared_bytes"]),
-            format_bytes(f["measured_bytes"]) if f["measured_bytes"] else "-",
-            format_bytes(f["effective_bytes"]),
+            format_bytes(f.declared_bytes),
+            format_bytes(f.measured_bytes) if f.measured_bytes else "-",
+            format_bytes(f.effective_bytes),
         )
     if footprints.row_count:
         out.print(footprints)
     queues = Table("queue root", "inbox", "processing", "outbox", "failed")
-    for root, depth in p.get("queues", {}).items():
+    for root, depth in st.queues.items():
         queues.add_row(
             root, *(str(depth.get(k, 0)) for k in ("inbox", "processing", "outbox", "failed"))
         )
-    if p.get("queues"):
+    if st.queues:
         out.print(queues)
     running = Table("running job", "type", "attempt", "GPU", "for")
-    for r in p.get("running", []):
-        running.add_row(
-            r["job"], r["type"], str(r["attempt"]), r["gpu"] or "-", age(r["started_at"])
-        )
-    out.print(running if p.get("running") else "running: none")
-    if p.get("waiting"):
+    for r in st.running:
+        running.add_row(r.job, r.type, str(r.attempt), r.gpu or "-", age(r.started_at))
+    out.print(running if st.running else "running: none")
+    if st.waiting:
         waiting = Table("waiting job", "why")
-        for job, why in p["waiting"].items():
+        for job, why in st.waiting.items():
             waiting.add_row(job, why)
         out.print(waiting)
-    if p.get("last_error"):
-        e = p["last_error"]
-        out.print(f"[red]last loop error[/] ({age(e['ts'])} ago, in {e['where']}): {e['message']}")
+    if (e := st.last_error) is not None:
+        out.print(f"[red]last loop error[/] ({age(e.ts)} ago, in {e.where}): {e.message}")
 
 
-def _print_gpus(p: dict[str, Any]) -> None:
+def _print_gpus(st: BrokerStatus) -> None:
     """A broker's GPUs and, when any, what the ledger holds on each."""
     gpus = Table("GPU", "name", "total", "used", "gpuwarden", "others", "reserve", "free", "state")
     holdings = Table("GPU", "job", "type", "VRAM", "shares", "state")
-    for g in p.get("gpus", []):
-        held = sum(h["bytes"] for h in g.get("holdings", []))
+    for g in st.gpus:
+        view = g.view
         gpus.add_row(
-            g["uuid"],
-            g["name"],
-            format_bytes(g["total_bytes"]),
-            format_bytes(g["used_bytes"]),
-            format_bytes(held),
-            format_bytes(g.get("foreign_bytes", 0)),
-            format_bytes(g.get("reserve_bytes", 0)),
-            format_bytes(g.get("free_bytes", 0)),
-            f"[red]degraded: {g['degraded']}[/]" if g.get("degraded") else "ok",
+            g.uuid,
+            g.name,
+            format_bytes(g.total_bytes),
+            format_bytes(g.used_bytes),
+            format_bytes(view.held_bytes if view else 0),
+            format_bytes(view.foreign_bytes if view else 0),
+            format_bytes(view.reserve_bytes if view else 0),
+            format_bytes(g.free_bytes),
+            f"[red]degraded: {view.degraded}[/]" if view and view.degraded else "ok",
         )
-        for h in g.get("holdings", []):
+        for h in view.holdings if view else ():
             holdings.add_row(
-                g["uuid"],
-                h.get("job_id") or "-",
-                h["type"],
-                format_bytes(h["bytes"]),
-                "yes" if h["coresident"] else "no",
-                h["state"],
+                g.uuid,
+                h.job_id or "-",
+                h.type,
+                format_bytes(h.bytes),
+                "yes" if h.coresident else "no",
+                h.state.value,
             )
     out.print(gpus)
     if holdings.row_count:

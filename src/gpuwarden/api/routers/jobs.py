@@ -39,6 +39,7 @@ from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
 from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
+from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.cluster import ClusterStore
 
@@ -198,13 +199,12 @@ def _refuse_if_it_never_fits(ctx: ApiContext, spec: JobSpec, jobtype: JobType) -
     if jobtype.lane is not Lane.VRAM:
         return
     now = ctx.clock()
-    gpus = [
-        policy.GpuView.from_json(g)
+    live = [
+        BrokerStatus.from_json(s.payload)
         for s in ctx.store.node_statuses()
-        if not s.payload.get("stopped") and now - s.updated_at <= explain.FRESH_S
-        for g in s.payload.get("gpus", [])
-        if "holdings" in g
+        if now - s.updated_at <= explain.FRESH_S
     ]
+    gpus = [g for st in live if not st.stopped for g in st.gpu_views()]
     need = explain.effective_footprint(jobtype, spec.vram_bytes, ctx.store)
     if (why := policy.never_fits(need, gpus)) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
