@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from gpuwarden.launch.base import (
 from gpuwarden.launch.host import HostLauncher
 from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
 from gpuwarden.node import attemptfs
-from gpuwarden.node.running import RunningAttempt
+from gpuwarden.node.running import Emit, RunningAttempt
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.registry import Registry
 
@@ -51,8 +51,6 @@ log = logging.getLogger("gpuwarden.node.loop")
 
 #: the broker's environment variables that pass on to a job
 PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV")
-
-Emit = Callable[..., None]
 
 
 # -- the contract -----------------------------------------------------------------

@@ -12,12 +12,11 @@ Owned by the loop; every method returns whether the node's status changed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from gpuwarden.core.classify import xid_kind
 from gpuwarden.errors import GpuProbeError
 from gpuwarden.gpu.base import GpuProbe, GpuReading
 from gpuwarden.node.runner import AttemptRunner
+from gpuwarden.node.running import Emit
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warm import WarmServers
 from gpuwarden.node.warmpool import ServerState
@@ -25,8 +24,6 @@ from gpuwarden.store.base import Store
 
 #: operator requests (gpu clear) are looked for this often
 REQUESTS_EVERY_S = 0.5
-
-Emit = Callable[..., None]
 
 
 class GpuWatch:

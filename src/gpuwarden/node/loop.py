@@ -52,7 +52,7 @@ from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner
-from gpuwarden.node.running import ExchangeNote, Mailbox, ServerNote, Started
+from gpuwarden.node.running import Clock, ExchangeNote, Mailbox, ServerNote, Started
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import (
     BrokerStatus,
@@ -80,8 +80,6 @@ _STATUS_WAITING_MAX = 1000
 
 #: status is written at most this often, even while things change
 _MIN_STATUS_GAP_S = 0.25
-
-Clock = Callable[[], float]
 
 
 class Broker:

@@ -11,8 +11,6 @@ ledger until the probe shows it free (the reclaim gate).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from gpuwarden.core.classify import AttemptFacts, classify, interruptions_before
 from gpuwarden.core.model import Job, JobType
 from gpuwarden.errors import TransitionError
@@ -22,12 +20,10 @@ from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints
 from gpuwarden.node.runner import AttemptRunner
+from gpuwarden.node.running import Emit, OnError
 from gpuwarden.node.vram import VramBook
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
-
-Emit = Callable[..., None]
-OnError = Callable[[str, Exception], None]
 
 
 class Recovery:

@@ -37,16 +37,13 @@ from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult
 from gpuwarden.node import attemptfs
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints, RunTimes
-from gpuwarden.node.running import ExchangeNote, Mailbox, RunningAttempt, Started
+from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState
 from gpuwarden.store.base import Store
 
 #: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
-
-Emit = Callable[..., None]
-OnError = Callable[[str, Exception], None]
 
 
 class AttemptRunner:

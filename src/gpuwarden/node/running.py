@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,13 @@ from gpuwarden.core.model import Attempt, Job, JobType
 from gpuwarden.launch.base import LaunchResult
 from gpuwarden.launch.warmproc import LoadReport
 from gpuwarden.node.warmpool import WarmServer
+
+#: how the broker's collaborators write an event (``emit(kind, **detail)``)
+Emit = Callable[..., None]
+#: how they record a failed step (``on_error(where, exc)``) without stopping the loop
+OnError = Callable[[str, Exception], None]
+#: where they take the time from (the broker's clock)
+Clock = Callable[[], float]
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from gpuwarden.node import attemptfs
 from gpuwarden.node.attemptfs import ExchangeError, ExchangeSlot
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints
-from gpuwarden.node.running import ExchangeNote, Mailbox, RunningAttempt, ServerNote
+from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, RunningAttempt, ServerNote
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import WarmStatus
 from gpuwarden.node.vram import VramBook
@@ -46,8 +46,6 @@ from gpuwarden.node.warmpool import ServerState, WarmPool, WarmServer
 
 #: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
-
-Emit = Callable[..., None]
 
 
 class WarmServers:
