@@ -65,7 +65,8 @@ import psutil
 from gpuwarden import faults
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.intake.bundle import read_result_bundle, write_bundle
+from gpuwarden.intake.bundle import read_result_bundle
+from gpuwarden.intake.bundlewrite import write_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = frozenset(s.value for s in JobState if s.terminal)

@@ -21,6 +21,7 @@ import psycopg
 from psycopg import sql
 
 from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster import nodeview as nv
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.registry import Registry
@@ -82,7 +83,7 @@ def run(store: PostgresStore, registry: Registry, args: argparse.Namespace) -> N
             t0 = time.perf_counter()
             record = store.get_node(name)
             assert record is not None
-            got = co.claim(store, registry, name, co.node_view(record), time.time(), want=args.want)
+            got = co.claim(store, registry, name, nv.node_view(record), time.time(), want=args.want)
             dt = time.perf_counter() - t0
             with lock:
                 claims += 1

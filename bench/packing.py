@@ -1,7 +1,7 @@
 """Packing benchmark: seeded traces through gpuwarden's policy and three baselines.
 
 Every policy replays the same trace in virtual time through
-``gpuwarden.core.simulate.simulate`` (the same ledger, the same physical device
+``gpuwarden.replay.simulate.simulate`` (the same ledger, the same physical device
 model: an attempt whose real peak does not fit what the device has left crashes
 with a CUDA out-of-memory). The policies:
 
@@ -73,7 +73,7 @@ from gpuwarden.core.policy import (
     Wait,
     plan,
 )
-from gpuwarden.core.simulate import (
+from gpuwarden.replay.simulate import (
     Outcome,
     Planner,
     SimGpu,

@@ -61,7 +61,8 @@ from typing import Any
 import psutil
 
 from gpuwarden.core.model import JobSpec
-from gpuwarden.intake.bundle import read_result_bundle, write_bundle
+from gpuwarden.intake.bundle import read_result_bundle
+from gpuwarden.intake.bundlewrite import write_bundle
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_TYPE = "echo.echo"

@@ -99,7 +99,7 @@ from typing import Any
 from gpuwarden.core.ledger import HoldState
 from gpuwarden.core.model import GIB
 from gpuwarden.core.policy import Decision, Evict, QueuedJob, Snapshot, Start, Wait, plan
-from gpuwarden.core.simulate import (
+from gpuwarden.replay.simulate import (
     Outcome,
     Planner,
     SimGpu,
@@ -402,7 +402,7 @@ SERVE_PY = """\
 import time
 
 from gpuwarden.gpu import simclient
-from gpuwarden.serve.worker import serve
+from gpuwarden.server.worker import serve
 
 LOAD_S = {load_s!r}
 NBYTES = {nbytes!r}

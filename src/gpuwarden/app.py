@@ -1,14 +1,18 @@
-"""Wiring: build a node (store, probe, registry, launchers, queue roots) from a config."""
+"""Wiring: build a node (store, probe, registry, launchers, queue roots) from a config.
+
+This is where the configuration meets the broker: the broker's own modules
+(``node/``) take plain values (:func:`node_settings`) and collaborators, never
+the configuration itself.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuwarden.broker import Broker
 from gpuwarden.config import DATABASE_URL_PREFIXES, Config
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import GIB, MIB, LaunchMode
@@ -17,10 +21,14 @@ from gpuwarden.eventlog import EventLog
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.gpu.select import open_probe
 from gpuwarden.gpu.sim import SimGpuConfig
+from gpuwarden.intake.manifest import BundleLimits
 from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.intake.service import QueueIntake
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.host import HostLauncher
 from gpuwarden.launch.sandbox import SandboxLauncher, SandboxLimits
+from gpuwarden.node.loop import Broker, IntakeFactory
+from gpuwarden.node.settings import NodeSettings, VramSettings
 from gpuwarden.registry import Registry
 from gpuwarden.statelock import StateLock
 from gpuwarden.store.base import Store
@@ -51,7 +59,8 @@ def open_store(config: Config, *, check: bool = False) -> Store:
             "config key 'database' must be \"\" (SQLite in the state directory) or a "
             "PostgreSQL URL postgresql://USER@HOST:PORT/DBNAME"
         )
-    from gpuwarden.store.postgres import PostgresStore  # psycopg only when it is used
+    # psycopg only when it is used: every other command starts without it
+    from gpuwarden.store.postgres import PostgresStore  # noqa: PLC0415
 
     return PostgresStore(config.database)
 
@@ -94,12 +103,72 @@ def launchers_for(config: Config) -> dict[LaunchMode, Launcher]:
     return launchers
 
 
+def node_settings(config: Config) -> NodeSettings:
+    """What the broker of a node is set to, read from the configuration."""
+    b, v, w, s = config.broker, config.vram, config.warm, config.sandbox
+    return NodeSettings(
+        name=config.node_name,
+        state_dir=config.state_dir,
+        rules=config.launch_rules,
+        vram=VramSettings(
+            reserve_bytes=int(v.reserve_gib * GIB),
+            reclaim_timeout_s=v.reclaim_timeout_s,
+            tolerance_bytes=int(v.tolerance_mib * MIB),
+            step_bytes=int(v.measure_granularity_mib * MIB),
+        ),
+        poll_interval_s=b.poll_interval_s,
+        cpu_slots=b.cpu_slots,
+        shutdown_grace_s=b.shutdown_grace_s,
+        kill_grace_s=b.kill_grace_s,
+        status_interval_s=b.status_interval_s,
+        clip_chars=b.clip_chars,
+        max_interruptions=b.max_interruptions,
+        idle_grace_s=w.idle_grace_s,
+        stop_grace_s=w.stop_grace_s,
+        weights_dir=s.weights_dir,
+        scratch_bytes=int(s.scratch_mib * MIB),
+    )
+
+
+def bundle_limits(config: Config) -> BundleLimits:
+    """The config's ``[limits]`` for a bundle, in bytes, as intake checks them."""
+    zip_bytes, entries, unpacked, jobs = config.bundle_limits_bytes()
+    return BundleLimits(
+        max_zip_bytes=zip_bytes, max_entries=entries, max_unpacked_bytes=unpacked, max_jobs=jobs
+    )
+
+
+def queue_intake(
+    config: Config, store: Store, registry: Registry, roots: list[QueueRoot]
+) -> IntakeFactory:
+    """How a broker builds its queue intake: over the config's state directory and
+    bundle limits, reporting through the broker."""
+
+    def build(broker: Broker) -> QueueIntake:
+        return QueueIntake(
+            store=store,
+            registry=registry,
+            staging_dir=config.state_dir / "staging",
+            limits=bundle_limits(config),
+            roots=roots,
+            emit=broker.emit,
+            on_error=broker.record_error,
+            check=broker.check_fits,
+            clock=broker.clock,
+            wake=broker.wake,  # a finished extraction is taken at once, not next tick
+        )
+
+    return build
+
+
 @dataclass
 class Node:
     broker: Broker
     store: Store
     probe: GpuProbe
     lock: StateLock
+    #: the configuration it was built from (its node name as the broker has it)
+    config: Config
 
     def close(self) -> None:
         self.broker.queues.close()  # the extraction threads
@@ -115,8 +184,13 @@ def open_node(
     mock_gpu: bool,
     events: EventLog | None = None,
     extra_roots: list[Path] | None = None,
+    name: Callable[[GpuProbe, Registry], str] | None = None,
 ) -> Iterator[Node]:
-    """Take the state directory's lock and build a ready broker (recovery not run)."""
+    """Take the state directory's lock and build a ready broker (recovery not run).
+
+    ``name``, when given, names the node once its probe and modules are ready and
+    before its broker is built (an agent enrols there, and its coordinator says
+    the name): the broker is built with that name, and ``Node.config`` has it."""
     lock = StateLock(config.state_dir)
     lock.acquire()
     try:
@@ -125,20 +199,14 @@ def open_node(
         # first: a damaged store stops the start before any queue root is touched
         store = open_store(config, check=True)
         try:
-            roots = [
-                QueueRoot.open(p, create=config.create_queue_roots)
-                for p in [*config.queue_roots, *(extra_roots or [])]
-            ]
-            for root in roots:  # its permissions are its clients' business: left alone
-                if config.state_dir.resolve() in root.path.resolve().parents:
-                    log.warning(
-                        "queue root %s is inside the state directory %s, which only its "
-                        "owner can enter (mode 0700): clients of other users cannot reach "
-                        "it; put the queue root elsewhere",
-                        root.path,
-                        config.state_dir,
-                    )
+            roots = _queue_roots(config, extra_roots or [])
             probe = make_probe(config, mock_gpu=mock_gpu)
+            try:
+                if name is not None:
+                    config = config.model_copy(update={"node_name": name(probe, registry)})
+            except BaseException:
+                probe.close()
+                raise
         except BaseException:
             store.close()
             raise
@@ -146,16 +214,34 @@ def open_node(
         lock.release()
         raise
     broker = Broker(
-        config=config,
+        settings=node_settings(config),
         store=store,
         probe=probe,
         registry=registry,
         launchers=launchers_for(config),
+        intake=queue_intake(config, store, registry, roots),
         roots=roots,
         events=events,
     )
-    node = Node(broker=broker, store=store, probe=probe, lock=lock)
+    node = Node(broker=broker, store=store, probe=probe, lock=lock, config=config)
     try:
         yield node
     finally:
         node.close()
+
+
+def _queue_roots(config: Config, extra: list[Path]) -> list[QueueRoot]:
+    """The config's queue roots and ``extra`` ones, opened (made, if the config says so)."""
+    roots = [
+        QueueRoot.open(p, create=config.create_queue_roots) for p in [*config.queue_roots, *extra]
+    ]
+    for root in roots:  # its permissions are its clients' business: left alone
+        if config.state_dir.resolve() in root.path.resolve().parents:
+            log.warning(
+                "queue root %s is inside the state directory %s, which only its "
+                "owner can enter (mode 0700): clients of other users cannot reach "
+                "it; put the queue root elsewhere",
+                root.path,
+                config.state_dir,
+            )
+    return roots

@@ -148,7 +148,9 @@ class Client:
             raise _error(response)
         return response
 
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
+    def request_json(self, method: str, path: str, **kw: Any) -> Any:
+        """Send one request and return its JSON answer (an endpoint with no method of
+        its own here, such as ``/v1/nodes``); a refusal raises as every call does."""
         return self._request(method, path, **kw).json()
 
     # -- jobs ---------------------------------------------------------------
@@ -179,32 +181,32 @@ class Client:
         if constraints:
             body["constraints"] = dict(constraints)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        job: dict[str, Any] = self._json("POST", "/v1/jobs", json=body, headers=headers)
+        job: dict[str, Any] = self.request_json("POST", "/v1/jobs", json=body, headers=headers)
         return job
 
     def get(self, job_id: str) -> dict[str, Any]:
         """The job, with ``attempts_detail`` and ``events``."""
-        job: dict[str, Any] = self._json("GET", f"/v1/jobs/{_seg(job_id)}")
+        job: dict[str, Any] = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}")
         return job
 
     def list(self, *, states: Iterable[str] = (), limit: int = 50) -> Rows:
         """Jobs, newest first (a submitter's own only)."""
         params: list[tuple[str, str | int]] = [("state", s) for s in states]
         params.append(("limit", limit))
-        jobs: Rows = self._json("GET", "/v1/jobs", params=params)
+        jobs: Rows = self.request_json("GET", "/v1/jobs", params=params)
         return jobs
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        job: dict[str, Any] = self._json("POST", f"/v1/jobs/{_seg(job_id)}/cancel")
+        job: dict[str, Any] = self.request_json("POST", f"/v1/jobs/{_seg(job_id)}/cancel")
         return job
 
     def explain(self, job_id: str) -> Lines:
-        lines: Lines = self._json("GET", f"/v1/jobs/{_seg(job_id)}/explain")["lines"]
+        lines: Lines = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}/explain")["lines"]
         return lines
 
     def result(self, job_id: str) -> dict[str, Any]:
         """The ended job's result.json (409 :class:`Conflict` while it has not ended)."""
-        result: dict[str, Any] = self._json("GET", f"/v1/jobs/{_seg(job_id)}/result")
+        result: dict[str, Any] = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}/result")
         return result
 
     def download(self, job_id: str, path: str, dest: Path) -> Path:
@@ -317,15 +319,15 @@ class Client:
     # -- the rest -------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        status: dict[str, Any] = self._json("GET", "/v1/status")
+        status: dict[str, Any] = self.request_json("GET", "/v1/status")
         return status
 
     def types(self) -> Rows:
-        types: Rows = self._json("GET", "/v1/types")
+        types: Rows = self.request_json("GET", "/v1/types")
         return types
 
     def health(self) -> dict[str, Any]:
-        health: dict[str, Any] = self._json("GET", "/v1/health")
+        health: dict[str, Any] = self.request_json("GET", "/v1/health")
         return health
 
     def create_token(
@@ -337,24 +339,26 @@ class Client:
             body["expires_in_s"] = expires_in_s
         if node is not None:
             body["node"] = node
-        token: dict[str, Any] = self._json("POST", "/v1/tokens", json=body)
+        token: dict[str, Any] = self.request_json("POST", "/v1/tokens", json=body)
         return token
 
     def tokens(self) -> Rows:
-        tokens: Rows = self._json("GET", "/v1/tokens")
+        tokens: Rows = self.request_json("GET", "/v1/tokens")
         return tokens
 
     def revoke_token(self, token_id: str) -> dict[str, Any]:
-        token: dict[str, Any] = self._json("DELETE", f"/v1/tokens/{_seg(token_id)}")
+        token: dict[str, Any] = self.request_json("DELETE", f"/v1/tokens/{_seg(token_id)}")
         return token
 
     def audit(self, *, after_id: int = 0, limit: int = 100) -> Rows:
-        rows: Rows = self._json("GET", "/v1/audit", params={"after_id": after_id, "limit": limit})
+        rows: Rows = self.request_json(
+            "GET", "/v1/audit", params={"after_id": after_id, "limit": limit}
+        )
         return rows
 
     def clear_gpu(self, gpu_uuid: str) -> dict[str, Any]:
         """Ask the broker that owns the GPU to clear its fault (an owner's call)."""
-        done: dict[str, Any] = self._json("POST", f"/v1/gpus/{_seg(gpu_uuid)}/clear")
+        done: dict[str, Any] = self.request_json("POST", f"/v1/gpus/{_seg(gpu_uuid)}/clear")
         return done
 
     def job_types(self) -> JobTypes:

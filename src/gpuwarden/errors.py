@@ -61,7 +61,3 @@ class GpuProbeError(GpuwardenError):
 
 class SimOutOfMemoryError(GpuwardenError):
     """CUDA out of memory (simulated GPU)."""
-
-
-class LaunchError(GpuwardenError):
-    """The job's process could not be started."""

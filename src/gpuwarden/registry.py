@@ -139,6 +139,24 @@ def parse_module(
     The module's name must be its folder's name, or ``name`` where one is given
     (an entry point's name: a package's folder is named for Python, not for us)."""
     toml_path = path / "module.toml"
+    meta = _read_module_toml(toml_path)
+    _check_module_name(toml_path, meta.module.name, folder=path.name, entry_point=name)
+    types = tuple(
+        _job_type(f"{toml_path}: [types.{tname}]", meta.module.name, path, tname, t)
+        for tname, t in meta.types.items()
+    )
+    return Module(
+        name=meta.module.name,
+        path=path.resolve(),
+        description=meta.module.description,
+        fingerprint=fingerprint(path / "src"),
+        types=types,
+        source=source or ModuleSource(SourceKind.PATH, str(path.resolve().parent)),
+    )
+
+
+def _read_module_toml(toml_path: Path) -> _ModuleToml:
+    """``module.toml`` read and checked against its schema, or :class:`ModuleError`."""
     try:
         raw = tomllib.loads(toml_path.read_text())
     except FileNotFoundError:
@@ -150,83 +168,75 @@ def parse_module(
     except OSError as exc:
         raise ModuleError(f"{toml_path}: cannot be read: {exc.strerror}") from None
     try:
-        meta = _ModuleToml.model_validate(raw)
+        return _ModuleToml.model_validate(raw)
     except pydantic.ValidationError as exc:
         problems = "; ".join(
             f"key {'.'.join(str(p) for p in e['loc'])!r}: {e['msg']}" for e in exc.errors()
         )
         raise ModuleError(f"{toml_path}: {problems}") from None
-    if name is not None and meta.module.name != name:
+
+
+def _check_module_name(
+    toml_path: Path, declared: str, *, folder: str, entry_point: str | None
+) -> None:
+    """The declared name must be the entry point's (if one names the folder), else
+    the folder's, and a valid name."""
+    if entry_point is not None and declared != entry_point:
         raise ModuleError(
-            f"{toml_path}: key 'module.name' is {meta.module.name!r} but the entry point "
-            f"({ENTRY_POINT_GROUP}) that names this folder is {name!r}; they must match"
+            f"{toml_path}: key 'module.name' is {declared!r} but the entry point "
+            f"({ENTRY_POINT_GROUP}) that names this folder is {entry_point!r}; they must match"
         )
-    if name is None and meta.module.name != path.name:
+    if entry_point is None and declared != folder:
         raise ModuleError(
-            f"{toml_path}: key 'module.name' is {meta.module.name!r} but the folder is "
-            f"{path.name!r}; they must match"
+            f"{toml_path}: key 'module.name' is {declared!r} but the folder is "
+            f"{folder!r}; they must match"
         )
-    if not _NAME.fullmatch(meta.module.name):
+    if not _NAME.fullmatch(declared):
         raise ModuleError(
             f"{toml_path}: key 'module.name' must be lower-case letters, digits and _ "
-            f"(got {meta.module.name!r})"
+            f"(got {declared!r})"
         )
-    types: list[JobType] = []
-    for tname, t in meta.types.items():
-        where = f"{toml_path}: [types.{tname}]"
-        if not _NAME.fullmatch(tname):
-            raise ModuleError(f"{where}: a type name must be lower-case letters, digits and _")
-        if t.lane == "vram" and t.vram_gib <= 0:
-            raise ModuleError(f"{where}: key 'vram_gib' must be > 0 on the vram lane")
-        if t.lane == "cpu" and t.vram_gib > 0:
-            raise ModuleError(
-                f"{where}: key 'vram_gib' must be 0 on the cpu lane (got {t.vram_gib})"
-            )
-        if t.coresident and t.lane != "vram":
-            raise ModuleError(f"{where}: key 'coresident' only makes sense on the vram lane")
-        serve_only = [
-            k
-            for k in ("keep_warm", "idle_grace_s", "load_timeout_s", "expected_device_gib")
-            if k in t.model_fields_set
-        ]
-        if serve_only and t.launch != "serve":
-            raise ModuleError(
-                f'{where}: key {serve_only[0]!r} applies only to launch = "serve" types'
-            )
-        if t.launch == "serve" and t.lane != "vram":
-            raise ModuleError(f'{where}: a serve type holds a model on a GPU: use lane = "vram"')
-        params = tuple(_param(where, pname, p) for pname, p in t.params.items())
-        types.append(
-            JobType(
-                name=f"{meta.module.name}.{tname}",
-                module=meta.module.name,
-                module_dir=str(path.resolve()),
-                lane=Lane(t.lane),
-                launch=LaunchMode(t.launch),
-                command=tuple(t.command),
-                vram_bytes=int(t.vram_gib * GIB),
-                ram_bytes=int(t.ram_gib * GIB),
-                coresident=t.coresident,
-                timeout_s=t.timeout_s,
-                max_retries=t.max_retries,
-                max_interruptions=t.max_interruptions,
-                params=params,
-                description=t.description,
-                keep_warm=t.keep_warm,
-                idle_grace_s=t.idle_grace_s,
-                load_timeout_s=t.load_timeout_s,
-                expected_device_bytes=(
-                    int(t.expected_device_gib * GIB) if t.expected_device_gib else None
-                ),
-            )
-        )
-    return Module(
-        name=meta.module.name,
-        path=path.resolve(),
-        description=meta.module.description,
-        fingerprint=fingerprint(path / "src"),
-        types=tuple(types),
-        source=source or ModuleSource(SourceKind.PATH, str(path.resolve().parent)),
+
+
+def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> JobType:
+    """The job type ``[types.<tname>]`` declares, checked (``where`` names it)."""
+    if not _NAME.fullmatch(tname):
+        raise ModuleError(f"{where}: a type name must be lower-case letters, digits and _")
+    if t.lane == "vram" and t.vram_gib <= 0:
+        raise ModuleError(f"{where}: key 'vram_gib' must be > 0 on the vram lane")
+    if t.lane == "cpu" and t.vram_gib > 0:
+        raise ModuleError(f"{where}: key 'vram_gib' must be 0 on the cpu lane (got {t.vram_gib})")
+    if t.coresident and t.lane != "vram":
+        raise ModuleError(f"{where}: key 'coresident' only makes sense on the vram lane")
+    serve_only = [
+        k
+        for k in ("keep_warm", "idle_grace_s", "load_timeout_s", "expected_device_gib")
+        if k in t.model_fields_set
+    ]
+    if serve_only and t.launch != "serve":
+        raise ModuleError(f'{where}: key {serve_only[0]!r} applies only to launch = "serve" types')
+    if t.launch == "serve" and t.lane != "vram":
+        raise ModuleError(f'{where}: a serve type holds a model on a GPU: use lane = "vram"')
+    params = tuple(_param(where, pname, p) for pname, p in t.params.items())
+    return JobType(
+        name=f"{module}.{tname}",
+        module=module,
+        module_dir=str(path.resolve()),
+        lane=Lane(t.lane),
+        launch=LaunchMode(t.launch),
+        command=tuple(t.command),
+        vram_bytes=int(t.vram_gib * GIB),
+        ram_bytes=int(t.ram_gib * GIB),
+        coresident=t.coresident,
+        timeout_s=t.timeout_s,
+        max_retries=t.max_retries,
+        max_interruptions=t.max_interruptions,
+        params=params,
+        description=t.description,
+        keep_warm=t.keep_warm,
+        idle_grace_s=t.idle_grace_s,
+        load_timeout_s=t.load_timeout_s,
+        expected_device_bytes=(int(t.expected_device_gib * GIB) if t.expected_device_gib else None),
     )
 
 

@@ -26,6 +26,10 @@ followed:
   :func:`move_entries` renames entries out of a held folder.
 
 Nothing else in gpuwarden opens such a path.
+
+One file on purpose: it is the whole list of the ways a hostile path is
+touched, all built on the same opening rules (:func:`_open_at`), so that a
+review of that list is a review of one module.
 """
 
 from __future__ import annotations
@@ -721,39 +725,66 @@ def copy_into(
                 dst_fds[rel] = sub
                 listing.dirs.append(rel)
                 continue
-            try:
-                in_fd = _open_at(parent_fd, name, _O_READ, rel)
-            except (UnsafePathError, FileNotFoundError):
-                listing.refused.append(Entry(rel, "file", 0, "changed while it was copied"))
-                continue
-            try:
-                in_st = os.fstat(in_fd)
-                if not stat.S_ISREG(in_st.st_mode):
-                    listing.refused.append(
-                        Entry(rel, kind_of(in_st.st_mode), 0, "changed while it was copied")
-                    )
-                    continue
-                budget = None if max_bytes is None else max_bytes - listing.total_bytes
-                try:
-                    copied = _copy_fd(
-                        in_fd, out_parent, name, budget=budget, owner=owner, mode=file_mode
-                    )
-                except FileExistsError:
-                    listing.refused.append(
-                        Entry(rel, "file", 0, "already in the destination; left as it was")
-                    )
-                    continue
-            finally:
-                os.close(in_fd)
-            if copied is None:
+            within_budget = _copy_file(
+                parent_fd,
+                name,
+                rel,
+                out_parent,
+                listing,
+                max_bytes=max_bytes,
+                owner=owner,
+                mode=file_mode,
+            )
+            if not within_budget:
                 raise TooLargeError(os.fspath(src), f"holds more than {max_bytes} bytes")
-            listing.files.append(Entry(rel, "file", copied))
-            listing.total_bytes += copied
     finally:
         os.close(src_fd)
         for fd in dst_fds.values():
             os.close(fd)
     return listing
+
+
+def _copy_file(
+    parent_fd: int | None,
+    name: str,
+    rel: str,
+    out_parent: int,
+    listing: Listing,
+    *,
+    max_bytes: int | None,
+    owner: tuple[int, int] | None,
+    mode: int,
+) -> bool:
+    """Copy the regular file ``name`` of ``parent_fd`` into ``out_parent`` for
+    :func:`copy_into`, listing it in ``listing`` as copied or refused. False when
+    it would take the copy past ``max_bytes`` (what was written of it stays)."""
+    try:
+        in_fd = _open_at(parent_fd, name, _O_READ, rel)
+    except (UnsafePathError, FileNotFoundError):
+        listing.refused.append(Entry(rel, "file", 0, "changed while it was copied"))
+        return True
+    try:
+        in_st = os.fstat(in_fd)
+        if not stat.S_ISREG(in_st.st_mode):
+            listing.refused.append(
+                Entry(rel, kind_of(in_st.st_mode), 0, "changed while it was copied")
+            )
+            return True
+        budget = None if max_bytes is None else max_bytes - listing.total_bytes
+        try:
+            copied = _copy_fd(in_fd, out_parent, name, budget=budget, owner=owner, mode=mode)
+        except FileExistsError:
+            listing.refused.append(
+                Entry(rel, "file", 0, "already in the destination; left as it was")
+            )
+            return True
+    finally:
+        os.close(in_fd)
+    if copied is None:
+        return False
+    listing.files.append(Entry(rel, "file", copied))
+    listing.total_bytes += copied
+    return True
 
 
 def _enter_or_make(

@@ -75,7 +75,7 @@ class Site:
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         with Client(self.url, self.owner, timeout=10) as c:
-            return {n["name"]: n for n in c._json("GET", "/v1/nodes")}
+            return {n["name"]: n for n in c.request_json("GET", "/v1/nodes")}
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,8 @@ import pytest
 from gpuwarden import faults
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.intake.bundle import read_result_bundle, write_bundle
+from gpuwarden.intake.bundle import read_result_bundle
+from gpuwarden.intake.bundlewrite import write_bundle
 from tests.acceptance.test_cli import GW, env, wait_for, write_config
 
 TERMINAL = frozenset(s.value for s in JobState if s.terminal)

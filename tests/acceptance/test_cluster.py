@@ -133,7 +133,7 @@ class Cluster:
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         with self.client() as c:
-            return {n["name"]: n for n in c._json("GET", "/v1/nodes")}
+            return {n["name"]: n for n in c.request_json("GET", "/v1/nodes")}
 
     def sql(self, query: str, *params: Any) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.db_url) as conn:

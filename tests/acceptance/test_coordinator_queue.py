@@ -24,7 +24,8 @@ import pytest
 from psycopg import sql
 
 from gpuwarden.core.model import JobSpec
-from gpuwarden.intake.bundle import read_result_bundle, write_bundle
+from gpuwarden.intake.bundle import read_result_bundle
+from gpuwarden.intake.bundlewrite import write_bundle
 from tests.acceptance.test_cluster import _config, _healthy, free_port, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

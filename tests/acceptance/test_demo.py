@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwarden.demo import workload
+from gpuwarden.tools.demo import workload
 
 GW = [sys.executable, "-m", "gpuwarden"]
 

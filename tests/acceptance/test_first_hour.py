@@ -356,7 +356,7 @@ def test_local_toml_without_bubblewrap_runs_them_unsandboxed_and_says_so_once(
         r = run_once(type_name, path=path)
         assert_ran(type_name, r)
         [line] = unsandboxed_lines(r.stderr)
-        assert line.split("WARNING gpuwarden.broker: ", 1)[1].startswith(
+        assert line.split("WARNING gpuwarden.node.loop: ", 1)[1].startswith(
             "UNSANDBOXED on this node, as plain host processes with the broker's user: "
             + ", ".join(CONTAINER_AND_SERVE)
             + ' (container and serve types; container_runtime = "auto" found no sandbox here '

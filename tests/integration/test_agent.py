@@ -19,18 +19,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpuwarden import safefs
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.app import Node, open_node
 from gpuwarden.cluster import coordinator as co
-from gpuwarden.cluster.agent import (
-    ENROLL_ENV,
-    Agent,
-    Coordinator,
-    CredentialRefused,
-    enroll,
-    enrolment_token,
-)
+from gpuwarden.cluster.coordinator_client import Coordinator, CredentialRefused, enroll
+from gpuwarden.cluster.enrolment import ENROLL_ENV, enrolment_token
+from gpuwarden.cluster.sync import Agent
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState
@@ -458,6 +453,6 @@ def test_the_coordinator_client_refuses_to_read_a_link_or_a_fifo(rig: Rig, tmp_p
 
 
 def test_the_cli_names_the_same_variable() -> None:
-    from gpuwarden.cluster import cli as cluster_cli
+    from gpuwarden.cli import cluster as cluster_cli
 
     assert cluster_cli.ENROLL_ENV == ENROLL_ENV == "GPUWARDEN_ENROLL_TOKEN"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster import report as rp
 from gpuwarden.core.model import GIB
 from gpuwarden.core.states import JobState
 from tests.integration.test_agent import Rig, gpu_job, make_rig
@@ -50,7 +50,7 @@ def test_the_report_says_the_nodes_rules_and_what_runs_there(rig: Rig) -> None:
     assert gpu["ledger_bytes"] == 2 * GIB and gpu["degraded"] == ""
     assert gpu["reserve_bytes"] == GIB // 2 and gpu["used_bytes"] >= 0
     # what `gpuwarden status` shows of it over the coordinator
-    [node] = co.cluster_status(rig.store, time.time(), offline_after_s=8.0)
+    [node] = rp.cluster_status(rig.store, time.time(), offline_after_s=8.0)
     assert node["node"] == "a" and node["problem"] == ""
     assert [r["job"] for r in node["running"]] == ["g1"]
     assert node["running"][0]["gpu"] == gpu["uuid"]

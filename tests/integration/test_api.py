@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import MATRIX, Principal, hash_secret, issue_token, parse_token
 from gpuwarden.api.limits import BodyLimitMiddleware, RateLimiter
 from gpuwarden.config import Config

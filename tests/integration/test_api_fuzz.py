@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.config import Config
 from gpuwarden.core.model import JobSpec, Role

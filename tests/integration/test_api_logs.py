@@ -1,4 +1,4 @@
-"""``GET /v1/jobs/{id}/logs/{stream}`` and :mod:`gpuwarden.joblogs`: a job's output
+"""``GET /v1/jobs/{id}/logs/{stream}`` and :mod:`gpuwarden.node.joblogs`: a job's output
 streams read through safefs, bounded, with the role rules of the other job routes."""
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuwarden import cli, joblogs
 from gpuwarden.api.routers import logs as logs_route
+from gpuwarden.cli.common import did_you_mean, printable
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
+from gpuwarden.node import joblogs
 from gpuwarden.store.base import Submission
 from tests.integration.test_api import Api, build
 
@@ -177,8 +178,8 @@ def test_a_read_stops_at_the_size_the_file_had(tmp_path: Path) -> None:
 
 
 def test_terminal_output_is_escaped() -> None:
-    assert cli.printable("ok\tfine\n") == "ok\tfine\n"
-    assert cli.printable("\x1b]0;pwned\x07red\r\x9b2J") == "\\x1b]0;pwned\\x07red\\r\\x9b2J"
+    assert printable("ok\tfine\n") == "ok\tfine\n"
+    assert printable("\x1b]0;pwned\x07red\r\x9b2J") == "\\x1b]0;pwned\\x07red\\r\\x9b2J"
 
 
 @pytest.mark.parametrize(
@@ -192,4 +193,4 @@ def test_terminal_output_is_escaped() -> None:
     ],
 )
 def test_did_you_mean(word: str, candidates: list[str], said: str) -> None:
-    assert cli.did_you_mean(word, candidates) == said
+    assert did_you_mean(word, candidates) == said

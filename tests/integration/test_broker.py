@@ -23,6 +23,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import StateDirLockedError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake import bundlewrite
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
@@ -56,7 +57,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 def drop(node: Node, *specs: JobSpec, files: dict[str, Path] | None = None) -> Path:
     root = node.broker.roots[0]
-    return bundles.write_bundle(root.inbox, list(specs), files, now=time.time())
+    return bundlewrite.write_bundle(root.inbox, list(specs), files, now=time.time())
 
 
 def result_of(node: Node, name: str, timeout: float = 20.0) -> tuple[Path, dict[str, dict]]:
@@ -93,7 +94,7 @@ def test_bundle_runs_and_result_lands_in_outbox(node: Node, tmp_path: Path) -> N
     assert (out / "a.txt").read_text() == "hi a"
     root = node.broker.roots[0]
     assert list(root.processing.iterdir()) == []
-    assert not any((node.broker.config.state_dir / "staging").rglob("*.zip"))
+    assert not any((node.config.state_dir / "staging").rglob("*.zip"))
     lines = [json.loads(ln) for ln in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert {"submitted", "transition", "bundle_accepted", "bundle_finished"} <= {
         ln["event"] for ln in lines
@@ -191,7 +192,7 @@ def test_cancel_running_job_stops_its_process(node: Node, tmp_path: Path) -> Non
     spec = JobSpec(id="s", type="testmods.hold", params={"until": str(tmp_path / "never")})
     submit(node, spec)
     run_until(node, lambda: node.broker.running == 1)
-    log = node.broker.config.state_dir / "jobs/s/attempt-1/stdout.log"
+    log = node.config.state_dir / "jobs/s/attempt-1/stdout.log"
     run_until(node, lambda: log.exists() and "holding" in log.read_text())
     pid = int(log.read_text().split()[1].rstrip(":"))
     assert psutil.pid_exists(pid)
@@ -216,7 +217,7 @@ def test_vram_jobs_one_per_gpu_on_sim(node: Node) -> None:
     specs = [JobSpec(id=f"g{i}", type="testmods.gpu", params={"seconds": 0.5}) for i in range(3)]
     submit(node, *specs)
     run_until(node, lambda: node.broker.running == 2)
-    status = node.broker.status()
+    status = node.broker.status().to_json()
     held = {g["uuid"]: [h["job_id"] for h in g["holdings"]] for g in status["gpus"]}
     assert len(held) == 2 and all(len(v) == 1 for v in held.values())
     assert "needs a GPU to itself" in (node.broker.wait_reason("g2") or "")
@@ -292,7 +293,7 @@ def test_recovery_rereads_a_bundle_never_recorded(tmp_path: Path) -> None:
     config = make_config(tmp_path)
     with open_node(config, mock_gpu=True) as first:
         root = first.broker.roots[0]
-        path = bundles.write_bundle(root.inbox, [echo("z")], None, now=time.time())
+        path = bundlewrite.write_bundle(root.inbox, [echo("z")], None, now=time.time())
         root.claim(path)  # crashed right after moving it to processing/
     with open_node(config, mock_gpu=True) as second:
         second.broker.recover()
@@ -349,14 +350,14 @@ def test_a_retried_job_with_a_cancel_request_never_runs_again(node: Node) -> Non
 def test_a_bundle_whose_result_cannot_be_written_does_not_hold_up_others(
     node: Node, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    real = bundles.write_result_bundle
+    real = bundlewrite.write_result_bundle
 
     def flaky(dest: Path, name: str, results: list) -> Path:  # type: ignore[type-arg]
         if name.startswith("poison"):
             raise PermissionError("an output file is unreadable")
         return real(dest, name, results)
 
-    monkeypatch.setattr(bundles, "write_result_bundle", flaky)
+    monkeypatch.setattr(bundlewrite, "write_result_bundle", flaky)
     poison = drop(node, echo("poison"))
     run_until(node, lambda: job_state(node, "poison") is JobState.DONE)
     waiter = drop(

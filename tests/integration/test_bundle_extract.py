@@ -19,15 +19,9 @@ import pytest
 
 from gpuwarden.core.model import GIB, MIB, JobSpec
 from gpuwarden.errors import BundleError
-from gpuwarden.intake.bundle import (
-    BundleLimits,
-    bundle_name,
-    extract_bundle,
-    extract_outputs,
-    read_result_bundle,
-    write_bundle,
-    write_result_bundle,
-)
+from gpuwarden.intake.bundle import extract_bundle, extract_outputs, read_result_bundle
+from gpuwarden.intake.bundlewrite import write_bundle, write_result_bundle
+from gpuwarden.intake.manifest import BundleLimits, bundle_name
 
 NOW = 1_795_938_132.0  # 2026-11-29T07:42:12Z
 
@@ -582,7 +576,7 @@ def test_the_bytes_are_counted_again_while_extracting(
     from gpuwarden.intake import bundle as bundle_module
 
     make_bomb(layout["zip"], {f"inputs/part{i}": 400 * 1024 for i in range(4)})
-    monkeypatch.setattr(bundle_module, "_check_declared", lambda *a, **k: None)
+    monkeypatch.setattr(bundle_module, "check_declared", lambda *a, **k: None)
     counter = ReadCounter(monkeypatch)
     refuse(
         r'entry "inputs/part2": the unpacked size passes', BundleLimits(max_unpacked_bytes=LIMIT)

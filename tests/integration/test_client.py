@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpuwarden import client as c
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.config import Config
 from gpuwarden.core.model import JobSpec, Role

@@ -23,6 +23,7 @@ from psycopg import sql
 
 from gpuwarden.cli import main
 from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster import nodeview as nv
 from gpuwarden.core.launchrules import LaunchRules, Runtime
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.registry import Registry
@@ -63,7 +64,7 @@ class Site:
         assert record is not None
         now = time.time()
         [leased] = co.claim(
-            self.store, Registry.load(MODULES), name, co.node_view(record), now, lease_s=30.0
+            self.store, Registry.load(MODULES), name, nv.node_view(record), now, lease_s=30.0
         )
         assert leased["id"] == job_id
         co.start(self.store, name, job_id, lease_id=leased["lease_id"], gpu_uuid=None, now=now)

@@ -11,8 +11,10 @@ from fastapi.testclient import TestClient
 
 from gpuwarden import cli
 from gpuwarden import client as c
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
+from gpuwarden.cli import common
+from gpuwarden.cli.submit import parse_constraints
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, Role
 from gpuwarden.errors import ValidationError
@@ -24,7 +26,7 @@ LOCAL = Principal(token_id="local", name="t", role=Role.OWNER)
 
 
 def test_parse_constraints() -> None:
-    got = cli.parse_constraints(
+    got = parse_constraints(
         ["min_gpu_vram_gib=40", "gpu_model=H100", "node=n1", "label.rack=a", "label.zone=x=y"]
     )
     assert got == {
@@ -33,8 +35,8 @@ def test_parse_constraints() -> None:
         "node": "n1",
         "labels": {"rack": "a", "zone": "x=y"},
     }
-    assert cli.parse_constraints(["min_gpu_vram_gib=0.5"]) == {"min_gpu_vram_gib": 0.5}
-    assert cli.parse_constraints([]) == {}
+    assert parse_constraints(["min_gpu_vram_gib=0.5"]) == {"min_gpu_vram_gib": 0.5}
+    assert parse_constraints([]) == {}
     for bad, says in [
         ("node", "write it as KEY=VALUE"),
         ("=x", "write it as KEY=VALUE"),
@@ -43,7 +45,7 @@ def test_parse_constraints() -> None:
         ("min_gpu_vram_gib=lots", "must be a number"),
     ]:
         with pytest.raises(ValidationError, match=says):
-            cli.parse_constraints([bad])
+            parse_constraints([bad])
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -120,7 +122,7 @@ def test_submit_url_passes_constraints(
 ) -> None:
     store, tc, token = api
     monkeypatch.setattr(
-        cli, "_remote", lambda args: c.Client("http://testserver", token, http=TestClient(tc.app))
+        common, "remote", lambda args: c.Client("http://testserver", token, http=TestClient(tc.app))
     )
     code, out, err = _run(capsys, "submit", "--url", "http://testserver", "testmods.gpu",
                           "--id", "r1", "--vram-gib", "1", "--constraint", "gpu_model=sim",

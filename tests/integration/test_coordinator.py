@@ -11,7 +11,10 @@ from typing import Any
 import pytest
 
 from gpuwarden.cluster import coordinator as co
-from gpuwarden.cluster.coordinator import LeaseRefused, Timing
+from gpuwarden.cluster import nodeview as nv
+from gpuwarden.cluster import report as rp
+from gpuwarden.cluster.coordinator import LeaseRefused
+from gpuwarden.cluster.nodeview import Timing
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.placement import NodeView
 from gpuwarden.core.states import JobState
@@ -71,7 +74,7 @@ def enrol(s: ClusterStore, name: str, gib: float, now: float = 0.0, **kw: Any) -
     s.touch_node(name, rep, now)
     record = s.get_node(name)
     assert record is not None
-    return co.node_view(record)
+    return nv.node_view(record)
 
 
 def gpu_job(job_id: str, gib: float, seconds: float = 0.3) -> JobSpec:
@@ -86,7 +89,7 @@ def gpu_job(job_id: str, gib: float, seconds: float = 0.3) -> JobSpec:
 def claim(s: ClusterStore, reg: Registry, name: str, now: float, **kw: Any) -> list[str]:
     record = s.get_node(name)
     assert record is not None
-    got = co.claim(s, reg, name, co.node_view(record), now, lease_s=10.0, timing=TIMING, **kw)
+    got = co.claim(s, reg, name, nv.node_view(record), now, lease_s=10.0, timing=TIMING, **kw)
     return [j["id"] for j in got]
 
 
@@ -106,9 +109,9 @@ def test_claim_payload_and_types_filter(s: ClusterStore, registry: Registry) -> 
     s.submit([gpu_job("a", 1)], now=1.0)
     record = s.get_node("n")
     assert record is not None
-    none = co.claim(s, registry, "n", co.node_view(record), 2.0, types=["echo.echo"])
+    none = co.claim(s, registry, "n", nv.node_view(record), 2.0, types=["echo.echo"])
     assert none == []
-    [payload] = co.claim(s, registry, "n", co.node_view(record), 2.0, lease_s=5.0)
+    [payload] = co.claim(s, registry, "n", nv.node_view(record), 2.0, lease_s=5.0)
     assert payload["id"] == "a" and payload["type"] == "testmods.gpu"
     assert payload["params"]["gib"] == 1 and payload["vram_bytes"] == GIB
     assert payload["expires_at"] == 7.0 and len(payload["lease_id"]) == 16
@@ -148,7 +151,7 @@ def test_start_and_finish_are_fenced(s: ClusterStore, registry: Registry) -> Non
     enrol(s, "n1", 24)
     enrol(s, "n2", 24)
     s.submit([gpu_job("a", 1)], now=1.0)
-    [payload] = co.claim(s, registry, "n1", co.node_view(s.get_node("n1")), 2.0, lease_s=10.0)  # type: ignore[arg-type]
+    [payload] = co.claim(s, registry, "n1", nv.node_view(s.get_node("n1")), 2.0, lease_s=10.0)  # type: ignore[arg-type]
     lease_id = payload["lease_id"]
     with pytest.raises(LeaseRefused):
         co.start(s, "n2", "a", lease_id=lease_id, gpu_uuid=None, now=3.0)
@@ -191,7 +194,7 @@ def test_a_local_retry_keeps_the_lease_until_max_retries(
 ) -> None:
     enrol(s, "n", 24)
     s.submit([gpu_job("a", 1)], now=1.0)  # testmods.gpu: max_retries = 1
-    [payload] = co.claim(s, registry, "n", co.node_view(s.get_node("n")), 2.0, lease_s=100.0)  # type: ignore[arg-type]
+    [payload] = co.claim(s, registry, "n", nv.node_view(s.get_node("n")), 2.0, lease_s=100.0)  # type: ignore[arg-type]
     lid = payload["lease_id"]
     co.start(s, "n", "a", lease_id=lid, gpu_uuid=None, now=3.0)
     got = co.finish(
@@ -270,7 +273,7 @@ def test_sweep_quarantines_past_max_retries(s: ClusterStore, registry: Registry)
     for round_ in range(2):
         now = 2.0 + round_ * 20
         s.touch_node("n", report(24), now)
-        [payload] = co.claim(s, registry, "n", co.node_view(s.get_node("n")), now, lease_s=10.0)  # type: ignore[arg-type]
+        [payload] = co.claim(s, registry, "n", nv.node_view(s.get_node("n")), now, lease_s=10.0)  # type: ignore[arg-type]
         co.start(s, "n", "a", lease_id=payload["lease_id"], gpu_uuid=None, now=now)
         co.sweep(s, now + 11, 100.0, registry=registry)
     job = s.get_job("a")
@@ -330,13 +333,13 @@ def test_sweep_cancels_a_requeued_job_with_a_cancel_request(
 
 def test_explain_placement(s: ClusterStore, registry: Registry) -> None:
     s.submit([gpu_job("big", 40)], now=1.0)
-    assert co.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING) == []  # type: ignore[arg-type]
+    assert rp.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING) == []  # type: ignore[arg-type]
     enrol(s, "small", 8, now=1.0)
     enrol(s, "mid", 24, now=1.0)
-    [line] = co.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING)  # type: ignore[arg-type]
+    [line] = rp.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING)  # type: ignore[arg-type]
     assert line.startswith("no node can ever run it") and "mid:" in line
     enrol(s, "huge", 80, now=1.0, free=10)
-    lines = co.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING)  # type: ignore[arg-type]
+    lines = rp.explain_placement(s, registry, s.get_job("big"), 2.0, TIMING)  # type: ignore[arg-type]
     room = (
         "node huge has no GPU with room for it now: it needs 40.0 GiB on one GPU, the most "
         "room it reported is 10.0 GiB"
@@ -346,7 +349,7 @@ def test_explain_placement(s: ClusterStore, registry: Registry) -> None:
     claim(s, registry, "huge", 2.0)
     s.touch_node("huge", report(80), 2.0)
     assert claim(s, registry, "huge", 2.0) == ["big"]
-    [line] = co.explain_placement(s, registry, s.get_job("big"), 3.0, TIMING)  # type: ignore[arg-type]
+    [line] = rp.explain_placement(s, registry, s.get_job("big"), 3.0, TIMING)  # type: ignore[arg-type]
     assert "leased to node huge" in line
 
 
@@ -404,7 +407,7 @@ def test_gpu_model_and_label_constraints_steer_placement(
     assert claim(s, registry, "rack-b", 40.0) == ["wants-rack-b"]
     job = s.get_job("wants-big-gpu")
     assert job is not None
-    [why] = co.explain_placement(s, registry, job, 5.0, TIMING)
+    [why] = rp.explain_placement(s, registry, job, 5.0, TIMING)
     assert why.startswith("no node can ever run it: h100: the job asks for at least 100.0 GiB")
     assert "plain: the job asks for at least 100.0 GiB per GPU" in why
 
@@ -558,13 +561,13 @@ def test_explain_says_which_node_refuses_the_type_and_why(
     s.submit([gpu_job("box", 1)], now=1.0)
     job = s.get_job("box")
     assert job is not None
-    lines = co.explain_placement(s, open_registry, job, 2.0, TIMING)
+    lines = rp.explain_placement(s, open_registry, job, 2.0, TIMING)
     assert lines == [
         "node gpu-a refuses container types (its runtime is local)",
         "node gpu-b is busy (4 of its 4 jobs)",
     ]
     co.drain(s, "gpu-b", now=2.0)
-    lines = co.explain_placement(s, open_registry, job, 2.5, TIMING)
+    lines = rp.explain_placement(s, open_registry, job, 2.5, TIMING)
     assert lines[1] == (
         "node gpu-b is draining: it takes no new work (`gpuwarden node resume gpu-b` gives "
         "it work again)"
@@ -584,34 +587,34 @@ def test_a_node_whose_heartbeat_is_overdue_is_silent_and_its_jobs_say_so(
     co.start(s, "n", "run", lease_id=s.lease_of("run").lease_id, gpu_uuid="GPU-0", now=0.5)  # type: ignore[union-attr]
     record = s.get_node("n")
     assert record is not None
-    assert co.silence(record, s.leases(), 3.0) is None  # 2 beats and a second: on time
-    got = co.node_json(record, s.leases(), 4.0)
+    assert nv.silence(record, s.leases(), 3.0) is None  # 2 beats and a second: on time
+    got = rp.node_json(record, s.leases(), 4.0)
     assert got["state"] == "active" and got["condition"] == "silent for 4 s (lease ends in 6 s)"
     assert got["silent_s"] == 4.0 and got["lease_ends_in_s"] == 6.0
-    assert co.node_json(record, s.leases(), 11.0)["condition"] == (
+    assert rp.node_json(record, s.leases(), 11.0)["condition"] == (
         "silent for 11 s (its lease ended 1 s ago)"
     )
     running = s.get_job("run")
     assert running is not None
-    assert co.explain_running(s, running, 2.0) == [
+    assert rp.explain_running(s, running, 2.0) == [
         "on node n, heard from 2 s ago (lease ends in 8 s unless renewed)"
     ]
-    [line] = co.explain_running(s, running, 4.0)
+    [line] = rp.explain_running(s, running, 4.0)
     assert line.startswith("its node n is silent for 4 s (lease ends in 6 s): it may still run")
     waiting = s.get_job("wait")
     assert waiting is not None
-    [line] = co.explain_placement(s, registry, waiting, 4.0, TIMING)
+    [line] = rp.explain_placement(s, registry, waiting, 4.0, TIMING)
     assert line.startswith("it is leased to node n, silent for 4 s (lease ends in 6 s)")
     # a heartbeat: heard from again
     co.heartbeat(s, "n", {**report(80), "heartbeat_every_s": 1.0}, 4.5, 10.0, held=["run"])
     record = s.get_node("n")
-    assert record is not None and co.node_json(record, s.leases(), 5.0)["condition"] == ""
+    assert record is not None and rp.node_json(record, s.leases(), 5.0)["condition"] == ""
     # an agent that says nothing of its interval is judged by the default (15 s)
     enrol(s, "quiet", 24, now=0.0)
     quiet = s.get_node("quiet")
-    assert quiet is not None and co.silence(quiet, [], 30.0) is None
-    assert co.silence(quiet, [], 32.0) == co.Silence(32.0, None)
-    assert co.Silence(32.0, None).text() == "silent for 32 s"
+    assert quiet is not None and nv.silence(quiet, [], 30.0) is None
+    assert nv.silence(quiet, [], 32.0) == nv.Silence(32.0, None)
+    assert nv.Silence(32.0, None).text() == "silent for 32 s"
 
 
 def test_a_drained_node_can_be_resumed(s: ClusterStore, registry: Registry) -> None:
@@ -661,9 +664,9 @@ def test_cluster_status_shows_each_node_and_its_first_problem(
     co.revoke(s, registry, "out", now=100.0)
     s.submit([gpu_job("r", 1)], now=100.0)
     s.touch_node("ok", live, 100.0)
-    [payload] = co.claim(s, registry, "ok", co.node_view(s.get_node("ok")), 100.0, lease_s=10.0)  # type: ignore[arg-type]
+    [payload] = co.claim(s, registry, "ok", nv.node_view(s.get_node("ok")), 100.0, lease_s=10.0)  # type: ignore[arg-type]
     co.start(s, "ok", "r", lease_id=payload["lease_id"], gpu_uuid="GPU-0", now=100.5)
-    got = {n["node"]: n for n in co.cluster_status(s, 101.0, offline_after_s=20.0)}
+    got = {n["node"]: n for n in rp.cluster_status(s, 101.0, offline_after_s=20.0)}
     assert {k: v["problem"] for k, v in got.items()} == {
         "ok": "",
         "sick": "1 GPU(s) degraded: VRAM admission paused there",

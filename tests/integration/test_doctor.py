@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from gpuwarden.config import load_config
-from gpuwarden.doctor import Host, check_cdi, check_toolkit, judge
 from gpuwarden.gpu.base import GpuReading
+from gpuwarden.tools.doctor import Host, check_cdi, check_toolkit, judge
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = REPO / "src" / "gpuwarden" / "modules"

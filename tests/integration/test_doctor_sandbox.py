@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.config import load_config
-from gpuwarden.doctor import Host, Status, check_sandbox, judge
+from gpuwarden.tools.doctor import Host, Status, check_sandbox, judge
 from tests.conftest import need_tool
 from tests.integration.test_doctor import MODULES, doctor_json, env, write_config
 

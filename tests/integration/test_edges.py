@@ -24,12 +24,13 @@ from typing import Any
 
 import pytest
 
-from gpuwarden import attemptfs, safefs
+from gpuwarden import safefs
 from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.intake.jobs import prepare
+from gpuwarden.node import attemptfs
 from gpuwarden.store.base import Submission
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
@@ -79,7 +80,7 @@ def events(node: Node, kind: str) -> list[dict[str, Any]]:
 
 
 def attempt_dir(node: Node, job_id: str, attempt: int = 1) -> Path:
-    return node.broker.config.state_dir / "jobs" / job_id / f"attempt-{attempt}"
+    return node.config.state_dir / "jobs" / job_id / f"attempt-{attempt}"
 
 
 def hostile(job_id: str, attack: str = "none", **params: Any) -> JobSpec:
@@ -118,7 +119,7 @@ def follow_up_completes(node: Node, job_id: str = "after") -> None:
 
 
 def exchange_of(node: Node, type_name: str) -> Path:
-    [exchange] = (node.broker.config.state_dir / "warm").glob(f"{type_name}-*/exchange")
+    [exchange] = (node.config.state_dir / "warm").glob(f"{type_name}-*/exchange")
     return exchange
 
 
@@ -203,7 +204,7 @@ def test_a_slot_that_cannot_be_cleared_fails_the_attempt_loudly(node: Node) -> N
         assert len(events(node, "warm_server_loaded")) == 2
         follow_up_completes(node)
     finally:  # wherever it was planted, it must not outlive the test
-        for planted in node.broker.config.state_dir.rglob("stuck"):
+        for planted in node.config.state_dir.rglob("stuck"):
             subprocess.run(["chattr", "-i", str(planted)], check=False)
 
 
@@ -412,7 +413,7 @@ def test_the_state_directory_and_everything_in_it_are_the_owners_alone(tmp_path:
     with open_node(make_config(tmp_path), mock_gpu=True) as n:
         submit(n, hostile("p"))
         run_until(n, ended(n, "p"))
-        state_dir = n.broker.config.state_dir
+        state_dir = n.config.state_dir
         db = state_dir / "gpuwarden.db"
         wal, shm = Path(f"{db}-wal"), Path(f"{db}-shm")
         assert wal.exists() and shm.exists()  # WAL mode, a connection open
@@ -469,7 +470,7 @@ def test_host_jobs_beside_a_sandbox_runtime_are_marked_unsandboxed(
         allow_unsandboxed_containers=False,
     )
     with (
-        caplog.at_level("WARNING", logger="gpuwarden.broker"),
+        caplog.at_level("WARNING", logger="gpuwarden.node.loop"),
         open_node(config, mock_gpu=True) as n,
     ):
         submit(n, hostile("h1"), hostile("h2"), JobSpec(id="s1", type="testmods.sleep"))

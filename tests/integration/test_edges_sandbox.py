@@ -89,7 +89,7 @@ def test_a_sandboxed_server_that_plants_a_link_at_a_slot_writes_nothing_outside(
     run_until(node, lambda: ended(node, "p1"), timeout=120)
     p1 = node.store.get_job("p1")
     assert p1 is not None and p1.state is JobState.DONE, p1.reason
-    [exchange] = (node.broker.config.state_dir / "warm").glob("testmods.planter-*/exchange")
+    [exchange] = (node.config.state_dir / "warm").glob("testmods.planter-*/exchange")
     spot = exchange / "victim-1"
     assert spot.is_symlink() and os.readlink(spot) == str(outside)  # the attack is in place
 
@@ -126,7 +126,7 @@ def test_a_sandboxed_server_that_plants_a_link_at_a_slot_writes_nothing_outside(
     assert planted["path"] == "exchange/victim-1" and planted["kind"] == "symlink"
     if os.geteuid() == 0:
         # the server wrote as the sandbox's user, into the slot the broker made for it
-        limits = node.broker.sandbox_owner(node.broker.registry.get("testmods.planter"))
+        limits = node.broker.launching.sandbox_owner(node.broker.registry.get("testmods.planter"))
         assert limits is not None
         assert (os.lstat(out / "served.txt").st_uid, os.lstat(out / "served.txt").st_gid) == limits
     # the same server goes on: a following job completes on it

@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from gpuwarden.serve.protocol import Channel
-from gpuwarden.serve.worker import JobContext, LoadContext
+from gpuwarden.server.protocol import Channel
+from gpuwarden.server.worker import JobContext, LoadContext
 from tests.conftest import need_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -309,9 +309,10 @@ def test_worker_process_loads_once_and_serves_jobs(
 
 
 def serve_launch(tmp: Path, sock_dir: Path, name: str) -> Any:
-    """A ServeWorker for ``embed.minilm`` on the host launcher, as the broker makes one."""
+    """A WarmProcess for ``embed.minilm`` on the host launcher, as the broker makes one."""
     serve = pytest.importorskip(
-        "gpuwarden.launch.serve", reason="gpuwarden.launch.serve (the serve launcher) is not there"
+        "gpuwarden.launch.warmproc",
+        reason="gpuwarden.launch.warmproc (the serve launcher) is not there",
     )
     from gpuwarden.launch.base import LaunchRequest
     from gpuwarden.launch.host import HostLauncher
@@ -332,7 +333,7 @@ def serve_launch(tmp: Path, sock_dir: Path, name: str) -> Any:
     )
     # a torch process can take seconds to exit on a loaded machine: the broker gives
     # it [warm] stop_grace_s; this test's clean-exit check gives it as long
-    worker = serve.ServeWorker(HostLauncher(), req, sock_dir / "w.sock", 11, stop_wait_s=30)
+    worker = serve.WarmProcess(HostLauncher(), req, sock_dir / "w.sock", 11, stop_wait_s=30)
     return serve, worker, attempt_dir
 
 

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from gpuwarden.cli import build_parser
-from gpuwarden.cluster.agent import ENROLL_ENV
+from gpuwarden.cluster.enrolment import ENROLL_ENV
 from gpuwarden.config import load_config
 from gpuwarden.core.launchrules import LaunchRules, Runtime
 

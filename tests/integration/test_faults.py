@@ -20,7 +20,7 @@ from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.gpu.select import SIM_STATE_FILE
-from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake import bundlewrite
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
@@ -80,11 +80,11 @@ def test_a_critical_xid_faults_the_gpu_requeues_its_job_and_an_operator_clears_i
     first, second = node.store.attempts("victim")
     assert first.outcome == "gpu_fault" and "Xid 79" in first.reason
     assert second.gpu_uuid != gpu
-    degraded = node.broker.status()["degraded"]
+    degraded = node.broker.status().to_json()["degraded"]
     assert "hardware fault" in degraded[gpu] and f"gpuwarden gpu clear {gpu}" in degraded[gpu]
     node.store.request_gpu_clear(gpu, now=time.time())  # what `gpuwarden gpu clear` does
     run_until(node, lambda: "gpu_fault_cleared" in kinds(node))
-    assert gpu not in node.broker.status()["degraded"]
+    assert gpu not in node.broker.status().to_json()["degraded"]
 
 
 def test_an_application_xid_fails_the_job_not_the_gpu(node: Node) -> None:
@@ -97,7 +97,7 @@ def test_an_application_xid_fails_the_job_not_the_gpu(node: Node) -> None:
     app = node.store.get_job("app")
     assert app is not None and app.state is JobState.FAILED and app.attempts == 1
     assert "its GPU reported an error in the job: Xid 13" in app.reason
-    assert gpu not in node.broker.status()["degraded"]
+    assert gpu not in node.broker.status().to_json()["degraded"]
 
 
 def test_cuda_oom_alone_fails_the_job_and_raises_its_footprint(node: Node) -> None:
@@ -128,7 +128,7 @@ def test_cuda_oom_beside_another_job_is_retried(tmp_path: Path) -> None:
 
 def held_pid(node: Node, job_id: str, attempt: int) -> int:
     """The PID of a testmods.hold attempt, from the line it prints first."""
-    log = node.broker.config.state_dir / "jobs" / job_id / f"attempt-{attempt}" / "stdout.log"
+    log = node.config.state_dir / "jobs" / job_id / f"attempt-{attempt}" / "stdout.log"
     run_until(node, lambda: log.exists() and "holding" in log.read_text())
     return int(log.read_text().split()[1].rstrip(":"))
 
@@ -148,7 +148,7 @@ def test_a_worker_killed_from_outside_is_retried(node: Node, tmp_path: Path) -> 
 def test_a_stopped_worker_past_its_timeout_ends_once(node: Node) -> None:
     # it would sleep far past its timeout (1.5 s): only the timeout ends it
     submit(node, JobSpec(id="frozen", type="testmods.sleep", params={"seconds": 60}))
-    pid_file = node.broker.config.state_dir / "jobs" / "frozen" / "attempt-1" / "out" / "pid"
+    pid_file = node.config.state_dir / "jobs" / "frozen" / "attempt-1" / "out" / "pid"
     run_until(node, pid_file.exists)
     pid = int(pid_file.read_text())
     os.kill(pid, signal.SIGSTOP)  # it stops answering; its timeout is 1.5 s
@@ -221,9 +221,9 @@ def test_a_result_that_can_never_be_written_gives_its_input_to_failed(
     def broken(dest: Path, name: str, results: list) -> Path:  # type: ignore[type-arg]
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(bundles, "write_result_bundle", broken)
+    monkeypatch.setattr(bundlewrite, "write_result_bundle", broken)
     root = node.broker.roots[0]
-    path = bundles.write_bundle(
+    path = bundlewrite.write_bundle(
         root.inbox, [JobSpec(id="nowhere", type="echo.echo", params={"text": "x"})], now=time.time()
     )
     run_until(node, (root.failed / f"{path.name}.reason.txt").exists, timeout=20)
@@ -302,7 +302,7 @@ def test_a_type_sets_its_own_max_interruptions_in_module_toml(tmp_path: Path) ->
     )
     config = make_config(tmp_path).model_copy(update={"module_paths": [tmp_path / "mods"]})
     with open_node(config, mock_gpu=True) as n:
-        assert n.broker.max_interruptions(n.broker.registry.get("fragile.once")) == 0
+        assert n.broker.attempts.max_interruptions(n.broker.registry.get("fragile.once")) == 0
         submit(n, JobSpec(id="f", type="fragile.once"))
     crash_during(config, "f", 1)
     with open_node(config, mock_gpu=True) as n:

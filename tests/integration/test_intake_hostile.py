@@ -23,6 +23,7 @@ from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake import bundlewrite
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.intake.queueroot import QueueRoot, record_name
 from gpuwarden.registry import Registry
@@ -68,7 +69,7 @@ def sleeper(i: str, seconds: float) -> JobSpec:
 def bundle_bytes(tmp_path: Path, *specs: JobSpec) -> bytes:
     scratch = tmp_path / f"scratch-{time.monotonic_ns()}"
     scratch.mkdir()
-    return bundles.write_bundle(scratch, list(specs), now=time.time()).read_bytes()
+    return bundlewrite.write_bundle(scratch, list(specs), now=time.time()).read_bytes()
 
 
 def place(folder: Path, raw_name: bytes, data: bytes) -> str:
@@ -134,7 +135,7 @@ def test_a_fifo_swapped_in_after_the_listing_never_blocks(
     assert node.store.get_bundle(str(root.path), "x.zip") is not None  # recorded
     assert node.store.get_job("never") is None
     # a following bundle completes
-    good = bundles.write_bundle(root.inbox, [echo("after")], now=time.time())
+    good = bundlewrite.write_bundle(root.inbox, [echo("after")], now=time.time())
     run_until(node, (root.outbox / good.name).exists)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from gpuwarden.api import create_app
+from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.api.routers.nodes import install_coordinator, install_sweeper
 from gpuwarden.config import Config

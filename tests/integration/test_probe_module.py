@@ -4,7 +4,7 @@
 is the host: every key must be there with its type, output and scratch must be
 writable, and a marker made in tmp_path must be visible, which proves the check
 can see a path at all. The sandboxed runs belong to the container launcher's
-tests. ``echo_serve.py`` is driven for real through ServeWorker and HostLauncher.
+tests. ``echo_serve.py`` is driven for real through WarmProcess and HostLauncher.
 
 No test here sends traffic off this machine: every ``connect`` is to loopback.
 """
@@ -30,7 +30,7 @@ import pytest
 from gpuwarden.core.model import GIB, Lane, LaunchMode, ParamType
 from gpuwarden.launch.base import LaunchRequest
 from gpuwarden.launch.host import HostLauncher
-from gpuwarden.launch.serve import LoadReport, ServeWorker
+from gpuwarden.launch.warmproc import LoadReport, WarmProcess
 from gpuwarden.registry import parse_module
 
 REPO = Path(__file__).resolve().parents[2]
@@ -427,7 +427,7 @@ def test_echo_serve_writes_each_jobs_text(tmp_path: Path, sock_dir: Path) -> Non
         kill_grace_s=0.3,
         instance="test-echo-serve",
     )
-    worker = ServeWorker(HostLauncher(), req, sock_dir / "echo.sock", 3, stop_wait_s=2.0)
+    worker = WarmProcess(HostLauncher(), req, sock_dir / "echo.sock", 3, stop_wait_s=2.0)
 
     def job(n: int, **params: Any) -> tuple[Any, Path]:
         out = tmp_path / f"job-{n}" / "out"

@@ -48,7 +48,7 @@ from gpuwarden.launch.sandbox import (
     container_name,
     mounts_for,
 )
-from gpuwarden.launch.serve import ServeError, ServeWorker
+from gpuwarden.launch.warmproc import ServeError, WarmProcess
 from gpuwarden.store.base import Submission
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
@@ -108,7 +108,7 @@ def ended(node: Node, *ids: str) -> bool:
 
 
 def job_out(node: Node, job_id: str, attempt: int = 1) -> Path:
-    return node.broker.config.state_dir / "jobs" / job_id / f"attempt-{attempt}" / "out"
+    return node.config.state_dir / "jobs" / job_id / f"attempt-{attempt}" / "out"
 
 
 #: every test runs in each runtime, but for the podman-only ones below
@@ -163,7 +163,7 @@ def test_the_probe_sees_no_network_no_capabilities_and_nothing_else_of_the_host(
     assert report["marker_visible"]["visible"] is False
     assert not report["devices"]  # no GPU on the cpu lane
     assert "LD_PRELOAD" not in report["env_keys"]
-    assert job.result.get("sandbox") == node.broker.config.container_runtime.value
+    assert job.result.get("sandbox") == node.config.container_runtime.value
 
 
 @both
@@ -196,14 +196,14 @@ def test_echo_serve_loads_once_in_the_sandbox_and_serves_two_jobs(node: Node) ->
         assert (job_out(node, job_id) / path).read_text() == text
     loads = [e for e in node.store.events(limit=100_000) if e.kind == "warm_server_starting"]
     assert len(loads) == 1
-    exchange = node.broker.config.state_dir / "warm"
+    exchange = node.config.state_dir / "warm"
     assert not any(p.is_file() for p in exchange.glob("*/exchange/**/*"))  # moved out
 
 
 @both
 def test_cancel_stops_the_sandbox_and_confirms_it_gone(node: Node) -> None:
     submit(node, JobSpec(id="c1", type="echo.container", params={"text": "x", "sleep_s": 60}))
-    run_until(node, lambda: bool(node.broker._running), timeout=30)
+    run_until(node, lambda: bool(node.broker.running), timeout=30)
     time.sleep(1.0)  # let it really start inside the sandbox
     node.store.request_cancel("c1", now=time.time())
     run_until(node, lambda: ended(node, "c1"), timeout=60)
@@ -410,7 +410,7 @@ def test_the_sandboxs_processes_and_files_belong_to_an_unprivileged_host_uid(
     for proc in inside:
         assert proc.uids() == (NOBODY, NOBODY, NOBODY), (proc.pid, proc.cmdline())
         assert proc.gids() == (NOBODY, NOBODY, NOBODY), (proc.pid, proc.cmdline())
-    if node.broker.config.container_runtime is Runtime.BUBBLEWRAP:
+    if node.config.container_runtime is Runtime.BUBBLEWRAP:
         # bubblewrap itself too: no process of the attempt is root, none has groups
         every = attempt_processes(node, "u1")
         assert len(every) > len(inside)  # bubblewrap's own outer process is among them
@@ -619,7 +619,7 @@ def test_a_writable_folder_with_content_is_never_handed_over(
 
 FILL_SERVER = """
 import time
-from gpuwarden.serve.worker import serve
+from gpuwarden.server.worker import serve
 
 def load(ctx):
     return None
@@ -671,7 +671,7 @@ def test_a_serve_worker_past_output_mib_in_its_exchange_folder_is_stopped_for_it
         instance="serve-limit-test",
         mounts=mounts,
     )
-    worker = ServeWorker(launcher, req, socket_path, epoch=1, stop_wait_s=1)
+    worker = WarmProcess(launcher, req, socket_path, epoch=1, stop_wait_s=1)
     try:
         worker.start(load_timeout_s=60)
         assert exchange.stat().st_uid == NOBODY  # handed to the sandbox's user, while empty

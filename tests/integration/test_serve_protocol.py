@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuwarden.serve.protocol import (
+from gpuwarden.server.protocol import (
     MAX_FRAME,
     Channel,
     PeerClosed,

@@ -15,7 +15,7 @@ import pytest
 from gpuwarden import safefs
 from gpuwarden.launch.base import LaunchRequest
 from gpuwarden.launch.host import HostLauncher
-from gpuwarden.launch.serve import ServeError, ServeWorker
+from gpuwarden.launch.warmproc import ServeError, WarmProcess
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def folder() -> Iterator[Path]:
         safefs.remove_tree(path)
 
 
-def worker(folder: Path, socket_dir: Path) -> ServeWorker:
+def worker(folder: Path, socket_dir: Path) -> WarmProcess:
     req = LaunchRequest(
         job_id="warm-x",
         attempt=1,
@@ -39,7 +39,7 @@ def worker(folder: Path, socket_dir: Path) -> ServeWorker:
         kill_grace_s=1,
         instance="socket-test",
     )
-    return ServeWorker(HostLauncher(), req, socket_dir / "1.sock", epoch=1, stop_wait_s=1)
+    return WarmProcess(HostLauncher(), req, socket_dir / "1.sock", epoch=1, stop_wait_s=1)
 
 
 def test_a_socket_folder_others_may_write_to_is_refused(folder: Path) -> None:

@@ -1,6 +1,6 @@
 """Serve workers with real processes: a worker written with
-``gpuwarden.serve.worker.serve`` and crafted workers that break the protocol,
-driven by ``gpuwarden.launch.serve.ServeWorker``.
+``gpuwarden.server.worker.serve`` and crafted workers that break the protocol,
+driven by ``gpuwarden.launch.warmproc.WarmProcess``.
 
 Every failure must end with the worker's whole process tree confirmed gone and
 a ServeError; the job's own failure must not stop the worker; stale reports
@@ -29,15 +29,15 @@ import pytest
 
 from gpuwarden.launch.base import LaunchRequest
 from gpuwarden.launch.host import HostLauncher
-from gpuwarden.launch.serve import (
+from gpuwarden.launch.warmproc import (
     JobReport,
     LoadReport,
     ServeError,
-    ServeWorker,
+    WarmProcess,
     placement_check,
 )
-from gpuwarden.serve.protocol import Channel
-from gpuwarden.serve.worker import run_worker
+from gpuwarden.server.protocol import Channel
+from gpuwarden.server.worker import run_worker
 
 PY = sys.executable
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
@@ -47,7 +47,7 @@ GPU = "GPU-11111111-2222-3333-4444-555555555555"
 MODULE_WORKER = textwrap.dedent(
     """
     import json, os, sys, time
-    from gpuwarden.serve.worker import serve
+    from gpuwarden.server.worker import serve
 
     def load(ctx):
         time.sleep(float(os.environ.get("LOAD_SLEEP", "0")))
@@ -92,7 +92,7 @@ MODULE_WORKER = textwrap.dedent(
 CRAFTED_WORKER = textwrap.dedent(
     """
     import os, socket, sys, time
-    from gpuwarden.serve.protocol import Channel, encode
+    from gpuwarden.server.protocol import Channel, encode
 
     epoch = int(os.environ["GPUWARDEN_SERVE_EPOCH"])
     craft = os.environ["CRAFT"]
@@ -161,13 +161,13 @@ def sock_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-MakeWorker = Callable[..., ServeWorker]
+MakeWorker = Callable[..., WarmProcess]
 
 
 @pytest.fixture
 def make_worker(tmp_path: Path, sock_dir: Path) -> Iterator[MakeWorker]:
     """Build ServeWorkers; every one is stopped at the end of the test."""
-    workers: list[ServeWorker] = []
+    workers: list[WarmProcess] = []
     (tmp_path / "module_worker.py").write_text(MODULE_WORKER)
     (tmp_path / "crafted_worker.py").write_text(CRAFTED_WORKER)
 
@@ -179,7 +179,7 @@ def make_worker(tmp_path: Path, sock_dir: Path) -> Iterator[MakeWorker]:
         argv: tuple[str, ...] | None = None,
         stop_wait_s: float = 2.0,
         socket_path: Path | None = None,
-    ) -> ServeWorker:
+    ) -> WarmProcess:
         name = f"serve-{uuid.uuid4().hex[:8]}"
         full_env = dict(BASE_ENV)
         full_env["LOAD_LOG"] = str(tmp_path / f"{name}.loads")
@@ -195,7 +195,7 @@ def make_worker(tmp_path: Path, sock_dir: Path) -> Iterator[MakeWorker]:
             kill_grace_s=0.3,
             instance="test-serve",
         )
-        worker = ServeWorker(
+        worker = WarmProcess(
             HostLauncher(),
             req,
             socket_path or sock_dir / f"{name}.sock",
@@ -211,7 +211,7 @@ def make_worker(tmp_path: Path, sock_dir: Path) -> Iterator[MakeWorker]:
 
 
 def run(
-    worker: ServeWorker,
+    worker: WarmProcess,
     tmp_path: Path,
     n: int = 1,
     *,
@@ -227,7 +227,7 @@ def run(
     )
 
 
-def assert_gone(worker: ServeWorker) -> None:
+def assert_gone(worker: WarmProcess) -> None:
     result = worker.launch_result
     assert result is not None
     assert result.survivors == ()

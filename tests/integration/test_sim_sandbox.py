@@ -115,7 +115,7 @@ def assert_own_namespace(node: Node, host_pid: int, held: dict[str, Any]) -> Non
 
 
 def gpu_status(node: Node) -> dict[str, Any]:
-    (gpu,) = node.broker.status()["gpus"]
+    (gpu,) = node.broker.status().to_json()["gpus"]
     return dict(gpu)
 
 
@@ -178,7 +178,7 @@ def test_a_job_alone_that_used_more_than_declared_raises_the_footprint(node: Nod
 
     raised = [e for e in node.store.events(limit=100_000) if e.kind == "footprint_raised"]
     assert [(e.detail["type"], e.detail["bytes"]) for e in raised] == [(HOLD, 5 * GIB)]
-    footprint = node.broker.status()["footprints"][HOLD]
+    footprint = node.broker.status().to_json()["footprints"][HOLD]
     assert footprint["measured_bytes"] == footprint["effective_bytes"] == 5 * GIB
 
 
@@ -230,7 +230,7 @@ def test_a_job_that_corrupts_the_state_file_pauses_vram_admission_and_nothing_el
         assert [a["pid"] for a in written["allocations"]] == ["../1"]  # the attack is in place
 
         def probe_error() -> str:
-            return str(node.broker.status()["probe_error"])
+            return str(node.broker.status().to_json()["probe_error"])
 
         run_until(node, lambda: "malformed" in probe_error(), timeout=60)
         assert "'pid' is '../1'" in probe_error()
@@ -239,7 +239,7 @@ def test_a_job_that_corrupts_the_state_file_pauses_vram_admission_and_nothing_el
         # VRAM admission waits, with the reason; everything else goes on
         submit(node, JobSpec(id="x2", type=HOLD, params={"gib": 1}))
         next_job_completes(node, "x3")
-        waiting = node.broker.status()["waiting"]
+        waiting = node.broker.status().to_json()["waiting"]
         assert "the GPU probe failed" in waiting.get("x2", ""), waiting
         queued = node.store.get_job("x2")
         assert queued is not None and queued.state is JobState.QUEUED
@@ -251,7 +251,7 @@ def test_a_job_that_corrupts_the_state_file_pauses_vram_admission_and_nothing_el
         run_until(again, lambda: ended(again, "x2"), timeout=90)
         job = again.store.get_job("x2")
         assert job is not None and job.state is JobState.DONE, job and job.reason
-        assert again.broker.status()["probe_error"] == ""
+        assert again.broker.status().to_json()["probe_error"] == ""
         assert json.loads(state_file.read_text())["allocations"] == []
         # nothing of the attack is left in the device's folder
         assert sorted(p.name for p in state_file.parent.iterdir()) == [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import sqlite3
 import stat
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError
-from gpuwarden.store.queries import load_migrations, load_queries
+from gpuwarden.store.queries import load_migrations, load_queries, split_sql
 from gpuwarden.store.sqlite import SqliteStore
 
 
@@ -43,8 +44,6 @@ def test_every_named_query_parses(tmp_path: Path) -> None:
 
 
 def _params(sql: str) -> set[str]:
-    import re
-
     return set(re.findall(r":(\w+)", sql))
 
 
@@ -86,10 +85,8 @@ def test_migrating_an_older_database_keeps_its_jobs(tmp_path: Path) -> None:
         "CREATE TABLE schema_migrations "
         "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
     )
-    from gpuwarden.store.sqlite import _split_sql
-
     for version, name, sql in load_migrations("sqlite")[:2]:
-        for statement in _split_sql(sql):
+        for statement in split_sql(sql):
             db.execute(statement)
         db.execute("INSERT INTO schema_migrations VALUES (?, ?, 'then')", (version, name))
     db.execute(

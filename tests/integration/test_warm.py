@@ -90,10 +90,10 @@ def test_a_burst_loads_once_and_runs_back_to_back(node: Node) -> None:
     pids = {served_pid(node, f"w{i}") for i in range(4)}
     assert len(pids) == 1  # one process served them all
     assert len(events(node, "warm_server_loaded")) == 1
-    [server] = node.broker.status()["warm"]
+    [server] = node.broker.status().to_json()["warm"]
     assert server["jobs_served"] == 4 and server["state"] == "idle" and server["load_s"] > 0
     # the server's memory is a warm holding in the ledger, not per job
-    [gpu] = node.broker.status()["gpus"]
+    [gpu] = node.broker.status().to_json()["gpus"]
     assert [h["state"] for h in gpu["holdings"]] == ["warm"]
 
 
@@ -102,13 +102,13 @@ def test_idle_grace_evicts_and_reclaims_in_injected_time(node: Node, clock: Cloc
     run_until(node, lambda: job(node, "a").terminal)
     pid = served_pid(node, "a")
     node.broker.tick()
-    assert node.broker.status()["warm"], "still warm within its grace"
+    assert node.broker.status().to_json()["warm"], "still warm within its grace"
     clock.offset += 301  # past the 300 s grace, without waiting for it
-    run_until(node, lambda: not node.broker.status()["warm"])
+    run_until(node, lambda: not node.broker.status().to_json()["warm"])
     [stopped] = events(node, "warm_server_stopped")
     assert "idle for" in str(stopped["reason"])
     run_until(node, lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie")
-    run_until(node, lambda: not node.broker.status()["gpus"][0]["holdings"])  # reclaimed
+    run_until(node, lambda: not node.broker.status().to_json()["gpus"][0]["holdings"])  # reclaimed
 
 
 def test_a_waiting_job_evicts_an_idle_server_on_demand(node: Node) -> None:
@@ -142,7 +142,7 @@ def test_keep_warm_yields_only_to_higher_priority(tmp_path: Path) -> None:
             n.broker.tick()
             time.sleep(0.02)
         assert job(n, "same") is JobState.QUEUED  # a pinned server is not evicted for it
-        assert n.broker.status()["warm"]
+        assert n.broker.status().to_json()["warm"]
         submit(
             n,
             JobSpec(
@@ -193,7 +193,7 @@ def test_shutdown_stops_every_server(tmp_path: Path) -> None:
         run_until(n, lambda: job(n, "a").terminal)
         pid = served_pid(n, "a")
         n.broker.shutdown(0)
-        assert not n.broker.status()["warm"]
+        assert not n.broker.status().to_json()["warm"]
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
 
 
@@ -203,7 +203,7 @@ def test_the_placement_check_refuses_a_model_partly_on_the_cpu(node: Node) -> No
     half = node.store.get_job("half")
     assert half is not None and half.state is JobState.QUARANTINED  # max_retries = 0
     assert "only 60% of the model" in half.reason and "fell back to the CPU" in half.reason
-    assert not node.broker.status()["warm"]
+    assert not node.broker.status().to_json()["warm"]
 
 
 def test_garbage_on_the_socket_fails_the_worker_not_the_broker(node: Node) -> None:
@@ -260,7 +260,7 @@ def test_a_cancel_racing_a_finished_served_job_does_not_reuse_the_stopping_serve
 ) -> None:
     submit(node, warm("a", sleep_s=0.3))
     run_until(node, lambda: job(node, "a") is JobState.RUNNING)
-    run = node.broker._running["a"]
+    run = node.broker.attempts.by_job["a"]
     while run.thread is None or run.thread.is_alive():  # its result is posted, not drained
         time.sleep(0.01)
     node.store.request_cancel("a", now=time.time())
@@ -281,7 +281,7 @@ def test_a_cancel_while_the_server_loads_is_a_cancel(node: Node) -> None:
 
 
 def test_preview_sees_the_idle_warm_server(tmp_path: Path) -> None:
-    from gpuwarden import explain
+    from gpuwarden.node import explain
 
     with open_node(make_config(tmp_path), mock_gpu=True) as n:
         submit(n, warm("a"))

@@ -9,7 +9,7 @@ import pytest
 
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.errors import BundleError
-from gpuwarden.intake.bundle import BundleLimits, _manifest_doc, parse_manifest
+from gpuwarden.intake.manifest import BundleLimits, manifest_doc, parse_manifest
 
 
 def _doc(*jobs: dict[str, Any], **top: Any) -> bytes:
@@ -259,5 +259,5 @@ def test_bad_constraints_are_refused(constraints: Any, message: str) -> None:
 
 def test_constraints_survive_writing_a_bundle() -> None:
     spec = JobSpec(id="w1", type="echo.echo", constraints={"node": "n1"})
-    [back] = parse_manifest(json.dumps(_manifest_doc([spec])).encode())
+    [back] = parse_manifest(json.dumps(manifest_doc([spec])).encode())
     assert back.constraints == {"node": "n1"}

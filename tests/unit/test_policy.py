@@ -28,7 +28,7 @@ from gpuwarden.core.policy import (
     order,
     plan,
 )
-from gpuwarden.core.simulate import (
+from gpuwarden.replay.simulate import (
     ForeignAlloc,
     Outcome,
     SimError,

@@ -25,7 +25,7 @@ from gpuwarden.core.policy import (
     WarmView,
     plan,
 )
-from gpuwarden.core.simulate import (
+from gpuwarden.replay.simulate import (
     ForeignAlloc,
     Outcome,
     SimError,

@@ -1,5 +1,4 @@
-"""The HTTP API: tokens and roles (``auth``), limits (``limits``), the app (``app``)."""
+"""The HTTP API: tokens and roles (``auth``), limits (``limits``), the app (``app``).
 
-from gpuwarden.api.app import create_app
-
-__all__ = ["create_app"]
+Nothing is imported here: ``gpuwarden.api.auth`` is used by the CLI, which must
+not pay for loading fastapi (``gpuwarden.api.app``) on every command."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gpuwarden.core.model import Role
+from gpuwarden.errors import GpuwardenError
 from gpuwarden.store.base import AuditRow, Store, TokenRecord
 
 __all__ = [
@@ -44,6 +45,8 @@ TOKEN_PREFIX = "gw_"  # noqa: S105 - a prefix, not a secret
 _TOKEN = re.compile(r"^gw_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 #: the actor of what the machine's owner does through the CLI on the host
 LOCAL = "local"
+#: how long an enrolment token from ``node invite`` is valid
+INVITE_TTL_S = 15 * 60.0
 
 
 class Scope(StrEnum):
@@ -153,12 +156,11 @@ def parse_token(token: str) -> tuple[str, str] | None:
     return (m.group(1), m.group(2)) if m else None
 
 
-class AuthFailed(Exception):
+class AuthFailed(GpuwardenError):
     """A request's token is missing or not valid (401): the message says which."""
 
     def __init__(self, message: str, token_id: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
         self.token_id = token_id
 
 

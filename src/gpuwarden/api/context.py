@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from gpuwarden.api.auth import Principal, Scope
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.config import Config
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import AuditRow, Store
@@ -38,14 +38,14 @@ def get_ctx(request: Request) -> ApiContext:
 def get_principal(request: Request) -> Principal:
     principal = request.scope.get("state", {}).get("gw_principal")
     if not isinstance(principal, Principal):  # the gate lets no such request through
-        raise ApiError(401, "no token", {"WWW-Authenticate": "Bearer"})
+        raise HttpError(401, "no token", {"WWW-Authenticate": "Bearer"})
     return principal
 
 
 def get_scope(request: Request) -> Scope:
     scope = request.scope.get("state", {}).get("gw_scope")
     if not isinstance(scope, Scope):  # the gate grants one to every request it lets by
-        raise ApiError(403, "this endpoint is in no row of the permission matrix")
+        raise HttpError(403, "this endpoint is in no row of the permission matrix")
     return scope
 
 
@@ -117,18 +117,21 @@ class AuditHook:
 
 F = Any
 
+#: the attribute :func:`action` sets on a route's function
+ACTION_ATTRIBUTE = "gpuwarden_action"
+
 
 def action(name: str) -> Callable[[F], F]:
     """Name the permission-matrix action of a route (``gpuwarden.api.auth.MATRIX``).
     The gate checks it before the route runs; every route must have one."""
 
     def mark(fn: F) -> F:
-        fn._gw_action = name
+        setattr(fn, ACTION_ATTRIBUTE, name)
         return fn
 
     return mark
 
 
 def action_of(endpoint: Any) -> str | None:
-    name = getattr(endpoint, "_gw_action", None)
+    name = getattr(endpoint, ACTION_ATTRIBUTE, None)
     return name if isinstance(name, str) else None

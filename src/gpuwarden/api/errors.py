@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuwarden.errors import UnknownJobError, UserError
+from gpuwarden.errors import GpuwardenError, UnknownJobError, UserError
 from gpuwarden.store.base import (
     DuplicateJobError,
     DuplicateTokenError,
@@ -36,13 +36,12 @@ class AsciiJSONResponse(JSONResponse):
         ).encode("ascii")
 
 
-class ApiError(Exception):
+class HttpError(GpuwardenError):
     """An answer other than success: a status, the message, and extra headers."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
-        self.message = message
         self.headers = headers or {}
 
 
@@ -120,8 +119,8 @@ def _body_fields(request: Request) -> list[str]:
 def install(app: FastAPI) -> None:
     """Register the handlers that turn every error into ``{"error": ...}``."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> Any:
+    @app.exception_handler(HttpError)
+    async def _http_error(request: Request, exc: HttpError) -> Any:
         await audit_refusal(request, exc.status, exc.message)
         return error_response(exc.status, exc.message, exc.headers)
 

@@ -34,7 +34,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 
 from gpuwarden import safefs
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
+from gpuwarden.errors import GpuwardenError
 
 #: the longest name of one file or folder, in bytes of UTF-8 (Linux's NAME_MAX)
 NAME_MAX = 255
@@ -70,46 +71,46 @@ def check_name(path: str, what: str, *, raw_path: bytes | None = None) -> str:
         try:
             unquote_to_bytes(raw_path).decode("utf-8")
         except UnicodeDecodeError:
-            raise ApiError(422, not_utf8) from None
+            raise HttpError(422, not_utf8) from None
     try:
         encoded = path.encode("utf-8")
     except UnicodeEncodeError:
-        raise ApiError(422, not_utf8) from None
+        raise HttpError(422, not_utf8) from None
     if not path:
-        raise ApiError(
+        raise HttpError(
             422, f"{what} is empty: give the file's path below its folder, e.g. out.txt or a/b.txt"
         )
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
-        raise ApiError(
+        raise HttpError(
             422,
             f"{what} {shown(path)} has a control character (such as NUL or a newline): "
             "use a name without one",
         )
     if "\\" in path:
-        raise ApiError(422, f"{what} {shown(path)} has a backslash: use '/' between folders")
+        raise HttpError(422, f"{what} {shown(path)} has a backslash: use '/' between folders")
     if path.startswith("/"):
-        raise ApiError(
+        raise HttpError(
             422, f"{what} {shown(path)} is absolute: give it relative to its folder, without '/'"
         )
     if len(encoded) > PATH_MAX:
-        raise ApiError(
+        raise HttpError(
             422,
             f"{what} {shown(path)} is {len(encoded)} bytes long; a path may have at most "
             f"{PATH_MAX} bytes (UTF-8)",
         )
     parts = path.split("/")
     if any(p in (".", "..") for p in parts):
-        raise ApiError(
+        raise HttpError(
             422, f"{what} {shown(path)} names '.' or '..': give a path inside its folder"
         )
     if any(not p for p in parts):
-        raise ApiError(
+        raise HttpError(
             422,
             f"{what} {shown(path)} has an empty part ('//', or '/' at the end): name a file, "
             "e.g. a/b.txt",
         )
     if len(parts) > MAX_PARTS:
-        raise ApiError(
+        raise HttpError(
             422,
             f"{what} {shown(path)} is {len(parts)} levels deep; at most {MAX_PARTS} are taken",
         )
@@ -117,7 +118,7 @@ def check_name(path: str, what: str, *, raw_path: bytes | None = None) -> str:
         size = len(p.encode("utf-8"))
         if size > NAME_MAX:
             which = "is" if p == path else f"has a part ({shown(p, 30)}) that is"
-            raise ApiError(
+            raise HttpError(
                 422,
                 f"{what} {shown(path)} {which} {size} bytes long; a file or folder name may "
                 f"have at most {NAME_MAX} bytes (UTF-8): use a shorter name",
@@ -141,7 +142,7 @@ def _open_leaf(root: Path, rel: str, what: str) -> int:
         fd = safefs.make_dirs(parent, under=root)
     except safefs.UnsafePathError as exc:
         hint = " (a file cannot hold other files)" if exc.why.endswith("not a folder") else ""
-        raise ApiError(
+        raise HttpError(
             422,
             f"{what} {shown(rel)} cannot be written: {shown(_inside(exc, root))} {exc.why}{hint}",
         ) from None
@@ -157,7 +158,7 @@ def _open_leaf(root: Path, rel: str, what: str) -> int:
         raise
     if stat.S_ISDIR(mode):
         os.close(fd)
-        raise ApiError(422, _is_a_folder(rel, what))
+        raise HttpError(422, _is_a_folder(rel, what))
     return fd
 
 
@@ -207,7 +208,7 @@ async def receive(
                 async for chunk in request.stream():
                     written += len(chunk)
                     if written > limit:
-                        raise ApiError(
+                        raise HttpError(
                             413,
                             f"{what} {shown(rel)} is larger than the coordinator accepts "
                             f"({limit} bytes, api.max_output_mib in its config)",
@@ -216,7 +217,7 @@ async def receive(
                     while view:
                         view = view[os.write(out, view) :]
             except ClientDisconnect:
-                raise ApiError(413, "the upload was cut short") from None
+                raise HttpError(413, "the upload was cut short") from None
         finally:
             os.close(out)
         name = rel.rpartition("/")[2]
@@ -224,7 +225,7 @@ async def receive(
             os.rename(tmp, name, src_dir_fd=parts_fd, dst_dir_fd=leaf_fd)
         except OSError as exc:
             if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                raise ApiError(422, _is_a_folder(rel, what)) from None
+                raise HttpError(422, _is_a_folder(rel, what)) from None
             raise _cannot_store(exc) from None
     except OSError as exc:
         raise _cannot_store(exc) from None
@@ -239,11 +240,11 @@ async def receive(
     return written
 
 
-def _cannot_store(exc: OSError | str) -> ApiError:
+def _cannot_store(exc: OSError | str) -> HttpError:
     """The coordinator's own disk failed (full, read-only): not the sender's fault.
     Says why without a host path."""
     why = exc if isinstance(exc, str) else (exc.strerror or type(exc).__name__)
-    return ApiError(
+    return HttpError(
         503,
         f"the coordinator could not store the file ({why}): try again later",
         {"Retry-After": "30"},
@@ -253,7 +254,7 @@ def _cannot_store(exc: OSError | str) -> ApiError:
 # -- downloads ----------------------------------------------------------------------
 
 
-class NotServed(Exception):
+class NotServed(GpuwardenError):
     """The file is not there, or is not a regular file reached without a link."""
 
     def __init__(self, why: str) -> None:

@@ -2,7 +2,10 @@
 
 Each function takes the store, the time and what the node said, and returns
 plain data for the HTTP layer (``gpuwarden.api.routers.nodes``) to send. No HTTP
-and no clock reads here, so every rule is testable on SQLite in one process.
+and no clock reads here, so every rule is testable on SQLite in one process. A
+node's placement view is read from its report in :mod:`gpuwarden.cluster.nodeview`;
+what people are shown (the node list, status, why a job waits) is in
+:mod:`gpuwarden.cluster.report`.
 
 The rules:
 
@@ -32,13 +35,20 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from gpuwarden.cluster.nodeview import (
+    Timing,
+    is_fresh,
+    judged_views,
+    live_counts,
+    node_view,
+    offerable,
+)
 from gpuwarden.core import placement
-from gpuwarden.core.launchrules import LaunchRules
-from gpuwarden.core.model import Job, JobSpec, JobType, Lane, format_bytes
-from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
+from gpuwarden.core.classify import retry_or_quarantine
+from gpuwarden.core.model import Job, JobSpec, JobType
+from gpuwarden.core.placement import NodeView, Offerable
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UserError
 from gpuwarden.registry import Registry
@@ -67,160 +77,7 @@ class UnknownNode(UserError):
     """No node with that name."""
 
 
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """The cluster's durations (config ``[cluster]``)."""
-
-    lease_s: float = 90.0
-    offline_after_s: float = 120.0
-    affinity_wait_s: float = 30.0
-
-
-def heartbeat_every_s(lease_s: float) -> float:
-    """How often an agent sends a heartbeat under leases of ``lease_s`` seconds."""
-    return max(0.2, min(15.0, lease_s / 6))
-
-
-#: a heartbeat is overdue once this many of the node's heartbeat intervals passed
-#: (and a second more) without a word from it
-OVERDUE_BEATS = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class Silence:
-    """A node whose heartbeat is overdue: for how long, and when the soonest of its
-    leases ends (negative: it ended; None: it holds none)."""
-
-    seconds: float
-    lease_ends_in: float | None
-
-    def text(self) -> str:
-        said = f"silent for {self.seconds:.0f} s"
-        if self.lease_ends_in is None:
-            return said
-        if self.lease_ends_in > 0:
-            return f"{said} (lease ends in {self.lease_ends_in:.0f} s)"
-        return f"{said} (its lease ended {-self.lease_ends_in:.0f} s ago)"
-
-
-def heard_s_ago(record: NodeRecord, now: float) -> float:
-    """Seconds since the node was last heard from (since it enrolled, if never)."""
-    heard = record.last_seen if record.last_seen is not None else record.enrolled_at
-    return max(0.0, now - heard)
-
-
-def silence(record: NodeRecord, leases: Collection[Lease], now: float) -> Silence | None:
-    """The node's silence when its heartbeat is overdue (by the interval it reported,
-    else the default lease's), or None while it is heard from on time. ``leases``:
-    its leases (the soonest end is shown). A revoked node is never silent."""
-    if record.state is NodeState.REVOKED:
-        return None
-    every = record.report.get("heartbeat_every_s")
-    if not isinstance(every, int | float) or isinstance(every, bool) or not 0 < every <= 3600:
-        every = heartbeat_every_s(Timing().lease_s)
-    quiet = heard_s_ago(record, now)
-    if quiet <= OVERDUE_BEATS * float(every) + 1.0:
-        return None
-    mine = [lease.expires_at for lease in leases if lease.node == record.name]
-    return Silence(quiet, min(mine) - now if mine else None)
-
-
-# -- what a node looks like to placement ------------------------------------------
-
-
-def node_view(
-    record: NodeRecord, *, busy: int = 0, report: Mapping[str, Any] | None = None
-) -> NodeView:
-    """Placement's view of a node from its latest report (``report`` overrides the
-    stored one). ``busy`` is the number of live leases it holds (it counts when the
-    report says less)."""
-    rep = dict(record.report if report is None else report)
-    gpus = tuple(
-        GpuRoom(
-            uuid=str(g["uuid"]),
-            name=str(g.get("name", "")),
-            total_bytes=int(g.get("total_bytes", 0)),
-            free_bytes=max(0, int(g.get("free_bytes", 0))),
-            usable_bytes=int(g.get("usable_bytes", g.get("total_bytes", 0))),
-        )
-        for g in rep.get("gpus", [])
-        if isinstance(g, Mapping) and "uuid" in g
-    )
-    labels = rep.get("labels") or record.capabilities.get("labels") or {}
-    rules = rep.get("launch_rules", record.capabilities.get("launch_rules"))
-    return NodeView(
-        name=record.name,
-        gpus=gpus,
-        warm=frozenset(str(t) for t in rep.get("warm", [])),
-        busy=max(busy, int(rep.get("busy", 0))),
-        max_jobs=max(0, int(rep.get("max_jobs", 4))),
-        labels={str(k): str(v) for k, v in dict(labels).items()},
-        accepting=record.state is NodeState.ACTIVE and bool(rep.get("accepting", True)),
-        types=_names(rep.get("types")),
-        modules=_names(rep.get("modules")),
-        rules=LaunchRules.from_json(rules),
-    )
-
-
-def _names(raw: Any) -> frozenset[str] | None:
-    """A reported list of job type names, or None when it was not reported."""
-    if not isinstance(raw, list):
-        return None
-    return frozenset(str(x) for x in raw)
-
-
-def offerable(
-    job: Job | Claimable,
-    registry: Registry,
-    footprints: Mapping[str, int],
-    lost: Collection[str] = (),
-) -> Offerable | None:
-    """Placement's view of a queued job; None when its type is not known here."""
-    jobtype = registry.types.get(job.type)
-    if jobtype is None:
-        return None
-    need = 0
-    if jobtype.lane is Lane.VRAM:
-        need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
-    return Offerable(
-        id=job.id,
-        type=job.type,
-        lane=jobtype.lane,
-        vram_bytes=need,
-        priority=job.priority,
-        seq=job.seq,
-        submitted_at=job.submitted_at,
-        constraints=Constraints.of(job.constraints),
-        avoid=frozenset(lost),
-        launch=jobtype.launch,
-    )
-
-
-def judged_view(record: NodeRecord) -> NodeView:
-    """A node as a submission is judged against: its last report, or before its
-    first report what it enrolled with: its GPUs (all their memory usable), the job
-    types its modules have and its launch rules."""
-    if record.report.get("gpus") or "types" in record.report:
-        return node_view(record)
-    caps = record.capabilities
-    gpus = [
-        {**g, "free_bytes": g.get("total_bytes", 0)}
-        for g in caps.get("gpus", [])
-        if isinstance(g, Mapping)
-    ]
-    report = {**record.report, "gpus": gpus}
-    if isinstance(caps.get("types"), list):
-        report["modules"] = caps["types"]  # at enrolment: every type its modules have
-    return node_view(record, report=report)
-
-
-def _judged(store: ClusterStore) -> list[NodeView]:
-    """The nodes a job is judged against: every enrolled node that is not revoked."""
-    return [
-        judged_view(r)
-        for r in store.list_nodes()
-        if r.state in (NodeState.ACTIVE, NodeState.DRAINING, NodeState.OFFLINE)
-    ]
+# -- submissions ------------------------------------------------------------------
 
 
 def submission_refusal(
@@ -229,7 +86,7 @@ def submission_refusal(
     """Why no enrolled node (active, draining or offline: not revoked) could ever run
     the job ``spec`` asks for, by each node's job types, launch rules, GPUs and the
     job's constraints; None when one could, or when none is enrolled (it waits)."""
-    views = _judged(store)
+    views = judged_views(store)
     if not views:
         return None
     draft = Claimable(
@@ -252,7 +109,7 @@ def submission_refusal(
 def type_refusal(store: ClusterStore, registry: Registry, jobtype: JobType) -> str | None:
     """Why no enrolled node could run a job of ``jobtype`` (as it is declared, with no
     constraints), or None when one could or none is enrolled."""
-    views = _judged(store)
+    views = judged_views(store)
     if not views:
         return None
     footprints = {t: f.bytes for t, f in store.footprints().items()}
@@ -269,26 +126,14 @@ def type_refusal(store: ClusterStore, registry: Registry, jobtype: JobType) -> s
     return None if off is None else placement.never_placeable(off, views)
 
 
-def _live_counts(leases: list[Lease], now: float) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for lease in leases:
-        if lease.live(now):
-            counts[lease.node] = counts.get(lease.node, 0) + 1
-    return counts
-
-
-def _fresh(record: NodeRecord, now: float, timing: Timing) -> bool:
-    return record.last_seen is not None and now - record.last_seen <= timing.offline_after_s
-
-
 def _others(
     store: ClusterStore, name: str, leases: list[Lease], now: float, timing: Timing
 ) -> list[NodeView]:
-    counts = _live_counts(leases, now)
+    counts = live_counts(leases, now)
     return [
         node_view(r, busy=counts.get(r.name, 0))
         for r in store.list_nodes()
-        if r.name != name and r.state is NodeState.ACTIVE and _fresh(r, now, timing)
+        if r.name != name and r.state is NodeState.ACTIVE and is_fresh(r, now, timing)
     ]
 
 
@@ -350,7 +195,7 @@ def claim(
     if record is None or record.state is not NodeState.ACTIVE:
         return []
     leases = store.leases()
-    mine = _live_counts(leases, now).get(node_name, 0)
+    mine = live_counts(leases, now).get(node_name, 0)
     view = dataclasses.replace(view, busy=max(view.busy, mine))
     if want is not None:
         view = dataclasses.replace(view, max_jobs=min(view.max_jobs, view.busy + max(0, want)))
@@ -492,14 +337,14 @@ def finish(
         raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
     if state is JobState.QUEUED:
         current = store.get_job(job_id)
-        jobtype = registry.types.get(current.type) if current is not None else None
-        limit = jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
-        if lease.attempt > limit:
-            state = JobState.QUARANTINED
-            reason = (
-                f"{reason}; quarantined after {lease.attempt} attempts on all nodes "
-                "(each attempt's reason: `gpuwarden show JOB`)"
-            )
+        target, why = retry_or_quarantine(
+            reason,
+            attempt=lease.attempt,
+            max_retries=_max_retries(registry, current.type if current is not None else None),
+            where=" on all nodes",
+        )
+        if target is JobState.QUARANTINED:  # a retry keeps the node's own reason
+            state, reason = target, why
     body = dict(result or {})
     body["node"] = node_name
     if output_dir is not None and state in (JobState.DONE, JobState.FAILED):
@@ -631,140 +476,14 @@ def resume(store: ClusterStore, name: str, *, now: float) -> tuple[NodeRecord, b
     return got, changed
 
 
-def node_json(record: NodeRecord, leases: list[Lease], now: float) -> dict[str, Any]:
-    """What ``GET /v1/nodes`` and ``gpuwarden node list`` show of a node."""
-    mine = [lease for lease in leases if lease.node == record.name]
-    rep = record.report
-    quiet = silence(record, mine, now)
-    return {
-        "name": record.name,
-        "state": record.state.value,
-        "enrolled_at": record.enrolled_at,
-        "last_seen": record.last_seen,
-        "seen_s_ago": round(now - record.last_seen, 1) if record.last_seen is not None else None,
-        "silent_s": round(quiet.seconds, 1) if quiet is not None else None,
-        "lease_ends_in_s": (
-            round(quiet.lease_ends_in, 1)
-            if quiet is not None and quiet.lease_ends_in is not None
-            else None
-        ),
-        "condition": quiet.text() if quiet is not None else "",
-        "leases": len([lease for lease in mine if lease.live(now)]),
-        "running": len([lease for lease in mine if lease.live(now) and lease.started]),
-        "gpus": rep.get("gpus", record.capabilities.get("gpus", [])),
-        "warm": rep.get("warm", []),
-        "max_jobs": rep.get("max_jobs"),
-        "labels": rep.get("labels", record.capabilities.get("labels", {})),
-        "capabilities": record.capabilities,
-    }
-
-
-# -- status -----------------------------------------------------------------------
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return int(value)
-
-
-def _gpu_status(g: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "uuid": str(g.get("uuid", "")),
-        "name": str(g.get("name", "")),
-        "total_bytes": _int(g.get("total_bytes")) or 0,
-        "used_bytes": _int(g.get("used_bytes")),
-        "ledger_bytes": _int(g.get("ledger_bytes")),
-        "free_bytes": _int(g.get("free_bytes")),
-        "degraded": str(g.get("degraded") or ""),
-    }
-
-
-def cluster_status(
-    store: ClusterStore, now: float, *, offline_after_s: float = 120.0
-) -> list[dict[str, Any]]:
-    """What ``gpuwarden status`` shows of each enrolled node over a coordinator: its
-    state and the first problem found (``problem``: offline, silent, a degraded GPU,
-    a failing probe; "" when none, and for a revoked node), its GPUs (total, used by
-    the probe, the ledger, free for a new job, degraded), its warm servers, the jobs
-    running there and how long since it was heard from."""
-    leases = store.leases()
-    out: list[dict[str, Any]] = []
-    for record in store.list_nodes():
-        mine = [lease for lease in leases if lease.node == record.name]
-        rep = record.report
-        raw_gpus = rep.get("gpus") if isinstance(rep.get("gpus"), list) else None
-        if raw_gpus is None:
-            raw_gpus = record.capabilities.get("gpus") or []
-        gpus = [_gpu_status(g) for g in raw_gpus if isinstance(g, Mapping)]
-        quiet = silence(record, mine, now)
-        heard = heard_s_ago(record, now)
-        degraded = [g for g in gpus if g["degraded"]]
-        problem = ""
-        if record.state is NodeState.REVOKED:
-            problem = ""
-        elif record.state is NodeState.OFFLINE or heard > offline_after_s:
-            problem = f"offline: not heard from for {heard:.0f} s"
-        elif quiet is not None:
-            problem = quiet.text()
-        elif degraded:
-            problem = f"{len(degraded)} GPU(s) degraded: VRAM admission paused there"
-        elif rep.get("probe_error"):
-            problem = "the GPU probe fails: VRAM admission paused"
-        running = []
-        for lease in mine:
-            if not lease.started or lease.attempt is None:
-                continue
-            attempt = next(
-                (a for a in store.attempts(lease.job_id) if a.number == lease.attempt), None
-            )
-            job = store.get_job(lease.job_id)
-            running.append(
-                {
-                    "job": lease.job_id,
-                    "type": job.type if job is not None else "",
-                    "attempt": lease.attempt,
-                    "gpu": attempt.gpu_uuid if attempt is not None else None,
-                    "started_at": attempt.started_at if attempt is not None else None,
-                    "lease_ends_in_s": round(lease.expires_at - now, 1),
-                }
-            )
-        servers = rep.get("warm_servers")
-        if isinstance(servers, list):
-            warm = [
-                {
-                    "type": str(w.get("type", "")),
-                    "gpu": w.get("gpu"),
-                    "state": str(w.get("state", "")),
-                    "jobs_served": _int(w.get("jobs_served")),
-                }
-                for w in servers
-                if isinstance(w, Mapping)
-            ]
-        else:
-            warm = [{"type": str(t), "gpu": None, "state": "", "jobs_served": None}
-                    for t in rep.get("warm", []) or []]  # fmt: skip
-        out.append(
-            {
-                "node": record.name,
-                "state": record.state.value,
-                "problem": problem,
-                "heard_s_ago": round(heard, 1),
-                "last_seen": record.last_seen,
-                "silent": quiet.text() if quiet is not None else "",
-                "probe": str(rep.get("probe") or record.capabilities.get("probe") or ""),
-                "probe_error": str(rep.get("probe_error") or ""),
-                "gpus": gpus,
-                "warm": warm,
-                "running": running,
-                "leased": len([lease for lease in mine if not lease.started]),
-                "max_jobs": _int(rep.get("max_jobs")),
-            }
-        )
-    return out
-
-
 # -- maintenance ----------------------------------------------------------------
+
+
+def _max_retries(registry: Registry | None, type_name: str | None) -> int:
+    """The type's ``max_retries``; :data:`DEFAULT_MAX_RETRIES` when the type is not
+    known here."""
+    jobtype = registry.types.get(type_name) if registry is not None and type_name else None
+    return jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
 
 
 def _reclaim(
@@ -778,18 +497,11 @@ def _reclaim(
         attempts = store.attempts(job.id)
         last = attempts[-1] if attempts else None
         if last is not None and last.node == lease.node and last.ended_at is None:
-            jobtype = registry.types.get(job.type) if registry is not None else None
-            limit = jobtype.max_retries if jobtype is not None else DEFAULT_MAX_RETRIES
             if job.cancel_requested:
                 target, reason = JobState.CANCELLED, f"{why}; it had been asked to stop"
-            elif last.number <= limit:
-                target, reason = JobState.QUEUED, f"{why}; retrying ({last.number}/{limit})"
             else:
-                target = JobState.QUARANTINED
-                reason = (
-                    f"{why}; quarantined after {last.number} attempt"
-                    f"{'s' if last.number != 1 else ''} (each attempt's reason: "
-                    "`gpuwarden show JOB`)"
+                target, reason = retry_or_quarantine(
+                    why, attempt=last.number, max_retries=_max_retries(registry, job.type)
                 )
             try:
                 store.finish_attempt(
@@ -858,125 +570,3 @@ def sweep(
         "offline": offline,
         "cancelled": cancelled,
     }
-
-
-# -- explain ----------------------------------------------------------------------
-
-
-def explain_placement(
-    store: ClusterStore, registry: Registry, job: Job, now: float, timing: Timing | None = None
-) -> list[str]:
-    """Why no node has taken a queued job (empty when there are no nodes at all):
-    one line per node heard from lately, ``node NAME REASON``."""
-    timing = timing or Timing()
-    records = store.list_nodes()
-    if not records or job.state is not JobState.QUEUED:
-        return []
-    leases = store.leases()
-    lease = next((lease for lease in leases if lease.job_id == job.id), None)
-    if lease is not None and lease.live(now):
-        holder = next((r for r in records if r.name == lease.node), None)
-        quiet = silence(holder, [lease], now) if holder is not None else None
-        if quiet is not None:
-            return [
-                f"it is leased to node {lease.node}, {quiet.text()}: it waits in that node's "
-                "own queue; if the node stays silent, the lease ends and it is offered again"
-            ]
-        return [
-            f"it is leased to node {lease.node} (lease ends in {lease.expires_at - now:.0f} s "
-            "unless renewed): it waits in that node's own queue"
-        ]
-    if job.inputs and not job.input_dir:
-        return ["it has input files on the host it was submitted on: no agent is offered it"]
-    lost = store.lost_nodes(job.id)
-    footprints = {t: f.bytes for t, f in store.footprints().items()}
-    off = offerable(job, registry, footprints, lost)
-    if off is None:
-        return [f"its type {job.type} is not known to the coordinator: no node is offered it"]
-    if (why := placement.never_placeable(off, _judged(store))) is not None:
-        return [why]
-    counts = _live_counts(leases, now)
-    live = [r for r in records if _fresh(r, now, timing)]
-    if not live:
-        return ["no agent is online: none has sent a heartbeat lately (`gpuwarden node list`)"]
-    views = [node_view(r, busy=counts.get(r.name, 0)) for r in live]
-    return [
-        f"node {record.name} " + _why_not(record, view, off, views, leases, now=now, timing=timing)
-        for record, view in zip(live, views, strict=True)
-    ]
-
-
-def explain_running(store: ClusterStore, job: Job, now: float) -> list[str]:
-    """For a running job leased to a node: which node, and, when that node is silent,
-    for how long and when its lease ends (empty for a job that holds no lease)."""
-    if job.state is not JobState.RUNNING:
-        return []
-    lease = store.lease_of(job.id)
-    if lease is None:
-        return []
-    record = store.get_node(lease.node)
-    if record is None:
-        return []
-    quiet = silence(record, [lease], now)
-    if quiet is None:
-        return [
-            f"on node {lease.node}, heard from {heard_s_ago(record, now):.0f} s ago (lease "
-            f"ends in {lease.expires_at - now:.0f} s unless renewed)"
-        ]
-    return [
-        f"its node {lease.node} is {quiet.text()}: it may still run there, but if the node "
-        "stays silent, the attempt ends as interrupted when the lease ends and the job runs "
-        "again elsewhere"
-    ]
-
-
-def _why_not(
-    record: NodeRecord,
-    view: NodeView,
-    job: Offerable,
-    views: list[NodeView],
-    leases: list[Lease],
-    *,
-    now: float,
-    timing: Timing,
-) -> str:
-    """Why ``record`` does not take ``job`` now, as a phrase about the node."""
-    if record.state is NodeState.DRAINING:
-        return (
-            "is draining: it takes no new work "
-            f"(`gpuwarden node resume {record.name}` gives it work again)"
-        )
-    if record.state is not NodeState.ACTIVE:
-        return f"is {record.state.value}: it takes no new work"
-    if (why := placement.type_refusal(job, view)) is not None:
-        return why
-    if (why := job.constraints.refusal(view)) is not None:
-        return f"does not meet its constraints: {why}"
-    if (quiet := silence(record, leases, now)) is not None:
-        return f"is {quiet.text()}: it takes no work until it is heard from again"
-    if view.slots == 0:
-        return f"is busy ({view.busy} of its {view.max_jobs} jobs)"
-    if placement.offers_for(view, [job], views, now=now, affinity_wait_s=timing.affinity_wait_s):
-        return "could take it at its next claim"
-    if job.lane is Lane.VRAM:
-        biggest = max((g.usable_bytes for g in job.constraints.gpus(view)), default=0)
-        if biggest < job.vram_bytes:
-            return (
-                f"can never hold it: it needs {format_bytes(job.vram_bytes)} on one GPU, its "
-                f"largest has {format_bytes(biggest)}"
-            )
-        room = max((g.free_bytes for g in job.constraints.gpus(view)), default=0)
-        if room < job.vram_bytes and job.type not in view.warm:
-            return (
-                f"has no GPU with room for it now: it needs {format_bytes(job.vram_bytes)} "
-                f"on one GPU, the most room it reported is {format_bytes(room)}"
-            )
-    warm = [v.name for v in views if v.name != view.name and job.type in v.warm]
-    if warm:
-        return (
-            f"leaves it for {', '.join(warm)}, where its model is warm "
-            f"(for up to {timing.affinity_wait_s:g} s after it was submitted)"
-        )
-    if view.name in job.avoid:
-        return "lost an earlier attempt of it: another node is preferred"
-    return "is not offered it now"

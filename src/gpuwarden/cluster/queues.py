@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpuwarden.app import bundle_limits
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event
 from gpuwarden.intake.queueroot import QueueRoot
@@ -62,7 +63,8 @@ class QueueWatcher:
         self.intake = QueueIntake(
             store=store,
             registry=registry,
-            config=config,
+            staging_dir=config.state_dir / "staging",
+            limits=bundle_limits(config),
             roots=self.roots,
             emit=self._emit,
             on_error=self._record_error,
@@ -74,7 +76,6 @@ class QueueWatcher:
         self._held: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.last_error: dict[str, Any] | None = None
 
     # -- the thread ---------------------------------------------------------
 
@@ -150,6 +151,5 @@ class QueueWatcher:
 
     def _record_error(self, where: str, exc: Exception) -> None:
         log.error("queue roots: %s failed: %s", where, exc, exc_info=exc)
-        self.last_error = {"ts": self.clock(), "where": where, "message": str(exc)}
         with contextlib.suppress(Exception):  # the store itself may be what failed
             self._emit("loop_error", where=where, message=str(exc))

@@ -131,22 +131,39 @@ def classify(
             "takes the broker down (each attempt's reason: `gpuwarden show JOB`)",
         )
     if outcome in INFRASTRUCTURE:
-        failures = attempt - interruptions
-        if failures <= max_retries:
-            return Verdict(
-                outcome, JobState.QUEUED, f"{reason}; retrying ({failures}/{max_retries})"
-            )
-        return Verdict(
-            outcome,
-            JobState.QUARANTINED,
-            f"{reason}; quarantined after {attempt} attempt{'s' if attempt != 1 else ''} "
-            "(each attempt's reason: `gpuwarden show JOB`)",
+        target, why = retry_or_quarantine(
+            reason, attempt=attempt, max_retries=max_retries, interruptions=interruptions
         )
+        return Verdict(outcome, target, why)
     target = {
         Outcome.SUCCEEDED: JobState.DONE,
         Outcome.CANCELLED: JobState.CANCELLED,
     }.get(outcome, JobState.FAILED)
     return Verdict(outcome, target, reason)
+
+
+def retry_or_quarantine(
+    reason: str,
+    *,
+    attempt: int,
+    max_retries: int,
+    interruptions: int = 0,
+    where: str = "",
+) -> tuple[JobState, str]:
+    """The job's next state after an infrastructure failure of attempt ``attempt``,
+    and the reason with what was decided added: queued again while its failures
+    (attempts less ``interruptions``) are at most ``max_retries``, quarantined past
+    that. The broker (through :func:`classify`) and the cluster's coordinator (an
+    expired lease, a node's retry) decide with this one rule; ``where`` says over
+    what the attempts were counted (the coordinator's " on all nodes")."""
+    failures = attempt - interruptions
+    if failures <= max_retries:
+        return JobState.QUEUED, f"{reason}; retrying ({failures}/{max_retries})"
+    return (
+        JobState.QUARANTINED,
+        f"{reason}; quarantined after {attempt} attempt{'s' if attempt != 1 else ''}{where} "
+        "(each attempt's reason: `gpuwarden show JOB`)",
+    )
 
 
 def interruptions_before(outcomes: Iterable[str | None]) -> int:

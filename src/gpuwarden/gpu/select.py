@@ -9,6 +9,7 @@ from pathlib import Path
 from gpuwarden.errors import ConfigError, GpuProbeError
 from gpuwarden.gpu.base import GpuProbe, NoGpuProbe
 from gpuwarden.gpu.sim import SimGpuConfig, SimProbe
+from gpuwarden.gpu.smi import SmiProbe
 
 log = logging.getLogger("gpuwarden.gpu")
 
@@ -30,9 +31,8 @@ def open_probe(kind: str, *, state_dir: Path, sim: SimGpuConfig) -> GpuProbe:
         return SimProbe(state_dir / SIM_STATE_FILE, sim, shared_folder=True)
     if kind == "none":
         return NoGpuProbe()
-    # imported here so that a host without a GPU never loads the bindings it cannot use
-    from gpuwarden.gpu.nvml import NvmlProbe
-    from gpuwarden.gpu.smi import SmiProbe
+    # pynvml takes ~80 ms to import: only a host that probes a real GPU pays for it
+    from gpuwarden.gpu.nvml import NvmlProbe  # noqa: PLC0415
 
     if kind == "nvml":
         return NvmlProbe()

@@ -22,6 +22,10 @@ finds the host pid (the process in that namespace whose ``NSpid`` chain ends
 in that pid, with the same create time) and keeps it in the state. Until it
 is found (or when the owner is gone before anything saw it), the memory
 counts as used but is listed under no process, as NVML lists no exited one.
+
+One file because it is one device: the state file's format and lock, the
+memory rules, the attribution of memory to processes across PID namespaces and
+the fault seams all read and write the same state under the same lock.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from gpuwarden.errors import BundleError, QueueRootError
-from gpuwarden.intake.bundle import is_temp_name
+from gpuwarden.intake.manifest import is_temp_name
 from gpuwarden.safefs import kind_of
 
 __all__ = [

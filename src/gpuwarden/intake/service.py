@@ -21,6 +21,11 @@ small bundle is still accepted in the pass that claimed it. The alternative,
 bounded work per tick on the loop thread, would have to cut zipfile's reads
 into slices and keep half-extracted state between ticks; threads keep the
 extraction code straight and the loop's pass short.
+
+One file because a bundle's life in a queue root is one state machine over one
+store: its claim, extraction, acceptance or refusal, its result bundle and the
+recovery after a crash each decide from what the others left (its staging
+folder, its record, its name in ``processing/``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -37,12 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden import faults, safefs
-from gpuwarden.config import Config
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import BundleError, GpuwardenError, TransitionError, UserError
 from gpuwarden.intake import bundle as bundles
+from gpuwarden.intake import bundlewrite
 from gpuwarden.intake.jobs import prepare
+from gpuwarden.intake.manifest import BundleLimits
 from gpuwarden.intake.queueroot import (
     INPUT_TAG,
     REASON_TAG,
@@ -54,6 +61,7 @@ from gpuwarden.intake.queueroot import (
     shown_name,
     unique_tag,
 )
+from gpuwarden.intake.zipread import ExtractionCancelled
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import (
     BundleRecord,
@@ -104,7 +112,7 @@ class _Task:
     root: QueueRoot
     path: Path  # processing/<name>
     staging: Path
-    limits: bundles.BundleLimits
+    limits: BundleLimits
 
     @property
     def key(self) -> tuple[str, str]:
@@ -144,7 +152,7 @@ def _extract(task: _Task, cancelled: Callable[[], bool]) -> _Outcome:
             )
     except BundleError as exc:
         return _Outcome(task, refusal=exc.message)
-    except bundles.ExtractionCancelled:
+    except ExtractionCancelled:
         return _Outcome(task, cancelled=True)
     except Exception as exc:  # not the bundle's fault: the loop decides
         return _Outcome(task, error=exc)
@@ -243,7 +251,8 @@ class QueueIntake:
         *,
         store: Store,
         registry: Registry,
-        config: Config,
+        staging_dir: Path,
+        limits: BundleLimits,
         roots: Iterable[QueueRoot],
         emit: Emit,
         on_error: OnError,
@@ -254,14 +263,14 @@ class QueueIntake:
     ) -> None:
         self.store = store
         self.registry = registry
-        self.config = config
+        self.limits = limits
         self.roots = list(roots)
         self.emit = emit
         self.on_error = on_error
         self.check = check
         self.clock = clock
         self.remote_outputs = remote_outputs
-        self._staging_dir = config.state_dir / "staging"
+        self._staging_dir = staging_dir
         #: (queue root, bundle name) -> how often reading it failed for reasons not its own
         self._intake_failures: dict[tuple[str, str], int] = {}
         #: bundles (queue root, name) whose jobs changed since the last look
@@ -505,7 +514,7 @@ class QueueIntake:
             if existing is not None:
                 self._hold(root, name, existing)
                 return "decided"
-        task = _Task(root, path, self.staging_for(root, name), self._limits())
+        task = _Task(root, path, self.staging_for(root, name), self.limits)
         self._in_flight[task.key] = task
         self._extractors.submit(task)
         return "extracting"
@@ -639,7 +648,7 @@ class QueueIntake:
         else:
             result_name, input_name = name, own_name(name, INPUT_TAG)
         result = self._write_unique(
-            bundles.write_result_bundle, root.failed, result_name, results, bundle=name, now=now
+            bundlewrite.write_result_bundle, root.failed, result_name, results, bundle=name, now=now
         )
         kept = root.move_to_failed(path, input_name)
         if not duplicate:
@@ -687,15 +696,6 @@ class QueueIntake:
             reason="a file of that name is already there; it was left as it is",
         )
         return path
-
-    def _limits(self) -> bundles.BundleLimits:
-        zip_bytes, entries, unpacked, jobs = self.config.bundle_limits_bytes()
-        return bundles.BundleLimits(
-            max_zip_bytes=zip_bytes,
-            max_entries=entries,
-            max_unpacked_bytes=unpacked,
-            max_jobs=jobs,
-        )
 
     # -- results ------------------------------------------------------------
 
@@ -780,7 +780,7 @@ class QueueIntake:
         write: Writer = (
             _write_with_note
             if any("outputs_on" in body for body, _ in results)
-            else bundles.write_result_bundle
+            else bundlewrite.write_result_bundle
         )
         path = self._write_unique(write, dest, rec.name, results, bundle=rec.name, now=now)
         faults.point("after_result_write")
@@ -817,8 +817,6 @@ def _write_with_note(
 ) -> Path:
     """A result bundle where some jobs' outputs stayed on their agents: each such
     job gets ``<id>/outputs/OUTPUTS.txt`` saying where they are."""
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="gpuwarden-note-") as tmp:
         packed: list[tuple[dict[str, Any], Path | None]] = []
         for body, outputs in results:
@@ -835,7 +833,7 @@ def _write_with_note(
                 packed.append((body, folder))
             else:
                 packed.append((body, outputs))
-        return bundles.write_result_bundle(dest, name, packed)
+        return bundlewrite.write_result_bundle(dest, name, packed)
 
 
 def result_json(job: Job, attempts: list[Attempt]) -> dict[str, Any]:

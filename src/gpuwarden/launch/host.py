@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -355,6 +356,53 @@ def _describe_start_error(argv0: str, exc: BaseException) -> str:
     return f"cannot start {argv0!r}: {reason}"
 
 
+def _not_started(
+    req: LaunchRequest, started_at: float, launch_error: str | None, *, stopped: bool = False
+) -> LaunchResult:
+    """The result of an attempt whose process was never started."""
+    return LaunchResult(
+        job_id=req.job_id,
+        attempt=req.attempt,
+        exit_code=None,
+        started_at=started_at,
+        ended_at=time.time(),
+        stopped=stopped,
+        launch_error=launch_error,
+    )
+
+
+def _spawn(req: LaunchRequest) -> subprocess.Popen[bytes]:
+    """Start the attempt's main process in a session of its own, with exactly the
+    request's environment and the attempt's marker, its output to the log files."""
+    attempt_dir = Path(req.attempt_dir)
+    env = dict(req.env)
+    env[ATTEMPT_ENV] = req.marker
+    with (
+        (attempt_dir / "stdout.log").open("wb") as out_f,
+        (attempt_dir / "stderr.log").open("wb") as err_f,
+    ):
+        return subprocess.Popen(
+            list(req.argv),
+            cwd=req.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out_f,
+            stderr=err_f,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+class _Ending(NamedTuple):
+    """How a started attempt ended, once every process of it is gone."""
+
+    exit_code: int | None
+    timed_out: bool
+    stopped: bool
+    reaped: list[int]
+    survivors: list[int]
+
+
 class HostLauncher:
     """Runs an attempt as a plain host process (launch mode ``host``).
 
@@ -389,62 +437,60 @@ class HostLauncher:
         """
         started_at = time.time()
         attempt_dir = Path(req.attempt_dir)
-        out_path = attempt_dir / "stdout.log"
-        err_path = attempt_dir / "stderr.log"
-
-        def failed_to_start(message: str) -> LaunchResult:
-            return LaunchResult(
-                job_id=req.job_id,
-                attempt=req.attempt,
-                exit_code=None,
-                started_at=started_at,
-                ended_at=time.time(),
-                launch_error=message,
-            )
-
         if not req.argv:
-            return failed_to_start("cannot start: the command is empty")
+            return _not_started(req, started_at, "cannot start: the command is empty")
         if stop.is_set():
-            return LaunchResult(
-                job_id=req.job_id,
-                attempt=req.attempt,
-                exit_code=None,
-                started_at=started_at,
-                ended_at=time.time(),
-                stopped=True,
-            )
+            return _not_started(req, started_at, None, stopped=True)
         try:
             attempt_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            return failed_to_start(f"cannot create attempt directory {attempt_dir}: {exc}")
-
-        env = dict(req.env)
-        env[ATTEMPT_ENV] = req.marker
+            why = f"cannot create attempt directory {attempt_dir}: {exc}"
+            return _not_started(req, started_at, why)
         try:
-            with out_path.open("wb") as out_f, err_path.open("wb") as err_f:
-                proc = subprocess.Popen(
-                    list(req.argv),
-                    cwd=req.cwd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out_f,
-                    stderr=err_f,
-                    start_new_session=True,
-                    close_fds=True,
-                )
+            proc = _spawn(req)
         except (OSError, ValueError, TypeError) as exc:
-            return failed_to_start(_describe_start_error(req.argv[0], exc))
+            return _not_started(req, started_at, _describe_start_error(req.argv[0], exc))
 
         if on_start is not None:
             try:
                 on_start(proc.pid)
             except Exception:  # a caller's bug must not leave the process unwatched
                 log.exception("on_start callback failed for %s", req.marker)
+        ending = self._see_through(proc, req, stop)
+        stderr = read_clipped(attempt_dir / "stderr.log", req.clip_chars)
+        if ending.survivors:
+            log.error(
+                "attempt %s: processes %s survived SIGKILL; not confirmed gone",
+                req.marker,
+                ending.survivors,
+            )
+            stderr += (
+                f"\n[gpuwarden: processes {', '.join(map(str, ending.survivors))} survived "
+                f"SIGKILL for {KILL_CONFIRM_S:g} s; the attempt is not confirmed gone]\n"
+            )
+        return LaunchResult(
+            job_id=req.job_id,
+            attempt=req.attempt,
+            exit_code=ending.exit_code,
+            started_at=started_at,
+            ended_at=time.time(),
+            pid=proc.pid,
+            timed_out=ending.timed_out,
+            stopped=ending.stopped,
+            stdout=read_clipped(attempt_dir / "stdout.log", req.clip_chars),
+            stderr=stderr,
+            reaped=tuple(ending.reaped),
+            survivors=tuple(ending.survivors),
+        )
+
+    def _see_through(
+        self, proc: subprocess.Popen[bytes], req: LaunchRequest, stop: threading.Event
+    ) -> _Ending:
+        """Watch the started attempt to its end (exit, timeout or ``stop``), then stop
+        every process of it that is left and reap the main one."""
         main = _main_proc(proc.pid)
         tree = _Tree(proc.pid, req.marker)
         timed_out = stopped = False
-        reaped: list[int] = []
-        survivors: list[int] = []
         try:
             timed_out, stopped = self._watch(proc, tree, req.timeout_s, stop)
         finally:
@@ -459,32 +505,7 @@ class HostLauncher:
             # the main process is reaped only now: until here its zombie held its
             # pid, so the process-group id could not be reused by another process
             exit_code = None if proc.pid in survivors else proc.wait()
-
-        stderr = read_clipped(err_path, req.clip_chars)
-        if survivors:
-            log.error(
-                "attempt %s: processes %s survived SIGKILL; not confirmed gone",
-                req.marker,
-                survivors,
-            )
-            stderr += (
-                f"\n[gpuwarden: processes {', '.join(map(str, survivors))} survived "
-                f"SIGKILL for {KILL_CONFIRM_S:g} s; the attempt is not confirmed gone]\n"
-            )
-        return LaunchResult(
-            job_id=req.job_id,
-            attempt=req.attempt,
-            exit_code=exit_code,
-            started_at=started_at,
-            ended_at=time.time(),
-            pid=proc.pid,
-            timed_out=timed_out,
-            stopped=stopped,
-            stdout=read_clipped(out_path, req.clip_chars),
-            stderr=stderr,
-            reaped=tuple(reaped),
-            survivors=tuple(survivors),
-        )
+        return _Ending(exit_code, timed_out, stopped, reaped, survivors)
 
     @staticmethod
     def _watch(

@@ -28,6 +28,10 @@ tree stopped and confirmed gone); for podman and docker this launcher also
 stops the container by name on a stop or timeout, asks the runtime whether it
 recorded an OOM kill, removes the container and confirms it gone before the
 attempt ends, so its memory never counts free too early.
+
+One file because the lock-down is one policy for three runtimes: the arguments
+that set each limit, the folders and filter prepared for them, and the checks
+and clean-up that enforce them at the end must change together.
 """
 
 from __future__ import annotations
@@ -368,7 +372,8 @@ class SandboxLauncher:
         """bubblewrap: the nodes of the request's GPU and the driver's control nodes."""
         if req.gpu_uuid is None:
             return []
-        from gpuwarden.gpu.nvml import device_nodes  # imports NVML: only with a real GPU
+        # pynvml takes ~80 ms to import: only a launch on a real GPU pays for it
+        from gpuwarden.gpu.nvml import device_nodes  # noqa: PLC0415
 
         return device_nodes(req.gpu_uuid)
 

@@ -35,6 +35,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from gpuwarden.errors import GpuwardenError
+
 __all__ = [
     "CLONE_NAMESPACE_FLAGS",
     "DENIED",
@@ -46,7 +48,7 @@ __all__ = [
 ]
 
 
-class UnsupportedArchError(Exception):
+class UnsupportedArchError(GpuwardenError):
     """The filter has no syscall table for this machine."""
 
 

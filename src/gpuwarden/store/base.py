@@ -4,8 +4,9 @@ Every method that writes takes ``now`` (seconds since the epoch) from its caller
 so tests inject time. Every job state change goes through the transition table
 in :mod:`gpuwarden.core.states`, is written as a guarded update (``WHERE state IN
 (allowed sources)`` plus a row-count check) and writes an event row in the same
-transaction. Adapters: :mod:`gpuwarden.store.sqlite` (PostgreSQL comes later and
-must pass the same contract suite, ``tests/integration/test_store_contract.py``).
+transaction. Implemented once in SQL by :class:`~gpuwarden.store.sql.SqlStore`,
+with two adapters, :mod:`gpuwarden.store.sqlite` and :mod:`gpuwarden.store.postgres`;
+both pass the same contract suite, ``tests/integration/test_store_contract.py``.
 """
 
 from __future__ import annotations

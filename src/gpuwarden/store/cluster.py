@@ -6,9 +6,9 @@ A lease is a time-bounded claim of one queued job by one node, named by a random
 live while ``expires_at`` is in the future. Every report a node makes about a job
 (its start, its end) names its lease id, and is refused when the lease is no
 longer that node's: this is the fence that keeps a node that lost its lease from
-recording a result. Adapters: :mod:`gpuwarden.store.sqlite_cluster` and
-:mod:`gpuwarden.store.postgres_cluster`, mixed into the two stores; the contract
-suite is ``tests/integration/test_cluster_store.py``.
+recording a result. Implemented once in SQL by
+:class:`~gpuwarden.store.sql_cluster.SqlClusterStore`, which both stores are; the
+contract suite is ``tests/integration/test_cluster_store.py``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,26 @@
 """PostgreSQL adapter of the Store port: psycopg 3 and a connection pool.
 
+Only what PostgreSQL does its own way is here; the queries and rules both
+databases share are :class:`~gpuwarden.store.sql.SqlStore`'s. JSON is JSONB, a
+list of ids is a ``text[]`` parameter, and a row written is returned by the
+statement that writes it (``RETURNING``).
+
 Several brokers and CLI commands, on one host or many, share one database. What
 keeps them apart:
 
-* Every change of a job first locks the job's row (``SELECT ... FOR UPDATE``),
-  then writes a guarded update (``WHERE state = ANY(allowed sources)``) whose row
-  count is checked, and its event, in one transaction.
-* :meth:`PostgresStore.start_attempt` takes the row with ``FOR UPDATE SKIP
-  LOCKED``: of two writers starting the same job at once, exactly one wins and
-  the other gets :class:`TransitionError` at once instead of waiting.
+* Every change of a job first locks the job's row (``SELECT ... FOR UPDATE``, the
+  ``lock_*`` queries), then writes a guarded update (``WHERE state = ANY(allowed
+  sources)``) whose row count is checked, and its event, in one transaction.
+* ``start_attempt`` takes the row with ``FOR UPDATE SKIP LOCKED``: of two writers
+  starting the same job at once, exactly one wins and the other gets
+  :class:`TransitionError` at once instead of waiting.
 * Event and audit ids are handed out under a transaction-scoped advisory lock held
   to the commit, so they appear in commit order and a reader following a log by
   id (``events(after_id=...)``) never skips a row that committed late.
+* A submission that collides with a concurrent one (the same idempotency key,
+  job id or bundle name, or a deadlock on each other's ids) is tried again or
+  refused with the error it would have got had it come second
+  (:meth:`PostgresStore._submit`).
 * Migrations run at open, each in its own transaction under a
   ``pg_advisory_xact_lock``, so two processes opening a fresh database at once
   apply each migration once.
@@ -25,13 +34,11 @@ document is stored as null.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import hashlib
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
@@ -42,31 +49,14 @@ from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from gpuwarden.core import states
-from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
-from gpuwarden.core.states import JobState
-from gpuwarden.errors import ConfigError, TransitionError, UnknownJobError, UserError
-from gpuwarden.store import rows
-from gpuwarden.store.base import (
-    DIRECT,
-    AuditRow,
-    BundleRecord,
-    DuplicateBundleError,
-    DuplicateJobError,
-    DuplicateTokenError,
-    IdempotencyConflict,
-    IdempotencyRecord,
-    MeasuredFootprint,
-    NodeStatus,
-    Store,
-    Submission,
-    TokenRecord,
-)
-from gpuwarden.store.postgres_cluster import PostgresCluster
-from gpuwarden.store.queries import load_migrations, load_queries
-from gpuwarden.store.rows import spec_hash
-
-_Q = load_queries("postgres")
+from gpuwarden.core.model import Job, JobSpec
+from gpuwarden.errors import ConfigError
+from gpuwarden.store.base import DuplicateJobError, Submission
+from gpuwarden.store.postgres_cluster import MaintenanceLock
+from gpuwarden.store.queries import load_dialect, load_migrations
+from gpuwarden.store.rows import Row
+from gpuwarden.store.sql import duplicate_bundle
+from gpuwarden.store.sql_cluster import SqlClusterStore
 
 Conn = psycopg.Connection[DictRow]
 
@@ -80,7 +70,7 @@ _SUBMIT_TRIES = 3
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
-class PostgresStore(PostgresCluster, Store):
+class PostgresStore(SqlClusterStore[Conn]):
     """A pool of connections to one PostgreSQL database, usable from many threads.
 
     ``url`` is a libpq URL (``postgresql://user@host:5432/dbname``). ``schema``,
@@ -89,6 +79,9 @@ class PostgresStore(PostgresCluster, Store):
     A database that cannot be reached raises :class:`ConfigError` naming the URL
     (never its password) and what to check.
     """
+
+    queries = load_dialect("postgres")
+    unique_violation: ClassVar[tuple[type[Exception], ...]] = (pg_errors.UniqueViolation,)
 
     def __init__(
         self,
@@ -133,12 +126,15 @@ class PostgresStore(PostgresCluster, Store):
             self._migrate_key = _lock_key(f"gpuwarden.migrate:{name}")
             self._events_key = _lock_key(f"gpuwarden.events:{name}")
             self._audit_key = _lock_key(f"gpuwarden.audit:{name}")
+            self._maintenance = MaintenanceLock(
+                url, schema=schema, key=_lock_key(f"gpuwarden.maintenance:{name}")
+            )
             self.migrate()
         except BaseException:
             self._pool.close()
             raise
 
-    # -- plumbing -----------------------------------------------------------
+    # -- connections --------------------------------------------------------
 
     @staticmethod
     def _connect_kwargs(url: str) -> dict[str, Any]:
@@ -182,13 +178,13 @@ class PostgresStore(PostgresCluster, Store):
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Conn]:
-        """One transaction: committed when the block ends, rolled back on an error."""
         with self._pool.connection() as conn, conn.transaction():
             yield conn
 
-    def _read(self, query: str, **params: Any) -> list[DictRow]:
+    @contextlib.contextmanager
+    def _connection(self) -> Iterator[Conn]:
         with self._pool.connection() as conn:
-            return conn.execute(_Q[query], params).fetchall()
+            yield conn
 
     def migrate(self) -> list[int]:
         """Apply the migrations not applied yet; return the versions applied.
@@ -226,14 +222,6 @@ class PostgresStore(PostgresCluster, Store):
                     applied.append(version)
         return applied
 
-    def schema_version(self) -> int:
-        row = self._read_sql("SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations")
-        return int(row[0]["v"])
-
-    def _read_sql(self, query: str) -> list[DictRow]:
-        with self._pool.connection() as conn:
-            return conn.execute(query).fetchall()
-
     def unavailable(self, exc: BaseException) -> bool:
         # connection lost or refused, server shutting down, serialization and
         # deadlock aborts (psycopg's OperationalError family); no pooled connection
@@ -242,54 +230,54 @@ class PostgresStore(PostgresCluster, Store):
     def close(self) -> None:
         self._pool.close()
 
-    def _event(self, conn: Conn, event: Event) -> Event:
-        conn.execute(_Q["lock_log"], {"key": self._events_key})
-        row = conn.execute(
-            _Q["insert_event"],
-            {
-                "ts": event.ts,
-                "kind": event.kind,
-                "job_id": event.job_id,
-                "from_state": event.from_state,
-                "to_state": event.to_state,
-                "detail": _jsonb(event.detail),
-            },
-        ).fetchone()
+    # -- values in and out --------------------------------------------------
+
+    def _json(self, value: Any) -> Jsonb:
+        return Jsonb(_pg_safe(value))
+
+    def _decode(self, value: Any) -> Any:
+        return value  # JSONB arrives decoded
+
+    def _ids(self, values: Sequence[str]) -> list[str]:
+        return list(values)  # a text[] parameter
+
+    def _text(self, value: str) -> str:
+        return _no_nul(value)
+
+    # -- rows written -------------------------------------------------------
+
+    def _append(self, conn: Conn, log: str, params: Mapping[str, Any]) -> int:
+        key = self._events_key if log == "event" else self._audit_key
+        conn.execute(self.queries["lock_log"], {"key": key})
+        row = conn.execute(self.queries[f"insert_{log}"], params).fetchone()
         assert row is not None
-        return Event(
-            ts=event.ts,
-            kind=event.kind,
-            job_id=event.job_id,
-            from_state=event.from_state,
-            to_state=event.to_state,
-            detail=dict(event.detail),
-            id=int(row["id"]),
-        )
+        return int(row["id"])
 
-    @staticmethod
-    def _job_in(conn: Conn, job_id: str, *, lock: bool = False) -> Job:
-        row = conn.execute(_Q["lock_job" if lock else "get_job"], {"id": job_id}).fetchone()
-        if row is None:
-            raise UnknownJobError(f"no job with id {job_id!r} (see `gpuwarden jobs`)")
-        return _job(row)
+    def _returning(
+        self, conn: Conn, query: str, params: Mapping[str, Any], *, reread: str
+    ) -> Row | None:
+        return conn.execute(self.queries[query], params).fetchone()  # RETURNING *: no reread
 
-    # -- jobs ---------------------------------------------------------------
+    def _insert_jobs(self, conn: Conn, jobs: Sequence[Mapping[str, Any]]) -> None:
+        with conn.cursor() as cur:
+            # one row at a time in the given order: seq (an identity) follows it
+            cur.executemany(self.queries["insert_job"], jobs)
 
-    def submit(
+    # -- submissions that collide --------------------------------------------
+
+    def _submit(
         self,
         specs: Sequence[JobSpec],
+        ids: list[str],
         *,
         now: float,
-        origin: Submission = DIRECT,
-        idempotency: tuple[str, str, str] | None = None,
+        origin: Submission,
+        idempotency: tuple[str, str, str] | None,
     ) -> list[Job]:
-        ids = [s.id for s in specs]
-        if len(set(ids)) != len(ids):
-            raise UserError("the same job id appears twice in one submission")
         for attempt in range(_SUBMIT_TRIES):
             last = attempt == _SUBMIT_TRIES - 1
             try:
-                return self._submit_once(specs, ids, now=now, origin=origin, idem=idempotency)
+                return super()._submit(specs, ids, now=now, origin=origin, idempotency=idempotency)
             except pg_errors.UniqueViolation as exc:
                 # a concurrent submission committed the same idempotency key, job id
                 # or bundle name between our check and our insert
@@ -297,7 +285,7 @@ class PostgresStore(PostgresCluster, Store):
                 if constraint == "idempotency_pkey" and not last:
                     continue  # the retry finds the key and answers as the first did
                 if constraint == "bundles_pkey":
-                    raise self._duplicate_bundle(origin) from None
+                    raise duplicate_bundle(origin) from None
                 if constraint == "jobs_pkey":
                     existing = [r["id"] for r in self._read("job_ids_existing", ids=ids)]
                     raise DuplicateJobError(sorted(existing) or ids) from None
@@ -309,569 +297,16 @@ class PostgresStore(PostgresCluster, Store):
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    @staticmethod
-    def _duplicate_bundle(origin: Submission) -> DuplicateBundleError:
-        return DuplicateBundleError(
-            f"bundle {origin.bundle} was already received in {origin.queue_root or ''}"
-        )
+    # -- maintenance --------------------------------------------------------
 
-    def _submit_once(
-        self,
-        specs: Sequence[JobSpec],
-        ids: list[str],
-        *,
-        now: float,
-        origin: Submission,
-        idem: tuple[str, str, str] | None,
-    ) -> list[Job]:
-        with self._write() as conn:
-            if idem is not None:
-                token_id, key, body_hash = idem
-                row = conn.execute(
-                    _Q["get_idempotency"], {"token_id": token_id, "key": key}
-                ).fetchone()
-                if row is not None:
-                    if row["body_hash"] != body_hash:
-                        raise IdempotencyConflict(
-                            f"idempotency key {key!r} was already used for a different "
-                            "request; use a new key for a new request"
-                        )
-                    return [self._job_in(conn, i) for i in row["job_ids"]]
-                conn.execute(
-                    _Q["insert_idempotency"],
-                    {
-                        "token_id": token_id,
-                        "key": key,
-                        "body_hash": body_hash,
-                        "job_ids": _jsonb(ids),
-                        "now": now,
-                    },
-                )
-            existing = [r["id"] for r in conn.execute(_Q["job_ids_existing"], {"ids": ids})]
-            if existing:
-                raise DuplicateJobError(sorted(existing))
-            if origin.bundle is not None:
-                qr = origin.queue_root or ""
-                if conn.execute(
-                    _Q["get_bundle"], {"queue_root": qr, "name": origin.bundle}
-                ).fetchone():
-                    raise self._duplicate_bundle(origin)
-                conn.execute(
-                    _Q["insert_bundle"],
-                    {
-                        "queue_root": qr,
-                        "name": origin.bundle,
-                        "job_ids": _jsonb(ids),
-                        "now": now,
-                    },
-                )
-            with conn.cursor() as cur:
-                # one row at a time in the given order: seq (an identity) follows it
-                cur.executemany(
-                    _Q["insert_job"],
-                    [
-                        {
-                            "id": spec.id,
-                            "type": spec.type,
-                            "priority": spec.priority,
-                            "params": _jsonb(spec.params),
-                            "inputs": _jsonb(list(spec.inputs)),
-                            "outputs": _jsonb(list(spec.outputs)),
-                            "vram_bytes": spec.vram_bytes,
-                            "spec_hash": spec_hash(spec),
-                            "constraints": _jsonb(spec.constraints),
-                            "now": now,
-                            "bundle": origin.bundle,
-                            "queue_root": origin.queue_root,
-                            "input_dir": origin.input_dir,
-                            "owner": origin.owner,
-                        }
-                        for spec in specs
-                    ],
-                )
-            # the events last: the events lock is taken after every row lock
-            for spec in specs:
-                detail: dict[str, Any] = {"type": spec.type}
-                if origin.bundle:
-                    detail["bundle"] = origin.bundle
-                self._event(
-                    conn,
-                    Event(
-                        ts=now, kind="submitted", job_id=spec.id, to_state="queued", detail=detail
-                    ),
-                )
-            rows = conn.execute(_Q["jobs_by_ids"], {"ids": ids}).fetchall()
-            return [_job(r) for r in rows]
+    def try_maintenance_lock(self) -> bool:
+        return self._maintenance.try_acquire()
 
-    def get_job(self, job_id: str) -> Job | None:
-        rows = self._read("get_job", id=job_id)
-        return _job(rows[0]) if rows else None
-
-    def idempotency_record(self, token_id: str, key: str) -> IdempotencyRecord | None:
-        rows = self._read("get_idempotency", token_id=token_id, key=key)
-        if not rows:
-            return None
-        r = rows[0]
-        return IdempotencyRecord(
-            token_id=r["token_id"],
-            key=r["key"],
-            body_hash=r["body_hash"],
-            job_ids=tuple(r["job_ids"]),
-            created_at=r["created_at"],
-        )
-
-    def list_jobs(
-        self,
-        *,
-        states: frozenset[JobState] | None = None,
-        limit: int = 100,
-        owner: str | None = None,
-    ) -> list[Job]:
-        in_states = [s.value for s in states] if states is not None else None
-        if owner is None and in_states is None:
-            rows = self._read("list_jobs", limit=limit)
-        elif owner is None:
-            rows = self._read("list_jobs_in_states", states=in_states, limit=limit)
-        elif in_states is None:
-            rows = self._read("list_jobs_of_owner", owner=owner, limit=limit)
-        else:
-            rows = self._read(
-                "list_jobs_of_owner_in_states", owner=owner, states=in_states, limit=limit
-            )
-        return [_job(r) for r in rows]
-
-    def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
-        return [_job(r) for r in self._read("queued_jobs", limit=limit)]
-
-    def running_jobs(self) -> list[Job]:
-        return [_job(r) for r in self._read("running_jobs")]
-
-    def count_by_state(self) -> dict[JobState, int]:
-        return {JobState(r["state"]): int(r["n"]) for r in self._read("count_by_state")}
-
-    def _transition_in(
-        self,
-        conn: Conn,
-        job_id: str,
-        target: JobState,
-        *,
-        now: float,
-        reason: str,
-        detail: Mapping[str, Any] | None,
-        exit_code: int | None,
-        result: Mapping[str, Any] | None,
-        sources: frozenset[JobState] | None = None,
-    ) -> Job:
-        before = self._job_in(conn, job_id, lock=True)
-        # ``sources`` narrows the table for callers that know more (an attempt's end
-        # comes only from running); it never widens it.
-        allowed = states.sources(target) & (sources or states.sources(target))
-        if before.state not in allowed:
-            raise TransitionError(
-                f"job {job_id} is {before.state.value}; it cannot become {target.value} from there"
-            )
-        cur = conn.execute(
-            _Q["transition_job"],
-            {
-                "id": job_id,
-                "target": target.value,
-                "now": now,
-                "reason": _text(reason),
-                "exit_code": exit_code,
-                "result": _jsonb(dict(result)) if result is not None else None,
-                "sources": [s.value for s in allowed],
-            },
-        )
-        if cur.rowcount != 1:  # pragma: no cover - the row lock makes this a bug
-            raise TransitionError(f"job {job_id} changed state during the transition")
-        ev = {"reason": reason} if reason else {}
-        ev.update(detail or {})
-        self._event(
-            conn,
-            Event(
-                ts=now,
-                kind="transition",
-                job_id=job_id,
-                from_state=before.state.value,
-                to_state=target.value,
-                detail=ev,
-            ),
-        )
-        return self._job_in(conn, job_id)
-
-    def transition(
-        self,
-        job_id: str,
-        target: JobState,
-        *,
-        now: float,
-        reason: str = "",
-        detail: Mapping[str, Any] | None = None,
-        exit_code: int | None = None,
-        result: Mapping[str, Any] | None = None,
-    ) -> Job:
-        with self._write() as conn:
-            return self._transition_in(
-                conn,
-                job_id,
-                target,
-                now=now,
-                reason=reason,
-                detail=detail,
-                exit_code=exit_code,
-                result=result,
-            )
-
-    def start_attempt(
-        self, job_id: str, *, node: str, gpu_uuid: str | None, now: float
-    ) -> tuple[Job, Attempt]:
-        with self._write() as conn:
-            row = conn.execute(_Q["lock_job_to_start"], {"id": job_id}).fetchone()
-            if row is None:
-                self._job_in(conn, job_id)  # UnknownJobError when there is no such job
-                raise TransitionError(
-                    f"job {job_id} is being changed by another writer (another broker may be "
-                    "starting it); it was not started here"
-                )
-            before = _job(row)
-            states.check(before.state, JobState.RUNNING)
-            if before.cancel_requested:
-                raise TransitionError(f"job {job_id} has a cancel request; it will not start")
-            cur = conn.execute(_Q["start_job"], {"id": job_id, "now": now})
-            if cur.rowcount != 1:  # pragma: no cover - guarded above under the row lock
-                raise TransitionError(f"job {job_id} changed state before it could start")
-            number = before.attempts + 1
-            conn.execute(
-                _Q["insert_attempt"],
-                {
-                    "job_id": job_id,
-                    "number": number,
-                    "node": node,
-                    "gpu_uuid": gpu_uuid,
-                    "now": now,
-                },
-            )
-            self._event(
-                conn,
-                Event(
-                    ts=now,
-                    kind="transition",
-                    job_id=job_id,
-                    from_state="queued",
-                    to_state="running",
-                    detail={"attempt": number, "node": node, "gpu": gpu_uuid},
-                ),
-            )
-            job = self._job_in(conn, job_id)
-            return job, Attempt(
-                job_id=job_id, number=number, node=node, gpu_uuid=gpu_uuid, started_at=now
-            )
-
-    def set_attempt_pid(self, job_id: str, number: int, pid: int) -> None:
-        with self._write() as conn:
-            conn.execute(_Q["set_attempt_pid"], {"job_id": job_id, "number": number, "pid": pid})
-
-    def finish_attempt(
-        self,
-        job_id: str,
-        number: int,
-        *,
-        target: JobState,
-        now: float,
-        outcome: str,
-        reason: str,
-        exit_code: int | None = None,
-        stdout: str = "",
-        stderr: str = "",
-        result: Mapping[str, Any] | None = None,
-    ) -> Job:
-        with self._write() as conn:
-            job = self._job_in(conn, job_id, lock=True)
-            cur = conn.execute(
-                _Q["finish_attempt"],
-                {
-                    "job_id": job_id,
-                    "number": number,
-                    "now": now,
-                    "exit_code": exit_code,
-                    "outcome": outcome,
-                    "reason": _text(reason),
-                    "stdout": _text(stdout),
-                    "stderr": _text(stderr),
-                },
-            )
-            if cur.rowcount != 1:
-                raise TransitionError(
-                    f"attempt {number} of job {job_id} is not the current running attempt "
-                    f"(job is {job.state.value}, attempt {job.attempts}); its report is refused"
-                )
-            return self._transition_in(
-                conn,
-                job_id,
-                target,
-                now=now,
-                reason=reason,
-                detail={"attempt": number, "outcome": outcome, "exit_code": exit_code},
-                exit_code=exit_code,
-                result=result,
-                sources=frozenset({JobState.RUNNING}),
-            )
-
-    def attempts(self, job_id: str) -> list[Attempt]:
-        return [_attempt(r) for r in self._read("attempts", job_id=job_id)]
-
-    def request_cancel(self, job_id: str, *, now: float) -> Job:
-        with self._write() as conn:
-            job = self._job_in(conn, job_id, lock=True)
-            if job.state is JobState.QUEUED:
-                return self._transition_in(
-                    conn,
-                    job_id,
-                    JobState.CANCELLED,
-                    now=now,
-                    reason="cancelled before it started",
-                    detail=None,
-                    exit_code=None,
-                    result=None,
-                )
-            if job.state is JobState.RUNNING:
-                conn.execute(_Q["mark_cancel_requested"], {"id": job_id, "now": now})
-                self._event(conn, Event(ts=now, kind="cancel_requested", job_id=job_id))
-                return self._job_in(conn, job_id)
-            raise UserError(
-                f"job {job_id} has already ended ({job.state.value}); nothing to cancel"
-            )
-
-    # -- events -------------------------------------------------------------
-
-    def add_event(self, event: Event) -> Event:
-        with self._write() as conn:
-            return self._event(conn, event)
-
-    def last_event_id(self) -> int:
-        return int(self._read("last_event_id")[0]["id"])
-
-    def events(
-        self, *, job_id: str | None = None, after_id: int = 0, limit: int = 1000
-    ) -> list[Event]:
-        if job_id is None:
-            rows = self._read("events_all", after_id=after_id, limit=limit)
-        else:
-            rows = self._read("events_for_job", job_id=job_id, after_id=after_id, limit=limit)
-        return [
-            Event(
-                id=int(r["id"]),
-                ts=r["ts"],
-                kind=r["kind"],
-                job_id=r["job_id"],
-                from_state=r["from_state"],
-                to_state=r["to_state"],
-                detail=r["detail"],
-            )
-            for r in rows
-        ]
-
-    # -- bundles ------------------------------------------------------------
-
-    def get_bundle(self, queue_root: str, name: str) -> BundleRecord | None:
-        rows = self._read("get_bundle", queue_root=queue_root, name=name)
-        return _bundle(rows[0]) if rows else None
-
-    def open_bundles(self) -> list[BundleRecord]:
-        return [_bundle(r) for r in self._read("open_bundles")]
-
-    def finish_bundle(
-        self, queue_root: str, name: str, *, now: float, outcome: str, result_path: str
-    ) -> None:
-        with self._write() as conn:
-            conn.execute(
-                _Q["finish_bundle"],
-                {
-                    "queue_root": queue_root,
-                    "name": name,
-                    "now": now,
-                    "outcome": outcome,
-                    "result_path": result_path,
-                },
-            )
-
-    def record_rejected_bundle(
-        self, queue_root: str, name: str, *, now: float, reason: str, result_path: str
-    ) -> None:
-        with self._write() as conn:
-            conn.execute(
-                _Q["insert_rejected_bundle"],
-                {"queue_root": queue_root, "name": name, "now": now, "result_path": result_path},
-            )
-            self._event(
-                conn,
-                Event(
-                    ts=now,
-                    kind="bundle_rejected",
-                    detail={"queue_root": queue_root, "bundle": name, "reason": reason},
-                ),
-            )
-
-    # -- footprints -----------------------------------------------------------
-
-    def footprints(self) -> dict[str, MeasuredFootprint]:
-        return {
-            r["type"]: MeasuredFootprint(
-                type=r["type"], bytes=r["bytes"], job_id=r["job_id"], updated_at=r["updated_at"]
-            )
-            for r in self._read("footprints")
-        }
-
-    def recent_run_times(self, *, limit: int = 5000) -> list[tuple[str, float]]:
-        return [
-            (r["type"], float(r["seconds"])) for r in self._read("recent_run_times", limit=limit)
-        ]
-
-    def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
-        with self._write() as conn:
-            row = conn.execute(_Q["lock_footprint"], {"type": type_name}).fetchone()
-            old = int(row["bytes"]) if row else None
-            cur = conn.execute(
-                _Q["raise_footprint"],
-                {"type": type_name, "bytes": nbytes, "job_id": job_id, "now": now},
-            )
-            if cur.rowcount != 1:
-                return False
-            self._event(
-                conn,
-                Event(
-                    ts=now,
-                    kind="footprint_raised",
-                    job_id=job_id,
-                    detail={"type": type_name, "bytes": nbytes, "previous_bytes": old},
-                ),
-            )
-            return True
-
-    # -- operator requests ----------------------------------------------------
-
-    def request_gpu_clear(self, gpu_uuid: str, *, now: float) -> None:
-        with self._write() as conn:
-            conn.execute(_Q["request_gpu_clear"], {"gpu_uuid": gpu_uuid, "now": now})
-            self._event(conn, Event(ts=now, kind="gpu_clear_requested", detail={"gpu": gpu_uuid}))
-
-    def take_gpu_clears(self, *, now: float) -> list[str]:
-        with self._write() as conn:
-            rows = conn.execute(_Q["take_gpu_clears"], {"now": now}).fetchall()
-            return [r["gpu_uuid"] for r in sorted(rows, key=lambda r: int(r["id"]))]
-
-    # -- API tokens -----------------------------------------------------------
-
-    def create_token(
-        self,
-        *,
-        token_id: str,
-        name: str,
-        role: Role,
-        secret_hash: str,
-        now: float,
-        created_by: str,
-        expires_at: float | None = None,
-        node: str | None = None,
-    ) -> TokenRecord:
-        duplicate = DuplicateTokenError(f"a token with id {token_id} exists already")
-        try:
-            with self._write() as conn:
-                if conn.execute(_Q["get_token"], {"id": token_id}).fetchone() is not None:
-                    raise duplicate
-                row = conn.execute(
-                    _Q["insert_token"],
-                    {
-                        "id": token_id,
-                        "name": name,
-                        "role": Role(role).value,
-                        "secret_hash": secret_hash,
-                        "now": now,
-                        "created_by": created_by,
-                        "expires_at": expires_at,
-                        "node": node,
-                    },
-                ).fetchone()
-                assert row is not None
-                return _token(row)
-        except pg_errors.UniqueViolation:  # created by another writer since the check
-            raise duplicate from None
-
-    def get_token(self, token_id: str) -> TokenRecord | None:
-        rows = self._read("get_token", id=token_id)
-        return _token(rows[0]) if rows else None
-
-    def list_tokens(self) -> list[TokenRecord]:
-        return [_token(r) for r in self._read("list_tokens")]
-
-    def revoke_token(self, token_id: str, *, now: float) -> bool:
-        with self._write() as conn:
-            return conn.execute(_Q["revoke_token"], {"id": token_id, "now": now}).rowcount == 1
-
-    # -- audit --------------------------------------------------------------
-
-    def add_audit(self, row: AuditRow) -> AuditRow:
-        with self._write() as conn:
-            conn.execute(_Q["lock_log"], {"key": self._audit_key})
-            got = conn.execute(
-                _Q["insert_audit"],
-                {
-                    "ts": row.ts,
-                    "actor": _text(row.actor),
-                    "actor_name": _text(row.actor_name),
-                    "role": _text(row.role),
-                    "action": _text(row.action),
-                    "target": _text(row.target),
-                    "outcome": _text(row.outcome),
-                    "detail": _jsonb(row.detail),
-                },
-            ).fetchone()
-            assert got is not None
-            return dataclasses.replace(row, detail=dict(row.detail), id=int(got["id"]))
-
-    def audit_rows(self, *, after_id: int = 0, limit: int = 1000) -> list[AuditRow]:
-        return [
-            AuditRow(
-                id=int(r["id"]),
-                ts=r["ts"],
-                actor=r["actor"],
-                actor_name=r["actor_name"],
-                role=r["role"],
-                action=r["action"],
-                target=r["target"],
-                outcome=r["outcome"],
-                detail=r["detail"],
-            )
-            for r in self._read("audit_rows", after_id=after_id, limit=limit)
-        ]
-
-    # -- node status --------------------------------------------------------
-
-    def put_node_status(self, status: NodeStatus) -> None:
-        with self._write() as conn:
-            conn.execute(
-                _Q["put_node_status"],
-                {
-                    "node": status.node,
-                    "pid": status.pid,
-                    "updated_at": status.updated_at,
-                    "payload": _jsonb(status.payload),
-                },
-            )
-
-    def node_statuses(self) -> list[NodeStatus]:
-        return [
-            NodeStatus(
-                node=r["node"],
-                pid=r["pid"],
-                updated_at=r["updated_at"],
-                payload=r["payload"],
-            )
-            for r in self._read("node_statuses")
-        ]
+    def release_maintenance_lock(self) -> None:
+        self._maintenance.release()
 
 
-# -- values in and out ------------------------------------------------------------
+# -- URLs, lock keys, values PostgreSQL can store ------------------------------------
 
 
 def redact_url(url: str) -> str:
@@ -896,29 +331,19 @@ def _lock_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
-def _text(value: str) -> str:
-    """PostgreSQL text cannot hold NUL."""
+def _no_nul(value: str) -> str:
+    """``value`` without NUL, which PostgreSQL text cannot hold (stored as U+FFFD)."""
     return value.replace("\x00", "\ufffd")
 
 
 def _pg_safe(value: Any) -> Any:
     """A JSON value that JSONB can store: NUL-free strings, finite numbers."""
     if isinstance(value, str):
-        return _text(value)
+        return _no_nul(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
-        return {_text(str(k)): _pg_safe(v) for k, v in value.items()}
+        return {_no_nul(str(k)): _pg_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_pg_safe(v) for v in value]
     return value
-
-
-def _jsonb(value: Any) -> Jsonb:
-    return Jsonb(_pg_safe(value))
-
-
-_job = functools.partial(rows.job, decode=rows.as_is)
-_bundle = functools.partial(rows.bundle, decode=rows.as_is)
-_token = rows.token
-_attempt = rows.attempt

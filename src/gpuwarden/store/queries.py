@@ -21,6 +21,23 @@ def load_queries(backend: str, file: str = "queries") -> dict[str, str]:
     return queries
 
 
+def load_dialect(backend: str) -> dict[str, str]:
+    """Every named query of ``backend``: ``queries.sql`` and ``cluster.sql`` together
+    (a name may be defined in only one of them)."""
+    queries = load_queries(backend)
+    cluster = load_queries(backend, "cluster")
+    both = sorted(queries.keys() & cluster.keys())
+    if both:
+        raise ValueError(f"queries {both} defined in both files of sql/{backend}")
+    return queries | cluster
+
+
+def split_sql(script: str) -> list[str]:
+    """Split a migration into statements (our migrations hold no ``;`` inside strings)."""
+    lines = [ln for ln in script.splitlines() if not ln.strip().startswith("--")]
+    return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
+
+
 def load_migrations(backend: str) -> list[tuple[int, str, str]]:
     """``[(version, filename, sql)]`` from ``sql/<backend>/migrations/NNNN_*.sql``, in order."""
     folder = resources.files("gpuwarden.store").joinpath(f"sql/{backend}/migrations")

@@ -1,8 +1,7 @@
-"""What both store adapters share: a job spec's fingerprint, and turning a row
-into a value. A row is anything indexable by column name (``sqlite3.Row``, a
-psycopg ``dict_row``); ``decode`` turns a JSON column into Python values — SQLite
-keeps JSON as text (``json.loads``), PostgreSQL's JSONB arrives decoded
-(:func:`as_is`)."""
+"""A job spec's fingerprint, and turning a row into a value, for both SQL
+dialects. A row is anything indexable by column name (``sqlite3.Row``, a psycopg
+``dict_row``); ``decode`` turns a JSON column into Python values: SQLite keeps
+JSON as text (``json.loads``), PostgreSQL's JSONB arrives decoded."""
 
 from __future__ import annotations
 
@@ -11,18 +10,20 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from gpuwarden.core.model import Attempt, Job, JobSpec, Role
+from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.states import JobState
-from gpuwarden.store.base import BundleRecord, TokenRecord
-from gpuwarden.store.cluster import Lease, NodeRecord, NodeState
+from gpuwarden.store.base import (
+    AuditRow,
+    BundleRecord,
+    IdempotencyRecord,
+    MeasuredFootprint,
+    NodeStatus,
+    TokenRecord,
+)
+from gpuwarden.store.cluster import Claimable, Lease, NodeRecord, NodeState
 
 Row = Any  # sqlite3.Row or psycopg's DictRow: both index by column name
 Decode = Callable[[Any], Any]
-
-
-def as_is(value: Any) -> Any:
-    """The decoder for columns the driver already decoded (PostgreSQL JSONB)."""
-    return value
 
 
 def spec_hash(spec: JobSpec) -> str:
@@ -133,4 +134,69 @@ def lease(row: Row) -> Lease:
         leased_at=row["leased_at"],
         started=bool(row["started"]),
         attempt=row["attempt"],
+    )
+
+
+def event(row: Row, decode: Decode) -> Event:
+    return Event(
+        id=int(row["id"]),
+        ts=row["ts"],
+        kind=row["kind"],
+        job_id=row["job_id"],
+        from_state=row["from_state"],
+        to_state=row["to_state"],
+        detail=decode(row["detail"]),
+    )
+
+
+def audit(row: Row, decode: Decode) -> AuditRow:
+    return AuditRow(
+        id=int(row["id"]),
+        ts=row["ts"],
+        actor=row["actor"],
+        actor_name=row["actor_name"],
+        role=row["role"],
+        action=row["action"],
+        target=row["target"],
+        outcome=row["outcome"],
+        detail=decode(row["detail"]),
+    )
+
+
+def idempotency(row: Row, decode: Decode) -> IdempotencyRecord:
+    return IdempotencyRecord(
+        token_id=row["token_id"],
+        key=row["key"],
+        body_hash=row["body_hash"],
+        job_ids=tuple(decode(row["job_ids"])),
+        created_at=row["created_at"],
+    )
+
+
+def footprint(row: Row) -> MeasuredFootprint:
+    return MeasuredFootprint(
+        type=row["type"], bytes=row["bytes"], job_id=row["job_id"], updated_at=row["updated_at"]
+    )
+
+
+def node_status(row: Row, decode: Decode) -> NodeStatus:
+    return NodeStatus(
+        node=row["node"],
+        pid=row["pid"],
+        updated_at=row["updated_at"],
+        payload=decode(row["payload"]),
+    )
+
+
+def claimable(row: Row, decode: Decode) -> Claimable:
+    return Claimable(
+        id=row["id"],
+        type=row["type"],
+        priority=row["priority"],
+        seq=row["seq"],
+        submitted_at=row["submitted_at"],
+        vram_bytes=row["vram_bytes"],
+        attempts=row["attempts"],
+        constraints=dict(decode(row["constraints"])),
+        input_dir=row["input_dir"],
     )

@@ -17,7 +17,7 @@ from gpuwarden.api.context import (
     get_scope,
     set_target,
 )
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import AuditOut, ErrorOut, NewToken, TokenIn, TokenOut
 
 # defence in depth: a route the gate did not grant a scope to is refused (403)
@@ -68,10 +68,10 @@ def revoke_token(token_id: str, request: Request, ctx: Ctx) -> TokenOut:
     set_target(request, token_id)
     record = ctx.store.get_token(token_id) if _TOKEN_ID.fullmatch(token_id) else None
     if record is None:
-        raise ApiError(404, f"no token with id {token_id!r} (GET /v1/tokens lists them)")
+        raise HttpError(404, f"no token with id {token_id!r} (GET /v1/tokens lists them)")
     now = ctx.clock()
     if not ctx.store.revoke_token(record.id, now=now):
-        raise ApiError(409, f"token {record.id} ({record.name}) was revoked already")
+        raise HttpError(409, f"token {record.id} ({record.name}) was revoked already")
 
     audit_ok(request, {"name": record.name, "role": record.role.value})
     revoked = ctx.store.get_token(record.id)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from gpuwarden.api.context import ApiContext, action, audit_ok, get_ctx, get_scope, set_target
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 
 router = APIRouter(tags=["gpus"], dependencies=[Depends(get_scope)])
@@ -31,7 +31,7 @@ def clear_gpu(gpu_uuid: str, request: Request, ctx: Ctx) -> dict[str, Any]:
     GPU has no fault). Fix the cause first: `nvidia-smi -q`, the kernel log."""
     set_target(request, gpu_uuid)
     if not _GPU_UUID.fullmatch(gpu_uuid):
-        raise ApiError(422, f"{gpu_uuid!r} is not a GPU UUID (GPU-...): see `gpuwarden status`")
+        raise HttpError(422, f"{gpu_uuid!r} is not a GPU UUID (GPU-...): see `gpuwarden status`")
     ctx.store.request_gpu_clear(gpu_uuid, now=ctx.clock())
     audit_ok(request, target=gpu_uuid, status=202)
     return {"gpu": gpu_uuid, "requested": True}

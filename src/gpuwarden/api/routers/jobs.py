@@ -17,7 +17,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from gpuwarden import explain
 from gpuwarden.api import files
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.context import (
@@ -29,16 +28,18 @@ from gpuwarden.api.context import (
     get_scope,
     set_target,
 )
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut, Explanation, JobDetail, JobIn, JobOut
 from gpuwarden.api.redact import Redactor
-from gpuwarden.broker import result_json
-from gpuwarden.cluster import coordinator
+from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
+from gpuwarden.intake.service import result_json
+from gpuwarden.node import explain
+from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.cluster import ClusterStore
 
@@ -74,7 +75,7 @@ def visible_job(ctx: ApiContext, who: Principal, access: Scope, job_id: str) -> 
             mine = ctx.store.get_job(prefix + job_id)
             job = mine if mine is not None and mine.owner == who.token_id else None
     if job is None:
-        raise ApiError(404, f"no job with id {job_id!r} (GET /v1/jobs lists yours)")
+        raise HttpError(404, f"no job with id {job_id!r} (GET /v1/jobs lists yours)")
     return job
 
 
@@ -130,7 +131,7 @@ def submit_job(
     if body.id is not None:
         set_target(request, body.id)
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
-        raise ApiError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
+        raise HttpError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
     jobtype = ctx.registry.get(body.type)
     _refuse_file_inputs(jobtype, body)
     vram = math.ceil(body.vram_gib * GIB) if body.vram_gib is not None else None
@@ -198,13 +199,12 @@ def _refuse_if_it_never_fits(ctx: ApiContext, spec: JobSpec, jobtype: JobType) -
     if jobtype.lane is not Lane.VRAM:
         return
     now = ctx.clock()
-    gpus = [
-        policy.GpuView.from_json(g)
+    live = [
+        BrokerStatus.from_json(s.payload)
         for s in ctx.store.node_statuses()
-        if not s.payload.get("stopped") and now - s.updated_at <= explain.FRESH_S
-        for g in s.payload.get("gpus", [])
-        if "holdings" in g
+        if now - s.updated_at <= explain.FRESH_S
     ]
+    gpus = [g for st in live if not st.stopped for g in st.gpu_views()]
     need = explain.effective_footprint(jobtype, spec.vram_bytes, ctx.store)
     if (why := policy.never_fits(need, gpus)) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
@@ -260,7 +260,7 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
     """Cancel a queued job at once, or ask the broker to stop a running one."""
     job = visible_job(ctx, who, access, job_id)
     if job.state.terminal:
-        raise ApiError(
+        raise HttpError(
             409, f"job {job.id} has already ended ({job.state.value}); nothing to cancel"
         )
     job = ctx.store.request_cancel(job.id, now=ctx.clock())
@@ -273,9 +273,7 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
 def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
     """Where the job stands and, if it waits, why (as `gpuwarden explain`)."""
     job = visible_job(ctx, who, access, job_id)
-    status = explain.latest_status(ctx.store, time.time())
-    view = explain.view_from_status(status, ctx.config.broker.cpu_slots) if status else None
-    lines = explain.explain_job(job, ctx.store, ctx.registry, view)
+    lines = report.explain(job, ctx.store, ctx.registry, ctx.config.broker.cpu_slots, time.time())
     if access is Scope.OWN:  # wait reasons name other jobs: not another token's
         redactor = Redactor(ctx.store, who.token_id)
         lines = [redactor.text(line) for line in lines]
@@ -288,7 +286,7 @@ def job_result(job_id: str, ctx: Ctx, who: Who, access: Access) -> dict[str, Any
     """The job's result.json (SPEC.md section 5), once it has ended."""
     job = visible_job(ctx, who, access, job_id)
     if not job.state.terminal:
-        raise ApiError(
+        raise HttpError(
             409, f"job {job.id} is {job.state.value}: its result exists once it has ended"
         )
     return result_json(job, ctx.store.attempts(job.id))
@@ -307,24 +305,24 @@ def job_output(
     job = visible_job(ctx, who, access, job_id)
     rel = files.check_name(path, "output path", raw_path=request.scope.get("raw_path"))
     if job.state is not JobState.DONE:
-        raise ApiError(
+        raise HttpError(
             409, f"job {job.id} is {job.state.value}: outputs are returned for done jobs only"
         )
     outputs = [str(p) for p in job.result.get("outputs", [])]
     if rel not in outputs:
         listed = ", ".join(outputs) if len(outputs) <= 20 else f"{len(outputs)} files"
-        raise ApiError(
+        raise HttpError(
             404,
             f"job {job.id} has no output {files.shown(rel)} (its outputs: {listed or 'none'}; "
             f"GET /v1/jobs/{job.id}/result lists them)",
         )
     out_dir = job.result.get("output_dir")
     if not out_dir:
-        raise ApiError(404, f"output {files.shown(rel)} of job {job.id} is not on this host")
+        raise HttpError(404, f"output {files.shown(rel)} of job {job.id} is not on this host")
     try:
         fd, st = files.open_below(Path(str(out_dir)), rel)
     except files.NotServed as exc:
-        raise ApiError(
+        raise HttpError(
             404,
             f"output {files.shown(rel)} of job {job.id} is not served: it {exc.why} (only "
             "regular files reached through no link are)",

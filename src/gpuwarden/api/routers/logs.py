@@ -2,7 +2,7 @@
 
 The same role rules as the other job routes (action ``job.read``): a submitter
 reads its own jobs' streams only, and another's job is the 404 of a job that does
-not exist. The stream file is opened through :mod:`gpuwarden.joblogs` (safefs:
+not exist. The stream file is opened through :mod:`gpuwarden.node.joblogs` (safefs:
 no link, no FIFO, regular files only) and sent in chunks; with ``follow`` the
 answer goes on until the attempt has ended. At most :data:`MAX_FOLLOWERS`
 answers follow a stream at once (429 past that)."""
@@ -22,13 +22,14 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from gpuwarden import joblogs, safefs
+from gpuwarden import safefs
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, get_scope
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.api.routers.jobs import visible_job
 from gpuwarden.core.model import Attempt, Job
+from gpuwarden.node import joblogs
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +109,17 @@ def not_started(job: Job) -> str:
 
 
 def pick_attempt(job: Job, attempts: list[Attempt], number: int | None) -> Attempt:
-    """Attempt ``number`` of the job (default: its latest); :class:`ApiError` 409
+    """Attempt ``number`` of the job (default: its latest); :class:`HttpError` 409
     when it has none yet, 404 when it has no such attempt."""
     if not attempts:
-        raise ApiError(409, not_started(job))
+        raise HttpError(409, not_started(job))
     if number is None:
         return attempts[-1]
     for a in attempts:
         if a.number == number:
             return a
     have = ", ".join(str(a.number) for a in attempts)
-    raise ApiError(404, f"job {job.id} has no attempt {number} (its attempts: {have})")
+    raise HttpError(404, f"job {job.id} has no attempt {number} (its attempts: {have})")
 
 
 def _header_text(text: str) -> str:
@@ -185,7 +186,7 @@ async def job_logs(
     if not FOLLOWERS.take():
         if where.fd is not None:
             os.close(where.fd)
-        raise ApiError(
+        raise HttpError(
             429,
             f"{MAX_FOLLOWERS} streams are being followed already: try again later, "
             "or read the stream without follow",

@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import files
-from gpuwarden.api.auth import Principal, issue_token
+from gpuwarden.api.auth import INVITE_TTL_S, Principal, issue_token
 from gpuwarden.api.context import (
     ApiContext,
     action,
@@ -44,9 +44,11 @@ from gpuwarden.api.context import (
     get_scope,
     set_target,
 )
-from gpuwarden.api.errors import ApiError
+from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster.nodeview import Timing, node_view
+from gpuwarden.cluster.report import node_json
 from gpuwarden.cluster.sweeper import Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
@@ -55,8 +57,6 @@ from gpuwarden.intake.jobs import JOB_ID
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
-#: how long an enrolment token from ``node invite`` is valid
-INVITE_TTL_S = 15 * 60.0
 #: the upload route, whose bodies may be as large as ``api.max_output_mib``
 UPLOAD_PATH = re.compile(r"/v1/node/jobs/[^/]+/outputs/.+")
 
@@ -172,13 +172,13 @@ class FinishIn(_Body):
 def cluster_store(ctx: ApiContext) -> ClusterStore:
     store = ctx.store
     if not isinstance(store, ClusterStore):  # pragma: no cover - both stores are
-        raise ApiError(501, "this store keeps no nodes")
+        raise HttpError(501, "this store keeps no nodes")
     return store
 
 
-def timing(ctx: ApiContext) -> co.Timing:
+def timing(ctx: ApiContext) -> Timing:
     c = ctx.config.cluster
-    return co.Timing(
+    return Timing(
         lease_s=c.lease_s, offline_after_s=c.offline_after_s, affinity_wait_s=c.affinity_wait_s
     )
 
@@ -188,27 +188,27 @@ def node_of(ctx: ApiContext, who: Principal) -> str:
     store = cluster_store(ctx)
     token = store.get_token(who.token_id)
     if token is None or token.node is None:
-        raise ApiError(403, f"token {who.token_id} is bound to no node")
+        raise HttpError(403, f"token {who.token_id} is bound to no node")
     node = store.get_node(token.node)
     if node is None or node.token_id != who.token_id:
-        raise ApiError(
+        raise HttpError(
             401,
             f"token {who.token_id} is no longer the credential of node {token.node} "
             "(it was enrolled again): use the newer credential",
         )
     if node.state is NodeState.REVOKED:
-        raise ApiError(401, f"node {token.node} was revoked: enrol it again to use it")
+        raise HttpError(401, f"node {token.node} was revoked: enrol it again to use it")
     return token.node
 
 
 def _job_id(job_id: str) -> str:
     if not JOB_ID.fullmatch(job_id):
-        raise ApiError(404, f"no job with id {job_id!r}")
+        raise HttpError(404, f"no job with id {job_id!r}")
     return job_id
 
 
-def _refused(exc: co.LeaseRefused) -> ApiError:
-    return ApiError(409, exc.message)
+def _refused(exc: co.LeaseRefused) -> HttpError:
+    return HttpError(409, exc.message)
 
 
 def outputs_dir(ctx: ApiContext, job_id: str, attempt: int) -> Path:
@@ -227,7 +227,7 @@ def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, An
     on that host, never on a command line. Shown once."""
     set_target(request, body.name)
     if not co.NODE_NAME.fullmatch(body.name):
-        raise ApiError(
+        raise HttpError(
             422,
             f"node name {body.name!r}: use 1-64 letters, digits, '.', '_' or '-', starting "
             "with a letter or digit",
@@ -260,12 +260,12 @@ def enroll(body: EnrollIn, request: Request, ctx: Ctx, who: Who) -> dict[str, An
     store = cluster_store(ctx)
     token = store.get_token(who.token_id)
     if token is None or token.node is None:
-        raise ApiError(403, f"enrolment token {who.token_id} is bound to no node")
+        raise HttpError(403, f"enrolment token {who.token_id} is bound to no node")
     name = token.node
     set_target(request, name)
     now = ctx.clock()
     if not store.revoke_token(token.id, now=now):
-        raise ApiError(401, f"enrolment token {token.id} was used already")
+        raise HttpError(401, f"enrolment token {token.id} was used already")
     record, credential = issue_token(store, name=name, role=Role.NODE, by=who, now=now, node=name)
     co.enroll(store, name, token_id=record.id, capabilities=body.capabilities, now=now)
     audit_ok(request, {"token": record.id}, target=name, status=201)
@@ -295,7 +295,7 @@ def heartbeat(body: HeartbeatIn, request: Request, ctx: Ctx, who: Who) -> dict[s
             cluster_store(ctx), name, body.report, ctx.clock(), t.lease_s, held=body.jobs
         )
     except co.UnknownNode as exc:
-        raise ApiError(401, exc.message) from None
+        raise HttpError(401, exc.message) from None
     if answer["cancels"]:
         audit_ok(request, {"cancels": answer["cancels"]})
     return answer
@@ -312,12 +312,12 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
     t = timing(ctx)
     record = store.touch_node(name, body.report, now)
     if record is None:  # pragma: no cover - node_of found it
-        raise ApiError(401, f"no node named {name!r}")
+        raise HttpError(401, f"no node named {name!r}")
     jobs = co.claim(
         store,
         ctx.registry,
         name,
-        co.node_view(record),  # the types it runs and its launch rules are in its report
+        node_view(record),  # the types it runs and its launch rules are in its report
         now,
         lease_s=t.lease_s,
         timing=t,
@@ -464,13 +464,13 @@ def fetch_input(
         raise _refused(exc) from None
     if rel not in job.inputs:
         listed = ", ".join(job.inputs) or "none"
-        raise ApiError(404, f"job {job.id} has no input {files.shown(rel)} (its inputs: {listed})")
+        raise HttpError(404, f"job {job.id} has no input {files.shown(rel)} (its inputs: {listed})")
     if not job.input_dir:
-        raise ApiError(404, f"input {files.shown(rel)} of job {job.id} is not on this coordinator")
+        raise HttpError(404, f"input {files.shown(rel)} of job {job.id} is not on this coordinator")
     try:
         fd, st = files.open_below(Path(job.input_dir), rel)
     except files.NotServed as exc:
-        raise ApiError(
+        raise HttpError(
             404, f"input {files.shown(rel)} of job {job.id} is not served here: it {exc.why}"
         ) from None
     return files.fd_response(fd, st, rel.rpartition("/")[2])
@@ -486,12 +486,12 @@ def list_nodes(ctx: Ctx) -> list[dict[str, Any]]:
     store = cluster_store(ctx)
     now = ctx.clock()
     leases = store.leases()
-    return [co.node_json(r, leases, now) for r in store.list_nodes()]
+    return [node_json(r, leases, now) for r in store.list_nodes()]
 
 
 def _name(name: str) -> str:
     if not co.NODE_NAME.fullmatch(name):
-        raise ApiError(404, f"no node named {name!r} (GET /v1/nodes lists them)")
+        raise HttpError(404, f"no node named {name!r} (GET /v1/nodes lists them)")
     return name
 
 
@@ -504,11 +504,11 @@ def drain(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
     try:
         record = co.drain(store, _name(name), now=ctx.clock())
     except co.UnknownNode as exc:
-        raise ApiError(404, exc.message) from None
+        raise HttpError(404, exc.message) from None
     except UserError as exc:
-        raise ApiError(409, exc.message) from None
+        raise HttpError(409, exc.message) from None
     audit_ok(request)
-    return co.node_json(record, store.leases(), ctx.clock())
+    return node_json(record, store.leases(), ctx.clock())
 
 
 @router.post("/v1/nodes/{name}/resume", responses=_ERRORS)
@@ -521,11 +521,11 @@ def resume(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
     try:
         record, changed = co.resume(store, _name(name), now=ctx.clock())
     except co.UnknownNode as exc:
-        raise ApiError(404, exc.message) from None
+        raise HttpError(404, exc.message) from None
     except UserError as exc:
-        raise ApiError(409, exc.message) from None
+        raise HttpError(409, exc.message) from None
     audit_ok(request, {"resumed": changed})
-    return {**co.node_json(record, store.leases(), ctx.clock()), "resumed": changed}
+    return {**node_json(record, store.leases(), ctx.clock()), "resumed": changed}
 
 
 @router.post("/v1/nodes/{name}/revoke", responses=_ERRORS)
@@ -537,7 +537,7 @@ def revoke(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
     try:
         got = co.revoke(cluster_store(ctx), ctx.registry, _name(name), now=ctx.clock())
     except co.UnknownNode as exc:
-        raise ApiError(404, exc.message) from None
+        raise HttpError(404, exc.message) from None
     audit_ok(request, got)
     return got
 

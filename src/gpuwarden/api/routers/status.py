@@ -19,6 +19,7 @@ from gpuwarden.api.models import ErrorOut, Health, ParamOut, StatusOut, TypeOut
 from gpuwarden.api.redact import Redactor
 from gpuwarden.api.routers.nodes import is_coordinator
 from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster.report import cluster_status
 from gpuwarden.store.cluster import ClusterStore
 
 router = APIRouter(tags=["status"])
@@ -57,7 +58,7 @@ def status(
     ]
     cluster: list[dict[str, Any]] | None = None
     if is_coordinator(request) and isinstance(ctx.store, ClusterStore):
-        cluster = co.cluster_status(
+        cluster = cluster_status(
             ctx.store, ctx.clock(), offline_after_s=ctx.config.cluster.offline_after_s
         )
     if allowed(who.role, "job.read") is Scope.OWN:

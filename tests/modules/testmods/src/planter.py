@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 
-from gpuwarden.serve.worker import serve
+from gpuwarden.server.worker import serve
 
 
 def load(ctx):

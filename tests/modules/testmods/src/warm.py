@@ -6,7 +6,7 @@ import os
 import time
 
 from gpuwarden.gpu import simclient
-from gpuwarden.serve.worker import serve
+from gpuwarden.server.worker import serve
 
 FOOTPRINT_GIB = {
     "testmods.warm": 6,

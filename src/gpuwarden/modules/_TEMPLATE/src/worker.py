@@ -9,7 +9,7 @@ exception fails that job (never retried) and the server goes on serving.
 
 import json
 
-from gpuwarden.serve.worker import JobContext, LoadContext, serve
+from gpuwarden.server.worker import JobContext, LoadContext, serve
 
 
 def load(ctx: LoadContext) -> dict:

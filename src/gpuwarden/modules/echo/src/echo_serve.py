@@ -4,7 +4,7 @@
 its ``text`` to ``output`` in the job's output directory, as echo.echo does.
 """
 
-from gpuwarden.serve.worker import JobContext, LoadContext, serve
+from gpuwarden.server.worker import JobContext, LoadContext, serve
 
 
 def load(ctx: LoadContext) -> dict:

@@ -1,6 +1,6 @@
 """embed.minilm: sentence embeddings from all-MiniLM-L6-v2, a real model served warm.
 
-A serve worker (launch mode ``serve``, SPEC.md and :mod:`gpuwarden.serve.worker`):
+A serve worker (launch mode ``serve``, SPEC.md and :mod:`gpuwarden.server.worker`):
 ``load`` runs once per worker and puts the model on the worker's GPU (or on the
 CPU when there is none); ``handle`` runs once per job and writes
 ``embeddings.json`` to the job's output folder.
@@ -195,10 +195,11 @@ def handle(embedder: Embedder, job: Any) -> str:
 
 def main() -> None:
     try:
-        from gpuwarden.serve.worker import serve
+        from gpuwarden.server.worker import serve
     except ImportError:
         print(
-            "embed.minilm: gpuwarden.serve is not importable; the type's command must use {python}",
+            "embed.minilm: gpuwarden.server is not importable; "
+            "the type's command must use {python}",
             file=sys.stderr,
         )
         raise SystemExit(2) from None

@@ -1,5 +1,5 @@
 -- Named queries of the PostgreSQL store for several hosts (nodes, leases). Each
--- block starts with "-- name: NAME". Loaded by gpuwarden.store.postgres_cluster.
+-- block starts with "-- name: NAME". Loaded by gpuwarden.store.postgres.
 
 -- name: upsert_node
 INSERT INTO nodes (name, token_id, state, capabilities, report, enrolled_at, last_seen)
@@ -14,6 +14,9 @@ SELECT * FROM nodes WHERE name = %(name)s;
 
 -- name: list_nodes
 SELECT * FROM nodes ORDER BY name;
+
+-- name: lock_node
+SELECT state FROM nodes WHERE name = %(name)s FOR UPDATE;
 
 -- name: set_node_state
 UPDATE nodes SET state = %(state)s

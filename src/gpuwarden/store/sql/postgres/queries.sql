@@ -143,15 +143,13 @@ SELECT j.type AS type, a.ended_at - a.started_at AS seconds
 -- name: request_gpu_clear
 INSERT INTO gpu_clears (gpu_uuid, requested_at) VALUES (%(gpu_uuid)s, %(now)s);
 
--- name: take_gpu_clears
+-- name: pending_gpu_clears
 -- SKIP LOCKED: two brokers taking requests at once each take a request at most once
 -- between them, and neither waits for the other.
-WITH picked AS (
-    SELECT id FROM gpu_clears WHERE taken_at IS NULL ORDER BY id FOR UPDATE SKIP LOCKED
-)
-UPDATE gpu_clears g SET taken_at = %(now)s
-  FROM picked WHERE g.id = picked.id
-RETURNING g.id, g.gpu_uuid;
+SELECT id, gpu_uuid FROM gpu_clears WHERE taken_at IS NULL ORDER BY id FOR UPDATE SKIP LOCKED;
+
+-- name: take_gpu_clear
+UPDATE gpu_clears SET taken_at = %(now)s WHERE id = %(id)s AND taken_at IS NULL;
 
 -- name: lock_footprint
 SELECT bytes FROM footprints WHERE type = %(type)s FOR UPDATE;
@@ -193,3 +191,6 @@ RETURNING id;
 
 -- name: audit_rows
 SELECT * FROM audit WHERE id > %(after_id)s ORDER BY id LIMIT %(limit)s;
+
+-- name: schema_version
+SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;

@@ -1,5 +1,5 @@
 -- Named queries of the SQLite store for several hosts (nodes, leases). Each block
--- starts with "-- name: NAME". Loaded by gpuwarden.store.sqlite_cluster.
+-- starts with "-- name: NAME". Loaded by gpuwarden.store.sqlite.
 
 -- name: upsert_node
 INSERT INTO nodes (name, token_id, state, capabilities, report, enrolled_at, last_seen)
@@ -14,6 +14,9 @@ SELECT * FROM nodes WHERE name = :name;
 -- name: list_nodes
 SELECT * FROM nodes ORDER BY name;
 
+-- name: lock_node
+SELECT state FROM nodes WHERE name = :name;
+
 -- name: set_node_state
 UPDATE nodes SET state = :state
  WHERE name = :name AND state <> :state
@@ -25,7 +28,8 @@ UPDATE nodes
        state = CASE WHEN state = 'offline' THEN 'active' ELSE state END
  WHERE name = :name;
 
--- name: leasable_jobs
+-- name: lock_leasable_jobs
+-- the queued jobs asked for that have no live lease (a plain read: see queries.sql)
 SELECT j.id FROM jobs j LEFT JOIN leases l ON l.job_id = j.id
  WHERE j.id IN (SELECT value FROM json_each(:ids))
    AND j.state = 'queued' AND j.cancel_requested = 0

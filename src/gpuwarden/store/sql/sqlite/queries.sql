@@ -1,4 +1,6 @@
 -- Named queries for the SQLite store. Each block starts with "-- name: NAME".
+-- A query named lock_* is a plain read here: a writer holds SQLite's one write lock
+-- (BEGIN IMMEDIATE) from its first statement, so no other writer can change the row.
 
 -- name: next_seq
 SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs;
@@ -13,7 +15,16 @@ VALUES (:id, :seq, :type, 'queued', :priority, :params, :inputs, :outputs, :vram
 -- name: job_ids_existing
 SELECT id FROM jobs WHERE id IN (SELECT value FROM json_each(:ids));
 
+-- name: jobs_by_ids
+SELECT * FROM jobs WHERE id IN (SELECT value FROM json_each(:ids)) ORDER BY seq;
+
 -- name: get_job
+SELECT * FROM jobs WHERE id = :id;
+
+-- name: lock_job
+SELECT * FROM jobs WHERE id = :id;
+
+-- name: lock_job_to_start
 SELECT * FROM jobs WHERE id = :id;
 
 -- name: list_jobs
@@ -70,7 +81,7 @@ INSERT INTO events (ts, kind, job_id, from_state, to_state, detail)
 VALUES (:ts, :kind, :job_id, :from_state, :to_state, :detail);
 
 -- name: last_event_id
-SELECT COALESCE(MAX(id), 0) FROM events;
+SELECT COALESCE(MAX(id), 0) AS id FROM events;
 
 -- name: events_all
 SELECT * FROM events WHERE id > :after_id ORDER BY id LIMIT :limit;
@@ -125,7 +136,7 @@ SELECT id, gpu_uuid FROM gpu_clears WHERE taken_at IS NULL ORDER BY id;
 -- name: take_gpu_clear
 UPDATE gpu_clears SET taken_at = :now WHERE id = :id AND taken_at IS NULL;
 
--- name: get_footprint
+-- name: lock_footprint
 SELECT bytes FROM footprints WHERE type = :type;
 
 -- name: raise_footprint
@@ -169,3 +180,6 @@ VALUES (:ts, :actor, :actor_name, :role, :action, :target, :outcome, :detail);
 
 -- name: audit_rows
 SELECT * FROM audit WHERE id > :after_id ORDER BY id LIMIT :limit;
+
+-- name: schema_version
+SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;

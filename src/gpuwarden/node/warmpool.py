@@ -5,6 +5,11 @@ A server's life: ``loading`` (its first job waits for it) -> ``busy`` (a job
 runs on it) <-> ``idle`` -> ``stopping`` (evicted, or it failed) -> gone. While it
 exists its memory is a ``warm`` holding in the VRAM ledger; once its process is
 confirmed gone the holding goes through the reclaim gate like an attempt's.
+
+The data only (a server and its state, the pool of them); driving them is
+:mod:`gpuwarden.node.warm`'s. It stays apart so that a running attempt
+(:mod:`gpuwarden.node.running`) can name its server without importing what
+drives it.
 """
 
 from __future__ import annotations
@@ -12,13 +17,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
 
 from gpuwarden.core.model import JobType
 from gpuwarden.core.policy import WarmView
-from gpuwarden.launch.serve import ServeWorker
+from gpuwarden.launch.warmproc import WarmProcess
+from gpuwarden.node.status import WarmStatus
 
 
 class ServerState(StrEnum):
@@ -33,7 +38,7 @@ class WarmServer:
     type: JobType
     gpu: str
     epoch: int
-    worker: ServeWorker
+    worker: WarmProcess
     footprint: int
     idle_grace_s: float
     state: ServerState = ServerState.LOADING
@@ -44,12 +49,17 @@ class WarmServer:
     jobs_served: int = 0
     priority: int = 0
     stop_reason: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def holder(self) -> str:
         """Its name in the VRAM ledger."""
         return f"warm:{self.type.name}:{self.epoch}"
+
+    def job_done(self, now: float) -> None:
+        """Its job ended and it goes on serving: idle from ``now``."""
+        self.state = ServerState.IDLE
+        self.idle_since = now
+        self.jobs_served += 1
 
     def view(self) -> WarmView:
         return WarmView(
@@ -65,21 +75,20 @@ class WarmServer:
             stopping=self.state is ServerState.STOPPING,
         )
 
-    def status(self, now: float) -> dict[str, Any]:
-        return {
-            "type": self.type.name,
-            "gpu": self.gpu,
-            "epoch": self.epoch,
-            "state": self.state.value,
-            "footprint_bytes": self.footprint,
-            "jobs_served": self.jobs_served,
-            "load_s": self.load_s,
-            "idle_s": round(now - self.idle_since, 1)
-            if self.idle_since is not None and self.state is ServerState.IDLE
-            else None,
-            "pid": self.pid,
-            "keep_warm": self.type.keep_warm,
-        }
+    def status(self, now: float) -> WarmStatus:
+        idle_since = self.idle_since if self.state is ServerState.IDLE else None
+        return WarmStatus(
+            type=self.type.name,
+            gpu=self.gpu,
+            epoch=self.epoch,
+            state=self.state.value,
+            footprint_bytes=self.footprint,
+            jobs_served=self.jobs_served,
+            load_s=self.load_s,
+            idle_s=round(now - idle_since, 1) if idle_since is not None else None,
+            pid=self.pid,
+            keep_warm=self.type.keep_warm,
+        )
 
 
 class WarmPool:
@@ -88,7 +97,9 @@ class WarmPool:
     def __init__(self) -> None:
         self.by_type: dict[str, WarmServer] = {}
         # epochs only grow, across restarts too: a report from any earlier worker
-        # (of this run or the last) carries an epoch no current server has
+        # (of this run or the last) carries an epoch no current server has. They
+        # are names, not times: they start from the host's wall clock, never from
+        # the loop's clock, which a test may set back or hold still
         self._epochs = itertools.count(time.time_ns() // 1_000_000)
 
     def next_epoch(self) -> int:

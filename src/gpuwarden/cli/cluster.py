@@ -1,6 +1,7 @@
-"""The command line for several hosts: ``coordinator``, ``agent`` and ``node``.
-
-Registered by :func:`add_parsers` from ``gpuwarden.cli.build_parser``.
+"""The command line for several hosts: ``coordinator`` (the HTTP API over a store
+several coordinators may share), ``agent`` (runs a GPU host's jobs for one) and
+``node`` (the nodes enrolled with a coordinator: invite, list, drain, resume,
+revoke; in its store, or with ``--url`` through its API).
 """
 
 from __future__ import annotations
@@ -9,20 +10,47 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 from rich.markup import escape
 from rich.table import Table
 
+from gpuwarden.api.auth import INVITE_TTL_S, issue_token
+from gpuwarden.app import open_store
+from gpuwarden.cli.common import (
+    Commands,
+    StopSignals,
+    add_remote_options,
+    config_of,
+    err,
+    existing_store,
+    local_actor,
+    local_or_http,
+    out,
+    parse_address,
+)
+from gpuwarden.cli.httpserver import ApiThread
+from gpuwarden.client import Client
+from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster import report
+from gpuwarden.cluster.agent import run_agent
+from gpuwarden.cluster.enrolment import ENROLL_ENV, enrolment_token, parse_labels
+from gpuwarden.cluster.queues import QueueWatcher
+from gpuwarden.config import DATABASE_URL_PREFIXES, Config
+from gpuwarden.core.launchrules import LaunchRules, Runtime
+from gpuwarden.core.model import Role
 from gpuwarden.errors import UserError
-
-#: as ``gpuwarden.cluster.agent.ENROLL_ENV`` (not imported here: the CLI starts fast)
-ENROLL_ENV = "GPUWARDEN_ENROLL_TOKEN"
+from gpuwarden.eventlog import EventLog
+from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore
+from gpuwarden.store.sqlite import SqliteStore
 
 
 def _local_flags(sp: argparse.ArgumentParser) -> None:
@@ -38,7 +66,7 @@ def _local_flags(sp: argparse.ArgumentParser) -> None:
     )
 
 
-def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]) -> None:
+def _add_coordinator(sub: Commands) -> None:
     sp = sub.add_parser(
         "coordinator",
         help="serve the HTTP API for agents on several hosts (over PostgreSQL)",
@@ -70,6 +98,8 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
     _local_flags(sp)
     sp.set_defaults(func=cmd_coordinator)
 
+
+def _add_agent(sub: Commands) -> None:
     sp = sub.add_parser(
         "agent",
         help="run this GPU host's jobs for a coordinator",
@@ -109,6 +139,8 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
     _local_flags(sp)
     sp.set_defaults(func=cmd_agent)
 
+
+def _add_node(sub: Commands) -> None:
     sp = sub.add_parser(
         "node", help="the nodes of a coordinator: invite, list, drain, resume, revoke"
     )
@@ -118,133 +150,73 @@ def add_parsers(sub: Any, remote_args: Callable[[argparse.ArgumentParser], None]
     )
     ni.add_argument("name", help="the node's name (letters, digits, . _ -)")
     ni.add_argument("--json", action="store_true")
-    remote_args(ni)
+    add_remote_options(ni)
     ni.set_defaults(func=cmd_node_invite)
     nl = node_sub.add_parser("list", help="every node: state, last heartbeat, leases, GPUs")
     nl.add_argument("--json", action="store_true")
-    remote_args(nl)
+    add_remote_options(nl)
     nl.set_defaults(func=cmd_node_list)
     nd = node_sub.add_parser("drain", help="no new work for the node; running jobs finish")
     nd.add_argument("name")
-    remote_args(nd)
+    add_remote_options(nd)
     nd.set_defaults(func=cmd_node_drain)
     nu = node_sub.add_parser("resume", help="a draining node takes new work again")
     nu.add_argument("name")
-    remote_args(nu)
+    add_remote_options(nu)
     nu.set_defaults(func=cmd_node_resume)
     nr = node_sub.add_parser(
         "revoke", help="refuse the node's credential now; its jobs go back to the queue"
     )
     nr.add_argument("name")
-    remote_args(nr)
+    add_remote_options(nr)
     nr.set_defaults(func=cmd_node_revoke)
+
+
+#: the commands of this module, each with what adds its parser
+PARSERS = {"coordinator": _add_coordinator, "agent": _add_agent, "node": _add_node}
 
 
 # -- coordinator --------------------------------------------------------------------
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from gpuwarden import cli
-    from gpuwarden.api import create_app
-    from gpuwarden.api.routers.nodes import install_coordinator, set_coordinator_url
-    from gpuwarden.app import open_store
-    from gpuwarden.cluster.queues import QueueWatcher
-    from gpuwarden.config import DATABASE_URL_PREFIXES
-    from gpuwarden.core.launchrules import LaunchRules
-    from gpuwarden.intake.queueroot import QueueRoot
-    from gpuwarden.registry import Registry
-    from gpuwarden.store.base import Store
-    from gpuwarden.store.sqlite import SqliteStore
-
     if args.db and args.db.startswith(("postgresql://", "postgres://")):
         _refuse_a_password_on_the_command_line(args.db)
-    config = cli._config(args)
-    host, port = cli._parse_address(args.bind)
+    config = config_of(args)
+    host, port = parse_address(args.bind)
     roots = [
         QueueRoot.open(p, create=config.create_queue_roots)
         for p in dict.fromkeys([*config.queue_roots, *(q.resolve() for q in args.queues)])
     ]
-    store: Store
-    if args.db and args.db.startswith(DATABASE_URL_PREFIXES):
-        from gpuwarden.store.postgres import PostgresStore, redact_url
-
-        store = PostgresStore(args.db)
-        where = redact_url(args.db)
-    elif args.db:
-        store = SqliteStore(Path(args.db).expanduser().resolve())
-        where = str(Path(args.db).expanduser().resolve())
-    else:
-        store = open_store(config)
-        where = config.database or str(config.db_path)
+    store, where = _coordinator_store(args.db, config)
     watcher: QueueWatcher | None = None
     try:
         # the coordinator runs nothing: each agent's own launch rules decide what its
         # node runs, and placement and submission judge by what the agents report
         registry = Registry.load(config.module_paths, LaunchRules.unchecked())
-        app = create_app(store, registry, config)
-        install_coordinator(app)
-        server = uvicorn.Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        api = ApiThread(
+            store, registry, config, host, port, name="gpuwarden-coordinator", coordinator=True
         )
-        stop = threading.Event()
 
         def on_signal(_signum: int, _frame: Any) -> None:
-            stop.set()
-            server.should_exit = True
+            api.server.should_exit = True
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        thread = threading.Thread(target=server.run, name="gpuwarden-coordinator", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                server.should_exit = True
-                raise UserError(
-                    f"the coordinator cannot listen on {host}:{port} (in use, or not an "
-                    "address of this host?)"
-                )
-            time.sleep(0.02)
-        bound = server.servers[0].sockets[0].getsockname()
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        c = config.cluster
-        url = c.coordinator_url or advertised_url(bound[0], bound[1])
-        set_coordinator_url(app, url)
-        cli.err.print(
-            f"gpuwarden coordinator (PID {os.getpid()}) listening on http://{shown}:{bound[1]}\n"
-            f"  agents use  {url}"
-            + (
-                ""
-                if c.coordinator_url
-                else escape("  (set [cluster] coordinator_url to say another)")
+        if not api.start():
+            raise UserError(
+                f"the coordinator cannot listen on {host}:{port} (in use, or not an "
+                "address of this host?)"
             )
-            + f"\n  store       {where}\n"
-            f"  job types   {', '.join(sorted(registry.types)) or 'none'} (each node runs what "
-            "its own launch rules allow)\n"
-            f"  leases      {c.lease_s:g} s; offline after {c.offline_after_s:g} s; "
-            f"sweep every {c.sweep_every_s:g} s\n"
-            f"  queue roots {', '.join(str(r.path) for r in roots) or 'none'}"
-        )
-        if ignored := _launch_keys_set(config):
-            verb = "mean" if len(ignored) > 1 else "means"
-            cli.err.print(
-                f"note: {', '.join(ignored)} in this config {verb} nothing here: the "
-                "coordinator runs no job; each agent's own config decides which types its "
-                "node runs"
-            )
-        if bound[0] not in ("127.0.0.1", "::1"):
-            cli.err.print(
-                "[yellow]warning:[/] the API speaks plain HTTP: tokens cross the network in "
-                "clear text; put it behind a TLS proxy on untrusted networks"
-            )
+        url = config.cluster.coordinator_url or advertised_url(*api.bound)
+        api.advertise(url)
+        _say_listening(api, url=url, config=config, where=where, registry=registry, roots=roots)
         if roots:
             # bundles in, result bundles out; agents run the jobs
             watcher = QueueWatcher(store, registry, config, roots)
             watcher.start()
-        while thread.is_alive():
-            thread.join(0.5)
+        while api.thread.is_alive():
+            api.thread.join(0.5)
     finally:
         if watcher is not None:
             watcher.stop()
@@ -252,21 +224,67 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _coordinator_store(db: str | None, config: Config) -> tuple[Store, str]:
+    """The store ``--db`` names (else the config's), and where it is, as shown."""
+    if db and db.startswith(DATABASE_URL_PREFIXES):
+        # psycopg (PostgreSQL only) loads when it is used, as in app.open_store:
+        # every other command starts without it
+        from gpuwarden.store.postgres import PostgresStore, redact_url  # noqa: PLC0415
+
+        return PostgresStore(db), redact_url(db)
+    if db:
+        path = Path(db).expanduser().resolve()
+        return SqliteStore(path), str(path)
+    return open_store(config), config.database or str(config.db_path)
+
+
+def _say_listening(
+    api: ApiThread,
+    *,
+    url: str,
+    config: Config,
+    where: str,
+    registry: Registry,
+    roots: list[QueueRoot],
+) -> None:
+    """What the coordinator tells its operator once it listens."""
+    c = config.cluster
+    err.print(
+        f"gpuwarden coordinator (PID {os.getpid()}) listening on {api.url}\n"
+        f"  agents use  {url}"
+        + ("" if c.coordinator_url else escape("  (set [cluster] coordinator_url to say another)"))
+        + f"\n  store       {where}\n"
+        f"  job types   {', '.join(sorted(registry.types)) or 'none'} (each node runs what "
+        "its own launch rules allow)\n"
+        f"  leases      {c.lease_s:g} s; offline after {c.offline_after_s:g} s; "
+        f"sweep every {c.sweep_every_s:g} s\n"
+        f"  queue roots {', '.join(str(r.path) for r in roots) or 'none'}"
+    )
+    if ignored := _launch_keys_set(config):
+        verb = "mean" if len(ignored) > 1 else "means"
+        err.print(
+            f"note: {', '.join(ignored)} in this config {verb} nothing here: the "
+            "coordinator runs no job; each agent's own config decides which types its "
+            "node runs"
+        )
+    if api.bound[0] not in ("127.0.0.1", "::1"):
+        err.print(
+            "[yellow]warning:[/] the API speaks plain HTTP: tokens cross the network in "
+            "clear text; put it behind a TLS proxy on untrusted networks"
+        )
+
+
 def advertised_url(host: str, port: int) -> str:
     """The URL to give agents when ``[cluster] coordinator_url`` is not set: the
     address listened on, or this host's name when that is every address."""
-    import socket
-
     if host in ("0.0.0.0", "::", ""):  # noqa: S104 - reading the bind, not binding
         host = socket.getfqdn()
     shown = f"[{host}]" if ":" in host else host
     return f"http://{shown}:{port}"
 
 
-def _launch_keys_set(config: Any) -> list[str]:
+def _launch_keys_set(config: Config) -> list[str]:
     """The launch-rule keys a coordinator's config sets (none of them applies there)."""
-    from gpuwarden.core.launchrules import Runtime
-
     keys = []
     if config.container_runtime is not Runtime.LOCAL:
         keys.append(f"container_runtime = {config.container_runtime.value!r}")
@@ -278,8 +296,6 @@ def _launch_keys_set(config: Any) -> list[str]:
 
 def _refuse_a_password_on_the_command_line(url: str) -> None:
     """``--db`` is on the command line, which every user of the host can read."""
-    from urllib.parse import parse_qsl, urlsplit
-
     try:
         parts = urlsplit(url)
         userinfo = parts.netloc.rpartition("@")[0] if "@" in parts.netloc else ""
@@ -301,16 +317,12 @@ def _refuse_a_password_on_the_command_line(url: str) -> None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from gpuwarden import cli
-    from gpuwarden.cluster.agent import enrolment_token, parse_labels, run_agent
-    from gpuwarden.eventlog import EventLog
-
     # first of all: the variable leaves this process's environment, and a token on
     # the command line is refused before anything else happens
     token = enrolment_token(
         enroll=args.enroll, enroll_file=args.enroll_file, environ=os.environ, stdin=sys.stdin
     )
-    config = cli._config(args)
+    config = config_of(args)
     if args.max_jobs is not None and args.max_jobs < 1:
         raise UserError("--max-jobs must be at least 1")
     if token is not None and args.credential:
@@ -319,25 +331,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
             "enrol, or run with a credential"
         )
     events = EventLog(args.log) if args.log else EventLog(stream=sys.stdout)
-    stop = threading.Event()
-    force = threading.Event()
-    brokers: list[Any] = []
-
-    def on_signal(_signum: int, _frame: Any) -> None:
-        for b in brokers:
-            b.wake()
-        if stop.is_set():
-            force.set()
-            cli.err.print("second signal: stopping running jobs now")
-        else:
-            stop.set()
-            cli.err.print(
-                f"stopping: no new jobs; running jobs get up to "
-                f"{config.broker.shutdown_grace_s:g} s (signal again to stop them now)"
-            )
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = StopSignals(config.broker.shutdown_grace_s)
+    signals.install()
     try:
         return run_agent(
             config,
@@ -348,10 +343,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
             labels=parse_labels(args.labels) if args.labels is not None else None,
             max_jobs=args.max_jobs,
             events=events,
-            stop=stop,
-            force=force,
-            say=lambda text: cli.err.print(escape(text)),
-            on_broker=brokers.append,
+            stop=signals.stop,
+            force=signals.force,
+            say=lambda text: err.print(escape(text)),
+            on_broker=signals.add,
         )
     finally:
         events.close()
@@ -360,66 +355,30 @@ def cmd_agent(args: argparse.Namespace) -> int:
 # -- node ----------------------------------------------------------------------------
 
 
-def _local(args: argparse.Namespace) -> Any:
-    from gpuwarden import cli
-
-    store = cli._existing_store(args)
-    from gpuwarden.store.cluster import ClusterStore
-
+def _cluster_store(args: argparse.Namespace) -> ClusterStore:
+    """The store of the state directory, as a store that keeps nodes."""
+    store = existing_store(args)
     if not isinstance(store, ClusterStore):  # pragma: no cover - both stores are
         store.close()
         raise UserError("this store keeps no nodes")
     return store
 
 
-def _audit(store: Any, action: str, target: str, detail: dict[str, Any]) -> None:
-    from gpuwarden import cli
-
-    store.add_audit(cli._local_actor().audit(action, now=time.time(), target=target, detail=detail))
+def _audit(store: Store, action: str, target: str, detail: dict[str, Any]) -> None:
+    store.add_audit(local_actor().audit(action, now=time.time(), target=target, detail=detail))
 
 
 def cmd_node_invite(args: argparse.Namespace) -> int:
-    from gpuwarden import cli
-    from gpuwarden.api.auth import issue_token
-    from gpuwarden.api.routers.nodes import INVITE_TTL_S
-    from gpuwarden.cluster.coordinator import NODE_NAME
-    from gpuwarden.core.model import Role
-
-    if (client := cli._remote(args)) is not None:
-        with client:
-            got: dict[str, Any] = client._json("POST", "/v1/nodes/invite", json={"name": args.name})
-    else:
-        if not NODE_NAME.fullmatch(args.name):
-            raise UserError(
-                f"node name {args.name!r}: use 1-64 letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit"
-            )
-        store = _local(args)
-        try:
-            now = time.time()
-            record, token = issue_token(
-                store,
-                name=f"enroll {args.name}",
-                role=Role.ENROLL,
-                by=cli._local_actor(),
-                now=now,
-                expires_at=now + INVITE_TTL_S,
-                node=args.name,
-            )
-            _audit(store, "node.invite", args.name, {"token": record.id})
-        finally:
-            store.close()
-        got = {
-            "node": args.name,
-            "token": token,
-            "token_id": record.id,
-            "expires_at": now + INVITE_TTL_S,
-        }
+    got = local_or_http(
+        args,
+        _invite_here,
+        lambda a, client: client.request_json("POST", "/v1/nodes/invite", json={"name": a.name}),
+    )
     if args.json:
         print(json.dumps(got))
         return 0
     url, note = _agent_url(got.get("coordinator_url"), getattr(args, "url", None), args)
-    cli.err.print(
+    err.print(
         f"enrolment token for node {escape(str(got['node']))}, valid 15 minutes, once. On that "
         "host, write it to a file only root can read (chmod 600) and run\n"
         f"  gpuwarden agent --coordinator {escape(url)} --enroll-file FILE\n"
@@ -430,19 +389,44 @@ def cmd_node_invite(args: argparse.Namespace) -> int:
     return 0
 
 
+def _invite_here(args: argparse.Namespace) -> dict[str, Any]:
+    if not co.NODE_NAME.fullmatch(args.name):
+        raise UserError(
+            f"node name {args.name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    store = _cluster_store(args)
+    try:
+        now = time.time()
+        record, token = issue_token(
+            store,
+            name=f"enroll {args.name}",
+            role=Role.ENROLL,
+            by=local_actor(),
+            now=now,
+            expires_at=now + INVITE_TTL_S,
+            node=args.name,
+        )
+        _audit(store, "node.invite", args.name, {"token": record.id})
+    finally:
+        store.close()
+    return {
+        "node": args.name,
+        "token": token,
+        "token_id": record.id,
+        "expires_at": now + INVITE_TTL_S,
+    }
+
+
 def _agent_url(advertised: Any, given: str | None, args: argparse.Namespace) -> tuple[str, str]:
     """The coordinator's URL for the command an invite prints, and a note when it may
     not be one the GPU host reaches: what the coordinator says agents use (``[cluster]
     coordinator_url``, else its address), else ``--url``, else the local config's
     ``coordinator_url``, else a placeholder."""
-    from urllib.parse import urlsplit
-
-    from gpuwarden import cli
-
     url = str(advertised or given or "")
     if not url:
         try:
-            url = cli._config(args).cluster.coordinator_url
+            url = config_of(args).cluster.coordinator_url
         except UserError:
             url = ""
     if not url:
@@ -460,25 +444,14 @@ def _agent_url(advertised: Any, given: str | None, args: argparse.Namespace) -> 
 
 
 def cmd_node_list(args: argparse.Namespace) -> int:
-    from gpuwarden import cli
-    from gpuwarden.cluster.coordinator import node_json
-
-    if (client := cli._remote(args)) is not None:
-        with client:
-            nodes: list[dict[str, Any]] = client._json("GET", "/v1/nodes")
-    else:
-        store = _local(args)
-        try:
-            now = time.time()
-            leases = store.leases()
-            nodes = [node_json(r, leases, now) for r in store.list_nodes()]
-        finally:
-            store.close()
+    nodes = local_or_http(
+        args, _nodes_here, lambda _a, client: client.request_json("GET", "/v1/nodes")
+    )
     if args.json:
-        cli.out.print_json(json.dumps(nodes))
+        out.print_json(json.dumps(nodes))
         return 0
     if not nodes:
-        cli.out.print("no nodes: `gpuwarden node invite NAME` makes an enrolment token")
+        out.print("no nodes: `gpuwarden node invite NAME` makes an enrolment token")
         return 0
     table = Table("node", "state", "last seen", "leases", "running", "GPUs", "warm")
     for n in nodes:
@@ -500,74 +473,84 @@ def cmd_node_list(args: argparse.Namespace) -> int:
             escape(gpus or "-"),
             escape(", ".join(n.get("warm", [])) or "-"),
         )
-    cli.out.print(table)
+    out.print(table)
     return 0
+
+
+def _nodes_here(args: argparse.Namespace) -> list[dict[str, Any]]:
+    store = _cluster_store(args)
+    try:
+        now = time.time()
+        leases = store.leases()
+        return [report.node_json(r, leases, now) for r in store.list_nodes()]
+    finally:
+        store.close()
 
 
 def cmd_node_drain(args: argparse.Namespace) -> int:
-    from gpuwarden import cli
-    from gpuwarden.cluster import coordinator as co
-
-    if (client := cli._remote(args)) is not None:
-        with client:
-            client._json("POST", f"/v1/nodes/{args.name}/drain")
-    else:
-        store = _local(args)
-        try:
-            co.drain(store, args.name, now=time.time())
-            _audit(store, "node.drain", args.name, {})
-        finally:
-            store.close()
-    cli.err.print(f"node {args.name} is draining: its running jobs finish, it gets no new ones")
+    local_or_http(args, _drain_here, _drain_http)
+    err.print(f"node {args.name} is draining: its running jobs finish, it gets no new ones")
     return 0
+
+
+def _drain_here(args: argparse.Namespace) -> None:
+    store = _cluster_store(args)
+    try:
+        co.drain(store, args.name, now=time.time())
+        _audit(store, "node.drain", args.name, {})
+    finally:
+        store.close()
+
+
+def _drain_http(args: argparse.Namespace, client: Client) -> None:
+    client.request_json("POST", f"/v1/nodes/{args.name}/drain")
 
 
 def cmd_node_resume(args: argparse.Namespace) -> int:
-    from gpuwarden import cli
-    from gpuwarden.cluster import coordinator as co
-
-    if (client := cli._remote(args)) is not None:
-        with client:
-            got: dict[str, Any] = client._json("POST", f"/v1/nodes/{args.name}/resume")
-        changed = bool(got.get("resumed"))
-        state = str(got.get("state"))
-    else:
-        store = _local(args)
-        try:
-            record, changed = co.resume(store, args.name, now=time.time())
-            _audit(store, "node.resume", args.name, {"resumed": changed})
-            state = record.state.value
-        finally:
-            store.close()
+    changed, state = local_or_http(args, _resume_here, _resume_http)
     if changed:
-        cli.err.print(f"node {escape(args.name)} takes new work again")
+        err.print(f"node {escape(args.name)} takes new work again")
     else:
-        cli.err.print(
-            f"node {escape(args.name)} was not draining (it is {state}): nothing to resume"
-        )
+        err.print(f"node {escape(args.name)} was not draining (it is {state}): nothing to resume")
     return 0
 
 
-def cmd_node_revoke(args: argparse.Namespace) -> int:
-    from gpuwarden import cli
-    from gpuwarden.cluster import coordinator as co
-    from gpuwarden.registry import Registry
+def _resume_here(args: argparse.Namespace) -> tuple[bool, str]:
+    store = _cluster_store(args)
+    try:
+        record, changed = co.resume(store, args.name, now=time.time())
+        _audit(store, "node.resume", args.name, {"resumed": changed})
+        return changed, record.state.value
+    finally:
+        store.close()
 
-    if (client := cli._remote(args)) is not None:
-        with client:
-            got: dict[str, Any] = client._json("POST", f"/v1/nodes/{args.name}/revoke")
-    else:
-        config = cli._config(args)
-        store = _local(args)
-        try:
-            registry = Registry.load(config.module_paths, config.launch_rules)
-            got = co.revoke(store, registry, args.name, now=time.time())
-            _audit(store, "node.revoke", args.name, got)
-        finally:
-            store.close()
-    cli.err.print(
+
+def _resume_http(args: argparse.Namespace, client: Client) -> tuple[bool, str]:
+    got = client.request_json("POST", f"/v1/nodes/{args.name}/resume")
+    return bool(got.get("resumed")), str(got.get("state"))
+
+
+def cmd_node_revoke(args: argparse.Namespace) -> int:
+    got = local_or_http(
+        args,
+        _revoke_here,
+        lambda a, client: client.request_json("POST", f"/v1/nodes/{a.name}/revoke"),
+    )
+    err.print(
         f"node {args.name} is revoked: its credential is refused from now on; "
         f"{got['requeued']} leased job(s) went back to the queue, {got['interrupted']} "
         "running one(s) ended as infrastructure failures and run elsewhere"
     )
     return 0
+
+
+def _revoke_here(args: argparse.Namespace) -> dict[str, Any]:
+    config = config_of(args)
+    store = _cluster_store(args)
+    try:
+        registry = Registry.load(config.module_paths, config.launch_rules)
+        got = co.revoke(store, registry, args.name, now=time.time())
+        _audit(store, "node.revoke", args.name, got)
+        return got
+    finally:
+        store.close()

@@ -3,7 +3,7 @@
 A module author writes two functions, ``load`` and ``handle``, and hands them to
 :func:`serve`::
 
-    from gpuwarden.serve.worker import JobContext, LoadContext, serve
+    from gpuwarden.server.worker import JobContext, LoadContext, serve
 
     def load(ctx: LoadContext) -> Model:
         return Model.from_pretrained("weights/", device="cuda")  # once per worker
@@ -29,9 +29,9 @@ connection, and with status 1 when the load fails or the broker sends garbage.
 
 ``SystemExit`` and ``KeyboardInterrupt`` raised in ``load`` or ``handle`` are not
 caught: the worker exits and the broker retries the job as an infrastructure
-failure. The protocol is documented in :mod:`gpuwarden.serve.protocol`.
+failure. The protocol is documented in :mod:`gpuwarden.server.protocol`.
 
-This module imports nothing of gpuwarden beyond :mod:`gpuwarden.serve.protocol`
+This module imports nothing of gpuwarden beyond :mod:`gpuwarden.server.protocol`
 and :mod:`gpuwarden.errors`, so a worker starts fast.
 """
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from gpuwarden.serve.protocol import Channel, PeerClosed, ProtocolError, field
+from gpuwarden.server.protocol import Channel, PeerClosed, ProtocolError, field
 
 __all__ = [
     "EPOCH_ENV",

@@ -1,18 +1,26 @@
 """What the broker loop keeps per running attempt, and what worker threads post
-to it. Worker threads only ever create these messages; the loop reads them."""
+to it. Worker threads only ever create these messages and post them to the
+loop's :class:`Mailbox`; the loop reads them."""
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpuwarden.core.model import Attempt, Job, JobType
-from gpuwarden.launch.serve import LoadReport
+from gpuwarden.launch.base import LaunchResult
+from gpuwarden.launch.warmproc import LoadReport
+from gpuwarden.node.warmpool import WarmServer
 
-if TYPE_CHECKING:
-    from gpuwarden.warm import WarmServer
+#: how the broker's collaborators write an event (``emit(kind, **detail)``)
+Emit = Callable[..., None]
+#: how they record a failed step (``on_error(where, exc)``) without stopping the loop
+OnError = Callable[[str, Exception], None]
+#: where they take the time from (the broker's clock)
+Clock = Callable[[], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +80,41 @@ class RunningAttempt:
     def holder(self) -> str:
         """The attempt's name in the VRAM ledger."""
         return f"{self.job.id}/{self.attempt.number}"
+
+
+#: what a worker thread posts to the loop
+Message = LaunchResult | Started | ServerNote | ExchangeNote
+
+
+class Mailbox:
+    """Where worker threads post to the loop, and what wakes it: a posted message
+    wakes the loop at once (it need not wait for its next tick)."""
+
+    def __init__(self) -> None:
+        self._messages: queue.Queue[Message] = queue.Queue()
+        self._wake = threading.Event()
+
+    def post(self, message: Message) -> None:
+        """Hand ``message`` to the loop and wake it."""
+        self._messages.put(message)
+        self._wake.set()
+
+    def put(self, message: Message) -> None:
+        """Hand ``message`` to the loop for its next pass, without waking it (a
+        process's PID; a report the loop hands back to itself to try again)."""
+        self._messages.put(message)
+
+    def take(self) -> Message | None:
+        """The next message, or None when there is none."""
+        try:
+            return self._messages.get_nowait()
+        except queue.Empty:
+            return None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def wait(self, seconds: float) -> None:
+        """Wait ``seconds``, or less if woken (the wake is used up)."""
+        self._wake.wait(seconds)
+        self._wake.clear()

@@ -16,17 +16,16 @@ PIDs of their process trees), so it knows per GPU:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from gpuwarden.config import VramSettings
 from gpuwarden.core.ledger import Holding, HoldState, Ledger
-from gpuwarden.core.model import MIB, format_bytes
+from gpuwarden.core.model import format_bytes
 from gpuwarden.core.policy import GpuView
 from gpuwarden.gpu.base import GpuReading
+from gpuwarden.node.settings import VramSettings
 
 
 @dataclass
@@ -62,11 +61,11 @@ class VramBook:
         self.ledger = Ledger()
         self._tracked: dict[str, _Tracked] = {}
         self._gpus: dict[str, _Gpu] = {}
-        self._reserve = int(settings.reserve_gib * 1024**3)
+        self._reserve = settings.reserve_bytes
         #: GPUs with a hardware fault: no VRAM admission until an operator clears it
         self.faults: dict[str, str] = {}
         self._xid_seen: dict[str, int] = {}
-        self._tolerance = int(settings.tolerance_mib * MIB)
+        self._tolerance = settings.tolerance_bytes
 
     # -- holdings -------------------------------------------------------------
 
@@ -260,10 +259,6 @@ class VramBook:
         out = {uuid: g.degraded for uuid, g in self._gpus.items() if g.degraded}
         out.update({uuid: f"hardware fault: {why}" for uuid, why in self.faults.items()})
         return out
-
-    def round_up(self, nbytes: int) -> int:
-        step = int(self.settings.measure_granularity_mib * MIB)
-        return math.ceil(nbytes / step) * step
 
 
 def _tree(pid: int) -> set[int]:

@@ -17,12 +17,13 @@ to start" (``explain``), whatever room the GPUs have.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from gpuwarden.core import policy
+from gpuwarden.core import footprint, policy
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store
 
@@ -46,7 +47,7 @@ class View:
 
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
     measured = store.footprints().get(jobtype.name)
-    return max(override or jobtype.vram_bytes, measured.bytes if measured else 0)
+    return footprint.effective(jobtype.vram_bytes, override, measured.bytes if measured else 0)
 
 
 def latest_status(store: Store, now: float) -> NodeStatus | None:
@@ -60,13 +61,18 @@ def latest_status(store: Store, now: float) -> NodeStatus | None:
 
 
 def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
-    p: dict[str, Any] = status.payload
-    gpus = tuple(policy.GpuView.from_json(g) for g in p.get("gpus", []) if "holdings" in g)
+    published = BrokerStatus.from_json(status.payload)
     age = time.time() - status.updated_at
-    paused = f"the GPU probe failed: {p['probe_error']}" if p.get("probe_error") else ""
-    warm = tuple(policy.WarmView.from_json(w) for w in p.get("warm_views", []))
+    paused = f"the GPU probe failed: {published.probe_error}" if published.probe_error else ""
     source = f"broker on {status.node}, {age:.0f} s ago"
-    return View(gpus, cpu_slots, source, p.get("waiting", {}), paused, warm)
+    return View(
+        published.gpu_views(),
+        cpu_slots,
+        source,
+        dict(published.waiting),
+        paused,
+        published.warm_views,
+    )
 
 
 def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View:
@@ -95,7 +101,9 @@ def queued_entries(
             continue
         need = 0
         if jobtype.lane is Lane.VRAM:
-            need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+            need = footprint.effective(
+                jobtype.vram_bytes, job.vram_bytes, footprints.get(jobtype.name, 0)
+            )
         out.append(
             policy.QueuedJob(
                 id=job.id,
@@ -153,7 +161,21 @@ def describe(decision: policy.Decision) -> str:
     return f"would wait: {decision.reason}"
 
 
-def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -> list[str]:
+#: what a coordinator adds to a job's explanation, given by the caller (the node knows
+#: nothing of the cluster): why no node took a queued job, which node runs a leased
+#: one; ``[]`` where it has nothing to add. ``cluster.report.explain`` passes them.
+ClusterLines = Callable[[Job], list[str]]
+
+
+def explain_job(
+    job: Job,
+    store: Store,
+    registry: Registry,
+    view: View | None,
+    *,
+    placement: ClusterLines | None = None,
+    running: ClusterLines | None = None,
+) -> list[str]:
     """Lines that say where a job stands and, if it waits, why."""
     lines = [f"{job.id} ({job.type}) is {job.state.value}"]
     jobtype = registry.types.get(job.type)
@@ -173,9 +195,9 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
         a = attempts[-1]
         where = f"on {a.gpu_uuid}" if a.gpu_uuid else "on a cpu slot"
         lines.append(f"attempt {a.number} runs {where} since {time.ctime(a.started_at)}")
-        lines += _cluster_running_lines(job, store)
+        lines += running(job) if running else []
         return lines
-    cluster = _cluster_lines(job, store, registry)
+    cluster = placement(job) if placement else []
     if cluster:  # several hosts: agents are offered jobs by the coordinator
         lines += cluster
         return lines
@@ -202,23 +224,3 @@ def explain_job(job: Job, store: Store, registry: Registry, view: View | None) -
         lines.append(describe(decide(view, queued_entries(store, registry, warm_types), job.id)))
     lines.append(f"(as seen by the {view.source})")
     return lines
-
-
-def _cluster_lines(job: Job, store: Store, registry: Registry) -> list[str]:
-    """Why no agent took a queued job, where nodes are enrolled (else nothing)."""
-    from gpuwarden.cluster.coordinator import explain_placement
-    from gpuwarden.store.cluster import ClusterStore
-
-    if not isinstance(store, ClusterStore):
-        return []
-    return explain_placement(store, registry, job, time.time())
-
-
-def _cluster_running_lines(job: Job, store: Store) -> list[str]:
-    """Which node runs a leased job, and whether that node is silent (else nothing)."""
-    from gpuwarden.cluster.coordinator import explain_running
-    from gpuwarden.store.cluster import ClusterStore
-
-    if not isinstance(store, ClusterStore):
-        return []
-    return explain_running(store, job, time.time())

@@ -1,8 +1,8 @@
 """The broker side of one serve worker (launch mode ``serve``).
 
-A :class:`ServeWorker` is one warm model server: a host process started with its
+A :class:`WarmProcess` is one warm model server: a host process started with its
 GPU and a unix socket, which loads its model once and then takes jobs one at a
-time over the socket (the protocol is in :mod:`gpuwarden.serve.protocol`).
+time over the socket (the protocol is in :mod:`gpuwarden.server.protocol`).
 
 The process is run by the host launcher on a daemon thread, exactly like an
 attempt (with an infinite timeout), so stopping it reuses the launcher's tree
@@ -24,7 +24,7 @@ so they are *infrastructure* failures — the job is retried up to its type's
                     malformed message
 ``crashed``         the worker closed the connection or its process ended
 ``timeout``         no result within the job's timeout (the worker hung)
-``stopped``         :meth:`ServeWorker.stop` was called (cancel, eviction,
+``stopped``         :meth:`WarmProcess.stop` was called (cancel, eviction,
                     shutdown) while ``start`` or ``run_job`` waited
 ``output_limit``    the sandbox stopped the worker: its exchange folder (its
                     output mount) held more than ``[sandbox] output_mib``
@@ -40,6 +40,10 @@ by a previous holder, a driver fall-back); ``max_retries`` and quarantine bound
 the cost of a load that always fails. A failure *inside* ``handle`` is not a
 ``ServeError``: it comes back as a :class:`JobReport` with ``ok`` false, the
 job's own failure, and the worker goes on serving.
+
+One file because it is one object: :class:`WarmProcess` owns one process, one
+socket and the locks between them, and its start, jobs and stop are the states
+of that one worker.
 """
 
 from __future__ import annotations
@@ -62,14 +66,14 @@ from typing import Any, Literal
 
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult
-from gpuwarden.serve.protocol import (
+from gpuwarden.server.protocol import (
     Channel,
     PeerClosed,
     ProtocolError,
     field,
     optional_field,
 )
-from gpuwarden.serve.worker import EPOCH_ENV, SCRATCH_ENV, SOCKET_ENV
+from gpuwarden.server.worker import EPOCH_ENV, SCRATCH_ENV, SOCKET_ENV
 
 __all__ = [
     "PLACEMENT_MIN_FRACTION",
@@ -78,13 +82,13 @@ __all__ = [
     "LoadReport",
     "ServeError",
     "ServeFailure",
-    "ServeWorker",
+    "WarmProcess",
     "placement_check",
 ]
 
 log = logging.getLogger(__name__)
 
-#: how long :meth:`ServeWorker.stop` waits for an idle worker to exit after ``stop``
+#: how long :meth:`WarmProcess.stop` waits for an idle worker to exit after ``stop``
 #: before the launcher stops its process tree
 STOP_WAIT_S = 2.0
 #: longest single wait while waiting for the worker, so that a ``stop`` from another
@@ -195,7 +199,7 @@ def _size(nbytes: int, scale: int) -> str:
     return f"{nbytes} B"
 
 
-class _Failure(Exception):
+class _Failure(GpuwardenError):
     """Why waiting for the worker ended; turned into a ServeError after the stop."""
 
     def __init__(self, kind: ServeFailure, reason: str, *, with_exit: bool = False) -> None:
@@ -206,7 +210,7 @@ class _Failure(Exception):
         self.with_exit = with_exit
 
 
-class ServeWorker:
+class WarmProcess:
     """One serve worker process and the connection to it.
 
     ``req`` is a host launch request for the worker process: its argv, cwd,
@@ -326,7 +330,7 @@ class ServeWorker:
         :class:`ServeError` is raised. Called once.
         """
         if self._thread is not None or self._stop_result is not None:
-            raise RuntimeError("ServeWorker.start() may be called once")
+            raise RuntimeError("WarmProcess.start() may be called once")
         deadline = time.monotonic() + load_timeout_s if load_timeout_s < math.inf else None
         try:
             self._listener = self._listen()
@@ -502,56 +506,23 @@ class ServeWorker:
         worker is stopped (confirmed gone) and a :class:`ServeError` raised.
         """
         if not self._loaded:
-            raise RuntimeError("ServeWorker.run_job() before a successful start()")
+            raise RuntimeError("WarmProcess.run_job() before a successful start()")
         stale: list[dict[str, Any]] = []
         self._busy = True
         try:
-            if self._stopping.is_set():
-                raise _Failure("stopped", f"the serve worker was stopped: {self._stop_reason}")
-            channel = self._channel
-            assert channel is not None
-            job = {
-                "type": "job",
-                "epoch": self._epoch,
-                "job": job_id,
-                "attempt": attempt,
-                "params": dict(params),
-                "input_dir": str(input_dir),
-                "output_dir": str(output_dir),
-                "scratch_dir": str(scratch_dir),
-            }
-            try:
-                channel.send(job, timeout_s=SEND_TIMEOUT_S)
-            except TimeoutError:
-                raise _Failure(
-                    "timeout", f"the serve worker did not take a job within {SEND_TIMEOUT_S:g} s"
-                ) from None
-            deadline = time.monotonic() + timeout_s if timeout_s < math.inf else None
-
-            def late() -> _Failure:
-                return _Failure(
-                    "timeout",
-                    f"job {job_id} attempt {attempt} got no result within {timeout_s:g} s "
-                    f"(the serve worker hung)",
-                )
-
-            while True:
-                msg = self._receive(deadline, late)
-                if (
-                    msg["type"] == "result"
-                    and msg["epoch"] == self._epoch
-                    and msg.get("job") == job_id
-                    and msg.get("attempt") == attempt
-                    and not isinstance(msg.get("attempt"), bool)
-                ):
-                    ok = field(msg, "ok", bool)
-                    message = optional_field(msg, "message", str)
-                    error = optional_field(msg, "error", str)
-                    if not ok and error is None:
-                        error = "the worker reported a failure without an error"
-                    return JobReport(ok, message, None if ok else error, stale)
-                log.debug("serve worker epoch %d: dropped %r", self._epoch, msg)
-                stale.append(msg)
+            self._send_job(
+                {
+                    "type": "job",
+                    "epoch": self._epoch,
+                    "job": job_id,
+                    "attempt": attempt,
+                    "params": dict(params),
+                    "input_dir": str(input_dir),
+                    "output_dir": str(output_dir),
+                    "scratch_dir": str(scratch_dir),
+                }
+            )
+            return self._await_result(job_id, attempt, timeout_s, stale)
         except ProtocolError as exc:
             raise self._fail(
                 _Failure("protocol", f"protocol error: {exc.message}"), stale
@@ -569,6 +540,52 @@ class ServeWorker:
             raise self._fail(failure, stale) from None
         finally:
             self._busy = False
+
+    def _send_job(self, job: dict[str, Any]) -> None:
+        """Send the ``job`` message; a worker that does not take it in
+        :data:`SEND_TIMEOUT_S` is stuck."""
+        if self._stopping.is_set():
+            raise _Failure("stopped", f"the serve worker was stopped: {self._stop_reason}")
+        channel = self._channel
+        assert channel is not None
+        try:
+            channel.send(job, timeout_s=SEND_TIMEOUT_S)
+        except TimeoutError:
+            raise _Failure(
+                "timeout", f"the serve worker did not take a job within {SEND_TIMEOUT_S:g} s"
+            ) from None
+
+    def _await_result(
+        self, job_id: str, attempt: int, timeout_s: float, stale: list[dict[str, Any]]
+    ) -> JobReport:
+        """Wait up to ``timeout_s`` for the job's ``result``; any other message is
+        dropped into ``stale``."""
+        deadline = time.monotonic() + timeout_s if timeout_s < math.inf else None
+
+        def late() -> _Failure:
+            return _Failure(
+                "timeout",
+                f"job {job_id} attempt {attempt} got no result within {timeout_s:g} s "
+                f"(the serve worker hung)",
+            )
+
+        while True:
+            msg = self._receive(deadline, late)
+            if (
+                msg["type"] == "result"
+                and msg["epoch"] == self._epoch
+                and msg.get("job") == job_id
+                and msg.get("attempt") == attempt
+                and not isinstance(msg.get("attempt"), bool)
+            ):
+                ok = field(msg, "ok", bool)
+                message = optional_field(msg, "message", str)
+                error = optional_field(msg, "error", str)
+                if not ok and error is None:
+                    error = "the worker reported a failure without an error"
+                return JobReport(ok, message, None if ok else error, stale)
+            log.debug("serve worker epoch %d: dropped %r", self._epoch, msg)
+            stale.append(msg)
 
     # -- waiting --------------------------------------------------------------
 

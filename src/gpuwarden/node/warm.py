@@ -1,124 +1,134 @@
-"""The warm-server half of the broker loop (launch mode ``serve``).
+"""The warm servers of one node (launch mode ``serve``), driven from the broker loop.
 
-:class:`WarmServing` is mixed into :class:`gpuwarden.broker.Broker`: these
-methods run on the loop thread, except ``_load_and_serve`` and ``_serve``, which
-run on a worker thread per job, drive a :class:`ServeWorker`, and only post
-messages (:class:`RunningAttempt` results and :class:`ServerNote`) back.
+:class:`WarmServers` is the loop's collaborator for serve types: it starts a
+server for a type (or hands a job to the one that is idle), takes in what the
+servers' threads post (a PID, loaded, gone), evicts and stops them. Its methods
+run on the loop's thread, except :meth:`WarmServers.load_and_serve` and
+:meth:`WarmServers.serve_next`, which run on a worker thread per job, drive a
+:class:`WarmProcess`, and only post messages (the job's :class:`LaunchResult`,
+:class:`ServerNote` and :class:`ExchangeNote`) back to the loop's mailbox.
+Which server exists, and in what state, is :mod:`gpuwarden.node.warmpool`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import logging
-import math
-import queue
 import tempfile
 import threading
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpuwarden import attemptfs, safefs
-from gpuwarden.attemptfs import ExchangeError, ExchangeSlot
-from gpuwarden.config import Config
+from gpuwarden import safefs
 from gpuwarden.core import policy
 from gpuwarden.core.ledger import HoldState
-from gpuwarden.core.model import MIB, Job, JobType
-from gpuwarden.errors import TransitionError
-from gpuwarden.gpu.base import GpuProbe
-from gpuwarden.launch.base import INSIDE, Launcher, LaunchRequest, LaunchResult, Mount
-from gpuwarden.launch.host import HostLauncher
-from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for, output_limit_reason
-from gpuwarden.launch.serve import (
+from gpuwarden.core.model import JobType
+from gpuwarden.launch.base import INSIDE, LaunchResult
+from gpuwarden.launch.sandbox import output_limit_reason
+from gpuwarden.launch.warmproc import (
     JobReport,
     LoadReport,
     ServeError,
-    ServeWorker,
+    WarmProcess,
     placement_check,
 )
-from gpuwarden.registry import Registry
-from gpuwarden.running import ExchangeNote, RunningAttempt, ServerNote, Started
-from gpuwarden.store.base import Store
-from gpuwarden.vram import VramBook
-from gpuwarden.warm import ServerState, WarmPool, WarmServer
+from gpuwarden.node import attemptfs
+from gpuwarden.node.attemptfs import ExchangeError, ExchangeSlot
+from gpuwarden.node.attempts import Launching
+from gpuwarden.node.measured import Footprints
+from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, RunningAttempt, ServerNote
+from gpuwarden.node.settings import NodeSettings
+from gpuwarden.node.status import WarmStatus
+from gpuwarden.node.vram import VramBook
+from gpuwarden.node.warmpool import ServerState, WarmPool, WarmServer
 
-log = logging.getLogger("gpuwarden.broker")
+#: the broker's log: its lines keep one name, whichever of its modules writes them
+log = logging.getLogger("gpuwarden.node.loop")
 
 
-class WarmServing:
-    """Warm servers of one node, driven from the broker loop."""
+class WarmServers:
+    """The warm servers of one node: at most one per job type."""
 
-    # provided by the Broker this is mixed into
-    config: Config
-    store: Store
-    probe: GpuProbe
-    registry: Registry
-    vram: VramBook
-    warm: WarmPool
-    node: str
-    instance: str
-    _running: dict[str, RunningAttempt]
-    _waits: dict[str, str]
-    _status_dirty: bool
-    _completions: queue.Queue[LaunchResult | Started | ServerNote | ExchangeNote]
-    _wake: threading.Event
-    _jobs_dir: Path
-    #: made on the first server's start (:meth:`socket_dir`)
-    _socket_dir: Path | None
-
-    if TYPE_CHECKING:
-
-        def _emit(self, kind: str, **detail: Any) -> None: ...
-
-        def footprint(self, jobtype: JobType, override: int | None = None) -> int: ...
-
-        def _params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]: ...
-
-        def _base_env(self, gpu: str | None) -> dict[str, str]: ...
-
-        def sandbox_for(self, jobtype: JobType) -> SandboxLauncher | None: ...
-
-        def sandbox_owner(self, jobtype: JobType) -> tuple[int, int] | None: ...
-
-        def _make_attempt_dir(self, run: RunningAttempt, now: float) -> None: ...
-
-        def gpu_access(self, gpu: str | None) -> tuple[str | None, tuple[Mount, ...]]: ...
-
-        def _raise_footprint(
-            self, jobtype: JobType, peak: int, override: int | None, source: str, now: float
-        ) -> None: ...
-
-    def _start_served(
-        self, job: Job, jobtype: JobType, decision: policy.Start, gpu: str, now: float
+    def __init__(
+        self,
+        *,
+        settings: NodeSettings,
+        probe_kind: str,
+        vram: VramBook,
+        footprints: Footprints,
+        launching: Launching,
+        mailbox: Mailbox,
+        emit: Emit,
+        clock: Callable[[], float],
     ) -> None:
-        """Hand the job to its type's warm server, loading one first if there is none."""
-        server = self.warm.get(jobtype.name)
-        if decision.warm and (server is None or server.state is not ServerState.IDLE):
-            return  # it changed since the plan: the next pass decides again
-        if not decision.warm and server is not None:
-            return  # one server per type: the old one is still there (stopping)
-        try:
-            job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
-        except TransitionError:
-            return
-        attempt_dir = self._jobs_dir / job.id / f"attempt-{attempt.number}"
-        run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
-        self._running[job.id] = run
-        self._waits.pop(job.id, None)
-        self._status_dirty = True
+        self.settings = settings
+        #: on a real GPU a worker must say how much of its model is on the device. The
+        #: simulated GPU has no device for a real model: a worker that reports no
+        #: figure there (it runs on the CPU by design) is not checked
+        self.strict = probe_kind != "sim"
+        self.vram = vram
+        self.footprints = footprints
+        self.launching = launching
+        self.mailbox = mailbox
+        self.emit = emit
+        self.clock = clock
+        self.pool = WarmPool()
+        #: made on the first server's start (:meth:`socket_dir`)
+        self._socket_dir: Path | None = None
+
+    # -- what the loop and status see --------------------------------------------
+
+    def __iter__(self) -> Iterator[WarmServer]:
+        return iter(self.pool)
+
+    def __len__(self) -> int:
+        return len(self.pool)
+
+    def has(self, type_name: str) -> bool:
+        """Whether ``type_name`` has a server here (in any state)."""
+        return type_name in self.pool.by_type
+
+    def views(self) -> tuple[policy.WarmView, ...]:
+        return self.pool.views()
+
+    def statuses(self, now: float) -> tuple[WarmStatus, ...]:
+        return tuple(s.status(now) for s in self.pool)
+
+    def evictable(self) -> set[str]:
+        """The ledger holders of idle servers an eviction could stop for a new job
+        (``keep_warm`` ones yield only to higher priority: not counted)."""
+        return {s.holder for s in self.pool if s.state is ServerState.IDLE and not s.type.keep_warm}
+
+    # -- starting --------------------------------------------------------------------
+
+    def ready(self, jobtype: JobType, decision: policy.Start) -> bool:
+        """Whether the plan's decision still holds: a warm start needs the type's
+        server idle; a cold one needs no server (one per type: an old one may still
+        be stopping). It may have changed since the plan: the next pass decides again."""
+        server = self.pool.get(jobtype.name)
+        if decision.warm:
+            return server is not None and server.state is ServerState.IDLE
+        return server is None
+
+    def start(self, run: RunningAttempt, decision: policy.Start, gpu: str, now: float) -> None:
+        """Hand the started attempt to its type's warm server, loading one first if
+        there is none (:meth:`ready` said the decision holds)."""
+        job, attempt, jobtype = run.job, run.attempt, run.jobtype
+        server = self.pool.get(jobtype.name)
         fresh: WarmServer | None = None
         try:
             # the server never sees this folder: its job's files pass through the
             # server's exchange folder, and the outputs are moved here afterwards
-            self._make_attempt_dir(run, now)
-            safefs.make_dir(attempt_dir / "out")
+            self.launching.make_attempt_dir(run, now)
+            safefs.make_dir(run.attempt_dir / "out")
             if server is None or not decision.warm:
                 server = fresh = self._new_server(jobtype, gpu, job.priority, now)
-                target = self._load_and_serve
+                target = self.load_and_serve
             else:
                 server.state = ServerState.BUSY
-                target = self._serve
+                target = self.serve_next
             server.priority = job.priority
             run.server = server
             run.thread = threading.Thread(
@@ -132,18 +142,18 @@ class WarmServing:
             log.exception("could not start serving %s", job.id)
             run.thread = None
             if fresh is not None:  # nothing ran: its memory was never used
-                self.warm.remove(fresh)
+                self.pool.remove(fresh)
                 self.vram.end(fresh.holder, now)
             elif run.server is not None:
                 run.server.state = ServerState.IDLE
                 run.server = None
-            self._post(
+            self.mailbox.post(
                 LaunchResult(
                     job_id=job.id,
                     attempt=attempt.number,
                     exit_code=None,
                     started_at=now,
-                    ended_at=time.time(),
+                    ended_at=self.clock(),
                     launch_error=f"could not prepare the attempt: {exc}",
                 )
             )
@@ -154,48 +164,30 @@ class WarmServing:
         fresh, once, with a random name (``mkdtemp``: mode 0700, created
         atomically), so nothing another user planted in /tmp is ever used."""
         if self._socket_dir is None:
-            self._socket_dir = Path(tempfile.mkdtemp(prefix=f"gpuwarden-{self.instance[-10:]}-"))
+            prefix = f"gpuwarden-{self.launching.instance[-10:]}-"
+            self._socket_dir = Path(tempfile.mkdtemp(prefix=prefix))
         return self._socket_dir
 
+    def close(self) -> None:
+        """Remove the sockets' folder, if it is empty (its servers are gone)."""
+        if self._socket_dir is not None:
+            with contextlib.suppress(OSError):
+                self._socket_dir.rmdir()
+
     def _new_server(self, jobtype: JobType, gpu: str, priority: int, now: float) -> WarmServer:
-        epoch = self.warm.next_epoch()
-        warm_dir = self.config.state_dir / "warm"
+        epoch = self.pool.next_epoch()
+        warm_dir = self.settings.state_dir / "warm"
         attemptfs.own_dir(warm_dir)
         log_dir = warm_dir / f"{jobtype.name}-{epoch}"
         safefs.make_dir(log_dir)  # fresh: an epoch is never reused
         # the folder every job of the server passes through (its mount, in a sandbox)
         safefs.make_dir(log_dir / "exchange", mode=attemptfs.EXCHANGE_MODE)
-        sandbox = self.sandbox_for(jobtype)
-        env = self._base_env(gpu)
-        env["GPUWARDEN_JOB_TYPE"] = jobtype.name
-        weights = self.config.sandbox.weights_dir
-        if weights is not None:
-            env["GPUWARDEN_WEIGHTS_DIR"] = str(weights)
-        request = LaunchRequest(
-            job_id=f"warm-{jobtype.name}",
-            attempt=epoch,
-            argv=self.registry.argv(jobtype, sandbox.python if sandbox else None),
-            cwd=jobtype.module_dir,
-            env=env,
-            attempt_dir=str(log_dir),
-            timeout_s=math.inf,
-            clip_chars=self.config.broker.clip_chars,
-            kill_grace_s=self.config.broker.kill_grace_s,
-            instance=self.instance,
-        )
         socket_path = self.socket_dir() / f"{epoch}.sock"
-        launcher: Launcher = HostLauncher()
-        if sandbox is not None:
-            launcher = sandbox
-            request = self._sandboxed_server_request(request, gpu, socket_path, jobtype)
-        worker = ServeWorker(
-            launcher,
-            request,
-            socket_path,
-            epoch,
-            stop_wait_s=self.config.warm.stop_grace_s,
+        launcher, request = self.launching.server_request(jobtype, gpu, epoch, log_dir, socket_path)
+        worker = WarmProcess(
+            launcher, request, socket_path, epoch, stop_wait_s=self.settings.stop_grace_s
         )
-        footprint = self.footprint(jobtype)
+        footprint = self.footprints.of(jobtype)
         server = WarmServer(
             type=jobtype,
             gpu=gpu,
@@ -205,12 +197,12 @@ class WarmServing:
             idle_grace_s=(
                 jobtype.idle_grace_s
                 if jobtype.idle_grace_s is not None
-                else self.config.warm.idle_grace_s
+                else self.settings.idle_grace_s
             ),
             started_at=now,
             priority=priority,
         )
-        self.warm.add(server)
+        self.pool.add(server)
         self.vram.start(
             server.holder,
             gpu,
@@ -221,62 +213,38 @@ class WarmServing:
             now=now,
             state=HoldState.WARM,
         )
-        self._emit("warm_server_starting", type=jobtype.name, gpu=gpu, epoch=epoch)
+        self.emit("warm_server_starting", type=jobtype.name, gpu=gpu, epoch=epoch)
         return server
 
-    def _sandboxed_server_request(
-        self, request: LaunchRequest, gpu: str, socket_path: Path, jobtype: JobType
-    ) -> LaunchRequest:
-        """A warm server in a sandbox sees its module, its scratch, its socket and
-        its exchange folder, through which each job's files pass (mounts cannot
-        change while it runs, so the jobs' own folders are never mounted)."""
-        log_dir = Path(request.attempt_dir)
-        exchange = log_dir / "exchange"
-        # its load scratch (a bind mount when [sandbox] scratch_mib = 0), the
-        # sandbox's user's like an attempt's
-        safefs.make_dir(log_dir / "scratch", owner=self.sandbox_owner(jobtype))
-        weights = self.config.sandbox.weights_dir
-        gpu_uuid, gpu_mounts = self.gpu_access(gpu)
-        mounts = mounts_for(
-            module_dir=jobtype.module_dir,
-            input_dir=None,
-            output_dir=str(exchange),
-            scratch_dir=str(log_dir / "scratch"),
-            report_dir=None,
-            params_file=None,
-            weights_dir=str(weights) if weights is not None else None,
-            scratch_bytes=int(self.config.sandbox.scratch_mib * MIB),
-            extra=(Mount(str(socket_path), str(INSIDE / "serve.sock"), writable=True), *gpu_mounts),
-        )
-        return dataclasses.replace(
-            request, mounts=mounts, gpu_uuid=gpu_uuid, memory_bytes=jobtype.ram_bytes
-        )
+    # -- the worker threads ------------------------------------------------------------
 
-    def _load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
+    def load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: start the server's process, wait for its model, serve the job."""
         self._drive(server, run, load=True)
 
-    def _serve(self, server: WarmServer, run: RunningAttempt) -> None:
+    def serve_next(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: hand one job to a loaded server."""
         self._drive(server, run, load=False)
 
     def _drive(self, server: WarmServer, run: RunningAttempt, *, load: bool) -> None:
         """Whatever happens here, exactly one result is posted for the job; a server
         that cannot go on is stopped (confirmed gone) and its end posted too."""
-        started = time.time()
+        started = self.clock()
         stage = "could not load" if load else "failed"
         try:
             if load:
                 report = self._load(server)
-                self._post(ServerNote(server.type.name, server.epoch, "loaded", report=report))
+                self._note(server, "loaded", report=report)
                 stage = "failed"
             self._serve_one(server, run, started)
         except ServeError as exc:
             if exc.kind == "output_limit":
                 # the job wrote past [sandbox] output_mib: its own failure, not the
                 # server's; the server was stopped all the same
-                self._post(self._served_result(run, started=started, limit_exceeded=exc.message))
-                self._post(ServerNote(server.type.name, server.epoch, "gone", reason=exc.message))
+                self.mailbox.post(
+                    self._served_result(run, started=started, limit_exceeded=exc.message)
+                )
+                self._note(server, "gone", reason=exc.message)
                 return
             self._lost(server, run, started, f"it {stage}: {exc}; its processes are confirmed gone")
         except ExchangeError as exc:
@@ -295,21 +263,18 @@ class WarmServing:
             self._lost(server, run, started, f"internal error while serving: {exc!r}")
 
     def _lost(self, server: WarmServer, run: RunningAttempt, started: float, why: str) -> None:
-        self._post(
+        self.mailbox.post(
             self._served_result(run, started=started, worker_error=why, stopped=run.stop.is_set())
         )
-        self._post(ServerNote(server.type.name, server.epoch, "gone", reason=why))
+        self._note(server, "gone", reason=why)
 
     def _load(self, server: WarmServer) -> LoadReport:
         jobtype = server.type
-        # On a real GPU a worker must say how much of its model is on the device. The
-        # simulated GPU has no device for a real model: a worker that reports no
-        # figure there (it runs on the CPU by design) is not checked.
-        strict = self.probe.kind != "sim"
+        strict = self.strict
         expected = jobtype.expected_device_bytes
         report = server.worker.start(
             jobtype.load_timeout_s,
-            on_pid=lambda pid: self._post(ServerNote(jobtype.name, server.epoch, "pid", pid=pid)),
+            on_pid=lambda pid: self._note(server, "pid", pid=pid),
             expected_device_bytes=expected if strict else None,
         )
         why = None if strict or report.device_bytes is None else placement_check(report, expected)
@@ -319,7 +284,7 @@ class WarmServing:
         return report
 
     def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
-        input_dir, params = self._params(run)
+        input_dir, params = self.launching.params(run)
         over: list[str] = []
         report = self._serve_through_exchange(server, run, input_dir, params, over=over)
         self._after_served(server, run, started, report, limit_exceeded=over[0] if over else None)
@@ -328,7 +293,7 @@ class WarmServing:
         """``output past N MiB`` when a sandboxed job's outputs in its slot hold more
         than ``[sandbox] output_mib`` (the server's watch sees the exchange folder
         only once a second: this is the check at the job's end)."""
-        sandbox = self.sandbox_for(server.type)
+        sandbox = self.launching.sandbox_for(server.type)
         limit = sandbox.limits.output_bytes if sandbox is not None else 0
         if limit <= 0:
             return None
@@ -351,14 +316,14 @@ class WarmServing:
         folders). The job's slot ``<job>-<attempt>`` is made fresh there, whatever
         the server left under that name removed unfollowed; the job's inputs are
         copied in and its outputs moved to the attempt's ``out/`` by descriptor
-        (:class:`gpuwarden.attemptfs.ExchangeSlot`). A sandboxed job whose outputs
+        (:class:`gpuwarden.node.attemptfs.ExchangeSlot`). A sandboxed job whose outputs
         are past ``[sandbox] output_mib`` when it ends gets the reason in ``over``."""
         request = server.worker.request
         sandboxed = bool(request.mounts)
         slot = ExchangeSlot(
             Path(request.attempt_dir) / "exchange",
             f"{run.job.id}-{run.attempt.number}",
-            owner=self.sandbox_owner(server.type) if sandboxed else None,
+            owner=self.launching.sandbox_owner(server.type) if sandboxed else None,
         )
         seen = Path(INSIDE / "output" / slot.name) if sandboxed else slot.path
         failing = True
@@ -390,7 +355,7 @@ class WarmServing:
                 slot.refused.append(
                     {"path": ".", "kind": "output folder", "why": "its outputs could not be moved"}
                 )
-            self._post(
+            self.mailbox.post(
                 ExchangeNote(
                     run.job.id,
                     run.attempt.number,
@@ -421,10 +386,8 @@ class WarmServing:
                 run.attempt_dir / "message.json", json.dumps({"message": report.message}).encode()
             )
         for stale in report.stale_dropped:
-            self._post(
-                ServerNote(server.type.name, server.epoch, "stale", reason=json.dumps(stale))
-            )
-        self._post(
+            self._note(server, "stale", reason=json.dumps(stale))
+        self.mailbox.post(
             self._served_result(
                 run,
                 started=started,
@@ -445,7 +408,7 @@ class WarmServing:
         stopped: bool = False,
         limit_exceeded: str | None = None,
     ) -> LaunchResult:
-        now = time.time()
+        now = self.clock()
         return LaunchResult(
             job_id=run.job.id,
             attempt=run.attempt.number,
@@ -459,26 +422,40 @@ class WarmServing:
             limit_exceeded=limit_exceeded,
         )
 
-    def _post(self, item: LaunchResult | Started | ServerNote | ExchangeNote) -> None:
-        self._completions.put(item)
-        self._wake.set()
+    def _note(
+        self,
+        server: WarmServer,
+        what: str,
+        *,
+        pid: int | None = None,
+        report: LoadReport | None = None,
+        reason: str = "",
+    ) -> None:
+        """Worker thread: post what became of ``server`` to the loop."""
+        note = ServerNote(
+            server.type.name, server.epoch, what, pid=pid, report=report, reason=reason
+        )
+        self.mailbox.post(note)
 
-    def _on_server_note(self, note: ServerNote, now: float) -> None:
-        server = self.warm.get(note.type, note.epoch)
+    # -- what the threads posted, eviction, stopping ------------------------------------
+
+    def on_note(self, note: ServerNote, now: float) -> bool:
+        """Take in what a server's thread posted; whether the node's status changed."""
+        server = self.pool.get(note.type, note.epoch)
         if note.what == "stale":
-            self._emit(
+            self.emit(
                 "stale_report",
                 type=note.type,
                 epoch=note.epoch,
                 action="dropped",
                 report=note.reason,
             )
-            return
+            return False
         if server is None:
-            self._emit(
+            self.emit(
                 "stale_report", type=note.type, epoch=note.epoch, action="dropped", report=note.what
             )
-            return
+            return False
         if note.what == "pid" and note.pid is not None:
             server.pid = note.pid
             self.vram.set_pid(server.holder, note.pid)
@@ -486,7 +463,7 @@ class WarmServing:
             server.load_s = note.report.load_s
             if server.state is ServerState.LOADING:
                 server.state = ServerState.BUSY  # its first job runs now
-            self._emit(
+            self.emit(
                 "warm_server_loaded",
                 type=note.type,
                 gpu=server.gpu,
@@ -495,13 +472,18 @@ class WarmServing:
                 device_bytes=note.report.device_bytes,
             )
         elif note.what == "gone":
-            self.warm.remove(server)
+            self.pool.remove(server)
             measured = self.vram.end(server.holder, now)
             if measured is not None and measured.alone:
-                self._raise_footprint(
-                    server.type, measured.peak_bytes, None, f"warm:{server.epoch}", now
+                self.footprints.measure(
+                    server.type,
+                    measured.peak_bytes,
+                    override=None,
+                    source=f"warm:{server.epoch}",
+                    gpus=self.vram.views(),
+                    now=now,
                 )
-            self._emit(
+            self.emit(
                 "warm_server_stopped",
                 type=note.type,
                 gpu=server.gpu,
@@ -509,31 +491,44 @@ class WarmServing:
                 reason=server.stop_reason or note.reason,
                 jobs_served=server.jobs_served,
             )
-        self._status_dirty = True
+        return True
 
-    def _evict(self, decision: policy.Evict) -> None:
+    def evict(self, decision: policy.Evict) -> None:
         """Stop an idle warm server; its busyness is checked again right here."""
-        server = self.warm.get(decision.type)
+        server = self.pool.get(decision.type)
         if server is None or server.holder != decision.holder:
             return
         if server.state is not ServerState.IDLE:
-            self._emit(
+            self.emit(
                 "eviction_skipped",
                 type=server.type.name,
                 epoch=server.epoch,
                 reason=f"it is {server.state.value} now",
             )
             return
-        self._stop_server(server, f"evicted: {decision.reason}")
+        self.stop(server, f"evicted: {decision.reason}")
 
-    def _stop_server(self, server: WarmServer, reason: str, *, wait: bool = False) -> None:
+    def stop_idle_on(self, gpu: str, reason: str) -> None:
+        """Stop the idle servers on ``gpu`` (a busy one stops with its job)."""
+        for server in self.pool:
+            if server.gpu == gpu and server.state is ServerState.IDLE:
+                self.stop(server, reason)
+
+    def stop_all(self, reason: str) -> None:
+        """Stop every server not stopping already, each confirmed gone (shutdown)."""
+        for server in self.pool:
+            if server.state is not ServerState.STOPPING:
+                self.stop(server, reason, wait=True)
+
+    def stop(self, server: WarmServer, reason: str, *, wait: bool = False) -> None:
+        """Stop ``server`` on a thread of its own; its end is posted (``gone``)."""
         server.state = ServerState.STOPPING
         server.stop_reason = reason
-        self._emit("warm_server_stopping", type=server.type.name, epoch=server.epoch, reason=reason)
+        self.emit("warm_server_stopping", type=server.type.name, epoch=server.epoch, reason=reason)
 
         def stop() -> None:
             server.worker.stop(reason)
-            self._post(ServerNote(server.type.name, server.epoch, "gone", reason=reason))
+            self._note(server, "gone", reason=reason)
 
         thread = threading.Thread(target=stop, name=f"stop-{server.holder}", daemon=True)
         thread.start()

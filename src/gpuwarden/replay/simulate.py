@@ -34,7 +34,7 @@ job with the reason, ``Wait`` records the reason. The run ends when no event is
 left: a job still queued then is reported ``waiting`` with its last reason.
 
 Warm servers (launch mode ``serve``, a :class:`TraceJob` with ``serve=True``) are
-modelled the way the broker drives them (``broker._start_served``, ``_evict``):
+modelled the way the broker drives them (:mod:`gpuwarden.node.warm`):
 
 - a ``Start`` (not ``warm``) of a serve job starts a server of its type on the
   planned GPU: the type's footprint is held as a ``warm`` holding named
@@ -63,6 +63,10 @@ server was evicted in the same planning pass (the broker keeps a stopping server
 in its pool until its process is gone, so ``WarmPool.add`` would raise there).
 A served job's run time (for the estimates) excludes the load, as the broker's
 ``started_at`` of a served result does. Servers never leak memory.
+
+One file because it is one state machine: every event handler of :class:`_Sim`
+moves the same ledger, device and server state, and the records it fills are
+what :func:`simulate` returns; split, each part would need the others' fields.
 """
 
 from __future__ import annotations
@@ -87,12 +91,13 @@ from gpuwarden.core.policy import (
     Wait,
     WarmView,
 )
+from gpuwarden.errors import GpuwardenError
 
 #: ``plan`` or anything with its signature.
 Planner = Callable[[Snapshot, float], Sequence[Decision]]
 
 
-class SimError(Exception):
+class SimError(GpuwardenError):
     """The planner broke the protocol (started a job that is not queued, onto no GPU...)."""
 
 

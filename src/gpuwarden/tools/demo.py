@@ -56,6 +56,7 @@ from gpuwarden.gpu.select import SIM_STATE_FILE
 from gpuwarden.gpu.sim import SimDevice, SimGpuConfig, SimProbe
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.launch.base import ATTEMPT_ENV
+from gpuwarden.node.attempts import AttemptLayout, host_env, job_env
 from gpuwarden.registry import BUILTIN_DIR, Registry
 
 #: what a job's stderr says when it died of a (simulated or real) CUDA out-of-memory
@@ -71,9 +72,6 @@ POLL_S = 0.03
 #: jobs of run 1 start within this many seconds of each other
 MAX_OFFSET_S = 0.5
 MIN_JOBS, MAX_JOBS = 4, 64
-
-#: the broker's environment variables that a job gets (SPEC.md section 7)
-_PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV")
 
 LABEL_OWN = "on their own"
 LABEL_GW = "through gpuwarden"
@@ -198,39 +196,34 @@ class _Proc:
     job_dir: Path
 
 
-def _job_env(job: DemoJob, job_dir: Path, gpu_env: dict[str, str]) -> dict[str, str]:
-    """The environment a broker gives a job (SPEC.md section 7)."""
-    env = {k: v for k, v in os.environ.items() if k in _PASS_ENV}
-    env.update(gpu_env)
-    env.update(
-        {
-            "PYTHONUNBUFFERED": "1",
-            "GPUWARDEN_JOB_ID": job.id,
-            "GPUWARDEN_JOB_TYPE": job.type,
-            "GPUWARDEN_ATTEMPT_NUMBER": "1",
-            "GPUWARDEN_PARAMS": str(job_dir / "params.json"),
-            "GPUWARDEN_INPUT_DIR": str(job_dir / "inputs"),
-            "GPUWARDEN_OUTPUT_DIR": str(job_dir / "out"),
-            "GPUWARDEN_SCRATCH_DIR": str(job_dir / "scratch"),
-            "GPUWARDEN_RESULT": str(job_dir / "message.json"),
-            ATTEMPT_ENV: f"demo-on-their-own/{job.id}/1",
-        }
+def _job_env(job: DemoJob, layout: AttemptLayout, gpu_env: dict[str, str]) -> dict[str, str]:
+    """The environment a broker gives a job (SPEC.md section 7), and the marker
+    that names the demo's own processes."""
+    env = job_env(
+        layout,
+        job_id=job.id,
+        job_type=job.type,
+        attempt=1,
+        base=host_env(gpu_env),
+        weights_dir=None,
     )
+    env[ATTEMPT_ENV] = f"demo-on-their-own/{job.id}/1"
     return env
 
 
 def _spawn(registry: Registry, spec: JobSpec, job: DemoJob, base: Path, probe: SimProbe) -> _Proc:
     jobtype = registry.get(job.type)
     job_dir = base / "jobs" / job.id
-    for sub in ("out", "scratch", "inputs"):
-        (job_dir / sub).mkdir(parents=True, exist_ok=True)
-    (job_dir / "params.json").write_text(json.dumps(spec.params, indent=2))
+    layout = AttemptLayout(job_dir)
+    for folder in layout.folders():
+        folder.mkdir(parents=True, exist_ok=True)
+    layout.params.write_text(json.dumps(spec.params, indent=2))
     gpu = probe.device.uuids()[0]
     with (job_dir / "stdout.log").open("wb") as out, (job_dir / "stderr.log").open("wb") as err:
         proc = subprocess.Popen(
             registry.argv(jobtype),
             cwd=jobtype.module_dir,
-            env=_job_env(job, job_dir, probe.job_env(gpu)),
+            env=_job_env(job, layout, probe.job_env(gpu)),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
@@ -453,7 +446,7 @@ class _DropUnsandboxed(logging.Filter):
 def _quiet_unsandboxed() -> Iterator[None]:
     """The broker's UNSANDBOXED warning, once per type, would cut through the demo's
     progress bars; the demo says it once, above them."""
-    logger = logging.getLogger("gpuwarden.broker")
+    logger = logging.getLogger("gpuwarden.node.loop")
     quiet = _DropUnsandboxed()
     logger.addFilter(quiet)
     try:

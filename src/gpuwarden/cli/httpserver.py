@@ -1,0 +1,85 @@
+"""The HTTP API on a thread of its own (uvicorn), as ``serve --api`` and
+``coordinator`` run it beside their main loop.
+
+The one module of the CLI that loads the web stack: fastapi and uvicorn take
+about 1.2 s of CPU to import, so they are imported when an API is made, not
+when ``gpuwarden`` starts (every other command would pay for them)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from gpuwarden.config import Config
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
+
+#: how long a server may take to listen before its command gives up
+START_TIMEOUT_S = 30.0
+
+
+class ApiThread:
+    """An ASGI app served by uvicorn on a daemon thread. Made first, started with
+    :meth:`start`, so that a signal handler can reach :attr:`server` before then."""
+
+    def __init__(
+        self,
+        store: Store,
+        registry: Registry,
+        config: Config,
+        host: str,
+        port: int,
+        *,
+        name: str,
+        coordinator: bool = False,
+    ) -> None:
+        # the web stack, only here (the module docstring says why)
+        import uvicorn  # noqa: PLC0415
+
+        from gpuwarden.api.app import create_app  # noqa: PLC0415
+        from gpuwarden.api.routers import nodes  # noqa: PLC0415
+
+        self.app = create_app(store, registry, config)
+        if coordinator:
+            nodes.install_coordinator(self.app)
+        self._advertise = nodes.set_coordinator_url
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="on")
+        )
+        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
+        #: the address listened on once started (port 0 is then the port it got)
+        self.bound: tuple[str, int] = (host, port)
+
+    def start(self) -> bool:
+        """Start the thread and wait until the server listens; False (the server
+        told to exit) when it cannot, e.g. the port is in use."""
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True
+                return False
+            time.sleep(0.02)
+        sockname = self.server.servers[0].sockets[0].getsockname()
+        self.bound = (sockname[0], sockname[1])
+        return True
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT`` of the address listened on (an IPv6 host in brackets)."""
+        host, port = self.bound
+        shown = f"[{host}]" if ":" in host else host
+        return f"http://{shown}:{port}"
+
+    @property
+    def loopback(self) -> bool:
+        """Whether only this host can reach it."""
+        return self.bound[0] in ("127.0.0.1", "::1", "localhost")
+
+    def advertise(self, url: str) -> None:
+        """The URL a coordinator names to its agents (``node invite``)."""
+        self._advertise(self.app, url)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

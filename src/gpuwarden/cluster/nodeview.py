@@ -1,0 +1,188 @@
+"""A node as the coordinator sees it, read from its enrolment and its latest report.
+
+The cluster's durations (:class:`Timing`), whether a node is heard from on time
+(:func:`silence`), and its placement view (:func:`node_view`, :func:`judged_view`)
+beside a queued job's (:func:`offerable`): what :mod:`gpuwarden.cluster.coordinator`
+offers jobs by and :mod:`gpuwarden.cluster.report` explains with. Nothing here
+writes to the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwarden.core.launchrules import LaunchRules
+from gpuwarden.core.model import Job, Lane
+from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
+from gpuwarden.registry import Registry
+from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """The cluster's durations (config ``[cluster]``)."""
+
+    lease_s: float = 90.0
+    offline_after_s: float = 120.0
+    affinity_wait_s: float = 30.0
+
+
+def heartbeat_every_s(lease_s: float) -> float:
+    """How often an agent sends a heartbeat under leases of ``lease_s`` seconds."""
+    return max(0.2, min(15.0, lease_s / 6))
+
+
+#: a heartbeat is overdue once this many of the node's heartbeat intervals passed
+#: (and a second more) without a word from it
+OVERDUE_BEATS = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """A node whose heartbeat is overdue: for how long, and when the soonest of its
+    leases ends (negative: it ended; None: it holds none)."""
+
+    seconds: float
+    lease_ends_in: float | None
+
+    def text(self) -> str:
+        said = f"silent for {self.seconds:.0f} s"
+        if self.lease_ends_in is None:
+            return said
+        if self.lease_ends_in > 0:
+            return f"{said} (lease ends in {self.lease_ends_in:.0f} s)"
+        return f"{said} (its lease ended {-self.lease_ends_in:.0f} s ago)"
+
+
+def heard_s_ago(record: NodeRecord, now: float) -> float:
+    """Seconds since the node was last heard from (since it enrolled, if never)."""
+    heard = record.last_seen if record.last_seen is not None else record.enrolled_at
+    return max(0.0, now - heard)
+
+
+def silence(record: NodeRecord, leases: Collection[Lease], now: float) -> Silence | None:
+    """The node's silence when its heartbeat is overdue (by the interval it reported,
+    else the default lease's), or None while it is heard from on time. ``leases``:
+    its leases (the soonest end is shown). A revoked node is never silent."""
+    if record.state is NodeState.REVOKED:
+        return None
+    every = record.report.get("heartbeat_every_s")
+    if not isinstance(every, int | float) or isinstance(every, bool) or not 0 < every <= 3600:
+        every = heartbeat_every_s(Timing().lease_s)
+    quiet = heard_s_ago(record, now)
+    if quiet <= OVERDUE_BEATS * float(every) + 1.0:
+        return None
+    mine = [lease.expires_at for lease in leases if lease.node == record.name]
+    return Silence(quiet, min(mine) - now if mine else None)
+
+
+# -- what a node looks like to placement ------------------------------------------
+
+
+def node_view(
+    record: NodeRecord, *, busy: int = 0, report: Mapping[str, Any] | None = None
+) -> NodeView:
+    """Placement's view of a node from its latest report (``report`` overrides the
+    stored one). ``busy`` is the number of live leases it holds (it counts when the
+    report says less)."""
+    rep = dict(record.report if report is None else report)
+    gpus = tuple(
+        GpuRoom(
+            uuid=str(g["uuid"]),
+            name=str(g.get("name", "")),
+            total_bytes=int(g.get("total_bytes", 0)),
+            free_bytes=max(0, int(g.get("free_bytes", 0))),
+            usable_bytes=int(g.get("usable_bytes", g.get("total_bytes", 0))),
+        )
+        for g in rep.get("gpus", [])
+        if isinstance(g, Mapping) and "uuid" in g
+    )
+    labels = rep.get("labels") or record.capabilities.get("labels") or {}
+    rules = rep.get("launch_rules", record.capabilities.get("launch_rules"))
+    return NodeView(
+        name=record.name,
+        gpus=gpus,
+        warm=frozenset(str(t) for t in rep.get("warm", [])),
+        busy=max(busy, int(rep.get("busy", 0))),
+        max_jobs=max(0, int(rep.get("max_jobs", 4))),
+        labels={str(k): str(v) for k, v in dict(labels).items()},
+        accepting=record.state is NodeState.ACTIVE and bool(rep.get("accepting", True)),
+        types=_names(rep.get("types")),
+        modules=_names(rep.get("modules")),
+        rules=LaunchRules.from_json(rules),
+    )
+
+
+def _names(raw: Any) -> frozenset[str] | None:
+    """A reported list of job type names, or None when it was not reported."""
+    if not isinstance(raw, list):
+        return None
+    return frozenset(str(x) for x in raw)
+
+
+def offerable(
+    job: Job | Claimable,
+    registry: Registry,
+    footprints: Mapping[str, int],
+    lost: Collection[str] = (),
+) -> Offerable | None:
+    """Placement's view of a queued job; None when its type is not known here."""
+    jobtype = registry.types.get(job.type)
+    if jobtype is None:
+        return None
+    need = 0
+    if jobtype.lane is Lane.VRAM:
+        need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+    return Offerable(
+        id=job.id,
+        type=job.type,
+        lane=jobtype.lane,
+        vram_bytes=need,
+        priority=job.priority,
+        seq=job.seq,
+        submitted_at=job.submitted_at,
+        constraints=Constraints.of(job.constraints),
+        avoid=frozenset(lost),
+        launch=jobtype.launch,
+    )
+
+
+def judged_view(record: NodeRecord) -> NodeView:
+    """A node as a submission is judged against: its last report, or before its
+    first report what it enrolled with: its GPUs (all their memory usable), the job
+    types its modules have and its launch rules."""
+    if record.report.get("gpus") or "types" in record.report:
+        return node_view(record)
+    caps = record.capabilities
+    gpus = [
+        {**g, "free_bytes": g.get("total_bytes", 0)}
+        for g in caps.get("gpus", [])
+        if isinstance(g, Mapping)
+    ]
+    report = {**record.report, "gpus": gpus}
+    if isinstance(caps.get("types"), list):
+        report["modules"] = caps["types"]  # at enrolment: every type its modules have
+    return node_view(record, report=report)
+
+
+def judged_views(store: ClusterStore) -> list[NodeView]:
+    """The nodes a job is judged against: every enrolled node that is not revoked."""
+    return [
+        judged_view(r)
+        for r in store.list_nodes()
+        if r.state in (NodeState.ACTIVE, NodeState.DRAINING, NodeState.OFFLINE)
+    ]
+
+
+def live_counts(leases: list[Lease], now: float) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for lease in leases:
+        if lease.live(now):
+            counts[lease.node] = counts.get(lease.node, 0) + 1
+    return counts
+
+
+def is_fresh(record: NodeRecord, now: float, timing: Timing) -> bool:
+    return record.last_seen is not None and now - record.last_seen <= timing.offline_after_s

@@ -1,0 +1,326 @@
+"""What people are shown of the cluster, over the coordinator's store.
+
+The node list (:func:`node_json`: ``GET /v1/nodes``, ``gpuwarden node list``),
+``gpuwarden status`` over a coordinator (:func:`cluster_status`), and why a
+queued job is not taken or where a running one runs (:func:`explain_placement`,
+:func:`explain_running`), added to the node's own explanation by :func:`explain`
+(``gpuwarden explain``, ``GET /v1/jobs/{id}/explain``, ``submit --wait``). Read
+only: nothing here changes the store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwarden.cluster.nodeview import (
+    Silence,
+    Timing,
+    heard_s_ago,
+    is_fresh,
+    judged_views,
+    live_counts,
+    node_view,
+    offerable,
+    silence,
+)
+from gpuwarden.core import placement
+from gpuwarden.core.model import Job, Lane, format_bytes
+from gpuwarden.core.placement import NodeView, Offerable
+from gpuwarden.core.states import JobState
+from gpuwarden.node.explain import explain_job, latest_status, view_from_status
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore, Lease, NodeRecord, NodeState
+
+
+def explain(job: Job, store: Store, registry: Registry, cpu_slots: int, now: float) -> list[str]:
+    """Where a job stands and, if it waits, why: as the broker last published its
+    view, and, over a coordinator's store, what the enrolled nodes say."""
+    status = latest_status(store, now)
+    view = view_from_status(status, cpu_slots) if status else None
+    if not isinstance(store, ClusterStore):
+        return explain_job(job, store, registry, view)
+    return explain_job(
+        job,
+        store,
+        registry,
+        view,
+        placement=lambda j: explain_placement(store, registry, j, now),
+        running=lambda j: explain_running(store, j, now),
+    )
+
+
+# -- the node list and status ------------------------------------------------------
+
+
+def node_json(record: NodeRecord, leases: list[Lease], now: float) -> dict[str, Any]:
+    """What ``GET /v1/nodes`` and ``gpuwarden node list`` show of a node."""
+    mine = [lease for lease in leases if lease.node == record.name]
+    rep = record.report
+    quiet = silence(record, mine, now)
+    return {
+        "name": record.name,
+        "state": record.state.value,
+        "enrolled_at": record.enrolled_at,
+        "last_seen": record.last_seen,
+        "seen_s_ago": round(now - record.last_seen, 1) if record.last_seen is not None else None,
+        "silent_s": round(quiet.seconds, 1) if quiet is not None else None,
+        "lease_ends_in_s": (
+            round(quiet.lease_ends_in, 1)
+            if quiet is not None and quiet.lease_ends_in is not None
+            else None
+        ),
+        "condition": quiet.text() if quiet is not None else "",
+        "leases": len([lease for lease in mine if lease.live(now)]),
+        "running": len([lease for lease in mine if lease.live(now) and lease.started]),
+        "gpus": rep.get("gpus", record.capabilities.get("gpus", [])),
+        "warm": rep.get("warm", []),
+        "max_jobs": rep.get("max_jobs"),
+        "labels": rep.get("labels", record.capabilities.get("labels", {})),
+        "capabilities": record.capabilities,
+    }
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return int(value)
+
+
+def _gpu_status(g: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "uuid": str(g.get("uuid", "")),
+        "name": str(g.get("name", "")),
+        "total_bytes": _int(g.get("total_bytes")) or 0,
+        "used_bytes": _int(g.get("used_bytes")),
+        "ledger_bytes": _int(g.get("ledger_bytes")),
+        "free_bytes": _int(g.get("free_bytes")),
+        "degraded": str(g.get("degraded") or ""),
+    }
+
+
+def cluster_status(
+    store: ClusterStore, now: float, *, offline_after_s: float = 120.0
+) -> list[dict[str, Any]]:
+    """What ``gpuwarden status`` shows of each enrolled node over a coordinator: its
+    state and the first problem found (``problem``: offline, silent, a degraded GPU,
+    a failing probe; "" when none, and for a revoked node), its GPUs (total, used by
+    the probe, the ledger, free for a new job, degraded), its warm servers, the jobs
+    running there and how long since it was heard from."""
+    leases = store.leases()
+    out: list[dict[str, Any]] = []
+    for record in store.list_nodes():
+        mine = [lease for lease in leases if lease.node == record.name]
+        rep = record.report
+        raw_gpus = rep.get("gpus") if isinstance(rep.get("gpus"), list) else None
+        if raw_gpus is None:
+            raw_gpus = record.capabilities.get("gpus") or []
+        gpus = [_gpu_status(g) for g in raw_gpus if isinstance(g, Mapping)]
+        quiet = silence(record, mine, now)
+        heard = heard_s_ago(record, now)
+        out.append(
+            {
+                "node": record.name,
+                "state": record.state.value,
+                "problem": _problem(record, gpus, quiet, heard, offline_after_s),
+                "heard_s_ago": round(heard, 1),
+                "last_seen": record.last_seen,
+                "silent": quiet.text() if quiet is not None else "",
+                "probe": str(rep.get("probe") or record.capabilities.get("probe") or ""),
+                "probe_error": str(rep.get("probe_error") or ""),
+                "gpus": gpus,
+                "warm": _warm_status(rep),
+                "running": _running_status(store, mine, now),
+                "leased": len([lease for lease in mine if not lease.started]),
+                "max_jobs": _int(rep.get("max_jobs")),
+            }
+        )
+    return out
+
+
+def _problem(
+    record: NodeRecord,
+    gpus: list[dict[str, Any]],
+    quiet: Silence | None,
+    heard: float,
+    offline_after_s: float,
+) -> str:
+    """The first problem of a node that ``gpuwarden status`` shows ("" when none,
+    and for a revoked node)."""
+    degraded = [g for g in gpus if g["degraded"]]
+    if record.state is NodeState.REVOKED:
+        return ""
+    if record.state is NodeState.OFFLINE or heard > offline_after_s:
+        return f"offline: not heard from for {heard:.0f} s"
+    if quiet is not None:
+        return quiet.text()
+    if degraded:
+        return f"{len(degraded)} GPU(s) degraded: VRAM admission paused there"
+    if record.report.get("probe_error"):
+        return "the GPU probe fails: VRAM admission paused"
+    return ""
+
+
+def _running_status(store: ClusterStore, mine: list[Lease], now: float) -> list[dict[str, Any]]:
+    """The jobs running under a node's leases ``mine``."""
+    running = []
+    for lease in mine:
+        if not lease.started or lease.attempt is None:
+            continue
+        attempt = next((a for a in store.attempts(lease.job_id) if a.number == lease.attempt), None)
+        job = store.get_job(lease.job_id)
+        running.append(
+            {
+                "job": lease.job_id,
+                "type": job.type if job is not None else "",
+                "attempt": lease.attempt,
+                "gpu": attempt.gpu_uuid if attempt is not None else None,
+                "started_at": attempt.started_at if attempt is not None else None,
+                "lease_ends_in_s": round(lease.expires_at - now, 1),
+            }
+        )
+    return running
+
+
+def _warm_status(rep: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A node's warm servers from its report (only their types, from an agent that
+    reports no ``warm_servers``)."""
+    servers = rep.get("warm_servers")
+    if not isinstance(servers, list):
+        return [
+            {"type": str(t), "gpu": None, "state": "", "jobs_served": None}
+            for t in rep.get("warm", []) or []
+        ]
+    return [
+        {
+            "type": str(w.get("type", "")),
+            "gpu": w.get("gpu"),
+            "state": str(w.get("state", "")),
+            "jobs_served": _int(w.get("jobs_served")),
+        }
+        for w in servers
+        if isinstance(w, Mapping)
+    ]
+
+
+# -- explain ----------------------------------------------------------------------
+
+
+def explain_placement(
+    store: ClusterStore, registry: Registry, job: Job, now: float, timing: Timing | None = None
+) -> list[str]:
+    """Why no node has taken a queued job (empty when there are no nodes at all):
+    one line per node heard from lately, ``node NAME REASON``."""
+    timing = timing or Timing()
+    records = store.list_nodes()
+    if not records or job.state is not JobState.QUEUED:
+        return []
+    leases = store.leases()
+    lease = next((lease for lease in leases if lease.job_id == job.id), None)
+    if lease is not None and lease.live(now):
+        holder = next((r for r in records if r.name == lease.node), None)
+        quiet = silence(holder, [lease], now) if holder is not None else None
+        if quiet is not None:
+            return [
+                f"it is leased to node {lease.node}, {quiet.text()}: it waits in that node's "
+                "own queue; if the node stays silent, the lease ends and it is offered again"
+            ]
+        return [
+            f"it is leased to node {lease.node} (lease ends in {lease.expires_at - now:.0f} s "
+            "unless renewed): it waits in that node's own queue"
+        ]
+    if job.inputs and not job.input_dir:
+        return ["it has input files on the host it was submitted on: no agent is offered it"]
+    lost = store.lost_nodes(job.id)
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    off = offerable(job, registry, footprints, lost)
+    if off is None:
+        return [f"its type {job.type} is not known to the coordinator: no node is offered it"]
+    if (why := placement.never_placeable(off, judged_views(store))) is not None:
+        return [why]
+    counts = live_counts(leases, now)
+    live = [r for r in records if is_fresh(r, now, timing)]
+    if not live:
+        return ["no agent is online: none has sent a heartbeat lately (`gpuwarden node list`)"]
+    views = [node_view(r, busy=counts.get(r.name, 0)) for r in live]
+    return [
+        f"node {record.name} " + _why_not(record, view, off, views, leases, now=now, timing=timing)
+        for record, view in zip(live, views, strict=True)
+    ]
+
+
+def explain_running(store: ClusterStore, job: Job, now: float) -> list[str]:
+    """For a running job leased to a node: which node, and, when that node is silent,
+    for how long and when its lease ends (empty for a job that holds no lease)."""
+    if job.state is not JobState.RUNNING:
+        return []
+    lease = store.lease_of(job.id)
+    if lease is None:
+        return []
+    record = store.get_node(lease.node)
+    if record is None:
+        return []
+    quiet = silence(record, [lease], now)
+    if quiet is None:
+        return [
+            f"on node {lease.node}, heard from {heard_s_ago(record, now):.0f} s ago (lease "
+            f"ends in {lease.expires_at - now:.0f} s unless renewed)"
+        ]
+    return [
+        f"its node {lease.node} is {quiet.text()}: it may still run there, but if the node "
+        "stays silent, the attempt ends as interrupted when the lease ends and the job runs "
+        "again elsewhere"
+    ]
+
+
+def _why_not(
+    record: NodeRecord,
+    view: NodeView,
+    job: Offerable,
+    views: list[NodeView],
+    leases: list[Lease],
+    *,
+    now: float,
+    timing: Timing,
+) -> str:
+    """Why ``record`` does not take ``job`` now, as a phrase about the node."""
+    if record.state is NodeState.DRAINING:
+        return (
+            "is draining: it takes no new work "
+            f"(`gpuwarden node resume {record.name}` gives it work again)"
+        )
+    if record.state is not NodeState.ACTIVE:
+        return f"is {record.state.value}: it takes no new work"
+    if (why := placement.type_refusal(job, view)) is not None:
+        return why
+    if (why := job.constraints.refusal(view)) is not None:
+        return f"does not meet its constraints: {why}"
+    if (quiet := silence(record, leases, now)) is not None:
+        return f"is {quiet.text()}: it takes no work until it is heard from again"
+    if view.slots == 0:
+        return f"is busy ({view.busy} of its {view.max_jobs} jobs)"
+    if placement.offers_for(view, [job], views, now=now, affinity_wait_s=timing.affinity_wait_s):
+        return "could take it at its next claim"
+    if job.lane is Lane.VRAM:
+        biggest = max((g.usable_bytes for g in job.constraints.gpus(view)), default=0)
+        if biggest < job.vram_bytes:
+            return (
+                f"can never hold it: it needs {format_bytes(job.vram_bytes)} on one GPU, its "
+                f"largest has {format_bytes(biggest)}"
+            )
+        room = max((g.free_bytes for g in job.constraints.gpus(view)), default=0)
+        if room < job.vram_bytes and job.type not in view.warm:
+            return (
+                f"has no GPU with room for it now: it needs {format_bytes(job.vram_bytes)} "
+                f"on one GPU, the most room it reported is {format_bytes(room)}"
+            )
+    warm = [v.name for v in views if v.name != view.name and job.type in v.warm]
+    if warm:
+        return (
+            f"leaves it for {', '.join(warm)}, where its model is warm "
+            f"(for up to {timing.affinity_wait_s:g} s after it was submitted)"
+        )
+    if view.name in job.avoid:
+        return "lost an earlier attempt of it: another node is preferred"
+    return "is not offered it now"

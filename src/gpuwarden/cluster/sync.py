@@ -1,0 +1,443 @@
+"""The agent's sync step: a coordinator's leases mirrored into a node's own store.
+
+:class:`Agent` runs after each tick of the node's broker, on the loop's thread
+(``Broker.run``'s ``between``): heartbeat, reports, claims, and the lease
+watchdog; ``gpuwarden.cluster.agent`` (the module docstring says what each
+does) runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwarden.cluster.coordinator_client import (
+    Coordinator,
+    CoordinatorError,
+    CredentialRefused,
+    Refused,
+)
+from gpuwarden.cluster.nodeview import heartbeat_every_s
+from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
+from gpuwarden.core.model import Event, Job, JobSpec
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import UserError
+from gpuwarden.intake.jobs import JOB_ID
+from gpuwarden.node.loop import Broker
+from gpuwarden.node.warmpool import ServerState
+from gpuwarden.store.base import DIRECT, DuplicateJobError, Store, Submission
+
+log = logging.getLogger("gpuwarden.agent")
+
+#: outcomes of a local attempt ended because this agent stopped
+_SHUTDOWN_OUTCOMES = frozenset({"shutdown"})
+
+
+@dataclass
+class Held:
+    """A job leased to this node, as it stands here."""
+
+    job_id: str  # the coordinator's id
+    local_id: str  # its id in the local store (the same unless that was taken)
+    lease_id: str
+    #: the lease is gone or about to go: stop it here, never report it
+    lost: bool = False
+    #: the coordinator knows it started (a start report got an answer)
+    started: bool = False
+    #: it ended here and its end was reported (or needs no report)
+    ended: bool = False
+
+
+@dataclass
+class _Report:
+    kind: str  # "start" | "finish"
+    held: Held
+    body: dict[str, Any] = field(default_factory=dict)
+    #: outputs sent to the coordinator already (a finish is retried after them)
+    uploaded: set[str] = field(default_factory=set)
+    #: outputs not sent, and why: ``[{"path", "why"}]``, in the finish's result
+    not_uploaded: list[dict[str, str]] = field(default_factory=list)
+
+
+class Agent:
+    """The sync step: run :meth:`sync` after each broker tick, in the loop's thread."""
+
+    def __init__(
+        self,
+        broker: Broker,
+        coordinator: Coordinator,
+        *,
+        node: str,
+        lease_s: float,
+        max_jobs: int,
+        labels: dict[str, str],
+        claim_every_s: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.broker = broker
+        self.store: Store = broker.store
+        self.coordinator = coordinator
+        self.node = node
+        self.max_jobs = max_jobs
+        self.labels = dict(labels)
+        self.claim_every_s = claim_every_s
+        self.monotonic = monotonic
+        self.state = "active"
+        self.held: dict[str, Held] = {}
+        self._by_local: dict[str, str] = {}
+        self._outbox: deque[_Report] = deque()
+        self._cursor = self.store.last_event_id()
+        self._last_ok = monotonic()
+        self._last_beat = -1e9
+        self._last_claim = -1e9
+        self._claim_now = True
+        self._warned_at = -1e9
+        self.stopping = False
+        self.set_lease(lease_s)
+
+    # -- timing -------------------------------------------------------------
+
+    def set_lease(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        #: stop held jobs when the last answered heartbeat is this old
+        self.stop_after_s = lease_s - min(20.0, lease_s / 3)
+        self.heartbeat_every_s = heartbeat_every_s(lease_s)
+        self.coordinator.set_timeout(max(0.5, min(10.0, lease_s / 4)))
+
+    # -- the step -------------------------------------------------------------
+
+    def sync(self) -> None:
+        """One pass: watchdog, heartbeat, reports, claim. Raises
+        :class:`CredentialRefused` when the coordinator refuses this node."""
+        self._watchdog()
+        now = self.monotonic()
+        if now - self._last_beat >= self.heartbeat_every_s:
+            self._heartbeat()
+        self._collect()
+        self._send()
+        self._forget_ended()
+        if self._may_claim():
+            self._claim()
+
+    def holding(self) -> list[str]:
+        """The ids the coordinator should keep leased to this node."""
+        return [h.job_id for h in self.held.values() if not h.lost]
+
+    def _busy(self) -> int:
+        return len([h for h in self.held.values() if not h.ended])
+
+    def _watchdog(self) -> None:
+        """No answered heartbeat for too long: the leases may be gone; stop it all."""
+        silent = self.monotonic() - self._last_ok
+        if silent <= self.stop_after_s:
+            return
+        for h in self.held.values():
+            if not h.lost and not h.ended:
+                self._lose(h, f"lost its lease: no answer from the coordinator for {silent:.0f} s")
+
+    def _lose(self, h: Held, reason: str) -> None:
+        """Stop the job here and never report it."""
+        h.lost = True
+        self._outbox = deque(r for r in self._outbox if r.held is not h)
+        job = self.store.get_job(h.local_id)
+        now = self.broker.clock()
+        self.store.add_event(
+            Event(ts=now, kind="lease_lost", job_id=h.local_id, detail={"reason": reason})
+        )
+        if job is not None and not job.state.terminal:
+            with contextlib.suppress(UserError):
+                self.store.request_cancel(h.local_id, now=now)
+        log.warning("job %s: %s; stopped here", h.job_id, reason)
+
+    # -- heartbeat and claims -----------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """This node now, as placement and ``gpuwarden status`` need it: per GPU its
+        room (``free_bytes``, what its ledger lets a new job take, less what is
+        leased here and not started yet), what the probe shows used and what the
+        ledger holds; the job types it runs, its modules' types and its launch
+        rules; warm servers, running jobs, labels."""
+        b = self.broker
+        st = b.status()
+        return {
+            "gpus": [g.to_json() for g in b.room(self._leased_jobs())],
+            "warm": sorted(w.type for w in st.warm if w.state != ServerState.STOPPING),
+            "warm_servers": [
+                {"type": w.type, "gpu": w.gpu, "state": w.state, "jobs_served": w.jobs_served}
+                for w in st.warm
+            ],
+            "running": [
+                {
+                    "job": self._by_local[r.job],
+                    "type": r.type,
+                    "gpu": r.gpu,
+                    "started_at": r.started_at,
+                }
+                for r in st.running
+                if r.job in self._by_local
+            ],
+            "busy": self._busy(),
+            "max_jobs": self.max_jobs,
+            "labels": self.labels,
+            "types": sorted(
+                t.name for t in b.registry.types.values() if b.rules.refusal(t) is None
+            ),
+            "modules": sorted(b.registry.types),
+            "launch_rules": b.rules.to_json(),
+            "probe": st.probe,
+            "probe_error": st.probe_error,
+            "heartbeat_every_s": self.heartbeat_every_s,
+            "accepting": self.state == "active" and b.accepting and not self.stopping,
+        }
+
+    def _leased_jobs(self) -> list[Job]:
+        """The local jobs of what is leased here and has not ended."""
+        held = [h for h in self.held.values() if not (h.lost or h.ended)]
+        jobs = (self.store.get_job(h.local_id) for h in held)
+        return [job for job in jobs if job is not None]
+
+    def _heartbeat(self) -> None:
+        sent = self.monotonic()
+        self._last_beat = sent
+        try:
+            answer = self.coordinator.heartbeat(self.report(), self.holding())
+        except CoordinatorError as exc:
+            self._warn(f"heartbeat failed: {exc.message}")
+            return
+        except Refused as exc:
+            self._warn(f"heartbeat refused: {exc.message}")
+            return
+        self._last_ok = sent
+        self._take_state(str(answer.get("state", "active")))
+        lease_s = float(answer.get("lease_s", self.lease_s))
+        if lease_s != self.lease_s:
+            self.set_lease(lease_s)
+        for cancel in answer.get("cancels", []):
+            h = self.held.get(str(cancel.get("id")))
+            if h is None or h.lost:
+                continue
+            reason = str(cancel.get("reason", "cancelled by the coordinator"))
+            if cancel.get("lost"):
+                self._lose(h, reason)
+            else:
+                job = self.store.get_job(h.local_id)
+                if job is not None and not job.state.terminal:
+                    with contextlib.suppress(UserError):
+                        self.store.request_cancel(h.local_id, now=self.broker.clock())
+                        log.info("job %s: %s; stopping it", h.job_id, reason)
+
+    def _take_state(self, state: str) -> None:
+        if state == "revoked":
+            raise CredentialRefused(f"node {self.node} was revoked by the coordinator")
+        if state != self.state:
+            log.warning("node %s is now %s", self.node, state)
+            self.state = state
+
+    def _may_claim(self) -> bool:
+        if self.stopping or self.state != "active" or not self.broker.accepting:
+            return False
+        if self._busy() >= self.max_jobs:
+            return False
+        if self.monotonic() - self._last_ok > self.stop_after_s / 2:
+            return False  # not while the coordinator does not answer
+        return self._claim_now or self.monotonic() - self._last_claim >= self.claim_every_s
+
+    def _claim(self) -> None:
+        self._last_claim = self.monotonic()
+        self._claim_now = False
+        want = self.max_jobs - self._busy()
+        try:
+            answer = self.coordinator.claim(self.report(), want, self.holding())
+        except (CoordinatorError, Refused) as exc:
+            self._warn(f"claim failed: {exc.message}")
+            return
+        self._take_state(str(answer.get("state", "active")))
+        for job in answer.get("jobs", []):
+            self._take(job)
+
+    def _take(self, payload: dict[str, Any]) -> None:
+        """Put a leased job into the local queue."""
+        job_id = str(payload["id"])
+        local_id = job_id
+        n = 1
+        while self.store.get_job(local_id) is not None:
+            n += 1
+            local_id = f"{job_id}.{n}"
+            if not JOB_ID.fullmatch(local_id):
+                local_id = f"{job_id[:100]}.{n}"
+        inputs = tuple(str(x) for x in payload.get("inputs") or ())
+        spec = JobSpec(
+            id=local_id,
+            type=str(payload["type"]),
+            params=dict(payload.get("params") or {}),
+            inputs=inputs,
+            outputs=tuple(payload.get("outputs") or ()),
+            priority=int(payload.get("priority") or 0),
+            vram_bytes=payload.get("vram_bytes"),
+        )
+        origin = DIRECT
+        if inputs:
+            folder = fetch_inputs(
+                self.coordinator,
+                self.broker.settings.state_dir,
+                job_id=job_id,
+                lease_id=str(payload["lease_id"]),
+                local_id=local_id,
+                inputs=inputs,
+            )
+            if folder is None:  # its lease lapses; it goes elsewhere
+                return
+            origin = Submission(input_dir=str(folder))
+        try:
+            self.store.submit([spec], now=self.broker.clock(), origin=origin)
+        except (DuplicateJobError, UserError) as exc:  # its lease lapses; it goes elsewhere
+            log.error("leased job %s could not be queued here: %s", job_id, exc)
+            return
+        h = Held(job_id=job_id, local_id=local_id, lease_id=str(payload["lease_id"]))
+        self.held[job_id] = h
+        self._by_local[local_id] = job_id
+        self.broker.wake()
+
+    # -- reports ----------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """Turn new local events of held jobs into reports, in order."""
+        while True:
+            events = self.store.events(after_id=self._cursor, limit=1000)
+            if not events:
+                return
+            for ev in events:
+                self._cursor = ev.id or self._cursor
+                if ev.kind != "transition" or ev.job_id not in self._by_local:
+                    continue
+                h = self.held.get(self._by_local[ev.job_id])
+                if h is None or h.lost:
+                    continue
+                self._on_transition(h, ev)
+
+    def _on_transition(self, h: Held, ev: Event) -> None:
+        to, frm = ev.to_state, ev.from_state
+        if to == JobState.RUNNING.value:
+            self._outbox.append(_Report("start", h, {"gpu": ev.detail.get("gpu")}))
+            return
+        if frm == JobState.RUNNING.value:
+            self._outbox.append(_Report("finish", h, self._finish_body(h, ev)))
+            if to != JobState.QUEUED.value:
+                h.ended = True
+            self._claim_now = True
+            return
+        if frm == JobState.QUEUED.value and to == JobState.FAILED.value:
+            # refused here before it ran (its type is gone, the launch rules say no)
+            self._outbox.append(_Report("start", h, {"gpu": None}))
+            body = {
+                "state": to,
+                "outcome": "launch_error",
+                "reason": str(ev.detail.get("reason", "")),
+                "result": {"message": str(ev.detail.get("reason", ""))},
+            }
+            self._outbox.append(_Report("finish", h, body))
+            h.ended = True
+            self._claim_now = True
+        elif to in (JobState.CANCELLED.value, JobState.FAILED.value):
+            h.ended = True  # cancelled here on the coordinator's word: nothing to say
+            self._claim_now = True
+
+    def _finish_body(self, h: Held, ev: Event) -> dict[str, Any]:
+        number = ev.detail.get("attempt")
+        attempt = next((a for a in self.store.attempts(h.local_id) if a.number == number), None)
+        job = self.store.get_job(h.local_id)
+        outcome = str(ev.detail.get("outcome") or (attempt.outcome if attempt else "") or "")
+        state = str(ev.to_state)
+        reason = attempt.reason if attempt is not None else str(ev.detail.get("reason", ""))
+        body: dict[str, Any] = {
+            "state": state,
+            "outcome": outcome,
+            "reason": reason,
+            "exit_code": attempt.exit_code if attempt is not None else None,
+            "result": dict(job.result) if job is not None else {},
+            "stdout": attempt.stdout if attempt is not None else "",
+            "stderr": attempt.stderr if attempt is not None else "",
+        }
+        if outcome in _SHUTDOWN_OUTCOMES:
+            # this agent stopped: not the job's failure; it runs again elsewhere
+            body.update(
+                state=JobState.QUEUED.value,
+                outcome="interrupted",
+                reason=f"its node {self.node} shut down while it ran",
+                release=True,
+            )
+        return body
+
+    def _send(self) -> None:
+        while self._outbox:
+            if self.monotonic() - self._last_ok > self.stop_after_s:
+                self._watchdog()  # too late to report anything held
+                return
+            r = self._outbox.popleft()
+            try:
+                if r.kind == "start":
+                    self.coordinator.start(r.held.job_id, r.held.lease_id, r.body.get("gpu"))
+                    r.held.started = True
+                    continue
+                upload_outputs(
+                    self.coordinator,
+                    Outputs(r.held.job_id, r.held.lease_id, r.uploaded, r.not_uploaded),
+                    r.body,
+                )
+                body = dict(r.body)
+                body["lease_id"] = r.held.lease_id
+                answer = self.coordinator.finish(r.held.job_id, body)
+            except CoordinatorError as exc:
+                self._outbox.appendleft(r)
+                self._warn(f"report failed, will retry: {exc.message}")
+                return
+            except Refused as exc:
+                log.warning("job %s: %s report refused: %s", r.held.job_id, r.kind, exc.message)
+                if r.kind == "start":
+                    self._lose(r.held, f"its start was refused: {exc.message}")
+                    continue
+                r.held.ended = True
+                local = self.store.get_job(r.held.local_id)
+                if local is not None and not local.state.terminal:
+                    # a retry here the coordinator does not know of: it must not run
+                    self._lose(r.held, f"its report was refused: {exc.message}")
+                continue
+            if not answer.get("lease_kept", False) and not r.held.ended:
+                # the coordinator ended it (quarantined past its retries, cancelled)
+                r.held.ended = True
+                self._lose(r.held, f"the coordinator ended it ({answer.get('state')})")
+
+    def _forget_ended(self) -> None:
+        for job_id, h in list(self.held.items()):
+            if any(r.held is h for r in self._outbox):
+                continue
+            local = self.store.get_job(h.local_id) if (h.ended or h.lost) else None
+            if h.ended or (h.lost and (local is None or local.state.terminal)):
+                del self.held[job_id]
+                self._by_local.pop(h.local_id, None)
+
+    def _warn(self, message: str) -> None:
+        if self.monotonic() - self._warned_at >= 10:
+            self._warned_at = self.monotonic()
+            log.warning("%s", message)
+
+    # -- stopping -------------------------------------------------------------------
+
+    def drop_everything(self, reason: str) -> None:
+        """Stop every held job here and report nothing (revoked)."""
+        for h in self.held.values():
+            if not h.lost:
+                self._lose(h, reason)
+        self._outbox.clear()
+
+    def final_reports(self) -> None:
+        """After the broker stopped: report what ended (one try each)."""
+        self.stopping = True
+        with contextlib.suppress(CredentialRefused):
+            self._collect()
+            self._send()

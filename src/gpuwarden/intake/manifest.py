@@ -1,0 +1,339 @@
+"""The bundle format: its names and limits, the rule every path in a bundle meets,
+and the strict reading of a bundle's ``manifest.json``.
+
+A bundle holds ``manifest.json`` and an ``inputs/`` folder::
+
+    manifest.json   {"version": 1, "jobs": [{"id": ..., "type": ..., ...}]}
+    inputs/a.txt
+    inputs/sub/b.bin
+
+A result bundle holds, per job, ``<job_id>/result.json`` and the job's files
+under ``<job_id>/outputs/``. Reading a bundle is :mod:`gpuwarden.intake.bundle`;
+writing one is :mod:`gpuwarden.intake.bundlewrite`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwarden.core.launchrules import widening_refusal
+from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
+from gpuwarden.core.placement import check_constraints
+from gpuwarden.errors import BundleError
+
+__all__ = [
+    "BundleLimits",
+    "bundle_name",
+    "is_temp_name",
+    "manifest_doc",
+    "parse_manifest",
+    "path_problem",
+    "show",
+]
+
+MANIFEST = "manifest.json"
+INPUTS = "inputs"
+RESULT_JSON = "result.json"
+OUTPUTS = "outputs"
+MANIFEST_VERSION = 1
+
+
+JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+JOB_ID_RULE = (
+    "1 to 128 characters of letters, digits, '.', '_' and '-', starting with a letter or digit"
+)
+_TYPE_RE = re.compile(r"[^.\s]+\.[^.\s]+")
+_DRIVE_RE = re.compile(r"[A-Za-z]:")
+
+
+_TOP_KEYS = ("version", "jobs")
+_JOB_KEYS = ("id", "type", "params", "inputs", "outputs", "priority", "vram_gib", "constraints")
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+_MAX_VRAM_GIB = 2**20  # 1 PiB: anything above is a typo, and keeps vram_bytes in int64
+
+
+CHUNK = 1 * MIB
+MAX_NAME_BYTES = 1024  # a whole entry name
+_MAX_COMPONENT_BYTES = 255  # one path component (NAME_MAX on Linux)
+
+
+FILE_MODE = 0o644
+
+
+@dataclass(frozen=True)
+class BundleLimits:
+    """What an incoming bundle may hold; anything bigger is refused."""
+
+    max_zip_bytes: int = 1 * GIB
+    max_entries: int = 10_000
+    max_unpacked_bytes: int = 4 * GIB
+    max_jobs: int = 1000
+    max_manifest_bytes: int = 1 * MIB
+
+
+def is_temp_name(name: str) -> bool:
+    """True for a file still being written: a name starting with ``.`` or ending
+    in ``.tmp`` or ``.part``. Such files are never picked up from an inbox."""
+    return name.startswith(".") or name.endswith((".tmp", ".part"))
+
+
+def bundle_name(first_job_id: str, now: float) -> str:
+    """A fresh bundle file name: ``<first-job-id>-<UTC timestamp>-<6 random hex>.zip``,
+    for example ``hello-1-20261129T074212Z-3fa9c1.zip``."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    return f"{first_job_id}-{stamp}-{secrets.token_hex(3)}.zip"
+
+
+def path_problem(name: str) -> str | None:
+    """Why ``name`` is not a safe relative POSIX path, or None when it is.
+
+    A trailing ``/`` (a directory entry) is allowed; callers strip it first."""
+    if not name:
+        return "the name is empty"
+    if "\x00" in name:
+        return "the name contains a NUL byte"
+    if name.startswith(("/", "\\")) or _DRIVE_RE.match(name):
+        return "the name is an absolute path"
+    if "\\" in name:
+        return "the name contains a backslash (zip names use '/')"
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+        return f"the name is longer than {MAX_NAME_BYTES} bytes"
+    for part in name.split("/"):
+        if part == "..":
+            return "the name has a '..' component"
+        if part in ("", "."):
+            return "the name has an empty or '.' component"
+        if len(part.encode("utf-8", "surrogateescape")) > _MAX_COMPONENT_BYTES:
+            return f"a component of the name is longer than {_MAX_COMPONENT_BYTES} bytes"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A value as JSON text, shortened for an error message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(f"duplicate key {show(key)} in an object")
+        out[key] = value
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def _check_keys(obj: dict[str, Any], allowed: Sequence[str], at: str) -> None:
+    for key in obj:
+        if key not in allowed:
+            raise BundleError(f"{at}unknown key {show(key)} (allowed: {', '.join(allowed)})")
+
+
+def _paths(value: Any, where: str, label: str) -> tuple[str, ...]:
+    at = f"{where}: {label}"
+    if not isinstance(value, list):
+        raise BundleError(f"{at} must be an array of paths, got {_json_type(value)}")
+    seen: dict[str, int] = {}
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise BundleError(f"{at}[{i}] must be a string, got {show(item)}")
+        problem = path_problem(item)
+        if problem is not None:
+            raise BundleError(f"{at}[{i}] {show(item)} is not a relative path: {problem}")
+        if item in seen:
+            raise BundleError(f"{at}[{i}] {show(item)} repeats {label}[{seen[item]}]")
+        seen[item] = i
+    return tuple(value)
+
+
+def _job(raw: Any, i: int, where: str) -> JobSpec:
+    at = f"{where}: jobs[{i}]"
+    if not isinstance(raw, dict):
+        raise BundleError(f"{at} must be an object, got {_json_type(raw)}")
+    for key, value in raw.items():
+        if isinstance(key, str) and (why := widening_refusal(key, value)) is not None:
+            raise BundleError(f"{at}: {why}")
+    _check_keys(raw, _JOB_KEYS, f"{at}: ")
+    for key in ("id", "type"):
+        if key not in raw:
+            raise BundleError(f"{at}: missing required key {show(key)}")
+
+    job_id = raw["id"]
+    if not isinstance(job_id, str):
+        raise BundleError(f"{at}.id must be a string, got {show(job_id)}")
+    if not JOB_ID_RE.fullmatch(job_id):
+        raise BundleError(f"{at}.id {show(job_id)} is not a valid job id ({JOB_ID_RULE})")
+
+    jtype = raw["type"]
+    if not isinstance(jtype, str):
+        raise BundleError(f"{at}.type must be a string, got {show(jtype)}")
+    if not _TYPE_RE.fullmatch(jtype):
+        raise BundleError(f"{at}.type must look like 'module.type', got {show(jtype)}")
+
+    params = raw.get("params", {})
+    if not isinstance(params, dict):
+        raise BundleError(f"{at}.params must be an object, got {_json_type(params)}")
+    for key in params:
+        if not isinstance(key, str):  # pragma: no cover - JSON keys are always strings
+            raise BundleError(f"{at}.params has a key that is not a string: {key!r}")
+
+    inputs = _paths(raw.get("inputs", []), where, f"jobs[{i}].inputs")
+    outputs = _paths(raw.get("outputs", []), where, f"jobs[{i}].outputs")
+
+    priority = raw.get("priority", 0)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise BundleError(f"{at}.priority must be an integer, got {show(priority)}")
+    if not _INT64_MIN <= priority <= _INT64_MAX:
+        raise BundleError(f"{at}.priority is out of range (a 64-bit integer), got {priority}")
+
+    vram_bytes: int | None = None
+    if "vram_gib" in raw:
+        vram = raw["vram_gib"]
+        if not isinstance(vram, int | float) or isinstance(vram, bool):
+            raise BundleError(f"{at}.vram_gib must be a number, got {show(vram)}")
+        if not math.isfinite(vram) or vram <= 0:
+            raise BundleError(f"{at}.vram_gib must be greater than 0, got {show(vram)}")
+        if vram > _MAX_VRAM_GIB:
+            raise BundleError(f"{at}.vram_gib must be at most {_MAX_VRAM_GIB}, got {show(vram)}")
+        vram_bytes = math.ceil(vram * GIB)
+
+    constraints: dict[str, Any] = {}
+    if "constraints" in raw:
+        try:
+            constraints = check_constraints(raw["constraints"])
+        except ValueError as exc:
+            raise BundleError(f"{at}.constraints: {exc}") from None
+
+    return JobSpec(
+        id=job_id,
+        type=jtype,
+        params=dict(params),
+        inputs=inputs,
+        outputs=outputs,
+        priority=priority,
+        vram_bytes=vram_bytes,
+        constraints=constraints,
+    )
+
+
+def parse_manifest(
+    data: bytes, *, where: str = MANIFEST, limits: BundleLimits | None = None
+) -> tuple[JobSpec, ...]:
+    """Parse and check a bundle's ``manifest.json``; return its jobs in order.
+
+    Strict: the version must be 1, unknown keys at any level are errors, job ids
+    must be valid and unique. Parameter values are not checked here (the module
+    registry does that). Every problem raises :class:`BundleError` that names
+    ``where`` and the place in the manifest, for example
+    ``manifest.json: jobs[2].priority must be an integer, got "high"``.
+    ``limits`` bounds the manifest's size and job count (defaults: BundleLimits()).
+    """
+    limits = limits or BundleLimits()
+    if len(data) > limits.max_manifest_bytes:
+        raise BundleError(
+            f"{where}: is {format_bytes(len(data))}, more than the limit of "
+            f"{format_bytes(limits.max_manifest_bytes)}"
+        )
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise BundleError(
+            f"{where}: is not UTF-8 text ({exc.reason} at byte {exc.start})"
+        ) from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constants)
+    except _DuplicateKeyError as exc:
+        raise BundleError(f"{where}: {exc}") from None
+    except RecursionError:
+        raise BundleError(f"{where}: is nested too deeply") from None
+    except ValueError as exc:
+        raise BundleError(f"{where}: is not valid JSON: {exc}") from None
+
+    if not isinstance(doc, dict):
+        raise BundleError(f"{where}: must be a JSON object, got {_json_type(doc)}")
+    _check_keys(doc, _TOP_KEYS, f"{where}: ")
+    if "version" not in doc:
+        raise BundleError(f'{where}: missing required key "version" (it must be 1)')
+    version = doc["version"]
+    if type(version) is not int or version != MANIFEST_VERSION:
+        raise BundleError(f"{where}: version must be {MANIFEST_VERSION}, got {show(version)}")
+    if "jobs" not in doc:
+        raise BundleError(f'{where}: missing required key "jobs"')
+    raw_jobs = doc["jobs"]
+    if not isinstance(raw_jobs, list):
+        raise BundleError(f"{where}: jobs must be an array, got {_json_type(raw_jobs)}")
+    if not raw_jobs:
+        raise BundleError(f"{where}: jobs is empty; a bundle holds at least one job")
+    if len(raw_jobs) > limits.max_jobs:
+        raise BundleError(
+            f"{where}: has {len(raw_jobs)} jobs, more than the limit of {limits.max_jobs}"
+        )
+
+    jobs: list[JobSpec] = []
+    first_seen: dict[str, int] = {}
+    for i, raw in enumerate(raw_jobs):
+        job = _job(raw, i, where)
+        if job.id in first_seen:
+            raise BundleError(
+                f"{where}: jobs[{i}].id {show(job.id)} repeats jobs[{first_seen[job.id]}].id"
+            )
+        first_seen[job.id] = i
+        jobs.append(job)
+    return tuple(jobs)
+
+
+def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
+    out: list[dict[str, Any]] = []
+    for job in jobs:
+        entry: dict[str, Any] = {
+            "id": job.id,
+            "type": job.type,
+            "params": dict(job.params),
+            "inputs": list(job.inputs),
+            "outputs": list(job.outputs),
+            "priority": job.priority,
+        }
+        if job.vram_bytes is not None:
+            gib = job.vram_bytes / GIB  # exact: GIB is a power of two
+            entry["vram_gib"] = int(gib) if gib.is_integer() else gib
+        if job.constraints:
+            entry["constraints"] = dict(job.constraints)
+        out.append(entry)
+    return {"version": MANIFEST_VERSION, "jobs": out}

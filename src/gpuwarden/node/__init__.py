@@ -1,0 +1,1 @@
+"""The broker of one node: its single-writer loop and what only that loop touches."""

@@ -1,0 +1,396 @@
+"""An attempt's folder, its environment and its launch request: the contract
+between the broker and a job (SPEC.md section 7), written once.
+
+- :class:`AttemptLayout`: where an attempt's files are in its folder (params,
+  inputs, outputs, scratch, the message it may leave), as its job is told.
+- :func:`job_env` and :func:`server_env`: the ``GPUWARDEN_*`` environment a job
+  (or a warm server) starts with, over :func:`host_env` (the broker's own
+  variables that pass on, and what makes the GPU visible).
+- :class:`Launching`: how this node turns a started attempt (or a new warm
+  server) into a launch request: which sandbox, whose folders, what GPU access,
+  which mounts; and what the job's result holds beyond its row.
+
+The broker loop, ``gpuwarden doctor`` (a sandboxed probe run as the broker runs
+a job) and ``gpuwarden demo`` (jobs started by hand, as a broker would) all
+build their jobs' environments here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpuwarden import safefs
+from gpuwarden.core.model import Job, JobType
+from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.gpu.sim import SimProbe
+from gpuwarden.launch.base import (
+    INSIDE,
+    Launcher,
+    LaunchRequest,
+    LaunchResult,
+    Mount,
+    inside_path,
+)
+from gpuwarden.launch.host import HostLauncher
+from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
+from gpuwarden.node import attemptfs
+from gpuwarden.node.running import Emit, RunningAttempt
+from gpuwarden.node.settings import NodeSettings
+from gpuwarden.registry import Registry
+
+#: the broker's log: its lines keep one name, whichever of its modules writes them
+log = logging.getLogger("gpuwarden.node.loop")
+
+#: the broker's environment variables that pass on to a job
+PASS_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "VIRTUAL_ENV")
+
+
+# -- the contract -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptLayout:
+    """An attempt's folder ``root``, as its job is told of it. A sandboxed job
+    leaves its message in ``report/`` (the one folder it may write beside its
+    outputs); a host job in the folder itself."""
+
+    root: Path
+    sandboxed: bool = False
+    #: the job's own input folder (its bundle's, or fetched), else ``root/inputs``
+    given_inputs: Path | None = None
+
+    @property
+    def out(self) -> Path:
+        return self.root / "out"
+
+    @property
+    def scratch(self) -> Path:
+        return self.root / "scratch"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report"
+
+    @property
+    def inputs(self) -> Path:
+        return self.given_inputs if self.given_inputs is not None else self.root / "inputs"
+
+    @property
+    def params(self) -> Path:
+        return self.root / "params.json"
+
+    @property
+    def result(self) -> Path:
+        """Where the job may write its ``message.json``."""
+        return (self.report if self.sandboxed else self.root) / "message.json"
+
+    def folders(self) -> list[Path]:
+        """The folders made for the job inside ``root`` (its inputs only when it
+        has no folder of its own)."""
+        made = [self.out, self.scratch, *([self.report] if self.sandboxed else [])]
+        if self.given_inputs is None:
+            made.append(self.root / "inputs")
+        return made
+
+
+def host_env(
+    gpu_env: Mapping[str, str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """What a job's environment starts from: the broker's own variables that pass
+    on (:data:`PASS_ENV`), then what the probe says makes the GPU visible."""
+    source = os.environ if environ is None else environ
+    env = {k: v for k, v in source.items() if k in PASS_ENV}
+    env.update(gpu_env)
+    return env
+
+
+def job_env(
+    layout: AttemptLayout,
+    *,
+    job_id: str,
+    job_type: str,
+    attempt: int,
+    base: Mapping[str, str],
+    weights_dir: Path | None,
+) -> dict[str, str]:
+    """The environment a job starts with (SPEC.md section 7): ``base`` (see
+    :func:`host_env`) and the ``GPUWARDEN_*`` variables that name its files."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(
+        {
+            "GPUWARDEN_JOB_ID": job_id,
+            "GPUWARDEN_JOB_TYPE": job_type,
+            "GPUWARDEN_ATTEMPT_NUMBER": str(attempt),
+            "GPUWARDEN_PARAMS": str(layout.params),
+            "GPUWARDEN_INPUT_DIR": str(layout.inputs),
+            "GPUWARDEN_OUTPUT_DIR": str(layout.out),
+            "GPUWARDEN_SCRATCH_DIR": str(layout.scratch),
+            "GPUWARDEN_RESULT": str(layout.result),
+        }
+    )
+    if weights_dir is not None:
+        env["GPUWARDEN_WEIGHTS_DIR"] = str(weights_dir)
+    return env
+
+
+def server_env(
+    *, job_type: str, base: Mapping[str, str], weights_dir: Path | None
+) -> dict[str, str]:
+    """The environment a warm server starts with: a server outlives its jobs, so
+    only its type is named; each job's files reach it over its socket."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["GPUWARDEN_JOB_TYPE"] = job_type
+    if weights_dir is not None:
+        env["GPUWARDEN_WEIGHTS_DIR"] = str(weights_dir)
+    return env
+
+
+def job_params(job: Job, jobtype: JobType, input_dir: Path) -> dict[str, Any]:
+    """The job's parameters, its input parameters made paths under ``input_dir``."""
+    params = dict(job.params)
+    for spec in jobtype.params:
+        if spec.type.value == "input" and spec.name in params:
+            params[spec.name] = str(input_dir / params[spec.name])
+    return params
+
+
+def _is_input(jobtype: JobType, name: str) -> bool:
+    spec = jobtype.param(name)
+    return spec is not None and spec.type.value == "input"
+
+
+# -- launching on this node ----------------------------------------------------------
+
+
+class Launching:
+    """How attempts and warm servers are laid out and launched on this node."""
+
+    def __init__(
+        self,
+        *,
+        settings: NodeSettings,
+        probe: GpuProbe,
+        registry: Registry,
+        sandbox: SandboxLauncher | None,
+        instance: str,
+        emit: Emit,
+    ) -> None:
+        self.settings = settings
+        self.rules = settings.rules
+        self.probe = probe
+        self.registry = registry
+        #: sandboxed attempts (container types, and serve types' workers)
+        self.sandbox = sandbox
+        #: names this broker's processes (see ``Broker.instance``)
+        self.instance = instance
+        self.emit = emit
+        self.jobs_dir = settings.state_dir / "jobs"
+
+    def sandbox_for(self, jobtype: JobType) -> SandboxLauncher | None:
+        """The sandbox attempts of ``jobtype`` run in, or None (a host process)."""
+        return self.sandbox if self.rules.sandboxed(jobtype) else None
+
+    def sandbox_owner(self, jobtype: JobType) -> tuple[int, int] | None:
+        """Who owns the folders a sandboxed attempt (or warm server) writes: the
+        sandbox's user and group when the broker runs as root (every runtime runs
+        the job as that host user); None otherwise (nothing is chowned)."""
+        sandbox = self.sandbox_for(jobtype)
+        return None if sandbox is None else sandbox.job_owner
+
+    def gpu_access(self, gpu: str | None) -> tuple[str | None, tuple[Mount, ...]]:
+        """What a sandbox needs to reach ``gpu``: the real device's UUID, or for
+        the simulated GPU the folder that holds its state (and nothing else)."""
+        if gpu is None:
+            return None, ()
+        if isinstance(self.probe, SimProbe):
+            folder = str(self.probe.path.parent)
+            return None, (Mount(folder, folder, writable=True),)
+        return gpu, ()
+
+    def attempt_dir(self, job_id: str, number: int) -> Path:
+        return self.jobs_dir / job_id / f"attempt-{number}"
+
+    def make_attempt_dir(self, run: RunningAttempt, now: float) -> None:
+        """Create the attempt's folder fresh; one already there is moved aside
+        (never reused) and that is logged."""
+        made = attemptfs.new_attempt_dir(self.jobs_dir, run.job.id, run.attempt.number, now=now)
+        if made.moved_aside is not None:
+            log.warning(
+                "attempt folder %s was already there (the store lost commits?): moved to %s",
+                made.path,
+                made.moved_aside,
+            )
+            self.emit(
+                "attempt_dir_moved_aside",
+                job=run.job.id,
+                attempt=run.attempt.number,
+                moved_to=str(made.moved_aside),
+            )
+
+    def params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]:
+        """The job's input directory, and its parameters with inputs made absolute."""
+        input_dir = AttemptLayout(run.attempt_dir, given_inputs=_given_inputs(run.job)).inputs
+        return input_dir, job_params(run.job, run.jobtype, input_dir)
+
+    def request(self, run: RunningAttempt, gpu: str | None, now: float) -> LaunchRequest:
+        """Lay out the attempt's folder (fresh, mode 0700; what a sandboxed job
+        writes belongs to the sandbox's user) and build its launch request."""
+        job, jobtype = run.job, run.jobtype
+        sandbox = self.sandbox_for(jobtype)
+        layout = AttemptLayout(
+            run.attempt_dir, sandboxed=sandbox is not None, given_inputs=_given_inputs(job)
+        )
+        self.make_attempt_dir(run, now)
+        owner = self.sandbox_owner(jobtype)
+        for d in layout.folders():
+            safefs.make_dir(d, owner=owner)
+        input_dir, params = self.params(run)
+        weights = self.settings.weights_dir
+        mounts: tuple[Mount, ...] = ()
+        gpu_uuid: str | None = None
+        if sandbox is not None:
+            gpu_uuid, gpu_mounts = self.gpu_access(gpu)
+            mounts = mounts_for(
+                module_dir=jobtype.module_dir,
+                input_dir=str(input_dir),
+                output_dir=str(layout.out),
+                scratch_dir=str(layout.scratch),
+                report_dir=str(layout.report),
+                params_file=str(layout.params),
+                weights_dir=str(weights) if weights is not None else None,
+                scratch_bytes=self.settings.scratch_bytes,
+                extra=gpu_mounts,
+            )
+            # the job reads its input parameters as paths it can open: where the
+            # sandbox sees them
+            params = {
+                k: inside_path(mounts, v) if _is_input(jobtype, k) else v for k, v in params.items()
+            }
+        # readable by the sandbox's user through its mount (the folder is 0700)
+        attemptfs.write_new_file(layout.params, json.dumps(params, indent=2).encode(), mode=0o644)
+        env = job_env(
+            layout,
+            job_id=job.id,
+            job_type=job.type,
+            attempt=run.attempt.number,
+            base=host_env(self.probe.job_env(gpu)),
+            weights_dir=weights,
+        )
+        return LaunchRequest(
+            job_id=job.id,
+            attempt=run.attempt.number,
+            argv=self.registry.argv(jobtype, sandbox.python if sandbox else None),
+            cwd=jobtype.module_dir,
+            env=env,
+            attempt_dir=str(run.attempt_dir),
+            timeout_s=jobtype.timeout_s,
+            clip_chars=self.settings.clip_chars,
+            kill_grace_s=self.settings.kill_grace_s,
+            instance=self.instance,
+            mounts=mounts,
+            gpu_uuid=gpu_uuid,
+            memory_bytes=jobtype.ram_bytes if sandbox is not None else 0,
+        )
+
+    def server_request(
+        self, jobtype: JobType, gpu: str, epoch: int, log_dir: Path, socket_path: Path
+    ) -> tuple[Launcher, LaunchRequest]:
+        """The launcher and request of a new warm server of ``jobtype`` on ``gpu``
+        (its log folder ``log_dir`` made already, with its ``exchange/``)."""
+        sandbox = self.sandbox_for(jobtype)
+        env = server_env(
+            job_type=jobtype.name,
+            base=host_env(self.probe.job_env(gpu)),
+            weights_dir=self.settings.weights_dir,
+        )
+        request = LaunchRequest(
+            job_id=f"warm-{jobtype.name}",
+            attempt=epoch,
+            argv=self.registry.argv(jobtype, sandbox.python if sandbox else None),
+            cwd=jobtype.module_dir,
+            env=env,
+            attempt_dir=str(log_dir),
+            timeout_s=math.inf,
+            clip_chars=self.settings.clip_chars,
+            kill_grace_s=self.settings.kill_grace_s,
+            instance=self.instance,
+        )
+        if sandbox is None:
+            return HostLauncher(), request
+        return sandbox, self._sandboxed_server_request(request, gpu, socket_path, jobtype)
+
+    def _sandboxed_server_request(
+        self, request: LaunchRequest, gpu: str, socket_path: Path, jobtype: JobType
+    ) -> LaunchRequest:
+        """A warm server in a sandbox sees its module, its scratch, its socket and
+        its exchange folder, through which each job's files pass (mounts cannot
+        change while it runs, so the jobs' own folders are never mounted)."""
+        log_dir = Path(request.attempt_dir)
+        exchange = log_dir / "exchange"
+        # its load scratch (a bind mount when [sandbox] scratch_mib = 0), the
+        # sandbox's user's like an attempt's
+        safefs.make_dir(log_dir / "scratch", owner=self.sandbox_owner(jobtype))
+        weights = self.settings.weights_dir
+        gpu_uuid, gpu_mounts = self.gpu_access(gpu)
+        mounts = mounts_for(
+            module_dir=jobtype.module_dir,
+            input_dir=None,
+            output_dir=str(exchange),
+            scratch_dir=str(log_dir / "scratch"),
+            report_dir=None,
+            params_file=None,
+            weights_dir=str(weights) if weights is not None else None,
+            scratch_bytes=self.settings.scratch_bytes,
+            extra=(Mount(str(socket_path), str(INSIDE / "serve.sock"), writable=True), *gpu_mounts),
+        )
+        return dataclasses.replace(
+            request, mounts=mounts, gpu_uuid=gpu_uuid, memory_bytes=jobtype.ram_bytes
+        )
+
+    def result_extra(
+        self,
+        job: Job,
+        run: RunningAttempt | None,
+        result: LaunchResult | None,
+        fields: dict[str, Any],
+        *,
+        listing: safefs.Listing | None = None,
+    ) -> dict[str, Any]:
+        """What a job's result.json holds beyond the job row itself. ``outputs``
+        are the regular files of the attempt's ``out/``; ``refused`` names every
+        entry that is not one (a link, a FIFO, a device, a folder too deep), why,
+        and what its warm server's exchange folder refused."""
+        jobtype = self.registry.types.get(job.type)
+        extra: dict[str, Any] = dict(fields)
+        if jobtype is not None:
+            extra["module_fingerprint"] = self.registry.module_of(jobtype).fingerprint
+        if run is not None and result is not None:
+            extra["output_dir"] = str(run.attempt_dir / "out")
+            if listing is None:
+                listing = attemptfs.list_outputs(run.attempt_dir)
+            extra["outputs"] = sorted(e.path for e in listing.files)
+            extra["refused"] = [*listing.refused_json(), *run.exchange_refused]
+            if listing.truncated:
+                extra["outputs_truncated"] = listing.truncated
+            extra["gpu"] = run.attempt.gpu_uuid
+            if result.oom_killed is not None:
+                extra["oom_killed"] = result.oom_killed
+            sandbox = self.sandbox_for(run.jobtype)
+            extra["sandbox"] = sandbox.runtime.value if sandbox is not None else "none"
+            extra["started_at"] = result.started_at
+            extra["ended_at"] = result.ended_at
+        return extra
+
+
+def _given_inputs(job: Job) -> Path | None:
+    return Path(job.input_dir) if job.input_dir else None

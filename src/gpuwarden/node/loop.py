@@ -1,0 +1,598 @@
+"""The node broker: the single writer of its node's attempt state.
+
+Each :meth:`Broker.tick` reads top to bottom: take in new bundles, drain what
+worker threads posted, pass cancel requests on, plan and start attempts, write
+the results of finished bundles, publish status and events. Worker threads only
+run launchers and drive warm servers; they never touch the store or the
+broker's state, they post to its :class:`Mailbox` and the loop drains it.
+
+The broker holds one collaborator per concern, each given its dependencies when
+it is built:
+
+- ``queues`` (:class:`gpuwarden.intake.service.QueueIntake`): the queue roots'
+  bundles, their intake, results and recovery;
+- ``attempts`` (:class:`gpuwarden.node.runner.AttemptRunner`): host and container
+  attempts, from their start to their recorded end;
+- ``warm`` (:class:`gpuwarden.node.warm.WarmServers`): the serve types' servers;
+- ``gpus`` (:class:`gpuwarden.node.gpus.GpuWatch`): the probe read, a GPU's Xid
+  answered; ``vram`` (:class:`gpuwarden.node.vram.VramBook`): the ledger;
+- ``footprints`` and ``run_times`` (:mod:`gpuwarden.node.measured`): what the
+  node learned from its attempts;
+- ``launching`` (:class:`gpuwarden.node.attempts.Launching`): how an attempt is
+  laid out and launched here;
+- at start, :class:`gpuwarden.node.recovery.Recovery`: what an earlier run left.
+
+What the loop decides itself: what to start (:func:`gpuwarden.core.policy.plan`
+on a snapshot) and what it publishes (:class:`gpuwarden.node.status.BrokerStatus`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from hashlib import sha256
+from typing import Any
+
+from gpuwarden import faults
+from gpuwarden.core import policy
+from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import ValidationError
+from gpuwarden.eventlog import EventLog, NullLog
+from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.intake.queueroot import QueueRoot
+from gpuwarden.intake.service import QueueIntake
+from gpuwarden.launch.base import Launcher
+from gpuwarden.launch.sandbox import SandboxLauncher
+from gpuwarden.node.attempts import Launching
+from gpuwarden.node.gpus import GpuWatch
+from gpuwarden.node.measured import Footprints, RunTimes
+from gpuwarden.node.recovery import Recovery
+from gpuwarden.node.runner import AttemptRunner
+from gpuwarden.node.running import Clock, ExchangeNote, Mailbox, ServerNote, Started
+from gpuwarden.node.settings import NodeSettings
+from gpuwarden.node.status import (
+    BrokerStatus,
+    FootprintStatus,
+    GpuReport,
+    GpuStatus,
+    LoopError,
+    ProcessUse,
+    RunningStatus,
+    gpu_reports,
+)
+from gpuwarden.node.vram import VramBook
+from gpuwarden.node.warm import WarmServers
+from gpuwarden.node.warmpool import ServerState
+from gpuwarden.registry import Registry
+from gpuwarden.store.base import NodeStatus, Store
+
+# ``result_json`` is intake's (gpuwarden.intake.service); named here for the CLI
+__all__ = ["Broker", "IntakeFactory"]
+
+log = logging.getLogger("gpuwarden.node.loop")
+
+#: at most this many wait reasons go into the status row
+_STATUS_WAITING_MAX = 1000
+
+#: status is written at most this often, even while things change
+_MIN_STATUS_GAP_S = 0.25
+
+
+class Broker:
+    """The broker loop of one node, and what it knows of the node."""
+
+    def __init__(
+        self,
+        *,
+        settings: NodeSettings,
+        store: Store,
+        probe: GpuProbe,
+        registry: Registry,
+        launchers: Mapping[LaunchMode, Launcher],
+        intake: IntakeFactory,
+        roots: list[QueueRoot] | None = None,
+        events: EventLog | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        """``intake`` builds the queue intake given this broker (its ``emit``,
+        ``record_error``, ``check_fits``, ``clock`` and ``wake``): the wiring
+        (``gpuwarden.app``) knows the configuration intake needs."""
+        self.settings = settings
+        self.store = store
+        self.probe = probe
+        self.registry = registry
+        #: the node's launch rules, applied at submission (through the registry)
+        #: and again at each start: the configuration may have changed meanwhile
+        self.rules = settings.rules
+        registry.rules = self.rules
+        self.launchers = dict(launchers)
+        container = self.launchers.get(LaunchMode.CONTAINER)
+        #: sandboxed attempts (container types, and serve types' workers)
+        self.sandbox = container if isinstance(container, SandboxLauncher) else None
+        self.roots = list(roots or [])
+        self.events = events or NullLog()
+        self._clock = clock
+        self.node = settings.name
+        self.accepting = True
+        #: names this broker's processes: stable across restarts of the same node and
+        #: state directory, so recovery finds (only) what an earlier run left
+        self.instance = f"{self.node}-{sha256(str(settings.state_dir).encode()).hexdigest()[:10]}"
+        self._last_error: LoopError | None = None
+        self._last_status = 0.0
+        self._status_dirty = True  # something changed since the last status
+        self._waits: dict[str, str] = {}
+        #: the last event written to the event log: where the log's own cursor says
+        #: (``serve --log``), or the store's latest event
+        self._event_cursor = self.events.resume(store.last_event_id())
+        self._build(intake)
+        # said once, as the broker starts and before anything runs: every type that
+        # would run unsandboxed here, and why (each such attempt is an event too)
+        if summary := self.rules.unsandboxed_summary(registry.types.values()):
+            log.warning("%s", summary)
+
+    def _build(self, intake: IntakeFactory) -> None:
+        """Build the collaborators, each given what it depends on."""
+        self.mailbox = Mailbox()
+        self.vram = VramBook(self.settings.vram)
+        self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
+        self.run_times = RunTimes(self.store.recent_run_times())
+        self.launching = Launching(
+            settings=self.settings,
+            probe=self.probe,
+            registry=self.registry,
+            sandbox=self.sandbox,
+            instance=self.instance,
+            emit=self.emit,
+        )
+        self.warm = WarmServers(
+            settings=self.settings,
+            probe_kind=self.probe.kind,
+            vram=self.vram,
+            footprints=self.footprints,
+            launching=self.launching,
+            mailbox=self.mailbox,
+            emit=self.emit,
+            clock=self._clock,
+        )
+        #: the queue roots' bundles: intake, results, recovery
+        self.queues = intake(self)
+        self.attempts = AttemptRunner(
+            node=self.node,
+            store=self.store,
+            vram=self.vram,
+            launching=self.launching,
+            footprints=self.footprints,
+            run_times=self.run_times,
+            mailbox=self.mailbox,
+            emit=self.emit,
+            on_error=self.record_error,
+            touch=self.queues.touch,
+            max_interruptions=self.settings.max_interruptions,
+            clock=self._clock,
+        )
+        self.gpus = GpuWatch(
+            probe=self.probe,
+            vram=self.vram,
+            store=self.store,
+            attempts=self.attempts,
+            warm=self.warm,
+            emit=self.emit,
+        )
+
+    @property
+    def clock(self) -> Clock:
+        """What the broker and its collaborators take the time from."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        """A test may give the broker another clock once it is built: its
+        collaborators follow."""
+        self._clock = clock
+        self.warm.clock = clock
+        self.attempts.clock = clock
+        self.queues.clock = clock
+
+    # -- the loop -----------------------------------------------------------
+
+    def tick(self) -> None:
+        """One pass of the loop. A failing step is recorded and the loop goes on."""
+        for step in (
+            self._operator_requests,
+            self._intake,
+            self._drain,
+            self._pass_cancels,
+            self._schedule,
+            self._finish_bundles,
+            self._publish,
+        ):
+            try:
+                step(self.clock())
+            except Exception as exc:  # the loop must outlive any one step
+                self.record_error(step.__name__.strip("_"), exc)
+
+    def wake(self) -> None:
+        """Make the loop tick now (a signal arrived, or a test wants it)."""
+        self.mailbox.wake()
+
+    def idle(self, seconds: float) -> None:
+        """Wait until the next tick is due: ``seconds``, or less if woken."""
+        self.mailbox.wait(seconds)
+
+    def run(
+        self,
+        stop: threading.Event,
+        *,
+        force: threading.Event | None = None,
+        between: Callable[[], None] | None = None,
+        started: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Tick until ``stop`` is set, then shut down gracefully (``force``, set
+        before or during the shutdown, cuts the grace). ``between`` runs after each
+        tick on the loop's thread (an agent's sync step); it may set ``stop`` (and
+        ``force``). ``started`` adds to the detail of the ``broker_started`` event."""
+        self.emit("broker_started", pid=os.getpid(), probe=self.probe.kind, **(started or {}))
+        while not stop.is_set():
+            self.tick()
+            if between is not None:
+                between()
+            if not stop.is_set():
+                self.idle(self.settings.poll_interval_s)
+        forced = force is not None and force.is_set()
+        self.shutdown(0.0 if forced else self.settings.shutdown_grace_s, force=force)
+
+    def shutdown(self, grace_s: float, *, force: threading.Event | None = None) -> None:
+        """Stop intake, give running attempts ``grace_s`` to finish, then stop them
+        and record them failed with that reason. Returns once all are drained."""
+        self.accepting = False
+        self.emit("broker_stopping", running=len(self.attempts), grace_s=grace_s)
+        deadline = self.clock() + grace_s
+        while len(self.attempts) and self.clock() < deadline:
+            if force is not None and force.is_set():
+                break
+            self._drain(self.clock())
+            time.sleep(min(0.05, self.settings.poll_interval_s))
+        for run in self.attempts:
+            run.stop_reason = "shutdown"
+            run.stop.set()
+            if run.server is not None and run.server.state is not ServerState.STOPPING:
+                self.warm.stop(run.server, "the broker is shutting down")
+        for run in self.attempts:
+            if run.thread is not None:
+                run.thread.join()
+        self.warm.stop_all("the broker is shutting down")
+        # a real wait, whatever the loop's clock says: processes take real time to go
+        deadline = time.monotonic() + 60
+        while len(self.warm) and time.monotonic() < deadline:
+            self._drain(self.clock())
+            time.sleep(0.02)
+        self._drain(self.clock())
+        self.warm.close()  # only if empty: its sockets are gone
+        self._finish_bundles(self.clock(), force=True)
+        self.emit("broker_stopped")
+        self._publish(self.clock(), force=True, stopped=True)
+
+    # -- recovery -----------------------------------------------------------
+
+    def recover(self) -> None:
+        """At start: end the attempts an earlier run left running
+        (:mod:`gpuwarden.node.recovery`), and decide what happens to every bundle
+        left in ``processing/`` (each logged)."""
+        now = self.clock()
+        Recovery(
+            instance=self.instance,
+            kill_grace_s=self.settings.kill_grace_s,
+            store=self.store,
+            registry=self.registry,
+            sandbox=self.sandbox,
+            vram=self.vram,
+            footprints=self.footprints,
+            attempts=self.attempts,
+            launching=self.launching,
+            emit=self.emit,
+            on_error=self.record_error,
+        ).run(now)
+        self.queues.recover(now)
+        self._status_dirty = True
+
+    # -- intake -------------------------------------------------------------
+
+    def _intake(self, now: float) -> None:
+        if not self.accepting:
+            return
+        if self.queues.intake(now):
+            self._status_dirty = True
+
+    # -- attempts -----------------------------------------------------------
+
+    def _schedule(self, now: float) -> None:
+        queued = self.store.queued_jobs() if self.accepting else []
+        types: dict[str, JobType] = {}
+        entries: list[policy.QueuedJob] = []
+        for job in queued:
+            if job.cancel_requested:  # asked while it ran; it must never run again
+                self.store.transition(
+                    job.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
+                )
+                continue
+            jobtype = self.registry.types.get(job.type)
+            if jobtype is None:
+                self.store.transition(
+                    job.id,
+                    JobState.FAILED,
+                    now=now,
+                    reason=f"job type {job.type} is not known to this broker (module removed?)",
+                )
+                continue
+            types[job.id] = jobtype
+            entries.append(self._queued_entry(job, jobtype))
+        if len(self.vram.ledger) or any(e.lane is Lane.VRAM for e in entries):
+            self._observe(now)  # the reclaim gate needs fresh readings while memory is held
+        if not entries and not len(self.warm):
+            if self._waits:
+                self._waits.clear()
+                self._status_dirty = True
+            return
+        snapshot = self._snapshot(tuple(entries))  # also when only warm servers may expire
+        jobs = {j.id: j for j in queued}
+        before = self._waits
+        self._waits = {}
+        for decision in policy.plan(snapshot, now):
+            if isinstance(decision, policy.Wait):
+                self._waits[decision.job_id] = decision.reason
+            elif isinstance(decision, policy.Refuse):
+                self.store.transition(
+                    decision.job_id, JobState.FAILED, now=now, reason=decision.reason
+                )
+            elif isinstance(decision, policy.Evict):
+                self.warm.evict(decision)
+            else:
+                self._start(jobs[decision.job_id], types[decision.job_id], decision, now)
+        if self._waits != before:
+            self._status_dirty = True
+
+    def _queued_entry(self, job: Job, jobtype: JobType) -> policy.QueuedJob:
+        vram = jobtype.lane is Lane.VRAM
+        return policy.QueuedJob(
+            id=job.id,
+            type=job.type,
+            lane=jobtype.lane,
+            vram_bytes=self.footprints.of(jobtype, job.vram_bytes) if vram else 0,
+            priority=job.priority,
+            seq=job.seq,
+            coresident=jobtype.coresident,
+            expected_s=self.run_times.estimate(jobtype.name),
+            serve=jobtype.launch is LaunchMode.SERVE,
+            warm=self.warm.has(jobtype.name),
+        )
+
+    def _snapshot(self, queued: tuple[policy.QueuedJob, ...]) -> policy.Snapshot:
+        return policy.Snapshot(
+            queued=queued,
+            gpus=self.vram.views(),
+            running_cpu=sum(1 for r in self.attempts if r.jobtype.lane is Lane.CPU),
+            cpu_slots=self.settings.cpu_slots,
+            accepting=self.accepting,
+            vram_paused=f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else "",
+            warm=self.warm.views(),
+        )
+
+    def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> None:
+        gpu = decision.gpu_uuid
+        refused = self.rules.refusal(jobtype)
+        if refused is not None:  # accepted under another configuration
+            self.store.transition(
+                job.id, JobState.FAILED, now=now, reason=f"refused by the launch rules: {refused}"
+            )
+            return
+        if self.rules.unsandboxed_warning(jobtype):  # the broker said so when it started
+            self.emit("unsandboxed", job=job.id, type=jobtype.name)
+        if jobtype.launch is LaunchMode.SERVE and gpu is not None:
+            if self.warm.ready(jobtype, decision):
+                run = self.attempts.begin(job, jobtype, gpu, now)
+                if run is not None:
+                    self._began(run.job.id)
+                    self.warm.start(run, decision, gpu, now)
+            return
+        launcher = self.launchers.get(jobtype.launch)
+        if launcher is None:
+            self.store.transition(
+                job.id,
+                JobState.FAILED,
+                now=now,
+                reason=f"launch mode {jobtype.launch.value!r} of {jobtype.name} is not "
+                f"available on this node (available: "
+                f"{', '.join([*(m.value for m in self.launchers), LaunchMode.SERVE.value])})",
+            )
+            return
+        run = self.attempts.begin(job, jobtype, gpu, now)
+        if run is None:
+            return  # cancelled by a client between the snapshot and now
+        faults.point("after_start_attempt")
+        self._began(run.job.id)
+        self.attempts.launch(run, launcher, decision, now)
+
+    def _began(self, job_id: str) -> None:
+        self._waits.pop(job_id, None)
+        self._status_dirty = True
+
+    def _drain(self, now: float) -> None:
+        """Take in everything the worker threads posted."""
+        while (message := self.mailbox.take()) is not None:
+            if isinstance(message, ServerNote):
+                if self.warm.on_note(message, now):
+                    self._status_dirty = True
+            elif isinstance(message, ExchangeNote):
+                self.attempts.on_exchange(message)
+            elif isinstance(message, Started):
+                self.attempts.on_started(message)
+            elif (run := self.attempts.pop(message)) is not None:
+                self._status_dirty = True
+                self.attempts.complete(run, message, now)
+
+    def _pass_cancels(self, now: float) -> None:
+        if not len(self.attempts):
+            return
+        for job in self.store.running_jobs():
+            run = self.attempts.by_job.get(job.id)
+            if run is not None and job.cancel_requested and run.stop_reason is None:
+                run.stop_reason = "cancel"
+                run.stop.set()
+                if run.server is not None and run.server.state is not ServerState.STOPPING:
+                    self.warm.stop(run.server, f"its job {job.id} was cancelled")
+                self.emit("cancel_passed_on", job=job.id, attempt=run.attempt.number)
+
+    # -- the GPUs -----------------------------------------------------------
+
+    def _observe(self, now: float) -> None:
+        """Read the probe (once per tick at most) and let the VRAM book take it in."""
+        if self.gpus.observe(now):
+            self._status_dirty = True
+
+    def _operator_requests(self, now: float) -> None:
+        """Carry out what operators asked through the store (``gpuwarden gpu clear``)."""
+        if self.gpus.operator_requests(now):
+            self._status_dirty = True
+
+    def check_fits(self, specs: list[JobSpec]) -> None:
+        """Refuse, at submission, a job whose footprint exceeds every GPU here."""
+        self._observe(self.clock())
+        views = self.vram.views()
+        for spec in specs:
+            jobtype = self.registry.get(spec.type)
+            if jobtype.lane is not Lane.VRAM:
+                continue
+            why = policy.never_fits(self.footprints.of(jobtype, spec.vram_bytes), views)
+            if why is not None:
+                raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
+
+    def room(self, pending: Iterable[Job]) -> list[GpuReport]:
+        """Per GPU, the room a new job could take here now, as placement across
+        nodes needs it (:func:`gpuwarden.node.status.gpu_reports`); ``pending``: jobs
+        queued here that will take room when they start."""
+        waiting = 0
+        for job in pending:
+            jobtype = self.registry.types.get(job.type)
+            if (
+                job.state is JobState.QUEUED
+                and jobtype is not None
+                and jobtype.lane is Lane.VRAM
+                and not self.warm.has(jobtype.name)
+            ):
+                waiting += self.footprints.of(jobtype, job.vram_bytes)
+        return gpu_reports(
+            self.vram.views(),
+            used={r.uuid: r.used_bytes for r in self.gpus.readings},
+            evictable=self.warm.evictable(),
+            waiting=waiting,
+        )
+
+    # -- results ------------------------------------------------------------
+
+    def _finish_bundles(self, now: float, *, force: bool = False) -> None:
+        """Write the result of each bundle whose jobs have all ended."""
+        self.queues.finish_bundles(now, force=force)
+
+    # -- status and events --------------------------------------------------
+
+    def _publish(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
+        batch = self.store.events(after_id=self._event_cursor)
+        if batch:
+            self.events.write_events(batch)  # the log's cursor moves past them too
+            self._event_cursor = batch[-1].id or self._event_cursor
+        since = now - self._last_status
+        due = since >= self.settings.status_interval_s
+        if not (force or due or (self._status_dirty and since >= _MIN_STATUS_GAP_S)):
+            return
+        self._status_dirty = False
+        self._last_status = now
+        self._observe(now)
+        self.store.put_node_status(
+            NodeStatus(
+                node=self.node,
+                pid=os.getpid(),
+                updated_at=now,
+                payload=self.status(stopped).to_json(),
+            )
+        )
+
+    def status(self, stopped: bool = False) -> BrokerStatus:
+        """What ``gpuwarden status`` shows of this node. ``gpus`` holds the probe's
+        readings with the VRAM book's view of each: reserve, foreign memory,
+        holdings (the ledger) and whether admission there is paused."""
+        views = {v.uuid: v for v in self.vram.views()}
+        return BrokerStatus(
+            stopped=stopped,
+            accepting=self.accepting,
+            probe=self.probe.kind,
+            probe_error=self.gpus.error,
+            gpus=tuple(
+                GpuStatus(
+                    uuid=g.uuid,
+                    name=g.name,
+                    total_bytes=g.total_bytes,
+                    used_bytes=g.used_bytes,
+                    processes=tuple(ProcessUse(p.pid, p.used_bytes) for p in g.processes),
+                    view=views.get(g.uuid),
+                )
+                for g in self.gpus.readings
+            ),
+            degraded=self.vram.degraded(),
+            footprints={
+                t.name: FootprintStatus(
+                    declared_bytes=t.vram_bytes,
+                    measured_bytes=self.footprints.measured.get(t.name, 0),
+                    effective_bytes=self.footprints.of(t),
+                )
+                for t in sorted(self.registry.types.values(), key=lambda t: t.name)
+                if t.lane is Lane.VRAM
+            },
+            queues={str(r.path): r.depth() for r in self.roots},
+            running=tuple(
+                RunningStatus(
+                    job=r.job.id,
+                    type=r.job.type,
+                    attempt=r.attempt.number,
+                    gpu=r.attempt.gpu_uuid,
+                    started_at=r.attempt.started_at,
+                )
+                for r in self.attempts
+            ),
+            warm=self.warm.statuses(self.clock()),
+            warm_views=self.warm.views(),
+            waiting=dict(list(self._waits.items())[:_STATUS_WAITING_MAX]),
+            last_error=self._last_error,
+        )
+
+    def emit(self, kind: str, **detail: Any) -> None:
+        """Add an event to the store (``job`` names the job it is about)."""
+        job = detail.pop("job", None)
+        self.store.add_event(Event(ts=self.clock(), kind=kind, job_id=job, detail=detail))
+
+    def record_error(self, where: str, exc: Exception) -> None:
+        """A step failed: log it, keep it for the status, and say it as an event."""
+        log.exception("broker step %s failed", where)
+        self._last_error = LoopError(ts=self.clock(), where=where, message=f"{exc}")
+        try:
+            self.emit("loop_error", where=where, message=str(exc))
+        except Exception:  # the store itself may be what failed
+            self.events.write(
+                {"ts": self.clock(), "event": "loop_error", "where": where, "message": str(exc)}
+            )
+
+    # -- helpers for run-once and tests ---------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self.attempts)
+
+    def wait_reason(self, job_id: str) -> str | None:
+        return self._waits.get(job_id)
+
+
+#: builds a broker's queue intake, given the broker (see :class:`Broker`)
+IntakeFactory = Callable[[Broker], QueueIntake]

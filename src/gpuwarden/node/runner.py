@@ -1,0 +1,409 @@
+"""The attempts a broker runs: started on worker threads, ended by the loop.
+
+:class:`AttemptRunner` holds the attempts this broker started and has not
+drained yet. It begins an attempt in the store, launches it (host and container
+launch modes; warm servers are :mod:`gpuwarden.node.warm`'s) on a worker thread
+that only runs the launcher and posts the result, and when the loop drains that
+result, ends the attempt: judges it (:func:`gpuwarden.core.classify.classify` on
+what it did and left), records the end, and lets the node's own state follow
+(its warm server freed, its memory measured, its footprint raised, its run time
+noted, its bundle looked at).
+
+Everything here runs on the loop's thread, except :meth:`AttemptRunner.work`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from gpuwarden import faults
+from gpuwarden.core import policy
+from gpuwarden.core.classify import (
+    INFRASTRUCTURE,
+    AttemptFacts,
+    Outcome,
+    Verdict,
+    classify,
+    internal_error,
+    interruptions_before,
+    is_cuda_oom,
+)
+from gpuwarden.core.model import Job, JobType
+from gpuwarden.errors import GpuwardenError, TransitionError
+from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult
+from gpuwarden.node import attemptfs
+from gpuwarden.node.attempts import Launching
+from gpuwarden.node.measured import Footprints, RunTimes
+from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
+from gpuwarden.node.vram import VramBook
+from gpuwarden.node.warmpool import ServerState
+from gpuwarden.store.base import Store
+
+#: the broker's log: its lines keep one name, whichever of its modules writes them
+log = logging.getLogger("gpuwarden.node.loop")
+
+
+class AttemptRunner:
+    """The node's running attempts, from their start in the store to their end."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        store: Store,
+        vram: VramBook,
+        launching: Launching,
+        footprints: Footprints,
+        run_times: RunTimes,
+        mailbox: Mailbox,
+        emit: Emit,
+        on_error: OnError,
+        touch: Callable[[str, str], None],
+        max_interruptions: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.node = node
+        self.store = store
+        self.vram = vram
+        self.launching = launching
+        self.footprints = footprints
+        self.run_times = run_times
+        self.mailbox = mailbox
+        self.emit = emit
+        self.on_error = on_error
+        #: a job of a bundle changed: its queue intake looks at the bundle again
+        self.touch = touch
+        #: the broker's limit on interruptions, for types that set none
+        self.default_max_interruptions = max_interruptions
+        self.clock = clock
+        #: per job id, its attempt that runs here (loop-owned)
+        self.by_job: dict[str, RunningAttempt] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_job)
+
+    def __iter__(self) -> Iterator[RunningAttempt]:
+        return iter(list(self.by_job.values()))
+
+    def max_interruptions(self, jobtype: JobType) -> int:
+        """How often a job of ``jobtype`` may be interrupted by this broker's own
+        end before it is quarantined: the type's own limit, else the broker's."""
+        if jobtype.max_interruptions is not None:
+            return jobtype.max_interruptions
+        return self.default_max_interruptions
+
+    # -- start --------------------------------------------------------------------
+
+    def begin(
+        self, job: Job, jobtype: JobType, gpu: str | None, now: float
+    ) -> RunningAttempt | None:
+        """Start the job's next attempt in the store; None when the store refuses
+        (a client cancelled it between the plan and now). From here on the attempt
+        is this broker's: whatever fails, it ends through a posted result (so it is
+        never left running, and a cancel reaches it)."""
+        try:
+            job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
+        except TransitionError:
+            return None
+        attempt_dir = self.launching.attempt_dir(job.id, attempt.number)
+        run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
+        self.by_job[job.id] = run
+        return run
+
+    def launch(
+        self, run: RunningAttempt, launcher: Launcher, decision: policy.Start, now: float
+    ) -> None:
+        """Hold the attempt's memory, lay out its folder and run it on a worker thread."""
+        job, jobtype, gpu = run.job, run.jobtype, decision.gpu_uuid
+        try:
+            if gpu is not None:
+                self.vram.start(
+                    run.holder,
+                    gpu,
+                    type_name=jobtype.name,
+                    job_id=job.id,
+                    nbytes=self.footprints.of(jobtype, job.vram_bytes),
+                    coresident=jobtype.coresident,
+                    now=now,
+                    expected_s=self.run_times.estimate(jobtype.name),
+                    backfill_for=decision.backfill_for,
+                )
+            request = self.launching.request(run, gpu, now)
+            run.thread = threading.Thread(
+                target=self.work,
+                args=(launcher, request, run.stop),
+                name=f"attempt-{job.id}-{run.attempt.number}",
+                daemon=True,
+            )
+            run.thread.start()
+        except Exception as exc:
+            if not isinstance(exc, OSError | GpuwardenError):
+                log.exception("could not prepare attempt %s", run.holder)
+            run.thread = None
+            self.mailbox.post(
+                LaunchResult(
+                    job_id=job.id,
+                    attempt=run.attempt.number,
+                    exit_code=None,
+                    started_at=now,
+                    ended_at=self.clock(),
+                    launch_error=f"could not prepare the attempt: {exc}",
+                )
+            )
+            return
+        faults.point("after_launch")
+
+    def work(self, launcher: Launcher, request: LaunchRequest, stop: threading.Event) -> None:
+        """Worker thread: run the attempt, post the result. Touches nothing else."""
+
+        def started(pid: int) -> None:
+            self.mailbox.put(Started(request.job_id, request.attempt, pid))
+
+        try:
+            result = launcher.run(request, stop, started)
+        except Exception as exc:  # a launcher bug must still end the attempt
+            result = LaunchResult(
+                job_id=request.job_id,
+                attempt=request.attempt,
+                exit_code=None,
+                started_at=self.clock(),
+                ended_at=self.clock(),
+                launch_error=f"the launcher failed: {exc!r}",
+            )
+        self.mailbox.post(result)
+
+    # -- what the worker threads posted ---------------------------------------------
+
+    def on_started(self, note: Started) -> None:
+        run = self.by_job.get(note.job_id)
+        if run is not None and run.attempt.number == note.attempt:
+            self.vram.set_pid(run.holder, note.pid)
+            self.store.set_attempt_pid(run.job.id, run.attempt.number, note.pid)
+
+    def on_exchange(self, note: ExchangeNote) -> None:
+        run = self.by_job.get(note.job_id)
+        if run is not None and run.attempt.number == note.attempt:
+            run.exchange_refused = list(note.refused)
+        if note.cleared is not None:
+            self.emit(
+                "exchange_slot_cleared",
+                job=note.job_id,
+                attempt=note.attempt,
+                type=note.type,
+                epoch=note.epoch,
+                found=note.cleared,
+            )
+
+    def pop(self, result: LaunchResult) -> RunningAttempt | None:
+        """The attempt ``result`` ends, no longer running here; None (and the
+        report dropped, logged) when it is not an attempt that runs here."""
+        run = self.by_job.get(result.job_id)
+        if run is None or run.attempt.number != result.attempt:
+            self.emit("stale_report", job=result.job_id, attempt=result.attempt, action="dropped")
+            return None
+        del self.by_job[result.job_id]
+        return run
+
+    # -- end ------------------------------------------------------------------------
+
+    def complete(self, run: RunningAttempt, result: LaunchResult, now: float) -> None:
+        """Record the attempt's end, then let the node's own state follow.
+
+        Whatever goes wrong while judging the attempt (an output folder no walk can
+        list, a bug), the attempt still ends: ``internal_error``, the job failed
+        with the error named. Only a store that is unavailable for now (locked,
+        unreachable) keeps it for the next tick.
+        """
+        holder = run.server.holder if run.server is not None else run.holder
+        try:
+            verdict, reason, extra = self.judge(run, result, holder)
+        except Exception as exc:
+            log.exception("judging attempt %s failed", run.holder)
+            verdict = internal_error(repr(exc))
+            reason = verdict.reason
+            extra = {"message": reason, "outcome": verdict.outcome.value}
+        self._record_end(run, result, verdict, reason=reason, extra=extra, now=now)
+        faults.point("after_finish_attempt")
+        # the record is written: now the node's own state follows, each step on its
+        # own, so that one failing (a bug) does not leave a server busy or memory held
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("freeing its warm server", lambda: _free_server(run, result, now)),
+            ("raising its footprint", lambda: self._after_cuda_oom(run, verdict, holder, now)),
+            ("measuring its memory", lambda: self._measure(run, now)),
+            ("noting its run time", lambda: self._note_run_time(run, result, verdict)),
+            ("touching its bundle", lambda: self._touch_bundle(run)),
+        ]
+        for where, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                self.on_error(f"completing {run.holder}: {where}", exc)
+
+    def judge(
+        self, run: RunningAttempt, result: LaunchResult, holder: str
+    ) -> tuple[Verdict, str, dict[str, Any]]:
+        """Classify the ended attempt; its reason, and its result (outputs, message)."""
+        listing = attemptfs.list_outputs(run.attempt_dir)
+        stderr_tail = next(
+            (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
+        )[:300]
+        facts = AttemptFacts(
+            exit_code=result.exit_code,
+            worker_error=result.worker_error,
+            cuda_oom=run.attempt.gpu_uuid is not None and is_cuda_oom(result.stderr),
+            gpu_alone=self.vram.alone(holder),
+            gpu_fault=run.fault if run.stop_reason == "gpu_fault" else None,
+            app_error=run.fault if run.stop_reason == "app_error" else None,
+            timed_out=result.timed_out,
+            stopped=result.stopped,
+            cancel_requested=run.stop_reason == "cancel",
+            shutting_down=run.stop_reason == "shutdown",
+            launch_error=result.launch_error,
+            oom_killed=result.oom_killed,
+            limit_exceeded=result.limit_exceeded,
+            missing_outputs=attemptfs.missing_outputs(run.job.outputs, listing),
+            timeout_s=run.jobtype.timeout_s,
+            stderr_tail=stderr_tail,
+        )
+        number, max_retries = run.attempt.number, run.jobtype.max_retries
+        verdict = classify(facts, attempt=number, max_retries=max_retries)
+        if verdict.outcome in INFRASTRUCTURE and number > 1:
+            # earlier interruptions by the broker's own end spend no retry (rare:
+            # the store is asked only for a retried infrastructure failure)
+            earlier = [a.outcome for a in self.store.attempts(run.job.id) if a.number < number]
+            verdict = classify(
+                facts,
+                attempt=number,
+                max_retries=max_retries,
+                interruptions=interruptions_before(earlier),
+                max_interruptions=self.max_interruptions(run.jobtype),
+            )
+        reason = verdict.reason
+        if result.survivors:
+            reason += f"; processes {list(result.survivors)} survived SIGKILL (check the host)"
+        message = attemptfs.read_message(run.attempt_dir)
+        extra = self.launching.result_extra(
+            run.job,
+            run,
+            result,
+            {"message": message.text or reason, "outcome": verdict.outcome.value},
+            listing=listing,
+        )
+        if message.notes:
+            extra["message_file"] = "; ".join(message.notes)
+        return verdict, reason, extra
+
+    def _record_end(
+        self,
+        run: RunningAttempt,
+        result: LaunchResult,
+        verdict: Verdict,
+        *,
+        reason: str,
+        extra: dict[str, Any],
+        now: float,
+    ) -> None:
+        """Write the attempt's end. One the store refuses as not this attempt's to
+        end (a stale report) is logged; the node's own state follows either way."""
+        try:
+            self.store.finish_attempt(
+                run.job.id,
+                run.attempt.number,
+                target=verdict.target,
+                now=now,
+                outcome=verdict.outcome.value,
+                reason=reason,
+                exit_code=result.exit_code,
+                stdout=result.stdout,
+                stderr=result.stderr,
+                result=extra,
+            )
+        except TransitionError as exc:
+            self.emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
+        except Exception as exc:
+            if not self.store.unavailable(exc):
+                self._record_internal_end(run, result, exc, now)
+                return
+            # the store cannot take it now (locked, unreachable): keep the attempt
+            # and its report, and try again on the next tick; nothing local changed
+            self.by_job[run.job.id] = run
+            self.mailbox.put(result)
+            raise
+
+    def _record_internal_end(
+        self, run: RunningAttempt, result: LaunchResult, exc: Exception, now: float
+    ) -> None:
+        """The store refused the attempt's end as it was given (a bug): end it with
+        the least a record needs, saying why."""
+        log.error("the store refused the end of %s: %r", run.holder, exc)
+        verdict = internal_error(f"the store refused the attempt's result: {exc!r}")
+        try:
+            self.store.finish_attempt(
+                run.job.id,
+                run.attempt.number,
+                target=verdict.target,
+                now=now,
+                outcome=verdict.outcome.value,
+                reason=verdict.reason,
+                exit_code=result.exit_code,
+                result={"message": verdict.reason, "outcome": verdict.outcome.value},
+            )
+        except TransitionError as again:
+            self.emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=again.message)
+        except Exception:
+            self.by_job[run.job.id] = run  # tried again on the next tick
+            self.mailbox.put(result)
+            raise
+
+    def _after_cuda_oom(
+        self, run: RunningAttempt, verdict: Verdict, holder: str, now: float
+    ) -> None:
+        if verdict.outcome is Outcome.CUDA_OOM:
+            # it ran out with the GPU to itself: what it asked for is wrong
+            self.footprints.out_of_memory(
+                run.jobtype,
+                self.vram.peak(holder),
+                override=run.job.vram_bytes,
+                source=run.job.id,
+                gpus=self.vram.views(),
+                now=now,
+            )
+
+    def _measure(self, run: RunningAttempt, now: float) -> None:
+        """End the attempt's VRAM holding (it now waits for the reclaim gate) and,
+        if the job had its GPU to itself and used more than its footprint, raise the
+        type's stored footprint so the next jobs are admitted against it."""
+        if run.attempt.gpu_uuid is None:
+            return
+        m = self.vram.end(run.holder, now)
+        if m is not None and m.alone:
+            self.footprints.measure(
+                run.jobtype,
+                m.peak_bytes,
+                override=run.job.vram_bytes,
+                source=run.job.id,
+                gpus=self.vram.views(),
+                now=now,
+            )
+
+    def _note_run_time(self, run: RunningAttempt, result: LaunchResult, verdict: Verdict) -> None:
+        if verdict.outcome is Outcome.SUCCEEDED:
+            self.run_times.note(run.jobtype.name, result.ended_at - result.started_at)
+
+    def _touch_bundle(self, run: RunningAttempt) -> None:
+        if run.job.bundle and run.job.queue_root:
+            self.touch(run.job.queue_root, run.job.bundle)
+
+
+def _free_server(run: RunningAttempt, result: LaunchResult, now: float) -> None:
+    """The attempt's warm server goes on serving, unless it failed or is stopping."""
+    server = run.server
+    if (
+        server is not None
+        and result.worker_error is None
+        and server.state is not ServerState.STOPPING
+    ):
+        server.job_done(now)

@@ -1,0 +1,1 @@
+"""The virtual-time replay of job traces through a planner (benchmarks and tests)."""

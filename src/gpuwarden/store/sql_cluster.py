@@ -1,0 +1,222 @@
+"""The SQL part of :class:`~gpuwarden.store.cluster.ClusterStore` that SQLite and
+PostgreSQL share: nodes, leases and where jobs were lost, on the hooks of
+:class:`~gpuwarden.store.sql.SqlStore`, with the queries of
+``sql/<backend>/cluster.sql``.
+
+A claim (:meth:`SqlClusterStore.lease_jobs`) reads the queued jobs it wants with
+``lock_leasable_jobs`` (in PostgreSQL ``FOR UPDATE SKIP LOCKED``: a job another
+coordinator is leasing at that moment is skipped, not waited for), then writes a
+lease per job that replaces only an expired one. The maintenance lock is each
+adapter's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpuwarden.core.model import Event
+from gpuwarden.store import rows
+from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
+from gpuwarden.store.rows import Row
+from gpuwarden.store.sql import C
+from gpuwarden.store.sql_records import SqlRecordStore
+
+
+class SqlClusterStore(SqlRecordStore[C], ClusterStore):
+    """The :class:`ClusterStore` contract in SQL, less the maintenance lock."""
+
+    def _node(self, row: Row) -> NodeRecord:
+        return rows.node(row, self._decode)
+
+    # -- nodes --------------------------------------------------------------
+
+    def upsert_node(
+        self, name: str, *, token_id: str, capabilities: dict[str, Any], now: float
+    ) -> NodeRecord:
+        with self._write() as conn:
+            row = self._returning(
+                conn,
+                "upsert_node",
+                {
+                    "name": name,
+                    "token_id": token_id,
+                    "capabilities": self._json(capabilities),
+                    "now": now,
+                },
+                reread="get_node",
+            )
+            assert row is not None
+            self._event(
+                conn,
+                Event(ts=now, kind="node_enrolled", detail={"node": name, "token": token_id}),
+            )
+            return self._node(row)
+
+    def get_node(self, name: str) -> NodeRecord | None:
+        found = self._read("get_node", name=name)
+        return self._node(found[0]) if found else None
+
+    def list_nodes(self) -> list[NodeRecord]:
+        return [self._node(r) for r in self._read("list_nodes")]
+
+    def set_node_state(
+        self,
+        name: str,
+        state: NodeState,
+        *,
+        now: float,
+        only_from: frozenset[NodeState] | None = None,
+    ) -> bool:
+        sources = self._ids(sorted(s.value for s in only_from)) if only_from is not None else None
+        with self._write() as conn:
+            before = self._run(conn, "lock_node", {"name": name}).fetchone()
+            if before is None:
+                return False
+            cur = self._run(
+                conn,
+                "set_node_state",
+                {"name": name, "state": NodeState(state).value, "sources": sources},
+            )
+            if cur.rowcount != 1:
+                return False
+            self._event(
+                conn,
+                Event(
+                    ts=now,
+                    kind="node_state",
+                    detail={"node": name, "from": before["state"], "to": state.value},
+                ),
+            )
+            return True
+
+    def touch_node(self, name: str, report: dict[str, Any], now: float) -> NodeRecord | None:
+        with self._write() as conn:
+            row = self._returning(
+                conn,
+                "touch_node",
+                {"name": name, "report": self._json(report), "now": now},
+                reread="get_node",
+            )
+            return self._node(row) if row is not None else None
+
+    # -- leases -------------------------------------------------------------
+
+    def lease_jobs(
+        self,
+        node: str,
+        job_ids: Sequence[str],
+        *,
+        lease_id: str,
+        expires_at: float,
+        now: float,
+    ) -> list[str]:
+        if not job_ids:
+            return []
+        wanted = list(dict.fromkeys(job_ids))
+        with self._write() as conn:
+            free = {
+                r["id"]
+                for r in self._run(
+                    conn, "lock_leasable_jobs", {"ids": self._ids(wanted), "now": now}
+                )
+            }
+            leased: list[str] = []
+            for job_id in wanted:
+                if job_id not in free:
+                    continue
+                cur = self._run(
+                    conn,
+                    "put_lease",
+                    {
+                        "job_id": job_id,
+                        "node": node,
+                        "lease_id": lease_id,
+                        "expires_at": expires_at,
+                        "now": now,
+                    },
+                )
+                if cur.rowcount == 1:
+                    leased.append(job_id)
+            # the events last: PostgreSQL's events lock is taken after every row lock
+            for job_id in leased:
+                self._event(
+                    conn,
+                    Event(
+                        ts=now,
+                        kind="leased",
+                        job_id=job_id,
+                        detail={"node": node, "lease": lease_id, "expires_at": expires_at},
+                    ),
+                )
+            return leased
+
+    def claimable_jobs(self, *, now: float, limit: int = 1000) -> list[Claimable]:
+        found = self._read("claimable_jobs", now=now, limit=limit)
+        return [rows.claimable(r, self._decode) for r in found]
+
+    def renew_leases(
+        self,
+        node: str,
+        expires_at: float,
+        *,
+        now: float,
+        job_ids: Sequence[str] | None = None,
+    ) -> int:
+        with self._write() as conn:
+            if job_ids is None:
+                cur = self._run(
+                    conn, "renew_leases", {"node": node, "expires_at": expires_at, "now": now}
+                )
+            else:
+                cur = self._run(
+                    conn,
+                    "renew_leases_of",
+                    {
+                        "node": node,
+                        "expires_at": expires_at,
+                        "now": now,
+                        "ids": self._ids(list(job_ids)),
+                    },
+                )
+            return int(cur.rowcount)
+
+    def leases(self, node: str | None = None) -> list[Lease]:
+        found = (
+            self._read("leases_all") if node is None else self._read("leases_of_node", node=node)
+        )
+        return [rows.lease(r) for r in found]
+
+    def lease_of(self, job_id: str) -> Lease | None:
+        found = self._read("lease_of", job_id=job_id)
+        return rows.lease(found[0]) if found else None
+
+    def drop_lease(self, job_id: str, *, lease_id: str | None = None) -> bool:
+        with self._write() as conn:
+            cur = self._run(conn, "drop_lease", {"job_id": job_id, "lease_id": lease_id})
+            return cur.rowcount == 1
+
+    def mark_lease_started(
+        self, job_id: str, attempt: int | None, *, lease_id: str | None = None
+    ) -> bool:
+        with self._write() as conn:
+            cur = self._run(
+                conn,
+                "mark_lease_started",
+                {
+                    "job_id": job_id,
+                    "lease_id": lease_id,
+                    "started": attempt is not None,
+                    "attempt": attempt,
+                },
+            )
+            return cur.rowcount == 1
+
+    # -- where jobs were lost -------------------------------------------------
+
+    def add_lost(self, job_id: str, node: str, *, now: float) -> None:
+        with self._write() as conn:
+            self._run(conn, "add_lost", {"job_id": job_id, "node": node, "now": now})
+
+    def lost_nodes(self, job_id: str) -> list[str]:
+        return [r["node"] for r in self._read("lost_nodes", job_id=job_id)]

@@ -1,0 +1,159 @@
+"""The store's records besides jobs, in SQL, for SQLite and PostgreSQL alike:
+measured footprints, operator requests (GPU clears), API tokens, the audit log
+and node statuses, on the hooks of :class:`~gpuwarden.store.sql.SqlStore`.
+
+Taking GPU clears is a claim: ``pending_gpu_clears`` locks the requests it reads
+with ``FOR UPDATE SKIP LOCKED`` in PostgreSQL, so two brokers taking them at once
+each take a request at most once between them, and neither waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpuwarden.core.model import Event, Role
+from gpuwarden.store import rows
+from gpuwarden.store.base import AuditRow, MeasuredFootprint, NodeStatus, TokenRecord
+from gpuwarden.store.sql import C, SqlStore, duplicate_token
+
+
+class SqlRecordStore(SqlStore[C]):
+    """:class:`SqlStore` with the records besides jobs."""
+
+    # -- footprints -----------------------------------------------------------
+
+    def footprints(self) -> dict[str, MeasuredFootprint]:
+        return {r["type"]: rows.footprint(r) for r in self._read("footprints")}
+
+    def recent_run_times(self, *, limit: int = 5000) -> list[tuple[str, float]]:
+        return [
+            (r["type"], float(r["seconds"])) for r in self._read("recent_run_times", limit=limit)
+        ]
+
+    def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
+        with self._write() as conn:
+            row = self._run(conn, "lock_footprint", {"type": type_name}).fetchone()
+            old = int(row["bytes"]) if row else None
+            cur = self._run(
+                conn,
+                "raise_footprint",
+                {"type": type_name, "bytes": nbytes, "job_id": job_id, "now": now},
+            )
+            if cur.rowcount != 1:
+                return False
+            self._event(
+                conn,
+                Event(
+                    ts=now,
+                    kind="footprint_raised",
+                    job_id=job_id,
+                    detail={"type": type_name, "bytes": nbytes, "previous_bytes": old},
+                ),
+            )
+            return True
+
+    # -- operator requests ----------------------------------------------------
+
+    def request_gpu_clear(self, gpu_uuid: str, *, now: float) -> None:
+        with self._write() as conn:
+            self._run(conn, "request_gpu_clear", {"gpu_uuid": gpu_uuid, "now": now})
+            self._event(conn, Event(ts=now, kind="gpu_clear_requested", detail={"gpu": gpu_uuid}))
+
+    def take_gpu_clears(self, *, now: float) -> list[str]:
+        with self._write() as conn:
+            taken = []
+            for row in self._run(conn, "pending_gpu_clears", {}).fetchall():
+                if self._run(conn, "take_gpu_clear", {"id": row["id"], "now": now}).rowcount:
+                    taken.append(row["gpu_uuid"])
+            return taken
+
+    # -- API tokens -----------------------------------------------------------
+
+    def create_token(
+        self,
+        *,
+        token_id: str,
+        name: str,
+        role: Role,
+        secret_hash: str,
+        now: float,
+        created_by: str,
+        expires_at: float | None = None,
+        node: str | None = None,
+    ) -> TokenRecord:
+        try:
+            with self._write() as conn:
+                if self._run(conn, "get_token", {"id": token_id}).fetchone() is not None:
+                    raise duplicate_token(token_id)
+                row = self._returning(
+                    conn,
+                    "insert_token",
+                    {
+                        "id": token_id,
+                        "name": name,
+                        "role": Role(role).value,
+                        "secret_hash": secret_hash,
+                        "now": now,
+                        "created_by": created_by,
+                        "expires_at": expires_at,
+                        "node": node,
+                    },
+                    reread="get_token",
+                )
+                assert row is not None
+                return rows.token(row)
+        except self.unique_violation:  # created by another writer since the check
+            raise duplicate_token(token_id) from None
+
+    def get_token(self, token_id: str) -> TokenRecord | None:
+        found = self._read("get_token", id=token_id)
+        return rows.token(found[0]) if found else None
+
+    def list_tokens(self) -> list[TokenRecord]:
+        return [rows.token(r) for r in self._read("list_tokens")]
+
+    def revoke_token(self, token_id: str, *, now: float) -> bool:
+        with self._write() as conn:
+            return self._run(conn, "revoke_token", {"id": token_id, "now": now}).rowcount == 1
+
+    # -- audit --------------------------------------------------------------
+
+    def add_audit(self, row: AuditRow) -> AuditRow:
+        with self._write() as conn:
+            new_id = self._append(
+                conn,
+                "audit",
+                {
+                    "ts": row.ts,
+                    "actor": self._text(row.actor),
+                    "actor_name": self._text(row.actor_name),
+                    "role": self._text(row.role),
+                    "action": self._text(row.action),
+                    "target": self._text(row.target),
+                    "outcome": self._text(row.outcome),
+                    "detail": self._json(row.detail),
+                },
+            )
+            return dataclasses.replace(row, detail=dict(row.detail), id=new_id)
+
+    def audit_rows(self, *, after_id: int = 0, limit: int = 1000) -> list[AuditRow]:
+        found = self._read("audit_rows", after_id=after_id, limit=limit)
+        return [rows.audit(r, self._decode) for r in found]
+
+    # -- node status --------------------------------------------------------
+
+    def put_node_status(self, status: NodeStatus) -> None:
+        with self._write() as conn:
+            self._run(
+                conn,
+                "put_node_status",
+                {
+                    "node": status.node,
+                    "pid": status.pid,
+                    "updated_at": status.updated_at,
+                    "payload": self._json(status.payload),
+                },
+            )
+
+    def node_statuses(self) -> list[NodeStatus]:
+        return [rows.node_status(r, self._decode) for r in self._read("node_statuses")]

@@ -1,0 +1,1 @@
+"""Operator tools built on the node: the demo and `gpuwarden doctor`."""

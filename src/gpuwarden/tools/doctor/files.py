@@ -1,0 +1,215 @@
+"""What the config points at: the modules, the weights folder, the queue roots
+and the sandbox image."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpuwarden.core.launchrules import Runtime, image_is_pinned
+from gpuwarden.errors import GpuwardenError
+from gpuwarden.intake.queueroot import SUBFOLDERS
+from gpuwarden.tools.doctor.base import (
+    Check,
+    Host,
+    Status,
+    executable,
+    run_command,
+    tail,
+    write_error,
+)
+
+
+def check_modules(host: Host) -> Check:
+    config = host.need_config()
+    paths = ", ".join(map(str, config.module_paths)) or "none"
+    try:
+        registry = host.registry()
+    except GpuwardenError as exc:
+        return Check(
+            "modules",
+            Status.FAIL,
+            exc.message,
+            "fix the module.toml it names (docs/MODULE_GUIDE.md), or take that folder off "
+            "module_paths",
+        )
+    if not registry.types:
+        return Check(
+            "modules",
+            Status.WARN,
+            f"no job types found on module_paths ({paths})",
+            "set module_paths to the folders that hold your modules (each a folder with "
+            "a module.toml)",
+        )
+    sources = "; ".join(sorted({str(m.source) for m in registry.modules.values()}))
+    found = f"{len(registry.modules)} module(s), {len(registry.types)} type(s) from {sources}"
+    # one line per kind of refusal: the reasons differ only in the type's name
+    refused: dict[str, list[str]] = {}
+    for t in sorted(registry.types.values(), key=lambda t: t.name):
+        if (why := registry.rules.refusal(t)) is not None:
+            refused.setdefault(why.replace(t.name, "\0"), []).append(t.name)
+    if refused:
+        count = sum(map(len, refused.values()))
+        return Check(
+            "modules",
+            Status.WARN,
+            f"{found}; {count} refused on this node: "
+            + "; ".join(
+                f"{', '.join(names)} ({why.replace(chr(0), 'each' if names[1:] else names[0])})"
+                for why, names in refused.items()
+            ),
+            "jobs of these types are refused at submission; change container_runtime or "
+            "the allow_* settings if they should run here",
+        )
+    return Check("modules", Status.OK, f"{found}; every type may run on this node")
+
+
+def check_weights(host: Host) -> Check:
+    config = host.need_config()
+    weights = config.sandbox.weights_dir
+    if weights is None:
+        return Check("weights", Status.OK, "none ([sandbox] weights_dir is not set)")
+    fix = f"create {weights} and put the model weights there, or fix [sandbox] weights_dir"
+    if not weights.exists():
+        return Check("weights", Status.FAIL, f"weights_dir {weights} does not exist", fix)
+    if not weights.is_dir():
+        return Check("weights", Status.FAIL, f"weights_dir {weights} is not a directory", fix)
+    try:
+        entries = sum(1 for _ in weights.iterdir())
+        st = weights.stat()
+    except OSError as exc:
+        return Check(
+            "weights",
+            Status.FAIL,
+            f"weights_dir {weights} cannot be read: {exc.strerror}",
+            f"make it readable by the broker's user (uid {os.geteuid()})",
+        )
+    if not os.access(weights, os.R_OK | os.X_OK):
+        return Check(
+            "weights",
+            Status.FAIL,
+            f"weights_dir {weights} is not readable by this user (uid {os.geteuid()})",
+            f"chmod a+rx {weights}, or run the broker as a user that can read it",
+        )
+    found = f"weights_dir {weights}: readable, {entries} entries, mounted read-only"
+    s = config.sandbox
+    mode = st.st_mode
+    sandbox_reads = (
+        (st.st_uid == s.uid and mode & 0o500 == 0o500)
+        or (st.st_gid == s.gid and mode & 0o050 == 0o050)
+        or mode & 0o005 == 0o005
+    )
+    if config.container_runtime is not Runtime.LOCAL and not sandbox_reads:
+        return Check(
+            "weights",
+            Status.WARN,
+            f"{found}, but its mode {oct(mode & 0o777)} may keep the sandbox's user "
+            f"({s.uid}:{s.gid}) out",
+            f"chmod -R o+rX {weights}",
+        )
+    return Check("weights", Status.OK, found)
+
+
+def check_queue_roots(host: Host) -> Check:
+    config = host.need_config()
+    if not config.queue_roots:
+        return Check(
+            "queue-roots", Status.OK, "none configured (jobs come in through `gpuwarden submit`)"
+        )
+    problems: list[str] = []
+    found: list[str] = []
+    for root in config.queue_roots:
+        problem = _queue_root_problem(root, create=config.create_queue_roots)
+        if problem:
+            problems.append(problem)
+        elif not root.exists():
+            found.append(f"{root} (created at start)")
+        else:
+            found.append(str(root))
+    if problems:
+        return Check(
+            "queue-roots",
+            Status.FAIL,
+            "; ".join(problems),
+            "make each queue root a directory gpuwarden can write (with inbox/, processing/, "
+            "outbox/, failed/ in it, or create_queue_roots = true), or fix queue_roots",
+        )
+    return Check("queue-roots", Status.OK, f"writable: {', '.join(found)}")
+
+
+def _queue_root_problem(root: Path, *, create: bool) -> str | None:
+    if not root.exists():
+        if root.is_symlink():
+            return f"{root} is a link to nothing"
+        if not create:
+            return f"{root} does not exist (and create_queue_roots = false)"
+        parent = root.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            return f"{root} does not exist and cannot be created: {parent} is not a directory"
+        if why := write_error(parent):
+            return f"{root} does not exist and cannot be created in {parent} ({why})"
+        return None
+    if not root.is_dir():
+        return f"{root} is not a directory"
+    for sub in SUBFOLDERS:
+        folder = root / sub
+        if not folder.exists() and not folder.is_symlink():
+            if not create:
+                return f"{folder} is missing (and create_queue_roots = false)"
+            if why := write_error(root):
+                return f"{folder} is missing and {root} is not writable ({why})"
+        elif not folder.is_dir():
+            return f"{folder} is not a directory"
+        elif why := write_error(folder):
+            return f"{folder} is not writable ({why})"
+    return None
+
+
+def check_image(host: Host) -> Check:
+    config = host.need_config()
+    runtime = config.container_runtime
+    if not runtime.needs_image:
+        how = "uses the host's /usr and Python" if runtime is Runtime.BUBBLEWRAP else "no sandbox"
+        return Check("image", Status.OK, f"not needed: {runtime.value} ({how})")
+    image = config.sandbox_image
+    fix = (
+        f"`images/build.sh --runtime {runtime.value} --pin`, then put the sandbox_image line "
+        f"it prints into the config"
+    )
+    if not image:
+        return Check("image", Status.FAIL, "sandbox_image is not set", fix)
+    problems: list[str] = []
+    warnings: list[str] = []
+    if image_is_pinned(image):
+        found = f"sandbox_image {image} is pinned"
+    elif config.allow_unpinned_images:
+        found = f"sandbox_image {image}"
+        warnings.append("it is not pinned (allowed by allow_unpinned_images = true)")
+    else:
+        found = f"sandbox_image {image}"
+        problems.append("it is not pinned: a tag can be moved to another image")
+    if not host.runtime_ok:
+        warnings.append(f"not checked whether it is present: {runtime.value} is not usable")
+    else:
+        exe = executable(runtime)
+        argv = [exe, "image", "exists", image] if runtime is Runtime.PODMAN else [
+            exe, "image", "inspect", image,
+        ]  # fmt: skip
+        done = run_command(argv)
+        if done.returncode == 0:
+            found += ", present locally"
+        else:
+            said = tail(done.stderr)
+            problems.append(f"it is not present locally{f' ({said})' if said else ''}")
+    if problems:
+        return Check("image", Status.FAIL, f"{found}; " + "; ".join(problems + warnings), fix)
+    if warnings:
+        return Check(
+            "image",
+            Status.WARN,
+            f"{found}; " + "; ".join(warnings),
+            f"pin it: {fix}" if not image_is_pinned(image) else "fix the runtime check first",
+        )
+    return Check("image", Status.OK, found)
