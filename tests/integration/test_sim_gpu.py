@@ -693,19 +693,31 @@ def bwrap_as_nobody(state: Path) -> list[str]:
     ]
 
 
+def readable_copies(folder: Path) -> str:
+    """gpuwarden and psutil copied where every uid may read them (the checkout and
+    the venv may be under a folder only root can search, as ``mktemp -d`` makes)."""
+    lib = folder / "pylib"
+    skip = shutil.ignore_patterns("__pycache__", "modules")
+    shutil.copytree(Path(SRC_DIR) / "gpuwarden", lib / "gpuwarden", ignore=skip)
+    shutil.copytree(Path(psutil.__file__).resolve().parent, lib / "psutil", ignore=skip)
+    for path in [lib, *lib.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return str(lib)
+
+
 def python_for_nobody(state: Path) -> tuple[str, str]:
     """An interpreter nobody can run inside such a sandbox, with psutil and
-    gpuwarden importable, and its PYTHONPATH: this one (where it lives under a
-    folder nobody may search, the system's, given psutil's folder)."""
-    site = str(Path(psutil.__file__).resolve().parent.parent)
+    gpuwarden importable, and its PYTHONPATH: this one where nobody may run it,
+    else the system's with copies of both beside the simulated GPU's folder."""
     tried = []
     for python, pythonpath in (
         (sys.executable, SRC_DIR),
-        ("/usr/bin/python3", f"{SRC_DIR}:{site}"),
+        ("/usr/bin/python3", lambda: readable_copies(state.parent)),
     ):
+        path = pythonpath if isinstance(pythonpath, str) else pythonpath()
         done = subprocess.run(
             [*bwrap_as_nobody(state), python, "-c", "import psutil, gpuwarden.gpu.sim"],
-            env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": pythonpath},
+            env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": path},
             capture_output=True,
             text=True,
             timeout=60,
@@ -713,7 +725,7 @@ def python_for_nobody(state: Path) -> tuple[str, str]:
             **AS_NOBODY,
         )
         if done.returncode == 0:
-            return python, pythonpath
+            return python, path
         tried.append(f"{python}: {done.stderr.strip()}")
     pytest.fail("no Python that nobody can run in a sandbox imports psutil: " + "; ".join(tried))
 
