@@ -389,6 +389,7 @@ default = 0.0
 
 [types.host]
 lane = "vram"
+launch = "container"
 command = ["{{python}}", "src/host.py"]
 vram_gib = {gib}
 timeout_s = 600
@@ -466,6 +467,9 @@ def run_real(root: Path, modules: Path, kind: str, args: argparse.Namespace) -> 
             "node_name": f"bench-{kind}",
             "gpu": "sim",
             "module_paths": [modules],
+            # the warm protocol's own cost, measured on plain host processes: a serve
+            # type needs a sandbox unless the node allows running it without one
+            "allow_unsandboxed_containers": True,
             "sim_gpu": {"count": 1, "vram_gib": 24, "release_delay_s": 0},
             "broker": {"poll_interval_s": args.poll},
             "vram": {"reserve_gib": 0},
