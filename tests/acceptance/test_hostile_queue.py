@@ -334,8 +334,9 @@ def test_x_zip_refused_then_x_input_zip(site: Site) -> None:
     b = site.serve()
     b.wait_started()
     site.place("inbox", b"X.zip", b"this is not a zip")
-    wait_for(lambda: site.exists("failed", b"X.zip"), "the refusal of X.zip")
     kept = site.root / "failed" / "X.zip.input"
+    # the result and the kept input are two writes: wait for both
+    wait_for(lambda: site.exists("failed", b"X.zip") and kept.exists(), "the refusal of X.zip")
     assert kept.read_bytes() == b"this is not a zip"  # the input is kept
     site.place("inbox", b"X.input.zip", bundle("x-input"))
     wait_for(lambda: site.exists("outbox", b"X.input.zip"), "the result of X.input.zip")
