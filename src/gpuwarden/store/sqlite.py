@@ -162,6 +162,15 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
                 applied.append(version)
         return applied
 
+    def durability(self) -> dict[str, str]:
+        """What this connection runs with (every connection of this class is
+        opened the same way): ``journal_mode`` and ``synchronous``."""
+        names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+        with self._connection() as db:
+            mode = str(db.execute("PRAGMA journal_mode").fetchone()[0])
+            sync = int(db.execute("PRAGMA synchronous").fetchone()[0])
+        return {"journal_mode": mode, "synchronous": names.get(sync, str(sync))}
+
     def unavailable(self, exc: BaseException) -> bool:
         if not isinstance(exc, sqlite3.OperationalError):
             return False
