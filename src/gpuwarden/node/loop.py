@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable, Mapping
 from hashlib import sha256
 from typing import Any
 
-from gpuwarden import faults
 from gpuwarden.core import policy
 from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
@@ -51,7 +50,7 @@ from gpuwarden.node.attempts import Launching
 from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.recovery import Recovery
-from gpuwarden.node.runner import AttemptRunner
+from gpuwarden.node.runner import AttemptRunner, Recorded
 from gpuwarden.node.running import Clock, ExchangeNote, Mailbox, ServerNote, Started
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import (
@@ -137,6 +136,8 @@ class Broker:
     def _build(self, intake: IntakeFactory) -> None:
         """Build the collaborators, each given what it depends on."""
         self.mailbox = Mailbox()
+        # a submission or a cancel, from this process or another, wakes the loop
+        self.store.on_submit(self.mailbox.wake)
         self.vram = VramBook(self.settings.vram)
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
@@ -200,7 +201,11 @@ class Broker:
     # -- the loop -----------------------------------------------------------
 
     def tick(self) -> None:
-        """One pass of the loop. A failing step is recorded and the loop goes on."""
+        """One pass of the loop. A failing step is recorded and the loop goes on.
+
+        The writes of the plan share one commit (group commit), made before any
+        of its launches, which follow in the same tick; the ends drained share
+        another (:meth:`_drain`)."""
         for step in (
             self._operator_requests,
             self._intake,
@@ -211,7 +216,11 @@ class Broker:
             self._publish,
         ):
             try:
-                step(self.clock())
+                if step == self._schedule:
+                    with self.store.batch(), self.attempts.launches_after_commit():
+                        step(self.clock())
+                else:
+                    step(self.clock())
             except Exception as exc:  # the loop must outlive any one step
                 self.record_error(step.__name__.strip("_"), exc)
 
@@ -412,7 +421,6 @@ class Broker:
         run = self.attempts.begin(job, jobtype, gpu, now)
         if run is None:
             return  # cancelled by a client between the snapshot and now
-        faults.point("after_start_attempt")
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
 
@@ -421,18 +429,36 @@ class Broker:
         self._status_dirty = True
 
     def _drain(self, now: float) -> None:
-        """Take in everything the worker threads posted."""
-        while (message := self.mailbox.take()) is not None:
-            if isinstance(message, ServerNote):
-                if self.warm.on_note(message, now):
-                    self._status_dirty = True
-            elif isinstance(message, ExchangeNote):
-                self.attempts.on_exchange(message)
-            elif isinstance(message, Started):
-                self.attempts.on_started(message)
-            elif (run := self.attempts.pop(message)) is not None:
-                self._status_dirty = True
-                self.attempts.complete(run, message, now)
+        """Take in everything the worker threads posted. The ends are written in
+        one batch and committed together; only then does the node's own state
+        follow (servers freed, memory measured, bundles looked at)."""
+        recorded: list[Recorded] = []
+        failure: Exception | None = None
+        with self.store.batch():
+            try:
+                while (message := self.mailbox.take()) is not None:
+                    if isinstance(message, ServerNote):
+                        if self.warm.on_note(message, now):
+                            self._status_dirty = True
+                    elif isinstance(message, ExchangeNote):
+                        self.attempts.on_exchange(message)
+                    elif isinstance(message, Started):
+                        self.attempts.on_started(message)
+                    elif (run := self.attempts.pop(message)) is not None:
+                        self._status_dirty = True
+                        recorded.append(self.attempts.record(run, message, now))
+            except Exception as exc:  # what came before it is still committed
+                failure = exc
+            try:
+                self.store.commit()
+            except Exception:
+                for r in recorded:  # not written after all: drained again next tick
+                    self.attempts.unrecord(r)
+                raise
+            for r in recorded:
+                self.attempts.follow(r, now)
+        if failure is not None:
+            raise failure
 
     def _pass_cancels(self, now: float) -> None:
         if not len(self.attempts):
