@@ -315,14 +315,16 @@ def witness(rig: Rig, point: str, n: int) -> None:
         assert last["name"] in processing and last["finished_at"] is None, seen
         assert all(states[j] == ("queued", 0) for j in json.loads(last["job_ids"])), states
     elif point in ("after_start_attempt", "after_launch"):
-        assert len(attempts) == n, [tuple(a) for a in attempts]
-        last = attempts[-1]
-        assert last["ended_at"] is None and last["state"] == "running", tuple(last)
-        attempt_dir = rig.state / "jobs" / last["job_id"] / f"attempt-{last['number']}"
+        # the starts of one plan share a commit (group commit), made before the
+        # first of their launches: the n-th start is committed, maybe with later ones
+        assert len(attempts) >= n, [tuple(a) for a in attempts]
+        nth = attempts[n - 1]  # launched in the order started
+        assert nth["ended_at"] is None and nth["state"] == "running", tuple(nth)
+        attempt_dir = rig.state / "jobs" / nth["job_id"] / f"attempt-{nth['number']}"
         # the directory is laid out after the start is committed, before the launch
         assert (attempt_dir / "params.json").exists() == (point == "after_launch"), attempt_dir
-    elif point == "after_finish_attempt":  # the n-th end committed
-        assert sum(a["ended_at"] is not None for a in attempts) == n, [tuple(a) for a in attempts]
+    elif point == "after_finish_attempt":  # the n-th end committed (with those drained with it)
+        assert sum(a["ended_at"] is not None for a in attempts) >= n, [tuple(a) for a in attempts]
     elif point == "after_result_write":  # n results written, the n-th not recorded
         results = {r.split("/", 1)[1] for r in rig.results()}
         assert len(results) == n and len(finished) == n - 1, (results, seen)
