@@ -80,6 +80,11 @@ _STATUS_WAITING_MAX = 1000
 #: status is written at most this often, even while things change
 _MIN_STATUS_GAP_S = 0.25
 
+#: while idle, how often the queue roots' ``inbox/`` folders are looked at (one
+#: ``stat`` each: a bundle renamed in changes the folder's mtime), so that a bundle
+#: dropped on an idle broker does not wait for the poll interval
+_INBOX_LOOK_S = 0.005
+
 
 class Broker:
     """The broker loop of one node, and what it knows of the node."""
@@ -229,8 +234,28 @@ class Broker:
         self.mailbox.wake()
 
     def idle(self, seconds: float) -> None:
-        """Wait until the next tick is due: ``seconds``, or less if woken."""
-        self.mailbox.wait(seconds)
+        """Wait until the next tick is due: ``seconds``, or less if woken (a
+        worker's post, a submission, a signal) or if a queue root's ``inbox/``
+        changed (looked at every :data:`_INBOX_LOOK_S`)."""
+        if not (self.roots and self.accepting) or seconds <= _INBOX_LOOK_S:
+            self.mailbox.wait(seconds)
+            return
+        marks = self._inbox_marks()
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.mailbox.wait(min(_INBOX_LOOK_S, left)) or self._inbox_marks() != marks:
+                return
+
+    def _inbox_marks(self) -> list[tuple[int, int] | None]:
+        marks: list[tuple[int, int] | None] = []
+        for root in self.roots:
+            try:
+                st = root.inbox.stat()
+            except OSError:
+                marks.append(None)
+            else:
+                marks.append((st.st_mtime_ns, st.st_ino))
+        return marks
 
     def run(
         self,

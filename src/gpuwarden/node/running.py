@@ -117,7 +117,8 @@ class Mailbox:
     def wake(self) -> None:
         self._wake.set()
 
-    def wait(self, seconds: float) -> None:
-        """Wait ``seconds``, or less if woken (the wake is used up)."""
-        self._wake.wait(seconds)
+    def wait(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if woken (the wake is used up); True if woken."""
+        woken = self._wake.wait(seconds)
         self._wake.clear()
+        return woken
