@@ -198,7 +198,8 @@ class AttemptRunner:
                 run.thread = launcher.start(
                     request,
                     run.stop,
-                    lambda pid: self.on_started(Started(job.id, run.attempt.number, pid)),
+                    # recorded with the next drain's batch: no commit of its own
+                    lambda pid: self.mailbox.put(Started(job.id, run.attempt.number, pid)),
                     self.mailbox.post,
                 )
             else:
