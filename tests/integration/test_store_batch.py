@@ -100,3 +100,15 @@ def test_terminal_count(tmp_path: Path) -> None:
     store.transition("a", JobState.CANCELLED, now=2.0)
     assert store.terminal_count(["a", "b", "c", "missing"]) == 1
     assert store.terminal_count([]) == 0
+
+
+def test_queued_jobs_reuses_only_rows_that_did_not_change(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    store.submit([spec("a"), spec("b")], now=1.0)
+    a1, b1 = store.queued_jobs()
+    store.start_attempt("a", node="n", gpu_uuid=None, now=2.0)
+    store.transition("a", JobState.QUEUED, now=3.0, reason="retry")  # queued again
+    a2, b2 = store.queued_jobs()
+    assert b2 is b1  # the same row: the same Job, not decoded again
+    assert a2 is not a1 and (a2.attempts, a2.updated_at) == (1, 3.0), a2
+    assert [j.id for j in store.queued_jobs(limit=1)] == ["a"]

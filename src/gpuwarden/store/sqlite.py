@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from gpuwarden.core.model import Job
 from gpuwarden.errors import UserError
 from gpuwarden.store.queries import load_dialect, load_migrations, split_sql
 from gpuwarden.store.rows import Row
@@ -117,6 +118,8 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
         self.wake_path = path.with_name(path.name + ".wake")
         self._wake_callbacks: list[Callable[[], None]] = []
         self._wake_sock: socket.socket | None = None
+        #: the queued jobs of the last :meth:`queued_jobs`, by id: (the row, the Job)
+        self._queued: dict[str, tuple[tuple[Any, ...], Job]] = {}
         self._db = sqlite3.connect(
             str(path), isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
         )
@@ -299,6 +302,23 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
                 self.wake_path.unlink()
         with self._lock:
             self._db.close()
+
+    # -- reads --------------------------------------------------------------
+
+    def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
+        """As every store does; a row exactly as it was at the last call gives the
+        same :class:`Job` again, not a new decode (the loop reads every queued
+        job each pass, and most are unchanged)."""
+        before, now = self._queued, {}
+        out: list[Job] = []
+        for row in self._read("queued_jobs", limit=limit):
+            key = tuple(row)
+            seen = before.get(row["id"])
+            job = seen[1] if seen is not None and seen[0] == key else self._job(row)
+            now[job.id] = (key, job)
+            out.append(job)
+        self._queued = now
+        return out
 
     # -- values in and out --------------------------------------------------
 
