@@ -319,12 +319,12 @@ def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass
     work is proportional to the classes and the jobs started, not to the queue."""
     lineups = list(lineups)
     done = Pass()
+    step = _Step(snapshot, now, {lu.job.type for lu in lineups})
+    done.evictions = step.evictions
     if not snapshot.accepting:
         for lu in sorted(lineups, key=lambda lu: _rank(lu.job)):
             done.waits.append(ClassWait.fixed(lu.key, lu.job.id, "the broker is shutting down"))
         return done
-    step = _Step(snapshot, now, {lu.job.type for lu in lineups})
-    done.evictions = step.evictions
     heads: list[tuple[tuple[int, bool, int], int, QueuedJob, Iterator[tuple[int, str]]]] = []
     for n, lu in enumerate(lineups):
         members = iter(lu.members)

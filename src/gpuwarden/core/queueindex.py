@@ -20,8 +20,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 __all__ = ["QueueIndex"]
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(slots=True)
@@ -43,12 +46,12 @@ class _Class:
             self.gone.discard(heapq.heappop(self.heap)[1])
 
 
-class QueueIndex:
+class QueueIndex(Generic[K]):
     """Queued jobs by class, each class in arrival order."""
 
     def __init__(self) -> None:
-        self._classes: dict[Hashable, _Class] = {}
-        self._key_of: dict[str, Hashable] = {}
+        self._classes: dict[K, _Class] = {}
+        self._key_of: dict[str, K] = {}
         self._seq_of: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -57,7 +60,7 @@ class QueueIndex:
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._key_of
 
-    def add(self, job_id: str, seq: int, key: Hashable) -> None:
+    def add(self, job_id: str, seq: int, key: K) -> None:
         """Put a job in its class (again: a job already here is moved)."""
         if job_id in self._key_of:
             if self._key_of[job_id] == key and self._seq_of[job_id] == seq:
@@ -87,24 +90,24 @@ class QueueIndex:
             del self._classes[key]
         return True
 
-    def key_of(self, job_id: str) -> Hashable | None:
+    def key_of(self, job_id: str) -> K | None:
         return self._key_of.get(job_id)
 
     def seq_of(self, job_id: str) -> int | None:
         return self._seq_of.get(job_id)
 
-    def classes(self) -> list[Hashable]:
+    def classes(self) -> list[K]:
         return list(self._classes)
 
-    def size(self, key: Hashable) -> int:
+    def size(self, key: K) -> int:
         cls = self._classes.get(key)
         return 0 if cls is None else cls.live()
 
-    def head(self, key: Hashable) -> tuple[int, str] | None:
+    def head(self, key: K) -> tuple[int, str] | None:
         cls = self._classes.get(key)
         return cls.heap[0] if cls is not None and cls.heap else None
 
-    def members(self, key: Hashable) -> Iterator[tuple[int, str]]:
+    def members(self, key: K) -> Iterator[tuple[int, str]]:
         """The class's jobs as ``(seq, id)``, in arrival order, lazily; the index
         must not change while this is walked."""
         cls = self._classes.get(key)

@@ -48,6 +48,7 @@ from gpuwarden.store.base import (
     DuplicateTokenError,
     IdempotencyConflict,
     IdempotencyRecord,
+    QueueEntry,
     Store,
     Submission,
 )
@@ -322,6 +323,23 @@ class SqlStore(Store, Generic[C]):
 
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
         return [self._job(r) for r in self._read("queued_jobs", limit=limit)]
+
+    def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        if ids is None:
+            found = self._read("queue_entries")
+        else:
+            found = self._read("queue_entries_of", ids=self._ids(list(ids)))
+        return [
+            QueueEntry(
+                id=r["id"],
+                type=r["type"],
+                priority=int(r["priority"]),
+                seq=int(r["seq"]),
+                vram_bytes=None if r["vram_bytes"] is None else int(r["vram_bytes"]),
+                cancel_requested=bool(r["cancel_requested"]),
+            )
+            for r in found
+        ]
 
     def running_jobs(self) -> list[Job]:
         return [self._job(r) for r in self._read("running_jobs")]

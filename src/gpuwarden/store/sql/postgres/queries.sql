@@ -42,6 +42,13 @@ SELECT * FROM jobs
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT %(limit)s;
 
+-- name: queue_entries
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+
+-- name: queue_entries_of
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+ WHERE state = 'queued' AND id = ANY(%(ids)s::text[]);
+
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
 

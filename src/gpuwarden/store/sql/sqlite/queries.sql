@@ -37,6 +37,13 @@ ORDER BY seq DESC LIMIT :limit;
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT :limit;
 
+-- name: queue_entries
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+
+-- name: queue_entries_of
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+ WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
+
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
 
