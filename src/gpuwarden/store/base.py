@@ -59,6 +59,19 @@ class BundleRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """A queued job as the broker loop's queue index keeps it (the rest of the job
+    is read when it starts)."""
+
+    id: str
+    type: str
+    priority: int
+    seq: int
+    vram_bytes: int | None
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
 class NodeStatus:
     node: str
     pid: int | None
@@ -183,6 +196,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
         """Queued jobs, highest priority first, then arrival order."""
+
+    @abc.abstractmethod
+    def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        """Every queued job (or those of ``ids`` that are queued), in no order."""
 
     @abc.abstractmethod
     def running_jobs(self) -> list[Job]:

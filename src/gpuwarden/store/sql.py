@@ -48,6 +48,7 @@ from gpuwarden.store.base import (
     DuplicateTokenError,
     IdempotencyConflict,
     IdempotencyRecord,
+    QueueEntry,
     Store,
     Submission,
 )
@@ -334,6 +335,23 @@ class SqlStore(Store, Generic[C]):
         if not job_ids:
             return 0
         return int(self._read("terminal_count", ids=self._ids(list(job_ids)))[0]["n"])
+
+    def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        if ids is None:
+            found = self._read("queue_entries")
+        else:
+            found = self._read("queue_entries_of", ids=self._ids(list(ids)))
+        return [
+            QueueEntry(
+                id=r["id"],
+                type=r["type"],
+                priority=int(r["priority"]),
+                seq=int(r["seq"]),
+                vram_bytes=None if r["vram_bytes"] is None else int(r["vram_bytes"]),
+                cancel_requested=bool(r["cancel_requested"]),
+            )
+            for r in found
+        ]
 
     def running_jobs(self) -> list[Job]:
         return [self._job(r) for r in self._read("running_jobs")]

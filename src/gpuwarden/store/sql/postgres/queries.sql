@@ -46,6 +46,13 @@ SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT %(li
 SELECT count(*) AS n FROM jobs
  WHERE id = ANY(%(ids)s::text[]) AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
+-- name: queue_entries
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+
+-- name: queue_entries_of
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+ WHERE state = 'queued' AND id = ANY(%(ids)s::text[]);
+
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
 

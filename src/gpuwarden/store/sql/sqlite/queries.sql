@@ -42,6 +42,13 @@ SELECT count(*) AS n FROM jobs
  WHERE id IN (SELECT value FROM json_each(:ids))
    AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
+-- name: queue_entries
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+
+-- name: queue_entries_of
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+ WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
+
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
 
