@@ -5,8 +5,10 @@ is a child subreaper, so orphans come to it), a stop reaches it at once."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -126,3 +128,23 @@ def test_a_timeout_ends_the_attempt(tmp_path: Path) -> None:
 def test_a_command_that_cannot_start_posts_a_launch_error(tmp_path: Path) -> None:
     result = start(request(tmp_path, [str(tmp_path / "missing")]))
     assert result.launch_error and result.exit_code is None
+
+
+#: like ORPHAN, but the child exits by itself soon after its parent
+SHORT_ORPHAN = ORPHAN.replace("time.sleep(60)", "time.sleep(0.2)")
+
+
+def test_an_adopted_zombie_from_another_session_is_reaped(tmp_path: Path) -> None:
+    assert reaper.become_subreaper()
+    pidfile = tmp_path / "orphan.pid"
+    parent = subprocess.Popen([sys.executable, "-c", SHORT_ORPHAN, str(pidfile)])
+    assert parent.wait(30) == 0
+    orphan = int(pidfile.read_text())
+    deadline = time.monotonic() + 30
+    while (st := reaper.stat(orphan)) is not None and st[0] != "Z":
+        assert time.monotonic() < deadline, st
+        time.sleep(0.01)
+    assert st is not None and st[1] == os.getpid(), st  # adopted here, now a zombie
+    with host._live_lock:
+        host.reap_adopted()
+    assert reaper.stat(orphan) is None  # reaped: gone from the process table

@@ -411,6 +411,26 @@ def _spawn(req: LaunchRequest) -> subprocess.Popen[bytes]:
         return proc
 
 
+def reap_adopted() -> None:
+    """Reap the zombies among this process's children that it adopted as their
+    subreaper (a daemon a sandbox runtime double-forked, an orphan of an attempt
+    that made a session of its own): a child that is no main process started
+    here and is not in this process's session. Every other child of the broker
+    is a main process of ``_spawn`` (in :data:`_live_mains`) or a command some
+    module runs in the broker's own session and waits for itself. Call with
+    ``_live_lock`` held, so that no main process is started meanwhile."""
+    if not reaper.is_subreaper():
+        return
+    me, session = os.getpid(), os.getsid(0)
+    for child in reaper.children(me):
+        if child in _live_mains:
+            continue
+        st = reaper.stat(child)
+        if st is not None and st[0] == "Z" and st[3] != session:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, os.WNOHANG)
+
+
 def _reap_main(proc: subprocess.Popen[bytes]) -> int:
     """Reap the main process (it has exited) and return its exit code."""
     code = proc.wait()
@@ -513,6 +533,8 @@ class HostLauncher:
             except Exception:  # a caller's bug must not leave the process unwatched
                 log.exception("on_start callback failed for %s", req.marker)
         ending = self._see_through(proc, req, stop)
+        with _live_lock:
+            reap_adopted()
         return _result(req, proc.pid, started_at, ending)
 
     def start(
@@ -680,10 +702,11 @@ class _Watching:
         other goes to a thread of its own that stops the tree first."""
         pid = self.proc.pid
         if not (timed_out or stopped):
-            with _live_lock:
-                others = set(_live_mains)
             remembered = [p.pid for p in self.tree.descendants if not _is_gone(p)]
-            if quick_leftovers(pid, self.req.marker, remembered, others - {pid}) == []:
+            with _live_lock:  # no main is started meanwhile: its zombie is not an orphan's
+                left = quick_leftovers(pid, self.req.marker, remembered, _live_mains - {pid})
+                reap_adopted()
+            if left == []:
                 try:
                     ending = _Ending(_reap_main(self.proc), False, False, [], [])
                     self.ended.post(_result(self.req, pid, self.started_at, ending))

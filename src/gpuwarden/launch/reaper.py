@@ -60,6 +60,12 @@ def become_subreaper() -> bool:
         return _subreaper[me]
 
 
+def is_subreaper() -> bool:
+    """Whether :func:`become_subreaper` made this process one."""
+    with _subreaper_lock:
+        return _subreaper.get(os.getpid(), False)
+
+
 class StopSignal(threading.Event):
     """A :class:`threading.Event` that tells listeners when it is set: the reaper
     is woken by a stop at once instead of looking at the event now and then."""
@@ -198,6 +204,7 @@ class Reaper:
         self._watched: dict[int, Watched] = {}  # by pid
         self._wake_r = self._wake_w = -1  # made with the thread, at the first watch
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
 
     def pids(self) -> list[int]:
         """The main processes watched now."""
@@ -213,6 +220,9 @@ class Reaper:
         else:
             w.polled = True
         with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+                self._thread, self._pid = None, os.getpid()
+                self._watched.clear()
             self._adding.append(w)
             if self._thread is None:
                 become_subreaper()
