@@ -40,6 +40,9 @@ SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT :lim
 -- name: queue_entries
 SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
 
+-- name: queued_count
+SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
+
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
  WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
