@@ -15,12 +15,17 @@ batches while it runs (``gpu = "none"``: its vram jobs wait, in 12 classes: thre
 types and three priorities); once its status says its queue index holds them all,
 its RSS (psutil) is read.
 
+Part 3 (the loop): the same backlog in an in-process broker (``Broker.tick()``),
+the cost of the first tick (it loads the queue index) and of a tick once
+nothing changes (``idle_tick``: ``queued``, ``load_ms``, ``p50_ms``, ``max_ms``).
+
 Targets: a pass <= 2 ms p99 at 2,000 x 8 and <= 20 ms p99 at 100,000 x 64; RSS
 <= 300 MiB with 100,000 queued. The last line of stdout is one JSON object:
-``{"plan": {"2000x8": {"p50_ms", "p99_ms"}, "100000x64": {...}}, "rss_mib"}``.
+``{"plan": {"2000x8": {"p50_ms", "p99_ms"}, "100000x64": {...}}, "rss_mib",
+"idle_tick": {...}}``.
 
     .venv/bin/python bench/plan.py            # both parts (about a minute)
-    .venv/bin/python bench/plan.py --no-rss   # part 1 only
+    .venv/bin/python bench/plan.py --no-rss   # part 1 only (no broker)
     .venv/bin/python bench/plan.py --smoke    # seconds: small sizes (the test suite)
 """
 
@@ -264,6 +269,61 @@ def _fill_and_measure(proc: subprocess.Popen[bytes], config: Path, jobs: int) ->
     return rss
 
 
+def idle_ticks(jobs: int, ticks: int = 50) -> dict[str, float]:
+    """Part 3: ``Broker.tick()`` in this process with ``jobs`` queued that cannot
+    start (no GPU), once the index is loaded and the event log has caught up: what
+    a tick costs when nothing changed, however long the queue."""
+    from gpuwarden.app import open_node
+    from gpuwarden.config import Config
+    from gpuwarden.core.model import JobSpec
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-tick-"))
+    (tmp / "modules" / "benchplan").mkdir(parents=True)
+    (tmp / "modules" / "benchplan" / "module.toml").write_text(MODULE)
+    config = Config.model_validate(
+        {
+            "state_dir": tmp / "state",
+            "gpu": "none",
+            "allow_unsandboxed_containers": True,
+            "module_paths": [tmp / "modules"],
+        }
+    )
+    try:
+        with open_node(config, mock_gpu=False) as node:
+            node.broker.recover()
+            for start in range(0, jobs, 5000):
+                node.store.submit(
+                    [
+                        JobSpec(id=f"q{i}", type=TYPES_RSS[i % 3], priority=(0, 0, 5, 10)[i % 4])
+                        for i in range(start, min(jobs, start + 5000))
+                    ],
+                    now=time.time(),
+                )
+            t0 = time.perf_counter()
+            node.broker.tick()
+            load_ms = (time.perf_counter() - t0) * 1000
+            for _ in range(jobs // 1000 + 10):  # the event log copies 1,000 a tick
+                node.broker.tick()
+            times = []
+            for _ in range(ticks):
+                t0 = time.perf_counter()
+                node.broker.tick()
+                times.append((time.perf_counter() - t0) * 1000)
+            assert len(node.broker.queue) == jobs, "the index does not hold every job"
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    print(
+        f"  idle broker tick with {jobs} queued: first tick (loads the index) {load_ms:.0f} ms; "
+        f"then p50 {statistics.median(times):.3f} ms, max {max(times):.3f} ms over {ticks}"
+    )
+    return {
+        "queued": jobs,
+        "load_ms": round(load_ms, 1),
+        "p50_ms": round(statistics.median(times), 3),
+        "max_ms": round(max(times), 3),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--passes", type=int, default=50)
@@ -280,6 +340,7 @@ def main() -> int:
     for n, g in sizes:
         out[f"{n}x{g}"] = time_passes(n, g, args.passes)
     rss = None if args.no_rss else broker_rss(args.rss_jobs, args.keep)
+    tick = None if args.no_rss else idle_ticks(args.rss_jobs)
     if not args.smoke:
         print("targets:")
         for key, goal in (("2000x8", 2.0), ("100000x64", 20.0)):
@@ -287,7 +348,11 @@ def main() -> int:
             print(f"  {'PASS' if p99 <= goal else 'FAIL'}  {key}: p99 {p99} ms <= {goal} ms")
         if rss is not None:
             print(f"  {'PASS' if rss <= 300 else 'FAIL'}  RSS {rss:.1f} MiB <= 300 MiB")
-    print(json.dumps({"plan": out, "rss_mib": None if rss is None else round(rss, 1)}))
+    print(
+        json.dumps(
+            {"plan": out, "rss_mib": None if rss is None else round(rss, 1), "idle_tick": tick}
+        )
+    )
     return 0
 
 

@@ -20,7 +20,9 @@ def test_plan_bench_smoke() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    assert set(figures) == {"plan", "rss_mib"}
+    assert set(figures) == {"plan", "rss_mib", "idle_tick"}
+    assert figures["idle_tick"]["queued"] == 2000
+    assert figures["idle_tick"]["p50_ms"] > 0
     assert set(figures["plan"]) == {"200x8", "2000x16"}
     for size in figures["plan"].values():
         assert 0 < size["p50_ms"] <= size["p99_ms"]

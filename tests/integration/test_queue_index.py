@@ -16,6 +16,7 @@ from gpuwarden.config import Config
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.intake.jobs import prepare
+from gpuwarden.node.explain import explain_job, latest_status, view_from_status
 from tests.brokerkit import run_until, submit
 from tests.integration.test_broker import make_config
 
@@ -92,3 +93,27 @@ def test_a_queued_job_of_an_unknown_type_fails_once_with_its_reason(
     assert job is not None and job.state is JobState.FAILED
     assert "job type gone.type is not known to this broker" in job.reason
     assert "ghost" not in node.broker.queue.index
+
+
+def test_explain_says_why_a_job_far_down_a_long_queue_waits(
+    setup: tuple[Node, Config], tmp_path: Path
+) -> None:
+    """explain once read only the first 1,000 queued jobs and had no decision for
+    a job behind them; it now plans over the whole queue, by class."""
+    node, _ = setup
+    release = tmp_path / "release"
+    submit(node, JobSpec("h", "testmods.hold", {"until": str(release)}))
+    run_until(node, lambda: node.store.get_job("h").state is JobState.RUNNING)  # type: ignore[union-attr]
+    specs = [JobSpec(f"w{i:04d}", "echo.echo", {"text": "x"}) for i in range(1200)]
+    submit(node, *specs)
+    node.broker.tick()
+    node.broker.tick()
+    status = latest_status(node.store, time.time())
+    assert status is not None
+    view = view_from_status(status, cpu_slots=1)
+    last = node.store.get_job("w1199")
+    assert last is not None
+    assert len(node.store.queued_jobs()) == 1000  # the old read stopped short of it
+    lines = explain_job(last, node.store, node.broker.registry, view)
+    assert any("all 1 cpu slots are in use" in line for line in lines), lines
+    release.touch()

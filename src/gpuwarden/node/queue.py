@@ -62,7 +62,7 @@ class QueueBook:
         changed = self._follow(now)
         if now - self._checked_at >= _CHECK_EVERY_S:
             self._checked_at = now
-            queued = self.store.count_by_state().get(JobState.QUEUED, 0)
+            queued = self.store.queued_count()
             if queued != len(self.index):
                 log.info(
                     "the queue index holds %d jobs, the store %d queued: reloading it",

@@ -202,6 +202,10 @@ class Store(abc.ABC):
         """Every queued job (or those of ``ids`` that are queued), in no order."""
 
     @abc.abstractmethod
+    def queued_count(self) -> int:
+        """How many jobs are queued (an index count: cheap beside a long history)."""
+
+    @abc.abstractmethod
     def running_jobs(self) -> list[Job]:
         """Jobs in state running, arrival order."""
 

@@ -353,6 +353,9 @@ class SqlStore(Store, Generic[C]):
             for r in found
         ]
 
+    def queued_count(self) -> int:
+        return int(self._read("queued_count")[0]["n"])
+
     def running_jobs(self) -> list[Job]:
         return [self._job(r) for r in self._read("running_jobs")]
 

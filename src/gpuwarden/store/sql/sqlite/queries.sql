@@ -45,6 +45,9 @@ SELECT count(*) AS n FROM jobs
 -- name: queue_entries
 SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
 
+-- name: queued_count
+SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
+
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
  WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
