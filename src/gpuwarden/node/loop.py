@@ -359,9 +359,8 @@ class Broker:
                 self._waits = {}
                 self._status_dirty = True
             return
-        done = policy.plan_pass(
-            lineups, self._snapshot(), now
-        )  # also when only warm servers may expire
+        # also when only warm servers may expire
+        done = policy.plan_pass(lineups, self._snapshot(), now)
         for eviction in done.evictions:
             if isinstance(eviction, policy.Evict):
                 self.warm.evict(eviction)
