@@ -9,10 +9,11 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
   gpuwarden did not start, minus the ledger. Two GPUs' free memory never adds up.
 - It shares a GPU only if it and every holder there opt in to co-residence.
 - Order: higher priority first, then a job whose model is warm, then arrival.
-- The first job that cannot start gets a reservation on the GPU it fits soonest
-  (one reservation per GPU, in order). A later job may start on a reserved GPU
-  only where it will not delay the reserved job: either both co-reside and fit
-  beside each other, together with every job already started beside it, once
+- The first job that cannot start (the first ``max_reservations``) gets a
+  reservation: the GPU held back for it in the previous pass (``held_back``),
+  else the GPU it fits soonest (:func:`fits_soonest_key`). A later job may start
+  on a reserved GPU only where it will not delay the reserved job: either both
+  co-reside and fit beside each other, together with every job already started beside it, once
   everything else there has ended; or it is expected to end before the reserved
   job is expected to fit (run-time estimates per type, measured; a job without
   an estimate, or beside a holder without one, never backfills this way).
@@ -132,6 +133,10 @@ class Snapshot:
     #: how many waiting jobs may have a GPU held back for them in one pass (the
     #: first that cannot start, then the next, in queue order)
     max_reservations: int = 1
+    #: ``(job id, GPU uuid)``: the GPUs held back in the previous pass (``Wait.reserved_gpu``,
+    #: ``ClassWait.reserved_gpu``); a job that still gets a reservation keeps its GPU,
+    #: so the GPU that drains for it is not traded for another that looks sooner
+    held_back: tuple[tuple[str, str], ...] = ()
 
     def gpus_json(self) -> list[dict[str, Any]]:
         return [g.to_json() for g in self.gpus]
@@ -427,6 +432,7 @@ class _Step:
         self.gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
         self.best = max((g.total_bytes - g.reserve_bytes for g in snapshot.gpus), default=None)
         self.reservations_left = snapshot.max_reservations
+        self.held_back = dict(snapshot.held_back)
         self.warm = _Warm(snapshot.warm)
         self.evictions = self.warm.expired(now, wanted)
         degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
@@ -486,7 +492,7 @@ class _Step:
             return Start(job.id, best.view.uuid, backfill_for)
         reserved = None
         if self.reservations_left > 0:
-            reserved = _reserve(job, gpus)
+            reserved = _reserve(job, gpus, self.held_back.get(job.id))
             if reserved is not None:
                 self.reservations_left -= 1
 
@@ -678,9 +684,13 @@ def head_fits_at(
     return at
 
 
-def _reserve(job: QueuedJob, gpus: list[_Gpu]) -> _Gpu | None:
-    """Hold back, for the first job that cannot start, the GPU it fits soonest:
-    the one with the least of gpuwarden's memory on it among those big enough."""
+def _reserve(job: QueuedJob, gpus: list[_Gpu], previous: str | None = None) -> _Gpu | None:
+    """Hold back, for a job that cannot start (the head of the queue, or one of the
+    first ``max_reservations``), a GPU among those not degraded, not held back yet
+    and big enough: ``previous``, the one held back for it in the previous pass, if
+    it still is one of them (it drains for the job: nothing that could delay the
+    job started there since); else the one it fits soonest (:func:`fits_soonest_key`),
+    ties to the GPU with the least of gpuwarden's memory on it, then by UUID."""
     candidates = [
         g
         for g in gpus
@@ -688,9 +698,42 @@ def _reserve(job: QueuedJob, gpus: list[_Gpu]) -> _Gpu | None:
     ]
     if not candidates:
         return None
-    chosen = min(candidates, key=lambda g: (g.held, g.view.uuid))
+    kept = [g for g in candidates if g.view.uuid == previous]
+    chosen = (
+        kept[0]
+        if kept
+        else min(
+            candidates,
+            key=lambda g: (*fits_soonest_key(job, g.capacity, g.holdings), g.held, g.view.uuid),
+        )
+    )
     chosen.reserved_for = job
     return chosen
+
+
+def fits_soonest_key(job: QueuedJob, capacity: int, holdings: list[Holding]) -> tuple[int, float]:
+    """How soon ``job`` is likely to fit beside these holdings, as a sort key (the
+    smaller, the sooner), from what is known of every holder: when it started. The
+    holders leave in the order they are likely to end: memory being reclaimed
+    first, then running jobs from the youngest to the oldest (run times are
+    heavy-tailed: a job that has run long is likely to run long yet; a type's
+    run-time estimate, the longest of its last runs, says little about one job),
+    until the job fits; holdings started beside it never leave (they fit with it).
+    The key is how many running holders must end first (each one a wait of its
+    own), then minus the start of the oldest of them (the younger, the sooner)."""
+    stay = [h for h in holdings if h.backfill_for == job.id]
+    left = sorted(
+        (h for h in holdings if h.backfill_for != job.id),
+        key=lambda h: (h.state is not HoldState.RECLAIMING, -h.since),
+    )
+    must = 0
+    oldest = float("inf")
+    while left and not _fits(job, capacity, stay + left):
+        ending = left.pop(0)
+        if ending.state is not HoldState.RECLAIMING:
+            must += 1
+            oldest = min(oldest, ending.since)
+    return must, -oldest
 
 
 def _why_not(job: QueuedJob, g: _Gpu, seen: tuple[int, QueuedJob | None]) -> str:

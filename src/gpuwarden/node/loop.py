@@ -409,6 +409,10 @@ class Broker:
             accepting=self.accepting,
             vram_paused=f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else "",
             warm=self.warm.views(),
+            # the GPUs held back in the last pass: a held-back job keeps its GPU
+            held_back=tuple(
+                (w.job_id, w.reserved_gpu) for w in self._waits.values() if w.reserved_gpu
+            ),
         )
 
     def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> bool:
