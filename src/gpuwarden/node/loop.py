@@ -306,6 +306,18 @@ class Broker:
             return
         if self.queues.intake(now):
             self._status_dirty = True
+        self._warm_fast(now)
+
+    def _warm_fast(self, now: float) -> None:
+        """The warm fast path: a queued job goes to its type's idle warm server now,
+        not after a planning pass (``WarmServers.fast_starts`` applies plan()'s rules)."""
+        if not self.accepting or not len(self.warm):
+            return
+        paused = f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else ""
+        for job, jobtype, start in self.warm.fast_starts(
+            self.store, self.registry.types, paused=paused
+        ):
+            self._start(job, jobtype, start, now)
 
     # -- attempts -----------------------------------------------------------
 
@@ -433,6 +445,7 @@ class Broker:
             elif (run := self.attempts.pop(message)) is not None:
                 self._status_dirty = True
                 self.attempts.complete(run, message, now)
+        self._warm_fast(now)  # a server this freed takes its type's next job now
 
     def _pass_cancels(self, now: float) -> None:
         if not len(self.attempts):

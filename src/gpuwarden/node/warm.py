@@ -17,14 +17,14 @@ import json
 import logging
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from gpuwarden import safefs
 from gpuwarden.core import policy
 from gpuwarden.core.ledger import HoldState
-from gpuwarden.core.model import JobType
+from gpuwarden.core.model import Job, JobType
 from gpuwarden.launch.base import INSIDE, LaunchResult
 from gpuwarden.launch.sandbox import output_limit_reason
 from gpuwarden.launch.warmproc import (
@@ -43,6 +43,7 @@ from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import WarmStatus
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState, WarmPool, WarmServer
+from gpuwarden.store.base import Store
 
 #: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
@@ -111,6 +112,34 @@ class WarmServers:
         if decision.warm:
             return server is not None and server.state is ServerState.IDLE
         return server is None
+
+    def fast_starts(
+        self, store: Store, types: Mapping[str, JobType], *, paused: str
+    ) -> list[tuple[Job, JobType, policy.Start]]:
+        """The queued jobs to hand to idle warm servers now, without a planning pass
+        (the warm fast path): for each idle server, the first queued job of its type.
+        That is the job :func:`gpuwarden.core.policy.plan` would hand it, since a job
+        whose server is warm goes first among equal priority and takes no memory;
+        the plan decides instead when a queued job has a higher priority (its
+        memory may come from evicting this idle server), when VRAM admission is
+        paused (``paused``: the probe failed) or the server's GPU is degraded, and
+        for a job whose cancel was asked (the plan ends it)."""
+        starts: list[tuple[Job, JobType, policy.Start]] = []
+        if paused:
+            return starts
+        degraded = self.vram.degraded()
+        for server in self.pool:
+            if server.state is not ServerState.IDLE or server.gpu in degraded:
+                continue
+            found = store.first_queued_of(server.type.name)
+            if found is None:
+                continue
+            job, top_priority = found
+            jobtype = types.get(job.type)
+            if top_priority > job.priority or job.cancel_requested or jobtype is None:
+                continue
+            starts.append((job, jobtype, policy.Start(job.id, server.gpu, warm=True)))
+        return starts
 
     def start(self, run: RunningAttempt, decision: policy.Start, gpu: str, now: float) -> None:
         """Hand the started attempt to its type's warm server, loading one first if
@@ -284,10 +313,40 @@ class WarmServers:
         return report
 
     def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
+        """Serve one job through its exchange slot and post its result; the slot is
+        removed after that, off the path from the server's answer to the result."""
         input_dir, params = self.launching.params(run)
+        request = server.worker.request
+        sandboxed = bool(request.mounts)
+        slot = ExchangeSlot(
+            Path(request.attempt_dir) / "exchange",
+            f"{run.job.id}-{run.attempt.number}",
+            owner=self.launching.sandbox_owner(server.type) if sandboxed else None,
+        )
         over: list[str] = []
-        report = self._serve_through_exchange(server, run, input_dir, params, over=over)
-        self._after_served(server, run, started, report, limit_exceeded=over[0] if over else None)
+        try:
+            report = self._serve_through_exchange(server, run, slot, input_dir, params, over=over)
+            self._after_served(
+                server, run, started, report, limit_exceeded=over[0] if over else None
+            )
+        except BaseException:
+            try:
+                slot.close()
+            except ExchangeError:
+                log.exception("removing %s failed", slot.path)  # the first error stands
+            raise
+        try:
+            slot.close()
+        except ExchangeError as exc:
+            # the job's outputs were moved out before its result was posted: that
+            # result stands. The server cannot be used safely any more: stopped (a
+            # job handed to it meanwhile fails as its infrastructure's failure)
+            why = f"its exchange folder could not be used safely: {exc.message}"
+            log.warning("warm server %s: %s", server.holder, why)
+            try:
+                server.worker.stop(why)
+            finally:
+                self._note(server, "gone", reason=why)
 
     def _output_over_limit(self, server: WarmServer, out: Path) -> str | None:
         """``output past N MiB`` when a sandboxed job's outputs in its slot hold more
@@ -306,6 +365,7 @@ class WarmServers:
         self,
         server: WarmServer,
         run: RunningAttempt,
+        slot: ExchangeSlot,
         input_dir: Path,
         params: dict[str, Any],
         *,
@@ -316,17 +376,11 @@ class WarmServers:
         folders). The job's slot ``<job>-<attempt>`` is made fresh there, whatever
         the server left under that name removed unfollowed; the job's inputs are
         copied in and its outputs moved to the attempt's ``out/`` by descriptor
-        (:class:`gpuwarden.node.attemptfs.ExchangeSlot`). A sandboxed job whose outputs
-        are past ``[sandbox] output_mib`` when it ends gets the reason in ``over``."""
-        request = server.worker.request
-        sandboxed = bool(request.mounts)
-        slot = ExchangeSlot(
-            Path(request.attempt_dir) / "exchange",
-            f"{run.job.id}-{run.attempt.number}",
-            owner=self.launching.sandbox_owner(server.type) if sandboxed else None,
-        )
+        (:class:`gpuwarden.node.attemptfs.ExchangeSlot`); the caller removes the
+        slot. A sandboxed job whose outputs are past ``[sandbox] output_mib`` when
+        it ends gets the reason in ``over``."""
+        sandboxed = bool(server.worker.request.mounts)
         seen = Path(INSIDE / "output" / slot.name) if sandboxed else slot.path
-        failing = True
         try:
             slot.open(input_dir)
             staged = dict(params)
@@ -345,7 +399,6 @@ class WarmServers:
             )
             if sandboxed and (why := self._output_over_limit(server, slot.path / "out")):
                 over.append(why)
-            failing = False
             return report
         finally:
             try:
@@ -365,12 +418,6 @@ class WarmServers:
                     refused=tuple(slot.refused),
                 )
             )
-            try:
-                slot.close()
-            except ExchangeError:
-                if not failing:
-                    raise
-                log.exception("removing %s failed", slot.path)  # the first error stands
 
     def _after_served(
         self,

@@ -191,6 +191,13 @@ class Store(abc.ABC):
         """How many jobs are in each state (states with none are absent)."""
 
     @abc.abstractmethod
+    def first_queued_of(self, type_name: str) -> tuple[Job, int] | None:
+        """The first queued job of ``type_name`` in queue order (highest priority,
+        then arrival) with the highest priority of any queued job; None when no job
+        of that type is queued. One read: the warm fast path asks it for each idle
+        warm server."""
+
+    @abc.abstractmethod
     def transition(
         self,
         job_id: str,

@@ -329,6 +329,10 @@ class SqlStore(Store, Generic[C]):
     def count_by_state(self) -> dict[JobState, int]:
         return {JobState(r["state"]): int(r["n"]) for r in self._read("count_by_state")}
 
+    def first_queued_of(self, type_name: str) -> tuple[Job, int] | None:
+        found = self._read("first_queued_of_type", type=type_name)
+        return (self._job(found[0]), int(found[0]["top_priority"])) if found else None
+
     def _transition_in(
         self,
         conn: C,

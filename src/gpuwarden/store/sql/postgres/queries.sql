@@ -194,3 +194,12 @@ SELECT * FROM audit WHERE id > %(after_id)s ORDER BY id LIMIT %(limit)s;
 
 -- name: schema_version
 SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;
+
+-- name: first_queued_of_type
+-- the warm fast path (node/warm.py): the next job of a type with an idle server,
+-- and the highest priority waiting at all (a higher one leaves it to the plan)
+SELECT j.*, (SELECT MAX(priority) FROM jobs WHERE state = 'queued') AS top_priority
+  FROM jobs j
+ WHERE j.state = 'queued' AND j.type = %(type)s
+ ORDER BY j.priority DESC, j.seq
+ LIMIT 1;
