@@ -797,7 +797,7 @@ def fast_http(root: Path, modules: Path, args: argparse.Namespace) -> dict[str, 
 
         def one(c: Client) -> float:
             t0 = time.perf_counter()
-            job = c.wait(c.submit(FAST_TYPE, {})["id"], timeout=HTTP_WAIT_S)
+            job = c.submit(FAST_TYPE, {}, wait=HTTP_WAIT_S)
             if job["state"] != "done":
                 raise SystemExit(f"warm_http: {job['id']} came back {job['state']}")
             return time.perf_counter() - t0

@@ -14,6 +14,7 @@ from fastapi import Request
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.errors import HttpError
 from gpuwarden.config import Config
+from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import AuditRow, Store
 
@@ -28,6 +29,10 @@ class ApiContext:
     clock: Callable[[], float] = time.time
     #: the API's start, for /v1/health
     started_at: float = field(default_factory=time.time)
+    #: in the broker's process (``serve --api``): make its loop look at the store
+    #: now (a job was submitted), and where its loop says that jobs ended
+    wake: Callable[[], None] | None = None
+    ends: JobEnds | None = None
 
 
 def get_ctx(request: Request) -> ApiContext:

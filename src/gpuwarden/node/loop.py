@@ -49,6 +49,7 @@ from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.gpus import GpuWatch
+from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner
@@ -137,6 +138,8 @@ class Broker:
     def _build(self, intake: IntakeFactory) -> None:
         """Build the collaborators, each given what it depends on."""
         self.mailbox = Mailbox()
+        #: who in this process waits for a job's end (the API's ``wait``)
+        self.ends = JobEnds()
         self.vram = VramBook(self.settings.vram)
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
@@ -445,6 +448,7 @@ class Broker:
             elif (run := self.attempts.pop(message)) is not None:
                 self._status_dirty = True
                 self.attempts.complete(run, message, now)
+                self.ends.ended(run.job.id)
         self._warm_fast(now)  # a server this freed takes its type's next job now
 
     def _pass_cancels(self, now: float) -> None:
