@@ -35,19 +35,21 @@ class ApiContext:
     ends: JobEnds | None = None
 
 
-def get_ctx(request: Request) -> ApiContext:
+# the three below are async: they only read the request's state, and a plain
+# function would be run on a worker thread (a hop on every request)
+async def get_ctx(request: Request) -> ApiContext:
     ctx: ApiContext = request.app.state.gw
     return ctx
 
 
-def get_principal(request: Request) -> Principal:
+async def get_principal(request: Request) -> Principal:
     principal = request.scope.get("state", {}).get("gw_principal")
     if not isinstance(principal, Principal):  # the gate lets no such request through
         raise HttpError(401, "no token", {"WWW-Authenticate": "Bearer"})
     return principal
 
 
-def get_scope(request: Request) -> Scope:
+async def get_scope(request: Request) -> Scope:
     scope = request.scope.get("state", {}).get("gw_scope")
     if not isinstance(scope, Scope):  # the gate grants one to every request it lets by
         raise HttpError(403, "this endpoint is in no row of the permission matrix")

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api.context import ApiContext
 from gpuwarden.api.errors import HttpError
 from gpuwarden.core.model import Job
+from gpuwarden.intake.service import result_json
 
 #: the longest wait one request may ask for (seconds)
 MAX_WAIT_S = 60.0
@@ -54,9 +56,21 @@ def parse_wait(text: str | None) -> float | None:
     return seconds
 
 
-async def until_ended(ctx: ApiContext, job_id: str, seconds: float) -> Job | None:
-    """The job once it has ended, or as it is after ``seconds`` (None: it is gone
-    from the store). Waits on the event loop."""
+Ended = tuple[Job | None, dict[str, Any] | None]
+
+
+def look(ctx: ApiContext, job_id: str) -> Ended:
+    """The job, and its result.json when it has ended (one trip to a worker thread)."""
+    job = ctx.store.get_job(job_id)
+    if job is None or not job.state.terminal:
+        return job, None
+    return job, result_json(job, ctx.store.attempts(job.id))
+
+
+async def until_ended(ctx: ApiContext, job_id: str, seconds: float) -> Ended:
+    """The job and its result.json once it has ended, or the job as it is after
+    ``seconds`` and None (the job None: it is gone from the store). Waits on the
+    event loop."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     woken = asyncio.Event()
@@ -73,10 +87,10 @@ async def until_ended(ctx: ApiContext, job_id: str, seconds: float) -> Job | Non
     delay = slowest if unwatch is not None else FIRST_POLL_S
     try:
         while True:
-            job = await run_in_threadpool(ctx.store.get_job, job_id)
+            job, result = await run_in_threadpool(look, ctx, job_id)
             left = deadline - loop.time()
-            if job is None or job.state.terminal or left <= 0:
-                return job
+            if job is None or result is not None or left <= 0:
+                return job, result
             try:
                 await asyncio.wait_for(woken.wait(), min(delay, left))
             except TimeoutError:

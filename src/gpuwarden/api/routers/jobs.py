@@ -46,7 +46,6 @@ from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
-from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import DuplicateJobError, Submission
@@ -165,17 +164,12 @@ async def submit_job(
 async def _waited(ctx: ApiContext, job: Job, seconds: float) -> SubmitOut:
     """The job after waiting up to ``seconds`` for its end, and how the wait went."""
     started = time.monotonic()
-    job = await waiting.until_ended(ctx, job.id, seconds) or job
+    now, result = await waiting.until_ended(ctx, job.id, seconds)
     waited = time.monotonic() - started
-    out = SubmitOut.of(job)
-    out.wait = WaitOut(asked_s=seconds, waited_s=round(waited, 6), ended=job.state.terminal)
-    if job.state.terminal:
-        out.result = await run_in_threadpool(_result_of, ctx, job)
+    out = SubmitOut.of(now or job)
+    out.wait = WaitOut(asked_s=seconds, waited_s=round(waited, 6), ended=result is not None)
+    out.result = result
     return out
-
-
-def _result_of(ctx: ApiContext, job: Job) -> dict[str, Any]:
-    return result_json(job, ctx.store.attempts(job.id))
 
 
 def _submit(  # noqa: PLR0917 - the route's own arguments, handed to a worker thread
@@ -349,15 +343,15 @@ async def job_result(
     a job that has not ended yet is waited for up to that many seconds first."""
     seconds = waiting.parse_wait(wait)
     job = await run_in_threadpool(visible_job, ctx, who, access, job_id)
-    if not job.state.terminal and seconds:
-        job = await waiting.until_ended(ctx, job.id, seconds) or job
-    if not job.state.terminal:
+    now, result = await waiting.until_ended(ctx, job.id, seconds or 0.0)
+    job = now or job
+    if result is None:
         waited = f" (after waiting {seconds:g} s)" if seconds else ""
         raise HttpError(
             409,
             f"job {job.id} is {job.state.value}{waited}: its result exists once it has ended",
         )
-    return await run_in_threadpool(_result_of, ctx, job)
+    return result
 
 
 @router.get(
