@@ -693,6 +693,7 @@ def fast_store(root: Path, modules: Path, args: argparse.Namespace) -> dict[str,
                     raise SystemExit("warm_store: the jobs submitted at once did not all end")
                 time.sleep(0.005)
             last = max(ended_at(store, j) for j in ids)
+            rtt = exchange_rtt(broker, root, max(5, args.fast_idle))
         finally:
             stop.set()
             loop.join(timeout=60)
@@ -701,7 +702,73 @@ def fast_store(root: Path, modules: Path, args: argparse.Namespace) -> dict[str,
         "result_p50_ms": statistics.median(idle) * 1000,
         "result_p99_ms": nearest_rank(idle, 0.99) * 1000,
         "done": 1 + len(idle) + len(ids),  # every one was checked done
+        "exchange_rtt_ms": rtt,
     }
+
+
+def exchange_rtt(broker: Any, root: Path, n: int) -> float:
+    """p50 ms of one job message to the idle warm server and its result, alone: the
+    bench drives the server's ``WarmProcess`` itself (nothing is queued, so the
+    loop leaves the idle server alone), with no slot, store or loop in the way."""
+    [server] = list(broker.warm)
+    where = root / "rtt"
+    where.mkdir()
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        server.worker.run_job(f"rtt-{i}", 1, {}, where, where, where, 10.0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def alone_bounds(root: Path, n: int) -> dict[str, float]:
+    """What one piece of a warm job's path costs alone, on the state directory's
+    file system: a SQLite commit with ``synchronous=FULL`` (WAL, as the store),
+    one ``mkdir`` + ``rmdir``, and one exchange slot made, emptied and removed."""
+    import sqlite3
+
+    from gpuwarden.node.attemptfs import ExchangeSlot
+
+    where = root / "bounds"
+    where.mkdir()
+    db = sqlite3.connect(str(where / "t.db"), isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    db.execute("CREATE TABLE t (a)")
+
+    def p50_us(step: Any) -> float:
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            step(i)
+            times.append(time.perf_counter() - t0)
+        return round(statistics.median(times) * 1e6, 1)
+
+    def commit(i: int) -> None:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT INTO t VALUES (?)", (i,))
+        db.execute("COMMIT")
+
+    def mkdir_rmdir(i: int) -> None:
+        (where / f"d{i}").mkdir()
+        (where / f"d{i}").rmdir()
+
+    (where / "ex").mkdir()
+    (where / "out").mkdir()
+
+    def slot(i: int) -> None:
+        one = ExchangeSlot(where / "ex", f"job-{i}-1")
+        one.open(None)
+        one.collect(where / "out")
+        one.close()
+
+    out = {
+        "commit_full_us": p50_us(commit),
+        "mkdir_rmdir_us": p50_us(mkdir_rmdir),
+        "exchange_slot_us": p50_us(slot),
+    }
+    db.close()
+    return out
 
 
 def ended_at(store: Any, job_id: str) -> float:
@@ -802,9 +869,18 @@ def fast_http(root: Path, modules: Path, args: argparse.Namespace) -> dict[str, 
                 raise SystemExit(f"warm_http: {job['id']} came back {job['state']}")
             return time.perf_counter() - t0
 
+        def timed(step: Any) -> float:
+            t0 = time.perf_counter()
+            step()
+            return time.perf_counter() - t0
+
         with Client(node.url, node.token) as c:
             one(c)  # the warm-up: loads the server
             idle = [one(c) for _ in range(args.fast_idle)]
+            # alone: one HTTP round trip (no store), and one submit without a wait
+            health = [timed(c.health) for _ in range(max(5, args.fast_idle))]
+            alone = [timed(lambda: c.submit(FAST_TYPE, {})) for _ in range(max(5, args.fast_idle))]
+            c.wait(c.submit(FAST_TYPE, {}, wait=HTTP_WAIT_S)["id"], timeout=HTTP_WAIT_S)
         left = iter(range(args.fast_jobs))
         lock = threading.Lock()
         failed: list[BaseException] = []
@@ -836,10 +912,12 @@ def fast_http(root: Path, modules: Path, args: argparse.Namespace) -> dict[str, 
         "result_p50_ms": statistics.median(idle) * 1000,
         "result_p99_ms": nearest_rank(idle, 0.99) * 1000,
         "done": 1 + len(idle) + args.fast_jobs,  # every one was checked done
+        "http_roundtrip_ms": statistics.median(health) * 1000,
+        "http_submit_ms": statistics.median(alone) * 1000,
     }
 
 
-def fast_part(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], bool]:
+def fast_part(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
     print(
         f"fast: a warm server whose handler returns at once; {args.fast_idle} jobs one at a "
         f"time (idle broker), then {args.fast_jobs} at once (store) or over "
@@ -850,12 +928,29 @@ def fast_part(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], bo
         modules = write_fast_module(root)
         store = fast_store(root, modules, args)
         http = fast_http(root, modules, args)
+        alone = alone_bounds(root, max(20, args.fast_idle * 4))
     print(f"  {'path':<26} {'jobs/s':>8} {'result_p50_ms':>14} {'result_p99_ms':>14}")
     for name, r in (("store (in-process node)", store), ("HTTP (serve --api)", http)):
         print(
             f"  {name:<26} {r['jobs_per_s']:>8.1f} {r['result_p50_ms']:>14.2f} "
             f"{r['result_p99_ms']:>14.2f}"
         )
+    bounds = {
+        **alone,
+        "exchange_rtt_ms": round(store["exchange_rtt_ms"], 3),
+        "http_roundtrip_ms": round(http["http_roundtrip_ms"], 3),
+        "http_submit_ms": round(http["http_submit_ms"], 3),
+    }
+    print("  alone, p50 (what bounds the path; see bench/README.md):")
+    for what, key in (
+        ("one SQLite commit, synchronous=FULL (us)", "commit_full_us"),
+        ("one mkdir + rmdir (us)", "mkdir_rmdir_us"),
+        ("one exchange slot made and removed (us)", "exchange_slot_us"),
+        ("one job message to the server and back (ms)", "exchange_rtt_ms"),
+        ("one HTTP round trip, GET /v1/health (ms)", "http_roundtrip_ms"),
+        ("one HTTP submit without wait (ms)", "http_submit_ms"),
+    ):
+        print(f"    {what:<46} {bounds[key]:>9}")
     ok = True
     print("targets:")
     for passed, what in (
@@ -880,7 +975,7 @@ def fast_part(args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], bo
             "done": r["done"],
         }
 
-    return {"warm_store": keys(store), "warm_http": keys(http)}, ok
+    return {"warm_store": keys(store), "warm_http": keys(http), "bounds": bounds}, ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -916,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     fast: dict[str, Any] = {
         k: dict.fromkeys(("jobs_per_s", "result_p50_ms")) for k in ("warm_store", "warm_http")
     }
+    fast["bounds"] = None
     fast_ok = True
     if not (args.no_real or args.no_fast):
         fast, fast_ok = fast_part(args)

@@ -25,7 +25,7 @@ def test_warm_bench_smoke() -> None:
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(doc) == {"warm", "warm_store", "warm_http", "loads"}
+    assert set(doc) == {"warm", "warm_store", "warm_http", "bounds", "loads"}
     warm = doc["warm"]
     assert set(warm) == {"warm_jobs_per_s", "oneshot_jobs_per_s", "warm_p50_ms", "oneshot_p50_ms"}
     assert all(v > 0 for v in warm.values())
@@ -35,5 +35,15 @@ def test_warm_bench_smoke() -> None:
         assert {"jobs_per_s", "result_p50_ms"} <= set(fig), path
         assert fig["jobs_per_s"] > 0 and fig["result_p50_ms"] > 0, path
         assert fig["done"] == 26, path
+    bounds = doc["bounds"]
+    assert set(bounds) == {
+        "commit_full_us",
+        "mkdir_rmdir_us",
+        "exchange_slot_us",
+        "exchange_rtt_ms",
+        "http_roundtrip_ms",
+        "http_submit_ms",
+    }
+    assert all(v > 0 for v in bounds.values())
     assert set(doc["loads"]) == {"gpuwarden", "belady", "fcfs_lru"}
     assert all(v > 0 for v in doc["loads"].values())

@@ -3,10 +3,12 @@
 :class:`WarmServers` is the loop's collaborator for serve types: it starts a
 server for a type (or hands a job to the one that is idle), takes in what the
 servers' threads post (a PID, loaded, gone), evicts and stops them. Its methods
-run on the loop's thread, except :meth:`WarmServers.load_and_serve` and
-:meth:`WarmServers.serve_next`, which run on a worker thread per job, drive a
-:class:`WarmProcess`, and only post messages (the job's :class:`LaunchResult`,
-:class:`ServerNote` and :class:`ExchangeNote`) back to the loop's mailbox.
+run on the loop's thread, except the server's own thread (``_serve_loop``: one
+per server, it loads it and then serves each job the loop hands it through a
+:class:`Handoff`; :meth:`WarmServers.serve_next` on a thread of the job's own when
+that thread has ended), which drives a :class:`WarmProcess` and only posts
+messages (the job's :class:`LaunchResult`, :class:`ServerNote` and
+:class:`ExchangeNote`) back to the loop's mailbox.
 Which server exists, and in what state, is :mod:`gpuwarden.node.warmpool`'s.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -49,6 +52,84 @@ from gpuwarden.store.base import Store
 log = logging.getLogger("gpuwarden.node.loop")
 
 
+class Handoff:
+    """The jobs the loop hands to one server's thread, in order (``None``: the
+    thread ends). Closed by that thread as it ends: a job handed after that is
+    refused, and the loop drives it on a thread of its own instead."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[RunningAttempt | None] = queue.SimpleQueue()
+        self._closed = False
+        #: the server's thread
+        self.thread: threading.Thread | None = None
+
+    def put(self, run: RunningAttempt | None) -> bool:
+        """Hand ``run`` over; False when the thread has ended (nothing was handed)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs.put(run)
+            return True
+
+    def get(self) -> RunningAttempt | None:
+        """The server's thread: the next job (blocks until there is one)."""
+        return self._jobs.get()
+
+    def close(self) -> list[RunningAttempt]:
+        """The server's thread, as it ends: refuse what comes later, and return the
+        jobs handed meanwhile."""
+        with self._lock:
+            self._closed = True
+        left: list[RunningAttempt] = []
+        while True:
+            try:
+                run = self._jobs.get_nowait()
+            except queue.Empty:
+                return left
+            if run is not None:
+                left.append(run)
+
+
+class SlotRemover:
+    """Removes served jobs' exchange slots on a thread of its own (started with the
+    first), so that neither the job's result nor the server's next job waits for
+    the removal; ``failed(server, error)`` is called on that thread for a slot that
+    cannot be removed."""
+
+    def __init__(self, failed: Callable[[WarmServer, ExchangeError], None]) -> None:
+        self._failed = failed
+        self._slots: queue.Queue[tuple[WarmServer, ExchangeSlot]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def remove(self, server: WarmServer, slot: ExchangeSlot) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="exchange-slot-remover", daemon=True
+                )
+                self._thread.start()
+        self._slots.put((server, slot))
+
+    def drain(self) -> None:
+        """Wait until every slot handed over so far has been removed (or failed)."""
+        if self._thread is not None:
+            self._slots.join()
+
+    def _run(self) -> None:
+        while True:
+            server, slot = self._slots.get()
+            try:
+                slot.close()
+            except ExchangeError as exc:
+                self._failed(server, exc)
+            except Exception:  # never ends the thread: later slots still go
+                log.exception("removing %s failed", slot.path)
+            finally:
+                self._slots.task_done()
+
+
 class WarmServers:
     """The warm servers of one node: at most one per job type."""
 
@@ -78,6 +159,9 @@ class WarmServers:
         self.pool = WarmPool()
         #: made on the first server's start (:meth:`socket_dir`)
         self._socket_dir: Path | None = None
+        #: per server (its ledger holder), how jobs are handed to its thread
+        self._handoffs: dict[str, Handoff] = {}
+        self._remover = SlotRemover(self._slot_not_removed)
 
     # -- what the loop and status see --------------------------------------------
 
@@ -154,14 +238,30 @@ class WarmServers:
             safefs.make_dir(run.attempt_dir / "out")
             if server is None or not decision.warm:
                 server = fresh = self._new_server(jobtype, gpu, job.priority, now)
-                target = self.load_and_serve
-            else:
-                server.state = ServerState.BUSY
-                target = self.serve_next
+                server.priority = job.priority
+                run.server = server
+                # one thread per server: it loads it, serves this job, then each job
+                # handed to it (no thread started per job)
+                handoff = self._handoffs[server.holder] = Handoff()
+                run.thread = handoff.thread = threading.Thread(
+                    target=self._serve_loop,
+                    args=(server, run, handoff),
+                    name=f"serve-{server.holder}",
+                    daemon=True,
+                )
+                run.thread.start()
+                return
+            server.state = ServerState.BUSY
             server.priority = job.priority
             run.server = server
+            given = self._handoffs.get(server.holder)
+            if given is not None and given.put(run):
+                run.thread = given.thread
+                return
+            # its thread has ended (the server is going away): a thread of the job's
+            # own drives it, and the job fails as the server's does
             run.thread = threading.Thread(
-                target=target,
+                target=self.serve_next,
                 args=(server, run),
                 name=f"serve-{job.id}-{attempt.number}",
                 daemon=True,
@@ -172,6 +272,7 @@ class WarmServers:
             run.thread = None
             if fresh is not None:  # nothing ran: its memory was never used
                 self.pool.remove(fresh)
+                self._handoffs.pop(fresh.holder, None)
                 self.vram.end(fresh.holder, now)
             elif run.server is not None:
                 run.server.state = ServerState.IDLE
@@ -198,7 +299,9 @@ class WarmServers:
         return self._socket_dir
 
     def close(self) -> None:
-        """Remove the sockets' folder, if it is empty (its servers are gone)."""
+        """Remove the served jobs' slots still to be removed, and the sockets'
+        folder if it is empty (its servers are gone)."""
+        self._remover.drain()
         if self._socket_dir is not None:
             with contextlib.suppress(OSError):
                 self._socket_dir.rmdir()
@@ -250,6 +353,24 @@ class WarmServers:
     def load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: start the server's process, wait for its model, serve the job."""
         self._drive(server, run, load=True)
+
+    def _serve_loop(self, server: WarmServer, run: RunningAttempt, handoff: Handoff) -> None:
+        """The server's thread: load it and serve ``run``, then each job handed to
+        it in turn, until it is stopped or gone (or handed ``None``: stopped while
+        idle). Jobs handed to it after that are served (and fail) here too, and
+        the handoff is closed so that no later one waits for this thread."""
+        next_run: RunningAttempt | None = run
+        load = True
+        try:
+            while next_run is not None:
+                self._drive(server, next_run, load=load)
+                load = False
+                if not server.worker.alive():
+                    break
+                next_run = handoff.get()
+        finally:
+            for left in handoff.close():
+                self._drive(server, left, load=False)  # each fails as the server is gone
 
     def serve_next(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: hand one job to a loaded server."""
@@ -314,7 +435,8 @@ class WarmServers:
 
     def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
         """Serve one job through its exchange slot and post its result; the slot is
-        removed after that, off the path from the server's answer to the result."""
+        removed after that, on the remover's thread: off the path from the server's
+        answer to the result, and from there to the server's next job."""
         input_dir, params = self.launching.params(run)
         request = server.worker.request
         sandboxed = bool(request.mounts)
@@ -335,18 +457,19 @@ class WarmServers:
             except ExchangeError:
                 log.exception("removing %s failed", slot.path)  # the first error stands
             raise
+        self._remover.remove(server, slot)  # the server's thread goes on at once
+
+    def _slot_not_removed(self, server: WarmServer, exc: ExchangeError) -> None:
+        """The remover's thread: a served job's slot could not be removed. The job's
+        outputs were moved out before its result was posted: that result stands. The
+        server cannot be used safely any more: stopped (a job handed to it meanwhile
+        fails as its infrastructure's failure)."""
+        why = f"its exchange folder could not be used safely: {exc.message}"
+        log.warning("warm server %s: %s", server.holder, why)
         try:
-            slot.close()
-        except ExchangeError as exc:
-            # the job's outputs were moved out before its result was posted: that
-            # result stands. The server cannot be used safely any more: stopped (a
-            # job handed to it meanwhile fails as its infrastructure's failure)
-            why = f"its exchange folder could not be used safely: {exc.message}"
-            log.warning("warm server %s: %s", server.holder, why)
-            try:
-                server.worker.stop(why)
-            finally:
-                self._note(server, "gone", reason=why)
+            server.worker.stop(why)
+        finally:
+            self._note(server, "gone", reason=why)
 
     def _output_over_limit(self, server: WarmServer, out: Path) -> str | None:
         """``output past N MiB`` when a sandboxed job's outputs in its slot hold more
@@ -520,6 +643,7 @@ class WarmServers:
             )
         elif note.what == "gone":
             self.pool.remove(server)
+            self._handoffs.pop(server.holder, None)
             measured = self.vram.end(server.holder, now)
             if measured is not None and measured.alone:
                 self.footprints.measure(
@@ -579,5 +703,8 @@ class WarmServers:
 
         thread = threading.Thread(target=stop, name=f"stop-{server.holder}", daemon=True)
         thread.start()
+        handoff = self._handoffs.get(server.holder)
+        if handoff is not None:
+            handoff.put(None)  # an idle server's thread waits for its next job: it ends
         if wait:
             thread.join()
