@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ from gpuwarden.core import policy
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.node import loop
-from gpuwarden.store.base import Store
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
 
@@ -71,17 +70,18 @@ def test_a_job_reaches_the_idle_server_without_a_planning_pass(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loaded(node)
-    seen: list[str] = []  # the jobs a planning pass saw queued
-    started: list[str] = []  # and those it started
-    real_plan = policy.plan
+    seen: list[str] = []  # the class heads a planning pass saw queued
+    started: list[str] = []  # and the jobs it started
+    real_pass = policy.plan_pass
 
-    def spy(snapshot: policy.Snapshot, now: float) -> list[policy.Decision]:
-        seen.extend(q.id for q in snapshot.queued)
-        decisions = real_plan(snapshot, now)
-        started.extend(d.job_id for d in decisions if isinstance(d, policy.Start))
-        return decisions
+    def spy(lineups: Iterable[policy.Lineup], snapshot: policy.Snapshot, now: float) -> Any:
+        lineups = list(lineups)
+        seen.extend(lu.job.id for lu in lineups)
+        done = real_pass(lineups, snapshot, now)
+        started.extend(d.job_id for d in done.starts)
+        return done
 
-    monkeypatch.setattr(loop.policy, "plan", spy)
+    monkeypatch.setattr(loop.policy, "plan_pass", spy)
     submit(node, warm("next"), warm("after"))
     node.broker.tick()
     # "next" was handed over before the tick's plan ran: no pass ever saw it queued
@@ -96,12 +96,13 @@ def test_a_job_reaches_the_idle_server_without_a_planning_pass(
     assert server["jobs_served"] == 3
 
 
-def fast(node: Node) -> list[str]:
-    return [
-        job.id for job, _, _ in node.broker.warm.fast_starts(
-            node.store, node.broker.registry.types, paused=""
-        )
-    ]  # fmt: skip
+def fast(node: Node, paused: str = "") -> list[str]:
+    """What the fast path would hand over now (the loop's queue index brought up to
+    date first, as the loop's hook does)."""
+    b = node.broker
+    b.queue.refresh(time.time())
+    starts = b.warm.fast_starts(b.queue.index, node.store, b.registry.types, paused=paused)
+    return [job.id for job, _, _ in starts]
 
 
 def test_the_fast_path_leaves_to_the_plan_what_the_plan_might_decide_otherwise(
@@ -117,7 +118,7 @@ def test_the_fast_path_leaves_to_the_plan_what_the_plan_might_decide_otherwise(
     node.store.transition("big", JobState.CANCELLED, now=time.time(), reason="test")
     assert fast(node) == ["high"]
     # VRAM admission paused (the probe failed): the plan decides
-    assert node.broker.warm.fast_starts(node.store, node.broker.registry.types, paused="x") == []
+    assert fast(node, paused="the GPU probe failed: x") == []
     node.store.request_cancel("high", now=time.time())  # queued: cancelled at once
     assert fast(node) == ["low"]
 
@@ -155,24 +156,3 @@ def test_only_wakes_move_a_loop_whose_poll_interval_is_a_minute(tmp_path: Path) 
             stop.set()
             n.broker.wake()
             runner.join(60)
-
-
-def test_first_queued_of(store: Store) -> None:
-    assert store.first_queued_of("echo.echo") is None
-    store.submit(
-        [
-            JobSpec(id="a", type="echo.echo", params={"text": "a"}),
-            JobSpec(id="b", type="echo.echo", params={"text": "b"}, priority=2),
-            JobSpec(id="c", type="echo.serve", params={"text": "c"}, priority=7),
-        ],
-        now=1.0,
-    )
-    found = store.first_queued_of("echo.echo")
-    assert found is not None
-    job, top = found
-    assert (job.id, job.priority, top) == ("b", 2, 7)
-    store.transition("c", JobState.CANCELLED, now=2.0, reason="test")
-    store.start_attempt("b", node="n", gpu_uuid=None, now=3.0)
-    found = store.first_queued_of("echo.echo")
-    assert found is not None and (found[0].id, found[1]) == ("a", 0)
-    assert store.first_queued_of("echo.serve") is None

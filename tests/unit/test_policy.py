@@ -7,6 +7,7 @@ hold over time (budget, release exactly once, every job settled, no starvation).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 
@@ -451,19 +452,34 @@ def test_reservation_goes_where_the_least_is_held_among_gpus_big_enough() -> Non
     assert d.reserved_gpu == "G1"
 
 
-def test_one_reservation_per_gpu_in_order() -> None:
+def test_only_the_first_blocked_jobs_hold_back_a_gpu() -> None:
+    """Issue 14: a GPU is held back for the head of the queue only (or the first
+    ``max_reservations`` blocked jobs), never one per blocked job until every card
+    is held and drains while shared jobs wait."""
     gpus = [
         gpu("G0", 24, held("x", 10, coresident=True)),
         gpu("G1", 24, held("y", 12, coresident=True)),
+        gpu("G2", 24, held("z", 14, coresident=True)),
     ]
-    decisions = plan(
-        snap(vram("h1", 20, seq=0), vram("h2", 20, seq=1), vram("h3", 20, seq=2), gpus=gpus), NOW
+    jobs = (
+        vram("h1", 20, seq=0),
+        vram("h2", 20, seq=1),  # the same class as h1: waits behind it
+        vram("h3", 18, seq=2, type="llm.other"),
+        co("small", 4, seq=3),
     )
+    decisions = plan(snap(*jobs, gpus=gpus), NOW)
     assert wait_of(decisions, "h1").reserved_gpu == "G0"
-    assert wait_of(decisions, "h2").reserved_gpu == "G1"
-    h3 = wait_of(decisions, "h3")
-    assert h3.reserved_gpu is None
-    assert "G0 is not empty" in h3.reason
+    for later in ("h2", "h3"):
+        assert wait_of(decisions, later).reserved_gpu is None
+    assert "G0 is not empty" in wait_of(decisions, "h2").reason
+    # the shared job may use the GPUs nobody holds back (the tightest fit of them)
+    assert by_id(decisions)["small"] == Start("small", "G2")
+
+    two = plan(dataclasses.replace(snap(*jobs, gpus=gpus), max_reservations=2), NOW)
+    assert wait_of(two, "h1").reserved_gpu == "G0"
+    assert wait_of(two, "h2").reserved_gpu is None  # same class: the head holds for it
+    assert wait_of(two, "h3").reserved_gpu == "G1"
+    assert by_id(two)["small"] == Start("small", "G2")
 
 
 def test_a_higher_priority_job_is_not_held_back_by_a_lower_ones_reservation() -> None:

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from hashlib import sha256
-from typing import Any
+from typing import Any, cast
 
 from gpuwarden import faults
 from gpuwarden.core import policy
@@ -51,6 +51,7 @@ from gpuwarden.node.attempts import Launching
 from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.measured import Footprints, RunTimes
+from gpuwarden.node.queue import ClassKey, QueueBook
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner
 from gpuwarden.node.running import Clock, ExchangeNote, Mailbox, ServerNote, Started
@@ -125,7 +126,8 @@ class Broker:
         self._last_error: LoopError | None = None
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
-        self._waits: dict[str, str] = {}
+        #: why each class of the queue waits, as the last pass left it, in queue order
+        self._waits: dict[ClassKey, policy.ClassWait] = {}
         #: the last event written to the event log: where the log's own cursor says
         #: (``serve --log``), or the store's latest event
         self._event_cursor = self.events.resume(store.last_event_id())
@@ -140,6 +142,8 @@ class Broker:
         self.mailbox = Mailbox()
         #: who in this process waits for a job's end (the API's ``wait``)
         self.ends = JobEnds()
+        #: the queued jobs, by class, followed through the store's events
+        self.queue = QueueBook(self.store, self.registry, self._clock)
         self.vram = VramBook(self.settings.vram)
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
@@ -313,81 +317,78 @@ class Broker:
 
     def _warm_fast(self, now: float) -> None:
         """The warm fast path: a queued job goes to its type's idle warm server now,
-        not after a planning pass (``WarmServers.fast_starts`` applies plan()'s rules)."""
-        if not self.accepting or not len(self.warm):
+        not after a planning pass (``WarmServers.fast_starts`` applies the plan's rules)."""
+        if not self.accepting or not self.warm.idle():
             return
+        if self.queue.refresh(now):  # what was submitted since the index last looked
+            self._status_dirty = True
         paused = f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else ""
+        types = self.registry.types
         for job, jobtype, start in self.warm.fast_starts(
-            self.store, self.registry.types, paused=paused
+            self.queue.index, self.store, types, paused=paused
         ):
-            self._start(job, jobtype, start, now)
+            if self._start(job, jobtype, start, now):
+                self.queue.index.remove(job.id)
 
     # -- attempts -----------------------------------------------------------
 
     def _schedule(self, now: float) -> None:
-        queued = self.store.queued_jobs() if self.accepting else []
-        types: dict[str, JobType] = {}
-        entries: list[policy.QueuedJob] = []
-        for job in queued:
-            if job.cancel_requested:  # asked while it ran; it must never run again
-                self.store.transition(
-                    job.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
-                )
-                continue
-            jobtype = self.registry.types.get(job.type)
-            if jobtype is None:
-                self.store.transition(
-                    job.id,
-                    JobState.FAILED,
-                    now=now,
-                    reason=f"job type {job.type} is not known to this broker (module removed?)",
-                )
-                continue
-            types[job.id] = jobtype
-            entries.append(self._queued_entry(job, jobtype))
-        if len(self.vram.ledger) or any(e.lane is Lane.VRAM for e in entries):
+        """Plan over the queue index's classes and carry out the decisions."""
+        if self.queue.refresh(now):
+            self._status_dirty = True
+        lineups = [self._lineup(key) for key in self.queue.classes()] if self.accepting else []
+        if len(self.vram.ledger) or any(lu.job.lane is Lane.VRAM for lu in lineups):
             self._observe(now)  # the reclaim gate needs fresh readings while memory is held
-        if not entries and not len(self.warm):
+        if not lineups and not len(self.warm):
             if self._waits:
-                self._waits.clear()
+                self._waits = {}
                 self._status_dirty = True
             return
-        snapshot = self._snapshot(tuple(entries))  # also when only warm servers may expire
-        jobs = {j.id: j for j in queued}
-        before = self._waits
-        self._waits = {}
-        for decision in policy.plan(snapshot, now):
-            if isinstance(decision, policy.Wait):
-                self._waits[decision.job_id] = decision.reason
-            elif isinstance(decision, policy.Refuse):
-                self.store.transition(
-                    decision.job_id, JobState.FAILED, now=now, reason=decision.reason
-                )
-            elif isinstance(decision, policy.Evict):
-                self.warm.evict(decision)
-            else:
-                self._start(jobs[decision.job_id], types[decision.job_id], decision, now)
-        if self._waits != before:
+        done = policy.plan_pass(
+            lineups, self._snapshot(), now
+        )  # also when only warm servers may expire
+        for eviction in done.evictions:
+            if isinstance(eviction, policy.Evict):
+                self.warm.evict(eviction)
+        index = self.queue.index
+        for refused in done.refusals:
+            index.remove(refused.job_id)
+            self.store.transition(refused.job_id, JobState.FAILED, now=now, reason=refused.reason)
+        for start in done.starts:
+            job = self.store.get_job(start.job_id)
+            if job is None or job.state is not JobState.QUEUED:
+                index.remove(start.job_id)  # cancelled by a client since the index looked
+            elif self._start(job, self.registry.types[job.type], start, now):
+                index.remove(start.job_id)
+        before = [w.signature() for w in self._waits.values()]
+        self._waits = {cast(ClassKey, w.key): w for w in done.waits}
+        if [w.signature() for w in done.waits] != before:
             self._status_dirty = True
 
-    def _queued_entry(self, job: Job, jobtype: JobType) -> policy.QueuedJob:
+    def _lineup(self, key: ClassKey) -> policy.Lineup:
+        """One class of the queue index as the planner sees it (its footprint,
+        estimate and warm server as the node knows them now)."""
+        type_name, priority, own_bytes = key
+        jobtype = self.registry.types[type_name]
+        seq, head = self.queue.index.head(key) or (0, "")
         vram = jobtype.lane is Lane.VRAM
-        return policy.QueuedJob(
-            id=job.id,
-            type=job.type,
+        job = policy.QueuedJob(
+            id=head,
+            type=type_name,
             lane=jobtype.lane,
-            vram_bytes=self.footprints.of(jobtype, job.vram_bytes) if vram else 0,
-            priority=job.priority,
-            seq=job.seq,
+            vram_bytes=self.footprints.of(jobtype, own_bytes) if vram else 0,
+            priority=priority,
+            seq=seq,
             coresident=jobtype.coresident,
-            expected_s=self.run_times.estimate(jobtype.name),
+            expected_s=self.run_times.estimate(type_name),
             serve=jobtype.launch is LaunchMode.SERVE,
-            warm=self.warm.has(jobtype.name),
+            warm=self.warm.has(type_name),
         )
+        return policy.Lineup(key, job, self.queue.index.members(key))
 
-    def _snapshot(self, queued: tuple[policy.QueuedJob, ...]) -> policy.Snapshot:
+    def _snapshot(self) -> policy.Snapshot:
         return policy.Snapshot(
-            queued=queued,
+            queued=(),
             gpus=self.vram.views(),
             running_cpu=sum(1 for r in self.attempts if r.jobtype.lane is Lane.CPU),
             cpu_slots=self.settings.cpu_slots,
@@ -396,23 +397,26 @@ class Broker:
             warm=self.warm.views(),
         )
 
-    def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> None:
+    def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> bool:
+        """Start the job as decided. False if it is still queued (its warm server is
+        not ready for it yet); True once it left the queue (started, or ended)."""
         gpu = decision.gpu_uuid
         refused = self.rules.refusal(jobtype)
         if refused is not None:  # accepted under another configuration
             self.store.transition(
                 job.id, JobState.FAILED, now=now, reason=f"refused by the launch rules: {refused}"
             )
-            return
+            return True
         if self.rules.unsandboxed_warning(jobtype):  # the broker said so when it started
             self.emit("unsandboxed", job=job.id, type=jobtype.name)
         if jobtype.launch is LaunchMode.SERVE and gpu is not None:
-            if self.warm.ready(jobtype, decision):
-                run = self.attempts.begin(job, jobtype, gpu, now)
-                if run is not None:
-                    self._began(run.job.id)
-                    self.warm.start(run, decision, gpu, now)
-            return
+            if not self.warm.ready(jobtype, decision):
+                return False
+            run = self.attempts.begin(job, jobtype, gpu, now)
+            if run is not None:
+                self._began(run.job.id)
+                self.warm.start(run, decision, gpu, now)
+            return True
         launcher = self.launchers.get(jobtype.launch)
         if launcher is None:
             self.store.transition(
@@ -423,16 +427,16 @@ class Broker:
                 f"available on this node (available: "
                 f"{', '.join([*(m.value for m in self.launchers), LaunchMode.SERVE.value])})",
             )
-            return
+            return True
         run = self.attempts.begin(job, jobtype, gpu, now)
         if run is None:
-            return  # cancelled by a client between the snapshot and now
+            return True  # cancelled by a client between the snapshot and now
         faults.point("after_start_attempt")
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
+        return True
 
     def _began(self, job_id: str) -> None:
-        self._waits.pop(job_id, None)
         self._status_dirty = True
 
     def _drain(self, now: float) -> None:
@@ -581,9 +585,18 @@ class Broker:
             ),
             warm=self.warm.statuses(self.clock()),
             warm_views=self.warm.views(),
-            waiting=dict(list(self._waits.items())[:_STATUS_WAITING_MAX]),
+            waiting=self._waiting(),
             last_error=self._last_error,
+            queued_indexed=len(self.queue),
         )
+
+    def _waiting(self) -> dict[str, str]:
+        """Why the first queued jobs wait (at most ``_STATUS_WAITING_MAX``), class by
+        class in queue order: the reasons are written here, not in every pass."""
+        return {
+            job_id: self._waits[key].wait(job_id).reason
+            for key, job_id in self.queue.first(self._waits, _STATUS_WAITING_MAX)
+        }
 
     def emit(self, kind: str, **detail: Any) -> None:
         """Add an event to the store (``job`` names the job it is about)."""
@@ -608,7 +621,10 @@ class Broker:
         return len(self.attempts)
 
     def wait_reason(self, job_id: str) -> str | None:
-        return self._waits.get(job_id)
+        """Why a queued job waits, as the last pass saw it (None: it was not judged)."""
+        key = self.queue.index.key_of(job_id)
+        waited = None if key is None else self._waits.get(key)
+        return None if waited is None else waited.wait(job_id).reason
 
 
 #: builds a broker's queue intake, given the broker (see :class:`Broker`)

@@ -28,6 +28,8 @@ from gpuwarden import safefs
 from gpuwarden.core import policy
 from gpuwarden.core.ledger import HoldState
 from gpuwarden.core.model import Job, JobType
+from gpuwarden.core.queueindex import QueueIndex
+from gpuwarden.core.states import JobState
 from gpuwarden.launch.base import INSIDE, LaunchResult
 from gpuwarden.launch.sandbox import output_limit_reason
 from gpuwarden.launch.warmproc import (
@@ -41,6 +43,7 @@ from gpuwarden.node import attemptfs
 from gpuwarden.node.attemptfs import ExchangeError, ExchangeSlot
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints
+from gpuwarden.node.queue import ClassKey
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, RunningAttempt, ServerNote
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import WarmStatus
@@ -197,30 +200,51 @@ class WarmServers:
             return server is not None and server.state is ServerState.IDLE
         return server is None
 
+    def idle(self) -> bool:
+        """Whether any server is idle (the fast path has something to hand to)."""
+        return any(s.state is ServerState.IDLE for s in self.pool)
+
     def fast_starts(
-        self, store: Store, types: Mapping[str, JobType], *, paused: str
+        self,
+        index: QueueIndex[ClassKey],
+        store: Store,
+        types: Mapping[str, JobType],
+        *,
+        paused: str,
     ) -> list[tuple[Job, JobType, policy.Start]]:
         """The queued jobs to hand to idle warm servers now, without a planning pass
-        (the warm fast path): for each idle server, the first queued job of its type.
-        That is the job :func:`gpuwarden.core.policy.plan` would hand it, since a job
-        whose server is warm goes first among equal priority and takes no memory;
-        the plan decides instead when a queued job has a higher priority (its
-        memory may come from evicting this idle server), when VRAM admission is
-        paused (``paused``: the probe failed) or the server's GPU is degraded, and
-        for a job whose cancel was asked (the plan ends it)."""
+        (the warm fast path): for each idle server, the first queued job of its type
+        in the loop's queue index (read in full here). That is the job
+        :func:`gpuwarden.core.policy.plan_pass` would hand it, since a job whose
+        server is warm goes first among equal priority and takes no memory; the
+        plan decides instead when a queued job has a higher priority (its memory
+        may come from evicting this idle server), when VRAM admission is paused
+        (``paused``: the probe failed) or the server's GPU is degraded. A job the
+        index holds that is no longer queued (a client cancelled it) is taken out."""
         starts: list[tuple[Job, JobType, policy.Start]] = []
-        if paused:
+        classes = index.classes()
+        if paused or not classes:
             return starts
+        top = max(priority for _, priority, _ in classes)
         degraded = self.vram.degraded()
         for server in self.pool:
             if server.state is not ServerState.IDLE or server.gpu in degraded:
                 continue
-            found = store.first_queued_of(server.type.name)
-            if found is None:
+            # the type's first job in queue order: highest priority, then arrival
+            heads = [
+                (key[1], head)
+                for key in classes
+                if key[0] == server.type.name and (head := index.head(key)) is not None
+            ]
+            if not heads:
                 continue
-            job, top_priority = found
-            jobtype = types.get(job.type)
-            if top_priority > job.priority or job.cancel_requested or jobtype is None:
+            priority, (_, job_id) = min(heads, key=lambda h: (-h[0], h[1][0]))
+            jobtype = types.get(server.type.name)
+            if priority < top or jobtype is None:
+                continue
+            job = store.get_job(job_id)
+            if job is None or job.state is not JobState.QUEUED or job.cancel_requested:
+                index.remove(job_id)  # gone from the queue since the index looked
                 continue
             starts.append((job, jobtype, policy.Start(job.id, server.gpu, warm=True)))
         return starts

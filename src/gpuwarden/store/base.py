@@ -57,6 +57,19 @@ class BundleRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """A queued job as the broker loop's queue index keeps it (the rest of the job
+    is read when it starts)."""
+
+    id: str
+    type: str
+    priority: int
+    seq: int
+    vram_bytes: int | None
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
 class NodeStatus:
     node: str
     pid: int | None
@@ -183,19 +196,20 @@ class Store(abc.ABC):
         """Queued jobs, highest priority first, then arrival order."""
 
     @abc.abstractmethod
+    def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        """Every queued job (or those of ``ids`` that are queued), in no order."""
+
+    @abc.abstractmethod
+    def queued_count(self) -> int:
+        """How many jobs are queued (an index count: cheap beside a long history)."""
+
+    @abc.abstractmethod
     def running_jobs(self) -> list[Job]:
         """Jobs in state running, arrival order."""
 
     @abc.abstractmethod
     def count_by_state(self) -> dict[JobState, int]:
         """How many jobs are in each state (states with none are absent)."""
-
-    @abc.abstractmethod
-    def first_queued_of(self, type_name: str) -> tuple[Job, int] | None:
-        """The first queued job of ``type_name`` in queue order (highest priority,
-        then arrival) with the highest priority of any queued job; None when no job
-        of that type is queued. One read: the warm fast path asks it for each idle
-        warm server."""
 
     @abc.abstractmethod
     def transition(

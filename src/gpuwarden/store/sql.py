@@ -48,6 +48,7 @@ from gpuwarden.store.base import (
     DuplicateTokenError,
     IdempotencyConflict,
     IdempotencyRecord,
+    QueueEntry,
     Store,
     Submission,
 )
@@ -323,15 +324,31 @@ class SqlStore(Store, Generic[C]):
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
         return [self._job(r) for r in self._read("queued_jobs", limit=limit)]
 
+    def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        if ids is None:
+            found = self._read("queue_entries")
+        else:
+            found = self._read("queue_entries_of", ids=self._ids(list(ids)))
+        return [
+            QueueEntry(
+                id=r["id"],
+                type=r["type"],
+                priority=int(r["priority"]),
+                seq=int(r["seq"]),
+                vram_bytes=None if r["vram_bytes"] is None else int(r["vram_bytes"]),
+                cancel_requested=bool(r["cancel_requested"]),
+            )
+            for r in found
+        ]
+
+    def queued_count(self) -> int:
+        return int(self._read("queued_count")[0]["n"])
+
     def running_jobs(self) -> list[Job]:
         return [self._job(r) for r in self._read("running_jobs")]
 
     def count_by_state(self) -> dict[JobState, int]:
         return {JobState(r["state"]): int(r["n"]) for r in self._read("count_by_state")}
-
-    def first_queued_of(self, type_name: str) -> tuple[Job, int] | None:
-        found = self._read("first_queued_of_type", type=type_name)
-        return (self._job(found[0]), int(found[0]["top_priority"])) if found else None
 
     def _transition_in(
         self,

@@ -42,6 +42,16 @@ SELECT * FROM jobs
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT %(limit)s;
 
+-- name: queue_entries
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+
+-- name: queued_count
+SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
+
+-- name: queue_entries_of
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+ WHERE state = 'queued' AND id = ANY(%(ids)s::text[]);
+
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
 
@@ -194,12 +204,3 @@ SELECT * FROM audit WHERE id > %(after_id)s ORDER BY id LIMIT %(limit)s;
 
 -- name: schema_version
 SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;
-
--- name: first_queued_of_type
--- the warm fast path (node/warm.py): the next job of a type with an idle server,
--- and the highest priority waiting at all (a higher one leaves it to the plan)
-SELECT j.*, (SELECT MAX(priority) FROM jobs WHERE state = 'queued') AS top_priority
-  FROM jobs j
- WHERE j.state = 'queued' AND j.type = %(type)s
- ORDER BY j.priority DESC, j.seq
- LIMIT 1;

@@ -37,6 +37,16 @@ ORDER BY seq DESC LIMIT :limit;
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT :limit;
 
+-- name: queue_entries
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+
+-- name: queued_count
+SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
+
+-- name: queue_entries_of
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+ WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
+
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
 
@@ -183,12 +193,3 @@ SELECT * FROM audit WHERE id > :after_id ORDER BY id LIMIT :limit;
 
 -- name: schema_version
 SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;
-
--- name: first_queued_of_type
--- the warm fast path (node/warm.py): the next job of a type with an idle server,
--- and the highest priority waiting at all (a higher one leaves it to the plan)
-SELECT j.*, (SELECT MAX(priority) FROM jobs WHERE state = 'queued') AS top_priority
-  FROM jobs j
- WHERE j.state = 'queued' AND j.type = :type
- ORDER BY j.priority DESC, j.seq
- LIMIT 1;
