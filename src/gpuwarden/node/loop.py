@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable, Mapping
 from hashlib import sha256
 from typing import Any, cast
 
-from gpuwarden import faults
 from gpuwarden.core import policy
 from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
@@ -53,7 +52,7 @@ from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.queue import ClassKey, QueueBook
 from gpuwarden.node.recovery import Recovery
-from gpuwarden.node.runner import AttemptRunner
+from gpuwarden.node.runner import AttemptRunner, Recorded
 from gpuwarden.node.running import Clock, ExchangeNote, Mailbox, ServerNote, Started
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import (
@@ -82,6 +81,11 @@ _STATUS_WAITING_MAX = 1000
 
 #: status is written at most this often, even while things change
 _MIN_STATUS_GAP_S = 0.25
+
+#: while idle, how often the queue roots' ``inbox/`` folders are looked at (one
+#: ``stat`` each: a bundle renamed in changes the folder's mtime), so that a bundle
+#: dropped on an idle broker does not wait for the poll interval
+_INBOX_LOOK_S = 0.005
 
 
 class Broker:
@@ -142,6 +146,8 @@ class Broker:
         self.mailbox = Mailbox()
         #: who in this process waits for a job's end (the API's ``wait``)
         self.ends = JobEnds()
+        # a submission or a cancel, from this process or another, wakes the loop
+        self.store.on_submit(self.mailbox.wake)
         #: the queued jobs, by class, followed through the store's events
         self.queue = QueueBook(self.store, self.registry, self._clock)
         self.vram = VramBook(self.settings.vram)
@@ -207,7 +213,11 @@ class Broker:
     # -- the loop -----------------------------------------------------------
 
     def tick(self) -> None:
-        """One pass of the loop. A failing step is recorded and the loop goes on."""
+        """One pass of the loop. A failing step is recorded and the loop goes on.
+
+        The writes of the plan share one commit (group commit), made before any
+        of its launches, which follow in the same tick; the ends drained share
+        another (:meth:`_drain`)."""
         for step in (
             self._operator_requests,
             self._intake,
@@ -218,7 +228,11 @@ class Broker:
             self._publish,
         ):
             try:
-                step(self.clock())
+                if step == self._schedule:
+                    with self.store.batch(), self.attempts.launches_after_commit():
+                        step(self.clock())
+                else:
+                    step(self.clock())
             except Exception as exc:  # the loop must outlive any one step
                 self.record_error(step.__name__.strip("_"), exc)
 
@@ -227,8 +241,28 @@ class Broker:
         self.mailbox.wake()
 
     def idle(self, seconds: float) -> None:
-        """Wait until the next tick is due: ``seconds``, or less if woken."""
-        self.mailbox.wait(seconds)
+        """Wait until the next tick is due: ``seconds``, or less if woken (a
+        worker's post, a submission, a signal) or if a queue root's ``inbox/``
+        changed (looked at every :data:`_INBOX_LOOK_S`)."""
+        if not (self.roots and self.accepting) or seconds <= _INBOX_LOOK_S:
+            self.mailbox.wait(seconds)
+            return
+        marks = self._inbox_marks()
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.mailbox.wait(min(_INBOX_LOOK_S, left)) or self._inbox_marks() != marks:
+                return
+
+    def _inbox_marks(self) -> list[tuple[int, int] | None]:
+        marks: list[tuple[int, int] | None] = []
+        for root in self.roots:
+            try:
+                st = root.inbox.stat()
+            except OSError:
+                marks.append(None)
+            else:
+                marks.append((st.st_mtime_ns, st.st_ino))
+        return marks
 
     def run(
         self,
@@ -344,9 +378,8 @@ class Broker:
                 self._waits = {}
                 self._status_dirty = True
             return
-        done = policy.plan_pass(
-            lineups, self._snapshot(), now
-        )  # also when only warm servers may expire
+        # also when only warm servers may expire
+        done = policy.plan_pass(lineups, self._snapshot(), now)
         for eviction in done.evictions:
             if isinstance(eviction, policy.Evict):
                 self.warm.evict(eviction)
@@ -431,7 +464,6 @@ class Broker:
         run = self.attempts.begin(job, jobtype, gpu, now)
         if run is None:
             return True  # cancelled by a client between the snapshot and now
-        faults.point("after_start_attempt")
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
         return True
@@ -440,20 +472,38 @@ class Broker:
         self._status_dirty = True
 
     def _drain(self, now: float) -> None:
-        """Take in everything the worker threads posted."""
-        while (message := self.mailbox.take()) is not None:
-            if isinstance(message, ServerNote):
-                if self.warm.on_note(message, now):
-                    self._status_dirty = True
-            elif isinstance(message, ExchangeNote):
-                self.attempts.on_exchange(message)
-            elif isinstance(message, Started):
-                self.attempts.on_started(message)
-            elif (run := self.attempts.pop(message)) is not None:
-                self._status_dirty = True
-                self.attempts.complete(run, message, now)
-                self.ends.ended(run.job.id)
+        """Take in everything the worker threads posted. The ends are written in
+        one batch and committed together; only then does the node's own state
+        follow (servers freed, memory measured, bundles looked at)."""
+        recorded: list[Recorded] = []
+        failure: Exception | None = None
+        with self.store.batch():
+            try:
+                while (message := self.mailbox.take()) is not None:
+                    if isinstance(message, ServerNote):
+                        if self.warm.on_note(message, now):
+                            self._status_dirty = True
+                    elif isinstance(message, ExchangeNote):
+                        self.attempts.on_exchange(message)
+                    elif isinstance(message, Started):
+                        self.attempts.on_started(message)
+                    elif (run := self.attempts.pop(message)) is not None:
+                        self._status_dirty = True
+                        recorded.append(self.attempts.record(run, message, now))
+            except Exception as exc:  # what came before it is still committed
+                failure = exc
+            try:
+                self.store.commit()
+            except Exception:
+                for r in recorded:  # not written after all: drained again next tick
+                    self.attempts.unrecord(r)
+                raise
+            for r in recorded:
+                self.attempts.follow(r, now)
+                self.ends.ended(r.run.job.id)  # committed: a waiting request may look
         self._warm_fast(now)  # a server this freed takes its type's next job now
+        if failure is not None:
+            raise failure
 
     def _pass_cancels(self, now: float) -> None:
         if not len(self.attempts):

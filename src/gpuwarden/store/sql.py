@@ -136,6 +136,11 @@ class SqlStore(Store, Generic[C]):
     def _ids(self, values: Sequence[str]) -> Any:
         """A list of strings (job ids, states) as the queries take it."""
 
+    def _submitted(self) -> None:
+        """Jobs were submitted, or a cancel asked, and committed: wake a broker
+        where the dialect can (:meth:`Store.on_submit`)."""
+        return None
+
     def _text(self, value: str) -> str:
         """Free text (a reason, an attempt's output, an audit field) as it is stored."""
         return value
@@ -194,7 +199,9 @@ class SqlStore(Store, Generic[C]):
         ids = [s.id for s in specs]
         if len(set(ids)) != len(ids):
             raise UserError("the same job id appears twice in one submission")
-        return self._submit(specs, ids, now=now, origin=origin, idempotency=idempotency)
+        jobs = self._submit(specs, ids, now=now, origin=origin, idempotency=idempotency)
+        self._submitted()
+        return jobs
 
     def _submit(
         self,
@@ -323,6 +330,11 @@ class SqlStore(Store, Generic[C]):
 
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
         return [self._job(r) for r in self._read("queued_jobs", limit=limit)]
+
+    def terminal_count(self, job_ids: Sequence[str]) -> int:
+        if not job_ids:
+            return 0
+        return int(self._read("terminal_count", ids=self._ids(list(job_ids)))[0]["n"])
 
     def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
         if ids is None:
@@ -526,6 +538,11 @@ class SqlStore(Store, Generic[C]):
         return [rows.attempt(r) for r in self._read("attempts", job_id=job_id)]
 
     def request_cancel(self, job_id: str, *, now: float) -> Job:
+        job = self._request_cancel(job_id, now=now)
+        self._submitted()
+        return job
+
+    def _request_cancel(self, job_id: str, *, now: float) -> Job:
         with self._write() as conn:
             job = self._job_in(conn, job_id, lock=True)
             if job.state is JobState.QUEUED:

@@ -42,6 +42,10 @@ SELECT * FROM jobs
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT %(limit)s;
 
+-- name: terminal_count
+SELECT count(*) AS n FROM jobs
+ WHERE id = ANY(%(ids)s::text[]) AND state IN ('done', 'failed', 'cancelled', 'quarantined');
+
 -- name: queue_entries
 SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
 
