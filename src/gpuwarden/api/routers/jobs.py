@@ -181,7 +181,21 @@ def _submit(  # noqa: PLR0917 - the route's own arguments, handed to a worker th
     access: Scope,
     idempotency_key: str | None,
 ) -> Job:
-    """The submission itself (on a worker thread: it reads and writes the store)."""
+    """The submission (on a worker thread: it reads and writes the store). The job
+    and the audit row of its success share one commit (the store's batch)."""
+    with ctx.store.batch():
+        return _submit_in_batch(body, request, response, ctx, who, access, idempotency_key)
+
+
+def _submit_in_batch(  # noqa: PLR0917 - as _submit
+    body: JobIn,
+    request: Request,
+    response: Response,
+    ctx: ApiContext,
+    who: Principal,
+    access: Scope,
+    idempotency_key: str | None,
+) -> Job:
     if body.id is not None:
         set_target(request, body.id)
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
