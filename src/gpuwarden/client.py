@@ -114,6 +114,7 @@ class Client:
         """``http``: an httpx client to send with instead of a new one (a test's
         ``fastapi.testclient.TestClient``); the token header is set on it."""
         self.url = url.rstrip("/")
+        self.timeout = timeout
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if http is not None:
             http.headers.update(headers)
@@ -166,11 +167,17 @@ class Client:
         outputs: Iterable[str] = (),
         idempotency_key: str | None = None,
         constraints: Mapping[str, Any] | None = None,
+        wait: float | None = None,
     ) -> dict[str, Any]:
         """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
         the same request returns the same job instead of a second one. ``constraints``:
         what the node that runs it must have (``min_gpu_vram_gib``, ``gpu_model``,
-        ``labels``, ``node``; SPEC.md section 4)."""
+        ``labels``, ``node``; SPEC.md section 4).
+
+        With ``wait`` (seconds, 0 to 60), the one request waits for the job to end
+        (a long poll): the job comes back ended, with its result.json in ``result``
+        and ``wait["ended"]`` true, or as it is after ``wait`` seconds (queued or
+        running) with ``wait["ended"]`` false."""
         body: dict[str, Any] = {"type": type, "params": dict(params or {}), "priority": priority}
         if id is not None:
             body["id"] = id
@@ -181,8 +188,16 @@ class Client:
         if constraints:
             body["constraints"] = dict(constraints)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-        job: dict[str, Any] = self.request_json("POST", "/v1/jobs", json=body, headers=headers)
+        job: dict[str, Any] = self.request_json(
+            "POST", "/v1/jobs", json=body, headers=headers, **self._waiting(wait)
+        )
         return job
+
+    def _waiting(self, wait: float | None) -> dict[str, Any]:
+        """The query parameter and the longer read timeout of a request that waits."""
+        if wait is None:
+            return {}
+        return {"params": {"wait": f"{wait:g}"}, "timeout": self.timeout + wait}
 
     def get(self, job_id: str) -> dict[str, Any]:
         """The job, with ``attempts_detail`` and ``events``."""
@@ -204,9 +219,13 @@ class Client:
         lines: Lines = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}/explain")["lines"]
         return lines
 
-    def result(self, job_id: str) -> dict[str, Any]:
-        """The ended job's result.json (409 :class:`Conflict` while it has not ended)."""
-        result: dict[str, Any] = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}/result")
+    def result(self, job_id: str, *, wait: float | None = None) -> dict[str, Any]:
+        """The ended job's result.json (409 :class:`Conflict` while it has not ended).
+        With ``wait`` (seconds, 0 to 60), a job that has not ended is waited for that
+        long first, in the one request."""
+        result: dict[str, Any] = self.request_json(
+            "GET", f"/v1/jobs/{_seg(job_id)}/result", **self._waiting(wait)
+        )
         return result
 
     def download(self, job_id: str, path: str, dest: Path) -> Path:

@@ -261,7 +261,13 @@ def test_a_cancel_racing_a_finished_served_job_does_not_reuse_the_stopping_serve
     submit(node, warm("a", sleep_s=0.3))
     run_until(node, lambda: job(node, "a") is JobState.RUNNING)
     run = node.broker.attempts.by_job["a"]
-    while run.thread is None or run.thread.is_alive():  # its result is posted, not drained
+    assert run.server is not None
+    # its result is posted, not drained: the job's exchange slot is removed right
+    # after its result is posted (its server's thread lives on, serving the next)
+    slot = Path(run.server.worker.request.attempt_dir) / "exchange" / "a-1"
+    while not slot.exists():  # the job runs (0.3 s)
+        time.sleep(0.01)
+    while slot.exists():
         time.sleep(0.01)
     node.store.request_cancel("a", now=time.time())
     node.broker._pass_cancels(time.time())

@@ -53,6 +53,7 @@ from gpuwarden.api.limits import (
 from gpuwarden.api.routers import admin, gpus, jobs, logs, nodes, status
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
+from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 
@@ -74,9 +75,13 @@ def create_app(
     *,
     clock: Callable[[], float] = time.time,
     monotonic: Callable[[], float] = time.monotonic,
+    wake: Callable[[], None] | None = None,
+    ends: JobEnds | None = None,
 ) -> FastAPI:
     """The API on ``store``. ``clock`` stamps jobs, tokens and audit rows;
-    ``monotonic`` drives the rate limiter (both injectable for tests)."""
+    ``monotonic`` drives the rate limiter (both injectable for tests). In the
+    broker's process: ``wake`` makes its loop look at the store at once (after a
+    submit), and ``ends`` is where the loop says that jobs ended (a ``wait``)."""
     app = FastAPI(
         title="gpuwarden",
         version=__version__,
@@ -85,7 +90,9 @@ def create_app(
         docs_url=None,  # served by docs.install, from files on this host
         redoc_url=None,
     )
-    ctx = ApiContext(store=store, registry=registry, config=config, clock=clock)
+    ctx = ApiContext(
+        store=store, registry=registry, config=config, clock=clock, wake=wake, ends=ends
+    )
     app.state.gw = ctx
     errors.install(app)
     docs.install(app)

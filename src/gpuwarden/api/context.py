@@ -14,6 +14,7 @@ from fastapi import Request
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.errors import HttpError
 from gpuwarden.config import Config
+from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import AuditRow, Store
 
@@ -28,21 +29,27 @@ class ApiContext:
     clock: Callable[[], float] = time.time
     #: the API's start, for /v1/health
     started_at: float = field(default_factory=time.time)
+    #: in the broker's process (``serve --api``): make its loop look at the store
+    #: now (a job was submitted), and where its loop says that jobs ended
+    wake: Callable[[], None] | None = None
+    ends: JobEnds | None = None
 
 
-def get_ctx(request: Request) -> ApiContext:
+# the three below are async: they only read the request's state, and a plain
+# function would be run on a worker thread (a hop on every request)
+async def get_ctx(request: Request) -> ApiContext:
     ctx: ApiContext = request.app.state.gw
     return ctx
 
 
-def get_principal(request: Request) -> Principal:
+async def get_principal(request: Request) -> Principal:
     principal = request.scope.get("state", {}).get("gw_principal")
     if not isinstance(principal, Principal):  # the gate lets no such request through
         raise HttpError(401, "no token", {"WWW-Authenticate": "Bearer"})
     return principal
 
 
-def get_scope(request: Request) -> Scope:
+async def get_scope(request: Request) -> Scope:
     scope = request.scope.get("state", {}).get("gw_scope")
     if not isinstance(scope, Scope):  # the gate grants one to every request it lets by
         raise HttpError(403, "this endpoint is in no row of the permission matrix")

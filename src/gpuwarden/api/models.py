@@ -5,7 +5,7 @@ names the field."""
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -144,7 +144,7 @@ class JobOut(BaseModel):
     constraints: dict[str, Any] = {}
 
     @classmethod
-    def of(cls, j: Job) -> JobOut:
+    def of(cls, j: Job) -> Self:
         return cls(
             id=j.id,
             type=j.type,
@@ -163,6 +163,28 @@ class JobOut(BaseModel):
             owner=j.owner,
             constraints=j.constraints,
         )
+
+
+class WaitOut(BaseModel):
+    """How a submit's ``wait`` went."""
+
+    asked_s: float = Field(description="the wait the request named (seconds)")
+    waited_s: float = Field(description="how long the request waited for the job")
+    ended: bool = Field(
+        description="true: the job ended within the wait and its result is in `result`; "
+        "false: it had not (it is queued or running, see `state`)"
+    )
+
+
+class SubmitOut(JobOut):
+    """A submitted job; with ``wait``, how the wait went and the job's result."""
+
+    wait: WaitOut | None = Field(default=None, description="only when `wait` was named")
+    result: dict[str, Any] | None = Field(
+        default=None,
+        description="the job's result.json (as GET /v1/jobs/{id}/result) when it ended "
+        "within the wait",
+    )
 
 
 class JobDetail(JobOut):

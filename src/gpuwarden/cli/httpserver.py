@@ -11,6 +11,7 @@ import threading
 import time
 
 from gpuwarden.config import Config
+from gpuwarden.node.loop import Broker
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 
@@ -32,14 +33,23 @@ class ApiThread:
         *,
         name: str,
         coordinator: bool = False,
+        broker: Broker | None = None,
     ) -> None:
+        """``broker``: the broker running in this process, if any: a submit wakes
+        its loop, and a ``wait`` is told by it when the job ended."""
         # the web stack, only here (the module docstring says why)
         import uvicorn  # noqa: PLC0415
 
         from gpuwarden.api.app import create_app  # noqa: PLC0415
         from gpuwarden.api.routers import nodes  # noqa: PLC0415
 
-        self.app = create_app(store, registry, config)
+        self.app = create_app(
+            store,
+            registry,
+            config,
+            wake=broker.wake if broker is not None else None,
+            ends=broker.ends if broker is not None else None,
+        )
         if coordinator:
             nodes.install_coordinator(self.app)
         self._advertise = nodes.set_coordinator_url

@@ -44,6 +44,7 @@ from gpuwarden.errors import UserError
 from gpuwarden.eventlog import CURSOR_FILE, EventLog, NullLog
 from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
+from gpuwarden.node.loop import Broker
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Submission
 
@@ -195,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signals.add(node.broker)
         signals.install()
         b = node.broker
-        api = _ApiServer(config, b.registry, *address) if address else None
+        api = _ApiServer(config, b, *address) if address else None
         try:
             err.print(
                 f"gpuwarden {__version__} serving on node {config.node_name} "
@@ -223,9 +224,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 class _ApiServer:
     """The HTTP API beside the broker, over a store connection of its own."""
 
-    def __init__(self, config: Config, registry: Registry, host: str, port: int) -> None:
+    def __init__(self, config: Config, broker: Broker, host: str, port: int) -> None:
         self.store = open_store(config)
-        self.http = ApiThread(self.store, registry, config, host, port, name="gpuwarden-api")
+        self.http = ApiThread(
+            self.store, broker.registry, config, host, port, name="gpuwarden-api", broker=broker
+        )
         if not self.http.start():
             self.store.close()
             raise UserError(

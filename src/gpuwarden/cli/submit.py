@@ -441,6 +441,27 @@ def _remote_jobtype(client: Client, name: str) -> JobType:
     return t
 
 
+#: with ``--wait`` over HTTP, how long the submit request itself waits for the end
+#: (then the CLI polls, showing why the job waits)
+FIRST_WAIT_S = 5.0
+
+
+def _wait_http(client: Client, job_id: str, timeout: float, *, total: float) -> bool:
+    """Poll until the job has ended, showing its state and why it waits; False
+    (said, with the ``total`` time waited) after ``timeout``."""
+    with Progress(f"job {job_id}: submitted") as status:
+
+        def progress(j: dict[str, Any]) -> None:
+            status.update(progress_text(j["id"], j["state"], wait_note(j.get("explain", []))))
+
+        try:
+            client.wait(job_id, timeout=max(0.0, timeout), progress=progress, explain=True)
+        except TimeoutError:
+            err.print(f"gave up waiting after {total:g} s")
+            return False
+    return True
+
+
 def _submit_http(args: argparse.Namespace, client: Client) -> int:
     if args.queue is not None:
         raise UserError("--queue and --url do not go together: choose one way to submit")
@@ -451,29 +472,29 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
         )
     jobtype = _remote_jobtype(client, args.type)
     params = job_params(jobtype, args)
-    job = client.submit(
-        jobtype.name,
-        params,
-        id=args.job_id,
-        priority=args.priority,
-        vram_gib=args.vram_gib,
-        outputs=args.outputs,
-        constraints=parse_constraints(args.constraints),
-    )
+    # with --wait, the submit itself waits a little (a long poll): a job that ends
+    # within it comes back with its result in that one request
+    first_wait = min(args.wait_timeout, FIRST_WAIT_S) if args.wait else None
+    with Progress(f"submitting a {jobtype.name} job to {client.url}"):
+        job = client.submit(
+            jobtype.name,
+            params,
+            id=args.job_id,
+            priority=args.priority,
+            vram_gib=args.vram_gib,
+            outputs=args.outputs,
+            constraints=parse_constraints(args.constraints),
+            wait=first_wait,
+        )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:
         return 0
-    with Progress(f"job {job['id']}: submitted") as status:
-
-        def progress(j: dict[str, Any]) -> None:
-            status.update(progress_text(j["id"], j["state"], wait_note(j.get("explain", []))))
-
-        try:
-            client.wait(job["id"], timeout=args.wait_timeout, progress=progress, explain=True)
-        except TimeoutError:
-            err.print(f"gave up waiting after {args.wait_timeout:g} s")
+    result = job.get("result") if (job.get("wait") or {}).get("ended") else None
+    if result is None:
+        left = args.wait_timeout - (first_wait or 0.0)
+        if not _wait_http(client, job["id"], left, total=args.wait_timeout):
             return 1
-    result = client.result(job["id"])
+        result = client.result(job["id"])
     if args.results_dir:
         for rel in result.get("outputs", []):
             client.download(job["id"], rel, args.results_dir / rel)

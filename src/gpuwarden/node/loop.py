@@ -48,6 +48,7 @@ from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.gpus import GpuWatch
+from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.queue import ClassKey, QueueBook
 from gpuwarden.node.recovery import Recovery
@@ -143,6 +144,8 @@ class Broker:
     def _build(self, intake: IntakeFactory) -> None:
         """Build the collaborators, each given what it depends on."""
         self.mailbox = Mailbox()
+        #: who in this process waits for a job's end (the API's ``wait``)
+        self.ends = JobEnds()
         # a submission or a cancel, from this process or another, wakes the loop
         self.store.on_submit(self.mailbox.wake)
         #: the queued jobs, by class, followed through the store's events
@@ -344,6 +347,22 @@ class Broker:
             return
         if self.queues.intake(now):
             self._status_dirty = True
+        self._warm_fast(now)
+
+    def _warm_fast(self, now: float) -> None:
+        """The warm fast path: a queued job goes to its type's idle warm server now,
+        not after a planning pass (``WarmServers.fast_starts`` applies the plan's rules)."""
+        if not self.accepting or not self.warm.idle():
+            return
+        if self.queue.refresh(now):  # what was submitted since the index last looked
+            self._status_dirty = True
+        paused = f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else ""
+        types = self.registry.types
+        for job, jobtype, start in self.warm.fast_starts(
+            self.queue.index, self.store, types, paused=paused
+        ):
+            if self._start(job, jobtype, start, now):
+                self.queue.index.remove(job.id)
 
     # -- attempts -----------------------------------------------------------
 
@@ -485,6 +504,8 @@ class Broker:
                 raise
             for r in recorded:
                 self.attempts.follow(r, now)
+                self.ends.ended(r.run.job.id)  # committed: a waiting request may look
+        self._warm_fast(now)  # a server this freed takes its type's next job now
         if failure is not None:
             raise failure
 

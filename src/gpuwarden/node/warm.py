@@ -3,10 +3,12 @@
 :class:`WarmServers` is the loop's collaborator for serve types: it starts a
 server for a type (or hands a job to the one that is idle), takes in what the
 servers' threads post (a PID, loaded, gone), evicts and stops them. Its methods
-run on the loop's thread, except :meth:`WarmServers.load_and_serve` and
-:meth:`WarmServers.serve_next`, which run on a worker thread per job, drive a
-:class:`WarmProcess`, and only post messages (the job's :class:`LaunchResult`,
-:class:`ServerNote` and :class:`ExchangeNote`) back to the loop's mailbox.
+run on the loop's thread, except the server's own thread (``_serve_loop``: one
+per server, it loads it and then serves each job the loop hands it through a
+:class:`Handoff`; :meth:`WarmServers.serve_next` on a thread of the job's own when
+that thread has ended), which drives a :class:`WarmProcess` and only posts
+messages (the job's :class:`LaunchResult`, :class:`ServerNote` and
+:class:`ExchangeNote`) back to the loop's mailbox.
 Which server exists, and in what state, is :mod:`gpuwarden.node.warmpool`'s.
 """
 
@@ -15,16 +17,19 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import queue
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from gpuwarden import safefs
 from gpuwarden.core import policy
 from gpuwarden.core.ledger import HoldState
-from gpuwarden.core.model import JobType
+from gpuwarden.core.model import Job, JobType
+from gpuwarden.core.queueindex import QueueIndex
+from gpuwarden.core.states import JobState
 from gpuwarden.launch.base import INSIDE, LaunchResult
 from gpuwarden.launch.sandbox import output_limit_reason
 from gpuwarden.launch.warmproc import (
@@ -38,14 +43,94 @@ from gpuwarden.node import attemptfs
 from gpuwarden.node.attemptfs import ExchangeError, ExchangeSlot
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints
+from gpuwarden.node.queue import ClassKey
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, RunningAttempt, ServerNote
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import WarmStatus
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState, WarmPool, WarmServer
+from gpuwarden.store.base import Store
 
 #: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
+
+
+class Handoff:
+    """The jobs the loop hands to one server's thread, in order (``None``: the
+    thread ends). Closed by that thread as it ends: a job handed after that is
+    refused, and the loop drives it on a thread of its own instead."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[RunningAttempt | None] = queue.SimpleQueue()
+        self._closed = False
+        #: the server's thread
+        self.thread: threading.Thread | None = None
+
+    def put(self, run: RunningAttempt | None) -> bool:
+        """Hand ``run`` over; False when the thread has ended (nothing was handed)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._jobs.put(run)
+            return True
+
+    def get(self) -> RunningAttempt | None:
+        """The server's thread: the next job (blocks until there is one)."""
+        return self._jobs.get()
+
+    def close(self) -> list[RunningAttempt]:
+        """The server's thread, as it ends: refuse what comes later, and return the
+        jobs handed meanwhile."""
+        with self._lock:
+            self._closed = True
+        left: list[RunningAttempt] = []
+        while True:
+            try:
+                run = self._jobs.get_nowait()
+            except queue.Empty:
+                return left
+            if run is not None:
+                left.append(run)
+
+
+class SlotRemover:
+    """Removes served jobs' exchange slots on a thread of its own (started with the
+    first), so that neither the job's result nor the server's next job waits for
+    the removal; ``failed(server, error)`` is called on that thread for a slot that
+    cannot be removed."""
+
+    def __init__(self, failed: Callable[[WarmServer, ExchangeError], None]) -> None:
+        self._failed = failed
+        self._slots: queue.Queue[tuple[WarmServer, ExchangeSlot]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def remove(self, server: WarmServer, slot: ExchangeSlot) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="exchange-slot-remover", daemon=True
+                )
+                self._thread.start()
+        self._slots.put((server, slot))
+
+    def drain(self) -> None:
+        """Wait until every slot handed over so far has been removed (or failed)."""
+        if self._thread is not None:
+            self._slots.join()
+
+    def _run(self) -> None:
+        while True:
+            server, slot = self._slots.get()
+            try:
+                slot.close()
+            except ExchangeError as exc:
+                self._failed(server, exc)
+            except Exception:  # never ends the thread: later slots still go
+                log.exception("removing %s failed", slot.path)
+            finally:
+                self._slots.task_done()
 
 
 class WarmServers:
@@ -77,6 +162,9 @@ class WarmServers:
         self.pool = WarmPool()
         #: made on the first server's start (:meth:`socket_dir`)
         self._socket_dir: Path | None = None
+        #: per server (its ledger holder), how jobs are handed to its thread
+        self._handoffs: dict[str, Handoff] = {}
+        self._remover = SlotRemover(self._slot_not_removed)
 
     # -- what the loop and status see --------------------------------------------
 
@@ -112,6 +200,55 @@ class WarmServers:
             return server is not None and server.state is ServerState.IDLE
         return server is None
 
+    def idle(self) -> bool:
+        """Whether any server is idle (the fast path has something to hand to)."""
+        return any(s.state is ServerState.IDLE for s in self.pool)
+
+    def fast_starts(
+        self,
+        index: QueueIndex[ClassKey],
+        store: Store,
+        types: Mapping[str, JobType],
+        *,
+        paused: str,
+    ) -> list[tuple[Job, JobType, policy.Start]]:
+        """The queued jobs to hand to idle warm servers now, without a planning pass
+        (the warm fast path): for each idle server, the first queued job of its type
+        in the loop's queue index (read in full here). That is the job
+        :func:`gpuwarden.core.policy.plan_pass` would hand it, since a job whose
+        server is warm goes first among equal priority and takes no memory; the
+        plan decides instead when a queued job has a higher priority (its memory
+        may come from evicting this idle server), when VRAM admission is paused
+        (``paused``: the probe failed) or the server's GPU is degraded. A job the
+        index holds that is no longer queued (a client cancelled it) is taken out."""
+        starts: list[tuple[Job, JobType, policy.Start]] = []
+        classes = index.classes()
+        if paused or not classes:
+            return starts
+        top = max(priority for _, priority, _ in classes)
+        degraded = self.vram.degraded()
+        for server in self.pool:
+            if server.state is not ServerState.IDLE or server.gpu in degraded:
+                continue
+            # the type's first job in queue order: highest priority, then arrival
+            heads = [
+                (key[1], head)
+                for key in classes
+                if key[0] == server.type.name and (head := index.head(key)) is not None
+            ]
+            if not heads:
+                continue
+            priority, (_, job_id) = min(heads, key=lambda h: (-h[0], h[1][0]))
+            jobtype = types.get(server.type.name)
+            if priority < top or jobtype is None:
+                continue
+            job = store.get_job(job_id)
+            if job is None or job.state is not JobState.QUEUED or job.cancel_requested:
+                index.remove(job_id)  # gone from the queue since the index looked
+                continue
+            starts.append((job, jobtype, policy.Start(job.id, server.gpu, warm=True)))
+        return starts
+
     def start(self, run: RunningAttempt, decision: policy.Start, gpu: str, now: float) -> None:
         """Hand the started attempt to its type's warm server, loading one first if
         there is none (:meth:`ready` said the decision holds)."""
@@ -125,14 +262,30 @@ class WarmServers:
             safefs.make_dir(run.attempt_dir / "out")
             if server is None or not decision.warm:
                 server = fresh = self._new_server(jobtype, gpu, job.priority, now)
-                target = self.load_and_serve
-            else:
-                server.state = ServerState.BUSY
-                target = self.serve_next
+                server.priority = job.priority
+                run.server = server
+                # one thread per server: it loads it, serves this job, then each job
+                # handed to it (no thread started per job)
+                handoff = self._handoffs[server.holder] = Handoff()
+                run.thread = handoff.thread = threading.Thread(
+                    target=self._serve_loop,
+                    args=(server, run, handoff),
+                    name=f"serve-{server.holder}",
+                    daemon=True,
+                )
+                run.thread.start()
+                return
+            server.state = ServerState.BUSY
             server.priority = job.priority
             run.server = server
+            given = self._handoffs.get(server.holder)
+            if given is not None and given.put(run):
+                run.thread = given.thread
+                return
+            # its thread has ended (the server is going away): a thread of the job's
+            # own drives it, and the job fails as the server's does
             run.thread = threading.Thread(
-                target=target,
+                target=self.serve_next,
                 args=(server, run),
                 name=f"serve-{job.id}-{attempt.number}",
                 daemon=True,
@@ -143,6 +296,7 @@ class WarmServers:
             run.thread = None
             if fresh is not None:  # nothing ran: its memory was never used
                 self.pool.remove(fresh)
+                self._handoffs.pop(fresh.holder, None)
                 self.vram.end(fresh.holder, now)
             elif run.server is not None:
                 run.server.state = ServerState.IDLE
@@ -169,7 +323,9 @@ class WarmServers:
         return self._socket_dir
 
     def close(self) -> None:
-        """Remove the sockets' folder, if it is empty (its servers are gone)."""
+        """Remove the served jobs' slots still to be removed, and the sockets'
+        folder if it is empty (its servers are gone)."""
+        self._remover.drain()
         if self._socket_dir is not None:
             with contextlib.suppress(OSError):
                 self._socket_dir.rmdir()
@@ -221,6 +377,24 @@ class WarmServers:
     def load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: start the server's process, wait for its model, serve the job."""
         self._drive(server, run, load=True)
+
+    def _serve_loop(self, server: WarmServer, run: RunningAttempt, handoff: Handoff) -> None:
+        """The server's thread: load it and serve ``run``, then each job handed to
+        it in turn, until it is stopped or gone (or handed ``None``: stopped while
+        idle). Jobs handed to it after that are served (and fail) here too, and
+        the handoff is closed so that no later one waits for this thread."""
+        next_run: RunningAttempt | None = run
+        load = True
+        try:
+            while next_run is not None:
+                self._drive(server, next_run, load=load)
+                load = False
+                if not server.worker.alive():
+                    break
+                next_run = handoff.get()
+        finally:
+            for left in handoff.close():
+                self._drive(server, left, load=False)  # each fails as the server is gone
 
     def serve_next(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: hand one job to a loaded server."""
@@ -284,10 +458,42 @@ class WarmServers:
         return report
 
     def _serve_one(self, server: WarmServer, run: RunningAttempt, started: float) -> None:
+        """Serve one job through its exchange slot and post its result; the slot is
+        removed after that, on the remover's thread: off the path from the server's
+        answer to the result, and from there to the server's next job."""
         input_dir, params = self.launching.params(run)
+        request = server.worker.request
+        sandboxed = bool(request.mounts)
+        slot = ExchangeSlot(
+            Path(request.attempt_dir) / "exchange",
+            f"{run.job.id}-{run.attempt.number}",
+            owner=self.launching.sandbox_owner(server.type) if sandboxed else None,
+        )
         over: list[str] = []
-        report = self._serve_through_exchange(server, run, input_dir, params, over=over)
-        self._after_served(server, run, started, report, limit_exceeded=over[0] if over else None)
+        try:
+            report = self._serve_through_exchange(server, run, slot, input_dir, params, over=over)
+            self._after_served(
+                server, run, started, report, limit_exceeded=over[0] if over else None
+            )
+        except BaseException:
+            try:
+                slot.close()
+            except ExchangeError:
+                log.exception("removing %s failed", slot.path)  # the first error stands
+            raise
+        self._remover.remove(server, slot)  # the server's thread goes on at once
+
+    def _slot_not_removed(self, server: WarmServer, exc: ExchangeError) -> None:
+        """The remover's thread: a served job's slot could not be removed. The job's
+        outputs were moved out before its result was posted: that result stands. The
+        server cannot be used safely any more: stopped (a job handed to it meanwhile
+        fails as its infrastructure's failure)."""
+        why = f"its exchange folder could not be used safely: {exc.message}"
+        log.warning("warm server %s: %s", server.holder, why)
+        try:
+            server.worker.stop(why)
+        finally:
+            self._note(server, "gone", reason=why)
 
     def _output_over_limit(self, server: WarmServer, out: Path) -> str | None:
         """``output past N MiB`` when a sandboxed job's outputs in its slot hold more
@@ -306,6 +512,7 @@ class WarmServers:
         self,
         server: WarmServer,
         run: RunningAttempt,
+        slot: ExchangeSlot,
         input_dir: Path,
         params: dict[str, Any],
         *,
@@ -316,17 +523,11 @@ class WarmServers:
         folders). The job's slot ``<job>-<attempt>`` is made fresh there, whatever
         the server left under that name removed unfollowed; the job's inputs are
         copied in and its outputs moved to the attempt's ``out/`` by descriptor
-        (:class:`gpuwarden.node.attemptfs.ExchangeSlot`). A sandboxed job whose outputs
-        are past ``[sandbox] output_mib`` when it ends gets the reason in ``over``."""
-        request = server.worker.request
-        sandboxed = bool(request.mounts)
-        slot = ExchangeSlot(
-            Path(request.attempt_dir) / "exchange",
-            f"{run.job.id}-{run.attempt.number}",
-            owner=self.launching.sandbox_owner(server.type) if sandboxed else None,
-        )
+        (:class:`gpuwarden.node.attemptfs.ExchangeSlot`); the caller removes the
+        slot. A sandboxed job whose outputs are past ``[sandbox] output_mib`` when
+        it ends gets the reason in ``over``."""
+        sandboxed = bool(server.worker.request.mounts)
         seen = Path(INSIDE / "output" / slot.name) if sandboxed else slot.path
-        failing = True
         try:
             slot.open(input_dir)
             staged = dict(params)
@@ -345,7 +546,6 @@ class WarmServers:
             )
             if sandboxed and (why := self._output_over_limit(server, slot.path / "out")):
                 over.append(why)
-            failing = False
             return report
         finally:
             try:
@@ -365,12 +565,6 @@ class WarmServers:
                     refused=tuple(slot.refused),
                 )
             )
-            try:
-                slot.close()
-            except ExchangeError:
-                if not failing:
-                    raise
-                log.exception("removing %s failed", slot.path)  # the first error stands
 
     def _after_served(
         self,
@@ -473,6 +667,7 @@ class WarmServers:
             )
         elif note.what == "gone":
             self.pool.remove(server)
+            self._handoffs.pop(server.holder, None)
             measured = self.vram.end(server.holder, now)
             if measured is not None and measured.alone:
                 self.footprints.measure(
@@ -532,5 +727,8 @@ class WarmServers:
 
         thread = threading.Thread(target=stop, name=f"stop-{server.holder}", daemon=True)
         thread.start()
+        handoff = self._handoffs.get(server.holder)
+        if handoff is not None:
+            handoff.put(None)  # an idle server's thread waits for its next job: it ends
         if wait:
             thread.join()

@@ -16,8 +16,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
-from gpuwarden.api import files
+from gpuwarden.api import files, waiting
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.context import (
     ApiContext,
@@ -29,7 +30,15 @@ from gpuwarden.api.context import (
     set_target,
 )
 from gpuwarden.api.errors import HttpError
-from gpuwarden.api.models import ErrorOut, Explanation, JobDetail, JobIn, JobOut
+from gpuwarden.api.models import (
+    ErrorOut,
+    Explanation,
+    JobDetail,
+    JobIn,
+    JobOut,
+    SubmitOut,
+    WaitOut,
+)
 from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
@@ -37,7 +46,6 @@ from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
-from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import DuplicateJobError, Submission
@@ -107,9 +115,20 @@ def _job_id_for(who: Principal, access: Scope, body: JobIn, type_name: str) -> s
     return prefix + chosen
 
 
-@router.post("/v1/jobs", status_code=201, response_model=JobOut, responses=_ERRORS)
+#: the ``wait`` query parameter of a submit and of a result (a long poll)
+WaitParam = Annotated[
+    str | None,
+    Query(
+        description="seconds (a number from 0 to 60) to wait for the job to end before "
+        "answering; the answer then carries how the wait went (and the result)",
+        examples=["5"],
+    ),
+]
+
+
+@router.post("/v1/jobs", status_code=201, response_model=SubmitOut, responses=_ERRORS)
 @action("job.submit")
-def submit_job(
+async def submit_job(
     body: JobIn,
     *,
     request: Request,
@@ -124,10 +143,59 @@ def submit_job(
             description="retry-safe submission: the same key and body return the same job",
         ),
     ] = None,
-) -> JobOut:
+    wait: WaitParam = None,
+) -> SubmitOut:
     """Submit a job. It is checked like a bundle's job (type, parameters, this
     node's launch rules, a VRAM footprint no GPU can ever hold) before it is stored.
-    A submitter's job ids begin with its token id (SPEC.md, section 15)."""
+    A submitter's job ids begin with its token id (SPEC.md, section 15). With
+    ``wait``, the answer comes once the job has ended (its result in ``result``)
+    or after that many seconds (``wait.ended`` false, the job queued or running)."""
+    seconds = waiting.parse_wait(wait)  # refused before anything is stored
+    job = await run_in_threadpool(
+        _submit, body, request, response, ctx, who, access, idempotency_key
+    )
+    if ctx.wake is not None:  # the broker runs in this process: it takes it now
+        ctx.wake()
+    if seconds is None:
+        return SubmitOut.of(job)
+    return await _waited(ctx, job, seconds)
+
+
+async def _waited(ctx: ApiContext, job: Job, seconds: float) -> SubmitOut:
+    """The job after waiting up to ``seconds`` for its end, and how the wait went."""
+    started = time.monotonic()
+    now, result = await waiting.until_ended(ctx, job.id, seconds)
+    waited = time.monotonic() - started
+    out = SubmitOut.of(now or job)
+    out.wait = WaitOut(asked_s=seconds, waited_s=round(waited, 6), ended=result is not None)
+    out.result = result
+    return out
+
+
+def _submit(  # noqa: PLR0917 - the route's own arguments, handed to a worker thread
+    body: JobIn,
+    request: Request,
+    response: Response,
+    ctx: ApiContext,
+    who: Principal,
+    access: Scope,
+    idempotency_key: str | None,
+) -> Job:
+    """The submission (on a worker thread: it reads and writes the store). The job
+    and the audit row of its success share one commit (the store's batch)."""
+    with ctx.store.batch():
+        return _submit_in_batch(body, request, response, ctx, who, access, idempotency_key)
+
+
+def _submit_in_batch(  # noqa: PLR0917 - as _submit
+    body: JobIn,
+    request: Request,
+    response: Response,
+    ctx: ApiContext,
+    who: Principal,
+    access: Scope,
+    idempotency_key: str | None,
+) -> Job:
     if body.id is not None:
         set_target(request, body.id)
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
@@ -181,7 +249,7 @@ def submit_job(
     if replay:
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
-    return JobOut.of(job)
+    return job
 
 
 def _refuse_file_inputs(jobtype: JobType, body: JobIn) -> None:
@@ -282,14 +350,22 @@ def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
 
 @router.get("/v1/jobs/{job_id}/result", responses=_ERRORS)
 @action("job.read")
-def job_result(job_id: str, ctx: Ctx, who: Who, access: Access) -> dict[str, Any]:
-    """The job's result.json (SPEC.md section 5), once it has ended."""
-    job = visible_job(ctx, who, access, job_id)
-    if not job.state.terminal:
+async def job_result(
+    job_id: str, ctx: Ctx, who: Who, access: Access, wait: WaitParam = None
+) -> dict[str, Any]:
+    """The job's result.json (SPEC.md section 5), once it has ended. With ``wait``,
+    a job that has not ended yet is waited for up to that many seconds first."""
+    seconds = waiting.parse_wait(wait)
+    job = await run_in_threadpool(visible_job, ctx, who, access, job_id)
+    now, result = await waiting.until_ended(ctx, job.id, seconds or 0.0)
+    job = now or job
+    if result is None:
+        waited = f" (after waiting {seconds:g} s)" if seconds else ""
         raise HttpError(
-            409, f"job {job.id} is {job.state.value}: its result exists once it has ended"
+            409,
+            f"job {job.id} is {job.state.value}{waited}: its result exists once it has ended",
         )
-    return result_json(job, ctx.store.attempts(job.id))
+    return result
 
 
 @router.get(
