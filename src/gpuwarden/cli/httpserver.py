@@ -44,7 +44,20 @@ class ApiThread:
             nodes.install_coordinator(self.app)
         self._advertise = nodes.set_coordinator_url
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="on")
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=port,
+                log_level="warning",
+                lifespan="on",
+                # httptools (a dependency) parses HTTP/1.1 in C where it is installed,
+                # else h11; no access log line is formatted per request (the audit
+                # log records what was done); keep-alive connections stay open 30 s
+                # between requests (agents and clients send one every few seconds)
+                http="auto",
+                access_log=False,
+                timeout_keep_alive=30,
+            )
         )
         self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
         #: the address listened on once started (port 0 is then the port it got)

@@ -37,6 +37,8 @@ import contextlib
 import hashlib
 import math
 import re
+import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -49,7 +51,7 @@ from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from gpuwarden.core.model import Job, JobSpec
+from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.errors import ConfigError
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.postgres_cluster import MaintenanceLock
@@ -66,6 +68,10 @@ DEFAULT_CONNECT_TIMEOUT_S = 10
 POOL_OPEN_TIMEOUT_S = 30.0
 #: times a submission is retried after a deadlock with a concurrent submission
 _SUBMIT_TRIES = 3
+#: a pooled connection unused this long is checked (one empty query) before it is
+#: handed out; one used more recently is not (a check per checkout was a round trip
+#: for every store call, the most frequent statement under load)
+IDLE_CHECK_S = 2.0
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -99,6 +105,8 @@ class PostgresStore(SqlClusterStore[Conn]):
         self.url = url
         self.schema = schema
         self._shown = redact_url(url)
+        #: when each pooled connection was last given back (for :meth:`_check`)
+        self._used: weakref.WeakKeyDictionary[Conn, float] = weakref.WeakKeyDictionary()
         kwargs = self._connect_kwargs(url)
         self._check_reachable(url, kwargs)
         self._pool: ConnectionPool[Conn] = ConnectionPool(
@@ -109,7 +117,7 @@ class PostgresStore(SqlClusterStore[Conn]):
             open=False,
             kwargs={**kwargs, "row_factory": dict_row},
             configure=self._configure,
-            check=ConnectionPool.check_connection,
+            check=self._check,
             name="gpuwarden-store",
         )
         try:
@@ -176,15 +184,33 @@ class PostgresStore(SqlClusterStore[Conn]):
             conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
         conn.commit()
 
+    def _check(self, conn: Conn) -> None:
+        """The pool's check of a connection it hands out: an empty query, unless the
+        connection was in use less than :data:`IDLE_CHECK_S` ago (a server restart
+        or a dropped link shows on a connection that sat idle; one that just worked
+        is taken as it is, and if it fails anyway the store call fails as
+        ``unavailable`` and the pool replaces the connection)."""
+        used = self._used.get(conn)
+        if used is not None and time.monotonic() - used < IDLE_CHECK_S:
+            return
+        ConnectionPool.check_connection(conn)
+
     @contextlib.contextmanager
     def _write(self) -> Iterator[Conn]:
-        with self._pool.connection() as conn, conn.transaction():
-            yield conn
+        with self._pool.connection() as conn:
+            try:
+                with conn.transaction():
+                    yield conn
+            finally:
+                self._used[conn] = time.monotonic()
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Conn]:
         with self._pool.connection() as conn:
-            yield conn
+            try:
+                yield conn
+            finally:
+                self._used[conn] = time.monotonic()
 
     def migrate(self) -> list[int]:
         """Apply the migrations not applied yet; return the versions applied.
@@ -257,6 +283,30 @@ class PostgresStore(SqlClusterStore[Conn]):
         self, conn: Conn, query: str, params: Mapping[str, Any], *, reread: str
     ) -> Row | None:
         return conn.execute(self.queries[query], params).fetchone()  # RETURNING *: no reread
+
+    def _lease_rows(self, conn: Conn, wanted: list[str], params: dict[str, Any]) -> list[str]:
+        found = conn.execute(self.queries["lease_free_jobs"], {**params, "ids": wanted})
+        return [r["job_id"] for r in found]
+
+    def _events(self, conn: Conn, events: Sequence[Event]) -> None:
+        if not events:
+            return
+        conn.execute(self.queries["lock_log"], {"key": self._events_key})
+        with conn.cursor() as cur:  # one round trip (psycopg pipelines executemany)
+            cur.executemany(
+                self.queries["insert_event"],
+                [
+                    {
+                        "ts": e.ts,
+                        "kind": e.kind,
+                        "job_id": e.job_id,
+                        "from_state": e.from_state,
+                        "to_state": e.to_state,
+                        "detail": self._json(e.detail),
+                    }
+                    for e in events
+                ],
+            )
 
     def _insert_jobs(self, conn: Conn, jobs: Sequence[Mapping[str, Any]]) -> None:
         with conn.cursor() as cur:

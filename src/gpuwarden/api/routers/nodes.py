@@ -323,6 +323,7 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
         timing=t,
         want=body.want,
         inputs_here=_inputs_here,
+        record=record,
     )
     if jobs:
         audit_ok(request, {"jobs": [j["id"] for j in jobs], "lease": jobs[0]["lease_id"]})
