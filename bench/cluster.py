@@ -223,7 +223,7 @@ class Coordinator:
         self.client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=30
         )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while True:
             try:
                 if self.client.get("/v1/health").status_code == 200:
@@ -231,7 +231,9 @@ class Coordinator:
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise SystemExit(f"the coordinator did not start: see {work / 'coordinator.log'}")
+                self.proc.kill()
+                log = (work / "coordinator.log").read_text(errors="replace")[-2000:]
+                raise SystemExit(f"the coordinator did not start (exit {self.proc.wait()}):\n{log}")
             time.sleep(0.1)
 
     def submit(self, n: int, clients: int) -> float:
@@ -300,7 +302,7 @@ def start_agents(
             f'node_name = "bench-agent-{i}"\n'
             f'module_paths = ["{modules}", "{REPO / "src" / "gpuwarden" / "modules"}"]\n'
             "[broker]\npoll_interval_s = 0.02\ncpu_slots = 8\n"
-            "[cluster]\nclaim_every_s = 0.05\nmax_jobs = 16\n"
+            "[cluster]\nclaim_every_s = 0.1\nmax_jobs = 16\n"
         )
         token = co.invite(f"bench-agent-{i}")
         agents.append(

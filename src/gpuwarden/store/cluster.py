@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from gpuwarden.core.model import Job
-from gpuwarden.store.base import Store
+from gpuwarden.store.base import AuditRow, Store
 
 
 class NodeState(StrEnum):
@@ -156,6 +156,11 @@ class ClusterStore(Store):
         return [
             j.id for j in self.queued_jobs(limit=limit) if j.cancel_requested and j.id not in live
         ]
+
+    def add_audits(self, rows: Sequence[AuditRow]) -> None:
+        """Append several audit rows, in order (a batch of an agent's reports)."""
+        for row in rows:
+            self.add_audit(row)
 
     def jobs_by_ids(self, job_ids: Sequence[str]) -> list[Job]:
         """The jobs of those ids that exist, in submission order."""

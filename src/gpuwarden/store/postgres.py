@@ -115,7 +115,9 @@ class PostgresStore(SqlClusterStore[Conn]):
             min_size=min_size,
             max_size=max_size,
             open=False,
-            kwargs={**kwargs, "row_factory": dict_row},
+            # autocommit: a read is one statement, not BEGIN, the statement and COMMIT
+            # (three round trips); a write is a transaction of its own (_write)
+            kwargs={**kwargs, "row_factory": dict_row, "autocommit": True},
             configure=self._configure,
             check=self._check,
             name="gpuwarden-store",

@@ -18,6 +18,7 @@ from typing import Any
 
 from gpuwarden.core.model import Event, Job
 from gpuwarden.store import rows
+from gpuwarden.store.base import AuditRow
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
 from gpuwarden.store.rows import Row
 from gpuwarden.store.sql import C
@@ -183,6 +184,26 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
 
     def queued_cancel_requests(self, now: float, *, limit: int = 10_000) -> list[str]:
         return [r["id"] for r in self._read("queued_cancel_requests", now=now, limit=limit)]
+
+    def add_audits(self, rows: Sequence[AuditRow]) -> None:
+        if not rows:
+            return
+        with self._write() as conn:  # one transaction for the batch
+            for row in rows:
+                self._append(
+                    conn,
+                    "audit",
+                    {
+                        "ts": row.ts,
+                        "actor": self._text(row.actor),
+                        "actor_name": self._text(row.actor_name),
+                        "role": self._text(row.role),
+                        "action": self._text(row.action),
+                        "target": self._text(row.target),
+                        "outcome": self._text(row.outcome),
+                        "detail": self._json(row.detail),
+                    },
+                )
 
     def jobs_by_ids(self, job_ids: Sequence[str]) -> list[Job]:
         if not job_ids:
