@@ -25,6 +25,13 @@ keeps them apart:
   ``pg_advisory_xact_lock``, so two processes opening a fresh database at once
   apply each migration once.
 
+The pool's connections are in autocommit: a read is one statement (one round
+trip), a write an explicit transaction (``_write``). A connection is checked
+with an empty query before it is handed out only when it sat unused for
+``IDLE_CHECK_S``; one that fails anyway fails its call as ``unavailable`` and is
+replaced. A claim's leases are one statement and its events one round trip
+(``_lease_rows``, ``_events``).
+
 PostgreSQL text cannot hold the NUL character (SQLite text can): NUL in free text
 (an attempt's output, a reason, strings inside JSON documents) is stored as
 U+FFFD, and a float that JSON cannot carry (NaN, infinities) inside a JSON
@@ -276,8 +283,8 @@ class PostgresStore(SqlClusterStore[Conn]):
 
     def _append(self, conn: Conn, log: str, params: Mapping[str, Any]) -> int:
         key = self._events_key if log == "event" else self._audit_key
-        conn.execute(self.queries["lock_log"], {"key": key})
-        row = conn.execute(self.queries[f"insert_{log}"], params).fetchone()
+        # the log's lock, then the row: one statement (``insert_<log>_locked``)
+        row = conn.execute(self.queries[f"insert_{log}_locked"], {**params, "key": key}).fetchone()
         assert row is not None
         return int(row["id"])
 
@@ -293,12 +300,12 @@ class PostgresStore(SqlClusterStore[Conn]):
     def _events(self, conn: Conn, events: Sequence[Event]) -> None:
         if not events:
             return
-        conn.execute(self.queries["lock_log"], {"key": self._events_key})
         with conn.cursor() as cur:  # one round trip (psycopg pipelines executemany)
             cur.executemany(
-                self.queries["insert_event"],
+                self.queries["insert_event_locked"],
                 [
                     {
+                        "key": self._events_key,
                         "ts": e.ts,
                         "kind": e.kind,
                         "job_id": e.job_id,
