@@ -293,6 +293,14 @@ class PostgresStore(SqlClusterStore[Conn]):
     ) -> Row | None:
         return conn.execute(self.queries[query], params).fetchone()  # RETURNING *: no reread
 
+    def _read_planned(self, query: str, **params: Any) -> list[Row]:
+        # never a server-side prepared statement: psycopg prepares a query after 5
+        # runs, and PostgreSQL may then keep a generic plan made while the leases
+        # table was nearly empty (a scan of leases per queued job), which grew
+        # quadratic as leases piled up: 50 ms a claim at 2000 leased jobs, not 2
+        with self._connection() as conn:
+            return conn.execute(self.queries[query], params, prepare=False).fetchall()
+
     def _lease_rows(self, conn: Conn, wanted: list[str], params: dict[str, Any]) -> list[str]:
         found = conn.execute(self.queries["lease_free_jobs"], {**params, "ids": wanted})
         return [r["job_id"] for r in found]

@@ -165,9 +165,9 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         self, *, now: float, limit: int = 1000, after: tuple[int, int] | None = None
     ) -> list[Claimable]:
         if after is None:
-            found = self._read("claimable_jobs", now=now, limit=limit)
+            found = self._read_planned("claimable_jobs", now=now, limit=limit)
         else:
-            found = self._read(
+            found = self._read_planned(
                 "claimable_jobs_after",
                 now=now,
                 limit=limit,
@@ -176,6 +176,11 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
             )
         return [rows.claimable(r, self._decode) for r in found]
 
+    def _read_planned(self, query: str, **params: Any) -> list[Row]:
+        """A read whose best plan depends on the data as it is now (how many queued
+        jobs are leased): a dialect that reuses plans plans this one at each run."""
+        return self._read(query, **params)
+
     def live_lease_counts(self, now: float) -> dict[str, int]:
         return {r["node"]: int(r["n"]) for r in self._read("live_lease_counts", now=now)}
 
@@ -183,7 +188,8 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         return [rows.lease(r) for r in self._read("leases_expired", now=now)]
 
     def queued_cancel_requests(self, now: float, *, limit: int = 10_000) -> list[str]:
-        return [r["id"] for r in self._read("queued_cancel_requests", now=now, limit=limit)]
+        found = self._read_planned("queued_cancel_requests", now=now, limit=limit)
+        return [r["id"] for r in found]
 
     def add_audits(self, rows: Sequence[AuditRow]) -> None:
         if not rows:
