@@ -198,7 +198,7 @@ def _in_processes(target: Any, argsets: list[tuple[Any, ...]]) -> tuple[float, l
 
 
 class Coordinator:
-    def __init__(self, work: Path, db: str, modules: Path) -> None:
+    def __init__(self, work: Path, db: str, modules: Path, workers: int = 1) -> None:
         work.mkdir(parents=True, exist_ok=True)
         self.config = write_config(work / "coordinator.toml", db, modules)
         self.port = free_port()
@@ -216,7 +216,10 @@ class Coordinator:
             raise SystemExit(f"token create failed: {token.stderr}")
         self.token = token.stdout.strip().splitlines()[-1]
         self.proc = subprocess.Popen(
-            [*GW, "--config", str(self.config), "coordinator", "--db", db, "--bind", self.bind],
+            [
+                *(*GW, "--config", str(self.config), "coordinator", "--db", db),
+                *("--bind", self.bind, "--workers", str(workers)),
+            ],
             stdout=subprocess.DEVNULL,
             stderr=(work / "coordinator.log").open("w"),
         )
@@ -365,13 +368,15 @@ def run(kind: str, args: argparse.Namespace) -> dict[str, float]:
         for step in ("submits", "jobs"):
             work = base / step
             with database(kind, args.pg, work) as db:
-                co = Coordinator(work, db, modules)
+                workers = args.workers if kind == "postgres" else 1
+                co = Coordinator(work, db, modules, workers)
                 try:
                     if step == "submits":
                         figures["submits_per_s"] = co.submit(args.submits, args.clients)
                         print(
                             f"{kind}: {args.submits} submits over HTTP from {args.clients} "
-                            f"clients: {figures['submits_per_s']:.1f}/s",
+                            f"clients to {workers} coordinator process(es): "
+                            f"{figures['submits_per_s']:.1f}/s",
                             flush=True,
                         )
                         figures["claims_per_s"] = claims_per_s(
@@ -409,6 +414,12 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=8, help="nodes claiming at once")
     ap.add_argument("--want", type=int, default=10, help="jobs a claim asks for")
     ap.add_argument("--agents", type=int, default=3, help="agents running jobs end to end")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="coordinator processes on PostgreSQL (`coordinator --workers`; SQLite: 1)",
+    )
     ap.add_argument("--backend", choices=("both", "postgres", "sqlite"), default="both")
     ap.add_argument("--smoke", action="store_true", help="a size for tests: a few seconds")
     ap.add_argument(
