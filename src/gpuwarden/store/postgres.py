@@ -326,6 +326,9 @@ class PostgresStore(SqlClusterStore[Conn]):
             )
 
     def _insert_jobs(self, conn: Conn, jobs: Sequence[Mapping[str, Any]]) -> None:
+        if len(jobs) == 1:  # one statement; executemany would enter and leave a pipeline
+            conn.execute(self.queries["insert_job"], jobs[0])
+            return
         with conn.cursor() as cur:
             # one row at a time in the given order: seq (an identity) follows it
             cur.executemany(self.queries["insert_job"], jobs)
