@@ -424,7 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--timeout", type=float, default=120.0, help="for the final broker (s)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 rounds of 8 jobs, the fault wait 3 s (the test suite runs this: seconds)",
+    )
     args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.jobs_per_round, args.fault_wait = 2, 8, 3.0
     if args.rounds < 1 or args.jobs_per_round < 1:
         p.error("--rounds and --jobs-per-round must be at least 1")
 

@@ -1,37 +1,42 @@
-"""Throughput benchmark: N echo jobs through a queue root and a real broker.
+"""Throughput and start latency of no-op host jobs, side by side with task-spooler.
 
-Starts ``python -m gpuwarden --mock-gpu --config <tmp> serve`` as a subprocess
-(temporary state directory and queue root), drops N echo jobs into the queue
-root's ``inbox/`` as zip bundles (the client path, ``write_bundle``), waits for
-every result bundle in ``outbox/`` (or ``failed/``), stops the broker with
-SIGTERM, and prints jobs per second and latencies. The last line of stdout is
-one JSON object::
+What it measures, on one host (every clock is this host's ``CLOCK_REALTIME``):
 
-    {"jobs": N, "jobs_per_s": ..., "start_p50_ms": ..., "start_p99_ms": ...,
-     "result_p50_ms": ..., "result_p99_ms": ...}
+- **drain**: N no-op host jobs (``/bin/true``, no Python per job) handed over at
+  once on 2 slots (``[broker] cpu_slots = 2``), timed from the hand-over to the
+  last result: through a queue root (one bundle of N jobs, from ``write_bundle``
+  returning to the result bundle showing in ``outbox/``) and over HTTP
+  (``serve --api``, the Python client ``gpuwarden.client``, one ``POST /v1/jobs``
+  per job since the API takes no batches, from the first POST to the last job
+  ``done`` in the store).
+- **start**: on an idle broker, one job at a time, from just before the submit
+  call to the job's first instruction. The job is ``/bin/date +%s%N`` (one
+  ``exec``, no shell): the clock reading it prints, which the store keeps as the
+  attempt's stdout, is taken by the job's ``main`` after the dynamic loader ran.
+  Three ways of handing the job over: ``store`` (the local submit, what
+  ``gpuwarden submit`` on the node does without ``--url``: a ``SqliteStore``
+  opened in this process; the headline figure), ``http`` (the client's
+  ``submit``) and ``bundle`` (``write_bundle`` into the queue root's ``inbox/``).
+- **tsp** (when ``tsp``, Debian's task-spooler, is on PATH): the same work through
+  task-spooler in the same run: its own server (``TS_SOCKET`` in the temporary
+  folder, ``tsp -S 2``), N ``tsp /bin/true`` submissions timed from the first to
+  the last job finished, and ``tsp /bin/date +%s%N`` one at a time, from just
+  before running the ``tsp`` client (its process start included, as the local
+  submit's is not: see the README) to the clock reading in its output file.
 
-How each time is taken (all are wall-clock ``time.time()`` on this one host, so
-the client's and the broker's clocks are the same clock):
+The broker runs with the store's durable settings (WAL, ``synchronous=FULL``);
+the bench prints what the store sets. The last line of stdout is one JSON
+object::
 
-- submit: the client-side time right after ``write_bundle`` returned, that is
-  once the bundle was fsynced and renamed into ``inbox/``: the moment a client
-  has handed the job over. Every job of a bundle shares its bundle's time.
-- start: the ``ts`` of the job's first ``transition`` event to ``running`` in the
-  broker's event log (``serve --log``). That is the broker's clock at the top of
-  the scheduling step that started the attempt, the value the store records as
-  the attempt's ``started_at``. The launcher's own start (``timings.started_at``
-  in result.json, taken in the worker thread just before it spawns the process)
-  is shown beside it as a cross-check.
-- result: the first time a background thread of this script saw the result's
-  name in a listing of ``outbox/`` (or ``failed/``), polled every
-  ``--result-poll`` seconds: what a client watching the folder observes, late by
-  at most one poll interval. The result file's mtime (its last write before the
-  fsync and rename, so a lower bound) is shown beside it as a cross-check.
-- throughput: N / (last result seen - first submit).
+    {"noop": {"drain_jobs_per_s", "start_p50_ms", "start_p99_ms", ...},
+     "tsp": {"drain_jobs_per_s", "start_p50_ms", "start_p99_ms"} | null values,
+     "ratio_drain", "ratio_start_p50", ...}
 
 Usage::
 
-    .venv/bin/python bench/throughput.py [--jobs 200] [--batch 1] [--seed 0]
+    .venv/bin/python bench/throughput.py [--jobs 500] [--starts 30] [--no-tsp]
+    .venv/bin/python bench/throughput.py --smoke        # a few jobs, seconds
+    .venv/bin/python bench/throughput.py --profile      # cProfile of the broker
 """
 
 from __future__ import annotations
@@ -42,121 +47,67 @@ import json
 import math
 import os
 import pstats
-import random
-import resource
+import re
 import shutil
 import signal
-import string
+import sqlite3
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from gpuwarden.client import Client
 from gpuwarden.core.model import JobSpec
-from gpuwarden.intake.bundle import read_result_bundle
 from gpuwarden.intake.bundlewrite import write_bundle
+from gpuwarden.store.sqlite import SqliteStore
 
 REPO = Path(__file__).resolve().parents[1]
-JOB_TYPE = "echo.echo"
+GW = [sys.executable, "-m", "gpuwarden"]
+NOOP, STAMP = "bench.noop", "bench.stamp"
 READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 30.0
-
-
-# -- settings -------------------------------------------------------------------
+TERMINAL = ("done", "failed", "cancelled", "quarantined")
 
 
 @dataclass(frozen=True)
 class Settings:
     jobs: int
-    batch: int
-    seed: int
-    cpu_slots: int
-    poll_interval_s: float
-    status_interval_s: float
-    result_poll_s: float
-    timeout_s: float
-    keep: bool
+    starts: int
+    slots: int
+    tsp: bool
+    http: bool
     profile: bool
-    rate: float
-
-    @property
-    def bundles(self) -> int:
-        return math.ceil(self.jobs / self.batch)
+    keep: bool
+    timeout_s: float
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Settings:
-    p = argparse.ArgumentParser(
-        description="Push N echo jobs through a queue root and a real broker; "
-        "print jobs/s and p50/p99 latencies (last stdout line: JSON).",
-    )
-    p.add_argument("--jobs", type=int, default=200, help="number of echo jobs (default 200)")
-    p.add_argument("--batch", type=int, default=1, help="jobs per bundle (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed for the job texts (default 0)")
-    p.add_argument(
-        "--cpu-slots",
-        type=int,
-        default=os.cpu_count() or 1,
-        help="broker cpu_slots: cpu-lane jobs run at once (default: os.cpu_count())",
-    )
-    p.add_argument(
-        "--poll-interval",
-        type=float,
-        default=0.02,
-        help="broker poll_interval_s, its sleep between loop ticks (default 0.02)",
-    )
-    p.add_argument(
-        "--status-interval",
-        type=float,
-        default=2.0,
-        help="broker status_interval_s (default 2, the product default)",
-    )
-    p.add_argument(
-        "--result-poll",
-        type=float,
-        default=0.005,
-        help="seconds between listings of outbox/ by this script (default 0.005)",
-    )
-    p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
-    p.add_argument(
-        "--rate",
-        type=float,
-        default=0.0,
-        help="submit at most this many bundles per second (default 0: as fast as possible, "
-        "so latencies include the backlog; a rate below the throughput shows the "
-        "broker's own latency)",
-    )
-    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="run the broker under cProfile (its main thread, the loop, only: not the "
-        "launcher threads) and print the top functions; slows the broker down",
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=500, help="no-op jobs per drain (default 500)")
+    p.add_argument("--starts", type=int, default=30, help="idle starts per path (default 30)")
+    p.add_argument("--slots", type=int, default=2, help="cpu_slots and tsp -S (default 2)")
+    p.add_argument("--no-tsp", action="store_true", help="skip task-spooler even if on PATH")
+    p.add_argument("--no-http", action="store_true", help="skip the HTTP parts")
+    p.add_argument("--smoke", action="store_true", help="a few jobs, a few seconds")
+    p.add_argument("--profile", action="store_true", help="run the broker under cProfile")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    p.add_argument("--timeout", type=float, default=300.0, help="give up after (s)")
     a = p.parse_args(argv)
-    if a.jobs < 1 or a.batch < 1 or a.cpu_slots < 1:
-        p.error("--jobs, --batch and --cpu-slots must be at least 1")
-    if a.poll_interval <= 0 or a.result_poll <= 0 or a.status_interval <= 0:
-        p.error("intervals must be > 0")
+    jobs, starts = (12, 3) if a.smoke else (a.jobs, a.starts)
+    if jobs < 1 or starts < 1 or a.slots < 1:
+        p.error("--jobs, --starts and --slots must be at least 1")
     return Settings(
-        jobs=a.jobs,
-        batch=a.batch,
-        seed=a.seed,
-        cpu_slots=a.cpu_slots,
-        poll_interval_s=a.poll_interval,
-        status_interval_s=a.status_interval,
-        result_poll_s=a.result_poll,
-        timeout_s=a.timeout,
-        keep=a.keep,
+        jobs=jobs,
+        starts=starts,
+        slots=a.slots,
+        tsp=not a.no_tsp and shutil.which("tsp") is not None,
+        http=not a.no_http,
         profile=a.profile,
-        rate=max(a.rate, 0.0),
+        keep=a.keep,
+        timeout_s=a.timeout,
     )
 
 
@@ -164,230 +115,16 @@ def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-# -- the broker -------------------------------------------------------------------
-
-
-def _toml_str(value: str | Path) -> str:
-    return json.dumps(str(value))  # a JSON string is a valid TOML basic string here
-
-
-def write_config(tmp: Path, s: Settings) -> Path:
-    cfg = tmp / "bench.toml"
-    cfg.write_text(
-        "\n".join(
-            [
-                f"state_dir = {_toml_str(tmp / 'state')}",
-                'node_name = "bench"',
-                'gpu = "sim"',
-                f"module_paths = [{_toml_str(REPO / 'src' / 'gpuwarden' / 'modules')}]",
-                f"queue_roots = [{_toml_str(tmp / 'queue')}]",
-                "create_queue_roots = true",
-                "",
-                "[broker]",
-                f"cpu_slots = {s.cpu_slots}",
-                f"poll_interval_s = {s.poll_interval_s}",
-                f"status_interval_s = {s.status_interval_s}",
-                "shutdown_grace_s = 10",
-                "",
-            ]
-        )
-    )
-    return cfg
-
-
-@dataclass
-class Broker:
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    events_path: Path
-    started: float
-    ready_s: float = math.nan
-
-    def tail(self, n: int = 30) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-
-@contextlib.contextmanager
-def running_broker(tmp: Path, cfg: Path, prof: Path | None) -> Iterator[Broker]:
-    """Start ``gpuwarden serve``; SIGTERM it (then SIGKILL) when the block ends,
-    however it ends."""
-    events = tmp / "events.jsonl"
-    log_path = tmp / "broker.log"
-    profile = [] if prof is None else ["-m", "cProfile", "-o", str(prof)]
-    argv = [
-        sys.executable,
-        *profile,
-        "-m",
-        "gpuwarden",
-        "--mock-gpu",
-        "--config",
-        str(cfg),
-        "serve",
-        "--log",
-        str(events),
-    ]
-    say(f"starting broker: {' '.join(argv)}")
-    with log_path.open("wb") as log_f:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_f,
-            stderr=subprocess.STDOUT,
-            cwd=tmp,
-            start_new_session=True,  # our Ctrl-C does not reach it; we stop it ourselves
-        )
-    broker = Broker(proc=proc, log_path=log_path, events_path=events, started=time.time())
-    try:
-        yield broker
-    finally:
-        stop_broker(broker)
-
-
-def stop_broker(b: Broker) -> None:
-    if b.proc.poll() is not None:
-        return
-    say(f"stopping broker (SIGTERM to PID {b.proc.pid})")
-    b.proc.send_signal(signal.SIGTERM)
-    try:
-        b.proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        say(f"broker still running after {STOP_TIMEOUT_S:g} s: SIGKILL")
-        b.proc.kill()
-        b.proc.wait()
-
-
-def broker_cpu(b: Broker) -> tuple[float, float] | None:
-    """(the broker process's own CPU seconds, its reaped children's: the jobs),
-    read just before it is stopped; None when it cannot be read."""
-    try:
-        t = psutil.Process(b.proc.pid).cpu_times()
-    except psutil.Error:
-        return None
-    return t.user + t.system, t.children_user + t.children_system
-
-
-def wait_ready(b: Broker, inbox: Path) -> None:
-    """Ready = the queue root's inbox/ exists and the event log holds the
-    ``broker_started`` event, which the loop writes at the end of its first tick
-    (after the store, probe, registry and queue roots are open)."""
-    say(f"waiting for the broker: {inbox} to exist and 'broker_started' in {b.events_path}")
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if b.proc.poll() is not None:
-            raise BenchError(
-                f"the broker exited with code {b.proc.returncode} before it was ready:\n{b.tail()}"
-            )
-        if inbox.is_dir() and b.events_path.exists():
-            with b.events_path.open() as f:
-                if any('"broker_started"' in line for line in f):
-                    b.ready_s = time.time() - b.started
-                    say(f"broker ready after {b.ready_s:.2f} s")
-                    return
-        time.sleep(0.01)
-    raise BenchError(f"the broker was not ready after {READY_TIMEOUT_S:g} s:\n{b.tail()}")
-
-
-# -- submitting and watching ------------------------------------------------------
-
-
 class BenchError(Exception):
     pass
 
 
-@dataclass
-class Submitted:
-    name: str
-    job_ids: list[str]
-    at: float  # client time right after write_bundle returned
-
-
-@dataclass
-class Watcher:
-    """A thread that lists outbox/ and failed/ and notes when each name first shows."""
-
-    folders: tuple[Path, ...]
-    interval_s: float
-    seen: dict[str, tuple[float, Path]] = field(default_factory=dict)
-    stop: threading.Event = field(default_factory=threading.Event)
-    listings: int = 0
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.scan()
-            self.stop.wait(self.interval_s)
-
-    def scan(self) -> None:
-        now = time.time()
-        self.listings += 1
-        for folder in self.folders:
-            with os.scandir(folder) as it:
-                for entry in it:
-                    name = entry.name
-                    if name.startswith(".") or not name.endswith(".zip"):
-                        continue  # a result still being written (.<name>.tmp)
-                    if name not in self.seen:
-                        self.seen[name] = (now, Path(entry.path))
-
-
-def make_bundles(s: Settings) -> list[list[JobSpec]]:
-    rng = random.Random(s.seed)
-    specs = [
-        JobSpec(
-            id=f"bench-s{s.seed}-{i:06d}",
-            type=JOB_TYPE,
-            params={"text": "".join(rng.choices(string.ascii_letters + string.digits, k=32))},
-        )
-        for i in range(s.jobs)
-    ]
-    return [specs[i : i + s.batch] for i in range(0, len(specs), s.batch)]
-
-
-def submit_all(inbox: Path, bundles: list[list[JobSpec]], rate: float) -> list[Submitted]:
-    out: list[Submitted] = []
-    t0 = time.monotonic()
-    for i, specs in enumerate(bundles):
-        if rate > 0:
-            time.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-        path = write_bundle(inbox, specs, now=time.time())
-        out.append(Submitted(name=path.name, job_ids=[j.id for j in specs], at=time.time()))
-    return out
-
-
-def wait_results(
-    watcher: Watcher, broker: Broker, names: set[str], jobs_per: dict[str, int], s: Settings
-) -> None:
-    total = sum(jobs_per.values())
-    tty = sys.stderr.isatty()
-    deadline = time.monotonic() + s.timeout_s
-    last_line = 0.0
-    while True:
-        done = [n for n in names if n in watcher.seen]
-        got = sum(jobs_per[n] for n in done)
-        now = time.monotonic()
-        if tty:
-            print(f"\rresults {got}/{total}", end="", file=sys.stderr, flush=True)
-        elif now - last_line >= 1.0 or got == total:
-            say(f"results {got}/{total}")
-            last_line = now
-        if got == total:
-            if tty:
-                print(file=sys.stderr)
-            return
-        if broker.proc.poll() is not None:
-            raise BenchError(
-                f"the broker exited with code {broker.proc.returncode} with "
-                f"{total - got} results missing:\n{broker.tail()}"
-            )
-        if now > deadline:
-            raise BenchError(f"gave up after {s.timeout_s:g} s: {got}/{total} results")
-        time.sleep(0.1)
-
-
-# -- analysis ----------------------------------------------------------------------
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.002) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise BenchError(f"gave up after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -401,238 +138,418 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    with path.open() as f:
-        for raw in f:
-            line = raw.strip()
-            if line:
-                out.append(json.loads(line))
-    return out
+def summary(starts_ms: Sequence[float]) -> dict[str, float | None]:
+    if not starts_ms:
+        return {"start_p50_ms": None, "start_p99_ms": None}
+    return {
+        "start_p50_ms": round(percentile(starts_ms, 50), 2),
+        "start_p99_ms": round(percentile(starts_ms, 99), 2),
+    }
+
+
+# -- the gpuwarden side ----------------------------------------------------------
+
+
+def write_module(tmp: Path) -> Path:
+    modules = tmp / "modules"
+    (modules / "bench").mkdir(parents=True)
+    true = shutil.which("true") or "/bin/true"
+    date = shutil.which("date") or "/bin/date"
+    (modules / "bench" / "module.toml").write_text(
+        "\n".join(
+            [
+                "[module]",
+                'name = "bench"',
+                'description = "No-op host jobs for bench/throughput.py."',
+                "",
+                "[types.noop]",
+                'lane = "cpu"',
+                'launch = "host"',
+                f"command = [{json.dumps(true)}]",
+                "timeout_s = 60",
+                "",
+                "[types.stamp]",
+                'description = "Prints the clock (ns since the epoch) as its first act."',
+                'lane = "cpu"',
+                'launch = "host"',
+                f'command = [{json.dumps(date)}, "+%s%N"]',
+                "timeout_s = 60",
+                "",
+            ]
+        )
+    )
+    return modules
+
+
+def write_config(tmp: Path, s: Settings) -> Path:
+    cfg = tmp / "bench.toml"
+    q = json.dumps
+    cfg.write_text(
+        "\n".join(
+            [
+                f"state_dir = {q(str(tmp / 'state'))}",
+                'node_name = "bench"',
+                'gpu = "sim"',
+                f"module_paths = [{q(str(write_module(tmp)))}]",
+                f"queue_roots = [{q(str(tmp / 'queue'))}]",
+                "create_queue_roots = true",
+                "",
+                "[broker]",
+                f"cpu_slots = {s.slots}",
+                "",
+                "[api]",
+                "rate_per_s = 1000000",
+                "burst = 1000000",
+                "",
+            ]
+        )
+    )
+    return cfg
 
 
 @dataclass
-class JobTimes:
-    submit: float
-    result_seen: float | None = None
-    result_mtime: float | None = None
-    intake: float | None = None  # "submitted" event: the broker stored the job
-    start: float | None = None  # first transition to running (event log)
-    end: float | None = None  # last transition to a terminal state (event log)
-    launch_start: float | None = None  # result.json timings.started_at (launcher)
-    launch_end: float | None = None  # result.json timings.ended_at
-    status: str = "missing"
-    attempts: int = 0
+class Broker:
+    proc: subprocess.Popen[bytes]
+    stderr: Path
+    events: Path
+    url: str = ""
+
+    def tail(self, n: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.stderr.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise BenchError(f"the broker exited ({self.proc.returncode}):\n{self.tail()}")
 
 
-def ms(x: float) -> float:
-    return round(x * 1000.0, 1)
+@contextlib.contextmanager
+def running_broker(tmp: Path, cfg: Path, s: Settings) -> Iterator[Broker]:
+    """``gpuwarden serve`` (with ``--api`` on a free port unless ``--no-http``);
+    SIGTERM (then SIGKILL) when the block ends, however it ends."""
+    prof = ["-m", "cProfile", "-o", str(tmp / "broker.prof")] if s.profile else []
+    api = ["--api", "127.0.0.1:0"] if s.http else []
+    events, stderr = tmp / "events.jsonl", tmp / "broker.stderr"
+    argv = [sys.executable, *prof, "-m", "gpuwarden", "--mock-gpu", "--config", str(cfg)]
+    argv += ["serve", *api, "--log", str(events)]
+    say(f"starting broker: {' '.join(argv)}")
+    with stderr.open("wb") as err:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True
+        )
+    b = Broker(proc=proc, stderr=stderr, events=events)
+    try:
+        yield b
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
-def stat_line(label: str, values: Sequence[float]) -> str:
-    if not values:
-        return f"  {label:<38} (no data)"
-    return (
-        f"  {label:<38} p50 {ms(percentile(values, 50)):8.1f}   "
-        f"p99 {ms(percentile(values, 99)):8.1f}   max {ms(max(values)):8.1f}   (n={len(values)})"
+def wait_ready(b: Broker, s: Settings) -> None:
+    def ready() -> bool:
+        b.alive()
+        if not (b.events.exists() and '"broker_started"' in b.events.read_text()):
+            return False
+        if s.http:
+            m = re.search(r"api\s+(http://127\.0\.0\.1:\d+)", b.stderr.read_text())
+            if m is None:
+                return False
+            b.url = m.group(1)
+        return True
+
+    wait_for("the broker to start", ready, READY_TIMEOUT_S, 0.02)
+
+
+def make_token(cfg: Path) -> str:
+    made = subprocess.run(
+        [*GW, "--config", str(cfg), "token", "create", "bench", "--role", "owner", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
     )
+    if made.returncode != 0:
+        raise BenchError(f"token create failed: {made.stderr}")
+    return str(json.loads(made.stdout)["token"])
 
 
-def _on_sigterm(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally that stops the broker
+class Watch:
+    """Reads the broker's store (read-only connection) for what the bench waits on."""
+
+    def __init__(self, db: Path) -> None:
+        self.db = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+
+    def ended(self, prefix: str) -> int:
+        marks = ",".join("?" * len(TERMINAL))
+        row = self.db.execute(
+            f"SELECT count(*) FROM jobs WHERE id LIKE ? AND state IN ({marks})",
+            (f"{prefix}%", *TERMINAL),
+        ).fetchone()
+        return int(row[0])
+
+    def states(self, prefix: str) -> dict[str, int]:
+        rows = self.db.execute(
+            "SELECT state, count(*) FROM jobs WHERE id LIKE ? GROUP BY state", (f"{prefix}%",)
+        )
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    def stamp(self, job_id: str) -> int | None:
+        """The clock reading the stamp job printed (its attempt's stdout), once ended."""
+        row = self.db.execute(
+            "SELECT a.stdout FROM attempts a JOIN jobs j ON j.id = a.job_id "
+            "WHERE a.job_id = ? AND a.ended_at IS NOT NULL ORDER BY a.number LIMIT 1",
+            (job_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        text = str(row[0] or "").strip()
+        return int(text) if text.isdigit() else -1
+
+    def span(self, prefix: str) -> tuple[float, float]:
+        """First attempt start and last attempt end of these jobs (broker clock)."""
+        row = self.db.execute(
+            "SELECT min(started_at), max(ended_at) FROM attempts WHERE job_id LIKE ?",
+            (f"{prefix}%",),
+        ).fetchone()
+        return float(row[0]), float(row[1])
+
+
+def specs(prefix: str, n: int, jobtype: str = NOOP) -> list[JobSpec]:
+    return [JobSpec(id=f"{prefix}{i:06d}", type=jobtype, params={}) for i in range(n)]
+
+
+def drain_bundle(tmp: Path, watch: Watch, s: Settings) -> dict[str, float]:
+    inbox, outbox = tmp / "queue" / "inbox", tmp / "queue" / "outbox"
+    jobs = specs("d-", s.jobs)
+    t0 = time.time()
+    path = write_bundle(inbox, jobs, now=t0)
+    handed = time.time()
+    wait_for("the drain's result bundle", (outbox / path.name).exists, s.timeout_s, 0.001)
+    t1 = time.time()
+    states = watch.states("d-")
+    if states.get("done") != s.jobs:
+        raise BenchError(f"bundle drain: not every job done: {states}")
+    first, last = watch.span("d-")
+    return {
+        "drain_jobs_per_s": round(s.jobs / (t1 - handed), 2),
+        "drain_s": round(t1 - handed, 3),
+        "run_jobs_per_s": round(s.jobs / (last - first), 2),  # first start to last end
+        "write_bundle_ms": round((handed - t0) * 1000, 2),
+    }
+
+
+def drain_http(client: Client, watch: Watch, s: Settings) -> dict[str, float]:
+    t0 = time.time()
+    for spec in specs("h-", s.jobs):
+        client.submit(NOOP, id=spec.id)
+    submitted = time.time()
+    wait_for("the HTTP drain", lambda: watch.ended("h-") == s.jobs, s.timeout_s, 0.005)
+    t1 = time.time()
+    states = watch.states("h-")
+    if states.get("done") != s.jobs:
+        raise BenchError(f"HTTP drain: not every job done: {states}")
+    return {
+        "drain_jobs_per_s": round(s.jobs / (t1 - t0), 2),
+        "drain_s": round(t1 - t0, 3),
+        "submits_per_s": round(s.jobs / (submitted - t0), 2),
+    }
+
+
+def wait_stamp(watch: Watch, job_id: str, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (stamp := watch.stamp(job_id)) is None:
+        if time.monotonic() > deadline:
+            raise BenchError(f"gave up after {timeout_s:g} s waiting for stamp job {job_id}")
+        time.sleep(0.001)
+    return stamp
+
+
+def idle_starts(
+    tag: str, submit: Callable[[JobSpec], None], watch: Watch, s: Settings
+) -> list[float]:
+    """Submit one stamp job at a time on an idle broker; submit -> first instruction, ms."""
+    out: list[float] = []
+    for spec in specs(f"{tag}-", s.starts, STAMP):
+        time.sleep(0.05)  # let the broker go idle (its loop waits for work)
+        t0 = time.time_ns()
+        submit(spec)
+        got = wait_stamp(watch, spec.id, s.timeout_s)
+        if got <= 0:
+            raise BenchError(f"stamp job {spec.id} printed no clock reading")
+        out.append((got - t0) / 1e6)
+    return out
+
+
+def run_gpuwarden(tmp: Path, s: Settings) -> dict[str, Any]:
+    cfg = write_config(tmp, s)
+    token = make_token(cfg) if s.http else ""
+    db = tmp / "state" / "gpuwarden.db"
+    out: dict[str, Any] = {}
+    with running_broker(tmp, cfg, s) as b:
+        wait_ready(b, s)
+        store = SqliteStore(db)
+        out["store_settings"] = store.durability()
+        watch = Watch(db)
+        say(f"drain: {s.jobs} no-op jobs in one bundle")
+        out["bundle"] = drain_bundle(tmp, watch, s)
+        say(f"idle starts: {s.starts} stamp jobs one at a time (store, bundle, http)")
+        starts = {
+            "store": idle_starts("s", lambda j: store.submit([j], now=time.time()), watch, s),
+            "bundle": idle_starts(
+                "b",
+                lambda j: write_bundle(tmp / "queue" / "inbox", [j], now=time.time()) and None,
+                watch,
+                s,
+            ),
+        }
+        if s.http:
+            with Client(b.url, token) as client:
+                say(f"drain: {s.jobs} no-op jobs over HTTP, one POST each")
+                out["http"] = drain_http(client, watch, s)
+                starts["http"] = idle_starts(
+                    "w", lambda j: client.submit(STAMP, id=j.id) and None, watch, s
+                )
+        out["starts"] = starts
+        b.alive()
+    store.close()
+    return out
+
+
+# -- task-spooler -------------------------------------------------------------------
+
+
+def run_tsp(tmp: Path, s: Settings) -> dict[str, Any]:
+    folder = tmp / "tsp"
+    folder.mkdir()
+    env = {**os.environ, "TS_SOCKET": str(folder / "socket"), "TMPDIR": str(folder)}
+    env["TS_MAXFINISHED"] = str(s.jobs + s.starts + 10)
+    true = shutil.which("true") or "/bin/true"
+    date = shutil.which("date") or "/bin/date"
+
+    def tsp(*args: str) -> str:
+        done = subprocess.run(["tsp", *args], env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise BenchError(f"tsp {' '.join(args)}: exit {done.returncode}: {done.stderr}")
+        return done.stdout.strip()
+
+    tsp("-S", str(s.slots))  # starts its server
+    try:
+        say(f"tsp: {s.jobs} `tsp {true}` submissions, then waiting for the last")
+        t0 = time.time()
+        ids = [tsp("-n", true) for _ in range(s.jobs)]
+        submitted = time.time()
+        for job in ids[-s.slots :]:  # FIFO on s.slots slots: the last to end
+            tsp("-w", job)
+        t1 = time.time()
+        starts: list[float] = []
+        for _ in range(s.starts):
+            time.sleep(0.05)
+            t = time.time_ns()
+            job = tsp(date, "+%s%N")
+            tsp("-w", job)
+            stamp = Path(tsp("-o", job)).read_text().strip()
+            starts.append((int(stamp) - t) / 1e6)
+    finally:
+        with contextlib.suppress(BenchError):
+            tsp("-K")
+    return {
+        "drain_jobs_per_s": round(s.jobs / (t1 - t0), 2),
+        "drain_s": round(t1 - t0, 3),
+        "submits_per_s": round(s.jobs / (submitted - t0), 2),
+        "starts": starts,
+    }
+
+
+# -- report -------------------------------------------------------------------------
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else round(a / b, 3)
+
+
+def report(s: Settings, gw: dict[str, Any], tsp: dict[str, Any] | None) -> dict[str, Any]:
+    starts: dict[str, list[float]] = gw["starts"]
+    settings = gw["store_settings"]
+    print(
+        f"throughput: {s.jobs} no-op host jobs on {s.slots} slots; idle starts: {s.starts} "
+        f"per path; store: journal_mode={settings['journal_mode']} "
+        f"synchronous={settings['synchronous']}"
+    )
+    print(f"  {'what':<44} {'jobs/s':>9} {'p50_ms':>8} {'p99_ms':>8}")
+    rows: list[tuple[str, float | None, list[float]]] = [
+        ("gpuwarden drain, one bundle", gw["bundle"]["drain_jobs_per_s"], []),
+    ]
+    if "http" in gw:
+        http_rate = gw["http"]["drain_jobs_per_s"]
+        rows.append(("gpuwarden drain, HTTP (one POST per job)", http_rate, []))
+    for path, values in starts.items():
+        rows.append((f"gpuwarden idle submit -> start ({path})", None, values))
+    if tsp is not None:
+        rows.append(("task-spooler drain", tsp["drain_jobs_per_s"], []))
+        rows.append(("task-spooler idle submit -> start", None, tsp["starts"]))
+    for label, rate, values in rows:
+        r = f"{rate:9.1f}" if rate is not None else f"{'':>9}"
+        p = summary(values)
+        p50 = f"{p['start_p50_ms']:8.2f}" if values else f"{'':>8}"
+        p99 = f"{p['start_p99_ms']:8.2f}" if values else f"{'':>8}"
+        print(f"  {label:<44} {r} {p50} {p99}")
+    noop = {"drain_jobs_per_s": gw["bundle"]["drain_jobs_per_s"], **summary(starts["store"])}
+    peer: dict[str, Any] = {"drain_jobs_per_s": None, "start_p50_ms": None, "start_p99_ms": None}
+    if tsp is not None:
+        peer = {"drain_jobs_per_s": tsp["drain_jobs_per_s"], **summary(tsp["starts"])}
+    out: dict[str, Any] = {
+        "noop": noop,
+        "tsp": peer,
+        "ratio_drain": ratio(noop["drain_jobs_per_s"], peer["drain_jobs_per_s"]),
+        "ratio_start_p50": ratio(noop["start_p50_ms"], peer["start_p50_ms"]),
+        "jobs": s.jobs,
+        "slots": s.slots,
+        "synchronous": settings["synchronous"],
+        "bundle": gw["bundle"],
+        "starts": {k: summary(v) for k, v in starts.items()},
+    }
+    if "http" in gw:
+        out["http"] = gw["http"]
+    if out["ratio_drain"] is not None:
+        print(
+            f"  ratios: drain {out['ratio_drain']}x task-spooler's (target >= 1); idle start "
+            f"p50 {out['ratio_start_p50']}x task-spooler's (target <= 2)"
+        )
+    return out
+
+
+def print_profile(path: Path) -> None:
+    if path.exists():
+        say("broker profile (main thread, cumulative):")
+        pstats.Stats(str(path), stream=sys.stderr).sort_stats("cumulative").print_stats(40)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     s = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # even where started with it ignored
-    tmp = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix="gw-throughput-"))
     ok = False
     try:
-        ok = run(s, tmp)
+        gw = run_gpuwarden(tmp, s)
+        tsp = run_tsp(tmp, s) if s.tsp else None
+        result = report(s, gw, tsp)
+        if s.profile:
+            print_profile(tmp / "broker.prof")
+        print(json.dumps(result), flush=True)
+        ok = True
+        return 0
     except BenchError as exc:
-        say(f"bench failed: {exc}")
-    except KeyboardInterrupt:
-        say("interrupted")
+        say(f"throughput: {exc}")
+        return 1
     finally:
         if s.keep or not ok:
             say(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    return 0 if ok else 1
-
-
-def run(s: Settings, tmp: Path) -> bool:
-    cfg = write_config(tmp, s)
-    queue = tmp / "queue"
-    inbox, outbox, failed = queue / "inbox", queue / "outbox", queue / "failed"
-    bundles = make_bundles(s)
-    prof = tmp / "broker.prof" if s.profile else None
-    with running_broker(tmp, cfg, prof) as broker:
-        wait_ready(broker, inbox)
-        watcher = Watcher(folders=(outbox, failed), interval_s=s.result_poll_s)
-        thread = threading.Thread(target=watcher.run, name="outbox-watcher", daemon=True)
-        thread.start()
-        try:
-            pace = f" at {s.rate:g} bundles/s" if s.rate > 0 else " as fast as possible"
-            say(f"submitting {s.jobs} jobs in {len(bundles)} bundles of up to {s.batch}{pace}")
-            t_submit0 = time.time()
-            submitted = submit_all(inbox, bundles, s.rate)
-            t_submit1 = time.time()
-            say(f"submitted in {t_submit1 - t_submit0:.2f} s")
-            names = {b.name for b in submitted}
-            jobs_per = {b.name: len(b.job_ids) for b in submitted}
-            wait_results(watcher, broker, names, jobs_per, s)
-        finally:
-            watcher.stop.set()
-            thread.join()
-        t_last = max(watcher.seen[n][0] for n in names)
-        cpu = broker_cpu(broker)
-        own_cpu = resource.getrusage(resource.RUSAGE_SELF)
-    if broker.proc.returncode != 0:
-        raise BenchError(f"the broker exited with code {broker.proc.returncode}:\n{broker.tail()}")
-
-    # -- join what the client saw with the broker's event log and result bundles
-    times: dict[str, JobTimes] = {}
-    bundle_of: dict[str, str] = {}
-    for b in submitted:
-        for jid in b.job_ids:
-            times[jid] = JobTimes(submit=b.at)
-            bundle_of[jid] = b.name
-    by_bundle: dict[str, list[str]] = {b.name: b.job_ids for b in submitted}
-    for name, (seen_at, path) in watcher.seen.items():
-        if name not in by_bundle:
-            continue
-        mtime = path.stat().st_mtime
-        results = read_result_bundle(path)
-        for jid in by_bundle[name]:
-            t = times[jid]
-            t.result_seen, t.result_mtime = seen_at, mtime
-            r = results.get(jid)
-            if r is None:
-                t.status = "no result for the job in its result bundle"
-                continue
-            t.status = str(r.get("status"))
-            t.attempts = int(r.get("attempts") or 0)
-            timings = r.get("timings") or {}
-            t.launch_start = timings.get("started_at")
-            t.launch_end = timings.get("ended_at")
-
-    events = read_events(broker.events_path)
-    kinds = Counter(str(e.get("event")) for e in events)
-    running_now = 0
-    peak_running = 0
-    for e in events:
-        kind, job = e.get("event"), e.get("job")
-        if not isinstance(job, str) or job not in times:
-            continue
-        t = times[job]
-        if kind == "submitted" and t.intake is None:
-            t.intake = e["ts"]
-        elif kind == "transition" and e.get("to") == "running":
-            running_now += 1
-            peak_running = max(peak_running, running_now)
-            if t.start is None:
-                t.start = e["ts"]
-        elif kind == "transition" and e.get("from") == "running":
-            running_now -= 1
-            if e.get("to") in ("done", "failed", "cancelled"):
-                t.end = e["ts"]
-
-    jt = list(times.values())
-    statuses = Counter(t.status for t in jt)
-    start_lat = [t.start - t.submit for t in jt if t.start is not None]
-    result_lat = [t.result_seen - t.submit for t in jt if t.result_seen is not None]
-    wall = t_last - t_submit0
-    jobs_per_s = s.jobs / wall if wall > 0 else math.nan
-
-    def span(a: str, b: str) -> list[float]:
-        out = []
-        for t in jt:
-            x, y = getattr(t, a), getattr(t, b)
-            if x is not None and y is not None:
-                out.append(y - x)
-        return out
-
-    # -- human-readable summary
-    print("gpuwarden throughput benchmark")
-    print(f"  python            {sys.executable}")
-    print(f"  job type          {JOB_TYPE} (cpu lane, host launch: one Python process per job)")
-    pace = f"at {s.rate:g} bundles/s" if s.rate > 0 else "as fast as possible"
-    print(
-        f"  jobs              {s.jobs} in {len(bundles)} bundles of up to {s.batch} "
-        f"(seed {s.seed}), submitted {pace}"
-    )
-    print(
-        f"  broker settings   cpu_slots={s.cpu_slots} poll_interval_s={s.poll_interval_s:g} "
-        f"status_interval_s={s.status_interval_s:g} --mock-gpu, SQLite in a temp state dir"
-    )
-    print(f"  host              {os.cpu_count()} CPUs; outbox polled every {s.result_poll_s:g} s")
-    print(f"  broker ready in   {broker.ready_s:.2f} s (process start, not counted below)")
-    print(f"  submit            {t_submit1 - t_submit0:.3f} s for {len(bundles)} bundles")
-    print(f"  wall              {wall:.3f} s (first submit -> last result seen)")
-    print(f"  throughput        {jobs_per_s:.2f} jobs/s")
-    if cpu is not None:
-        print(
-            f"  CPU seconds       broker process {cpu[0]:.2f} ({cpu[0] / wall:.0%} of one core "
-            f"over the wall time), its job processes {cpu[1]:.2f}, this client "
-            f"{own_cpu.ru_utime + own_cpu.ru_stime:.2f}"
-        )
-    held = sum(span("start", "end"))
-    ran = sum(span("launch_start", "launch_end"))
-    print(
-        f"  slot use          attempts held {held / (s.cpu_slots * wall):.0%} of cpu_slots x wall "
-        f"(running -> terminal event), their processes ran {ran / (s.cpu_slots * wall):.0%} "
-        "(launcher start -> end)"
-    )
-    print(f"  peak running      {peak_running} attempts at once (from the event log)")
-    print(f"  outcome           {dict(statuses)}")
-    print("latency, ms:")
-    print("  (submit: client clock right after write_bundle returned, bundle renamed into inbox/;")
-    print("   start: ts of the job's first 'running' transition in the broker's event log, the")
-    print("   broker clock at the top of the scheduling step that started it;")
-    print(f"   result: first seen in a listing of outbox/, polled every {s.result_poll_s:g} s)")
-    print(stat_line("submit -> start", start_lat))
-    print(stat_line("submit -> result", result_lat))
-    print("stages, ms (where the time goes):")
-    print(stat_line("submit -> stored (intake, 'submitted')", span("submit", "intake")))
-    print(stat_line("stored -> running (queue wait)", span("intake", "start")))
-    print(stat_line("running -> launcher start", span("start", "launch_start")))
-    print(stat_line("launcher start -> end (attempt run)", span("launch_start", "launch_end")))
-    print(stat_line("launcher end -> terminal transition", span("launch_end", "end")))
-    print(stat_line("terminal -> result written (its mtime)", span("end", "result_mtime")))
-    print(stat_line("result mtime -> seen in outbox/", span("result_mtime", "result_seen")))
-    print(f"events logged     {sum(kinds.values())} ({dict(sorted(kinds.items()))})")
-
-    if prof is not None and prof.exists():
-        print("broker main thread, cProfile, top 25 by cumulative time:")
-        stats = pstats.Stats(str(prof), stream=sys.stdout)
-        stats.strip_dirs().sort_stats("cumulative").print_stats(25)
-
-    bad = [jid for jid, t in times.items() if t.status != "done"]
-    ok = not bad and len(start_lat) == s.jobs
-    if bad:
-        print(f"FAILED: {len(bad)} of {s.jobs} jobs did not end done, e.g.:")
-        for jid in bad[:10]:
-            print(f"  {jid}: {times[jid].status} (bundle {bundle_of[jid]})")
-    elif len(start_lat) != s.jobs:
-        print(f"FAILED: only {len(start_lat)} of {s.jobs} jobs have a 'running' event")
-    if not ok:
-        say(f"bench FAILED: {len(bad)} of {s.jobs} jobs did not end done (see stdout)")
-
-    print(
-        json.dumps(
-            {
-                "jobs": s.jobs,
-                "jobs_per_s": round(jobs_per_s, 3),
-                "start_p50_ms": ms(percentile(start_lat, 50)),
-                "start_p99_ms": ms(percentile(start_lat, 99)),
-                "result_p50_ms": ms(percentile(result_lat, 50)),
-                "result_p99_ms": ms(percentile(result_lat, 99)),
-            }
-        )
-    )
-    return ok
 
 
 if __name__ == "__main__":

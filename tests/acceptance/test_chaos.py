@@ -307,22 +307,27 @@ def witness(rig: Rig, point: str, n: int) -> None:
     names = {r["name"] for r in rows}
     finished = [r["name"] for r in rows if r["finished_at"] is not None]
     seen = f"bundles {[tuple(r) for r in rows]}, processing {sorted(processing)}"
-    if point == "after_claim":  # n-1 bundles recorded, the n-th claimed only
-        assert len(rows) == n - 1 and len(processing - names) == 1, seen
+    if point == "after_claim":  # n bundles claimed, the n-th not recorded
+        # extraction runs on threads (two at a time): a claim may come before the
+        # bundle claimed just before it is recorded, so 1 or 2 are claimed only
+        claimed_only = processing - names
+        assert len(rows) + len(claimed_only) == n and 1 <= len(claimed_only) <= 2, seen
     elif point == "after_bundle_commit":  # the n-th bundle's jobs stored, never started
         assert len(rows) == n, seen
         last = rows[-1]
         assert last["name"] in processing and last["finished_at"] is None, seen
         assert all(states[j] == ("queued", 0) for j in json.loads(last["job_ids"])), states
     elif point in ("after_start_attempt", "after_launch"):
-        assert len(attempts) == n, [tuple(a) for a in attempts]
-        last = attempts[-1]
-        assert last["ended_at"] is None and last["state"] == "running", tuple(last)
-        attempt_dir = rig.state / "jobs" / last["job_id"] / f"attempt-{last['number']}"
+        # the starts of one plan share a commit (group commit), made before the
+        # first of their launches: the n-th start is committed, maybe with later ones
+        assert len(attempts) >= n, [tuple(a) for a in attempts]
+        nth = attempts[n - 1]  # launched in the order started
+        assert nth["ended_at"] is None and nth["state"] == "running", tuple(nth)
+        attempt_dir = rig.state / "jobs" / nth["job_id"] / f"attempt-{nth['number']}"
         # the directory is laid out after the start is committed, before the launch
         assert (attempt_dir / "params.json").exists() == (point == "after_launch"), attempt_dir
-    elif point == "after_finish_attempt":  # the n-th end committed
-        assert sum(a["ended_at"] is not None for a in attempts) == n, [tuple(a) for a in attempts]
+    elif point == "after_finish_attempt":  # the n-th end committed (with those drained with it)
+        assert sum(a["ended_at"] is not None for a in attempts) >= n, [tuple(a) for a in attempts]
     elif point == "after_result_write":  # n results written, the n-th not recorded
         results = {r.split("/", 1)[1] for r in rig.results()}
         assert len(results) == n and len(finished) == n - 1, (results, seen)

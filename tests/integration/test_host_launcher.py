@@ -85,8 +85,25 @@ def request(
     )
 
 
+#: how ``run`` below runs an attempt: "thread" (``HostLauncher.run``, blocking, as
+#: warm servers and sandboxes do) or "reaper" (``HostLauncher.start`` and the one
+#: reaper, as the broker runs host attempts); every test here runs both ways
+_VIA = {"path": "thread"}
+
+
+@pytest.fixture(autouse=True, params=["thread", "reaper"])
+def _launch_path(request: pytest.FixtureRequest) -> None:
+    _VIA["path"] = request.param
+
+
 def run(req: LaunchRequest, stop: threading.Event | None = None) -> LaunchResult:
-    return HostLauncher().run(req, stop or threading.Event())
+    stop = stop or threading.Event()
+    if _VIA["path"] == "thread":
+        return HostLauncher().run(req, stop)
+    got: list[LaunchResult] = []
+    HostLauncher().start(req, stop, None, got.append).join(60)
+    assert len(got) == 1, got
+    return got[0]
 
 
 def gone(pid: int) -> bool:

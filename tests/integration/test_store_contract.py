@@ -463,3 +463,25 @@ def test_unavailable_is_false_for_what_the_store_refused(store: Store) -> None:
         store.request_cancel("nobody", now=2.0)
     assert store.unavailable(unknown.value) is False
     assert store.unavailable(ValueError("a bug")) is False
+
+
+def test_queue_entries_and_count_are_the_queued_jobs_only(store: Store) -> None:
+    store.submit(
+        [
+            JobSpec("a", "t.x", priority=5),
+            JobSpec("b", "t.x", vram_bytes=3 * 2**30),
+            JobSpec("c", "t.y"),
+            JobSpec("d", "t.y"),
+        ],
+        now=1.0,
+    )
+    store.start_attempt("a", node="n", gpu_uuid=None, now=2.0)
+    store.request_cancel("c", now=3.0)
+    assert store.queued_count() == 2
+    entries = {e.id: e for e in store.queue_entries()}
+    assert set(entries) == {"b", "d"}
+    b = entries["b"]
+    assert (b.type, b.priority, b.vram_bytes, b.cancel_requested) == ("t.x", 0, 3 * 2**30, False)
+    assert entries["d"].vram_bytes is None and entries["d"].seq > b.seq
+    # by id: only those that are queued now
+    assert [e.id for e in store.queue_entries(["a", "c", "d", "nope"])] == ["d"]

@@ -54,6 +54,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "warm_views",
         "waiting",
         "last_error",
+        "queued_indexed",
     ]
     [gpu] = doc["gpus"]
     assert list(gpu) == [

@@ -7,11 +7,12 @@ hold over time (budget, release exactly once, every job settled, no starvation).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
 from gpuwarden.core.ledger import Holding, HoldState, Ledger, compatible
@@ -24,6 +25,7 @@ from gpuwarden.core.policy import (
     Snapshot,
     Start,
     Wait,
+    fits_soonest_key,
     never_fits,
     order,
     plan,
@@ -70,9 +72,22 @@ def held(
     coresident: bool = False,
     state: HoldState = HoldState.RUNNING,
     type: str | None = None,
+    since: float = 0.0,
+    expected_end: float | None = None,
+    backfill_for: str | None = None,
 ) -> Holding:
     t = type or ("embed.embed" if coresident else "llm.chat")
-    return Holding(f"{job_id}/1", t, int(gib * GIB), coresident, state, job_id)
+    return Holding(
+        f"{job_id}/1",
+        t,
+        int(gib * GIB),
+        coresident,
+        state,
+        job_id,
+        since=since,
+        expected_end=expected_end,
+        backfill_for=backfill_for,
+    )
 
 
 def gpu(
@@ -451,19 +466,140 @@ def test_reservation_goes_where_the_least_is_held_among_gpus_big_enough() -> Non
     assert d.reserved_gpu == "G1"
 
 
-def test_one_reservation_per_gpu_in_order() -> None:
+def test_only_the_first_blocked_jobs_hold_back_a_gpu() -> None:
+    """Issue 14: a GPU is held back for the head of the queue only (or the first
+    ``max_reservations`` blocked jobs), never one per blocked job until every card
+    is held and drains while shared jobs wait."""
     gpus = [
         gpu("G0", 24, held("x", 10, coresident=True)),
         gpu("G1", 24, held("y", 12, coresident=True)),
+        gpu("G2", 24, held("z", 14, coresident=True)),
     ]
-    decisions = plan(
-        snap(vram("h1", 20, seq=0), vram("h2", 20, seq=1), vram("h3", 20, seq=2), gpus=gpus), NOW
+    jobs = (
+        vram("h1", 20, seq=0),
+        vram("h2", 20, seq=1),  # the same class as h1: waits behind it
+        vram("h3", 18, seq=2, type="llm.other"),
+        co("small", 4, seq=3),
     )
+    decisions = plan(snap(*jobs, gpus=gpus), NOW)
     assert wait_of(decisions, "h1").reserved_gpu == "G0"
-    assert wait_of(decisions, "h2").reserved_gpu == "G1"
-    h3 = wait_of(decisions, "h3")
-    assert h3.reserved_gpu is None
-    assert "G0 is not empty" in h3.reason
+    for later in ("h2", "h3"):
+        assert wait_of(decisions, later).reserved_gpu is None
+    assert "G0 is not empty" in wait_of(decisions, "h2").reason
+    # the shared job may use the GPUs nobody holds back (the tightest fit of them)
+    assert by_id(decisions)["small"] == Start("small", "G2")
+
+    two = plan(dataclasses.replace(snap(*jobs, gpus=gpus), max_reservations=2), NOW)
+    assert wait_of(two, "h1").reserved_gpu == "G0"
+    assert wait_of(two, "h2").reserved_gpu is None  # same class: the head holds for it
+    assert wait_of(two, "h3").reserved_gpu == "G1"
+    assert by_id(two)["small"] == Start("small", "G2")
+
+
+def test_the_held_gpu_is_the_one_where_the_fewest_jobs_must_end() -> None:
+    """Issue 14: the GPU it fits soonest, not the one with the least memory held: a
+    whole-card job waits for every holder to end, and each is a wait of its own."""
+    gpus = [
+        gpu("G0", 24, held("a", 2, coresident=True), held("b", 2, coresident=True)),
+        gpu("G1", 24, held("c", 10, coresident=True)),
+    ]
+    d = wait_of(plan(snap(vram("head", 20), gpus=gpus), NOW), "head")
+    assert d.reserved_gpu == "G1"  # one job to wait for, not two (though 10 GiB > 4)
+
+
+def test_the_held_gpu_counts_only_the_jobs_that_must_end_for_a_shared_head() -> None:
+    # G0: ending its youngest 6 GiB job leaves room for 10 GiB beside the others;
+    # on G1 one job must end as well, but it is the older: likely to run longer
+    gpus = [
+        gpu(
+            "G0",
+            24,
+            held("x1", 6, coresident=True, since=NOW - 300),
+            held("x2", 6, coresident=True, since=NOW - 200),
+            held("x3", 6, coresident=True, since=NOW - 5),
+        ),
+        gpu("G1", 24, held("y1", 16, coresident=True, since=NOW - 100)),
+    ]
+    d = wait_of(plan(snap(co("head", 10), gpus=gpus), NOW), "head")
+    assert d.reserved_gpu == "G0"  # though it holds more (18 GiB against 16)
+    assert fits_soonest_key(co("head", 10), 24 * GIB, list(gpus[0].holdings)) == (1, -(NOW - 5))
+    assert fits_soonest_key(co("head", 10), 24 * GIB, list(gpus[1].holdings)) == (1, -(NOW - 100))
+
+
+def test_the_held_gpu_among_equal_counts_is_the_one_whose_jobs_are_youngest() -> None:
+    """Run times are heavy-tailed: a job that has run long is likely to run long yet."""
+    gpus = [
+        gpu("G0", 24, held("old", 4, coresident=True, since=NOW - 3600)),
+        gpu("G1", 24, held("young", 12, coresident=True, since=NOW - 60)),
+    ]
+    d = wait_of(plan(snap(vram("head", 20), gpus=gpus), NOW), "head")
+    assert d.reserved_gpu == "G1"
+
+
+def test_memory_being_reclaimed_is_no_job_to_wait_for() -> None:
+    gpus = [
+        gpu("G0", 24, held("a", 2, coresident=True)),
+        gpu("G1", 24, held("b", 20, state=HoldState.RECLAIMING)),
+    ]
+    d = wait_of(plan(snap(vram("head", 20), gpus=gpus), NOW), "head")
+    assert d.reserved_gpu == "G1"  # nothing runs there: it fits once the memory shows free
+
+
+def test_jobs_started_beside_the_head_do_not_count_against_its_gpu() -> None:
+    # s1 started beside the head on G0 in an earlier pass: it fits with the head, so
+    # only x must end there, as y on G1; x is the younger, so G0 stays held back
+    gpus = [
+        gpu(
+            "G0",
+            24,
+            held("x", 12, coresident=True, since=NOW - 50),
+            held("s1", 4, coresident=True, since=NOW - 1, backfill_for="head"),
+        ),
+        gpu("G1", 24, held("y", 14, coresident=True, since=NOW - 60)),
+    ]
+    head = co("head", 16)
+    assert fits_soonest_key(head, 24 * GIB, list(gpus[0].holdings)) == (1, -(NOW - 50))
+    d = wait_of(plan(snap(head, gpus=gpus), NOW), "head")
+    assert d.reserved_gpu == "G0"  # (counting s1 as a job to wait for, G1 would be)
+
+
+def test_a_job_keeps_the_gpu_held_back_for_it_in_the_previous_pass() -> None:
+    """Once a GPU drains for a job it stays held back for it, though another GPU, on
+    which new jobs keep starting, may look sooner: trading it away would start the
+    drain again, pass after pass (see ``test_no_starvation_without_the_memory``)."""
+    gpus = [
+        gpu("G0", 24, held("young", 12, coresident=True, since=NOW - 1)),
+        gpu("G1", 24, held("old", 12, coresident=True, since=NOW - 3600)),
+    ]
+    fresh = snap(vram("head", 20), gpus=gpus)
+    assert wait_of(plan(fresh, NOW), "head").reserved_gpu == "G0"
+    kept = dataclasses.replace(fresh, held_back=(("head", "G1"), ("gone", "G0")))
+    assert wait_of(plan(kept, NOW), "head").reserved_gpu == "G1"
+    # a GPU that can no longer be held back for it is traded for the soonest
+    gpus[1] = dataclasses.replace(gpus[1], degraded="xid 79")
+    lost = dataclasses.replace(kept, gpus=tuple(gpus))
+    assert wait_of(plan(lost, NOW), "head").reserved_gpu == "G0"
+    # and a higher-priority job that cannot start takes the reservation over
+    urgent = vram("urgent", 20, priority=5, seq=1, type="llm.other")
+    over = dataclasses.replace(kept, queued=(*kept.queued, urgent))
+    decisions = plan(over, NOW)
+    assert wait_of(decisions, "urgent").reserved_gpu == "G0"
+    assert wait_of(decisions, "head").reserved_gpu is None
+
+
+def test_a_held_gpu_takes_a_shared_job_expected_to_end_before_the_head_fits() -> None:
+    """A GPU held back for a whole-card job still takes a shared job that cannot
+    delay it: one whose run-time estimate ends before the holder there is expected
+    to end. One that may end later waits."""
+    g = gpu("G", 24, held("x", 10, coresident=True, expected_end=NOW + 100))
+    quick = dataclasses.replace(co("quick", 4, seq=1), expected_s=50.0)
+    slow = dataclasses.replace(co("slow", 4, seq=2), type="embed.slow", expected_s=200.0)
+    unknown = dataclasses.replace(co("unknown", 4, seq=3), type="embed.new")
+    decisions = plan(snap(vram("head", 20, seq=0), quick, slow, unknown, gpus=[g]), NOW)
+    assert wait_of(decisions, "head").reserved_gpu == "G"
+    assert by_id(decisions)["quick"] == Start("quick", "G")
+    assert "held back for job head" in wait_of(decisions, "slow").reason
+    assert "held back for job head" in wait_of(decisions, "unknown").reason
 
 
 def test_a_higher_priority_job_is_not_held_back_by_a_lower_ones_reservation() -> None:
@@ -577,6 +713,7 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
                 draw(st.sampled_from([1, 2, 4, 8])),
                 coresident=draw(st.booleans()),
                 state=draw(st.sampled_from(list(HoldState))),
+                since=draw(st.sampled_from([0.0, NOW - 100, NOW - 10])),
             )
             for k in range(draw(st.integers(0, 3)))
         )
@@ -606,7 +743,7 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
                 )
             )
     cpu_slots = draw(st.integers(1, 4))
-    return snap(
+    s = snap(
         *jobs,
         gpus=gpus,
         running_cpu=draw(st.integers(0, cpu_slots + 1)),
@@ -614,6 +751,7 @@ def snapshots(draw: st.DrawFn) -> Snapshot:
         accepting=draw(st.sampled_from([True, True, True, False])),
         vram_paused=draw(st.sampled_from(["", "", "", "probe failed"])),
     )
+    return dataclasses.replace(s, max_reservations=draw(st.sampled_from([1, 1, 0, 2, 3])))
 
 
 @settings(max_examples=300, deadline=None)
@@ -658,7 +796,16 @@ def test_one_pass_follows_the_rules(s: Snapshot) -> None:
             if head is not None:  # the rule as policy.py states it
                 assert job.coresident and head.coresident
                 assert job.vram_bytes + head.vram_bytes <= g.capacity
-            holdings[g.uuid].append(Holding("new", job.type, job.vram_bytes, job.coresident))
+            holdings[g.uuid].append(
+                Holding(
+                    "new",
+                    job.type,
+                    job.vram_bytes,
+                    job.coresident,
+                    since=NOW,
+                    backfill_for=d.backfill_for,
+                )
+            )
         elif isinstance(d, Wait):
             for g in s.gpus:  # no GPU could have taken it
                 could = (
@@ -673,7 +820,33 @@ def test_one_pass_follows_the_rules(s: Snapshot) -> None:
                 assert d.reserved_gpu not in reserved
                 assert not g.degraded
                 assert g.capacity >= job.vram_bytes
+                # the GPU it fits soonest among those it could have had
+                others = [
+                    o
+                    for o in s.gpus
+                    if o.uuid not in reserved and not o.degraded and o.capacity >= job.vram_bytes
+                ]
+
+                def soonest(o: GpuView, job: QueuedJob = job) -> tuple[int, float, int, str]:
+                    here = holdings[o.uuid]
+                    key = fits_soonest_key(job, o.capacity, here)
+                    return (*key, sum(h.bytes for h in here), o.uuid)
+
+                assert min(others, key=soonest) is g
+                # where it would fit once only memory being reclaimed is gone, it is
+                # held back on such a GPU
+                if any(soonest(o)[0] == 0 for o in others):
+                    assert _fits_after_reclaim(job, g.capacity, holdings[g.uuid])
                 reserved[d.reserved_gpu] = job
+    # only the first few blocked jobs hold a GPU back
+    assert len(reserved) <= s.max_reservations
+
+
+def _fits_after_reclaim(job: QueuedJob, capacity: int, holdings: list[Holding]) -> bool:
+    left = [h for h in holdings if h.state is not HoldState.RECLAIMING]
+    return (
+        compatible(job.coresident, left) and job.vram_bytes + sum(h.bytes for h in left) <= capacity
+    )
 
 
 # --- replayed through core.simulate ---------------------------------------------------
@@ -1083,6 +1256,103 @@ def test_property_no_starvation_behind_a_stream_of_smaller_jobs(
     assert bound < STREAM_S - 20  # the stream outlasts the bound: a real check
     assert rec.start_s is not None
     assert rec.start_s <= bound, f"the head arrived at {head_at}, started at {rec.start_s}"
+
+
+def _with_reservations(k: int) -> Callable[[Snapshot, float], list[Decision]]:
+    def planner(snapshot: Snapshot, now: float) -> list[Decision]:
+        return plan(dataclasses.replace(snapshot, max_reservations=k), now)
+
+    return planner
+
+
+def test_no_starvation_on_several_gpus_a_stream_of_shared_jobs() -> None:
+    """(d) Issue 14: one GPU held back for the head (not every GPU) still drains for
+    it. A 16 GiB whole-card job arrives at 5.25 s while 8 GiB shared jobs arrive
+    every 0.5 s for 200 s (2.5 s each) on two 24 GiB GPUs: about five run at a time,
+    so neither GPU empties by itself. Plain backfill (no reservation) starts the head
+    only when the stream ends; with one reservation it starts once the jobs running
+    on its GPU have ended and their memory is shown free."""
+    trace = [TraceJob(f"s{i}", "small", i * 0.5, 2.5, gib(8), coresident=True) for i in range(400)]
+    trace.insert(11, TraceJob("head", "big", 5.25, 10.0, gib(16)))
+    gpus = [SimGpu("G0", gib(24)), SimGpu("G1", gib(24))]
+    opts = SimOptions(reclaim_delay_s=0.5)
+    r = simulate(gpus, trace, plan, opts)
+    start = r.jobs["head"].start_s
+    assert start is not None and start <= 5.25 + 2.5 + 0.5, f"the head started at {start}"
+    # the shared jobs still flow on the other GPU
+    for t in trace:
+        began = r.jobs[t.id].start_s
+        assert began is not None and began - t.arrival_s <= 10.0, t.id
+    starved = simulate(gpus, trace, _with_reservations(0), opts).jobs["head"].start_s
+    assert starved is not None and starved >= 195.0  # the check above is a real one
+
+
+def test_no_starvation_without_the_memory_of_the_held_gpu() -> None:
+    """(d) Why ``Snapshot.held_back`` exists: 6 GiB shared jobs keep three 24 GiB
+    GPUs 90 % busy, each GPU's oldest job ending and a new one starting in turn. A
+    planner that chose the held GPU afresh on every pass would move the reservation
+    to whichever GPU's jobs look youngest, so no GPU ever drains for the 19 GiB
+    whole-card job (it starts when the stream ends); one that keeps its GPU starts
+    it once the jobs there have ended."""
+    gap = 5.0 / (3 * 4 * 0.9)
+    trace = [TraceJob(f"s{i}", "small", i * gap, 5.0, gib(6), coresident=True) for i in range(432)]
+    trace.append(TraceJob("head", "big", 10.125, 10.0, gib(19)))
+    gpus = [SimGpu(f"G{i}", gib(24)) for i in range(3)]
+
+    def forgetful(snapshot: Snapshot, now: float) -> list[Decision]:
+        return plan(dataclasses.replace(snapshot, held_back=()), now)
+
+    start = simulate(gpus, trace, plan).jobs["head"].start_s
+    assert start is not None and start <= 10.125 + 2 * 5.0, f"the head started at {start}"
+    starved = simulate(gpus, trace, forgetful).jobs["head"].start_s
+    assert starved is not None and starved >= 190.0
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+@given(
+    n_gpus=st.integers(2, 4),
+    size=st.sampled_from([4, 6, 8]),
+    duration=st.integers(4, 10).map(lambda n: n / 2),
+    load=st.sampled_from([0.7, 0.8, 0.9]),
+    head_at=st.integers(2, 20).map(lambda n: n / 2 + 0.125),
+    head_gib=st.integers(12, 22),
+    head_coresident=st.booleans(),
+    reclaim=st.sampled_from([0.0, 0.5]),
+)
+def test_property_no_starvation_on_several_gpus(
+    n_gpus: int,
+    size: int,
+    duration: float,
+    load: float,
+    head_at: float,
+    head_gib: int,
+    head_coresident: bool,
+    reclaim: float,
+) -> None:
+    """(d) With several GPUs and one held back for the head only, a big job behind a
+    stream of shared ones that keeps ``load`` of every GPU busy starts within a bound
+    set by the jobs that had not ended when it arrived, however long the stream."""
+    slots = n_gpus * (24 // size)
+    gap = duration / (slots * load)
+    trace: list[TraceJob] = []
+    t = 0.0
+    while t < STREAM_S:
+        trace.append(TraceJob(f"s{len(trace)}", "small", t, duration, gib(size), coresident=True))
+        t += gap
+    trace.append(TraceJob("head", "big", head_at, 10.0, gib(head_gib), coresident=head_coresident))
+    gpus = [SimGpu(f"G{i}", gib(24)) for i in range(n_gpus)]
+    r = simulate(gpus, trace, plan, SimOptions(reclaim_delay_s=reclaim))
+    ahead = [j for j in trace if j.arrival_s < head_at and (r.jobs[j.id].end_s or 0.0) > head_at]
+    bound = head_at + (len(ahead) + 1) * (duration + reclaim)
+    assume(bound < STREAM_S - 20)  # the stream outlasts the bound: a real check
+    start = r.jobs["head"].start_s
+    assert start is not None
+    assert start <= bound, f"the head arrived at {head_at}, started at {start}"
 
 
 def test_no_job_goes_to_a_warm_server_on_a_degraded_gpu() -> None:

@@ -9,10 +9,11 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
   gpuwarden did not start, minus the ledger. Two GPUs' free memory never adds up.
 - It shares a GPU only if it and every holder there opt in to co-residence.
 - Order: higher priority first, then a job whose model is warm, then arrival.
-- The first job that cannot start gets a reservation on the GPU it fits soonest
-  (one reservation per GPU, in order). A later job may start on a reserved GPU
-  only where it will not delay the reserved job: either both co-reside and fit
-  beside each other, together with every job already started beside it, once
+- The first job that cannot start (the first ``max_reservations``) gets a
+  reservation: the GPU held back for it in the previous pass (``held_back``),
+  else the GPU it fits soonest (:func:`fits_soonest_key`). A later job may start
+  on a reserved GPU only where it will not delay the reserved job: either both
+  co-reside and fit beside each other, together with every job already started beside it, once
   everything else there has ended; or it is expected to end before the reserved
   job is expected to fit (run-time estimates per type, measured; a job without
   an estimate, or beside a holder without one, never backfills this way).
@@ -22,6 +23,8 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +130,13 @@ class Snapshot:
     #: why VRAM admission is paused on the whole node (the probe failed), or ""
     vram_paused: str = ""
     warm: tuple[WarmView, ...] = ()
+    #: how many waiting jobs may have a GPU held back for them in one pass (the
+    #: first that cannot start, then the next, in queue order)
+    max_reservations: int = 1
+    #: ``(job id, GPU uuid)``: the GPUs held back in the previous pass (``Wait.reserved_gpu``,
+    #: ``ClassWait.reserved_gpu``); a job that still gets a reservation keeps its GPU,
+    #: so the GPU that drains for it is not traded for another that looks sooner
+    held_back: tuple[tuple[str, str], ...] = ()
 
     def gpus_json(self) -> list[dict[str, Any]]:
         return [g.to_json() for g in self.gpus]
@@ -191,6 +201,179 @@ def never_fits(need: int, gpus: tuple[GpuView, ...] | list[GpuView]) -> str | No
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Lineup:
+    """One class of interchangeable queued jobs, as a pass sees it: what each of
+    them needs (``job``: the head, with its id and seq) and all their
+    ``(seq, id)`` in arrival order, the head first (:mod:`gpuwarden.core.queueindex`)."""
+
+    key: Hashable
+    job: QueuedJob
+    members: Iterable[tuple[int, str]]
+
+
+class ClassWait:
+    """Why the jobs of one class wait this pass. ``job_id`` is its head, which may
+    have a GPU held back for it; the reasons are written when first read (a pass
+    over a long queue never formats them), from the GPUs as the pass left them."""
+
+    __slots__ = ("_member", "_reason", "_render", "job_id", "key", "reserved_gpu")
+
+    def __init__(
+        self,
+        key: Hashable,
+        job_id: str,
+        render: Callable[[], tuple[str, str]],
+        reserved_gpu: str | None = None,
+    ) -> None:
+        self.key = key
+        self.job_id = job_id
+        self.reserved_gpu = reserved_gpu
+        self._render = render
+        self._reason: str | None = None
+        self._member = ""
+
+    @classmethod
+    def fixed(cls, key: Hashable, job_id: str, reason: str) -> ClassWait:
+        return cls(key, job_id, lambda: (reason, reason))
+
+    def _rendered(self) -> None:
+        if self._reason is None:
+            self._reason, self._member = self._render()
+
+    @property
+    def reason(self) -> str:
+        """The head's reason."""
+        self._rendered()
+        assert self._reason is not None
+        return self._reason
+
+    @property
+    def member_reason(self) -> str:
+        """The reason of every other job of the class."""
+        self._rendered()
+        return self._member
+
+    def wait(self, job_id: str) -> Wait:
+        if job_id == self.job_id:
+            return Wait(job_id, self.reason, self.reserved_gpu)
+        return Wait(job_id, self.member_reason)
+
+    def signature(self) -> tuple[Hashable, str, str | None]:
+        """What changes the status: which job heads the class and what is held for it."""
+        return (self.key, self.job_id, self.reserved_gpu)
+
+
+@dataclass
+class Pass:
+    """What one planning pass decided: warm servers to stop, jobs to start, jobs
+    to refuse, and why each remaining class waits (in queue order of its head)."""
+
+    evictions: list[Decision] = field(default_factory=list)
+    starts: list[Start] = field(default_factory=list)
+    refusals: list[Refuse] = field(default_factory=list)
+    waits: list[ClassWait] = field(default_factory=list)
+
+
+def class_key(job: QueuedJob) -> Hashable:
+    """What makes two queued jobs interchangeable for a pass (all but id and seq)."""
+    return (
+        job.type,
+        job.lane,
+        job.vram_bytes,
+        job.priority,
+        job.coresident,
+        job.warm,
+        job.expected_s,
+        job.serve,
+    )
+
+
+def lineups_of(queued: Iterable[QueuedJob]) -> tuple[list[Lineup], dict[Hashable, list[QueuedJob]]]:
+    """Group queued jobs into classes (see :func:`plan_pass`)."""
+    groups: dict[Hashable, list[QueuedJob]] = {}
+    for job in queued:
+        groups.setdefault(class_key(job), []).append(job)
+    lineups = []
+    for key, jobs in groups.items():
+        jobs.sort(key=lambda j: j.seq)
+        lineups.append(Lineup(key, jobs[0], [(j.seq, j.id) for j in jobs]))
+    return lineups, groups
+
+
+def plan(snapshot: Snapshot, now: float) -> list[Decision]:
+    """Decide, for every queued job, whether it starts now (and where), waits (and
+    why), or is refused (and why): one decision per queued job, in queue order.
+    :class:`Evict` decisions for idle warm servers come first. (The broker loop
+    calls :func:`plan_pass` on the classes it keeps; this is the same pass, with
+    every job's decision spelled out.)"""
+    lineups, groups = lineups_of(snapshot.queued)
+    done = plan_pass(lineups, snapshot, now)
+    by_id: dict[str, Decision] = {d.job_id: d for d in done.starts}
+    by_id.update((d.job_id, d) for d in done.refusals)
+    for w in done.waits:
+        for job in groups[w.key]:
+            by_id.setdefault(job.id, w.wait(job.id))
+    return [*done.evictions, *(by_id[j.id] for j in order(snapshot.queued))]
+
+
+def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass:
+    """One planning pass over classes of interchangeable jobs (``snapshot.queued``
+    is not read). Jobs are taken in queue order across classes (:func:`order`);
+    once a class's head cannot start, the rest of its class waits with it, so the
+    work is proportional to the classes and the jobs started, not to the queue."""
+    lineups = list(lineups)
+    done = Pass()
+    step = _Step(snapshot, now, {lu.job.type for lu in lineups})
+    done.evictions = step.evictions
+    if not snapshot.accepting:
+        for lu in sorted(lineups, key=lambda lu: _rank(lu.job)):
+            done.waits.append(ClassWait.fixed(lu.key, lu.job.id, "the broker is shutting down"))
+        return done
+    heads: list[tuple[tuple[int, bool, int], int, QueuedJob, Iterator[tuple[int, str]]]] = []
+    for n, lu in enumerate(lineups):
+        members = iter(lu.members)
+        first = next(members, None)
+        if first is not None:
+            heads.append((_rank(lu.job, first[0]), n, _as(lu.job, first), members))
+    heapq.heapify(heads)
+    while heads:
+        _, n, job, members = heapq.heappop(heads)
+        decision = step.decide(job)
+        if isinstance(decision, Start):
+            done.starts.append(decision)
+            if (following := next(members, None)) is not None:
+                heapq.heappush(heads, (_rank(job, following[0]), n, _as(job, following), members))
+        elif isinstance(decision, Refuse):  # every job of the class needs the same
+            done.refusals.append(decision)
+            done.refusals.extend(Refuse(i, decision.reason) for _, i in members)
+        else:
+            done.waits.append(decision.class_wait(lineups[n].key))
+    return done
+
+
+def _rank(job: QueuedJob, seq: int | None = None) -> tuple[int, bool, int]:
+    return (-job.priority, not job.warm, job.seq if seq is None else seq)
+
+
+def _as(proto: QueuedJob, member: tuple[int, str]) -> QueuedJob:
+    seq, job_id = member
+    if job_id == proto.id:
+        return proto
+    return QueuedJob(
+        job_id,
+        proto.type,
+        proto.lane,
+        proto.vram_bytes,
+        proto.priority,
+        seq,
+        proto.coresident,
+        proto.warm,
+        proto.expected_s,
+        proto.serve,
+    )
+
+
 @dataclass
 class _Gpu:
     """A GPU during one planning pass: its view plus the starts decided so far."""
@@ -198,47 +381,133 @@ class _Gpu:
     view: GpuView
     holdings: list[Holding] = field(default_factory=list)
     reserved_for: QueuedJob | None = None
+    capacity: int = 0
+    held: int = 0
+    shared_only: bool = True  # every holder co-resides
+
+    def __post_init__(self) -> None:
+        self.capacity = self.view.capacity
+        self.held = sum(h.bytes for h in self.holdings)
+        self.shared_only = all(h.coresident for h in self.holdings)
 
     @property
     def free(self) -> int:
-        return max(0, self.view.capacity - sum(h.bytes for h in self.holdings))
+        return max(0, self.capacity - self.held)
+
+    def add(self, holding: Holding) -> None:
+        self.holdings.append(holding)
+        self.held += holding.bytes
+        self.shared_only = self.shared_only and holding.coresident
+
+    def fits(self, job: QueuedJob) -> bool:
+        return (not self.holdings or (job.coresident and self.shared_only)) and (
+            job.vram_bytes + self.held <= self.capacity
+        )
 
 
-def plan(snapshot: Snapshot, now: float) -> list[Decision]:
-    """Decide, for every queued job, whether it starts now (and where), waits (and
-    why), or is refused (and why): one decision per queued job, in queue order.
-    :class:`Evict` decisions for idle warm servers come first."""
-    cpu_free = snapshot.cpu_slots - snapshot.running_cpu
-    gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
-    warm = _Warm(snapshot.warm)
-    evictions = warm.expired(now, {j.type for j in snapshot.queued})
-    degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
-    paused = {
-        w.type: snapshot.vram_paused or degraded.get(w.gpu_uuid, "")
-        for w in snapshot.warm
-        if snapshot.vram_paused or w.gpu_uuid in degraded
-    }
-    decisions: list[Decision] = []
-    for job in order(snapshot.queued):
-        if not snapshot.accepting:
-            decisions.append(Wait(job.id, "the broker is shutting down"))
-        elif job.lane is Lane.CPU:
-            if cpu_free > 0:
-                cpu_free -= 1
-                decisions.append(Start(job.id, None))
-            else:
-                decisions.append(Wait(job.id, f"all {snapshot.cpu_slots} cpu slots are in use"))
-        elif job.serve and (served := warm.serve(job, paused.get(job.type, ""))) is not None:
-            decisions.append(served)
-        else:
-            decision = _place(job, snapshot, gpus, now)
-            if isinstance(decision, Start) and job.serve:
-                warm.loading(job.type, decision.gpu_uuid or "")
-            elif isinstance(decision, Wait) and not snapshot.vram_paused:
-                decision, more = _evict_for(job, decision, gpus, warm, snapshot)
-                evictions += more
-            decisions.append(decision)
-    return [*evictions, *decisions]
+class _Blocked:
+    """A job that cannot start now, its reason still to be written."""
+
+    def __init__(self, job: QueuedJob, render: Callable[[], str], reserved: str | None = None):
+        self.job = job
+        self.render = render
+        self.reserved = reserved
+        self.extra: list[str] = []  # sentences about the head only
+
+    def class_wait(self, key: Hashable) -> ClassWait:
+        def both() -> tuple[str, str]:
+            base = self.render()
+            return ". ".join([base, *self.extra]), base
+
+        return ClassWait(key, self.job.id, both, self.reserved)
+
+
+class _Step:
+    """The state of one planning pass: GPUs, warm servers, cpu slots."""
+
+    def __init__(self, snapshot: Snapshot, now: float, wanted: set[str]) -> None:
+        self.snapshot = snapshot
+        self.now = now
+        self.cpu_free = snapshot.cpu_slots - snapshot.running_cpu
+        self.gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
+        self.best = max((g.total_bytes - g.reserve_bytes for g in snapshot.gpus), default=None)
+        self.reservations_left = snapshot.max_reservations
+        self.held_back = dict(snapshot.held_back)
+        self.warm = _Warm(snapshot.warm)
+        self.evictions = self.warm.expired(now, wanted)
+        degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
+        self.paused = {
+            w.type: snapshot.vram_paused or degraded.get(w.gpu_uuid, "")
+            for w in snapshot.warm
+            if snapshot.vram_paused or w.gpu_uuid in degraded
+        }
+
+    def decide(self, job: QueuedJob) -> Start | Refuse | _Blocked:
+        if job.lane is Lane.CPU:
+            if self.cpu_free > 0:
+                self.cpu_free -= 1
+                return Start(job.id, None)
+            slots = self.snapshot.cpu_slots
+            return _Blocked(job, lambda: f"all {slots} cpu slots are in use")
+        if job.serve and (served := self.warm.serve(job, self.paused.get(job.type, ""))):
+            if isinstance(served, Start):
+                return served
+            reason = served.reason
+            return _Blocked(job, lambda: reason)
+        decision = self.place(job)
+        if isinstance(decision, Start) and job.serve:
+            self.warm.loading(job.type, decision.gpu_uuid or "")
+        elif isinstance(decision, _Blocked) and not self.snapshot.vram_paused:
+            self.evictions += _evict_for(job, decision, self.gpus, self.warm)
+        return decision
+
+    def place(self, job: QueuedJob) -> Start | Refuse | _Blocked:
+        snapshot, gpus, now = self.snapshot, self.gpus, self.now
+        if snapshot.vram_paused:
+            paused = snapshot.vram_paused
+            return _Blocked(job, lambda: f"VRAM admission is paused: {paused}")
+        need = job.vram_bytes
+        if not gpus:
+            return _Blocked(
+                job, lambda: f"needs {format_bytes(need)} on one GPU; this node has no GPU"
+            )
+        if self.best is not None and need > self.best:
+            return Refuse(job.id, never_fits(need, snapshot.gpus) or "")
+        fitting = [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
+        if fitting:
+            best, how = min(fitting, key=lambda gh: (gh[0].free - need, gh[0].view.uuid))
+            backfill_for = how or None
+            best.add(
+                Holding(
+                    holder=f"{job.id}/next",
+                    type=job.type,
+                    bytes=need,
+                    coresident=job.coresident,
+                    job_id=job.id,
+                    since=now,
+                    expected_end=None if job.expected_s is None else now + job.expected_s,
+                    backfill_for=backfill_for,
+                )
+            )
+            return Start(job.id, best.view.uuid, backfill_for)
+        reserved = None
+        if self.reservations_left > 0:
+            reserved = _reserve(job, gpus, self.held_back.get(job.id))
+            if reserved is not None:
+                self.reservations_left -= 1
+
+        # what each GPU held when the job was judged (holdings are only added to)
+        seen = [(len(g.holdings), g.reserved_for if g is not reserved else None) for g in gpus]
+
+        def render() -> str:
+            return f"needs {format_bytes(need)} on one GPU; " + "; ".join(
+                _why_not(job, g, at) for g, at in zip(gpus, seen, strict=True)
+            )
+
+        blocked = _Blocked(job, render, reserved.view.uuid if reserved else None)
+        if reserved is not None:
+            blocked.extra.append(f"{reserved.view.uuid} is held back for it until it fits")
+        return blocked
 
 
 class _Warm:
@@ -289,33 +558,34 @@ class _Warm:
     def loading(self, type_name: str, gpu: str) -> None:
         self.taken[type_name] = f"waits for its model to load on {gpu}"
 
-    def idle_on(self, gpu: str) -> list[WarmView]:
-        return [
-            w
-            for w in self.by_type.values()
-            if w.gpu_uuid == gpu
-            and not w.busy
-            and w.holder not in self.evicting
-            and w.type not in self.taken
-        ]
+    def idle_by_gpu(self) -> dict[str, list[WarmView]]:
+        """The idle servers that may still be evicted this pass, by GPU."""
+        out: dict[str, list[WarmView]] = {}
+        for w in self.by_type.values():
+            if not w.busy and w.holder not in self.evicting and w.type not in self.taken:
+                out.setdefault(w.gpu_uuid, []).append(w)
+        return out
 
 
-def _evict_for(
-    job: QueuedJob, wait: Wait, gpus: list[_Gpu], warm: _Warm, snapshot: Snapshot
-) -> tuple[Decision, list[Decision]]:
+def _evict_for(job: QueuedJob, blocked: _Blocked, gpus: list[_Gpu], warm: _Warm) -> list[Decision]:
     """When idle warm servers stand between a waiting job and a GPU, evict the
     cheapest to reload until it fits. A ``keep_warm`` server yields only to a job
     of higher priority than the jobs it serves, and only if no other GPU can be
-    freed of ordinary idle servers instead."""
+    freed of ordinary idle servers instead. Returns the evictions (and says so in
+    ``blocked``); none when no idle server could make room."""
+    idle_by_gpu = warm.idle_by_gpu()
+    if not idle_by_gpu:
+        return []
     for allow_pinned in (False, True):
         best: tuple[float, _Gpu, list[WarmView]] | None = None
         for g in gpus:
-            if g.view.degraded or g.view.capacity < job.vram_bytes:
+            servers = idle_by_gpu.get(g.view.uuid)
+            if not servers or g.view.degraded or g.capacity < job.vram_bytes:
                 continue
             idle = sorted(
                 (
                     w
-                    for w in warm.idle_on(g.view.uuid)
+                    for w in servers
                     if not w.keep_warm or (allow_pinned and job.priority > w.priority)
                 ),
                 key=lambda w: (w.load_s, w.holder),
@@ -339,15 +609,10 @@ def _evict_for(
                 evictions.append(Evict(w.holder, w.type, w.gpu_uuid, why))
             if g.reserved_for is None:
                 g.reserved_for = job
-            return (
-                Wait(
-                    job.id,
-                    f"{wait.reason}. Evicting idle warm server(s) on {g.view.uuid}: {names}",
-                    g.view.uuid,
-                ),
-                evictions,
-            )
-    return wait, []
+            blocked.extra.append(f"Evicting idle warm server(s) on {g.view.uuid}: {names}")
+            blocked.reserved = g.view.uuid
+            return evictions
+    return []
 
 
 def _fewest_to_evict(job: QueuedJob, g: _Gpu, idle: list[WarmView]) -> list[WarmView] | None:
@@ -365,38 +630,6 @@ def _fewest_to_evict(job: QueuedJob, g: _Gpu, idle: list[WarmView]) -> list[Warm
     return None
 
 
-def _place(job: QueuedJob, snapshot: Snapshot, gpus: list[_Gpu], now: float) -> Decision:
-    if snapshot.vram_paused:
-        return Wait(job.id, f"VRAM admission is paused: {snapshot.vram_paused}")
-    need = job.vram_bytes
-    if not gpus:
-        return Wait(job.id, f"needs {format_bytes(need)} on one GPU; this node has no GPU")
-    if (why := never_fits(need, snapshot.gpus)) is not None:
-        return Refuse(job.id, why)
-    fitting = [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
-    if fitting:
-        best, how = min(fitting, key=lambda gh: (gh[0].free - need, gh[0].view.uuid))
-        backfill_for = how or None
-        best.holdings.append(
-            Holding(
-                holder=f"{job.id}/next",
-                type=job.type,
-                bytes=need,
-                coresident=job.coresident,
-                job_id=job.id,
-                since=now,
-                expected_end=None if job.expected_s is None else now + job.expected_s,
-                backfill_for=backfill_for,
-            )
-        )
-        return Start(job.id, best.view.uuid, backfill_for)
-    reserved = _reserve(job, gpus)
-    reason = f"needs {format_bytes(need)} on one GPU; " + "; ".join(_why_not(job, g) for g in gpus)
-    if reserved is not None:
-        reason += f". {reserved.view.uuid} is held back for it until it fits"
-    return Wait(job.id, reason, reserved.view.uuid if reserved else None)
-
-
 def _fits(job: QueuedJob, capacity: int, holdings: list[Holding]) -> bool:
     return compatible(job.coresident, holdings) and (
         job.vram_bytes + sum(h.bytes for h in holdings) <= capacity
@@ -406,7 +639,7 @@ def _fits(job: QueuedJob, capacity: int, holdings: list[Holding]) -> bool:
 def _can_start(job: QueuedJob, g: _Gpu, now: float) -> str | None:
     """None if the job cannot start on this GPU now; else ``""``, or the id of the
     held-back job it starts beside (a co-resident backfill)."""
-    if g.view.degraded or not _fits(job, g.view.capacity, g.holdings):
+    if g.view.degraded or not g.fits(job):
         return None
     head = g.reserved_for
     if head is None:
@@ -425,14 +658,14 @@ def _fits_beside(job: QueuedJob, head: QueuedJob, g: _Gpu) -> bool:
     return (
         job.coresident
         and head.coresident
-        and job.vram_bytes + head.vram_bytes + beside <= g.view.capacity
+        and job.vram_bytes + head.vram_bytes + beside <= g.capacity
     )
 
 
 def _ends_before_head_fits(job: QueuedJob, head: QueuedJob, g: _Gpu, now: float) -> bool:
     if job.expected_s is None:
         return False
-    fits_at = head_fits_at(head, g.view.capacity, g.holdings, now)
+    fits_at = head_fits_at(head, g.capacity, g.holdings, now)
     return fits_at is not None and now + job.expected_s <= fits_at
 
 
@@ -451,40 +684,79 @@ def head_fits_at(
     return at
 
 
-def _reserve(job: QueuedJob, gpus: list[_Gpu]) -> _Gpu | None:
-    """Hold back, for the first job that cannot start, the GPU it fits soonest:
-    the one with the least of gpuwarden's memory on it among those big enough."""
+def _reserve(job: QueuedJob, gpus: list[_Gpu], previous: str | None = None) -> _Gpu | None:
+    """Hold back, for a job that cannot start (the head of the queue, or one of the
+    first ``max_reservations``), a GPU among those not degraded, not held back yet
+    and big enough: ``previous``, the one held back for it in the previous pass, if
+    it still is one of them (it drains for the job: nothing that could delay the
+    job started there since); else the one it fits soonest (:func:`fits_soonest_key`),
+    ties to the GPU with the least of gpuwarden's memory on it, then by UUID."""
     candidates = [
         g
         for g in gpus
-        if g.reserved_for is None and not g.view.degraded and g.view.capacity >= job.vram_bytes
+        if g.reserved_for is None and not g.view.degraded and g.capacity >= job.vram_bytes
     ]
     if not candidates:
         return None
-    chosen = min(candidates, key=lambda g: (sum(h.bytes for h in g.holdings), g.view.uuid))
+    kept = [g for g in candidates if g.view.uuid == previous]
+    chosen = (
+        kept[0]
+        if kept
+        else min(
+            candidates,
+            key=lambda g: (*fits_soonest_key(job, g.capacity, g.holdings), g.held, g.view.uuid),
+        )
+    )
     chosen.reserved_for = job
     return chosen
 
 
-def _why_not(job: QueuedJob, g: _Gpu) -> str:
+def fits_soonest_key(job: QueuedJob, capacity: int, holdings: list[Holding]) -> tuple[int, float]:
+    """How soon ``job`` is likely to fit beside these holdings, as a sort key (the
+    smaller, the sooner), from what is known of every holder: when it started. The
+    holders leave in the order they are likely to end: memory being reclaimed
+    first, then running jobs from the youngest to the oldest (run times are
+    heavy-tailed: a job that has run long is likely to run long yet; a type's
+    run-time estimate, the longest of its last runs, says little about one job),
+    until the job fits; holdings started beside it never leave (they fit with it).
+    The key is how many running holders must end first (each one a wait of its
+    own), then minus the start of the oldest of them (the younger, the sooner)."""
+    stay = [h for h in holdings if h.backfill_for == job.id]
+    left = sorted(
+        (h for h in holdings if h.backfill_for != job.id),
+        key=lambda h: (h.state is not HoldState.RECLAIMING, -h.since),
+    )
+    must = 0
+    oldest = float("inf")
+    while left and not _fits(job, capacity, stay + left):
+        ending = left.pop(0)
+        if ending.state is not HoldState.RECLAIMING:
+            must += 1
+            oldest = min(oldest, ending.since)
+    return must, -oldest
+
+
+def _why_not(job: QueuedJob, g: _Gpu, seen: tuple[int, QueuedJob | None]) -> str:
+    """Why the job could not start on ``g`` when the pass judged it: ``seen`` is
+    how many holdings ``g`` had then, and whom it was held back for."""
     uuid = g.view.uuid
+    holdings = g.holdings[: seen[0]]
     if g.view.degraded:
         return f"{uuid} is degraded ({g.view.degraded})"
-    if not compatible(job.coresident, g.holdings):
-        who = ", ".join(_holder(h) for h in g.holdings)
+    if not compatible(job.coresident, holdings):
+        who = ", ".join(_holder(h) for h in holdings)
         if job.coresident:
             return f"{uuid} is held by {who}, which does not share its GPU"
         return f"{uuid} is not empty ({who}) and {job.type} needs a GPU to itself"
-    if g.free < job.vram_bytes:
-        parts = [f"{format_bytes(h.bytes)} held by {_holder(h)}" for h in g.holdings]
+    free = max(0, g.capacity - sum(h.bytes for h in holdings))
+    if free < job.vram_bytes:
+        parts = [f"{format_bytes(h.bytes)} held by {_holder(h)}" for h in holdings]
         if g.view.foreign_bytes:
             parts.append(f"{format_bytes(g.view.foreign_bytes)} by other processes")
         if g.view.reserve_bytes:
             parts.append(f"{format_bytes(g.view.reserve_bytes)} kept in reserve")
-        return f"{uuid} has {format_bytes(g.free)} free" + (
-            ": " + ", ".join(parts) if parts else ""
-        )
-    head = g.reserved_for
+        return f"{uuid} has {format_bytes(free)} free" + (": " + ", ".join(parts) if parts else "")
+    head = seen[1]
     if head is not None:
         return f"{uuid} is held back for job {head.id}, which waits for it and must not be delayed"
     return f"{uuid} cannot take it"  # pragma: no cover - every refusal above has a reason

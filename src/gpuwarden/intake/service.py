@@ -722,6 +722,8 @@ class QueueIntake:
             root = by_path.get(rec.queue_root)
             if root is None:
                 continue
+            if self.store.terminal_count(rec.job_ids) < len(rec.job_ids):
+                continue  # one count per look, not a read of every job
             jobs = [self.store.get_job(i) for i in rec.job_ids]
             if not all(j is not None and j.state.terminal for j in jobs):
                 continue

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 #: environment variable that marks every process of an attempt ("INSTANCE/JOB_ID/ATTEMPT");
 #: used to find and stop processes that left the attempt's process group.
@@ -129,3 +129,24 @@ class Launcher(Protocol):
         result with ``launch_error`` set. ``on_start`` is called with the main
         process's PID as soon as it runs (the broker attributes GPU memory by it)."""
         ...
+
+
+class Joinable(Protocol):
+    """What waits for an attempt's end: a worker thread, or a starter's handle."""
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+@runtime_checkable
+class Starter(Protocol):
+    """A launcher that can start an attempt without a thread of its own (the host
+    launcher, through its one reaper): ``start`` returns once the process runs
+    and ``on_end`` gets the result, exactly once, on another thread."""
+
+    def start(
+        self,
+        req: LaunchRequest,
+        stop: threading.Event,
+        on_start: Callable[[int], None] | None,
+        on_end: Callable[[LaunchResult], None],
+    ) -> Joinable: ...

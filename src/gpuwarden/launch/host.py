@@ -40,7 +40,9 @@ import psutil
 
 from gpuwarden import safefs
 from gpuwarden.core.clip import join_clipped
+from gpuwarden.launch import reaper
 from gpuwarden.launch.base import ATTEMPT_ENV, LaunchRequest, LaunchResult
+from gpuwarden.launch.reaper import quick_leftovers
 
 __all__ = [
     "KILL_CONFIRM_S",
@@ -64,6 +66,11 @@ RESCAN_S = 0.2
 KILL_CONFIRM_S = 10.0
 
 _ProcSet = set[psutil.Process]
+
+#: the main processes this process started and has not reaped (any thread's): the
+#: reaper's look for an attempt's leftovers skips their trees
+_live_mains: set[int] = set()
+_live_lock = threading.Lock()
 
 
 # ---------------------------------------------------------------------------
@@ -321,6 +328,14 @@ class _Tree:
                     self.descendants.add(child)
                     todo.append(child.pid)
 
+    def walk(self) -> None:
+        """Remember the main process's descendants now, found by walking its tree
+        (no scan of the process table): the snapshot of the reaper's path."""
+        for pid in reaper.tree_pids(self.main_pid):
+            if pid not in {p.pid for p in self.descendants}:
+                with contextlib.suppress(psutil.Error):
+                    self.descendants.add(psutil.Process(pid))
+
     def collect(self) -> _ProcSet:
         """Every live process of the attempt except the main one: remembered
         descendants, members of its process group, and marker carriers."""
@@ -380,8 +395,9 @@ def _spawn(req: LaunchRequest) -> subprocess.Popen[bytes]:
     with (
         (attempt_dir / "stdout.log").open("wb") as out_f,
         (attempt_dir / "stderr.log").open("wb") as err_f,
+        _live_lock,
     ):
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             list(req.argv),
             cwd=req.cwd,
             env=env,
@@ -391,6 +407,66 @@ def _spawn(req: LaunchRequest) -> subprocess.Popen[bytes]:
             start_new_session=True,
             close_fds=True,
         )
+        _live_mains.add(proc.pid)
+        return proc
+
+
+def reap_adopted() -> None:
+    """Reap the zombies among this process's children that it adopted as their
+    subreaper (a daemon a sandbox runtime double-forked, an orphan of an attempt
+    that made a session of its own): a child that is no main process started
+    here and is not in this process's session. Every other child of the broker
+    is a main process of ``_spawn`` (in :data:`_live_mains`) or a command some
+    module runs in the broker's own session and waits for itself. Call with
+    ``_live_lock`` held, so that no main process is started meanwhile."""
+    if not reaper.is_subreaper():
+        return
+    me, session = os.getpid(), os.getsid(0)
+    for child in reaper.children(me):
+        if child in _live_mains:
+            continue
+        st = reaper.stat(child)
+        if st is not None and st[0] == "Z" and st[3] != session:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, os.WNOHANG)
+
+
+def _reap_main(proc: subprocess.Popen[bytes]) -> int:
+    """Reap the main process (it has exited) and return its exit code."""
+    code = proc.wait()
+    with _live_lock:
+        _live_mains.discard(proc.pid)
+    return code
+
+
+def _result(req: LaunchRequest, pid: int, started_at: float, ending: _Ending) -> LaunchResult:
+    """The result of an attempt whose processes are all gone."""
+    attempt_dir = Path(req.attempt_dir)
+    stderr = read_clipped(attempt_dir / "stderr.log", req.clip_chars)
+    if ending.survivors:
+        log.error(
+            "attempt %s: processes %s survived SIGKILL; not confirmed gone",
+            req.marker,
+            ending.survivors,
+        )
+        stderr += (
+            f"\n[gpuwarden: processes {', '.join(map(str, ending.survivors))} survived "
+            f"SIGKILL for {KILL_CONFIRM_S:g} s; the attempt is not confirmed gone]\n"
+        )
+    return LaunchResult(
+        job_id=req.job_id,
+        attempt=req.attempt,
+        exit_code=ending.exit_code,
+        started_at=started_at,
+        ended_at=time.time(),
+        pid=pid,
+        timed_out=ending.timed_out,
+        stopped=ending.stopped,
+        stdout=read_clipped(attempt_dir / "stdout.log", req.clip_chars),
+        stderr=stderr,
+        reaped=tuple(ending.reaped),
+        survivors=tuple(ending.survivors),
+    )
 
 
 class _Ending(NamedTuple):
@@ -457,31 +533,44 @@ class HostLauncher:
             except Exception:  # a caller's bug must not leave the process unwatched
                 log.exception("on_start callback failed for %s", req.marker)
         ending = self._see_through(proc, req, stop)
-        stderr = read_clipped(attempt_dir / "stderr.log", req.clip_chars)
-        if ending.survivors:
-            log.error(
-                "attempt %s: processes %s survived SIGKILL; not confirmed gone",
-                req.marker,
-                ending.survivors,
-            )
-            stderr += (
-                f"\n[gpuwarden: processes {', '.join(map(str, ending.survivors))} survived "
-                f"SIGKILL for {KILL_CONFIRM_S:g} s; the attempt is not confirmed gone]\n"
-            )
-        return LaunchResult(
-            job_id=req.job_id,
-            attempt=req.attempt,
-            exit_code=ending.exit_code,
-            started_at=started_at,
-            ended_at=time.time(),
-            pid=proc.pid,
-            timed_out=ending.timed_out,
-            stopped=ending.stopped,
-            stdout=read_clipped(attempt_dir / "stdout.log", req.clip_chars),
-            stderr=stderr,
-            reaped=tuple(ending.reaped),
-            survivors=tuple(ending.survivors),
-        )
+        with _live_lock:
+            reap_adopted()
+        return _result(req, proc.pid, started_at, ending)
+
+    def start(
+        self,
+        req: LaunchRequest,
+        stop: threading.Event,
+        on_start: Callable[[int], None] | None,
+        on_end: Callable[[LaunchResult], None],
+    ) -> Ended:
+        """What :meth:`run` does, without blocking: start the process here and
+        hand it to the one :class:`~gpuwarden.launch.reaper.Reaper`; ``on_end``
+        gets the result (on the reaper's thread, or on the thread that stops a
+        tree with leftovers) exactly once. The returned handle's ``join()``
+        waits for that."""
+        started_at = time.time()
+        ended = Ended(on_end)
+        if not req.argv:
+            ended.post(_not_started(req, started_at, "cannot start: the command is empty"))
+            return ended
+        if stop.is_set():
+            ended.post(_not_started(req, started_at, None, stopped=True))
+            return ended
+        try:
+            Path(req.attempt_dir).mkdir(parents=True, exist_ok=True)
+            proc = _spawn(req)
+        except (OSError, ValueError, TypeError) as exc:
+            why = _describe_start_error(req.argv[0], exc)
+            ended.post(_not_started(req, started_at, why))
+            return ended
+        if on_start is not None:
+            try:
+                on_start(proc.pid)
+            except Exception:  # a caller's bug must not leave the process unwatched
+                log.exception("on_start callback failed for %s", req.marker)
+        _Watching(req, proc, stop, started_at, ended).begin()
+        return ended
 
     def _see_through(
         self, proc: subprocess.Popen[bytes], req: LaunchRequest, stop: threading.Event
@@ -531,6 +620,135 @@ class HostLauncher:
                 return True, False
             wait = POLL_S if deadline is None else max(0.0, min(POLL_S, deadline - now))
             stop.wait(wait)
+
+
+class Ended:
+    """The end of an attempt :meth:`HostLauncher.start` started: posts its result
+    once, and ``join()`` waits until it has (as a worker thread's would)."""
+
+    def __init__(self, on_end: Callable[[LaunchResult], None]) -> None:
+        self._on_end = on_end
+        self._done = threading.Event()
+
+    def post(self, result: LaunchResult) -> None:
+        if self._done.is_set():
+            return
+        try:
+            self._on_end(result)
+        finally:
+            self._done.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+
+class _Watching:
+    """One started attempt as the reaper sees it (its checks run on the reaper's
+    thread): the main process's exit, the stop, the deadline, tree snapshots."""
+
+    def __init__(
+        self,
+        req: LaunchRequest,
+        proc: subprocess.Popen[bytes],
+        stop: threading.Event,
+        started_at: float,
+        ended: Ended,
+    ) -> None:
+        self.req, self.proc, self.stop, self.started_at, self.ended = (
+            req,
+            proc,
+            stop,
+            started_at,
+            ended,
+        )
+        self.tree = _Tree(proc.pid, req.marker)
+        start = time.monotonic()
+        t = req.timeout_s
+        self.deadline = start + t if math.isfinite(t) and t > 0 else None
+        self.interval = SNAPSHOT_FIRST_S
+        self.next_snapshot = start + SNAPSHOT_FIRST_S
+        self.watched = reaper.Watched(pid=proc.pid, check=self.check, stop=stop)
+
+    def begin(self) -> None:
+        self.watched.due = self._due()
+        reaper.REAPER.watch(self.watched)
+
+    def _due(self) -> float:
+        if self.deadline is None:
+            return self.next_snapshot
+        return min(self.next_snapshot, self.deadline)
+
+    def check(self, now: float, exited: bool) -> bool:
+        if exited and _main_exited(self.proc.pid):
+            self._end(timed_out=False, stopped=False)
+        elif self.stop.is_set():
+            self._end(timed_out=False, stopped=True)
+        elif self.deadline is not None and now >= self.deadline:
+            self._end(timed_out=True, stopped=False)
+        else:
+            if now >= self.next_snapshot:
+                self.tree.walk()
+                self.interval = min(self.interval * 2, SNAPSHOT_MAX_S)
+                self.next_snapshot = now + self.interval
+            self.watched.due = self._due()
+            return False
+        return True
+
+    def _end(self, *, timed_out: bool, stopped: bool) -> None:
+        """The normal end with nothing left over is finished here, at once; any
+        other goes to a thread of its own that stops the tree first."""
+        pid = self.proc.pid
+        if not (timed_out or stopped):
+            remembered = [p.pid for p in self.tree.descendants if not _is_gone(p)]
+            with _live_lock:  # no main is started meanwhile: its zombie is not an orphan's
+                left = quick_leftovers(pid, self.req.marker, remembered, _live_mains - {pid})
+                reap_adopted()
+            if left == []:
+                try:
+                    ending = _Ending(_reap_main(self.proc), False, False, [], [])
+                    self.ended.post(_result(self.req, pid, self.started_at, ending))
+                except Exception as exc:
+                    self.ended.post(self._failed(exc))
+                return
+        threading.Thread(
+            target=self._stop_tree,
+            args=(timed_out, stopped),
+            name=f"stop-{self.req.marker}",
+            daemon=True,
+        ).start()
+
+    def _stop_tree(self, timed_out: bool, stopped: bool) -> None:
+        pid = self.proc.pid
+        try:
+            main = _main_proc(pid)
+
+            def collect() -> _ProcSet:
+                found = self.tree.collect()
+                if main is not None and not _is_gone(main):
+                    found.add(main)
+                return found
+
+            reaped, survivors = _terminate(collect, self.req.kill_grace_s, pgid=pid, keep=pid)
+            exit_code = None if pid in survivors else _reap_main(self.proc)
+            ending = _Ending(exit_code, timed_out, stopped, reaped, survivors)
+            self.ended.post(_result(self.req, pid, self.started_at, ending))
+        except Exception as exc:
+            self.ended.post(self._failed(exc))
+
+    def _failed(self, exc: Exception) -> LaunchResult:
+        log.exception("ending attempt %s failed", self.req.marker)
+        return LaunchResult(
+            job_id=self.req.job_id,
+            attempt=self.req.attempt,
+            exit_code=None,
+            started_at=self.started_at,
+            ended_at=time.time(),
+            pid=self.proc.pid,
+            launch_error=f"the launcher failed: {exc!r}",
+        )
 
 
 def _main_proc(pid: int) -> psutil.Process | None:

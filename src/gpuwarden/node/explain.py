@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from gpuwarden.core import footprint, policy
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.node.measured import RunTimes
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store
@@ -93,9 +94,12 @@ def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View
 def queued_entries(
     store: Store, registry: Registry, warm_types: frozenset[str] = frozenset()
 ) -> list[policy.QueuedJob]:
+    """Every queued job as the broker's planner sees it (footprints and run-time
+    estimates as measured), read in one query of light rows."""
     footprints = {t: f.bytes for t, f in store.footprints().items()}
+    run_times = RunTimes(store.recent_run_times())
     out = []
-    for job in store.queued_jobs():
+    for job in store.queue_entries():
         jobtype = registry.types.get(job.type)
         if jobtype is None:
             continue
@@ -113,6 +117,7 @@ def queued_entries(
                 priority=job.priority,
                 seq=job.seq,
                 coresident=jobtype.coresident,
+                expected_s=run_times.estimate(jobtype.name),
                 serve=jobtype.launch is LaunchMode.SERVE,
                 warm=jobtype.name in warm_types,
             )
@@ -121,16 +126,26 @@ def queued_entries(
 
 
 def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.Decision:
+    """What a planning pass on ``view`` decides for ``job_id`` (one of ``queued``):
+    the same pass the broker runs, over the queue's classes, whose reason is
+    written for this job only."""
     snapshot = policy.Snapshot(
-        queued=tuple(queued),
+        queued=(),
         gpus=view.gpus,
         cpu_slots=view.cpu_slots,
         vram_paused=view.vram_paused,
         warm=view.warm,
     )
-    for d in policy.plan(snapshot, time.time()):
-        if not isinstance(d, policy.Evict) and d.job_id == job_id:
+    lineups, _ = policy.lineups_of(queued)
+    done = policy.plan_pass(lineups, snapshot, time.time())
+    decided: list[policy.Start | policy.Refuse] = [*done.starts, *done.refusals]
+    for d in decided:
+        if d.job_id == job_id:
             return d
+    me = next(j for j in queued if j.id == job_id)
+    for w in done.waits:
+        if w.key == policy.class_key(me):
+            return w.wait(job_id)
     raise AssertionError(f"plan gave no decision for {job_id}")  # pragma: no cover
 
 

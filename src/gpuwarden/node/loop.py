@@ -34,9 +34,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from hashlib import sha256
-from typing import Any
+from typing import Any, cast
 
-from gpuwarden import faults
 from gpuwarden.core import policy
 from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode
 from gpuwarden.core.states import JobState
@@ -50,8 +49,9 @@ from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.measured import Footprints, RunTimes
+from gpuwarden.node.queue import ClassKey, QueueBook
 from gpuwarden.node.recovery import Recovery
-from gpuwarden.node.runner import AttemptRunner
+from gpuwarden.node.runner import AttemptRunner, Recorded
 from gpuwarden.node.running import Clock, ExchangeNote, Mailbox, ServerNote, Started
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import (
@@ -80,6 +80,11 @@ _STATUS_WAITING_MAX = 1000
 
 #: status is written at most this often, even while things change
 _MIN_STATUS_GAP_S = 0.25
+
+#: while idle, how often the queue roots' ``inbox/`` folders are looked at (one
+#: ``stat`` each: a bundle renamed in changes the folder's mtime), so that a bundle
+#: dropped on an idle broker does not wait for the poll interval
+_INBOX_LOOK_S = 0.005
 
 
 class Broker:
@@ -124,7 +129,8 @@ class Broker:
         self._last_error: LoopError | None = None
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
-        self._waits: dict[str, str] = {}
+        #: why each class of the queue waits, as the last pass left it, in queue order
+        self._waits: dict[ClassKey, policy.ClassWait] = {}
         #: the last event written to the event log: where the log's own cursor says
         #: (``serve --log``), or the store's latest event
         self._event_cursor = self.events.resume(store.last_event_id())
@@ -137,6 +143,10 @@ class Broker:
     def _build(self, intake: IntakeFactory) -> None:
         """Build the collaborators, each given what it depends on."""
         self.mailbox = Mailbox()
+        # a submission or a cancel, from this process or another, wakes the loop
+        self.store.on_submit(self.mailbox.wake)
+        #: the queued jobs, by class, followed through the store's events
+        self.queue = QueueBook(self.store, self.registry, self._clock)
         self.vram = VramBook(self.settings.vram)
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
@@ -200,7 +210,11 @@ class Broker:
     # -- the loop -----------------------------------------------------------
 
     def tick(self) -> None:
-        """One pass of the loop. A failing step is recorded and the loop goes on."""
+        """One pass of the loop. A failing step is recorded and the loop goes on.
+
+        The writes of the plan share one commit (group commit), made before any
+        of its launches, which follow in the same tick; the ends drained share
+        another (:meth:`_drain`)."""
         for step in (
             self._operator_requests,
             self._intake,
@@ -211,7 +225,11 @@ class Broker:
             self._publish,
         ):
             try:
-                step(self.clock())
+                if step == self._schedule:
+                    with self.store.batch(), self.attempts.launches_after_commit():
+                        step(self.clock())
+                else:
+                    step(self.clock())
             except Exception as exc:  # the loop must outlive any one step
                 self.record_error(step.__name__.strip("_"), exc)
 
@@ -220,8 +238,28 @@ class Broker:
         self.mailbox.wake()
 
     def idle(self, seconds: float) -> None:
-        """Wait until the next tick is due: ``seconds``, or less if woken."""
-        self.mailbox.wait(seconds)
+        """Wait until the next tick is due: ``seconds``, or less if woken (a
+        worker's post, a submission, a signal) or if a queue root's ``inbox/``
+        changed (looked at every :data:`_INBOX_LOOK_S`)."""
+        if not (self.roots and self.accepting) or seconds <= _INBOX_LOOK_S:
+            self.mailbox.wait(seconds)
+            return
+        marks = self._inbox_marks()
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.mailbox.wait(min(_INBOX_LOOK_S, left)) or self._inbox_marks() != marks:
+                return
+
+    def _inbox_marks(self) -> list[tuple[int, int] | None]:
+        marks: list[tuple[int, int] | None] = []
+        for root in self.roots:
+            try:
+                st = root.inbox.stat()
+            except OSError:
+                marks.append(None)
+            else:
+                marks.append((st.st_mtime_ns, st.st_ino))
+        return marks
 
     def run(
         self,
@@ -310,94 +348,93 @@ class Broker:
     # -- attempts -----------------------------------------------------------
 
     def _schedule(self, now: float) -> None:
-        queued = self.store.queued_jobs() if self.accepting else []
-        types: dict[str, JobType] = {}
-        entries: list[policy.QueuedJob] = []
-        for job in queued:
-            if job.cancel_requested:  # asked while it ran; it must never run again
-                self.store.transition(
-                    job.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
-                )
-                continue
-            jobtype = self.registry.types.get(job.type)
-            if jobtype is None:
-                self.store.transition(
-                    job.id,
-                    JobState.FAILED,
-                    now=now,
-                    reason=f"job type {job.type} is not known to this broker (module removed?)",
-                )
-                continue
-            types[job.id] = jobtype
-            entries.append(self._queued_entry(job, jobtype))
-        if len(self.vram.ledger) or any(e.lane is Lane.VRAM for e in entries):
+        """Plan over the queue index's classes and carry out the decisions."""
+        if self.queue.refresh(now):
+            self._status_dirty = True
+        lineups = [self._lineup(key) for key in self.queue.classes()] if self.accepting else []
+        if len(self.vram.ledger) or any(lu.job.lane is Lane.VRAM for lu in lineups):
             self._observe(now)  # the reclaim gate needs fresh readings while memory is held
-        if not entries and not len(self.warm):
+        if not lineups and not len(self.warm):
             if self._waits:
-                self._waits.clear()
+                self._waits = {}
                 self._status_dirty = True
             return
-        snapshot = self._snapshot(tuple(entries))  # also when only warm servers may expire
-        jobs = {j.id: j for j in queued}
-        before = self._waits
-        self._waits = {}
-        for decision in policy.plan(snapshot, now):
-            if isinstance(decision, policy.Wait):
-                self._waits[decision.job_id] = decision.reason
-            elif isinstance(decision, policy.Refuse):
-                self.store.transition(
-                    decision.job_id, JobState.FAILED, now=now, reason=decision.reason
-                )
-            elif isinstance(decision, policy.Evict):
-                self.warm.evict(decision)
-            else:
-                self._start(jobs[decision.job_id], types[decision.job_id], decision, now)
-        if self._waits != before:
+        # also when only warm servers may expire
+        done = policy.plan_pass(lineups, self._snapshot(), now)
+        for eviction in done.evictions:
+            if isinstance(eviction, policy.Evict):
+                self.warm.evict(eviction)
+        index = self.queue.index
+        for refused in done.refusals:
+            index.remove(refused.job_id)
+            self.store.transition(refused.job_id, JobState.FAILED, now=now, reason=refused.reason)
+        for start in done.starts:
+            job = self.store.get_job(start.job_id)
+            if job is None or job.state is not JobState.QUEUED:
+                index.remove(start.job_id)  # cancelled by a client since the index looked
+            elif self._start(job, self.registry.types[job.type], start, now):
+                index.remove(start.job_id)
+        before = [w.signature() for w in self._waits.values()]
+        self._waits = {cast(ClassKey, w.key): w for w in done.waits}
+        if [w.signature() for w in done.waits] != before:
             self._status_dirty = True
 
-    def _queued_entry(self, job: Job, jobtype: JobType) -> policy.QueuedJob:
+    def _lineup(self, key: ClassKey) -> policy.Lineup:
+        """One class of the queue index as the planner sees it (its footprint,
+        estimate and warm server as the node knows them now)."""
+        type_name, priority, own_bytes = key
+        jobtype = self.registry.types[type_name]
+        seq, head = self.queue.index.head(key) or (0, "")
         vram = jobtype.lane is Lane.VRAM
-        return policy.QueuedJob(
-            id=job.id,
-            type=job.type,
+        job = policy.QueuedJob(
+            id=head,
+            type=type_name,
             lane=jobtype.lane,
-            vram_bytes=self.footprints.of(jobtype, job.vram_bytes) if vram else 0,
-            priority=job.priority,
-            seq=job.seq,
+            vram_bytes=self.footprints.of(jobtype, own_bytes) if vram else 0,
+            priority=priority,
+            seq=seq,
             coresident=jobtype.coresident,
-            expected_s=self.run_times.estimate(jobtype.name),
+            expected_s=self.run_times.estimate(type_name),
             serve=jobtype.launch is LaunchMode.SERVE,
-            warm=self.warm.has(jobtype.name),
+            warm=self.warm.has(type_name),
         )
+        return policy.Lineup(key, job, self.queue.index.members(key))
 
-    def _snapshot(self, queued: tuple[policy.QueuedJob, ...]) -> policy.Snapshot:
+    def _snapshot(self) -> policy.Snapshot:
         return policy.Snapshot(
-            queued=queued,
+            queued=(),
             gpus=self.vram.views(),
             running_cpu=sum(1 for r in self.attempts if r.jobtype.lane is Lane.CPU),
             cpu_slots=self.settings.cpu_slots,
             accepting=self.accepting,
             vram_paused=f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else "",
             warm=self.warm.views(),
+            # the GPUs held back in the last pass: a held-back job keeps its GPU
+            held_back=tuple(
+                (w.job_id, w.reserved_gpu) for w in self._waits.values() if w.reserved_gpu
+            ),
         )
 
-    def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> None:
+    def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> bool:
+        """Start the job as decided. False if it is still queued (its warm server is
+        not ready for it yet); True once it left the queue (started, or ended)."""
         gpu = decision.gpu_uuid
         refused = self.rules.refusal(jobtype)
         if refused is not None:  # accepted under another configuration
             self.store.transition(
                 job.id, JobState.FAILED, now=now, reason=f"refused by the launch rules: {refused}"
             )
-            return
+            return True
         if self.rules.unsandboxed_warning(jobtype):  # the broker said so when it started
             self.emit("unsandboxed", job=job.id, type=jobtype.name)
         if jobtype.launch is LaunchMode.SERVE and gpu is not None:
-            if self.warm.ready(jobtype, decision):
-                run = self.attempts.begin(job, jobtype, gpu, now)
-                if run is not None:
-                    self._began(run.job.id)
-                    self.warm.start(run, decision, gpu, now)
-            return
+            if not self.warm.ready(jobtype, decision):
+                return False
+            run = self.attempts.begin(job, jobtype, gpu, now)
+            if run is not None:
+                self._began(run.job.id)
+                self.warm.start(run, decision, gpu, now)
+            return True
         launcher = self.launchers.get(jobtype.launch)
         if launcher is None:
             self.store.transition(
@@ -408,31 +445,48 @@ class Broker:
                 f"available on this node (available: "
                 f"{', '.join([*(m.value for m in self.launchers), LaunchMode.SERVE.value])})",
             )
-            return
+            return True
         run = self.attempts.begin(job, jobtype, gpu, now)
         if run is None:
-            return  # cancelled by a client between the snapshot and now
-        faults.point("after_start_attempt")
+            return True  # cancelled by a client between the snapshot and now
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
+        return True
 
     def _began(self, job_id: str) -> None:
-        self._waits.pop(job_id, None)
         self._status_dirty = True
 
     def _drain(self, now: float) -> None:
-        """Take in everything the worker threads posted."""
-        while (message := self.mailbox.take()) is not None:
-            if isinstance(message, ServerNote):
-                if self.warm.on_note(message, now):
-                    self._status_dirty = True
-            elif isinstance(message, ExchangeNote):
-                self.attempts.on_exchange(message)
-            elif isinstance(message, Started):
-                self.attempts.on_started(message)
-            elif (run := self.attempts.pop(message)) is not None:
-                self._status_dirty = True
-                self.attempts.complete(run, message, now)
+        """Take in everything the worker threads posted. The ends are written in
+        one batch and committed together; only then does the node's own state
+        follow (servers freed, memory measured, bundles looked at)."""
+        recorded: list[Recorded] = []
+        failure: Exception | None = None
+        with self.store.batch():
+            try:
+                while (message := self.mailbox.take()) is not None:
+                    if isinstance(message, ServerNote):
+                        if self.warm.on_note(message, now):
+                            self._status_dirty = True
+                    elif isinstance(message, ExchangeNote):
+                        self.attempts.on_exchange(message)
+                    elif isinstance(message, Started):
+                        self.attempts.on_started(message)
+                    elif (run := self.attempts.pop(message)) is not None:
+                        self._status_dirty = True
+                        recorded.append(self.attempts.record(run, message, now))
+            except Exception as exc:  # what came before it is still committed
+                failure = exc
+            try:
+                self.store.commit()
+            except Exception:
+                for r in recorded:  # not written after all: drained again next tick
+                    self.attempts.unrecord(r)
+                raise
+            for r in recorded:
+                self.attempts.follow(r, now)
+        if failure is not None:
+            raise failure
 
     def _pass_cancels(self, now: float) -> None:
         if not len(self.attempts):
@@ -564,9 +618,18 @@ class Broker:
             ),
             warm=self.warm.statuses(self.clock()),
             warm_views=self.warm.views(),
-            waiting=dict(list(self._waits.items())[:_STATUS_WAITING_MAX]),
+            waiting=self._waiting(),
             last_error=self._last_error,
+            queued_indexed=len(self.queue),
         )
+
+    def _waiting(self) -> dict[str, str]:
+        """Why the first queued jobs wait (at most ``_STATUS_WAITING_MAX``), class by
+        class in queue order: the reasons are written here, not in every pass."""
+        return {
+            job_id: self._waits[key].wait(job_id).reason
+            for key, job_id in self.queue.first(self._waits, _STATUS_WAITING_MAX)
+        }
 
     def emit(self, kind: str, **detail: Any) -> None:
         """Add an event to the store (``job`` names the job it is about)."""
@@ -591,7 +654,10 @@ class Broker:
         return len(self.attempts)
 
     def wait_reason(self, job_id: str) -> str | None:
-        return self._waits.get(job_id)
+        """Why a queued job waits, as the last pass saw it (None: it was not judged)."""
+        key = self.queue.index.key_of(job_id)
+        waited = None if key is None else self._waits.get(key)
+        return None if waited is None else waited.wait(job_id).reason
 
 
 #: builds a broker's queue intake, given the broker (see :class:`Broker`)

@@ -14,9 +14,11 @@ Everything here runs on the loop's thread, except :meth:`AttemptRunner.work`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden import faults
@@ -31,9 +33,9 @@ from gpuwarden.core.classify import (
     interruptions_before,
     is_cuda_oom,
 )
-from gpuwarden.core.model import Job, JobType
+from gpuwarden.core.model import Job, JobType, LaunchMode
 from gpuwarden.errors import GpuwardenError, TransitionError
-from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult
+from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Starter
 from gpuwarden.node import attemptfs
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints, RunTimes
@@ -44,6 +46,27 @@ from gpuwarden.store.base import Store
 
 #: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """An attempt whose end is written (in the loop's open batch) and whose node
+    state has not followed yet (:meth:`AttemptRunner.follow`, once committed)."""
+
+    run: RunningAttempt
+    result: LaunchResult
+    verdict: Verdict
+    holder: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A launch that waits for the commit of its attempt's start."""
+
+    run: RunningAttempt
+    launcher: Launcher
+    decision: policy.Start
+    now: float
 
 
 class AttemptRunner:
@@ -81,6 +104,9 @@ class AttemptRunner:
         self.clock = clock
         #: per job id, its attempt that runs here (loop-owned)
         self.by_job: dict[str, RunningAttempt] = {}
+        #: while the loop plans (:meth:`launches_after_commit`): the launches that
+        #: wait for their starts' commit; None: a launch happens at once
+        self._pending: list[_Pending] | None = None
 
     def __len__(self) -> int:
         return len(self.by_job)
@@ -108,15 +134,51 @@ class AttemptRunner:
             job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
         except TransitionError:
             return None
+        if jobtype.launch is LaunchMode.SERVE:
+            self.store.commit()  # its warm server is handed the job at once
         attempt_dir = self.launching.attempt_dir(job.id, attempt.number)
         run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
         self.by_job[job.id] = run
         return run
 
+    @contextlib.contextmanager
+    def launches_after_commit(self) -> Iterator[None]:
+        """The launches asked for in the block wait for its end; then the store
+        commits the starts (one commit for all of them) and they happen at once,
+        in the order asked. If the commit fails, none happens and those attempts
+        are no longer this broker's (the store still has them queued)."""
+        self._pending = pending = list[_Pending]()
+        try:
+            yield
+        finally:
+            self._pending = None
+            try:
+                self.store.commit()
+            except Exception:
+                for p in pending:
+                    self.by_job.pop(p.run.job.id, None)
+                raise
+            for p in pending:
+                self._launch_now(p.run, p.launcher, p.decision, p.now)
+
     def launch(
         self, run: RunningAttempt, launcher: Launcher, decision: policy.Start, now: float
     ) -> None:
-        """Hold the attempt's memory, lay out its folder and run it on a worker thread."""
+        """Hold the attempt's memory, lay out its folder and run it: once its start
+        is committed (at the end of :meth:`launches_after_commit`, or now)."""
+        if self._pending is not None:
+            self._pending.append(_Pending(run, launcher, decision, now))
+            return
+        self.store.commit()
+        self._launch_now(run, launcher, decision, now)
+
+    def _launch_now(
+        self, run: RunningAttempt, launcher: Launcher, decision: policy.Start, now: float
+    ) -> None:
+        """Hold the attempt's memory, lay out its folder and start it: through the
+        launcher's reaper where it has one (:class:`Starter`), else on a worker
+        thread."""
+        faults.point("after_start_attempt")
         job, jobtype, gpu = run.job, run.jobtype, decision.gpu_uuid
         try:
             if gpu is not None:
@@ -132,13 +194,23 @@ class AttemptRunner:
                     backfill_for=decision.backfill_for,
                 )
             request = self.launching.request(run, gpu, now)
-            run.thread = threading.Thread(
-                target=self.work,
-                args=(launcher, request, run.stop),
-                name=f"attempt-{job.id}-{run.attempt.number}",
-                daemon=True,
-            )
-            run.thread.start()
+            if isinstance(launcher, Starter):
+                run.thread = launcher.start(
+                    request,
+                    run.stop,
+                    # recorded with the next drain's batch: no commit of its own
+                    lambda pid: self.mailbox.put(Started(job.id, run.attempt.number, pid)),
+                    self.mailbox.post,
+                )
+            else:
+                thread = threading.Thread(
+                    target=self.work,
+                    args=(launcher, request, run.stop),
+                    name=f"attempt-{job.id}-{run.attempt.number}",
+                    daemon=True,
+                )
+                run.thread = thread
+                thread.start()
         except Exception as exc:
             if not isinstance(exc, OSError | GpuwardenError):
                 log.exception("could not prepare attempt %s", run.holder)
@@ -217,6 +289,13 @@ class AttemptRunner:
         with the error named. Only a store that is unavailable for now (locked,
         unreachable) keeps it for the next tick.
         """
+        recorded = self.record(run, result, now)
+        self.store.commit()
+        self.follow(recorded, now)
+
+    def record(self, run: RunningAttempt, result: LaunchResult, now: float) -> Recorded:
+        """Judge the attempt and write its end (in the open batch, if any); the
+        node's own state follows only once that is committed (:meth:`follow`)."""
         holder = run.server.holder if run.server is not None else run.holder
         try:
             verdict, reason, extra = self.judge(run, result, holder)
@@ -226,9 +305,25 @@ class AttemptRunner:
             reason = verdict.reason
             extra = {"message": reason, "outcome": verdict.outcome.value}
         self._record_end(run, result, verdict, reason=reason, extra=extra, now=now)
+        return Recorded(run, result, verdict, holder)
+
+    def unrecord(self, recorded: Recorded) -> None:
+        """Its end was not committed after all (the batch's commit failed): the
+        attempt runs here again and its report is drained again next tick."""
+        self.by_job[recorded.run.job.id] = recorded.run
+        self.mailbox.put(recorded.result)
+
+    def follow(self, recorded: Recorded, now: float) -> None:
+        """The attempt's end is committed: now the node's own state follows, each
+        step on its own, so that one failing (a bug) does not leave a server busy
+        or memory held."""
         faults.point("after_finish_attempt")
-        # the record is written: now the node's own state follows, each step on its
-        # own, so that one failing (a bug) does not leave a server busy or memory held
+        run, result, verdict, holder = (
+            recorded.run,
+            recorded.result,
+            recorded.verdict,
+            recorded.holder,
+        )
         steps: list[tuple[str, Callable[[], None]]] = [
             ("freeing its warm server", lambda: _free_server(run, result, now)),
             ("raising its footprint", lambda: self._after_cuda_oom(run, verdict, holder, now)),

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuwarden.core.model import Attempt, Job, JobType
-from gpuwarden.launch.base import LaunchResult
+from gpuwarden.launch.base import Joinable, LaunchResult
+from gpuwarden.launch.reaper import StopSignal
 from gpuwarden.launch.warmproc import LoadReport
 from gpuwarden.node.warmpool import WarmServer
 
@@ -67,8 +68,10 @@ class RunningAttempt:
     attempt: Attempt
     jobtype: JobType
     attempt_dir: Path
-    stop: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
+    #: set to stop the attempt; it tells the reaper at once
+    stop: threading.Event = field(default_factory=StopSignal)
+    #: what ends with the attempt: its worker thread, or the reaper's handle
+    thread: Joinable | None = None
     stop_reason: str | None = None  # "cancel" or "shutdown"
     server: WarmServer | None = None  # the warm server it runs on (serve types)
     #: why its GPU stopped it ("gpu_fault" or "app_error" stop reasons)
@@ -114,7 +117,8 @@ class Mailbox:
     def wake(self) -> None:
         self._wake.set()
 
-    def wait(self, seconds: float) -> None:
-        """Wait ``seconds``, or less if woken (the wake is used up)."""
-        self._wake.wait(seconds)
+    def wait(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if woken (the wake is used up); True if woken."""
+        woken = self._wake.wait(seconds)
         self._wake.clear()
+        return woken

@@ -219,6 +219,8 @@ class BrokerStatus:
     #: per queued job, why it waits
     waiting: dict[str, str] = field(default_factory=dict)
     last_error: LoopError | None = None
+    #: how many queued jobs the loop's queue index holds (``waiting`` names the first)
+    queued_indexed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -235,6 +237,7 @@ class BrokerStatus:
             "warm_views": [v.to_json() for v in self.warm_views],
             "waiting": dict(self.waiting),
             "last_error": self.last_error.to_json() if self.last_error is not None else None,
+            "queued_indexed": self.queued_indexed,
         }
 
     @classmethod
@@ -257,6 +260,7 @@ class BrokerStatus:
             warm_views=tuple(WarmView.from_json(w) for w in d.get("warm_views", [])),
             waiting={str(k): str(v) for k, v in (d.get("waiting") or {}).items()},
             last_error=LoopError.from_json(last_error) if isinstance(last_error, dict) else None,
+            queued_indexed=int(d.get("queued_indexed") or 0),
         )
 
     def gpu_views(self) -> tuple[GpuView, ...]:

@@ -30,7 +30,9 @@ DESIGN.md's failure classification.
 The planner is called once per distinct event time (arrival, end, release,
 cancellation, retry, foreign allocation, reclaim timeout) while anything is
 queued; its ``Start`` decisions are carried out in order, ``Refuse`` fails the
-job with the reason, ``Wait`` records the reason. The run ends when no event is
+job with the reason, ``Wait`` records the reason and the GPU held back for the
+job, which the next snapshot passes on (``Snapshot.held_back``, as the broker
+loop does). The run ends when no event is
 left: a job still queued then is reported ``waiting`` with its last reason.
 
 Warm servers (launch mode ``serve``, a :class:`TraceJob` with ``serve=True``) are
@@ -801,12 +803,19 @@ class _Sim:
             )
             for q in self.queued.values()
         )
+        # the GPUs held back in the previous pass, as the broker loop keeps them
+        held_back = tuple(
+            (job_id, gpu)
+            for job_id in self.queued
+            if (gpu := self.jobs[job_id].record.reserved_gpu) is not None
+        )
         return Snapshot(
             queued=queued,
             gpus=views,
             running_cpu=self.running_cpu,
             cpu_slots=self.opts.cpu_slots,
             warm=tuple(s.view(now) for s in warm.values()),
+            held_back=held_back,
         )
 
     def degraded_reason(self, gpu: str) -> str:

@@ -12,7 +12,9 @@ both pass the same contract suite, ``tests/integration/test_store_contract.py``.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,19 @@ class BundleRecord:
     finished_at: float | None = None
     outcome: str | None = None
     result_path: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """A queued job as the broker loop's queue index keeps it (the rest of the job
+    is read when it starts)."""
+
+    id: str
+    type: str
+    priority: int
+    seq: int
+    vram_bytes: int | None
+    cancel_requested: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +198,14 @@ class Store(abc.ABC):
         """Queued jobs, highest priority first, then arrival order."""
 
     @abc.abstractmethod
+    def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        """Every queued job (or those of ``ids`` that are queued), in no order."""
+
+    @abc.abstractmethod
+    def queued_count(self) -> int:
+        """How many jobs are queued (an index count: cheap beside a long history)."""
+
+    @abc.abstractmethod
     def running_jobs(self) -> list[Job]:
         """Jobs in state running, arrival order."""
 
@@ -266,6 +289,32 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def get_bundle(self, queue_root: str, name: str) -> BundleRecord | None: ...
+
+    def terminal_count(self, job_ids: Sequence[str]) -> int:
+        """How many of these jobs exist and have ended (a bundle's result waits
+        until this is all of them): one query, not a read per job."""
+        return sum(1 for i in job_ids if (j := self.get_job(i)) is not None and j.state.terminal)
+
+    # -- group commit and wakes --------------------------------------------
+
+    def batch(self) -> AbstractContextManager[None]:
+        """The writes this thread makes in the block share one commit, made when
+        the block ends (or at :meth:`commit`); each write still takes effect as a
+        whole or not at all, and one that raises undoes only itself. A store that
+        cannot group writes commits each one as it comes (this default)."""
+        return contextlib.nullcontext()
+
+    def commit(self) -> None:
+        """Commit what the open :meth:`batch` of this thread wrote so far (nothing
+        outside a batch): the point before anything acts on those writes."""
+        return None
+
+    def on_submit(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on any thread) soon after jobs are submitted or a
+        cancel is asked, by this process or another: the broker's wake, so that
+        no submission waits for the loop's poll. Best effort; a store that cannot
+        tell does nothing (the loop's poll still finds the jobs)."""
+        return None
 
     @abc.abstractmethod
     def open_bundles(self) -> list[BundleRecord]:

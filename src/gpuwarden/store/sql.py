@@ -48,6 +48,7 @@ from gpuwarden.store.base import (
     DuplicateTokenError,
     IdempotencyConflict,
     IdempotencyRecord,
+    QueueEntry,
     Store,
     Submission,
 )
@@ -135,6 +136,11 @@ class SqlStore(Store, Generic[C]):
     def _ids(self, values: Sequence[str]) -> Any:
         """A list of strings (job ids, states) as the queries take it."""
 
+    def _submitted(self) -> None:
+        """Jobs were submitted, or a cancel asked, and committed: wake a broker
+        where the dialect can (:meth:`Store.on_submit`)."""
+        return None
+
     def _text(self, value: str) -> str:
         """Free text (a reason, an attempt's output, an audit field) as it is stored."""
         return value
@@ -193,7 +199,9 @@ class SqlStore(Store, Generic[C]):
         ids = [s.id for s in specs]
         if len(set(ids)) != len(ids):
             raise UserError("the same job id appears twice in one submission")
-        return self._submit(specs, ids, now=now, origin=origin, idempotency=idempotency)
+        jobs = self._submit(specs, ids, now=now, origin=origin, idempotency=idempotency)
+        self._submitted()
+        return jobs
 
     def _submit(
         self,
@@ -322,6 +330,31 @@ class SqlStore(Store, Generic[C]):
 
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
         return [self._job(r) for r in self._read("queued_jobs", limit=limit)]
+
+    def terminal_count(self, job_ids: Sequence[str]) -> int:
+        if not job_ids:
+            return 0
+        return int(self._read("terminal_count", ids=self._ids(list(job_ids)))[0]["n"])
+
+    def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
+        if ids is None:
+            found = self._read("queue_entries")
+        else:
+            found = self._read("queue_entries_of", ids=self._ids(list(ids)))
+        return [
+            QueueEntry(
+                id=r["id"],
+                type=r["type"],
+                priority=int(r["priority"]),
+                seq=int(r["seq"]),
+                vram_bytes=None if r["vram_bytes"] is None else int(r["vram_bytes"]),
+                cancel_requested=bool(r["cancel_requested"]),
+            )
+            for r in found
+        ]
+
+    def queued_count(self) -> int:
+        return int(self._read("queued_count")[0]["n"])
 
     def running_jobs(self) -> list[Job]:
         return [self._job(r) for r in self._read("running_jobs")]
@@ -505,6 +538,11 @@ class SqlStore(Store, Generic[C]):
         return [rows.attempt(r) for r in self._read("attempts", job_id=job_id)]
 
     def request_cancel(self, job_id: str, *, now: float) -> Job:
+        job = self._request_cancel(job_id, now=now)
+        self._submitted()
+        return job
+
+    def _request_cancel(self, job_id: str, *, now: float) -> Job:
         with self._write() as conn:
             job = self._job_in(conn, job_id, lock=True)
             if job.state is JobState.QUEUED:

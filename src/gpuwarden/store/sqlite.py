@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import socket
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from gpuwarden.core.model import Job
 from gpuwarden.errors import UserError
 from gpuwarden.store.queries import load_dialect, load_migrations, split_sql
 from gpuwarden.store.rows import Row
 from gpuwarden.store.sql_cluster import SqlClusterStore
+
+log = logging.getLogger(__name__)
 
 #: SQLite's result codes for a damaged file (SQLITE_CORRUPT, SQLITE_NOTADB)
 _DAMAGED = {11, 26}
@@ -106,6 +111,15 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
             quick_check(path, timeout_s=busy_timeout_s)
         _create_private(path)
         self._lock = threading.RLock()
+        #: per thread: the depth of its open :meth:`batch`, and whether the batch's
+        #: transaction has begun (it begins at the batch's first write)
+        self._local = threading.local()
+        #: where a broker on this database listens for wakes (:meth:`on_submit`)
+        self.wake_path = path.with_name(path.name + ".wake")
+        self._wake_callbacks: list[Callable[[], None]] = []
+        self._wake_sock: socket.socket | None = None
+        #: the queued jobs of the last :meth:`queued_jobs`, by id: (the row, the Job)
+        self._queued: dict[str, tuple[tuple[Any, ...], Job]] = {}
         self._db = sqlite3.connect(
             str(path), isolation_level=None, check_same_thread=False, timeout=busy_timeout_s
         )
@@ -126,6 +140,10 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[sqlite3.Connection]:
+        if getattr(self._local, "depth", 0):
+            with self._batched() as db:
+                yield db
+            return
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -135,6 +153,105 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
                 raise
             else:
                 self._db.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def _batched(self) -> Iterator[sqlite3.Connection]:
+        """One write inside this thread's batch: the batch's transaction (begun,
+        with the write lock taken, at its first write) and a savepoint, so that a
+        write that raises undoes only itself."""
+        if not getattr(self._local, "tx", False):
+            self._lock.acquire()  # held until the batch commits: one writer on the connection
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except BaseException:
+                self._lock.release()
+                raise
+            self._local.tx = True
+        self._db.execute("SAVEPOINT gw_write")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK TO gw_write")
+            self._db.execute("RELEASE gw_write")
+            raise
+        self._db.execute("RELEASE gw_write")
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if depth == 0:  # the outermost batch commits (also when its block raised)
+                self.commit()
+
+    def commit(self) -> None:
+        if not getattr(self._local, "tx", False):
+            return
+        self._local.tx = False
+        try:
+            self._db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            raise
+        finally:
+            self._lock.release()
+
+    # -- wakes ----------------------------------------------------------------
+
+    def on_submit(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` after every submission or cancel request made through
+        this object, and (on a thread of its own) when another process's store
+        on the same file made one: it sends a datagram to :attr:`wake_path`, a
+        socket in the state directory (mode 0700: only its owner can wake)."""
+        self._wake_callbacks.append(callback)
+        if self._wake_sock is not None:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        try:
+            self.wake_path.unlink(missing_ok=True)  # one broker per state directory (its lock)
+            sock.bind(str(self.wake_path))
+        except OSError as exc:  # a path too long for a socket: the loop's poll remains
+            log.info("no wake socket at %s (%s): submits wait for the poll", self.wake_path, exc)
+            sock.close()
+            return
+        self._wake_sock = sock
+        threading.Thread(target=self._listen, args=(sock,), name="store-wake", daemon=True).start()
+
+    def _listen(self, sock: socket.socket) -> None:
+        with sock:
+            while True:
+                try:
+                    sock.recv(64)
+                except OSError:
+                    return
+                if self._wake_sock is not sock:  # closed: the datagram was close()'s
+                    return
+                self._woken()
+
+    def _woken(self) -> None:
+        for callback in list(self._wake_callbacks):
+            try:
+                callback()
+            except Exception:  # a wake is best effort
+                log.exception("a submit wake failed")
+
+    def _submitted(self) -> None:
+        if self._wake_callbacks:
+            self._woken()
+        else:
+            self._send_wake()
+
+    def _send_wake(self) -> None:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.setblocking(False)
+                s.sendto(b"!", str(self.wake_path))
+        except OSError:  # no broker listening, or a wake already pending: fine
+            pass
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
@@ -162,6 +279,15 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
                 applied.append(version)
         return applied
 
+    def durability(self) -> dict[str, str]:
+        """What this connection runs with (every connection of this class is
+        opened the same way): ``journal_mode`` and ``synchronous``."""
+        names = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
+        with self._connection() as db:
+            mode = str(db.execute("PRAGMA journal_mode").fetchone()[0])
+            sync = int(db.execute("PRAGMA synchronous").fetchone()[0])
+        return {"journal_mode": mode, "synchronous": names.get(sync, str(sync))}
+
     def unavailable(self, exc: BaseException) -> bool:
         if not isinstance(exc, sqlite3.OperationalError):
             return False
@@ -169,8 +295,30 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
         return code is None or (code & 0xFF) in _UNAVAILABLE_CODES
 
     def close(self) -> None:
+        if self._wake_sock is not None:
+            self._wake_sock = None
+            self._send_wake()  # its listener sees it is closed, closes it and ends
+            with contextlib.suppress(OSError):
+                self.wake_path.unlink()
         with self._lock:
             self._db.close()
+
+    # -- reads --------------------------------------------------------------
+
+    def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
+        """As every store does; a row exactly as it was at the last call gives the
+        same :class:`Job` again, not a new decode (the loop reads every queued
+        job each pass, and most are unchanged)."""
+        before, now = self._queued, {}
+        out: list[Job] = []
+        for row in self._read("queued_jobs", limit=limit):
+            key = tuple(row)
+            seen = before.get(row["id"])
+            job = seen[1] if seen is not None and seen[0] == key else self._job(row)
+            now[job.id] = (key, job)
+            out.append(job)
+        self._queued = now
+        return out
 
     # -- values in and out --------------------------------------------------
 
@@ -178,6 +326,14 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
         return json.dumps(value, sort_keys=True)
 
     def _decode(self, value: Any) -> Any:
+        # most of a job row's JSON columns are empty: no parser for those (the
+        # loop reads every queued job each pass)
+        if value == "{}":
+            return {}
+        if value == "[]":
+            return []
+        if value == "null":
+            return None
         return json.loads(value)
 
     def _ids(self, values: Sequence[str]) -> str:

@@ -37,6 +37,21 @@ ORDER BY seq DESC LIMIT :limit;
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT :limit;
 
+-- name: terminal_count
+SELECT count(*) AS n FROM jobs
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND state IN ('done', 'failed', 'cancelled', 'quarantined');
+
+-- name: queue_entries
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+
+-- name: queued_count
+SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
+
+-- name: queue_entries_of
+SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+ WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
+
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
 

@@ -1,0 +1,360 @@
+"""One planning pass over a synthetic backlog, and the broker's memory holding it.
+
+Part 1 (no broker, no processes): a seeded backlog of queued jobs (mixed
+footprints, co-resident and exclusive types, three priorities, per-job
+footprints on some, warm servers on some GPUs) is put in a
+:class:`gpuwarden.core.queueindex.QueueIndex` the way the broker loop keeps it,
+and :func:`gpuwarden.core.policy.plan_pass` is timed over it, ``--passes`` times
+(default 50) per size, on GPUs most of whose memory is held by running jobs (so a
+backlog stays, as in a busy node). Each pass builds its lineups from the index as
+the loop does. The sizes: 2,000 jobs on 8 GPUs and 100,000 on 64.
+
+Part 2 (a real broker): ``gpuwarden serve`` on a node without a GPU, with the
+bench's module, ``--rss-jobs`` (default 100,000) jobs submitted to its store in
+batches while it runs (``gpu = "none"``: its vram jobs wait, in 12 classes: three
+types and three priorities); once its status says its queue index holds them all,
+its RSS (psutil) is read.
+
+Part 3 (the loop): the same backlog in an in-process broker (``Broker.tick()``),
+the cost of the first tick (it loads the queue index) and of a tick once
+nothing changes (``idle_tick``: ``queued``, ``load_ms``, ``p50_ms``, ``max_ms``).
+
+Targets: a pass <= 2 ms p99 at 2,000 x 8 and <= 20 ms p99 at 100,000 x 64; RSS
+<= 300 MiB with 100,000 queued. The last line of stdout is one JSON object:
+``{"plan": {"2000x8": {"p50_ms", "p99_ms"}, "100000x64": {...}}, "rss_mib",
+"idle_tick": {...}}``.
+
+    .venv/bin/python bench/plan.py            # both parts (about a minute)
+    .venv/bin/python bench/plan.py --no-rss   # part 1 only (no broker)
+    .venv/bin/python bench/plan.py --smoke    # seconds: small sizes (the test suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from gpuwarden.core.ledger import Holding, HoldState
+from gpuwarden.core.model import GIB, Lane
+from gpuwarden.core.policy import GpuView, Lineup, QueuedJob, Snapshot, WarmView, plan_pass
+from gpuwarden.core.queueindex import QueueIndex
+
+SEED = 14
+GPU_GIB = 80
+#: name, footprint GiB, co-resident, expected run time s (None: unknown), serve, weight
+TYPES = [
+    ("llm-70b", 70, False, 600.0, False, 0.06),
+    ("llm-34b", 40, False, 300.0, False, 0.08),
+    ("train-80g", 78, False, None, False, 0.03),
+    ("vision-11b", 11, False, 45.0, False, 0.08),
+    ("llm-8b", 16, True, 120.0, False, 0.15),
+    ("diffusion", 20, True, 60.0, False, 0.12),
+    ("whisper", 8, True, 90.0, False, 0.12),
+    ("embed", 3, True, 15.0, True, 0.14),
+    ("tts", 6, True, 30.0, True, 0.12),
+    ("rerank", 2, True, 10.0, True, 0.10),
+]
+PRIORITIES = [(0, 0.7), (5, 0.2), (10, 0.1)]
+
+
+def backlog(n: int, rng: random.Random) -> list[tuple[str, int, str, int, int | None]]:
+    """``(id, seq, type, priority, per-job GiB or None)`` for n queued jobs."""
+    names = [t[0] for t in TYPES]
+    weights = [t[5] for t in TYPES]
+    prios = [p for p, _ in PRIORITIES]
+    pw = [w for _, w in PRIORITIES]
+    out = []
+    for seq in range(n):
+        t = rng.choices(names, weights)[0]
+        own = rng.choice([2, 4]) if rng.random() < 0.1 else None
+        out.append((f"j{seq}", seq, t, rng.choices(prios, pw)[0], own))
+    return out
+
+
+def gpus_busy(g: int, rng: random.Random) -> tuple[list[GpuView], list[WarmView]]:
+    """GPUs mostly full of running jobs, some with idle or busy warm servers."""
+    views, warm = [], []
+    serve_types = [t for t in TYPES if t[4]]
+    for i in range(g):
+        uuid = f"GPU-{i:04d}"
+        holdings: list[Holding] = []
+        used = 0
+        if i < len(serve_types):  # one warm server per serve type, on the first GPUs
+            name, gib, *_ = serve_types[i]
+            holdings.append(
+                Holding(f"warm-{name}", name, gib * GIB, True, HoldState.WARM, since=0.0)
+            )
+            warm.append(
+                WarmView(name, uuid, f"warm-{name}", busy=rng.random() < 0.5, idle_since=0.0)
+            )
+            used += gib
+        while used < GPU_GIB * 0.85:
+            name, gib, co, est, _, _ = rng.choice([t for t in TYPES if t[2] and not t[4]])
+            holdings.append(
+                Holding(
+                    f"r{i}-{len(holdings)}",
+                    name,
+                    gib * GIB,
+                    co,
+                    job_id=f"r{i}-{len(holdings)}",
+                    since=0.0,
+                    expected_end=None if est is None else 10.0 + est * rng.random(),
+                )
+            )
+            used += gib
+        views.append(GpuView(uuid, GPU_GIB * GIB, holdings=tuple(holdings), name="sim"))
+    return views, warm
+
+
+def lineups(index: QueueIndex, warm: set[str]) -> list[Lineup]:
+    """What the loop builds before each pass: one prototype job per class."""
+    by_name = {t[0]: t for t in TYPES}
+    out = []
+    for key in index.classes():
+        name, priority, own = key  # type: ignore[misc]
+        seq, head = index.head(key) or (0, "")
+        _, gib, co, est, serve, _ = by_name[name]
+        job = QueuedJob(
+            head,
+            name,
+            Lane.VRAM,
+            max(gib, own or 0) * GIB,
+            priority,
+            seq,
+            coresident=co,
+            warm=name in warm,
+            expected_s=est,
+            serve=serve,
+        )
+        out.append(Lineup(key, job, index.members(key)))
+    return out
+
+
+def time_passes(n: int, g: int, passes: int) -> dict[str, float]:
+    rng = random.Random(SEED)
+    index = QueueIndex()
+    for job_id, seq, t, prio, own in backlog(n, rng):
+        index.add(job_id, seq, (t, prio, own))
+    views, warm = gpus_busy(g, rng)
+    snapshot = Snapshot(queued=(), gpus=tuple(views), cpu_slots=4, warm=tuple(warm))
+    warm_types = {w.type for w in warm}
+    times = []
+    decided = None
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        decided = plan_pass(lineups(index, warm_types), snapshot, now=100.0)
+        times.append((time.perf_counter() - t0) * 1000)
+    assert decided is not None
+    times.sort()
+    p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
+    print(
+        f"  {n:>7} jobs x {g:>2} GPUs: {len(index.classes()):>3} classes, "
+        f"{len(decided.starts)} starts, {len(decided.waits)} classes wait, "
+        f"{len(decided.evictions)} evictions; pass p50 {statistics.median(times):.3f} ms, "
+        f"p99 {p99:.3f} ms, max {times[-1]:.3f} ms"
+    )
+    return {"p50_ms": round(statistics.median(times), 3), "p99_ms": round(p99, 3)}
+
+
+MODULE = """
+[module]
+name = "benchplan"
+description = "Jobs that never start: the backlog of bench/plan.py (the node has no GPU)."
+version = "1"
+
+[types.a]
+description = "A vram job of 4 GiB; on a node without a GPU it waits."
+lane = "vram"
+launch = "container"
+command = ["/bin/true"]
+vram_gib = 4
+coresident = true
+
+[types.b]
+description = "A vram job of 10 GiB; on a node without a GPU it waits."
+lane = "vram"
+launch = "container"
+command = ["/bin/true"]
+vram_gib = 10
+coresident = true
+
+[types.c]
+description = "A vram job of 20 GiB; on a node without a GPU it waits."
+lane = "vram"
+launch = "container"
+command = ["/bin/true"]
+vram_gib = 20
+coresident = false
+"""
+TYPES_RSS = ["benchplan.a", "benchplan.b", "benchplan.c"]
+
+
+def broker_rss(jobs: int, keep: bool) -> float | None:
+    """Start a broker, queue ``jobs`` jobs in its store, read its RSS in MiB."""
+    tmp = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-plan-"))
+    (tmp / "modules" / "benchplan").mkdir(parents=True)
+    (tmp / "modules" / "benchplan" / "module.toml").write_text(MODULE)
+    config = tmp / "config.toml"
+    config.write_text(
+        f'state_dir = "{tmp / "state"}"\n'
+        f'module_paths = ["{tmp / "modules"}"]\n'
+        'gpu = "none"\nallow_unsandboxed_containers = true\n'  # no GPU: vram jobs wait
+        "[broker]\npoll_interval_s = 0.05\n"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "gpuwarden", "--config", str(config), "serve"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        return _fill_and_measure(proc, config, jobs)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if not keep:
+            subprocess.run(["rm", "-rf", str(tmp)], check=False)
+
+
+def _fill_and_measure(proc: subprocess.Popen[bytes], config: Path, jobs: int) -> float | None:
+    from gpuwarden.app import open_store  # the bench's own store handle
+    from gpuwarden.config import load_config
+    from gpuwarden.core.model import JobSpec
+
+    cfg = load_config(config)
+    store = open_store(cfg)
+    deadline = time.monotonic() + 60
+    while not store.node_statuses():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the broker did not start: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        time.sleep(0.1)
+    base = psutil.Process(proc.pid).memory_info().rss / 2**20
+    t0 = time.monotonic()
+    batch = 5000
+    for start in range(0, jobs, batch):
+        specs = [
+            JobSpec(id=f"q{i}", type=TYPES_RSS[i % 3], priority=(0, 0, 5, 10)[i % 4])
+            for i in range(start, min(jobs, start + batch))
+        ]
+        store.submit(specs, now=time.time())
+        print(f"\r  queued {min(jobs, start + batch):>7} / {jobs}", end="", flush=True)
+    print(f" in {time.monotonic() - t0:.1f} s; waiting for the broker to hold them all")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        statuses = store.node_statuses()
+        held = statuses[0].payload.get("queued_indexed", 0) if statuses else 0
+        if held >= jobs:
+            break
+        if proc.poll() is not None:
+            raise SystemExit("the broker exited while the jobs were queued")
+        time.sleep(0.5)
+    else:
+        print("  ! the broker did not report every job indexed within 300 s")
+        return None
+    time.sleep(1.0)  # a few more ticks with the full queue
+    rss = psutil.Process(proc.pid).memory_info().rss / 2**20
+    print(f"  broker RSS: {base:.1f} MiB idle, {rss:.1f} MiB holding {jobs} queued jobs")
+    store.close()
+    return rss
+
+
+def idle_ticks(jobs: int, ticks: int = 50) -> dict[str, float]:
+    """Part 3: ``Broker.tick()`` in this process with ``jobs`` queued that cannot
+    start (no GPU), once the index is loaded and the event log has caught up: what
+    a tick costs when nothing changed, however long the queue."""
+    from gpuwarden.app import open_node
+    from gpuwarden.config import Config
+    from gpuwarden.core.model import JobSpec
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-tick-"))
+    (tmp / "modules" / "benchplan").mkdir(parents=True)
+    (tmp / "modules" / "benchplan" / "module.toml").write_text(MODULE)
+    config = Config.model_validate(
+        {
+            "state_dir": tmp / "state",
+            "gpu": "none",
+            "allow_unsandboxed_containers": True,
+            "module_paths": [tmp / "modules"],
+        }
+    )
+    try:
+        with open_node(config, mock_gpu=False) as node:
+            node.broker.recover()
+            for start in range(0, jobs, 5000):
+                node.store.submit(
+                    [
+                        JobSpec(id=f"q{i}", type=TYPES_RSS[i % 3], priority=(0, 0, 5, 10)[i % 4])
+                        for i in range(start, min(jobs, start + 5000))
+                    ],
+                    now=time.time(),
+                )
+            t0 = time.perf_counter()
+            node.broker.tick()
+            load_ms = (time.perf_counter() - t0) * 1000
+            for _ in range(jobs // 1000 + 10):  # the event log copies 1,000 a tick
+                node.broker.tick()
+            times = []
+            for _ in range(ticks):
+                t0 = time.perf_counter()
+                node.broker.tick()
+                times.append((time.perf_counter() - t0) * 1000)
+            assert len(node.broker.queue) == jobs, "the index does not hold every job"
+    finally:
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+    print(
+        f"  idle broker tick with {jobs} queued: first tick (loads the index) {load_ms:.0f} ms; "
+        f"then p50 {statistics.median(times):.3f} ms, max {max(times):.3f} ms over {ticks}"
+    )
+    return {
+        "queued": jobs,
+        "load_ms": round(load_ms, 1),
+        "p50_ms": round(statistics.median(times), 3),
+        "max_ms": round(max(times), 3),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--passes", type=int, default=50)
+    ap.add_argument("--rss-jobs", type=int, default=100_000)
+    ap.add_argument("--no-rss", action="store_true", help="skip part 2 (the real broker)")
+    ap.add_argument("--smoke", action="store_true", help="small sizes, for the test suite")
+    ap.add_argument("--keep", action="store_true", help="keep part 2's temporary folder")
+    args = ap.parse_args()
+    sizes = [(2000, 8), (100_000, 64)]
+    if args.smoke:
+        sizes, args.passes, args.rss_jobs = [(200, 8), (2000, 16)], 5, 2000
+    print(f"plan: one plan_pass over a seeded backlog (seed {SEED}), {args.passes} passes each")
+    out: dict[str, dict[str, float]] = {}
+    for n, g in sizes:
+        out[f"{n}x{g}"] = time_passes(n, g, args.passes)
+    rss = None if args.no_rss else broker_rss(args.rss_jobs, args.keep)
+    tick = None if args.no_rss else idle_ticks(args.rss_jobs)
+    if not args.smoke:
+        print("targets:")
+        for key, goal in (("2000x8", 2.0), ("100000x64", 20.0)):
+            p99 = out[key]["p99_ms"]
+            print(f"  {'PASS' if p99 <= goal else 'FAIL'}  {key}: p99 {p99} ms <= {goal} ms")
+        if rss is not None:
+            print(f"  {'PASS' if rss <= 300 else 'FAIL'}  RSS {rss:.1f} MiB <= 300 MiB")
+    print(
+        json.dumps(
+            {"plan": out, "rss_mib": None if rss is None else round(rss, 1), "idle_tick": tick}
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
