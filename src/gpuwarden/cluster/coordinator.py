@@ -310,10 +310,19 @@ def check_upload(
 ) -> int:
     """May the node upload an output of the leased job now? Its attempt number, or
     :class:`LeaseRefused` (the lease is not live and its, or it never started)."""
+    attempt = upload_lease(store, node_name, job_id, lease_id=lease_id, now=now).attempt
+    assert attempt is not None  # upload_lease refuses a lease of no attempt
+    return attempt
+
+
+def upload_lease(
+    store: ClusterStore, node_name: str, job_id: str, *, lease_id: str, now: float
+) -> Lease:
+    """:func:`check_upload`, answering with the lease itself (for :func:`finish`)."""
     lease = _held_lease(store, node_name, job_id, lease_id, now)
     if not lease.started or lease.attempt is None:
         raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
-    return lease.attempt
+    return lease
 
 
 def check_fetch(
@@ -374,19 +383,22 @@ def finish(
     stderr: str = "",
     release: bool = False,
     output_dir: str | None = None,
+    lease: Lease | None = None,
 ) -> dict[str, Any]:
     """The node's attempt of the leased job ended in ``state`` (``queued``: the
     node retries it itself, and keeps the lease; with ``release``, the node gives
     it back, and it is offered again). Past the type's ``max_retries`` counted
-    over every node, a retry becomes quarantine."""
+    over every node, a retry becomes quarantine. ``lease``: the lease as
+    :func:`upload_lease` just checked it for this node, lease id and time (else
+    it is read and checked here)."""
     if state not in END_STATES:
         raise UserError(
             f"an attempt ends in one of {', '.join(sorted(s.value for s in END_STATES))}, "
             f"not {state.value}"
         )
-    lease = _held_lease(store, node_name, job_id, lease_id, now)
-    if not lease.started or lease.attempt is None:
-        raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
+    if lease is None or lease.lease_id != lease_id or lease.node != node_name:
+        lease = upload_lease(store, node_name, job_id, lease_id=lease_id, now=now)
+    assert lease.attempt is not None  # upload_lease refuses a lease of no attempt
     if state is JobState.QUEUED:
         current = store.get_job(job_id)
         target, why = retry_or_quarantine(

@@ -301,6 +301,15 @@ class PostgresStore(SqlClusterStore[Conn]):
         with self._connection() as conn:
             return conn.execute(self.queries[query], params, prepare=False).fetchall()
 
+    def _write_one(self, query: str, params: dict[str, Any]) -> int:
+        # autocommit: the statement is a transaction of its own, one round trip
+        with self._connection() as conn:
+            return int(conn.execute(self.queries[query], params).rowcount)
+
+    def _write_one_row(self, query: str, params: dict[str, Any], reread: str) -> Row | None:
+        with self._connection() as conn:  # RETURNING *, in autocommit
+            return conn.execute(self.queries[query], params).fetchone()
+
     def _lease_rows(self, conn: Conn, wanted: list[str], params: dict[str, Any]) -> list[str]:
         found = conn.execute(self.queries["lease_free_jobs"], {**params, "ids": wanted})
         return [r["job_id"] for r in found]

@@ -93,14 +93,23 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
             return True
 
     def touch_node(self, name: str, report: dict[str, Any], now: float) -> NodeRecord | None:
+        row = self._write_one_row(
+            "touch_node", {"name": name, "report": self._json(report), "now": now}, "get_node"
+        )
+        return self._node(row) if row is not None else None
+
+    # -- single statements ----------------------------------------------------
+
+    def _write_one(self, query: str, params: dict[str, Any]) -> int:
+        """A write that is one statement, committed; its row count. (A dialect
+        whose connections are in autocommit runs it without BEGIN and COMMIT.)"""
         with self._write() as conn:
-            row = self._returning(
-                conn,
-                "touch_node",
-                {"name": name, "report": self._json(report), "now": now},
-                reread="get_node",
-            )
-            return self._node(row) if row is not None else None
+            return int(self._run(conn, query, params).rowcount)
+
+    def _write_one_row(self, query: str, params: dict[str, Any], reread: str) -> Row | None:
+        """A write of one row that is one statement, committed; the row written."""
+        with self._write() as conn:
+            return self._returning(conn, query, params, reread=reread)
 
     # -- leases -------------------------------------------------------------
 
@@ -225,23 +234,14 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         now: float,
         job_ids: Sequence[str] | None = None,
     ) -> int:
-        with self._write() as conn:
-            if job_ids is None:
-                cur = self._run(
-                    conn, "renew_leases", {"node": node, "expires_at": expires_at, "now": now}
-                )
-            else:
-                cur = self._run(
-                    conn,
-                    "renew_leases_of",
-                    {
-                        "node": node,
-                        "expires_at": expires_at,
-                        "now": now,
-                        "ids": self._ids(list(job_ids)),
-                    },
-                )
-            return int(cur.rowcount)
+        if job_ids is None:
+            return self._write_one(
+                "renew_leases", {"node": node, "expires_at": expires_at, "now": now}
+            )
+        return self._write_one(
+            "renew_leases_of",
+            {"node": node, "expires_at": expires_at, "now": now, "ids": self._ids(list(job_ids))},
+        )
 
     def leases(self, node: str | None = None) -> list[Lease]:
         found = (
@@ -254,31 +254,23 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         return rows.lease(found[0]) if found else None
 
     def drop_lease(self, job_id: str, *, lease_id: str | None = None) -> bool:
-        with self._write() as conn:
-            cur = self._run(conn, "drop_lease", {"job_id": job_id, "lease_id": lease_id})
-            return cur.rowcount == 1
+        return self._write_one("drop_lease", {"job_id": job_id, "lease_id": lease_id}) == 1
 
     def mark_lease_started(
         self, job_id: str, attempt: int | None, *, lease_id: str | None = None
     ) -> bool:
-        with self._write() as conn:
-            cur = self._run(
-                conn,
-                "mark_lease_started",
-                {
-                    "job_id": job_id,
-                    "lease_id": lease_id,
-                    "started": attempt is not None,
-                    "attempt": attempt,
-                },
-            )
-            return cur.rowcount == 1
+        params = {
+            "job_id": job_id,
+            "lease_id": lease_id,
+            "started": attempt is not None,
+            "attempt": attempt,
+        }
+        return self._write_one("mark_lease_started", params) == 1
 
     # -- where jobs were lost -------------------------------------------------
 
     def add_lost(self, job_id: str, node: str, *, now: float) -> None:
-        with self._write() as conn:
-            self._run(conn, "add_lost", {"job_id": job_id, "node": node, "now": now})
+        self._write_one("add_lost", {"job_id": job_id, "node": node, "now": now})
 
     def lost_nodes(self, job_id: str) -> list[str]:
         return [r["node"] for r in self._read("lost_nodes", job_id=job_id)]

@@ -367,11 +367,11 @@ def _finish(ctx: ApiContext, name: str, job_id: str, body: FinishIn) -> dict[str
     """The finish report of one leased job (:class:`co.LeaseRefused` when refused)."""
     store = cluster_store(ctx)
     output_dir: str | None = None
+    lease = None
+    now = ctx.clock()
     if body.state in (JobState.DONE, JobState.FAILED):
-        attempt = co.check_upload(
-            store, name, _job_id(job_id), lease_id=body.lease_id, now=ctx.clock()
-        )
-        folder = outputs_dir(ctx, job_id, attempt)
+        lease = co.upload_lease(store, name, _job_id(job_id), lease_id=body.lease_id, now=now)
+        folder = outputs_dir(ctx, job_id, lease.attempt or 0)
         folder.mkdir(parents=True, exist_ok=True)
         output_dir = str(folder)
     return co.finish(
@@ -383,13 +383,14 @@ def _finish(ctx: ApiContext, name: str, job_id: str, body: FinishIn) -> dict[str
         state=body.state,
         outcome=body.outcome,
         reason=body.reason,
-        now=ctx.clock(),
+        now=now,
         exit_code=body.exit_code,
         result=body.result,
         stdout=body.stdout,
         stderr=body.stderr,
         release=body.release,
         output_dir=output_dir,
+        lease=lease,
     )
 
 
