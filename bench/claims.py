@@ -6,6 +6,7 @@ asking for up to ``--want`` jobs; every job claimed is started and finished at
 once, so the queue drains. Prints the figures, then one JSON line.
 
     .venv/bin/python bench/claims.py --url postgresql://postgres@127.0.0.1:5432/test
+    .venv/bin/python bench/claims.py --smoke      # seconds: tests/bench/test_claims_smoke.py
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--want", type=int, default=4)
+    p.add_argument("--smoke", action="store_true", help="a size for tests: a few seconds")
     args = p.parse_args()
+    if args.smoke:
+        args.jobs, args.nodes, args.threads = 40, 2, 2
     schema = f"gw_bench_{uuid.uuid4().hex[:12]}"
     store = PostgresStore(args.url, schema=schema, max_size=args.threads + 2)
     registry = Registry.load([REPO / "src" / "gpuwarden" / "modules"])

@@ -46,10 +46,17 @@ class Switch(httpx.BaseTransport):
     def __init__(self, inner: httpx.BaseTransport) -> None:
         self.inner = inner
         self.down = False
+        #: paths answered 404, as by a coordinator without those routes
+        self.gone: set[str] = set()
+        #: every path asked for, in order
+        self.paths: list[str] = []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if self.down:
             raise httpx.ConnectError("the coordinator is down (test)")
+        self.paths.append(request.url.path)
+        if request.url.path in self.gone:
+            return httpx.Response(404, json={"error": "Not Found"})
         got = self.inner.handle_request(request)
         return httpx.Response(got.status_code, headers=got.headers, content=got.read())
 
@@ -175,6 +182,31 @@ def test_a_leased_job_runs_here_and_its_result_goes_up(rig: Rig) -> None:
     assert job.result["outputs"] == ["echo.txt"]
     mine = Path(job.result["node_output_dir"]) / "echo.txt"
     assert (here / "echo.txt").read_bytes() == mine.read_bytes()
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "old-coordinator"])
+def test_reports_go_several_a_request_or_one_each(rig: Rig, batched: bool) -> None:
+    if not batched:
+        rig.switch.gone.add("/v1/node/reports")
+    registry = Registry.load(MODULES)
+    ids = [f"b{i}" for i in range(6)]
+    rig.store.submit(
+        [prepare(registry, JobSpec(id=i, type="echo.echo", params={"text": i})) for i in ids],
+        now=time.time(),
+    )
+    rig.until("all done", lambda: all(rig.job(i).state is JobState.DONE for i in ids))
+    for i in ids:
+        assert len(rig.store.attempts(i)) == 1 and rig.store.lease_of(i) is None
+    singles = [p for p in rig.switch.paths if p.endswith(("/start", "/finish"))]
+    batches = rig.switch.paths.count("/v1/node/reports")
+    if batched:
+        assert batches >= 1 and singles == []
+        assert batches < 2 * len(ids)  # several reports a request
+    else:  # asked once, then one report a request
+        assert batches == 1 and len(singles) == 2 * len(ids)
+    audited = [(a.action, a.target) for a in rig.store.audit_rows()]
+    for i in ids:
+        assert ("node.start", i) in audited and ("node.finish", i) in audited
 
 
 def test_a_job_with_staged_inputs_is_fetched_and_runs_here(rig: Rig, tmp_path: Path) -> None:

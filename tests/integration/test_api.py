@@ -250,6 +250,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "node.claim": {"node"},
         "node.start": {"node"},
         "node.finish": {"node"},
+        "node.report": {"node"},
         "node.upload": {"node"},
         "node.fetch": {"node"},
         "node.list": {R, OP},

@@ -222,3 +222,54 @@ def test_claimable_jobs_take_input_jobs_whose_inputs_were_staged(store: Store) -
     )
     got = {j.id: j.input_dir for j in s.claimable_jobs(now=5.0)}
     assert got == {"st": "/staging/b", "plain": None}  # no inputs: nothing to fetch
+
+
+def test_claimable_jobs_page_after_a_job_in_their_order(store: Store) -> None:
+    s = cs(store)
+    submit(s, "a", "b", "c")
+    s.submit([JobSpec(id="hi", type="echo.echo", params={"text": "x"}, priority=5)], now=2.0)
+    s.lease_jobs("n", ["b"], lease_id="L", expires_at=10.0, now=1.0)
+    first = s.claimable_jobs(now=5.0, limit=2)
+    assert [j.id for j in first] == ["hi", "a"]
+    rest = s.claimable_jobs(now=5.0, limit=10, after=(first[-1].priority, first[-1].seq))
+    assert [j.id for j in rest] == ["c"]  # b is leased
+    after_hi = s.claimable_jobs(now=5.0, limit=10, after=(first[0].priority, first[0].seq))
+    assert [j.id for j in after_hi] == ["a", "c"]
+    assert s.claimable_jobs(now=5.0, after=(rest[-1].priority, rest[-1].seq)) == []
+
+
+def test_live_lease_counts_and_expired_leases(store: Store) -> None:
+    s = cs(store)
+    submit(s, "a", "b", "c", "d")
+    s.lease_jobs("n1", ["a", "b"], lease_id="L1", expires_at=10.0, now=1.0)
+    s.lease_jobs("n2", ["c"], lease_id="L2", expires_at=5.0, now=1.0)
+    assert s.live_lease_counts(4.0) == {"n1": 2, "n2": 1}
+    assert s.live_lease_counts(5.0) == {"n1": 2}
+    assert s.live_lease_counts(10.0) == {}
+    assert [lease.job_id for lease in s.expired_leases(4.0)] == []
+    assert [lease.job_id for lease in s.expired_leases(5.0)] == ["c"]
+    assert sorted(lease.job_id for lease in s.expired_leases(10.0)) == ["a", "b", "c"]
+
+
+def test_queued_cancel_requests_without_a_live_lease(store: Store) -> None:
+    s = cs(store)
+    submit(s, "a", "b", "c")
+    for job_id in ("a", "b"):  # back in the queue with a cancel request
+        s.start_attempt(job_id, node="x", gpu_uuid=None, now=2.0)
+        s.request_cancel(job_id, now=3.0)
+        s.finish_attempt(
+            job_id, 1, target=JobState.QUEUED, now=4.0, outcome="interrupted", reason="r"
+        )
+    s.lease_jobs("n", ["c"], lease_id="L", expires_at=50.0, now=4.0)
+    with s._write() as conn:  # b's node still holds a live lease on it
+        s._run(conn, "put_lease", {"job_id": "b", "node": "n", "lease_id": "L2",
+                                   "expires_at": 50.0, "now": 4.0})  # fmt: skip
+    assert s.queued_cancel_requests(10.0) == ["a"]
+    assert s.queued_cancel_requests(50.0) == ["a", "b"]
+
+
+def test_jobs_by_ids_in_submission_order(store: Store) -> None:
+    s = cs(store)
+    submit(s, "a", "b", "c")
+    assert [j.id for j in s.jobs_by_ids(["c", "zz", "a", "c"])] == ["a", "c"]
+    assert s.jobs_by_ids([]) == []

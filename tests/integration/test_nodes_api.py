@@ -179,6 +179,50 @@ def test_claim_start_finish_over_http(env: Env) -> None:
     assert any(a.action == "node.claim" and a.detail["jobs"] == ["j20"] for a in rows)
 
 
+def test_reports_in_one_request_each_as_its_own_route(env: Env) -> None:
+    env.enrol("a")
+    env.enrol("b")
+    env.store.submit([gpu_job("r1", 1), gpu_job("r2", 1)], now=env.clock.t)
+    jobs = env.post("/v1/node/claim", "a", {"report": report(24), "want": 4}).json()["jobs"]
+    lease = {j["id"]: j["lease_id"] for j in jobs}
+    assert set(lease) == {"r1", "r2"}
+    done = {"state": "done", "outcome": "succeeded", "reason": "done", "exit_code": 0}
+    batch = [
+        {"kind": "start", "job": "r1", "lease_id": lease["r1"], "gpu": "GPU-0"},
+        {"kind": "finish", "job": "r1", "lease_id": lease["r1"], **done},
+        {"kind": "start", "job": "r2", "lease_id": "not-its-lease"},
+        {"kind": "finish", "job": "r2", "lease_id": lease["r2"], **done},  # never started
+        {"kind": "finish", "job": "r1", "lease_id": lease["r1"], "state": "running"},
+    ]
+    r = env.post("/v1/node/reports", "a", {"reports": batch})
+    assert r.status_code == 200, r.text
+    got = r.json()["results"]
+    assert [(x["job"], x["kind"], x["status"]) for x in got] == [
+        ("r1", "start", 200),
+        ("r1", "finish", 200),
+        ("r2", "start", 409),
+        ("r2", "finish", 409),
+        ("r1", "finish", 422),  # not a state an attempt ends in
+    ]
+    assert got[0]["attempt"] == 1 and got[1]["state"] == "done"
+    assert "not leased to node a" in got[2]["error"]
+    r1, r2 = env.store.get_job("r1"), env.store.get_job("r2")
+    assert r1 is not None and r1.state is JobState.DONE and r1.result["node"] == "a"
+    assert r2 is not None and r2.state is JobState.QUEUED
+    # another node cannot report on a's jobs, one report at a time or several
+    r = env.post("/v1/node/reports", "b", {"reports": [batch[2] | {"lease_id": lease["r2"]}]})
+    assert r.json()["results"][0]["status"] == 409
+    # each report is audited as its own route would be, under its job
+    rows = [(a.action, a.target, a.outcome[:7]) for a in env.store.audit_rows()]
+    assert ("node.start", "r1", "ok") in rows and ("node.finish", "r1", "ok") in rows
+    assert ("node.start", "r2", "refused") in rows and ("node.finish", "r2", "refused") in rows
+    assert not [row for row in rows if row[0] == "node.report"]
+    # a body that is not a list of reports is refused whole
+    bad = [{"kind": "stop", "job": "r1", "lease_id": "x"}]
+    assert env.post("/v1/node/reports", "a", {"reports": bad}).status_code == 422
+    assert env.post("/v1/node/reports", "a", {"reports": []}).status_code == 422
+
+
 def _started(env: Env, node: str, job_id: str) -> str:
     """A job leased to ``node`` and started there: its lease id."""
     env.store.submit([gpu_job(job_id, 1)], now=env.clock.t)
@@ -403,6 +447,12 @@ ROLE_CASES = [
     ("POST", "/v1/node/claim", {"node"}, {"report": {}}),
     ("POST", "/v1/node/jobs/j/start", {"node"}, {"lease_id": "x"}),
     ("POST", "/v1/node/jobs/j/finish", {"node"}, {"lease_id": "x", "state": "done"}),
+    (
+        "POST",
+        "/v1/node/reports",
+        {"node"},
+        {"reports": [{"kind": "start", "job": "j", "lease_id": "x"}]},
+    ),
     ("PUT", "/v1/node/jobs/j/outputs/o.txt?lease_id=x", {"node"}, None),
     ("GET", "/v1/node/jobs/j/inputs/i.txt?lease_id=x", {"node"}, None),
     ("GET", "/v1/nodes", {"owner", "operator"}, None),

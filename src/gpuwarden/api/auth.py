@@ -76,6 +76,7 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "node.claim":    (None, None,    None,     ALL,  None),
     "node.start":    (None, None,    None,     ALL,  None),
     "node.finish":   (None, None,    None,     ALL,  None),
+    "node.report":   (None, None,    None,     ALL,  None),
     "node.upload":   (None, None,    None,     ALL,  None),
     "node.fetch":    (None, None,    None,     ALL,  None),
     "node.list":     (ALL,  ALL,     None,     None, None),
@@ -91,7 +92,7 @@ _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)
 MUTATING = frozenset(
     {"job.submit", "job.cancel", "token.create", "token.revoke"}
     | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
-    | {"node.finish", "node.upload", "node.drain", "node.resume", "node.revoke"}
+    | {"node.finish", "node.report", "node.upload", "node.drain", "node.resume", "node.revoke"}
     | {"gpu.clear"}
 )
 #: actions that need no token

@@ -7,12 +7,14 @@ revoke; in its store, or with ``--url`` through its API).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -34,7 +36,7 @@ from gpuwarden.cli.common import (
     out,
     parse_address,
 )
-from gpuwarden.cli.httpserver import ApiThread
+from gpuwarden.cli.httpserver import ApiThread, listen
 from gpuwarden.client import Client
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster import report
@@ -94,6 +96,14 @@ def _add_coordinator(sub: Commands) -> None:
         type=Path,
         metavar="DIR",
         help="a queue root to read bundles from, besides the config's queue_roots (repeatable)",
+    )
+    sp.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes serving the API on the one address (default 1; more need PostgreSQL): "
+        "each has its own connections, and one of them sweeps",
     )
     _local_flags(sp)
     sp.set_defaults(func=cmd_coordinator)
@@ -184,10 +194,88 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         _refuse_a_password_on_the_command_line(args.db)
     config = config_of(args)
     host, port = parse_address(args.bind)
+    workers = int(getattr(args, "workers", 1))
+    if workers < 1:
+        raise UserError("--workers must be at least 1")
+    db = args.db or config.database
+    if workers > 1 and not (db and db.startswith(DATABASE_URL_PREFIXES)):
+        raise UserError(
+            "--workers above 1 needs a PostgreSQL store (--db postgresql://..., or the "
+            "config's database): the processes share it"
+        )
     roots = [
         QueueRoot.open(p, create=config.create_queue_roots)
         for p in dict.fromkeys([*config.queue_roots, *(q.resolve() for q in args.queues)])
     ]
+    if workers == 1:
+        return _serve_coordinator(args, config, host, port, roots=roots)
+    try:
+        sock = listen(host, port)
+    except OSError as exc:
+        raise UserError(f"the coordinator cannot listen on {host}:{port}: {exc}") from None
+    # the other workers are forked before any store, pool or thread exists here;
+    # each opens its own store and serves the API on the shared socket
+    children = [_fork_worker(args, config, sock) for _ in range(workers - 1)]
+    try:
+        return _serve_coordinator(args, config, host, port, roots=roots, sock=sock)
+    finally:
+        _stop_workers(children)
+        sock.close()
+
+
+def _fork_worker(args: argparse.Namespace, config: Config, sock: socket.socket) -> int:
+    """A worker process serving the API on a socket of its own bound to the
+    address of ``sock`` (``SO_REUSEPORT``); its PID. It reads no queue root (the
+    first process does) and exits when told to (SIGTERM)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        host, port = sock.getsockname()[:2]
+        sock.close()  # the first process's; this one listens on its own
+        own = listen(host, port)
+        code = _serve_coordinator(args, config, host, port, roots=[], sock=own, quiet=True)
+    except BaseException:  # a worker never returns into the parent's code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return 0  # pragma: no cover - unreachable
+
+
+def _stop_workers(pids: list[int], wait_s: float = 15.0) -> None:
+    """SIGTERM to each worker; SIGKILL to one still there after ``wait_s``."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    for pid in pids:
+        try:
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > deadline:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.05)
+        except ChildProcessError:
+            pass  # reaped already
+
+
+def _serve_coordinator(
+    args: argparse.Namespace,
+    config: Config,
+    host: str,
+    port: int,
+    *,
+    roots: list[QueueRoot],
+    sock: socket.socket | None = None,
+    quiet: bool = False,
+) -> int:
+    """One process of the coordinator: its store, the API (on ``sock`` when the
+    socket is shared), the queue roots' watcher, until SIGTERM or SIGINT."""
     store, where = _coordinator_store(args.db, config)
     watcher: QueueWatcher | None = None
     try:
@@ -195,7 +283,14 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         # node runs, and placement and submission judge by what the agents report
         registry = Registry.load(config.module_paths, LaunchRules.unchecked())
         api = ApiThread(
-            store, registry, config, host, port, name="gpuwarden-coordinator", coordinator=True
+            store,
+            registry,
+            config,
+            host,
+            port,
+            name="gpuwarden-coordinator",
+            coordinator=True,
+            sock=sock,
         )
 
         def on_signal(_signum: int, _frame: Any) -> None:
@@ -210,7 +305,16 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
             )
         url = config.cluster.coordinator_url or advertised_url(*api.bound)
         api.advertise(url)
-        _say_listening(api, url=url, config=config, where=where, registry=registry, roots=roots)
+        if not quiet:
+            _say_listening(
+                api,
+                url=url,
+                config=config,
+                where=where,
+                registry=registry,
+                roots=roots,
+                workers=int(getattr(args, "workers", 1)),
+            )
         if roots:
             # bundles in, result bundles out; agents run the jobs
             watcher = QueueWatcher(store, registry, config, roots)
@@ -246,6 +350,7 @@ def _say_listening(
     where: str,
     registry: Registry,
     roots: list[QueueRoot],
+    workers: int = 1,
 ) -> None:
     """What the coordinator tells its operator once it listens."""
     c = config.cluster
@@ -259,6 +364,7 @@ def _say_listening(
         f"  leases      {c.lease_s:g} s; offline after {c.offline_after_s:g} s; "
         f"sweep every {c.sweep_every_s:g} s\n"
         f"  queue roots {', '.join(str(r.path) for r in roots) or 'none'}"
+        + (f"\n  workers     {workers} processes on the one address" if workers > 1 else "")
     )
     if ignored := _launch_keys_set(config):
         verb = "mean" if len(ignored) > 1 else "means"

@@ -8,6 +8,7 @@ while a command waits for a job, and the mapping of errors to exit statuses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import getpass
 import os
@@ -328,15 +329,25 @@ class StopSignals:
     def _on_signal(self, _signum: int, _frame: Any) -> None:
         for b in self._brokers:
             b.wake()
+        # written straight to the descriptor, not through rich: the handler runs
+        # between two bytecodes of the main thread, which may be inside rich's
+        # own print (its lazy import of the emoji table then failed: the agent
+        # exited 1 on a SIGTERM that came during its first line)
         if self.stop.is_set():
             self.force.set()
-            err.print("second signal: stopping running jobs now")
+            _say_now("second signal: stopping running jobs now")
         else:
             self.stop.set()
-            err.print(
+            _say_now(
                 f"stopping: no new jobs; running jobs get up to "
                 f"{self._grace_s:g} s (signal again to stop them now)"
             )
+
+
+def _say_now(line: str) -> None:
+    """One line to stderr, safe from a signal handler."""
+    with contextlib.suppress(OSError):
+        os.write(2, (line + "\n").encode("utf-8", "replace"))
 
 
 # -- what a command shows ---------------------------------------------------------

@@ -7,6 +7,8 @@ when ``gpuwarden`` starts (every other command would pay for them)."""
 
 from __future__ import annotations
 
+import functools
+import socket
 import threading
 import time
 
@@ -34,9 +36,13 @@ class ApiThread:
         name: str,
         coordinator: bool = False,
         broker: Broker | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         """``broker``: the broker running in this process, if any: a submit wakes
-        its loop, and a ``wait`` is told by it when the job ended."""
+        its loop, and a ``wait`` is told by it when the job ended. ``sock``: a
+        socket listening already (shared by several worker processes,
+        ``coordinator --workers``); ``host`` and ``port`` are then what it was
+        bound to."""
         # the web stack, only here (the module docstring says why)
         import uvicorn  # noqa: PLC0415
 
@@ -54,9 +60,23 @@ class ApiThread:
             nodes.install_coordinator(self.app)
         self._advertise = nodes.set_coordinator_url
         self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="on")
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=port,
+                log_level="warning",
+                lifespan="on",
+                # httptools (a dependency) parses HTTP/1.1 in C where it is installed,
+                # else h11; no access log line is formatted per request (the audit
+                # log records what was done); keep-alive connections stay open 30 s
+                # between requests (agents and clients send one every few seconds)
+                http="auto",
+                access_log=False,
+                timeout_keep_alive=30,
+            )
         )
-        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
+        run = self.server.run if sock is None else functools.partial(self.server.run, [sock])
+        self.thread = threading.Thread(target=run, name=name, daemon=True)
         #: the address listened on once started (port 0 is then the port it got)
         self.bound: tuple[str, int] = (host, port)
 
@@ -93,3 +113,24 @@ class ApiThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` with ``SO_REUSEPORT``: several
+    processes each bind one to the same address (``coordinator --workers``), and
+    the kernel spreads new connections across them (one socket accepted on by all
+    would hand most to whichever process wakes first). ``TCP_NODELAY`` is set on
+    it, and so on the connections it accepts: without it a response written in two
+    parts waited for the client's delayed ACK (40 ms). Raises :class:`OSError`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock

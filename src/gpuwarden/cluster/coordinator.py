@@ -41,7 +41,6 @@ from gpuwarden.cluster.nodeview import (
     Timing,
     is_fresh,
     judged_views,
-    live_counts,
     node_view,
     offerable,
 )
@@ -67,6 +66,11 @@ _START_TRIES = 5
 
 #: used when a job's type is not known here (the coordinator's modules lack it)
 DEFAULT_MAX_RETRIES = 2
+
+#: a claim reads the queue this many jobs at a time (at least four per free slot)
+CLAIM_PAGE = 64
+#: and at most this many jobs in all (placement looks no further down the queue)
+CLAIM_SCAN = 1000
 
 
 class LeaseRefused(UserError):
@@ -127,9 +131,8 @@ def type_refusal(store: ClusterStore, registry: Registry, jobtype: JobType) -> s
 
 
 def _others(
-    store: ClusterStore, name: str, leases: list[Lease], now: float, timing: Timing
+    store: ClusterStore, name: str, counts: Mapping[str, int], now: float, timing: Timing
 ) -> list[NodeView]:
-    counts = live_counts(leases, now)
     return [
         node_view(r, busy=counts.get(r.name, 0))
         for r in store.list_nodes()
@@ -137,16 +140,17 @@ def _others(
     ]
 
 
-def _offerable_jobs(
+def _offerable(
     store: ClusterStore,
     registry: Registry,
-    now: float,
+    found: list[Claimable],
+    *,
+    footprints: Mapping[str, int],
     types: Collection[str] | None,
-    inputs_here: Callable[[str], bool] | None = None,
+    inputs_here: Callable[[str], bool] | None,
 ) -> list[Offerable]:
-    footprints = {t: f.bytes for t, f in store.footprints().items()}
     out = []
-    for job in store.claimable_jobs(now=now, limit=1000):
+    for job in found:
         if types is not None and job.type not in types:
             continue
         if job.input_dir is not None and (inputs_here is None or not inputs_here(job.input_dir)):
@@ -156,6 +160,48 @@ def _offerable_jobs(
         if off is not None:
             out.append(off)
     return out
+
+
+def _offers(
+    store: ClusterStore,
+    registry: Registry,
+    view: NodeView,
+    *,
+    others: Callable[[], list[NodeView]],
+    now: float,
+    timing: Timing,
+    types: Collection[str] | None,
+    inputs_here: Callable[[str], bool] | None,
+) -> list[str]:
+    """What placement offers the node, reading the queue a page at a time: the
+    first :data:`CLAIM_PAGE` jobs (at least four per free slot) in the order
+    placement takes them, the next page only while the node still has room and
+    the page was full, up to :data:`CLAIM_SCAN` jobs in all. Placement takes jobs
+    in that order and stops when the slots are full, so a page that fills them
+    gives what the whole queue would."""
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    page = max(CLAIM_PAGE, 4 * view.slots)
+    queued: list[Offerable] = []
+    nodes: list[NodeView] | None = None
+    after: tuple[int, int] | None = None
+    read = 0
+    while True:
+        found = store.claimable_jobs(now=now, limit=min(page, CLAIM_SCAN - read), after=after)
+        read += len(found)
+        queued += _offerable(
+            store, registry, found, footprints=footprints, types=types, inputs_here=inputs_here
+        )
+        if queued:
+            nodes = others() if nodes is None else nodes
+            ids = placement.offers_for(
+                view, queued, nodes, now=now, affinity_wait_s=timing.affinity_wait_s
+            )
+        else:
+            ids = []
+        if len(ids) >= view.slots or len(found) < page or read >= CLAIM_SCAN:
+            return ids
+        after = (found[-1].priority, found[-1].seq)
+        page *= 4
 
 
 # -- the node endpoints ---------------------------------------------------------
@@ -184,56 +230,62 @@ def claim(
     types: Collection[str] | None = None,
     want: int | None = None,
     inputs_here: Callable[[str], bool] | None = None,
+    record: NodeRecord | None = None,
 ) -> list[dict[str, Any]]:
     """Lease to the node the jobs placement offers it now; return their payloads
     (with the lease id). ``types``: the job types the node can run (None: any);
     ``want``: the most jobs it asks for; ``inputs_here``: whether a job's staged
     input folder is on this coordinator (None: no job with input files is offered;
-    the node fetches the files with ``GET /v1/node/jobs/{id}/inputs/{name}``)."""
+    the node fetches the files with ``GET /v1/node/jobs/{id}/inputs/{name}``);
+    ``record``: the node as the caller just read or wrote it (else it is read)."""
     timing = timing or Timing(lease_s=lease_s)
-    record = store.get_node(node_name)
+    record = record or store.get_node(node_name)
     if record is None or record.state is not NodeState.ACTIVE:
         return []
-    leases = store.leases()
-    mine = live_counts(leases, now).get(node_name, 0)
+    counts = store.live_lease_counts(now)
+    mine = counts.get(node_name, 0)
     view = dataclasses.replace(view, busy=max(view.busy, mine))
     if want is not None:
         view = dataclasses.replace(view, max_jobs=min(view.max_jobs, view.busy + max(0, want)))
     if view.slots == 0:
         return []
-    queued = _offerable_jobs(store, registry, now, types, inputs_here)
-    if not queued:
-        return []
-    others = _others(store, node_name, leases, now, timing)
-    ids = placement.offers_for(
-        view, queued, others, now=now, affinity_wait_s=timing.affinity_wait_s
+
+    def others() -> list[NodeView]:
+        return _others(store, node_name, counts, now, timing)
+
+    ids = _offers(
+        store,
+        registry,
+        view,
+        others=others,
+        now=now,
+        timing=timing,
+        types=types,
+        inputs_here=inputs_here,
     )
     if not ids:
         return []
     lease_id = secrets.token_hex(8)
     expires_at = now + lease_s
     got = store.lease_jobs(node_name, ids, lease_id=lease_id, expires_at=expires_at, now=now)
-    out = []
-    for job_id in got:
-        job = store.get_job(job_id)
-        if job is None:  # pragma: no cover - a leased job exists
-            continue
-        out.append(
-            {
-                "id": job.id,
-                "type": job.type,
-                "params": job.params,
-                "outputs": list(job.outputs),
-                "inputs": list(job.inputs),
-                "priority": job.priority,
-                "vram_bytes": job.vram_bytes,
-                "constraints": job.constraints,
-                "attempts": job.attempts,
-                "lease_id": lease_id,
-                "expires_at": expires_at,
-            }
-        )
-    return out
+    jobs = {job.id: job for job in store.jobs_by_ids(got)}
+    return [
+        {
+            "id": job.id,
+            "type": job.type,
+            "params": job.params,
+            "outputs": list(job.outputs),
+            "inputs": list(job.inputs),
+            "priority": job.priority,
+            "vram_bytes": job.vram_bytes,
+            "constraints": job.constraints,
+            "attempts": job.attempts,
+            "lease_id": lease_id,
+            "expires_at": expires_at,
+        }
+        for job in (jobs.get(i) for i in got)
+        if job is not None
+    ]
 
 
 def _held_lease(
@@ -258,10 +310,19 @@ def check_upload(
 ) -> int:
     """May the node upload an output of the leased job now? Its attempt number, or
     :class:`LeaseRefused` (the lease is not live and its, or it never started)."""
+    attempt = upload_lease(store, node_name, job_id, lease_id=lease_id, now=now).attempt
+    assert attempt is not None  # upload_lease refuses a lease of no attempt
+    return attempt
+
+
+def upload_lease(
+    store: ClusterStore, node_name: str, job_id: str, *, lease_id: str, now: float
+) -> Lease:
+    """:func:`check_upload`, answering with the lease itself (for :func:`finish`)."""
     lease = _held_lease(store, node_name, job_id, lease_id, now)
     if not lease.started or lease.attempt is None:
         raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
-    return lease.attempt
+    return lease
 
 
 def check_fetch(
@@ -322,19 +383,22 @@ def finish(
     stderr: str = "",
     release: bool = False,
     output_dir: str | None = None,
+    lease: Lease | None = None,
 ) -> dict[str, Any]:
     """The node's attempt of the leased job ended in ``state`` (``queued``: the
     node retries it itself, and keeps the lease; with ``release``, the node gives
     it back, and it is offered again). Past the type's ``max_retries`` counted
-    over every node, a retry becomes quarantine."""
+    over every node, a retry becomes quarantine. ``lease``: the lease as
+    :func:`upload_lease` just checked it for this node, lease id and time (else
+    it is read and checked here)."""
     if state not in END_STATES:
         raise UserError(
             f"an attempt ends in one of {', '.join(sorted(s.value for s in END_STATES))}, "
             f"not {state.value}"
         )
-    lease = _held_lease(store, node_name, job_id, lease_id, now)
-    if not lease.started or lease.attempt is None:
-        raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
+    if lease is None or lease.lease_id != lease_id or lease.node != node_name:
+        lease = upload_lease(store, node_name, job_id, lease_id=lease_id, now=now)
+    assert lease.attempt is not None  # upload_lease refuses a lease of no attempt
     if state is JobState.QUEUED:
         current = store.get_job(job_id)
         target, why = retry_or_quarantine(
@@ -534,9 +598,7 @@ def sweep(
     if not store.try_maintenance_lock():
         return {"leader": False}
     dropped = interrupted = offline = cancelled = 0
-    for lease in store.leases():
-        if lease.live(now):
-            continue
+    for lease in store.expired_leases(now):
         if _reclaim(
             store, registry, lease, now, f"its node {lease.node} stopped renewing its lease"
         ):
@@ -553,16 +615,14 @@ def sweep(
             )
         ):
             offline += 1
-    live = {lease.job_id for lease in store.leases() if lease.live(now)}
-    for job in store.queued_jobs(limit=10_000):
-        if job.cancel_requested and job.id not in live:
-            try:
-                store.transition(
-                    job.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
-                )
-                cancelled += 1
-            except TransitionError:
-                pass
+    for job_id in store.queued_cancel_requests(now):
+        try:
+            store.transition(
+                job_id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
+            )
+            cancelled += 1
+        except TransitionError:
+            pass
     return {
         "leader": True,
         "dropped": dropped,

@@ -91,6 +91,17 @@ class Coordinator:
     def finish(self, job_id: str, body: dict[str, Any]) -> dict[str, Any]:
         return self.post(f"/v1/node/jobs/{job_id}/finish", body)
 
+    def reports(self, reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several start and finish reports in one request (``POST /v1/node/reports``,
+        each ``{"kind", "job", ...}``): one answer each, in order, with its
+        ``status``. :class:`Refused` with status 404 from a coordinator without
+        the route."""
+        answer = self.post("/v1/node/reports", {"reports": reports})
+        results = answer.get("results")
+        if not isinstance(results, list) or len(results) != len(reports):
+            raise CoordinatorError("the coordinator's answer to a batch of reports is not one")
+        return [r if isinstance(r, dict) else {} for r in results]
+
     def upload(self, job_id: str, lease_id: str, rel: str, root: Path) -> dict[str, Any]:
         """Send the output file ``root/rel`` (streamed) to the coordinator. The file
         is a job's: it is opened by descriptor below ``root``, never through a link,

@@ -37,6 +37,9 @@ log = logging.getLogger("gpuwarden.agent")
 #: outcomes of a local attempt ended because this agent stopped
 _SHUTDOWN_OUTCOMES = frozenset({"shutdown"})
 
+#: the most reports sent in one request (``POST /v1/node/reports``)
+REPORT_BATCH = 64
+
 
 @dataclass
 class Held:
@@ -97,6 +100,8 @@ class Agent:
         self._last_claim = -1e9
         self._claim_now = True
         self._warned_at = -1e9
+        #: whether the coordinator takes several reports a request (until it says no)
+        self._batched = True
         self.stopping = False
         self.set_lease(lease_s)
 
@@ -245,7 +250,21 @@ class Agent:
             return False
         if self.monotonic() - self._last_ok > self.stop_after_s / 2:
             return False  # not while the coordinator does not answer
-        return self._claim_now or self.monotonic() - self._last_claim >= self.claim_every_s
+        if self._claim_now and (
+            self.max_jobs - self._busy() >= self._batch or not self._waiting_here()
+        ):
+            return True  # a job ended, or the last claim was full: no need to wait
+        return self.monotonic() - self._last_claim >= self.claim_every_s
+
+    @property
+    def _batch(self) -> int:
+        """Free slots worth a claim before ``claim_every_s`` is up, while jobs wait
+        here: half of ``max_jobs`` (one claim brings several jobs, not one each)."""
+        return max(1, self.max_jobs // 2)
+
+    def _waiting_here(self) -> bool:
+        """Whether a job leased here has not started yet (the node has work queued)."""
+        return any(not (h.started or h.ended or h.lost) for h in self.held.values())
 
     def _claim(self) -> None:
         self._last_claim = self.monotonic()
@@ -257,8 +276,11 @@ class Agent:
             self._warn(f"claim failed: {exc.message}")
             return
         self._take_state(str(answer.get("state", "active")))
-        for job in answer.get("jobs", []):
+        jobs = answer.get("jobs", [])
+        for job in jobs:
             self._take(job)
+        if want > 0 and len(jobs) >= want:
+            self._claim_now = True  # there may be more: ask again once there is room
 
     def _take(self, payload: dict[str, Any]) -> None:
         """Put a leased job into the local queue."""
@@ -374,43 +396,101 @@ class Agent:
         return body
 
     def _send(self) -> None:
+        """Send the reports in order: several in one request (``POST
+        /v1/node/reports``) where the coordinator has it, else one request each."""
         while self._outbox:
             if self.monotonic() - self._last_ok > self.stop_after_s:
                 self._watchdog()  # too late to report anything held
                 return
-            r = self._outbox.popleft()
+            batch = [self._outbox.popleft()]
+            while self._batched and self._outbox and len(batch) < REPORT_BATCH:
+                batch.append(self._outbox.popleft())
             try:
-                if r.kind == "start":
-                    self.coordinator.start(r.held.job_id, r.held.lease_id, r.body.get("gpu"))
-                    r.held.started = True
-                    continue
+                answers = self._deliver(batch)
+            except CoordinatorError as exc:
+                self._outbox.extendleft(reversed(batch))
+                self._warn(f"report failed, will retry: {exc.message}")
+                return
+            for r, got in zip(batch, answers, strict=True):
+                if got is not None and not r.held.lost:
+                    self._answered(r, got)
+
+    def _deliver(self, batch: list[_Report]) -> list[dict[str, Any] | Refused | None]:
+        """Send the reports of ``batch`` (each finish's outputs first): one answer
+        each, or the :class:`Refused` of that report. Raises
+        :class:`CoordinatorError` when the coordinator did not answer (the batch is
+        sent again: a start is answered alike the second time, and a finish the
+        coordinator took already is refused as such)."""
+        answers: list[dict[str, Any] | Refused | None] = [None] * len(batch)
+        bodies: list[tuple[int, dict[str, Any]]] = []
+        for i, r in enumerate(batch):
+            if r.kind == "start":
+                bodies.append((i, {"lease_id": r.held.lease_id, "gpu": r.body.get("gpu")}))
+                continue
+            try:
                 upload_outputs(
                     self.coordinator,
                     Outputs(r.held.job_id, r.held.lease_id, r.uploaded, r.not_uploaded),
                     r.body,
                 )
-                body = dict(r.body)
-                body["lease_id"] = r.held.lease_id
-                answer = self.coordinator.finish(r.held.job_id, body)
-            except CoordinatorError as exc:
-                self._outbox.appendleft(r)
-                self._warn(f"report failed, will retry: {exc.message}")
-                return
             except Refused as exc:
-                log.warning("job %s: %s report refused: %s", r.held.job_id, r.kind, exc.message)
-                if r.kind == "start":
-                    self._lose(r.held, f"its start was refused: {exc.message}")
-                    continue
-                r.held.ended = True
-                local = self.store.get_job(r.held.local_id)
-                if local is not None and not local.state.terminal:
-                    # a retry here the coordinator does not know of: it must not run
-                    self._lose(r.held, f"its report was refused: {exc.message}")
+                answers[i] = exc
                 continue
-            if not answer.get("lease_kept", False) and not r.held.ended:
-                # the coordinator ended it (quarantined past its retries, cancelled)
-                r.held.ended = True
-                self._lose(r.held, f"the coordinator ended it ({answer.get('state')})")
+            bodies.append((i, {**r.body, "lease_id": r.held.lease_id}))
+        if not bodies:
+            return answers
+        if len(batch) == 1 or not self._batched:
+            [(i, body)] = bodies
+            answers[i] = self._one(batch[i], body)
+            return answers
+        sent = [{"kind": batch[i].kind, "job": batch[i].held.job_id, **b} for i, b in bodies]
+        try:
+            results = self.coordinator.reports(sent)
+        except Refused as exc:
+            if exc.status in (404, 405):
+                self._batched = False  # a coordinator without the route: one request each
+            # (or the batch as a whole was refused, e.g. too large: one request each)
+            for i, body in bodies:
+                answers[i] = self._one(batch[i], body)
+            return answers
+        for (i, _), res in zip(bodies, results, strict=True):
+            status = int(res.get("status", 500))
+            if status == 200:
+                answers[i] = res
+            elif status >= 500:
+                raise CoordinatorError(str(res.get("error", "a report failed")))
+            else:
+                answers[i] = Refused(str(res.get("error", "refused")), status)
+        return answers
+
+    def _one(self, r: _Report, body: dict[str, Any]) -> dict[str, Any] | Refused:
+        try:
+            if r.kind == "start":
+                return self.coordinator.start(r.held.job_id, r.held.lease_id, body.get("gpu"))
+            return self.coordinator.finish(r.held.job_id, body)
+        except Refused as exc:
+            return exc
+
+    def _answered(self, r: _Report, got: dict[str, Any] | Refused) -> None:
+        """What the coordinator said of one report."""
+        if isinstance(got, Refused):
+            log.warning("job %s: %s report refused: %s", r.held.job_id, r.kind, got.message)
+            if r.kind == "start":
+                self._lose(r.held, f"its start was refused: {got.message}")
+                return
+            r.held.ended = True
+            local = self.store.get_job(r.held.local_id)
+            if local is not None and not local.state.terminal:
+                # a retry here the coordinator does not know of: it must not run
+                self._lose(r.held, f"its report was refused: {got.message}")
+            return
+        if r.kind == "start":
+            r.held.started = True
+            return
+        if not got.get("lease_kept", False) and not r.held.ended:
+            # the coordinator ended it (quarantined past its retries, cancelled)
+            r.held.ended = True
+            self._lose(r.held, f"the coordinator ended it ({got.get('state')})")
 
     def _forget_ended(self) -> None:
         for job_id, h in list(self.held.items()):

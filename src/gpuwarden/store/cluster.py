@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gpuwarden.store.base import Store
+from gpuwarden.core.model import Job
+from gpuwarden.store.base import AuditRow, Store
 
 
 class NodeState(StrEnum):
@@ -128,10 +129,43 @@ class ClusterStore(Store):
         the same moment is skipped, never waited for."""
 
     @abc.abstractmethod
-    def claimable_jobs(self, *, now: float, limit: int = 1000) -> list[Claimable]:
+    def claimable_jobs(
+        self, *, now: float, limit: int = 1000, after: tuple[int, int] | None = None
+    ) -> list[Claimable]:
         """Queued jobs with no live lease, no cancel request, and no input files
         unless they were staged in a folder (``input_dir``), highest priority
-        first, then arrival order."""
+        first, then arrival order; with ``after`` (a job's ``(priority, seq)``),
+        only those that come after it in that order (the next page)."""
+
+    def live_lease_counts(self, now: float) -> dict[str, int]:
+        """How many live leases each node holds (nodes with none are left out)."""
+        counts: dict[str, int] = {}
+        for lease in self.leases():
+            if lease.live(now):
+                counts[lease.node] = counts.get(lease.node, 0) + 1
+        return counts
+
+    def expired_leases(self, now: float) -> list[Lease]:
+        """The leases that are not live at ``now``, oldest first."""
+        return [lease for lease in self.leases() if not lease.live(now)]
+
+    def queued_cancel_requests(self, now: float, *, limit: int = 10_000) -> list[str]:
+        """The ids of queued jobs with a cancel request and no live lease (a job
+        cancelled while its node was retrying it), in arrival order."""
+        live = {lease.job_id for lease in self.leases() if lease.live(now)}
+        return [
+            j.id for j in self.queued_jobs(limit=limit) if j.cancel_requested and j.id not in live
+        ]
+
+    def add_audits(self, rows: Sequence[AuditRow]) -> None:
+        """Append several audit rows, in order (a batch of an agent's reports)."""
+        for row in rows:
+            self.add_audit(row)
+
+    def jobs_by_ids(self, job_ids: Sequence[str]) -> list[Job]:
+        """The jobs of those ids that exist, in submission order."""
+        found = (self.get_job(i) for i in dict.fromkeys(job_ids))
+        return sorted((j for j in found if j is not None), key=lambda j: j.seq)
 
     @abc.abstractmethod
     def renew_leases(

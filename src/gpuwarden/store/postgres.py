@@ -25,6 +25,13 @@ keeps them apart:
   ``pg_advisory_xact_lock``, so two processes opening a fresh database at once
   apply each migration once.
 
+The pool's connections are in autocommit: a read is one statement (one round
+trip), a write an explicit transaction (``_write``). A connection is checked
+with an empty query before it is handed out only when it sat unused for
+``IDLE_CHECK_S``; one that fails anyway fails its call as ``unavailable`` and is
+replaced. A claim's leases are one statement and its events one round trip
+(``_lease_rows``, ``_events``).
+
 PostgreSQL text cannot hold the NUL character (SQLite text can): NUL in free text
 (an attempt's output, a reason, strings inside JSON documents) is stored as
 U+FFFD, and a float that JSON cannot carry (NaN, infinities) inside a JSON
@@ -37,6 +44,8 @@ import contextlib
 import hashlib
 import math
 import re
+import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -49,7 +58,7 @@ from psycopg.rows import DictRow, dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from gpuwarden.core.model import Job, JobSpec
+from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.errors import ConfigError
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.postgres_cluster import MaintenanceLock
@@ -66,6 +75,10 @@ DEFAULT_CONNECT_TIMEOUT_S = 10
 POOL_OPEN_TIMEOUT_S = 30.0
 #: times a submission is retried after a deadlock with a concurrent submission
 _SUBMIT_TRIES = 3
+#: a pooled connection unused this long is checked (one empty query) before it is
+#: handed out; one used more recently is not (a check per checkout was a round trip
+#: for every store call, the most frequent statement under load)
+IDLE_CHECK_S = 2.0
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -99,6 +112,8 @@ class PostgresStore(SqlClusterStore[Conn]):
         self.url = url
         self.schema = schema
         self._shown = redact_url(url)
+        #: when each pooled connection was last given back (for :meth:`_check`)
+        self._used: weakref.WeakKeyDictionary[Conn, float] = weakref.WeakKeyDictionary()
         kwargs = self._connect_kwargs(url)
         self._check_reachable(url, kwargs)
         self._pool: ConnectionPool[Conn] = ConnectionPool(
@@ -107,9 +122,11 @@ class PostgresStore(SqlClusterStore[Conn]):
             min_size=min_size,
             max_size=max_size,
             open=False,
-            kwargs={**kwargs, "row_factory": dict_row},
+            # autocommit: a read is one statement, not BEGIN, the statement and COMMIT
+            # (three round trips); a write is a transaction of its own (_write)
+            kwargs={**kwargs, "row_factory": dict_row, "autocommit": True},
             configure=self._configure,
-            check=ConnectionPool.check_connection,
+            check=self._check,
             name="gpuwarden-store",
         )
         try:
@@ -176,15 +193,33 @@ class PostgresStore(SqlClusterStore[Conn]):
             conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
         conn.commit()
 
+    def _check(self, conn: Conn) -> None:
+        """The pool's check of a connection it hands out: an empty query, unless the
+        connection was in use less than :data:`IDLE_CHECK_S` ago (a server restart
+        or a dropped link shows on a connection that sat idle; one that just worked
+        is taken as it is, and if it fails anyway the store call fails as
+        ``unavailable`` and the pool replaces the connection)."""
+        used = self._used.get(conn)
+        if used is not None and time.monotonic() - used < IDLE_CHECK_S:
+            return
+        ConnectionPool.check_connection(conn)
+
     @contextlib.contextmanager
     def _write(self) -> Iterator[Conn]:
-        with self._pool.connection() as conn, conn.transaction():
-            yield conn
+        with self._pool.connection() as conn:
+            try:
+                with conn.transaction():
+                    yield conn
+            finally:
+                self._used[conn] = time.monotonic()
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Conn]:
         with self._pool.connection() as conn:
-            yield conn
+            try:
+                yield conn
+            finally:
+                self._used[conn] = time.monotonic()
 
     def migrate(self) -> list[int]:
         """Apply the migrations not applied yet; return the versions applied.
@@ -248,8 +283,8 @@ class PostgresStore(SqlClusterStore[Conn]):
 
     def _append(self, conn: Conn, log: str, params: Mapping[str, Any]) -> int:
         key = self._events_key if log == "event" else self._audit_key
-        conn.execute(self.queries["lock_log"], {"key": key})
-        row = conn.execute(self.queries[f"insert_{log}"], params).fetchone()
+        # the log's lock, then the row: one statement (``insert_<log>_locked``)
+        row = conn.execute(self.queries[f"insert_{log}_locked"], {**params, "key": key}).fetchone()
         assert row is not None
         return int(row["id"])
 
@@ -258,7 +293,51 @@ class PostgresStore(SqlClusterStore[Conn]):
     ) -> Row | None:
         return conn.execute(self.queries[query], params).fetchone()  # RETURNING *: no reread
 
+    def _read_planned(self, query: str, **params: Any) -> list[Row]:
+        # never a server-side prepared statement: psycopg prepares a query after 5
+        # runs, and PostgreSQL may then keep a generic plan made while the leases
+        # table was nearly empty (a scan of leases per queued job), which grew
+        # quadratic as leases piled up: 50 ms a claim at 2000 leased jobs, not 2
+        with self._connection() as conn:
+            return conn.execute(self.queries[query], params, prepare=False).fetchall()
+
+    def _write_one(self, query: str, params: dict[str, Any]) -> int:
+        # autocommit: the statement is a transaction of its own, one round trip
+        with self._connection() as conn:
+            return int(conn.execute(self.queries[query], params).rowcount)
+
+    def _write_one_row(self, query: str, params: dict[str, Any], reread: str) -> Row | None:
+        with self._connection() as conn:  # RETURNING *, in autocommit
+            return conn.execute(self.queries[query], params).fetchone()
+
+    def _lease_rows(self, conn: Conn, wanted: list[str], params: dict[str, Any]) -> list[str]:
+        found = conn.execute(self.queries["lease_free_jobs"], {**params, "ids": wanted})
+        return [r["job_id"] for r in found]
+
+    def _events(self, conn: Conn, events: Sequence[Event]) -> None:
+        if not events:
+            return
+        with conn.cursor() as cur:  # one round trip (psycopg pipelines executemany)
+            cur.executemany(
+                self.queries["insert_event_locked"],
+                [
+                    {
+                        "key": self._events_key,
+                        "ts": e.ts,
+                        "kind": e.kind,
+                        "job_id": e.job_id,
+                        "from_state": e.from_state,
+                        "to_state": e.to_state,
+                        "detail": self._json(e.detail),
+                    }
+                    for e in events
+                ],
+            )
+
     def _insert_jobs(self, conn: Conn, jobs: Sequence[Mapping[str, Any]]) -> None:
+        if len(jobs) == 1:  # one statement; executemany would enter and leave a pipeline
+            conn.execute(self.queries["insert_job"], jobs[0])
+            return
         with conn.cursor() as cur:
             # one row at a time in the given order: seq (an identity) follows it
             cur.executemany(self.queries["insert_job"], jobs)

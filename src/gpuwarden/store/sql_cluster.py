@@ -3,11 +3,12 @@ PostgreSQL share: nodes, leases and where jobs were lost, on the hooks of
 :class:`~gpuwarden.store.sql.SqlStore`, with the queries of
 ``sql/<backend>/cluster.sql``.
 
-A claim (:meth:`SqlClusterStore.lease_jobs`) reads the queued jobs it wants with
-``lock_leasable_jobs`` (in PostgreSQL ``FOR UPDATE SKIP LOCKED``: a job another
-coordinator is leasing at that moment is skipped, not waited for), then writes a
-lease per job that replaces only an expired one. The maintenance lock is each
-adapter's own.
+A claim (:meth:`SqlClusterStore.lease_jobs`) locks the queued jobs it wants (in
+PostgreSQL ``FOR UPDATE SKIP LOCKED``: a job another coordinator is leasing at that
+moment is skipped, not waited for) and writes a lease per job that replaces only an
+expired one, then the ``leased`` events: in PostgreSQL one statement for the leases
+(``lease_free_jobs``) and one round trip for the events, in SQLite a read and a
+``put_lease`` per job. The maintenance lock is each adapter's own.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwarden.core.model import Event
+from gpuwarden.core.model import Event, Job
 from gpuwarden.store import rows
+from gpuwarden.store.base import AuditRow
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
 from gpuwarden.store.rows import Row
 from gpuwarden.store.sql import C
@@ -91,14 +93,23 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
             return True
 
     def touch_node(self, name: str, report: dict[str, Any], now: float) -> NodeRecord | None:
+        row = self._write_one_row(
+            "touch_node", {"name": name, "report": self._json(report), "now": now}, "get_node"
+        )
+        return self._node(row) if row is not None else None
+
+    # -- single statements ----------------------------------------------------
+
+    def _write_one(self, query: str, params: dict[str, Any]) -> int:
+        """A write that is one statement, committed; its row count. (A dialect
+        whose connections are in autocommit runs it without BEGIN and COMMIT.)"""
         with self._write() as conn:
-            row = self._returning(
-                conn,
-                "touch_node",
-                {"name": name, "report": self._json(report), "now": now},
-                reread="get_node",
-            )
-            return self._node(row) if row is not None else None
+            return int(self._run(conn, query, params).rowcount)
+
+    def _write_one_row(self, query: str, params: dict[str, Any], reread: str) -> Row | None:
+        """A write of one row that is one statement, committed; the row written."""
+        with self._write() as conn:
+            return self._returning(conn, query, params, reread=reread)
 
     # -- leases -------------------------------------------------------------
 
@@ -114,46 +125,106 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         if not job_ids:
             return []
         wanted = list(dict.fromkeys(job_ids))
+        params = {"node": node, "lease_id": lease_id, "expires_at": expires_at, "now": now}
         with self._write() as conn:
-            free = {
-                r["id"]
-                for r in self._run(
-                    conn, "lock_leasable_jobs", {"ids": self._ids(wanted), "now": now}
-                )
-            }
-            leased: list[str] = []
-            for job_id in wanted:
-                if job_id not in free:
-                    continue
-                cur = self._run(
-                    conn,
-                    "put_lease",
-                    {
-                        "job_id": job_id,
-                        "node": node,
-                        "lease_id": lease_id,
-                        "expires_at": expires_at,
-                        "now": now,
-                    },
-                )
-                if cur.rowcount == 1:
-                    leased.append(job_id)
+            got = set(self._lease_rows(conn, wanted, params))
+            leased = [job_id for job_id in wanted if job_id in got]
             # the events last: PostgreSQL's events lock is taken after every row lock
-            for job_id in leased:
-                self._event(
-                    conn,
+            self._events(
+                conn,
+                [
                     Event(
                         ts=now,
                         kind="leased",
                         job_id=job_id,
                         detail={"node": node, "lease": lease_id, "expires_at": expires_at},
-                    ),
-                )
+                    )
+                    for job_id in leased
+                ],
+            )
             return leased
 
-    def claimable_jobs(self, *, now: float, limit: int = 1000) -> list[Claimable]:
-        found = self._read("claimable_jobs", now=now, limit=limit)
+    def _lease_rows(self, conn: C, wanted: list[str], params: dict[str, Any]) -> list[str]:
+        """Write the leases of those of ``wanted`` that are free, in the transaction
+        of ``conn``; return their ids (any order). Here: read the free ones
+        (``lock_leasable_jobs``), then one ``put_lease`` each; a dialect that can
+        do it in one statement overrides this."""
+        free = {
+            r["id"]
+            for r in self._run(
+                conn, "lock_leasable_jobs", {"ids": self._ids(wanted), "now": params["now"]}
+            )
+        }
+        leased = []
+        for job_id in wanted:
+            if (
+                job_id in free
+                and self._run(conn, "put_lease", {**params, "job_id": job_id}).rowcount == 1
+            ):
+                leased.append(job_id)
+        return leased
+
+    def _events(self, conn: C, events: Sequence[Event]) -> None:
+        """Append several events in the transaction of ``conn``, in order (a dialect
+        may send them in one round trip)."""
+        for event in events:
+            self._event(conn, event)
+
+    def claimable_jobs(
+        self, *, now: float, limit: int = 1000, after: tuple[int, int] | None = None
+    ) -> list[Claimable]:
+        if after is None:
+            found = self._read_planned("claimable_jobs", now=now, limit=limit)
+        else:
+            found = self._read_planned(
+                "claimable_jobs_after",
+                now=now,
+                limit=limit,
+                after_priority=after[0],
+                after_seq=after[1],
+            )
         return [rows.claimable(r, self._decode) for r in found]
+
+    def _read_planned(self, query: str, **params: Any) -> list[Row]:
+        """A read whose best plan depends on the data as it is now (how many queued
+        jobs are leased): a dialect that reuses plans plans this one at each run."""
+        return self._read(query, **params)
+
+    def live_lease_counts(self, now: float) -> dict[str, int]:
+        return {r["node"]: int(r["n"]) for r in self._read("live_lease_counts", now=now)}
+
+    def expired_leases(self, now: float) -> list[Lease]:
+        return [rows.lease(r) for r in self._read("leases_expired", now=now)]
+
+    def queued_cancel_requests(self, now: float, *, limit: int = 10_000) -> list[str]:
+        found = self._read_planned("queued_cancel_requests", now=now, limit=limit)
+        return [r["id"] for r in found]
+
+    def add_audits(self, rows: Sequence[AuditRow]) -> None:
+        if not rows:
+            return
+        with self._write() as conn:  # one transaction for the batch
+            for row in rows:
+                self._append(
+                    conn,
+                    "audit",
+                    {
+                        "ts": row.ts,
+                        "actor": self._text(row.actor),
+                        "actor_name": self._text(row.actor_name),
+                        "role": self._text(row.role),
+                        "action": self._text(row.action),
+                        "target": self._text(row.target),
+                        "outcome": self._text(row.outcome),
+                        "detail": self._json(row.detail),
+                    },
+                )
+
+    def jobs_by_ids(self, job_ids: Sequence[str]) -> list[Job]:
+        if not job_ids:
+            return []
+        ids = self._ids(list(dict.fromkeys(job_ids)))
+        return [self._job(r) for r in self._read("jobs_by_ids", ids=ids)]
 
     def renew_leases(
         self,
@@ -163,23 +234,14 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         now: float,
         job_ids: Sequence[str] | None = None,
     ) -> int:
-        with self._write() as conn:
-            if job_ids is None:
-                cur = self._run(
-                    conn, "renew_leases", {"node": node, "expires_at": expires_at, "now": now}
-                )
-            else:
-                cur = self._run(
-                    conn,
-                    "renew_leases_of",
-                    {
-                        "node": node,
-                        "expires_at": expires_at,
-                        "now": now,
-                        "ids": self._ids(list(job_ids)),
-                    },
-                )
-            return int(cur.rowcount)
+        if job_ids is None:
+            return self._write_one(
+                "renew_leases", {"node": node, "expires_at": expires_at, "now": now}
+            )
+        return self._write_one(
+            "renew_leases_of",
+            {"node": node, "expires_at": expires_at, "now": now, "ids": self._ids(list(job_ids))},
+        )
 
     def leases(self, node: str | None = None) -> list[Lease]:
         found = (
@@ -192,31 +254,23 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         return rows.lease(found[0]) if found else None
 
     def drop_lease(self, job_id: str, *, lease_id: str | None = None) -> bool:
-        with self._write() as conn:
-            cur = self._run(conn, "drop_lease", {"job_id": job_id, "lease_id": lease_id})
-            return cur.rowcount == 1
+        return self._write_one("drop_lease", {"job_id": job_id, "lease_id": lease_id}) == 1
 
     def mark_lease_started(
         self, job_id: str, attempt: int | None, *, lease_id: str | None = None
     ) -> bool:
-        with self._write() as conn:
-            cur = self._run(
-                conn,
-                "mark_lease_started",
-                {
-                    "job_id": job_id,
-                    "lease_id": lease_id,
-                    "started": attempt is not None,
-                    "attempt": attempt,
-                },
-            )
-            return cur.rowcount == 1
+        params = {
+            "job_id": job_id,
+            "lease_id": lease_id,
+            "started": attempt is not None,
+            "attempt": attempt,
+        }
+        return self._write_one("mark_lease_started", params) == 1
 
     # -- where jobs were lost -------------------------------------------------
 
     def add_lost(self, job_id: str, node: str, *, now: float) -> None:
-        with self._write() as conn:
-            self._run(conn, "add_lost", {"job_id": job_id, "node": node, "now": now})
+        self._write_one("add_lost", {"job_id": job_id, "node": node, "now": now})
 
     def lost_nodes(self, job_id: str) -> list[str]:
         return [r["node"] for r in self._read("lost_nodes", job_id=job_id)]

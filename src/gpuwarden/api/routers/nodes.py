@@ -26,7 +26,7 @@ import re
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
@@ -54,7 +54,7 @@ from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import JOB_ID
-from gpuwarden.store.base import Store
+from gpuwarden.store.base import AuditRow, Store
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
 #: the upload route, whose bodies may be as large as ``api.max_output_mib``
@@ -164,6 +164,27 @@ class FinishIn(_Body):
     def _ok(cls, value: dict[str, Any]) -> dict[str, Any]:
         _json_ok(value, "result")
         return value
+
+
+class StartReport(StartIn):
+    kind: Literal["start"]
+    job: Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class FinishReport(FinishIn):
+    kind: Literal["finish"]
+    job: Annotated[str, Field(min_length=1, max_length=128)]
+
+
+#: the most reports one ``POST /v1/node/reports`` carries
+MAX_REPORTS = 256
+
+
+class ReportsIn(_Body):
+    reports: Annotated[
+        list[Annotated[StartReport | FinishReport, Field(discriminator="kind")]],
+        Field(min_length=1, max_length=MAX_REPORTS),
+    ]
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -323,10 +344,54 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
         timing=t,
         want=body.want,
         inputs_here=_inputs_here,
+        record=record,
     )
     if jobs:
         audit_ok(request, {"jobs": [j["id"] for j in jobs], "lease": jobs[0]["lease_id"]})
     return {"jobs": jobs, "lease_s": t.lease_s, "state": record.state.value}
+
+
+def _start(ctx: ApiContext, name: str, job_id: str, body: StartIn) -> dict[str, Any]:
+    """The start report of one leased job (:class:`co.LeaseRefused` when refused)."""
+    return co.start(
+        cluster_store(ctx),
+        name,
+        _job_id(job_id),
+        lease_id=body.lease_id,
+        gpu_uuid=body.gpu,
+        now=ctx.clock(),
+    )
+
+
+def _finish(ctx: ApiContext, name: str, job_id: str, body: FinishIn) -> dict[str, Any]:
+    """The finish report of one leased job (:class:`co.LeaseRefused` when refused)."""
+    store = cluster_store(ctx)
+    output_dir: str | None = None
+    lease = None
+    now = ctx.clock()
+    if body.state in (JobState.DONE, JobState.FAILED):
+        lease = co.upload_lease(store, name, _job_id(job_id), lease_id=body.lease_id, now=now)
+        folder = outputs_dir(ctx, job_id, lease.attempt or 0)
+        folder.mkdir(parents=True, exist_ok=True)
+        output_dir = str(folder)
+    return co.finish(
+        store,
+        ctx.registry,
+        name,
+        _job_id(job_id),
+        lease_id=body.lease_id,
+        state=body.state,
+        outcome=body.outcome,
+        reason=body.reason,
+        now=now,
+        exit_code=body.exit_code,
+        result=body.result,
+        stdout=body.stdout,
+        stderr=body.stderr,
+        release=body.release,
+        output_dir=output_dir,
+        lease=lease,
+    )
 
 
 @router.post("/v1/node/jobs/{job_id}/start", responses=_ERRORS)
@@ -336,14 +401,7 @@ def start(job_id: str, body: StartIn, request: Request, ctx: Ctx, who: Who) -> d
     name = node_of(ctx, who)
     set_target(request, job_id)
     try:
-        got = co.start(
-            cluster_store(ctx),
-            name,
-            _job_id(job_id),
-            lease_id=body.lease_id,
-            gpu_uuid=body.gpu,
-            now=ctx.clock(),
-        )
+        got = _start(ctx, name, job_id, body)
     except co.LeaseRefused as exc:
         raise _refused(exc) from None
     audit_ok(request, {"node": name, "lease": body.lease_id, **got})
@@ -357,37 +415,72 @@ def finish(job_id: str, body: FinishIn, request: Request, ctx: Ctx, who: Who) ->
     own any more: its result is not recorded)."""
     name = node_of(ctx, who)
     set_target(request, job_id)
-    store = cluster_store(ctx)
-    output_dir: str | None = None
     try:
-        if body.state in (JobState.DONE, JobState.FAILED):
-            attempt = co.check_upload(
-                store, name, _job_id(job_id), lease_id=body.lease_id, now=ctx.clock()
-            )
-            folder = outputs_dir(ctx, job_id, attempt)
-            folder.mkdir(parents=True, exist_ok=True)
-            output_dir = str(folder)
-        got = co.finish(
-            store,
-            ctx.registry,
-            name,
-            _job_id(job_id),
-            lease_id=body.lease_id,
-            state=body.state,
-            outcome=body.outcome,
-            reason=body.reason,
-            now=ctx.clock(),
-            exit_code=body.exit_code,
-            result=body.result,
-            stdout=body.stdout,
-            stderr=body.stderr,
-            release=body.release,
-            output_dir=output_dir,
-        )
+        got = _finish(ctx, name, job_id, body)
     except co.LeaseRefused as exc:
         raise _refused(exc) from None
     audit_ok(request, {"node": name, "lease": body.lease_id, "outcome": body.outcome, **got})
     return got
+
+
+@router.post("/v1/node/reports", responses=_ERRORS)
+@action("node.report")
+def reports(body: ReportsIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
+    """Several start and finish reports in one request, applied in order, each as
+    its own route would (``POST /v1/node/jobs/{id}/start`` and ``.../finish``):
+    ``results`` holds one answer per report, ``status`` 200 with that route's
+    answer, or 409 (the lease is not the node's) or 422 with ``error``. Each report
+    is audited as ``node.start`` or ``node.finish`` of its job, as by its route."""
+    name = node_of(ctx, who)
+    set_target(request, name)
+    store = cluster_store(ctx)
+    results: list[dict[str, Any]] = []
+    audits = []
+    for r in body.reports:
+        head: dict[str, Any] = {"job": r.job, "kind": r.kind}
+        try:
+            if isinstance(r, StartReport):
+                got = _start(ctx, name, r.job, r)
+                more: dict[str, Any] = {}
+            else:
+                got = _finish(ctx, name, r.job, r)
+                more = {"outcome": r.outcome}
+        except co.LeaseRefused as exc:
+            results.append({**head, "status": 409, "error": exc.message})
+            audits.append(
+                _report_audit(ctx, who, r, outcome="refused: " + exc.message, status=409, detail={})
+            )
+            continue
+        except HttpError as exc:
+            results.append({**head, "status": exc.status, "error": exc.message})
+            continue
+        except UserError as exc:
+            results.append({**head, "status": 422, "error": exc.message})
+            continue
+        results.append({**head, "status": 200, **got})
+        detail = {"node": name, "lease": r.lease_id, **more, **got}
+        audits.append(_report_audit(ctx, who, r, outcome="ok", status=200, detail=detail))
+    store.add_audits(audits)
+    return {"results": results}
+
+
+def _report_audit(
+    ctx: ApiContext,
+    who: Principal,
+    r: StartReport | FinishReport,
+    *,
+    outcome: str,
+    status: int,
+    detail: dict[str, Any],
+) -> AuditRow:
+    action_name = "node.start" if isinstance(r, StartReport) else "node.finish"
+    return who.audit(
+        action_name,
+        now=ctx.clock(),
+        target=r.job,
+        outcome=outcome,
+        detail={"status": status, **detail},
+    )
 
 
 @router.put("/v1/node/jobs/{job_id}/outputs/{path:path}", responses=_ERRORS)

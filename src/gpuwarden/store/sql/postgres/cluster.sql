@@ -49,6 +49,41 @@ ON CONFLICT (job_id) DO UPDATE
        leased_at = excluded.leased_at, started = FALSE, attempt = NULL
  WHERE leases.expires_at <= %(now)s;
 
+-- name: lease_free_jobs
+-- a claim in one statement: the queued jobs asked for that have no live lease, locked
+-- (one another writer holds is skipped, not waited for; see lock_leasable_jobs), each
+-- given the lease (an expired one replaced, a live one kept); the ids leased
+WITH free AS (
+  SELECT j.id FROM jobs j
+   WHERE j.id = ANY(%(ids)s::text[]) AND j.state = 'queued' AND NOT j.cancel_requested
+     AND NOT EXISTS (SELECT 1 FROM leases l
+                      WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+   FOR UPDATE OF j SKIP LOCKED
+)
+INSERT INTO leases (job_id, node, lease_id, expires_at, leased_at, started, attempt)
+SELECT free.id, %(node)s, %(lease_id)s, %(expires_at)s, %(now)s, FALSE, NULL FROM free
+ON CONFLICT (job_id) DO UPDATE
+   SET node = excluded.node, lease_id = excluded.lease_id, expires_at = excluded.expires_at,
+       leased_at = excluded.leased_at, started = FALSE, attempt = NULL
+ WHERE leases.expires_at <= %(now)s
+RETURNING job_id;
+
+-- name: live_lease_counts
+SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > %(now)s GROUP BY node;
+
+-- name: claimable_jobs_after
+-- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+       j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND NOT j.cancel_requested
+   AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+   AND (j.priority < %(after_priority)s
+        OR (j.priority = %(after_priority)s AND j.seq > %(after_seq)s))
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT %(limit)s;
+
 -- name: claimable_jobs
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
@@ -69,6 +104,17 @@ UPDATE leases SET expires_at = %(expires_at)s
 
 -- name: leases_all
 SELECT * FROM leases ORDER BY leased_at, job_id;
+
+-- name: leases_expired
+SELECT * FROM leases WHERE expires_at <= %(now)s ORDER BY leased_at, job_id;
+
+-- name: queued_cancel_requests
+-- what the sweep cancels: queued jobs with a cancel request whose node holds no live lease
+SELECT j.id FROM jobs j
+ WHERE j.state = 'queued' AND j.cancel_requested
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT %(limit)s;
 
 -- name: leases_of_node
 SELECT * FROM leases WHERE node = %(node)s ORDER BY leased_at, job_id;

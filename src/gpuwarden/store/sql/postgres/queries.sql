@@ -106,6 +106,16 @@ INSERT INTO events (ts, kind, job_id, from_state, to_state, detail)
 VALUES (%(ts)s, %(kind)s, %(job_id)s, %(from_state)s, %(to_state)s, %(detail)s)
 RETURNING id;
 
+-- name: insert_event_locked
+-- lock_log and insert_event in one statement (one round trip): the lock is taken
+-- (the materialized CTE is read) before the row, and so its id, is made
+WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(%(key)s))
+INSERT INTO events (ts, kind, job_id, from_state, to_state, detail)
+SELECT %(ts)s::double precision, %(kind)s::text, %(job_id)s::text, %(from_state)s::text,
+       %(to_state)s::text, %(detail)s::jsonb
+  FROM l
+RETURNING id;
+
 -- name: last_event_id
 SELECT COALESCE(MAX(id), 0) AS id FROM events;
 
@@ -201,6 +211,15 @@ UPDATE tokens SET revoked_at = %(now)s WHERE id = %(id)s AND revoked_at IS NULL;
 INSERT INTO audit (ts, actor, actor_name, role, action, target, outcome, detail)
 VALUES (%(ts)s, %(actor)s, %(actor_name)s, %(role)s, %(action)s, %(target)s, %(outcome)s,
         %(detail)s)
+RETURNING id;
+
+-- name: insert_audit_locked
+-- lock_log and insert_audit in one statement (see insert_event_locked)
+WITH l AS MATERIALIZED (SELECT pg_advisory_xact_lock(%(key)s))
+INSERT INTO audit (ts, actor, actor_name, role, action, target, outcome, detail)
+SELECT %(ts)s::double precision, %(actor)s::text, %(actor_name)s::text, %(role)s::text,
+       %(action)s::text, %(target)s::text, %(outcome)s::text, %(detail)s::jsonb
+  FROM l
 RETURNING id;
 
 -- name: audit_rows

@@ -42,6 +42,21 @@ ON CONFLICT (job_id) DO UPDATE
    SET node = excluded.node, lease_id = excluded.lease_id, expires_at = excluded.expires_at,
        leased_at = excluded.leased_at, started = 0, attempt = NULL;
 
+-- name: live_lease_counts
+SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > :now GROUP BY node;
+
+-- name: claimable_jobs_after
+-- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+       j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND j.cancel_requested = 0
+   AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
+   AND (j.priority < :after_priority OR (j.priority = :after_priority AND j.seq > :after_seq))
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT :limit;
+
 -- name: claimable_jobs
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
        j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
@@ -63,6 +78,17 @@ UPDATE leases SET expires_at = :expires_at
 
 -- name: leases_all
 SELECT * FROM leases ORDER BY leased_at, job_id;
+
+-- name: leases_expired
+SELECT * FROM leases WHERE expires_at <= :now ORDER BY leased_at, job_id;
+
+-- name: queued_cancel_requests
+-- what the sweep cancels: queued jobs with a cancel request whose node holds no live lease
+SELECT j.id FROM jobs j
+ WHERE j.state = 'queued' AND j.cancel_requested = 1
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT :limit;
 
 -- name: leases_of_node
 SELECT * FROM leases WHERE node = :node ORDER BY leased_at, job_id;
