@@ -6,6 +6,7 @@ and what ``submit`` and ``run-once`` share: a job from the command's words
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
@@ -443,7 +444,7 @@ def _remote_jobtype(client: Client, name: str) -> JobType:
 
 #: with ``--wait`` over HTTP, how long the submit request itself waits for the end
 #: (then the CLI polls, showing why the job waits)
-FIRST_WAIT_S = 5.0
+FIRST_WAIT_S = 2.0
 
 
 def _wait_http(client: Client, job_id: str, timeout: float, *, total: float) -> bool:
@@ -475,7 +476,14 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
     # with --wait, the submit itself waits a little (a long poll): a job that ends
     # within it comes back with its result in that one request
     first_wait = min(args.wait_timeout, FIRST_WAIT_S) if args.wait else None
-    with Progress(f"submitting a {jobtype.name} job to {client.url}"):
+    # a terminal shows a spinner while the first request waits; a log gets its
+    # first line once the job is known ("job ID: submitted", then one per change)
+    submitting = (
+        Progress(f"submitting a {jobtype.name} job to {client.url}")
+        if err.is_terminal
+        else contextlib.nullcontext()
+    )
+    with submitting:
         job = client.submit(
             jobtype.name,
             params,

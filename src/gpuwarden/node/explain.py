@@ -236,6 +236,12 @@ def explain_job(
         lines.append(f"it waits: {reason}")
     else:
         warm_types = frozenset(w.type for w in view.warm)
-        lines.append(describe(decide(view, queued_entries(store, registry, warm_types), job.id)))
+        queued = queued_entries(store, registry, warm_types)
+        if any(j.id == job.id for j in queued):
+            lines.append(describe(decide(view, queued, job.id)))
+        else:  # it started (or ended) between the two reads
+            now = store.get_job(job.id)
+            state = now.state.value if now is not None else "gone"
+            lines.append(f"it left the queue just now: it is {state}")
     lines.append(f"(as seen by the {view.source})")
     return lines
