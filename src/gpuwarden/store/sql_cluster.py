@@ -205,20 +205,7 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
             return
         with self._write() as conn:  # one transaction for the batch
             for row in rows:
-                self._append(
-                    conn,
-                    "audit",
-                    {
-                        "ts": row.ts,
-                        "actor": self._text(row.actor),
-                        "actor_name": self._text(row.actor_name),
-                        "role": self._text(row.role),
-                        "action": self._text(row.action),
-                        "target": self._text(row.target),
-                        "outcome": self._text(row.outcome),
-                        "detail": self._json(row.detail),
-                    },
-                )
+                self._append(conn, "audit", self.audit_values(row))
 
     def jobs_by_ids(self, job_ids: Sequence[str]) -> list[Job]:
         if not job_ids:

@@ -10,6 +10,7 @@ each take a request at most once between them, and neither waits.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from gpuwarden.core.model import Event, Role
 from gpuwarden.store import rows
@@ -118,22 +119,22 @@ class SqlRecordStore(SqlStore[C]):
 
     # -- audit --------------------------------------------------------------
 
+    def audit_values(self, row: AuditRow) -> dict[str, Any]:
+        """An audit row as the ``audit`` insert takes it."""
+        return {
+            "ts": row.ts,
+            "actor": self._text(row.actor),
+            "actor_name": self._text(row.actor_name),
+            "role": self._text(row.role),
+            "action": self._text(row.action),
+            "target": self._text(row.target),
+            "outcome": self._text(row.outcome),
+            "detail": self._json(row.detail),
+        }
+
     def add_audit(self, row: AuditRow) -> AuditRow:
         with self._write() as conn:
-            new_id = self._append(
-                conn,
-                "audit",
-                {
-                    "ts": row.ts,
-                    "actor": self._text(row.actor),
-                    "actor_name": self._text(row.actor_name),
-                    "role": self._text(row.role),
-                    "action": self._text(row.action),
-                    "target": self._text(row.target),
-                    "outcome": self._text(row.outcome),
-                    "detail": self._json(row.detail),
-                },
-            )
+            new_id = self._append(conn, "audit", self.audit_values(row))
             return dataclasses.replace(row, detail=dict(row.detail), id=new_id)
 
     def audit_rows(self, *, after_id: int = 0, limit: int = 1000) -> list[AuditRow]:
