@@ -12,7 +12,7 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpuwarden.core.classify import DEFAULT_MAX_INTERRUPTIONS
 from gpuwarden.core.launchrules import LaunchRules, Runtime, image_is_pinned
 from gpuwarden.core.model import GIB, MIB
+from gpuwarden.core.runtime import RuntimeKind
 from gpuwarden.errors import ConfigError
 from gpuwarden.launch.detect import detect_runtime
 
@@ -174,6 +175,49 @@ class SandboxSettings(_Section):
     python: str = "python3"
 
 
+class RuntimeCall(_Section):
+    """One HTTP call of a ``generic`` runtime (``[runtimes.busy]``, ``.release``)."""
+
+    method: Literal["GET", "POST"] = "GET"
+    #: a path on the runtime's ``url``, starting with "/"
+    path: Annotated[str, Field(pattern=r"^/[^\s]*$", max_length=1000)]
+    #: ``busy``: the JSON key whose value says it works (true, or a non-empty list or a
+    #: number above 0); ``release``: unused
+    busy_key: str = ""
+    body: dict[str, Any] | None = None
+
+
+class RuntimeSettings(_Section):
+    """A managed runtime (``[[runtimes]]``): a model server the broker owns beside
+    its own jobs, never kills, and asks to release its memory through its own API."""
+
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    kind: RuntimeKind
+    #: where its API answers: http(s)://HOST:PORT
+    url: Annotated[str, Field(pattern=r"^https?://[^\s/]+(/[^\s]*)?$", max_length=1000)]
+    #: a file holding the bearer token its API wants (read at start; mode 0600)
+    credential_file: Path | None = None
+    #: the GPU UUIDs it runs on (empty: wherever its processes show)
+    gpus: list[str] = Field(default_factory=list)
+    idle_grace_s: Annotated[float, Field(ge=0, le=30 * 24 * 3600)] = 300.0
+    #: how long a release may take to show on the device before it is ineffective
+    release_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 15.0
+    #: ``generic`` only: how to tell it works and how to ask it to release
+    busy: RuntimeCall | None = None
+    release: RuntimeCall | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _generic_calls(self) -> RuntimeSettings:
+        if self.kind is not RuntimeKind.GENERIC and (self.busy or self.release):
+            raise ValueError(
+                f'runtime {self.name!r}: busy and release are for kind = "generic" only '
+                f"(a {self.kind.value} runtime is spoken to through its own API)"
+            )
+        if self.busy is not None and not self.busy.busy_key:
+            raise ValueError(f"runtime {self.name!r}: busy needs busy_key (the JSON key to read)")
+        return self
+
+
 class Config(_Section):
     """The whole configuration. See SPEC.md, "Configuration", for every key."""
 
@@ -207,6 +251,16 @@ class Config(_Section):
     #: with a real runtime: run host types too (unsandboxed)
     allow_host_jobs: bool = False
     sandbox: SandboxSettings = SandboxSettings()
+    #: the managed runtimes (issue 15: registered, not yet driven by the broker)
+    runtimes: list[RuntimeSettings] = Field(default_factory=list)
+
+    @pydantic.field_validator("runtimes")
+    @classmethod
+    def _unique_runtimes(cls, value: list[RuntimeSettings]) -> list[RuntimeSettings]:
+        names = [r.name for r in value]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"runtime names must be unique; given twice: {', '.join(dupes)}")
+        return value
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -357,6 +411,13 @@ def load_config(path: Path | None, *, state_dir: Path | None = None, check: bool
     else:
         updates["module_paths"] = default_module_paths()
     updates["queue_roots"] = [(base / p).resolve() for p in config.queue_roots]
+    if config.runtimes:
+        updates["runtimes"] = [
+            r
+            if r.credential_file is None
+            else r.model_copy(update={"credential_file": (base / r.credential_file).resolve()})
+            for r in config.runtimes
+        ]
     if config.sandbox.weights_dir is not None:
         weights = (base / config.sandbox.weights_dir).resolve()
         updates["sandbox"] = config.sandbox.model_copy(update={"weights_dir": weights})
@@ -389,10 +450,18 @@ def _explain(exc: pydantic.ValidationError, path: Path | None) -> str:
 def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
     for part in loc:
+        if isinstance(part, int):  # an item of a list of sections (``[[runtimes]]``)
+            continue
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type):
+        annotation = field.annotation if field is not None else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+            continue
+        # a list of sections, or an optional one: the one section type it holds
+        inner = [
+            a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)
+        ]
+        if len(inner) != 1:
             return None
-        if not issubclass(field.annotation, BaseModel):
-            return None
-        model = field.annotation
+        model = inner[0]
     return model

@@ -15,7 +15,7 @@ TOP_KEYS = (
     "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, api, broker, "
     "cluster, container_runtime, create_queue_roots, database, gpu, limits, module_paths, "
     "node_name, "
-    "queue_roots, sandbox, sandbox_image, sim_gpu, state_dir, vram, warm"
+    "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, state_dir, vram, warm"
 )
 BROKER_KEYS = (
     "clip_chars, cpu_slots, kill_grace_s, max_interruptions, poll_interval_s, "
