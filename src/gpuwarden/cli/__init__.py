@@ -15,7 +15,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gpuwarden.cli import cluster, jobs, logs, node, status, submit, tokens, tools
+from gpuwarden.cli import cluster, jobs, logs, node, runtimes, status, submit, tokens, tools
 from gpuwarden.cli.common import (
     Parser,
     add_global_options,
@@ -45,6 +45,7 @@ COMMANDS = (
     "agent",
     "node",
     "types",
+    "runtimes",
     "demo",
     "doctor",
 )
@@ -59,6 +60,7 @@ _PARSERS = {
     **tokens.PARSERS,
     **cluster.PARSERS,
     **tools.PARSERS,
+    **runtimes.PARSERS,
 }
 assert sorted(_PARSERS) == sorted(COMMANDS), "COMMANDS lists each command once"
 

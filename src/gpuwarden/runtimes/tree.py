@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import psutil
-
-from gpuwarden.gpu.base import GpuReading
 
 __all__ = ["holdings", "is_local", "listener_pid", "process_tree"]
 
@@ -60,7 +59,23 @@ def process_tree(root: int) -> set[int]:
     return {root, *(k.pid for k in kids)}
 
 
-def holdings(pids: Iterable[int], readings: Iterable[GpuReading]) -> dict[str, int]:
+class _Usage(Protocol):
+    @property
+    def pid(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+
+
+class _Gpu(Protocol):
+    """A GPU reading with its processes: the probe's, or a broker's published one."""
+
+    @property
+    def uuid(self) -> str: ...
+    @property
+    def processes(self) -> Sequence[_Usage]: ...
+
+
+def holdings(pids: Iterable[int], readings: Iterable[_Gpu]) -> dict[str, int]:
     """Per GPU UUID, the bytes the device shows held by these processes (GPUs
     where they hold nothing are left out)."""
     mine = set(pids)
