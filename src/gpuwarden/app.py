@@ -13,10 +13,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpuwarden.config import DATABASE_URL_PREFIXES, Config
+from gpuwarden import safefs
+from gpuwarden.config import DATABASE_URL_PREFIXES, Config, RuntimeCall, RuntimeSettings
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import GIB, MIB, LaunchMode
-from gpuwarden.errors import ConfigError
+from gpuwarden.errors import ConfigError, GpuwardenError, UserError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.gpu.select import open_probe
@@ -28,7 +29,7 @@ from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.host import HostLauncher
 from gpuwarden.launch.sandbox import SandboxLauncher, SandboxLimits
 from gpuwarden.node.loop import Broker, IntakeFactory
-from gpuwarden.node.settings import NodeSettings, VramSettings
+from gpuwarden.node.settings import NodeSettings, RuntimeCallSpec, RuntimeSpec, VramSettings
 from gpuwarden.registry import Registry
 from gpuwarden.statelock import StateLock
 from gpuwarden.store.base import Store
@@ -127,6 +128,46 @@ def node_settings(config: Config) -> NodeSettings:
         stop_grace_s=w.stop_grace_s,
         weights_dir=s.weights_dir,
         scratch_bytes=int(s.scratch_mib * MIB),
+        runtimes=tuple(runtime_spec(r) for r in config.runtimes),
+    )
+
+
+#: the most a runtime's credential file may hold
+_TOKEN_MAX = 4096
+
+
+def runtime_token(runtime: RuntimeSettings) -> str | None:
+    """The bearer token in a runtime's ``credential_file`` (None without one). A
+    file that cannot be read safely (missing, a link, too large) is a UserError
+    naming it."""
+    if runtime.credential_file is None:
+        return None
+    try:
+        raw = safefs.read_bytes(runtime.credential_file, _TOKEN_MAX)
+    except (OSError, GpuwardenError) as exc:
+        raise UserError(
+            f"runtime {runtime.name}: its credential_file {runtime.credential_file} cannot "
+            f"be read ({exc}): fix the path or remove the key"
+        ) from None
+    return raw.decode("utf-8", "replace").strip() or None
+
+
+def runtime_spec(runtime: RuntimeSettings) -> RuntimeSpec:
+    """A ``[[runtimes]]`` table as the node takes it."""
+
+    def call(c: RuntimeCall | None) -> RuntimeCallSpec | None:
+        return None if c is None else RuntimeCallSpec(c.method, c.path, c.busy_key, c.body)
+
+    return RuntimeSpec(
+        name=runtime.name,
+        kind=runtime.kind,
+        url=runtime.url,
+        token=runtime_token(runtime),
+        gpus=tuple(runtime.gpus),
+        idle_grace_s=runtime.idle_grace_s,
+        release_timeout_s=runtime.release_timeout_s,
+        busy=call(runtime.busy),
+        release=call(runtime.release),
     )
 
 

@@ -55,6 +55,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "waiting",
         "last_error",
         "queued_indexed",
+        "runtimes",
     ]
     [gpu] = doc["gpus"]
     assert list(gpu) == [
@@ -67,6 +68,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "foreign_bytes",
         "holdings",
         "degraded",
+        "runtimes",
         "free_bytes",
     ]
     assert gpu["free_bytes"] == 24 * GIB - GIB - 14 * GIB

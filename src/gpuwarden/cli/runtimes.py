@@ -16,20 +16,17 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden import safefs
+from gpuwarden.app import runtime_token
 from gpuwarden.cli.common import Commands, config_of, existing_store, out
 from gpuwarden.config import RuntimeSettings
 from gpuwarden.core.model import format_bytes
-from gpuwarden.errors import GpuwardenError, UserError
+from gpuwarden.errors import UserError
 from gpuwarden.node import explain
 from gpuwarden.node.status import BrokerStatus, GpuStatus
 from gpuwarden.runtimes.base import RuntimeApiError
 from gpuwarden.runtimes.generic import Call
 from gpuwarden.runtimes.select import open_client
 from gpuwarden.runtimes.tree import holdings, listener_pid, process_tree
-
-#: the most a credential file may hold
-_TOKEN_MAX = 4096
 
 
 def _add_runtimes(sub: Commands) -> None:
@@ -111,19 +108,6 @@ def _device(args: argparse.Namespace) -> tuple[tuple[GpuStatus, ...] | None, str
     return published.gpus, f"the broker on {status.node}, {age:.0f} s ago"
 
 
-def _token(runtime: RuntimeSettings) -> str | None:
-    if runtime.credential_file is None:
-        return None
-    try:
-        raw = safefs.read_bytes(runtime.credential_file, _TOKEN_MAX)
-    except (OSError, GpuwardenError) as exc:
-        raise UserError(
-            f"runtime {runtime.name}: its credential_file {runtime.credential_file} cannot "
-            f"be read ({exc}): fix the path or remove the key"
-        ) from None
-    return raw.decode("utf-8", "replace").strip() or None
-
-
 def _call(c: Any) -> Call | None:
     return None if c is None else Call(c.method, c.path, c.busy_key, c.body)
 
@@ -145,7 +129,7 @@ def _describe(runtime: RuntimeSettings, gpus: tuple[GpuStatus, ...] | None) -> d
         client = open_client(
             runtime.kind,
             runtime.url,
-            token=_token(runtime),
+            token=runtime_token(runtime),
             busy=_call(runtime.busy),
             release=_call(runtime.release),
         )

@@ -82,11 +82,20 @@ class GpuView:
     #: why VRAM admission is paused on this GPU, or ""
     degraded: str = ""
     name: str = ""
+    #: what each managed runtime's processes hold here, by its name (not foreign:
+    #: counted against the budget the same way, but named)
+    runtimes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def runtime_bytes(self) -> int:
+        return sum(b for _, b in self.runtimes)
 
     @property
     def capacity(self) -> int:
         """What gpuwarden may use here when none of its own holdings remain."""
-        return max(0, self.total_bytes - self.reserve_bytes - self.foreign_bytes)
+        return max(
+            0, self.total_bytes - self.reserve_bytes - self.foreign_bytes - self.runtime_bytes
+        )
 
     @property
     def held_bytes(self) -> int:
@@ -105,6 +114,7 @@ class GpuView:
             "foreign_bytes": self.foreign_bytes,
             "holdings": [h.to_json() for h in self.holdings],
             "degraded": self.degraded,
+            "runtimes": [{"name": n, "bytes": b} for n, b in self.runtimes],
         }
 
     @classmethod
@@ -117,6 +127,7 @@ class GpuView:
             foreign_bytes=int(d.get("foreign_bytes", 0)),
             holdings=tuple(Holding.from_json(h) for h in d.get("holdings", [])),
             degraded=d.get("degraded", ""),
+            runtimes=tuple((str(r["name"]), int(r["bytes"])) for r in d.get("runtimes", [])),
         )
 
 
@@ -751,6 +762,7 @@ def _why_not(job: QueuedJob, g: _Gpu, seen: tuple[int, QueuedJob | None]) -> str
     free = max(0, g.capacity - sum(h.bytes for h in holdings))
     if free < job.vram_bytes:
         parts = [f"{format_bytes(h.bytes)} held by {_holder(h)}" for h in holdings]
+        parts += [f"{format_bytes(b)} by the runtime {n}" for n, b in g.view.runtimes]
         if g.view.foreign_bytes:
             parts.append(f"{format_bytes(g.view.foreign_bytes)} by other processes")
         if g.view.reserve_bytes:

@@ -53,7 +53,15 @@ from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.queue import ClassKey, QueueBook
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner, Recorded
-from gpuwarden.node.running import Clock, ExchangeNote, Mailbox, ServerNote, Started
+from gpuwarden.node.running import (
+    Clock,
+    ExchangeNote,
+    Mailbox,
+    RuntimeNote,
+    ServerNote,
+    Started,
+)
+from gpuwarden.node.runtimes import ManagedRuntimes
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import (
     BrokerStatus,
@@ -151,6 +159,10 @@ class Broker:
         #: the queued jobs, by class, followed through the store's events
         self.queue = QueueBook(self.store, self.registry, self._clock)
         self.vram = VramBook(self.settings.vram)
+        #: the managed runtimes ([[runtimes]]): looked at by a poller thread
+        self.runtimes = ManagedRuntimes(
+            self.settings.runtimes, vram=self.vram, mailbox=self.mailbox, clock=self._clock
+        )
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
         self.launching = Launching(
@@ -277,6 +289,7 @@ class Broker:
         tick on the loop's thread (an agent's sync step); it may set ``stop`` (and
         ``force``). ``started`` adds to the detail of the ``broker_started`` event."""
         self.emit("broker_started", pid=os.getpid(), probe=self.probe.kind, **(started or {}))
+        self.runtimes.start()
         while not stop.is_set():
             self.tick()
             if between is not None:
@@ -313,6 +326,7 @@ class Broker:
             time.sleep(0.02)
         self._drain(self.clock())
         self.warm.close()  # only if empty: its sockets are gone
+        self.runtimes.stop()
         self._finish_bundles(self.clock(), force=True)
         self.emit("broker_stopped")
         self._publish(self.clock(), force=True, stopped=True)
@@ -491,6 +505,9 @@ class Broker:
                         self.attempts.on_exchange(message)
                     elif isinstance(message, Started):
                         self.attempts.on_started(message)
+                    elif isinstance(message, RuntimeNote):
+                        if self.runtimes.on_note(message):
+                            self._status_dirty = True
                     elif (run := self.attempts.pop(message)) is not None:
                         self._status_dirty = True
                         recorded.append(self.attempts.record(run, message, now))
@@ -638,6 +655,7 @@ class Broker:
                 for r in self.attempts
             ),
             warm=self.warm.statuses(self.clock()),
+            runtimes=tuple(self.runtimes.statuses(self.clock())),
             warm_views=self.warm.views(),
             waiting=self._waiting(),
             last_error=self._last_error,

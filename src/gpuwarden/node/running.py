@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpuwarden.core.model import Attempt, Job, JobType
+from gpuwarden.core.runtime import Capabilities, Reading
 from gpuwarden.launch.base import Joinable, LaunchResult
 from gpuwarden.launch.reaper import StopSignal
 from gpuwarden.launch.warmproc import LoadReport
@@ -86,7 +87,20 @@ class RunningAttempt:
 
 
 #: what a worker thread posts to the loop
-Message = LaunchResult | Started | ServerNote | ExchangeNote
+@dataclass(frozen=True, slots=True)
+class RuntimeNote:
+    """Posted by the managed runtimes' poller (:mod:`gpuwarden.node.runtimes`): what
+    one look at a runtime found: its process tree, and its reading or the error."""
+
+    name: str
+    at: float
+    pids: frozenset[int]
+    reading: Reading | None = None
+    capabilities: Capabilities | None = None
+    error: str = ""
+
+
+Message = LaunchResult | Started | ServerNote | ExchangeNote | RuntimeNote
 
 
 class Mailbox:

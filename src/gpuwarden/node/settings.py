@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gpuwarden.core.launchrules import LaunchRules
+from gpuwarden.core.runtime import RuntimeKind
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +28,31 @@ class VramSettings:
     tolerance_bytes: int
     #: a measured peak is rounded up to a multiple of this before it is stored
     step_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeCallSpec:
+    """A ``generic`` runtime's call: method, path, the JSON key busy reads, a body."""
+
+    method: str
+    path: str
+    busy_key: str = ""
+    body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSpec:
+    """One ``[[runtimes]]`` table, as plain values (the token read from its file)."""
+
+    name: str
+    kind: RuntimeKind
+    url: str
+    token: str | None = None
+    gpus: tuple[str, ...] = ()
+    idle_grace_s: float = 300.0
+    release_timeout_s: float = 15.0
+    busy: RuntimeCallSpec | None = None
+    release: RuntimeCallSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,3 +81,5 @@ class NodeSettings:
     # -- what a sandboxed attempt is given (``[sandbox]``)
     weights_dir: Path | None
     scratch_bytes: int
+    #: the managed runtimes (``[[runtimes]]``)
+    runtimes: tuple[RuntimeSpec, ...] = ()

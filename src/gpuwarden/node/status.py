@@ -221,6 +221,8 @@ class BrokerStatus:
     last_error: LoopError | None = None
     #: how many queued jobs the loop's queue index holds (``waiting`` names the first)
     queued_indexed: int = 0
+    #: the managed runtimes as the loop last saw them (``ManagedRuntimes.statuses``)
+    runtimes: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -238,6 +240,7 @@ class BrokerStatus:
             "waiting": dict(self.waiting),
             "last_error": self.last_error.to_json() if self.last_error is not None else None,
             "queued_indexed": self.queued_indexed,
+            "runtimes": [dict(r) for r in self.runtimes],
         }
 
     @classmethod
@@ -261,6 +264,7 @@ class BrokerStatus:
             waiting={str(k): str(v) for k, v in (d.get("waiting") or {}).items()},
             last_error=LoopError.from_json(last_error) if isinstance(last_error, dict) else None,
             queued_indexed=int(d.get("queued_indexed") or 0),
+            runtimes=tuple(dict(r) for r in d.get("runtimes") or () if isinstance(r, dict)),
         )
 
     def gpu_views(self) -> tuple[GpuView, ...]:

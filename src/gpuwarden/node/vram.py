@@ -52,6 +52,8 @@ class _Gpu:
     reading: GpuReading
     baseline: int = 0
     foreign: int = 0
+    #: what each managed runtime's process tree holds here (name, bytes)
+    runtimes: tuple[tuple[str, int], ...] = ()
     degraded: str = ""
 
 
@@ -66,6 +68,9 @@ class VramBook:
         self.faults: dict[str, str] = {}
         self._xid_seen: dict[str, int] = {}
         self._tolerance = settings.tolerance_bytes
+        #: each managed runtime's process tree, as its poller last found it: what
+        #: they hold is named by the runtime, not counted as foreign
+        self.runtime_pids: dict[str, set[int]] = {}
 
     # -- holdings -------------------------------------------------------------
 
@@ -192,6 +197,13 @@ class VramBook:
                 if used > h.bytes:  # it uses more than it declared: count what it uses
                     self.ledger.update(h.holder, bytes=used)
         extra = max(0, unattributed - g.baseline)
+        named: dict[str, int] = {}
+        for name, pids in self.runtime_pids.items():
+            held = sum(usage.get(pid, 0) for pid in pids if pid not in ours)
+            if held:
+                named[name] = held
+                ours = ours | pids
+        g.runtimes = tuple(sorted(named.items()))
         g.foreign = sum(u for pid, u in usage.items() if pid not in ours) + extra
         events += self._reclaim(g, usage, extra, now)
         return events
@@ -247,6 +259,7 @@ class VramBook:
                 total_bytes=g.reading.total_bytes,
                 reserve_bytes=self._reserve,
                 foreign_bytes=g.foreign,
+                runtimes=g.runtimes,
                 holdings=self.ledger.holdings(uuid),
                 degraded=(
                     f"hardware fault: {self.faults[uuid]}" if uuid in self.faults else g.degraded
