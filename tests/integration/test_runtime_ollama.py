@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -132,25 +132,27 @@ def test_preload_puts_the_memory_on_a_runner_child(standin: Standin, client: Oll
     [loaded] = reading.loaded
     assert (loaded.name, loaded.size_bytes, loaded.vram_bytes) == ("tiny:latest", TINY, TINY)
     assert client.placement("tiny") == 1.0
+    # Ollama's default keep-alive: 5 min from the end of the (pre)load
+    assert 250 < seconds_left(loaded.expires_at) <= 300
+
+
+def seconds_left(expires_at: str | None) -> float:
+    assert expires_at is not None
+    return (datetime.fromisoformat(expires_at) - datetime.now(UTC)).total_seconds()
 
 
 def test_placement_reads_a_model_partly_on_the_cpu(standin: Standin, client: OllamaClient) -> None:
     client.preload("half:latest", "10m")
     assert list(standin.usage().values()) == [TINY // 2]
     assert client.placement("half") == 0.5
+    assert 550 < seconds_left(client.read().loaded[0].expires_at) <= 600  # "10m"
     with pytest.raises(RuntimeApiError, match="does not list tiny as loaded"):
         client.placement("tiny")
 
 
 def test_release_waits_for_the_request_in_flight(standin: Standin, client: OllamaClient) -> None:
-    answers: list[dict[str, Any]] = []
     # the request loads the model itself: once the model is listed, it is in flight
-    request = threading.Thread(
-        target=lambda: answers.append(
-            generate(standin.url, model="tiny", prompt="hi", delay_s=LONG_REQUEST_S)
-        )
-    )
-    request.start()
+    request, answers = in_flight(standin.url, model="tiny", prompt="hi", delay_s=LONG_REQUEST_S)
     wait_for("the request's model on the device", lambda: TINY in standin.usage().values())
     [runner] = standin.usage()
     client.read()
@@ -170,6 +172,47 @@ def test_release_waits_for_the_request_in_flight(standin: Standin, client: Ollam
     wait_for("the runner's memory freed", lambda: standin.device().used_bytes == 0)
     assert client.read().loaded == ()
     assert not psutil.pid_exists(runner) or psutil.Process(runner).status() == "zombie"
+
+
+def in_flight(url: str, **body: Any) -> tuple[threading.Thread, list[dict[str, Any]]]:
+    """A generate request running in a thread of its own, and where its answer goes."""
+    answers: list[dict[str, Any]] = []
+    thread = threading.Thread(target=lambda: answers.append(generate(url, **body)))
+    thread.start()
+    return thread, answers
+
+
+def test_expires_at_moves_while_a_first_request_runs(
+    standin: Standin, client: OllamaClient
+) -> None:
+    # sched.go loadedModels: no expiresAt yet, so it is listed as now + keep_alive
+    request, _ = in_flight(standin.url, model="tiny", prompt="hi", delay_s=LONG_REQUEST_S)
+    wait_for("the request's model on the device", lambda: TINY in standin.usage().values())
+    first = client.read()
+    time.sleep(0.01)
+    second = client.read()
+    assert request.is_alive(), f"the request ended before the reads: raise {LONG_REQUEST_S=}"
+    assert first.loaded[0].expires_at != second.loaded[0].expires_at
+    assert second.worked
+    request.join(timeout=60)
+
+
+def test_a_pin_during_a_pending_release_cancels_it(standin: Standin, client: OllamaClient) -> None:
+    request, answers = in_flight(standin.url, model="tiny", prompt="hi", delay_s=LONG_REQUEST_S)
+    wait_for("the request's model on the device", lambda: TINY in standin.usage().values())
+    [runner] = standin.usage()
+    client.read()
+    client.release()
+    assert "past expires_at" in client.read().detail  # the release is pending
+    # sched.go useLoadedRunner: a request's keep_alive replaces the pending zero
+    assert generate(standin.url, model="tiny", keep_alive=-1)["done_reason"] == "load"
+    assert request.is_alive(), f"the request ended before the pin: raise {LONG_REQUEST_S=}"
+    request.join(timeout=60)
+    assert [a["done_reason"] for a in answers] == ["stop"]
+    reading = client.read()
+    assert reading.worked
+    assert seconds_left(reading.loaded[0].expires_at) > 100 * 365 * 86400  # forever
+    stays_for(HOLD_S, lambda: standin.usage() == {runner: TINY})
 
 
 def test_an_idle_release_unloads(standin: Standin, client: OllamaClient) -> None:
