@@ -355,6 +355,10 @@ class Server(ThreadingHTTPServer):
         self.state = state
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--port", type=int, default=8188)
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     server = Server(args.port, state)
     # SIGTERM ends the server like Ctrl-C, so the worker child is ended too (it
     # also ends by itself when its stdin closes)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupted)
     print(f"listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever()
