@@ -87,7 +87,9 @@ class Completion:
         return self.response
 
 
-def start(tmp_path: Path, *, sleep_mode: bool, dev_mode: bool) -> Standin:
+def start(
+    tmp_path: Path, *, sleep_mode: bool, dev_mode: bool, api_key: str | None = None
+) -> Standin:
     probe = SimProbe(tmp_path / "simgpu.json", SimGpuConfig(count=1, vram_bytes=8 * GIB))
     env = dict(os.environ)
     env.pop("VLLM_SERVER_DEV_MODE", None)
@@ -100,12 +102,14 @@ def start(tmp_path: Path, *, sleep_mode: bool, dev_mode: bool) -> Standin:
     command += ["--residual-mib", str(RESIDUAL / MIB)]
     if sleep_mode:
         command.append("--enable-sleep-mode")
+    if api_key:
+        command += ["--api-key", api_key]
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("listening on "), line
     url = line.split()[-1]
-    return Standin(proc, url, probe, VllmClient(url, timeout_s=WAIT_S))
+    return Standin(proc, url, probe, VllmClient(url, token=api_key, timeout_s=WAIT_S))
 
 
 def stop(standin: Standin) -> None:
@@ -246,6 +250,23 @@ def test_a_request_while_asleep_waits_for_the_wake(vllm: Standin) -> None:
     vllm.client.wake()
     assert request.result().status_code == 200
     assert vllm.engine_bytes() == FULL
+
+
+def test_api_key_guards_only_the_v1_routes(tmp_path: Path) -> None:
+    """vLLM's --api-key covers /v1 only: the sleep routes answer anyone."""
+    standin = start(tmp_path, sleep_mode=True, dev_mode=True, api_key="sekrit")
+    try:
+        bare = VllmClient(standin.url)
+        refused = bare.call("POST", "/v1/completions", json={"prompt": "hi"})
+        assert refused.status_code == 401  # the fault: no key
+        assert bare.probe().release is ReleaseSafety.ABORTS  # /metrics, /is_sleeping: open
+        bare.close()
+        keyed = standin.client.call("POST", "/v1/completions", json={"delay_s": 0})
+        assert keyed.status_code == 200, keyed.text
+        assert standin.client.release_if_idle() is not None
+        assert standin.engine_bytes() == RESIDUAL
+    finally:
+        stop(standin)
 
 
 # -- faults at the edge -------------------------------------------------------------

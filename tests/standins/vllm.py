@@ -41,6 +41,10 @@ Where each behaviour comes from (vLLM's source and docs):
   aborted request is not checked here (UNVERIFIED): the stand-in answers 500 with
   an OpenAI-style error body. A request that arrives while the engine sleeps
   waits (counted in ``num_requests_waiting``) until it wakes (UNVERIFIED too).
+- ``--api-key`` (or ``VLLM_API_KEY``): vLLM's ``authentication`` middleware
+  (``vllm/entrypoints/openai/api_server.py``) checks ``Authorization: Bearer KEY``
+  only on paths that start with ``/v1``: ``/metrics`` and the sleep routes stay
+  open (401 ``{"error": "Unauthorized"}`` otherwise).
 """
 
 from __future__ import annotations
@@ -165,6 +169,7 @@ class State:
     def __init__(self, args: argparse.Namespace, engine: Engine) -> None:
         self.model = args.model
         self.sleep_mode = args.enable_sleep_mode
+        self.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
         self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0")
         self.engine = engine
         self.cond = threading.Condition()
@@ -254,9 +259,21 @@ class Handler(BaseHTTPRequestHandler):
     def dev_route(self) -> bool:
         return self.server.state.dev_mode
 
+    def unauthorized(self) -> bool:
+        """vLLM's middleware: only ``/v1`` paths need the key."""
+        key = self.server.state.api_key
+        if key is None or not urlsplit(self.path).path.startswith("/v1"):
+            return False
+        if self.headers.get("Authorization") == f"Bearer {key}":
+            return False
+        self.send_json(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self) -> None:
         state = self.server.state
         path = urlsplit(self.path).path
+        if self.unauthorized():
+            return
         if path == "/metrics":
             self.send(200, state.metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
         elif path == "/health":
@@ -274,6 +291,8 @@ class Handler(BaseHTTPRequestHandler):
         query = parse_qs(parts.query)
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
+        if self.unauthorized():
+            return
         if parts.path == "/v1/completions":
             self.completions(body)
         elif parts.path == "/sleep" and self.dev_route():
@@ -344,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model", default="standin/tiny-llm")
     parser.add_argument("--enable-sleep-mode", action="store_true")
+    parser.add_argument("--api-key", default=None)
     parser.add_argument("--weights-gib", type=float, default=1.0)
     parser.add_argument("--kv-gib", type=float, default=2.0)
     parser.add_argument("--residual-mib", type=float, default=256.0)
