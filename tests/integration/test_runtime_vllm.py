@@ -24,7 +24,13 @@ from gpuwarden.core.model import GIB, MIB
 from gpuwarden.core.runtime import Activity, BusySignal, ReleaseSafety
 from gpuwarden.gpu.sim import SimGpuConfig, SimProbe
 from gpuwarden.runtimes.base import RuntimeApiError
-from gpuwarden.runtimes.vllm import NO_SLEEP_NOTE, VllmClient, parse_prometheus
+from gpuwarden.runtimes.vllm import (
+    NO_SLEEP_NOTE,
+    RUNNING,
+    WAITING,
+    VllmClient,
+    parse_prometheus,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SRC_DIR = str(Path(gpuwarden.__file__).resolve().parent.parent)
@@ -107,7 +113,10 @@ def start(
     proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert line.startswith("listening on "), line
+    if not line.startswith("listening on "):
+        proc.kill()
+        proc.wait(timeout=WAIT_S)
+        pytest.fail(f"the stand-in did not start: {line!r}")
     url = line.split()[-1]
     return Standin(proc, url, probe, VllmClient(url, token=api_key, timeout_s=WAIT_S))
 
@@ -312,6 +321,21 @@ def test_metrics_without_the_gauges_are_unknown_and_not_releasable() -> None:
     reading = client.read()
     assert reading.activity is Activity.UNKNOWN
     assert client.release_if_idle() is None
+
+
+def test_sleep_route_gone_since_the_probe() -> None:
+    routes = {
+        "/metrics": httpx.Response(200, text=f"{RUNNING} 0\n{WAITING} 0\n"),
+        "/is_sleeping": httpx.Response(200, json={"is_sleeping": False}),
+    }
+    client = mock(routes)
+    assert client.probe().releasable
+    del routes["/is_sleeping"]  # the fault: restarted without VLLM_SERVER_DEV_MODE
+    with pytest.raises(RuntimeApiError, match=r"POST /sleep\?level=1 answered 404"):
+        client.release_if_idle()
+    assert client.capabilities is None  # probed afresh next time
+    with pytest.raises(RuntimeApiError, match="cannot be asked to release"):
+        client.release()
 
 
 def test_is_sleeping_that_is_not_a_bool() -> None:

@@ -33,7 +33,10 @@ Where each behaviour comes from (vLLM's source and docs):
   GPU both free the same; what remains is the CUDA context and the allocations
   outside vLLM's sleep-mode pool (``--residual-mib``; pitfalls in vLLM issues
   #32714, #47654 show it can be large). ``mode=wait`` lets in-flight requests end
-  first; ``mode=abort`` aborts them.
+  first; ``mode=abort`` aborts them (``PauseMode = Literal["abort", "wait",
+  "keep"]``, ``vllm/v1/engine/__init__.py``; the sleep pauses the scheduler first
+  since vLLM PR #34528, "Add optional pause-mode arg to sleep method"; older
+  servers read only ``level``). ``keep`` is not modelled (a 400 here).
 - ``POST /wake_up``: optional ``tags`` (``weights``, ``kv_cache``; none: all),
   an empty 200. ``GET /is_sleeping`` → ``{"is_sleeping": bool}``.
 - ``POST /v1/completions``: the OpenAI completion API; the stand-in field

@@ -14,7 +14,9 @@
   broker therefore calls :meth:`VllmClient.release_if_idle`, which reads the
   gauges again right before and asks nothing while a request runs or waits.
   The race between that read and the sleep remains (a request may arrive in
-  between): vLLM has no "sleep only if idle".
+  between): vLLM has no "sleep only if idle". (Newer servers take
+  ``mode=wait``, vLLM PR #34528, 0.17 by kvcached's account; older ones read only
+  ``level`` and would ignore it, so it is not sent: one behaviour for all.)
 - What remains on the GPU after a sleep (CUDA context, allocations outside
   vLLM's sleep pool) is read from the device, never taken from the 200.
 """
@@ -196,6 +198,9 @@ class VllmClient(RuntimeClient):
         if not capabilities.releasable:
             raise RuntimeApiError(f"{self.kind.value} at {self.url}: {NO_SLEEP_NOTE}")
         response = self.call("POST", SLEEP_PATH)
+        if response.status_code == 404:  # restarted without the switches since the probe
+            self.capabilities = None
+            raise RuntimeApiError(f"{self.where('POST', SLEEP_PATH)} answered 404: {NO_SLEEP_NOTE}")
         if response.status_code != 200:
             raise RuntimeApiError(
                 f"{self.where('POST', SLEEP_PATH)} answered {response.status_code}: "
