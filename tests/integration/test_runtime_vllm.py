@@ -166,8 +166,8 @@ def test_without_dev_mode_it_is_not_releasable(tmp_path: Path) -> None:
         with pytest.raises(RuntimeApiError, match="cannot be asked to release"):
             standin.client.release_if_idle()
         assert standin.client.call("POST", "/sleep").status_code == 404  # no route at all
-    finally:
         assert standin.engine_bytes() == FULL  # nothing was freed
+    finally:
         stop(standin)
 
 
