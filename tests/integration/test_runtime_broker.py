@@ -86,6 +86,7 @@ def test_the_runtimes_memory_is_named_and_its_state_read(
     broker = node.broker
     broker.runtimes.start()
     try:
+
         def named() -> bool:
             views = broker.vram.views()
             return bool(views) and views[0].runtimes == (("mine", 4 * GIB),)
