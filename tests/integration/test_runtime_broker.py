@@ -114,3 +114,56 @@ def test_the_runtimes_memory_is_named_and_its_state_read(
         assert server.poll() is None  # looked at only
     finally:
         broker.runtimes.stop()
+
+
+def test_an_ollama_runtimes_runner_memory_is_named_ollama(tmp_path: Path) -> None:
+    """The Ollama stand-in (tests/standins/ollama.py): its model is held by a runner
+    child; the broker finds the server by its port and names the child's memory."""
+    import httpx
+
+    one_gpu = make_config(tmp_path).model_dump()
+    one_gpu["sim_gpu"]["count"] = 1
+    base = Config.model_validate(one_gpu)
+    with open_node(base, mock_gpu=True) as first:
+        gpu = first.probe.read()[0].uuid
+    env = child_env(base.state_dir / SIM_STATE_FILE, gpu)
+    env.pop("OLLAMA_KEEP_ALIVE", None)
+    standin = subprocess.Popen(
+        [sys.executable, "-m", "tests.standins.ollama", "--port", "0", "--model", f"tiny={GIB}"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert standin.stdout is not None
+        url = standin.stdout.readline().strip().removeprefix("listening on ")
+        loaded = httpx.post(f"{url}/api/generate", json={"model": "tiny"}, timeout=60).json()
+        assert loaded["done_reason"] == "load"
+        raw = base.model_dump()
+        raw["runtimes"] = [{"name": "ollama", "kind": "ollama", "url": url}]
+        with open_node(Config.model_validate(raw), mock_gpu=True) as node:
+            broker = node.broker
+            broker.runtimes.start()
+            try:
+                settle(
+                    node,
+                    lambda: (
+                        bool(broker.vram.views())
+                        and broker.vram.views()[0].runtimes == (("ollama", GIB),)
+                    ),
+                )
+                assert broker.vram.views()[0].foreign_bytes == 0
+                [row] = broker.status().runtimes
+                assert (row["state"], row["busy_signal"], row["release"]) == (
+                    "unknown",
+                    "heuristic",
+                    "waits-for-inflight",
+                )
+                assert standin.pid in row["pids"] and len(row["pids"]) >= 2  # and its runner
+            finally:
+                broker.runtimes.stop()
+        assert standin.poll() is None  # nothing asked it to stop
+    finally:
+        standin.terminate()
+        standin.wait(30)
