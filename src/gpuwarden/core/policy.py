@@ -144,6 +144,8 @@ class Snapshot:
     #: how many waiting jobs may have a GPU held back for them in one pass (the
     #: first that cannot start, then the next, in queue order)
     max_reservations: int = 1
+    #: the managed runtimes (their memory is in each GPU's ``runtimes``)
+    runtimes: tuple[RuntimeView, ...] = ()
     #: ``(job id, GPU uuid)``: the GPUs held back in the previous pass (``Wait.reserved_gpu``,
     #: ``ClassWait.reserved_gpu``); a job that still gets a reservation keeps its GPU,
     #: so the GPU that drains for it is not traded for another that looks sooner
@@ -191,6 +193,31 @@ class Evict:
 
 
 Decision = Start | Wait | Refuse | Evict
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeView:
+    """A managed runtime as admission sees it (its memory is in ``GpuView.runtimes``)."""
+
+    name: str
+    #: it may be asked to release now (idle past its grace, releasable, reachable)
+    may_ask: bool
+    #: why not (or why), in a person's words
+    why: str = ""
+    #: a release was asked and its memory has not shown free yet
+    releasing: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AskRuntime:
+    """Ask a managed runtime to release its memory on a GPU, for a waiting job (the
+    GPU is held back for that job meanwhile). The broker re-checks that it is idle
+    right before it asks one whose release would abort work."""
+
+    name: str
+    gpu_uuid: str
+    nbytes: int
+    job_id: str
 
 
 def order(jobs: tuple[QueuedJob, ...] | list[QueuedJob]) -> list[QueuedJob]:
@@ -281,6 +308,8 @@ class Pass:
     to refuse, and why each remaining class waits (in queue order of its head)."""
 
     evictions: list[Decision] = field(default_factory=list)
+    #: managed runtimes to ask to release, each for the job whose GPU it frees
+    asks: list[AskRuntime] = field(default_factory=list)
     starts: list[Start] = field(default_factory=list)
     refusals: list[Refuse] = field(default_factory=list)
     waits: list[ClassWait] = field(default_factory=list)
@@ -337,6 +366,7 @@ def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass
     done = Pass()
     step = _Step(snapshot, now, {lu.job.type for lu in lineups})
     done.evictions = step.evictions
+    done.asks = step.asks
     if not snapshot.accepting:
         for lu in sorted(lineups, key=lambda lu: _rank(lu.job)):
             done.waits.append(ClassWait.fixed(lu.key, lu.job.id, "the broker is shutting down"))
@@ -446,6 +476,8 @@ class _Step:
         self.held_back = dict(snapshot.held_back)
         self.warm = _Warm(snapshot.warm)
         self.evictions = self.warm.expired(now, wanted)
+        self.runtimes = {r.name: r for r in snapshot.runtimes}
+        self.asks: list[AskRuntime] = []
         degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
         self.paused = {
             w.type: snapshot.vram_paused or degraded.get(w.gpu_uuid, "")
@@ -469,7 +501,10 @@ class _Step:
         if isinstance(decision, Start) and job.serve:
             self.warm.loading(job.type, decision.gpu_uuid or "")
         elif isinstance(decision, _Blocked) and not self.snapshot.vram_paused:
-            self.evictions += _evict_for(job, decision, self.gpus, self.warm)
+            evicted = _evict_for(job, decision, self.gpus, self.warm)
+            self.evictions += evicted
+            if not evicted and self.snapshot.runtimes:
+                self.asks += _ask_runtimes_for(job, decision, self.gpus, self.runtimes)
         return decision
 
     def place(self, job: QueuedJob) -> Start | Refuse | _Blocked:
@@ -624,6 +659,51 @@ def _evict_for(job: QueuedJob, blocked: _Blocked, gpus: list[_Gpu], warm: _Warm)
             blocked.reserved = g.view.uuid
             return evictions
     return []
+
+
+def _ask_runtimes_for(
+    job: QueuedJob, blocked: _Blocked, gpus: list[_Gpu], runtimes: dict[str, RuntimeView]
+) -> list[AskRuntime]:
+    """When managed runtimes hold the room a waiting job needs on a GPU, ask those
+    that may be asked to release it there (the GPU that needs the least back), and
+    hold that GPU back for the job. One whose release is pending keeps the GPU
+    held. Those in their grace or busy are named in the reason, not asked."""
+    best: tuple[int, _Gpu, list[tuple[str, int]]] | None = None
+    waiting_on: list[str] = []
+    for g in gpus:
+        if g.view.degraded or not g.view.runtimes:
+            continue
+        askable = [
+            (n, b)
+            for n, b in g.view.runtimes
+            if (r := runtimes.get(n)) is not None and (r.may_ask or r.releasing)
+        ]
+        for n, b in g.view.runtimes:
+            r = runtimes.get(n)
+            if r is not None and not (r.may_ask or r.releasing):
+                waiting_on.append(
+                    f"The runtime {n} holds {format_bytes(b)} on {g.view.uuid}, not asked: {r.why}"
+                )
+        back = sum(b for _, b in askable)
+        if not askable or not _fits(job, g.capacity + back, g.holdings):
+            continue
+        if best is None or back < best[0]:
+            best = (back, g, askable)
+    if best is None:
+        blocked.extra += waiting_on
+        return []
+    back, g, askable = best
+    if g.reserved_for is None:
+        g.reserved_for = job
+    blocked.reserved = g.view.uuid
+    names = ", ".join(n for n, _ in askable)
+    pending = all(runtimes[n].releasing for n, _ in askable)
+    verb = "Waiting for" if pending else "Asking"
+    blocked.extra.append(
+        f"{verb} the runtime(s) {names} to release {format_bytes(back)} on {g.view.uuid}; "
+        f"{g.view.uuid} is held back for it meanwhile"
+    )
+    return [AskRuntime(n, g.view.uuid, b, job.id) for n, b in askable if not runtimes[n].releasing]
 
 
 def _fewest_to_evict(job: QueuedJob, g: _Gpu, idle: list[WarmView]) -> list[WarmView] | None:

@@ -161,7 +161,11 @@ class Broker:
         self.vram = VramBook(self.settings.vram)
         #: the managed runtimes ([[runtimes]]): looked at by a poller thread
         self.runtimes = ManagedRuntimes(
-            self.settings.runtimes, vram=self.vram, mailbox=self.mailbox, clock=self._clock
+            self.settings.runtimes,
+            vram=self.vram,
+            mailbox=self.mailbox,
+            clock=self._clock,
+            emit=self.emit,
         )
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
@@ -387,6 +391,10 @@ class Broker:
         lineups = [self._lineup(key) for key in self.queue.classes()] if self.accepting else []
         if len(self.vram.ledger) or any(lu.job.lane is Lane.VRAM for lu in lineups):
             self._observe(now)  # the reclaim gate needs fresh readings while memory is held
+        if len(self.runtimes):
+            self._observe(now)  # a release asked of a runtime is seen on the device
+            if self.runtimes.follow(now):
+                self._status_dirty = True
         if not lineups and not len(self.warm):
             if self._waits:
                 self._waits = {}
@@ -397,6 +405,8 @@ class Broker:
         for eviction in done.evictions:
             if isinstance(eviction, policy.Evict):
                 self.warm.evict(eviction)
+        for ask in done.asks:
+            self.runtimes.ask(ask, now)
         index = self.queue.index
         for refused in done.refusals:
             index.remove(refused.job_id)
@@ -442,6 +452,7 @@ class Broker:
             accepting=self.accepting,
             vram_paused=f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else "",
             warm=self.warm.views(),
+            runtimes=self.runtimes.views(self.clock()),
             # the GPUs held back in the last pass: a held-back job keeps its GPU
             held_back=tuple(
                 (w.job_id, w.reserved_gpu) for w in self._waits.values() if w.reserved_gpu

@@ -98,6 +98,8 @@ class RuntimeNote:
     reading: Reading | None = None
     capabilities: Capabilities | None = None
     error: str = ""
+    #: a release was made (the calls), refused ("not asked: ...") or "failed"
+    released: str = ""
 
 
 Message = LaunchResult | Started | ServerNote | ExchangeNote | RuntimeNote

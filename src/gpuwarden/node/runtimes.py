@@ -10,21 +10,40 @@ each runtime's processes, so what they hold is named by the runtime and no longe
 counted as foreign, and each runtime's :class:`gpuwarden.core.runtime.Ownership`
 learns its signs of work.
 
-The broker does not ask a runtime to release yet (issue 15, in progress): this
-is what it sees of them.
+Release on demand: when a waiting job needs room a runtime past its grace holds,
+the plan says :class:`gpuwarden.core.policy.AskRuntime`; :meth:`ManagedRuntimes.ask`
+hands the call to the poller's thread (a runtime whose release aborts work is
+asked only if it is still idle right then) and notes when it was asked. Each tick
+:meth:`ManagedRuntimes.follow` compares what the runtime holds on that GPU (the
+device's reading, through the VRAM book) with what it held: once it is free the
+release is ``runtime_released`` (with ``after_s`` and the bytes back); past its
+``release_timeout_s`` with nothing back it is ``runtime_release_ineffective``, the
+residual stays counted and it is not asked again until its memory changes. A
+runtime that takes memory back within ``HANDOFF_S`` of a release (a client that
+pins its model) is reported ``runtime_reloaded_during_handoff``. Nothing is ever
+killed.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwarden.core.runtime import Capabilities, Ownership, RuntimeKind
-from gpuwarden.node.running import Mailbox, RuntimeNote
+from gpuwarden.core.model import format_bytes
+from gpuwarden.core.policy import AskRuntime, RuntimeView
+from gpuwarden.core.runtime import (
+    Activity,
+    Capabilities,
+    Ownership,
+    ReleaseSafety,
+    RuntimeKind,
+)
+from gpuwarden.node.running import Emit, Mailbox, RuntimeNote
 from gpuwarden.node.settings import RuntimeCallSpec, RuntimeSpec
 from gpuwarden.node.vram import VramBook
 from gpuwarden.runtimes.base import RuntimeApiError, RuntimeClient
@@ -38,6 +57,21 @@ log = logging.getLogger("gpuwarden.node.loop")
 POLL_S = 1.0
 #: how often a runtime whose server was not found is looked for again
 FIND_EVERY_S = 10.0
+#: after a release, how long a regrowth of the runtime's memory is its reloading
+HANDOFF_S = 30.0
+#: memory differences below this are noise
+_TOLERANCE = 64 * 1024 * 1024
+
+
+@dataclass
+class _Release:
+    """A release asked and not yet seen on the device."""
+
+    gpu: str
+    before: int
+    asked_at: float
+    job_id: str
+    deadline: float
 
 
 @dataclass
@@ -46,8 +80,17 @@ class _Runtime:
     ownership: Ownership
     capabilities: Capabilities | None = None
     pids: frozenset[int] = frozenset()
-    error: str = "not looked at yet"
+    error: str = ""
     seen_at: float | None = None
+    release: _Release | None = None
+    #: a release freed nothing: what stayed (it is not asked again while it stays)
+    ineffective: int | None = None
+    #: when its last release was seen done, and on which GPU (the handoff watch)
+    released: tuple[float, str] | None = None
+    reloads: int = 0
+    #: a release failed or was refused: not asked again before this (and why)
+    retry_at: float = float("-inf")
+    retry_why: str = ""
 
 
 @dataclass
@@ -75,10 +118,14 @@ class ManagedRuntimes:
         vram: VramBook,
         mailbox: Mailbox,
         clock: Callable[[], float],
+        emit: Emit,
     ) -> None:
         self.vram = vram
         self.mailbox = mailbox
         self.clock = clock
+        self.emit = emit
+        #: releases the loop asked for, for the poller's thread to make
+        self._asks: queue.Queue[str] = queue.Queue()
         now = clock()
         self.runtimes = {
             s.name: _Runtime(s, Ownership(idle_grace_s=s.idle_grace_s, registered_at=now))
@@ -110,13 +157,21 @@ class ManagedRuntimes:
     def _poll(self, specs: list[RuntimeSpec]) -> None:
         looks: dict[str, _Look] = {}
         try:
+            next_look = 0.0
+            by_name = {s.name: s for s in specs}
             while not self._stop.is_set():
                 for spec in specs:
-                    look = looks.get(spec.name)
-                    if look is None:
-                        look = looks[spec.name] = _Look(self._client(spec))
-                    self.mailbox.post(self._look(spec, look))
-                self._stop.wait(POLL_S)
+                    if spec.name not in looks:
+                        looks[spec.name] = _Look(self._client(spec))
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + POLL_S
+                    for spec in specs:
+                        self.mailbox.post(self._look(spec, looks[spec.name]))
+                try:
+                    name = self._asks.get(timeout=max(0.0, next_look - time.monotonic()))
+                except queue.Empty:
+                    continue
+                self.mailbox.post(self._release(by_name[name], looks[name]))
         finally:
             for look in looks.values():
                 look.client.close()
@@ -153,11 +208,126 @@ class ManagedRuntimes:
             spec.name, self.clock(), frozenset(pids), reading, capabilities=look.capabilities
         )
 
+    def _release(self, spec: RuntimeSpec, look: _Look) -> RuntimeNote:
+        """Make an asked release (on the poller's thread); a runtime whose release
+        aborts work is read again first and not asked while it works."""
+        pids = frozenset(process_tree(look.root) if look.root is not None else ())
+        try:
+            caps = look.capabilities or look.client.probe()
+            if caps.release is ReleaseSafety.ABORTS:
+                reading = look.client.read()
+                if reading.activity is not Activity.IDLE:
+                    return RuntimeNote(
+                        spec.name,
+                        self.clock(),
+                        pids,
+                        reading,
+                        caps,
+                        released=f"not asked: it works again ({reading.detail})",
+                    )
+            asked = look.client.release()
+        except RuntimeApiError as exc:
+            return RuntimeNote(spec.name, self.clock(), pids, error=str(exc), released="failed")
+        return RuntimeNote(
+            spec.name, self.clock(), pids, capabilities=caps, released=", ".join(asked.calls)
+        )
+
     # -- the loop's thread ----------------------------------------------------------
 
+    def views(self, now: float) -> tuple[RuntimeView, ...]:
+        """The runtimes as admission sees them now."""
+        out = []
+        for rt in self.runtimes.values():
+            may, why = rt.ownership.may_ask(now)
+            if rt.error:
+                may, why = False, f"unreachable ({rt.error})"
+            elif rt.ownership.last is None:
+                may, why = False, "not looked at yet"
+            elif rt.capabilities is None or not rt.capabilities.releasable:
+                may, why = False, "it cannot be asked to release (its API has no release)"
+            elif now < rt.retry_at:
+                may = False
+                why = f"its last release did not go through ({rt.retry_why}): asked again later"
+            elif rt.ineffective is not None:
+                may = False
+                why = (
+                    f"release-ineffective: {format_bytes(rt.ineffective)} stayed after its "
+                    "last release"
+                )
+            out.append(RuntimeView(rt.spec.name, may, why, releasing=rt.release is not None))
+        return tuple(out)
+
+    def ask(self, ask: AskRuntime, now: float) -> None:
+        """Have the poller's thread ask the runtime to release (once at a time)."""
+        rt = self.runtimes.get(ask.name)
+        if rt is None or rt.release is not None:
+            return
+        rt.release = _Release(
+            ask.gpu_uuid, ask.nbytes, now, ask.job_id, now + rt.spec.release_timeout_s
+        )
+        self.emit(
+            "runtime_release_requested",
+            job=ask.job_id,
+            runtime=ask.name,
+            gpu=ask.gpu_uuid,
+            bytes=ask.nbytes,
+        )
+        self._asks.put(ask.name)
+
+    def follow(self, now: float) -> bool:
+        """Compare what each runtime holds with its pending release (each tick, after
+        the probe was read). True when something changed for status."""
+        held = {(g.uuid, name): b for g in self.vram.views() for name, b in g.runtimes}
+        changed = False
+        for rt in self.runtimes.values():
+            name = rt.spec.name
+            r = rt.release
+            if r is not None:
+                left = held.get((r.gpu, name), 0)
+                if left <= _TOLERANCE or r.before - left >= r.before * 0.9:
+                    self.emit(
+                        "runtime_released",
+                        job=r.job_id,
+                        runtime=name,
+                        gpu=r.gpu,
+                        after_s=round(now - r.asked_at, 3),
+                        bytes=max(0, r.before - left),
+                    )
+                    rt.release, rt.released, changed = None, (now, r.gpu), True
+                elif now > r.deadline:
+                    self.emit(
+                        "runtime_release_ineffective",
+                        job=r.job_id,
+                        runtime=name,
+                        gpu=r.gpu,
+                        after_s=round(now - r.asked_at, 3),
+                        residual_bytes=left,
+                    )
+                    rt.release, rt.ineffective, changed = None, left, True
+            elif rt.ineffective is not None:
+                total = sum(b for (u, n), b in held.items() if n == name)
+                if abs(total - rt.ineffective) > _TOLERANCE:
+                    rt.ineffective, changed = None, True  # its memory moved: ask again later
+            if rt.released is not None:
+                at, gpu = rt.released
+                if now - at > HANDOFF_S:
+                    rt.released = None
+                elif held.get((gpu, name), 0) > _TOLERANCE:
+                    rt.reloads += 1
+                    self.emit(
+                        "runtime_reloaded_during_handoff",
+                        runtime=name,
+                        gpu=gpu,
+                        after_s=round(now - at, 3),
+                        bytes=held[(gpu, name)],
+                        reloads=rt.reloads,
+                    )
+                    rt.released, changed = None, True
+        return changed
+
     def on_note(self, note: RuntimeNote) -> bool:
-        """Take in one look (on the loop's thread). True when what status shows of
-        it changed."""
+        """Take in one look, or the outcome of a release (on the loop's thread).
+        True when what status shows of it changed."""
         rt = self.runtimes.get(note.name)
         if rt is None:
             return False
@@ -168,11 +338,18 @@ class ManagedRuntimes:
             self.vram.runtime_pids[note.name] = set(note.pids)
         else:
             self.vram.runtime_pids.pop(note.name, None)
-        if note.reading is None:
+        if note.released:
+            self.emit("runtime_release_sent", runtime=note.name, calls=note.released)
+            if note.released == "failed" or note.released.startswith("not asked"):
+                # a later pass asks again, if the room is still wanted, not at once
+                rt.release = None
+                rt.retry_at = note.at + rt.spec.release_timeout_s
+                rt.retry_why = note.error or note.released
+        if note.error:
             rt.error = note.error
-        else:
+        elif note.reading is not None:
             rt.error = ""
-            rt.capabilities = note.capabilities
+            rt.capabilities = note.capabilities or rt.capabilities
             rt.ownership.see(note.reading, note.at)
         return before != (rt.pids, rt.error, rt.ownership.last)
 
@@ -201,6 +378,9 @@ class ManagedRuntimes:
                     "why": why,
                     "busy_signal": caps.busy_signal.value if caps else None,
                     "release": caps.release.value if caps else None,
+                    "releasing": rt.release is not None,
+                    "release_ineffective_bytes": rt.ineffective,
+                    "reloads_during_handoff": rt.reloads,
                 }
             )
         return out
