@@ -96,8 +96,16 @@ def test_the_runtimes_memory_is_named_and_its_state_read(
         gpu = view.uuid
         assert view.foreign_bytes == 0  # named, not foreign
         assert view.capacity == 24 * GIB - 4 * GIB  # and still counted against the budget
-        rows = {r["name"]: r for r in broker.status().runtimes}
-        mine, gone = rows["mine"], rows["gone"]
+
+        def rows() -> dict[str, dict[str, object]]:
+            return {str(r["name"]): r for r in broker.status().runtimes}
+
+        # the poller's looks come once a second (an HTTP read each): wait for both
+        settle(
+            node,
+            lambda: rows()["mine"]["state"] == "idle" and rows()["gone"]["state"] != "unknown",
+        )
+        mine, gone = rows()["mine"], rows()["gone"]
         assert mine["state"] == "idle" and server.pid in mine["pids"]
         assert mine["busy_signal"] == "exact" and mine["release"] == "not-releasable"
         assert mine["may_be_asked"] is False and "in its grace" in mine["why"]

@@ -18,9 +18,12 @@ import pytest
 
 from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
-from gpuwarden.core.model import GIB, JobSpec
+from gpuwarden.core.model import GIB, JobSpec, Lane
+from gpuwarden.core.policy import QueuedJob
 from gpuwarden.core.states import JobState
 from gpuwarden.gpu.select import SIM_STATE_FILE
+from gpuwarden.node import explain
+from gpuwarden.node.status import BrokerStatus
 from tests.brokerkit import submit
 from tests.integration.test_broker import make_config
 from tests.integration.test_sim_gpu import child_env
@@ -98,6 +101,12 @@ def state(s: Setup) -> str:
     return str(s.node.broker.status().runtimes[0]["state"])
 
 
+def published_state(s: Setup) -> str:
+    status = explain.latest_status(s.node.store, time.time())
+    rows = BrokerStatus.from_json(status.payload).runtimes if status else ()
+    return str(rows[0]["state"]) if rows else ""
+
+
 def until(s: Setup, check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
     deadline = time.monotonic() + limit
     while not check():
@@ -117,6 +126,14 @@ def test_a_runtime_past_its_grace_is_asked_and_the_waiting_job_gets_the_room(
     s = setup
     s.prompt(gib=16, work_s=0.1)  # ComfyUI loads a 16 GiB model and stays idle
     until(s, lambda: held(s) == 16 * GIB and state(s) == "idle", "the model, idle")
+    # preview reads the published status: it names the runtime and why it is not asked
+    until(s, lambda: published_state(s) == "idle", "the status to show it idle")
+    status = explain.latest_status(s.node.store, time.time())
+    assert status is not None
+    me = QueuedJob("me", "testmods.gpu", Lane.VRAM, 12 * GIB, 0, 10**9)
+    said = explain.describe(explain.decide(explain.view_from_status(status, 4), [me], "me"))
+    assert said.startswith("would wait:") and "The runtime comfy holds 16.0 GiB" in said, said
+    assert "not asked: in its grace" in said, said
     submit(s.node, JobSpec("j", "testmods.gpu", {"gib": 12, "seconds": 0.2}, vram_bytes=12 * GIB))
     s.node.broker.tick()
     # in its grace: named in the reason, not asked

@@ -44,6 +44,8 @@ class View:
     waiting: dict[str, str]
     vram_paused: str = ""
     warm: tuple[policy.WarmView, ...] = ()
+    #: the managed runtimes as the broker last saw them (who may be asked)
+    runtimes: tuple[policy.RuntimeView, ...] = ()
 
 
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
@@ -73,6 +75,15 @@ def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
         dict(published.waiting),
         paused,
         published.warm_views,
+        tuple(
+            policy.RuntimeView(
+                str(r.get("name", "")),
+                may_ask=bool(r.get("may_be_asked")),
+                why=str(r.get("why", "")),
+                releasing=bool(r.get("releasing")),
+            )
+            for r in published.runtimes
+        ),
     )
 
 
@@ -135,6 +146,7 @@ def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.De
         cpu_slots=view.cpu_slots,
         vram_paused=view.vram_paused,
         warm=view.warm,
+        runtimes=view.runtimes,
     )
     lineups, _ = policy.lineups_of(queued)
     done = policy.plan_pass(lineups, snapshot, time.time())
