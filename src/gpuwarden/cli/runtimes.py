@@ -16,16 +16,15 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden.app import runtime_token
+from gpuwarden.app import runtime_spec
 from gpuwarden.cli.common import Commands, config_of, existing_store, out
 from gpuwarden.config import RuntimeSettings
 from gpuwarden.core.model import format_bytes
 from gpuwarden.errors import UserError
 from gpuwarden.node import explain
+from gpuwarden.node.runtimes import client_for
 from gpuwarden.node.status import BrokerStatus, GpuStatus
 from gpuwarden.runtimes.base import RuntimeApiError
-from gpuwarden.runtimes.generic import Call
-from gpuwarden.runtimes.select import open_client
 from gpuwarden.runtimes.tree import holdings, listener_pid, process_tree
 
 
@@ -108,10 +107,6 @@ def _device(args: argparse.Namespace) -> tuple[tuple[GpuStatus, ...] | None, str
     return published.gpus, f"the broker on {status.node}, {age:.0f} s ago"
 
 
-def _call(c: Any) -> Call | None:
-    return None if c is None else Call(c.method, c.path, c.busy_key, c.body)
-
-
 def _describe(runtime: RuntimeSettings, gpus: tuple[GpuStatus, ...] | None) -> dict[str, Any]:
     row: dict[str, Any] = {
         "name": runtime.name,
@@ -126,13 +121,7 @@ def _describe(runtime: RuntimeSettings, gpus: tuple[GpuStatus, ...] | None) -> d
         "memory": None,
     }
     try:
-        client = open_client(
-            runtime.kind,
-            runtime.url,
-            token=runtime_token(runtime),
-            busy=_call(runtime.busy),
-            release=_call(runtime.release),
-        )
+        client = client_for(runtime_spec(runtime))
     except RuntimeApiError as exc:
         row.update(state="unsupported", detail=str(exc))
         return row

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden.core.model import format_bytes
@@ -101,11 +101,23 @@ class _Look:
     root: int | None = None
     looked_for: float = float("-inf")
     capabilities: Capabilities | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _call(c: RuntimeCallSpec | None) -> Call | None:
     return None if c is None else Call(c.method, c.path, c.busy_key, c.body)
+
+
+def client_for(spec: RuntimeSpec, *, timeout_s: float = 5.0) -> RuntimeClient:
+    """The client of a registered runtime (a :class:`RuntimeApiError` for a kind
+    that has none yet)."""
+    return open_client(
+        spec.kind,
+        spec.url,
+        token=spec.token,
+        busy=_call(spec.busy),
+        release=_call(spec.release),
+        timeout_s=timeout_s,
+    )
 
 
 class ManagedRuntimes:
@@ -178,14 +190,7 @@ class ManagedRuntimes:
 
     def _client(self, spec: RuntimeSpec) -> RuntimeClient:
         try:
-            return open_client(
-                spec.kind,
-                spec.url,
-                token=spec.token,
-                busy=_call(spec.busy),
-                release=_call(spec.release),
-                timeout_s=min(2.0, POLL_S * 2),
-            )
+            return client_for(spec, timeout_s=min(2.0, POLL_S * 2))
         except RuntimeApiError:
             # a kind without a client: looked at as generic without calls (no signal)
             return open_client(RuntimeKind.GENERIC, spec.url, token=spec.token)
