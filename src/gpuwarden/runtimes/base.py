@@ -36,6 +36,17 @@ class ReleaseAsked:
     models: tuple[str, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A model made resident for a gpuwarden job (:meth:`RuntimeClient.prepare`)."""
+
+    model: str
+    #: the share of the model in GPU memory, as the runtime says (None: it cannot say)
+    in_vram: float | None
+    #: what was asked and seen, for a person
+    detail: str = ""
+
+
 class RuntimeClient(abc.ABC):
     """One registered runtime's API."""
 
@@ -70,6 +81,16 @@ class RuntimeClient(abc.ABC):
     def release(self) -> ReleaseAsked:
         """Ask it to let go of its models' memory through its own API. Raises
         :class:`RuntimeApiError` where it cannot be asked (see :meth:`probe`)."""
+
+    def prepare(self, model: str, *, keep_alive_s: float, timeout_s: float) -> Prepared:
+        """Make ``model`` resident for a job that uses it (a preload where the API
+        has one), kept for at least ``keep_alive_s``; the load may take up to
+        ``timeout_s``. Raises :class:`RuntimeApiError` where the runtime cannot,
+        or the model is not there."""
+        raise RuntimeApiError(
+            f"a {self.kind.value} runtime cannot load a model for a job: gpuwarden knows no "
+            "way to load one through its API"
+        )
 
     # -- helpers for the clients --------------------------------------------------
 
