@@ -77,6 +77,9 @@ class _TypeToml(_Strict):
     idle_grace_s: Annotated[float, Field(ge=0, le=30 * 24 * 3600)] | None = None
     load_timeout_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 600.0
     expected_device_gib: Annotated[float, Field(gt=0, le=4096)] | None = None
+    # runtime types only: the managed runtime whose model the jobs use
+    runtime: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None = None
+    model: Annotated[str, Field(pattern=r"^[^\x00-\x20\x7f]{1,200}$")] | None = None
 
 
 class _ModuleMeta(_Strict):
@@ -217,6 +220,7 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
         raise ModuleError(f'{where}: key {serve_only[0]!r} applies only to launch = "serve" types')
     if t.launch == "serve" and t.lane != "vram":
         raise ModuleError(f'{where}: a serve type holds a model on a GPU: use lane = "vram"')
+    _check_runtime_type(where, t)
     params = tuple(_param(where, pname, p) for pname, p in t.params.items())
     return JobType(
         name=f"{module}.{tname}",
@@ -237,7 +241,31 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
         idle_grace_s=t.idle_grace_s,
         load_timeout_s=t.load_timeout_s,
         expected_device_bytes=(int(t.expected_device_gib * GIB) if t.expected_device_gib else None),
+        runtime=t.runtime,
+        model=t.model,
     )
+
+
+def _check_runtime_type(where: str, t: _TypeToml) -> None:
+    """A runtime type names both its runtime and its model, holds that model on a
+    GPU (through the runtime), and runs as the runtime's client on the host."""
+    if (t.runtime is None) != (t.model is None):
+        given, missing = ("runtime", "model") if t.model is None else ("model", "runtime")
+        raise ModuleError(
+            f"{where}: key {given!r} needs key {missing!r} too (a runtime type names the "
+            "managed runtime and the model its jobs use)"
+        )
+    if t.runtime is None:
+        return
+    if t.lane != "vram":
+        raise ModuleError(
+            f'{where}: a runtime type holds its model on a GPU (in the runtime): use lane = "vram"'
+        )
+    if t.launch != "host":
+        raise ModuleError(
+            f'{where}: a runtime type is a client of the runtime on this host: use launch = "host" '
+            "(a container has no network to reach the runtime; serve types load their own model)"
+        )
 
 
 def _param(where: str, name: str, p: _ParamToml) -> ParamSpec:

@@ -395,12 +395,6 @@ def test_a_release_that_frees_nothing_is_marked_and_its_memory_stays_counted(
     stop_and_check_alive(s)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="broker bug: status --json publishes a release-ineffective runtime as "
-    "may_be_asked true ('idle for N s'), so preview predicts an ask the broker never makes",
-)
 def test_preview_and_status_say_a_release_ineffective_runtime_is_not_asked(
     stack: Stack,
 ) -> None:

@@ -108,7 +108,7 @@ def test_the_runtimes_memory_is_named_and_its_state_read(
         mine, gone = rows()["mine"], rows()["gone"]
         assert mine["state"] == "idle" and server.pid in mine["pids"]
         assert mine["busy_signal"] == "exact" and mine["release"] == "not-releasable"
-        assert mine["may_be_asked"] is False and "in its grace" in mine["why"]
+        assert mine["may_be_asked"] is False and "cannot be asked to release" in mine["why"]
         assert gone["state"] == "unreachable" and "http://127.0.0.1:" in gone["detail"]
         busy.write_text("2")
         settle(node, lambda: broker.status().runtimes[0]["state"] == "busy")

@@ -33,6 +33,9 @@ class Device:
         named = (("ollama", self.bytes),) if self.bytes else ()
         return (GpuView("G", 24 * GIB, runtimes=named),)
 
+    def runtime_jobs(self) -> dict[str, list[str]]:
+        return {}
+
 
 def book(timeout_s: float = 10.0) -> tuple[ManagedRuntimes, Device, list[tuple[str, Any]]]:
     events: list[tuple[str, Any]] = []

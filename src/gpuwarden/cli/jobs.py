@@ -321,7 +321,9 @@ def cmd_preview(args: argparse.Namespace) -> int:
         if status is not None:
             view = explain.view_from_status(status, config.broker.cpu_slots)
             warm_types = frozenset(w.type for w in view.warm)
-            queued = explain.queued_entries(store, registry, warm_types) if store else []
+            queued = (
+                explain.queued_entries(store, registry, warm_types, view.runtimes) if store else []
+            )
         else:
             probe = make_probe(config, mock_gpu=args.mock_gpu)
             try:
@@ -341,9 +343,11 @@ def cmd_preview(args: argparse.Namespace) -> int:
             vram_bytes=need,
             priority=args.priority,
             seq=max((q.seq for q in queued), default=0) + 1,
-            coresident=jobtype.coresident,
+            coresident=jobtype.coresident or jobtype.runtime is not None,
             serve=jobtype.launch is LaunchMode.SERVE,
             warm=any(w.type == jobtype.name for w in view.warm),
+            runtime=explain.runtime_of(jobtype, view.runtimes),
+            model=jobtype.model or "",
         )
         decision = explain.decide(view, [*queued, me], me.id)
     finally:

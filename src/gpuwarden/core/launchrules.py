@@ -26,7 +26,7 @@ from typing import Any
 
 from gpuwarden.core.model import JobType, Lane, LaunchMode
 
-__all__ = ["LaunchRules", "Runtime", "image_is_pinned", "widening_refusal"]
+__all__ = ["LaunchRules", "Runtime", "image_is_pinned", "process_lane", "widening_refusal"]
 
 
 class Runtime(StrEnum):
@@ -50,6 +50,13 @@ def image_is_pinned(image: str) -> bool:
     """True for an image named by digest or by local image id: both name exactly
     one image, where a tag can be moved to another."""
     return bool(_DIGEST.fullmatch(image) or _IMAGE_ID.fullmatch(image))
+
+
+def process_lane(jobtype: JobType) -> Lane:
+    """The lane of what the type's own process does: a runtime type's process is
+    the runtime's client and runs no model code on a GPU (the runtime does), so
+    the rules judge it as they judge a cpu type."""
+    return Lane.CPU if jobtype.runtime is not None else jobtype.lane
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +123,7 @@ class LaunchRules:
     def refusal(self, jobtype: JobType) -> str | None:
         """Why ``jobtype`` may not run on this node (what to change), or None."""
         name, launch = jobtype.name, jobtype.launch
-        rule = self._refused(launch, jobtype.lane)
+        rule = self._refused(launch, process_lane(jobtype))
         if rule == "vram_host":
             return (
                 f"{name} runs on a GPU as a plain host process, but vram types must be "

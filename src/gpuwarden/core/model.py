@@ -79,6 +79,10 @@ class JobType:
     load_timeout_s: float = 600.0
     #: how much of the model must sit in device memory after load (placement check)
     expected_device_bytes: int | None = None
+    #: a runtime type: the managed runtime (``[[runtimes]]`` name, or kind) whose
+    #: model its jobs use, and that model; None: not a runtime type
+    runtime: str | None = None
+    model: str | None = None
 
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)

@@ -46,6 +46,10 @@ class QueuedJob:
     expected_s: float | None = None
     #: its type runs in a warm server (launch mode ``serve``)
     serve: bool = False
+    #: a runtime type's job: the managed runtime (its name on this node, or the
+    #: word its type gave when no runtime here answers to it) and the model
+    runtime: str = ""
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +165,8 @@ class Start:
     gpu_uuid: str | None
     #: started beside the job this GPU is held back for (counts against its room)
     backfill_for: str | None = None
-    #: handed to the type's warm server there (no new memory, no load)
+    #: its model is loaded already, in the type's warm server there or in its
+    #: managed runtime (a runtime job): no new memory, no load
     warm: bool = False
 
 
@@ -206,6 +211,13 @@ class RuntimeView:
     why: str = ""
     #: a release was asked and its memory has not shown free yet
     releasing: bool = False
+    #: it answers (its API could be read at the last look)
+    reachable: bool = True
+    #: the models it says it has loaded (its own account)
+    models: tuple[str, ...] = ()
+    #: the GPUs it loads models on (its ``gpus`` key; empty: any)
+    gpus: tuple[str, ...] = ()
+    kind: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +338,8 @@ def class_key(job: QueuedJob) -> Hashable:
         job.warm,
         job.expected_s,
         job.serve,
+        job.runtime,
+        job.model,
     )
 
 
@@ -412,6 +426,8 @@ def _as(proto: QueuedJob, member: tuple[int, str]) -> QueuedJob:
         proto.warm,
         proto.expected_s,
         proto.serve,
+        proto.runtime,
+        proto.model,
     )
 
 
@@ -497,18 +513,60 @@ class _Step:
                 return served
             reason = served.reason
             return _Blocked(job, lambda: reason)
-        decision = self.place(job)
+        among = None
+        if job.runtime:
+            runtime_decision = self.runtime_job(job)
+            if not isinstance(runtime_decision, list):
+                return runtime_decision
+            among = runtime_decision
+        decision = self.place(job, among)
         if isinstance(decision, Start) and job.serve:
             self.warm.loading(job.type, decision.gpu_uuid or "")
         elif isinstance(decision, _Blocked) and not self.snapshot.vram_paused:
             evicted = _evict_for(job, decision, self.gpus, self.warm)
             self.evictions += evicted
             if not evicted and self.snapshot.runtimes:
-                self.asks += _ask_runtimes_for(job, decision, self.gpus, self.runtimes)
+                gpus = self.gpus if among is None else among
+                self.asks += _ask_runtimes_for(job, decision, gpus, self.runtimes)
         return decision
 
-    def place(self, job: QueuedJob) -> Start | Refuse | _Blocked:
-        snapshot, gpus, now = self.snapshot, self.gpus, self.now
+    def runtime_job(self, job: QueuedJob) -> Start | Refuse | _Blocked | list[_Gpu]:
+        """A runtime type's job: refused where this node has no such runtime, held
+        while it does not answer, started at once (no new memory) where the runtime
+        has its model loaded; else the GPUs it may be placed on (the runtime's)."""
+        rt = self.runtimes.get(job.runtime)
+        if rt is None:
+            return Refuse(
+                job.id,
+                f"its type uses the managed runtime {job.runtime!r}, and this node has no "
+                "runtime of that name, nor exactly one of that kind (add a [[runtimes]] "
+                "entry to its configuration)",
+            )
+        if not rt.reachable or self.snapshot.vram_paused:
+            why = self.snapshot.vram_paused or rt.why
+            return _Blocked(job, lambda: f"waits for the runtime {rt.name}: {why}")
+        mine = [g for g in self.gpus if not rt.gpus or g.view.uuid in rt.gpus]
+        if job.model in rt.models:
+            held = [
+                (b, g.view.uuid, g)
+                for g in mine
+                if not g.view.degraded
+                for n, b in g.view.runtimes
+                if n == rt.name and b > 0
+            ]
+            if held:
+                g = max(held, key=lambda t: (t[0], t[1]))[2]
+                return Start(job.id, g.view.uuid, warm=True)
+        if not mine:
+            where = ", ".join(rt.gpus)
+            return _Blocked(job, lambda: f"the runtime {rt.name}'s GPUs ({where}) are not here")
+        return mine
+
+    def place(self, job: QueuedJob, among: list[_Gpu] | None = None) -> Start | Refuse | _Blocked:
+        """Start the job on the GPU of ``among`` (all of them: None) where it fits
+        tightest, or say why it waits (holding a GPU back for it where one may be)."""
+        snapshot, now = self.snapshot, self.now
+        gpus = self.gpus if among is None else among
         if snapshot.vram_paused:
             paused = snapshot.vram_paused
             return _Blocked(job, lambda: f"VRAM admission is paused: {paused}")

@@ -13,6 +13,7 @@ clients that speak each runtime's API are in :mod:`gpuwarden.runtimes`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -25,6 +26,7 @@ __all__ = [
     "Reading",
     "ReleaseSafety",
     "RuntimeKind",
+    "resolve_runtime",
 ]
 
 
@@ -133,3 +135,15 @@ class Ownership:
         if reading.activity is Activity.UNKNOWN:
             return True, f"no sign of work for {idle:.0f} s (it has no busy signal)"
         return True, f"idle for {idle:.0f} s"
+
+
+def resolve_runtime(word: str, registered: Iterable[tuple[str, str]]) -> str | None:
+    """Which registered runtime (``(name, kind)`` pairs) a runtime type's
+    ``runtime`` key means: the one of that name, else the only one of that kind
+    (``runtime = "ollama"`` finds the host's one Ollama whatever it is called);
+    None where there is none, or several of that kind and none of that name."""
+    pairs = list(registered)
+    if any(name == word for name, _ in pairs):
+        return word
+    of_kind = [name for name, kind in pairs if kind == word]
+    return of_kind[0] if len(of_kind) == 1 else None

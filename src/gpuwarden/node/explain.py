@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from gpuwarden.core import footprint, policy
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
+from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.node.measured import RunTimes
 from gpuwarden.node.status import BrokerStatus
@@ -81,10 +82,27 @@ def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
                 may_ask=bool(r.get("may_be_asked")),
                 why=str(r.get("why", "")),
                 releasing=bool(r.get("releasing")),
+                reachable=r.get("state") != "unreachable",
+                models=_strings(r.get("models")),
+                gpus=_strings(r.get("gpus")),
+                kind=str(r.get("kind", "")),
             )
             for r in published.runtimes
         ),
     )
+
+
+def _strings(value: object) -> tuple[str, ...]:
+    return tuple(str(v) for v in value) if isinstance(value, list) else ()
+
+
+def runtime_of(jobtype: JobType, runtimes: tuple[policy.RuntimeView, ...]) -> str:
+    """A runtime type's runtime as the plan knows it: its name among ``runtimes``,
+    or the word its type gave (which the plan refuses) when none answers to it."""
+    if jobtype.runtime is None:
+        return ""
+    pairs = ((r.name, r.kind) for r in runtimes)
+    return resolve_runtime(jobtype.runtime, pairs) or jobtype.runtime
 
 
 def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View:
@@ -103,7 +121,10 @@ def view_from_probe(probe: GpuProbe, reserve_bytes: int, cpu_slots: int) -> View
 
 
 def queued_entries(
-    store: Store, registry: Registry, warm_types: frozenset[str] = frozenset()
+    store: Store,
+    registry: Registry,
+    warm_types: frozenset[str] = frozenset(),
+    runtimes: tuple[policy.RuntimeView, ...] = (),
 ) -> list[policy.QueuedJob]:
     """Every queued job as the broker's planner sees it (footprints and run-time
     estimates as measured), read in one query of light rows."""
@@ -127,10 +148,12 @@ def queued_entries(
                 vram_bytes=need,
                 priority=job.priority,
                 seq=job.seq,
-                coresident=jobtype.coresident,
+                coresident=jobtype.coresident or jobtype.runtime is not None,
                 expected_s=run_times.estimate(jobtype.name),
                 serve=jobtype.launch is LaunchMode.SERVE,
                 warm=jobtype.name in warm_types,
+                runtime=runtime_of(jobtype, runtimes),
+                model=jobtype.model or "",
             )
         )
     return out
@@ -248,7 +271,7 @@ def explain_job(
         lines.append(f"it waits: {reason}")
     else:
         warm_types = frozenset(w.type for w in view.warm)
-        queued = queued_entries(store, registry, warm_types)
+        queued = queued_entries(store, registry, warm_types, view.runtimes)
         if any(j.id == job.id for j in queued):
             lines.append(describe(decide(view, queued, job.id)))
         else:  # it started (or ended) between the two reads

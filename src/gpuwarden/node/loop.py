@@ -436,12 +436,21 @@ class Broker:
             vram_bytes=self.footprints.of(jobtype, own_bytes) if vram else 0,
             priority=priority,
             seq=seq,
-            coresident=jobtype.coresident,
+            coresident=jobtype.coresident or jobtype.runtime is not None,
             expected_s=self.run_times.estimate(type_name),
             serve=jobtype.launch is LaunchMode.SERVE,
             warm=self.warm.has(type_name),
+            runtime=self._runtime_of(jobtype),
+            model=jobtype.model or "",
         )
         return policy.Lineup(key, job, self.queue.index.members(key))
+
+    def _runtime_of(self, jobtype: JobType) -> str:
+        """A runtime type's runtime, by its name here (or the word its type gave,
+        which the plan refuses, when no runtime here answers to it)."""
+        if jobtype.runtime is None:
+            return ""
+        return self.runtimes.resolve(jobtype.runtime) or jobtype.runtime
 
     def _snapshot(self) -> policy.Snapshot:
         return policy.Snapshot(
@@ -490,9 +499,13 @@ class Broker:
                 f"{', '.join([*(m.value for m in self.launchers), LaunchMode.SERVE.value])})",
             )
             return True
+        runtime = self.runtimes.resolve(jobtype.runtime) if jobtype.runtime else None
+        if runtime is not None and jobtype.model is not None:
+            launcher = self.runtimes.launcher(runtime, jobtype.model, launcher)
         run = self.attempts.begin(job, jobtype, gpu, now)
         if run is None:
             return True  # cancelled by a client between the snapshot and now
+        run.runtime = runtime
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
         return True

@@ -182,18 +182,22 @@ class AttemptRunner:
         job, jobtype, gpu = run.job, run.jobtype, decision.gpu_uuid
         try:
             if gpu is not None:
+                # a runtime job whose model the runtime has loaded adds no memory
+                warm = run.runtime is not None and decision.warm
                 self.vram.start(
                     run.holder,
                     gpu,
                     type_name=jobtype.name,
                     job_id=job.id,
-                    nbytes=self.footprints.of(jobtype, job.vram_bytes),
-                    coresident=jobtype.coresident,
+                    nbytes=0 if warm else self.footprints.of(jobtype, job.vram_bytes),
+                    coresident=jobtype.coresident or run.runtime is not None,
                     now=now,
                     expected_s=self.run_times.estimate(jobtype.name),
                     backfill_for=decision.backfill_for,
+                    runtime=run.runtime,
                 )
-            request = self.launching.request(run, gpu, now)
+            # a runtime job's own process is the runtime's client: it gets no GPU
+            request = self.launching.request(run, None if run.runtime else gpu, now)
             if isinstance(launcher, Starter):
                 run.thread = launcher.start(
                     request,

@@ -79,6 +79,8 @@ class RunningAttempt:
     fault: str | None = None
     #: what its warm server's exchange slot refused (an :class:`ExchangeNote`)
     exchange_refused: list[dict[str, str]] = field(default_factory=list)
+    #: a runtime type's job: the managed runtime it uses (its name here)
+    runtime: str | None = None
 
     @property
     def holder(self) -> str:

@@ -39,11 +39,15 @@ from gpuwarden.core.policy import AskRuntime, RuntimeView
 from gpuwarden.core.runtime import (
     Activity,
     Capabilities,
+    Loaded,
     Ownership,
     ReleaseSafety,
     RuntimeKind,
+    resolve_runtime,
 )
+from gpuwarden.launch.base import Launcher
 from gpuwarden.node.running import Emit, Mailbox, RuntimeNote
+from gpuwarden.node.runtimejobs import RuntimeLaunch
 from gpuwarden.node.settings import RuntimeCallSpec, RuntimeSpec
 from gpuwarden.node.vram import VramBook
 from gpuwarden.runtimes.base import RuntimeApiError, RuntimeClient
@@ -59,6 +63,8 @@ POLL_S = 1.0
 FIND_EVERY_S = 10.0
 #: after a release, how long a regrowth of the runtime's memory is its reloading
 HANDOFF_S = 30.0
+#: the longest one call of a runtime job's preparation may take (a load is one)
+PREPARE_CALL_S = 600.0
 #: memory differences below this are noise
 _TOLERANCE = 64 * 1024 * 1024
 
@@ -118,6 +124,15 @@ def client_for(spec: RuntimeSpec, *, timeout_s: float = 5.0) -> RuntimeClient:
         release=_call(spec.release),
         timeout_s=timeout_s,
     )
+
+
+def _model_names(kind: RuntimeKind, loaded: tuple[Loaded, ...]) -> tuple[str, ...]:
+    """The names a runtime type's ``model`` may give a loaded model by: Ollama's
+    ``NAME:latest`` is ``NAME`` too (its own default tag)."""
+    names = [m.name for m in loaded]
+    if kind is RuntimeKind.OLLAMA:
+        names += [n.removesuffix(":latest") for n in names if n.endswith(":latest")]
+    return tuple(names)
 
 
 class ManagedRuntimes:
@@ -239,12 +254,31 @@ class ManagedRuntimes:
 
     # -- the loop's thread ----------------------------------------------------------
 
+    def resolve(self, word: str) -> str | None:
+        """The runtime a runtime type's ``runtime`` key names here (by name, or the
+        only one of that kind); None where none does."""
+        return resolve_runtime(word, ((n, r.spec.kind.value) for n, r in self.runtimes.items()))
+
+    def launcher(self, name: str, model: str, inner: Launcher) -> RuntimeLaunch:
+        """The launcher of a runtime job: the model made resident first."""
+        return RuntimeLaunch(
+            inner,
+            self.runtimes[name].spec,
+            model,
+            client=lambda spec: client_for(spec, timeout_s=PREPARE_CALL_S),
+            clock=self.clock,
+        )
+
     def views(self, now: float) -> tuple[RuntimeView, ...]:
         """The runtimes as admission sees them now."""
         out = []
+        in_use = self.vram.runtime_jobs()
         for rt in self.runtimes.values():
             may, why = rt.ownership.may_ask(now)
-            if rt.error:
+            users = in_use.get(rt.spec.name)
+            if users:
+                may, why = False, f"in use by gpuwarden job(s) {', '.join(sorted(users)[:5])}"
+            elif rt.error:
                 may, why = False, f"unreachable ({rt.error})"
             elif rt.ownership.last is None:
                 may, why = False, "not looked at yet"
@@ -259,7 +293,19 @@ class ManagedRuntimes:
                     f"release-ineffective: {format_bytes(rt.ineffective)} stayed after its "
                     "last release"
                 )
-            out.append(RuntimeView(rt.spec.name, may, why, releasing=rt.release is not None))
+            reading = rt.ownership.last
+            out.append(
+                RuntimeView(
+                    rt.spec.name,
+                    may,
+                    why,
+                    releasing=rt.release is not None,
+                    reachable=not rt.error and reading is not None,
+                    models=_model_names(rt.spec.kind, reading.loaded) if reading else (),
+                    gpus=rt.spec.gpus,
+                    kind=rt.spec.kind.value,
+                )
+            )
         return tuple(out)
 
     def ask(self, ask: AskRuntime, now: float) -> None:
@@ -361,9 +407,12 @@ class ManagedRuntimes:
     def statuses(self, now: float) -> list[dict[str, Any]]:
         """What ``status`` shows of each runtime (its memory is in the GPUs' views)."""
         out = []
+        views = {v.name: v for v in self.views(now)}
+        in_use = self.vram.runtime_jobs()
         for rt in self.runtimes.values():
             reading = rt.ownership.last
-            may, why = rt.ownership.may_ask(now)
+            view = views[rt.spec.name]
+            may, why = view.may_ask, view.why
             caps = rt.capabilities
             out.append(
                 {
@@ -386,6 +435,9 @@ class ManagedRuntimes:
                     "releasing": rt.release is not None,
                     "release_ineffective_bytes": rt.ineffective,
                     "reloads_during_handoff": rt.reloads,
+                    "models": list(view.models),
+                    "gpus": list(rt.spec.gpus),
+                    "in_use_by": sorted(in_use.get(rt.spec.name, ())),
                 }
             )
         return out

@@ -52,9 +52,21 @@ class _Gpu:
     reading: GpuReading
     baseline: int = 0
     foreign: int = 0
-    #: what each managed runtime's process tree holds here (name, bytes)
+    #: what each managed runtime's process tree holds here (name, bytes), less
+    #: what its running jobs hold for it
     runtimes: tuple[tuple[str, int], ...] = ()
+    #: what each runtime's process tree holds here, all of it
+    runtime_raw: dict[str, int] = field(default_factory=dict)
     degraded: str = ""
+
+
+@dataclass
+class _RuntimeUse:
+    """A runtime job's holding: the runtime it uses, and what that runtime held on
+    the GPU when the job started (the least since: what it gives up lowers it)."""
+
+    runtime: str
+    baseline: int
 
 
 class VramBook:
@@ -71,6 +83,9 @@ class VramBook:
         #: each managed runtime's process tree, as its poller last found it: what
         #: they hold is named by the runtime, not counted as foreign
         self.runtime_pids: dict[str, set[int]] = {}
+        #: the holdings of runtime jobs, by holder: the runtime whose memory each
+        #: accounts for (its footprint covers the model the runtime loads for it)
+        self.runtime_of: dict[str, _RuntimeUse] = {}
 
     # -- holdings -------------------------------------------------------------
 
@@ -87,8 +102,11 @@ class VramBook:
         expected_s: float | None = None,
         backfill_for: str | None = None,
         state: HoldState = HoldState.RUNNING,
+        runtime: str | None = None,
     ) -> None:
-        """An attempt starts on ``gpu``: hold its footprint."""
+        """An attempt starts on ``gpu``: hold its footprint. A runtime job's
+        (``runtime``: the managed runtime it uses) holds it for the runtime: while
+        it runs, that much of the runtime's memory there is this holding's."""
         others = self.ledger.holdings(gpu)
         for other in others:
             if other.holder in self._tracked:
@@ -108,6 +126,11 @@ class VramBook:
             ),
         )
         self._tracked[holder] = _Tracked(alone=not others)
+        if runtime is not None:
+            g = self._gpus.get(gpu)
+            self.runtime_of[holder] = _RuntimeUse(
+                runtime, g.runtime_raw.get(runtime, 0) if g else 0
+            )
 
     def alone(self, holder: str) -> bool:
         """Nothing else held memory on its GPU since it started."""
@@ -137,6 +160,7 @@ class VramBook:
         if holding is None or tracked is None:
             return None
         measurement = Measurement(holding.type, holding.job_id, tracked.peak_bytes, tracked.alone)
+        self.runtime_of.pop(holder, None)  # the runtime's memory is its own again
         if not tracked.pids:  # no process ever ran: nothing to reclaim
             self.ledger.release(holder)
             del self._tracked[holder]
@@ -198,15 +222,46 @@ class VramBook:
                     self.ledger.update(h.holder, bytes=used)
         extra = max(0, unattributed - g.baseline)
         named: dict[str, int] = {}
+        raw: dict[str, int] = {}
         for name, pids in self.runtime_pids.items():
             held = sum(usage.get(pid, 0) for pid in pids if pid not in ours)
+            raw[name] = held
+            held -= self._covered(holdings, name, held)
             if held:
                 named[name] = held
-                ours = ours | pids
+            ours = ours | pids
         g.runtimes = tuple(sorted(named.items()))
+        g.runtime_raw = raw
         g.foreign = sum(u for pid, u in usage.items() if pid not in ours) + extra
         events += self._reclaim(g, usage, extra, now)
         return events
+
+    def _covered(self, holdings: tuple[Holding, ...], runtime: str, held: int) -> int:
+        """How much of the ``held`` bytes of ``runtime`` on a GPU its running jobs
+        there hold for it: what it took on since each started, up to each one's
+        footprint, and in all no more than it took on since the first of them."""
+        uses = [
+            (h.bytes, use)
+            for h in holdings
+            if h.state is not HoldState.RECLAIMING
+            and (use := self.runtime_of.get(h.holder)) is not None
+            and use.runtime == runtime
+        ]
+        if not uses:
+            return 0
+        for _, use in uses:
+            use.baseline = min(use.baseline, held)
+        each = sum(min(nbytes, held - use.baseline) for nbytes, use in uses)
+        return min(each, held - min(use.baseline for _, use in uses))
+
+    def runtime_jobs(self) -> dict[str, list[str]]:
+        """The jobs that use each managed runtime now (by its name)."""
+        out: dict[str, list[str]] = {}
+        for holder, use in self.runtime_of.items():
+            h = self.ledger.get(holder)
+            if h is not None and h.job_id is not None:
+                out.setdefault(use.runtime, []).append(h.job_id)
+        return out
 
     def _reclaim(
         self, g: _Gpu, usage: dict[int, int], extra: int, now: float

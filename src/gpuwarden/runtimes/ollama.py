@@ -36,7 +36,7 @@ from gpuwarden.core.runtime import (
     ReleaseSafety,
     RuntimeKind,
 )
-from gpuwarden.runtimes.base import ReleaseAsked, RuntimeApiError, RuntimeClient
+from gpuwarden.runtimes.base import Prepared, ReleaseAsked, RuntimeApiError, RuntimeClient
 
 __all__ = ["OllamaClient", "OllamaModel"]
 
@@ -139,6 +139,13 @@ class OllamaClient(RuntimeClient):
         Ollama takes it (``"10m"``, seconds, -1 forever; None: its default).
         A load can take long: ``timeout_s`` overrides the client's for this call."""
         self.generate(model, "load", keep_alive=keep_alive, timeout_s=timeout_s)
+
+    def prepare(self, model: str, *, keep_alive_s: float, timeout_s: float) -> Prepared:
+        """Preload ``model`` (kept at least ``keep_alive_s``) and read how much of it
+        Ollama placed in VRAM."""
+        self.preload(model, keep_alive=keep_alive_s, timeout_s=timeout_s)
+        share = self.placement(model)
+        return Prepared(model, share, f"GET {PS}: size_vram / size = {share:.3f}")
 
     def placement(self, model: str) -> float:
         """The share of ``model`` that Ollama placed in VRAM (``size_vram / size``,

@@ -37,7 +37,13 @@ from gpuwarden.core.runtime import (
     ReleaseSafety,
     RuntimeKind,
 )
-from gpuwarden.runtimes.base import MAX_BODY, ReleaseAsked, RuntimeApiError, RuntimeClient
+from gpuwarden.runtimes.base import (
+    MAX_BODY,
+    Prepared,
+    ReleaseAsked,
+    RuntimeApiError,
+    RuntimeClient,
+)
 
 __all__ = ["RUNNING", "WAITING", "Sample", "VllmClient", "parse_prometheus"]
 
@@ -227,3 +233,24 @@ class VllmClient(RuntimeClient):
                 f"{response.text[:200]}"
             )
         return ReleaseAsked(calls=("POST /wake_up",))
+
+    def prepare(self, model: str, *, keep_alive_s: float, timeout_s: float) -> Prepared:
+        """vLLM serves the model it was started with: check ``GET /v1/models``
+        lists ``model``, and wake the engine where it sleeps (a released vLLM
+        takes its memory back for the job). It cannot say where the weights sit."""
+        body = self.json_of(self.call("GET", "/v1/models"))
+        rows = body.get("data") if isinstance(body, dict) else None
+        rows = rows if isinstance(rows, list) else []
+        served = [r.get("id") for r in rows if isinstance(r, dict)]
+        if model not in served:
+            shown = ", ".join(str(s)[:100] for s in served[:10]) or "nothing"
+            raise RuntimeApiError(
+                f"{self.where('GET', '/v1/models')}: serves {shown}, not {model!r} (vLLM serves "
+                "the model it was started with)"
+            )
+        detail = "served"
+        capabilities = self.capabilities or self.probe()
+        if capabilities.releasable and self.is_sleeping():
+            self.wake()
+            detail = "served; woken from sleep (POST /wake_up)"
+        return Prepared(model, None, detail)
