@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ import pytest
 
 from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
-from gpuwarden.core.model import GIB, JobSpec
+from gpuwarden.core.model import GIB, JobSpec, Lane
+from gpuwarden.core.placement import GpuRoom, NodeView, Offerable, offers_for
 from gpuwarden.core.states import JobState
 from gpuwarden.gpu.select import SIM_STATE_FILE
 from tests.brokerkit import run_until, submit
@@ -212,3 +214,30 @@ def _state(s: Setup, job_id: str) -> JobState | None:
 
 def _models(s: Setup) -> list[str]:
     return [str(m) for m in s.node.broker.status().runtimes[0]["models"]]
+
+
+def test_across_hosts_a_runtime_job_goes_where_its_model_is_warm(setup: Setup) -> None:
+    s = setup
+    found(s)
+    b = s.node.broker
+    ask = b.registry.types["rtmods.ask"]
+    assert b.runs(ask) and b.runtime_warm_types() == []
+    httpx.post(f"{s.url}/api/generate", json={"model": "tiny", "stream": False}, timeout=30)
+    run_until(s.node, lambda: b.runtime_warm_types() == ["rtmods.ask"])
+    # what this node reports (warm: the runtime has the model) steers placement
+    room = (GpuRoom("G", "sim", 24 * GIB, 24 * GIB, 24 * GIB),)
+    here = NodeView("here", room, warm=frozenset(b.runtime_warm_types()))
+    cold = NodeView("cold", room)
+    job = Offerable("j", "rtmods.ask", Lane.VRAM, TINY, 0, 1, time.time(), runtime=True)
+    assert offers_for(cold, [job], [here], now=time.time()) == [], "left for the warm node"
+    assert offers_for(here, [job], [cold], now=time.time()) == ["j"]
+    assert offers_for(cold, [job], [here], now=time.time() + 60) == ["j"], "but not forever"
+
+
+def test_a_node_without_the_runtime_does_not_run_its_types(tmp_path: Path) -> None:
+    raw = make_config(tmp_path).model_dump()
+    raw["module_paths"].append(RTMODS)
+    with open_node(Config.model_validate(raw), mock_gpu=True) as node:
+        ask = node.broker.registry.types["rtmods.ask"]
+        assert not node.broker.runs(ask)
+        assert node.broker.rules.refusal(ask) is None, "its launch rules would allow it"

@@ -146,6 +146,7 @@ def offerable(
         constraints=Constraints.of(job.constraints),
         avoid=frozenset(lost),
         launch=jobtype.launch,
+        runtime=jobtype.runtime is not None,
     )
 
 

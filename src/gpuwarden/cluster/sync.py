@@ -171,7 +171,11 @@ class Agent:
         st = b.status()
         return {
             "gpus": [g.to_json() for g in b.room(self._leased_jobs())],
-            "warm": sorted(w.type for w in st.warm if w.state != ServerState.STOPPING),
+            # warm servers, and runtime types whose model their runtime has loaded
+            "warm": sorted(
+                {w.type for w in st.warm if w.state != ServerState.STOPPING}
+                | set(b.runtime_warm_types())
+            ),
             "warm_servers": [
                 {"type": w.type, "gpu": w.gpu, "state": w.state, "jobs_served": w.jobs_served}
                 for w in st.warm
@@ -189,9 +193,7 @@ class Agent:
             "busy": self._busy(),
             "max_jobs": self.max_jobs,
             "labels": self.labels,
-            "types": sorted(
-                t.name for t in b.registry.types.values() if b.rules.refusal(t) is None
-            ),
+            "types": sorted(t.name for t in b.registry.types.values() if b.runs(t)),
             "modules": sorted(b.registry.types),
             "launch_rules": b.rules.to_json(),
             "probe": st.probe,

@@ -196,6 +196,9 @@ class Offerable:
     avoid: frozenset[str] = frozenset()
     #: its type's launch mode, for the node's launch rules
     launch: LaunchMode = LaunchMode.CONTAINER
+    #: a runtime type's job: its own process runs no model code on a GPU (the
+    #: launch rules judge it as a cpu type's), its runtime does
+    runtime: bool = False
 
 
 def type_refusal(job: Offerable, node: NodeView) -> str | None:
@@ -207,7 +210,8 @@ def type_refusal(job: Offerable, node: NodeView) -> str | None:
         return None
     if node.modules is not None and job.type not in node.modules:
         return f"has no module for {job.type}"
-    if node.rules is not None and (why := node.rules.node_refusal(job.launch, job.lane)):
+    lane = Lane.CPU if job.runtime else job.lane
+    if node.rules is not None and (why := node.rules.node_refusal(job.launch, lane)):
         return why
     if node.types is not None:
         return f"does not run {job.type}"

@@ -716,6 +716,24 @@ class Broker:
     def running(self) -> int:
         return len(self.attempts)
 
+    def runs(self, jobtype: JobType) -> bool:
+        """Whether jobs of ``jobtype`` run here: its launch rules allow it and, for
+        a runtime type, this node has its runtime."""
+        if self.rules.refusal(jobtype) is not None:
+            return False
+        return jobtype.runtime is None or self.runtimes.resolve(jobtype.runtime) is not None
+
+    def runtime_warm_types(self) -> list[str]:
+        """The runtime types whose model their runtime here says it has loaded: a
+        job of one starts here without loading anything (placement's warm rule)."""
+        loaded = {v.name: v.models for v in self.runtimes.views(self.clock())}
+        out = []
+        for t in self.registry.types.values():
+            name = self.runtimes.resolve(t.runtime) if t.runtime else None
+            if name is not None and t.model in loaded.get(name, ()):
+                out.append(t.name)
+        return sorted(out)
+
     def wait_reason(self, job_id: str) -> str | None:
         """Why a queued job waits, as the last pass saw it (None: it was not judged)."""
         key = self.queue.index.key_of(job_id)
