@@ -6,6 +6,7 @@ from gpuwarden.core.runtime import RuntimeKind
 from gpuwarden.runtimes.base import RuntimeApiError, RuntimeClient
 from gpuwarden.runtimes.comfyui import ComfyUIClient
 from gpuwarden.runtimes.generic import Call, GenericClient
+from gpuwarden.runtimes.llama import LlamaServerClient
 from gpuwarden.runtimes.ollama import OllamaClient
 from gpuwarden.runtimes.vllm import VllmClient
 
@@ -14,6 +15,7 @@ _CLIENTS: dict[RuntimeKind, type[RuntimeClient]] = {
     RuntimeKind.OLLAMA: OllamaClient,
     RuntimeKind.COMFYUI: ComfyUIClient,
     RuntimeKind.VLLM: VllmClient,
+    RuntimeKind.LLAMA_SERVER: LlamaServerClient,
 }
 
 
@@ -26,8 +28,8 @@ def open_client(
     release: Call | None = None,
     timeout_s: float = 5.0,
 ) -> RuntimeClient:
-    """The client for a runtime of ``kind`` at ``url``; a kind without one yet
-    (``llama-server``) is a :class:`RuntimeApiError` that says so."""
+    """The client for a runtime of ``kind`` at ``url``; a kind without one is a
+    :class:`RuntimeApiError` that says so."""
     if kind is RuntimeKind.GENERIC:
         return GenericClient(url, busy=busy, release=release, token=token, timeout_s=timeout_s)
     cls = _CLIENTS.get(kind)
