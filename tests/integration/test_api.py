@@ -258,6 +258,8 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "node.resume": {R, OP},
         "node.revoke": {R},
         "gpu.clear": {R},
+        # GET /metrics (tests/integration/test_metrics.py)
+        "metrics.read": {R, OP},
     }
     order = [r.value for r in Role]
     got = {a: {order[i] for i, s in enumerate(row) if s is not None} for a, row in MATRIX.items()}
