@@ -138,6 +138,12 @@ def test_a_frame_shows_everything_and_fits_the_width(width: int) -> None:
     assert "jobs: done 40, failed 1, queued 2, running 2" in flat
 
 
+def test_a_job_without_a_holding_is_timed_against_its_types_estimate() -> None:
+    flat = " ".join(_text(_snapshot(expected_s={"testmods.hold": 4.0}), 80).split())
+    assert "cpu-job-3 testmods.hold 5s / ~4s (over by 1s)" in flat
+    assert "1m30s / ~2m00s (75 %)" in flat  # the holding's own expected end comes first
+
+
 def test_no_broker_running_is_said_and_queued_jobs_say_nothing_starts_them() -> None:
     old = NodeSnapshot("vm", 7041, NOW - 600, _status())
     flat = " ".join(_text(_snapshot(nodes=(old,)), 80).split())

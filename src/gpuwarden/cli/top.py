@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import select
+import signal
 import sys
 import termios
 import time
@@ -41,12 +43,16 @@ from gpuwarden.config import Config
 from gpuwarden.core.model import Job
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError
+from gpuwarden.node.measured import RunTimes
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import NodeStatus, Store
 from gpuwarden.store.cluster import ClusterStore
 
 #: the keys that quit
 QUIT_KEYS = b"qQ"
+
+#: how often the run-time estimates are read again (a read of the latest runs)
+ESTIMATES_EVERY_S = 30.0
 
 Source = Callable[[], TopSnapshot]
 
@@ -110,6 +116,8 @@ class _LocalSource:
     def __init__(self, config: Config) -> None:
         self._config = config
         self._store: Store | None = None
+        self._estimates: dict[str, float] = {}
+        self._estimated_at = -ESTIMATES_EVERY_S
 
     def __enter__(self) -> _LocalSource:
         return self
@@ -125,9 +133,21 @@ class _LocalSource:
             if not config.database and not config.db_path.exists():
                 return TopSnapshot(where=where, now=now, no_state=True)
             self._store = open_store(config)
-        return snapshot_store(
+        if time.monotonic() - self._estimated_at >= ESTIMATES_EVERY_S:
+            self._estimates = estimates(self._store)
+            self._estimated_at = time.monotonic()
+        snap = snapshot_store(
             self._store, where, now, offline_after_s=config.cluster.offline_after_s
         )
+        return dataclasses.replace(snap, expected_s=self._estimates)
+
+
+def estimates(store: Store) -> dict[str, float]:
+    """Per job type, the run-time estimate the broker plans with (``RunTimes``)."""
+    recent = store.recent_run_times()
+    run_times = RunTimes(recent)
+    found = {t: run_times.estimate(t) for t, _ in recent}
+    return {t: s for t, s in found.items() if s is not None}
 
 
 def snapshot_store(
@@ -253,13 +273,30 @@ def wait_for_quit(fd: int | None, seconds: float) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def exit_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP (the SSH session went away) end the view as ``q`` does,
+    through the blocks that put the terminal back, with 128 + the signal's number."""
+
+    def leave(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    saved = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def live_view(source: Source, interval: float) -> int:
     """Redraw every ``interval`` seconds on the alternate screen until ``q``."""
     console = Console(highlight=False)
     fd = sys.stdin.fileno() if sys.stdin.isatty() else None
     footer = "q quits" if fd is not None else "Ctrl-C quits"
     footer += f"  ·  every {interval:g} s"
-    with cbreak(fd), Live(console=console, screen=True, auto_refresh=False) as live:
+    live = Live(console=console, screen=True, auto_refresh=False)
+    with exit_on_signals(), cbreak(fd), live:
         while True:
             live.update(render(_guarded(source), console.width, footer=footer), refresh=True)
             if wait_for_quit(fd, interval):

@@ -31,6 +31,9 @@ FRESH_S = 120.0
 QUEUED_ROWS = 8
 FAILED_ROWS = 5
 
+#: a queued job waiting longer than this has its wait shown in yellow
+LONG_WAIT_S = 600.0
+
 #: the key of each holding in a bar, in the order the ledger lists them
 _KEYS = "123456789abcdefghijkmnopqrstuvwxyz"
 _HOLD_STYLES = (
@@ -91,6 +94,9 @@ class TopSnapshot:
     #: on a coordinator: each enrolled node as its agent last reported it
     #: (``cluster.report.cluster_status``), else None
     cluster: tuple[dict[str, Any], ...] | None = None
+    #: per job type, its run-time estimate in seconds (for the running jobs that hold
+    #: no VRAM, whose expected end no holding publishes); empty where not known
+    expected_s: dict[str, float] = field(default_factory=dict)
     #: no store in ``where`` yet (no broker has ever run there)
     no_state: bool = False
     #: why this frame could not be read (the API did not answer), or ""
@@ -345,9 +351,10 @@ def node_section(n: NodeSnapshot, now: float, width: int) -> list[RenderableType
     return out
 
 
-def running_table(nodes: Sequence[NodeSnapshot], now: float, width: int) -> Table | Text:
+def running_table(snap: TopSnapshot, nodes: Sequence[NodeSnapshot], width: int) -> Table | Text:
     """Running jobs with their elapsed time against the expected one (the type's
-    run-time estimate, published with each holding)."""
+    run-time estimate: published with each holding, else the snapshot's)."""
+    now = snap.now
     wide = width >= 100
     t = _table("running job", "type", *(["node", "GPU"] if wide else []), "elapsed / expected")
     for n in nodes:
@@ -362,7 +369,7 @@ def running_table(nodes: Sequence[NodeSnapshot], now: float, width: int) -> Tabl
                 clean(r.job),
                 clean(r.type),
                 *([clean(n.node), clean(r.gpu or "cpu")] if wide else []),
-                _progress(r.started_at, expected.get(r.job), now),
+                _progress(r.started_at, expected.get(r.job, snap.expected_s.get(r.type)), now),
             )
     return t if t.row_count else Text("running: none", style="dim")
 
@@ -392,10 +399,11 @@ def queued_table(snap: TopSnapshot) -> Table | Text | None:
         waiting.update(n.status.waiting)
     t = _table("queued job", "type", "waited", "why")
     for j in snap.queued[:QUEUED_ROWS]:
+        waited = snap.now - j.submitted_at
         t.add_row(
             clean(j.id),
             clean(j.type),
-            span(snap.now - j.submitted_at),
+            Text(span(waited), style="bold yellow" if waited >= LONG_WAIT_S else ""),
             _why(j.id, waiting, snap, bool(live)),
         )
     total = snap.counts.get("queued", len(snap.queued))
@@ -527,7 +535,7 @@ def render(snap: TopSnapshot, width: int, *, footer: str = "") -> RenderableType
             parts += cluster_section(c, snap.now, width)
     if snap.cluster is not None and not snap.cluster:
         parts.append(Text("no node is enrolled with this coordinator", style="yellow"))
-    parts += [Text(""), running_table(live, snap.now, width)]
+    parts += [Text(""), running_table(snap, live, width)]
     for table in (queued_table(snap), warm_table(live, snap.now), failures_table(snap)):
         if table is not None:
             parts += [Text(""), table]
