@@ -172,6 +172,21 @@ def test_top_piped_or_once_prints_one_frame(busy: tuple[Broker, Path]) -> None:
         # the vram job holds its footprint in the ledger; the device shows what it took
         assert "1 top-gpu testmods.gpu 8.0" in r.stdout and "2.0 GiB used" in r.stdout
         assert all(len(ln) <= 80 for ln in r.stdout.splitlines())
+    # a job that cannot fit beside the held 8 GiB waits, and top says why (explain's words)
+    r = run("--config", b.config, "submit", "testmods.gpu", "--vram-gib", "20", "--id", "big-1")
+    assert r.returncode == 0, r.stderr
+    shown = ""
+
+    def says_why() -> bool:
+        nonlocal shown
+        shown = " ".join(run("--config", b.config, "top", "--once").stdout.split())
+        return "big-1" in shown and "needs 20.0 GiB on one GPU" in shown
+
+    wait_for(says_why, "big-1's wait reason in top")
+    assert "queued job" in shown
+    r = run("--config", b.config, "explain", "big-1")
+    said = r.stdout.split("it waits: ", 1)[1].split("\n", 1)[0]
+    assert " ".join(said.split())[:60] in shown
     # no broker has run there yet: it says so, and still exits 0
     r = run("--state-dir", tmp_path / "nowhere", "top", "--once")
     assert r.returncode == 0, r.stderr

@@ -7,10 +7,12 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from gpuwarden.cli.top import Reasons
 from gpuwarden.cli.topview import JobRow, NodeSnapshot, TopSnapshot, cells, pack, render
 from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import GIB
 from gpuwarden.core.policy import GpuView, WarmView
+from gpuwarden.errors import UserError
 from gpuwarden.node.status import BrokerStatus, GpuStatus, RunningStatus, WarmStatus
 
 NOW = 1_800_000_000.0
@@ -142,6 +144,28 @@ def test_a_job_without_a_holding_is_timed_against_its_types_estimate() -> None:
     flat = " ".join(_text(_snapshot(expected_s={"testmods.hold": 4.0}), 80).split())
     assert "cpu-job-3 testmods.hold 5s / ~4s (over by 1s)" in flat
     assert "1m30s / ~2m00s (75 %)" in flat  # the holding's own expected end comes first
+
+
+def test_a_reason_explain_gave_stands_for_one_the_broker_did_not_publish() -> None:
+    said = "it waits: needs 8.0 GiB on one GPU; none has room"
+    flat = " ".join(_text(_snapshot(reasons={"late-2": said}), 80).split())
+    assert f"late-2 echo.echo 1s {said}" in flat
+    assert _snapshot().unexplained() == ["late-2"]  # llm-1's reason was published
+
+
+def test_explain_is_asked_once_per_job_a_while_and_a_failure_gives_no_reason() -> None:
+    asked: list[str] = []
+
+    def ask(job_id: str) -> list[str]:
+        asked.append(job_id)
+        if job_id == "gone":
+            raise UserError("no job with id 'gone'")
+        return [f"{job_id} (t) is queued", "footprint 1.0 GiB; x", "it waits: for a node"]
+
+    reasons = Reasons(ask)
+    assert reasons.of(["a", "gone"]) == {"a": "it waits: for a node"}
+    assert reasons.of(["a", "gone"]) == {"a": "it waits: for a node"}
+    assert asked == ["a", "gone"]
 
 
 def test_no_broker_running_is_said_and_queued_jobs_say_nothing_starts_them() -> None:

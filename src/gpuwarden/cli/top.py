@@ -21,14 +21,20 @@ import sys
 import termios
 import time
 import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 
 from gpuwarden.app import open_store
-from gpuwarden.cli.common import Commands, add_remote_options, config_of, local_or_http
+from gpuwarden.cli.common import (
+    Commands,
+    add_remote_options,
+    config_of,
+    local_or_http,
+    wait_note,
+)
 from gpuwarden.cli.topview import (
     FAILED_ROWS,
     QUEUED_ROWS,
@@ -45,6 +51,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError
 from gpuwarden.node.measured import RunTimes
 from gpuwarden.node.status import BrokerStatus
+from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store
 from gpuwarden.store.cluster import ClusterStore
 
@@ -53,6 +60,8 @@ QUIT_KEYS = b"qQ"
 
 #: how often the run-time estimates are read again (a read of the latest runs)
 ESTIMATES_EVERY_S = 30.0
+#: how often ``explain`` is asked again about a queued job whose reason no broker published
+REASONS_EVERY_S = 5.0
 
 Source = Callable[[], TopSnapshot]
 
@@ -94,7 +103,13 @@ def _top_here(args: argparse.Namespace) -> int:
 
 
 def _top_http(args: argparse.Namespace, client: Client) -> int:
-    return _show(args, lambda: snapshot_http(client, time.time()))
+    reasons = Reasons(client.explain)
+
+    def snapshot() -> TopSnapshot:
+        snap = snapshot_http(client, time.time())
+        return dataclasses.replace(snap, reasons=reasons.of(snap.unexplained()))
+
+    return _show(args, snapshot)
 
 
 def _show(args: argparse.Namespace, source: Source) -> int:
@@ -109,6 +124,30 @@ def _show(args: argparse.Namespace, source: Source) -> int:
 # -- where snapshots come from --------------------------------------------------------
 
 
+class Reasons:
+    """What ``explain`` says (:func:`~gpuwarden.cli.common.wait_note` of its lines)
+    of each queued job whose wait reason no broker published: every job over a
+    coordinator, a job submitted after the broker's last status. Asked again
+    every ``REASONS_EVERY_S`` per job; a job it cannot explain gets no reason."""
+
+    def __init__(self, ask: Callable[[str], Sequence[str]]) -> None:
+        self._ask = ask
+        self._known: dict[str, tuple[float, str]] = {}
+
+    def of(self, job_ids: Sequence[str]) -> dict[str, str]:
+        now = time.monotonic()
+        self._known = {j: v for j, v in self._known.items() if j in job_ids}
+        for job_id in job_ids:
+            asked = self._known.get(job_id)
+            if asked is None or now - asked[0] >= REASONS_EVERY_S:
+                try:
+                    note = wait_note(self._ask(job_id))
+                except GpuwardenError:  # it left the queue, or the API refused
+                    note = ""
+                self._known[job_id] = (now, note)
+        return {j: note for j, (_, note) in self._known.items() if note}
+
+
 class _LocalSource:
     """Snapshots from the store of a state directory, opened once it exists (``top``
     may start before the first ``gpuwarden serve``) and kept open."""
@@ -118,6 +157,8 @@ class _LocalSource:
         self._store: Store | None = None
         self._estimates: dict[str, float] = {}
         self._estimated_at = -ESTIMATES_EVERY_S
+        self._registry: Registry | None = None
+        self._reasons = Reasons(self._explain)
 
     def __enter__(self) -> _LocalSource:
         return self
@@ -139,7 +180,19 @@ class _LocalSource:
         snap = snapshot_store(
             self._store, where, now, offline_after_s=config.cluster.offline_after_s
         )
-        return dataclasses.replace(snap, expected_s=self._estimates)
+        reasons = self._reasons.of(snap.unexplained())
+        return dataclasses.replace(snap, expected_s=self._estimates, reasons=reasons)
+
+    def _explain(self, job_id: str) -> list[str]:
+        """``gpuwarden explain JOB``'s lines (the config's module paths and rules)."""
+        assert self._store is not None
+        job = self._store.get_job(job_id)
+        if job is None:
+            return []
+        if self._registry is None:
+            self._registry = Registry.load(self._config.module_paths, self._config.launch_rules)
+        cpu_slots = self._config.broker.cpu_slots
+        return report.explain(job, self._store, self._registry, cpu_slots, time.time())
 
 
 def estimates(store: Store) -> dict[str, float]:

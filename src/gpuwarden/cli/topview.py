@@ -94,6 +94,9 @@ class TopSnapshot:
     #: on a coordinator: each enrolled node as its agent last reported it
     #: (``cluster.report.cluster_status``), else None
     cluster: tuple[dict[str, Any], ...] | None = None
+    #: per queued job whose wait reason no live broker published (submitted after its
+    #: last status; every job over a coordinator): what ``explain`` says of it
+    reasons: dict[str, str] = field(default_factory=dict)
     #: per job type, its run-time estimate in seconds (for the running jobs that hold
     #: no VRAM, whose expected end no holding publishes); empty where not known
     expected_s: dict[str, float] = field(default_factory=dict)
@@ -107,6 +110,11 @@ class TopSnapshot:
         return tuple(
             n for n in self.nodes if not n.status.stopped and self.now - n.updated_at <= FRESH_S
         )
+
+    def unexplained(self) -> list[str]:
+        """The queued jobs shown whose wait reason no live broker published."""
+        published = {j for n in self.live_nodes() for j in n.status.waiting}
+        return [j.id for j in self.queued[:QUEUED_ROWS] if j.id not in published]
 
 
 # -- sizes and times ----------------------------------------------------------------
@@ -415,6 +423,8 @@ def queued_table(snap: TopSnapshot) -> Table | Text | None:
 def _why(job_id: str, waiting: dict[str, str], snap: TopSnapshot, live: bool) -> str:
     if (why := waiting.get(job_id)) is not None:
         return clean(why)
+    if job_id in snap.reasons:
+        return clean(snap.reasons[job_id])
     if snap.cluster is not None:
         return "waits for an enrolled node to take it (`gpuwarden explain` says why)"
     if not live:
