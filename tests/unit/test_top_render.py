@@ -140,6 +140,14 @@ def test_a_frame_shows_everything_and_fits_the_width(width: int) -> None:
     assert "jobs: done 40, failed 1, queued 2, running 2" in flat
 
 
+@pytest.mark.parametrize("width", [40, 60, 100, 240])
+def test_any_width_gets_whole_bars_and_no_longer_lines(width: int) -> None:
+    lines = _text(_snapshot(), width).splitlines()
+    assert all(len(ln) <= width for ln in lines), max(lines, key=len)
+    bars = [ln for ln in lines if ln.startswith(("ledger [", "device ["))]
+    assert len(bars) == 4 and all("]" in ln for ln in bars)
+
+
 def test_a_job_without_a_holding_is_timed_against_its_types_estimate() -> None:
     flat = " ".join(_text(_snapshot(expected_s={"testmods.hold": 4.0}), 80).split())
     assert "cpu-job-3 testmods.hold 5s / ~4s (over by 1s)" in flat

@@ -269,11 +269,17 @@ def gpu_block(g: GpuStatus, width: int) -> list[Text]:
 
 
 def _table(*columns: str) -> Table:
+    """A borderless table whose cells wrap (a long id folds) to fit the width."""
     t = Table(box=None, pad_edge=False, show_edge=False, header_style="bold", expand=False)
     for c in columns:
-        wraps = c in ("why", "reason")
-        t.add_column(c, overflow="fold", no_wrap=not wraps, ratio=3 if wraps else None)
+        t.add_column(c, overflow="fold")
     return t
+
+
+def short_gpu(uuid: str, width: int) -> str:
+    """A GPU's UUID in a table: whole on a wide terminal, else its first 12
+    characters (``GPU-5f4a3c1e``, ``GPU-sim-0001``), as its bar's title begins."""
+    return clean(uuid) if width >= 120 or len(uuid) <= 13 else clean(uuid[:12]) + "…"
 
 
 def banners(snap: TopSnapshot) -> list[Text]:
@@ -376,7 +382,7 @@ def running_table(snap: TopSnapshot, nodes: Sequence[NodeSnapshot], width: int) 
             t.add_row(
                 clean(r.job),
                 clean(r.type),
-                *([clean(n.node), clean(r.gpu or "cpu")] if wide else []),
+                *([clean(n.node), short_gpu(r.gpu or "cpu", width)] if wide else []),
                 _progress(r.started_at, expected.get(r.job, snap.expected_s.get(r.type)), now),
             )
     return t if t.row_count else Text("running: none", style="dim")
@@ -432,7 +438,7 @@ def _why(job_id: str, waiting: dict[str, str], snap: TopSnapshot, live: bool) ->
     return "not planned yet: the broker's next status says why it waits"
 
 
-def warm_table(nodes: Sequence[NodeSnapshot], now: float) -> Table | None:
+def warm_table(nodes: Sequence[NodeSnapshot], now: float, width: int) -> Table | None:
     """Warm servers with the grace they have left before an idle one may be evicted."""
     t = _table("warm server", "GPU", "state", "VRAM", "served", "grace left")
     for n in nodes:
@@ -441,7 +447,7 @@ def warm_table(nodes: Sequence[NodeSnapshot], now: float) -> Table | None:
             v = views.get((w.type, w.gpu))
             t.add_row(
                 clean(w.type),
-                clean(w.gpu),
+                short_gpu(w.gpu, width),
                 clean(w.state),
                 f"{gib(w.footprint_bytes)} GiB",
                 str(w.jobs_served),
@@ -546,7 +552,7 @@ def render(snap: TopSnapshot, width: int, *, footer: str = "") -> RenderableType
     if snap.cluster is not None and not snap.cluster:
         parts.append(Text("no node is enrolled with this coordinator", style="yellow"))
     parts += [Text(""), running_table(snap, live, width)]
-    for table in (queued_table(snap), warm_table(live, snap.now), failures_table(snap)):
+    for table in (queued_table(snap), warm_table(live, snap.now, width), failures_table(snap)):
         if table is not None:
             parts += [Text(""), table]
     if footer:
