@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import select
 import signal
 import struct
@@ -124,9 +125,13 @@ def test_top_in_a_terminal_shows_the_running_jobs_and_q_quits(
             proc.kill()
             proc.wait(10)
         term.close()
-    # the frame was drawn for 80 columns: the GPU's bars are whole lines
-    frame = term.seen.decode("utf-8", "replace")
-    assert "GPU-sim-" in frame and "top-gpu" in frame
+    # the frame was drawn for 80 columns: the GPU's bars are whole lines in it
+    frames = term.seen.decode("utf-8", "replace").replace("\x1b[H", "\n")  # each from home
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", frames)
+    lines = plain.replace("\r", "").split("\n")
+    bars = [ln for ln in lines if ln.lstrip().startswith("ledger [")]
+    assert bars and all("] 8.0/24.0 GiB held" in ln and len(ln) <= 80 for ln in bars), bars
+    assert all(len(ln) <= 80 for ln in lines), max(lines, key=len)
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -171,7 +176,7 @@ def test_top_piped_or_once_prints_one_frame(busy: tuple[Broker, Path]) -> None:
         assert "node accept" in r.stdout and "top-hold" in r.stdout and "top-gpu" in r.stdout
         # the vram job holds its footprint in the ledger; the device shows what it took
         assert "1 top-gpu testmods.gpu 8.0" in r.stdout and "2.0 GiB used" in r.stdout
-        assert all(len(ln) <= 80 for ln in r.stdout.splitlines())
+        assert all(len(ln) <= 80 and ln == ln.rstrip() for ln in r.stdout.splitlines())
     # a job that cannot fit beside the held 8 GiB waits, and top says why (explain's words)
     r = run("--config", b.config, "submit", "testmods.gpu", "--vram-gib", "20", "--id", "big-1")
     assert r.returncode == 0, r.stderr

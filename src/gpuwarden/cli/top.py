@@ -116,7 +116,13 @@ def _show(args: argparse.Namespace, source: Source) -> int:
     """One frame (``--once``, or stdout is no terminal), else the live view."""
     if args.once or not sys.stdout.isatty():
         console = Console(highlight=False)
-        console.print(render(source(), console.width))
+        frame = render(source(), console.width)
+        if console.is_terminal:
+            console.print(frame)
+            return 0
+        with console.capture() as captured:  # piped: plain lines, no padding after them
+            console.print(frame)
+        sys.stdout.write("".join(ln.rstrip() + "\n" for ln in captured.get().splitlines()))
         return 0
     return live_view(source, args.interval)
 
