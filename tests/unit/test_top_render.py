@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from gpuwarden.cli.top import Reasons
+from gpuwarden.cli.top import Reasons, guarded
 from gpuwarden.cli.topview import JobRow, NodeSnapshot, TopSnapshot, cells, pack, render
+from gpuwarden.client import RateLimited, Unauthorized, Unreachable
 from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import GIB
 from gpuwarden.core.policy import GpuView, WarmView
@@ -174,6 +175,17 @@ def test_explain_is_asked_once_per_job_a_while_and_a_failure_gives_no_reason() -
     assert reasons.of(["a", "gone"]) == {"a": "it waits: for a node"}
     assert reasons.of(["a", "gone"]) == {"a": "it waits: for a node"}
     assert asked == ["a", "gone"]
+
+
+def test_an_api_that_does_not_answer_is_a_banner_and_a_refusal_ends_top() -> None:
+    def failing(exc: Exception) -> TopSnapshot:
+        raise exc
+
+    down = guarded(lambda: failing(Unreachable("cannot reach http://h:1: refused")))
+    assert "cannot read the status: cannot reach http://h:1" in _text(down, 80)
+    assert guarded(lambda: failing(RateLimited("slow down"))).error == "slow down"
+    with pytest.raises(Unauthorized):
+        guarded(lambda: failing(Unauthorized("the token was revoked", 401)))
 
 
 def test_no_broker_running_is_said_and_queued_jobs_say_nothing_starts_them() -> None:

@@ -43,7 +43,7 @@ from gpuwarden.cli.topview import (
     TopSnapshot,
     render,
 )
-from gpuwarden.client import Client
+from gpuwarden.client import Client, RateLimited
 from gpuwarden.cluster import report
 from gpuwarden.config import Config
 from gpuwarden.core.model import Job
@@ -282,11 +282,14 @@ def _latest(rows: tuple[JobRow, ...]) -> tuple[JobRow, ...]:
     return tuple(sorted(rows, key=lambda j: -j.updated_at)[:FAILED_ROWS])
 
 
-def _guarded(source: Source) -> TopSnapshot:
+def guarded(source: Source) -> TopSnapshot:
     """A snapshot, or, while the API or the store does not answer, a frame that says
-    so (the live view goes on and tries again); a refusal (a bad token) ends it."""
+    so (the live view goes on and tries again); a refusal (a bad token) ends it,
+    but not the rate limit (the next redraw asks again)."""
     try:
         return source()
+    except RateLimited as exc:
+        return TopSnapshot(where="", now=time.time(), error=str(exc))
     except UserError:
         raise
     except GpuwardenError as exc:
@@ -357,6 +360,6 @@ def live_view(source: Source, interval: float) -> int:
     live = Live(console=console, screen=True, auto_refresh=False)
     with exit_on_signals(), cbreak(fd), live:
         while True:
-            live.update(render(_guarded(source), console.width, footer=footer), refresh=True)
+            live.update(render(guarded(source), console.width, footer=footer), refresh=True)
             if wait_for_quit(fd, interval):
                 return 0
