@@ -50,7 +50,7 @@ from gpuwarden.api.limits import (
     retry_after,
     send_error,
 )
-from gpuwarden.api.routers import admin, gpus, jobs, logs, nodes, status
+from gpuwarden.api.routers import admin, events, gpus, jobs, logs, nodes, status
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
 from gpuwarden.node.jobends import JobEnds
@@ -65,6 +65,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     status.router,
     nodes.router,
     gpus.router,
+    events.router,
 )
 
 

@@ -84,6 +84,7 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "node.resume":   (ALL,  ALL,     None,     None, None),
     "node.revoke":   (ALL,  None,    None,     None, None),
     "gpu.clear":     (ALL,  None,    None,     None, None),
+    "events.read":   (ALL,  ALL,     OWN,      None, None),
 }
 # fmt: on
 _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)

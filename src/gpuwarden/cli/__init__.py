@@ -15,7 +15,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gpuwarden.cli import cluster, jobs, logs, node, runtimes, status, submit, tokens, tools
+from gpuwarden.cli import cluster, events, jobs, logs, node, runtimes, status, submit, tokens, tools
 from gpuwarden.cli.common import (
     Parser,
     add_global_options,
@@ -35,6 +35,7 @@ COMMANDS = (
     "jobs",
     "show",
     "logs",
+    "events",
     "cancel",
     "explain",
     "preview",
@@ -57,6 +58,7 @@ _PARSERS = {
     **status.PARSERS,
     **jobs.PARSERS,
     **logs.PARSERS,
+    **events.PARSERS,
     **tokens.PARSERS,
     **cluster.PARSERS,
     **tools.PARSERS,
