@@ -571,3 +571,17 @@ def test_follow_through_the_api_ends_quietly_on_ctrl_c(live: Live) -> None:
     argv = ["events", "--url", live.url, "--follow", "--json"]
     env = _env(GPUWARDEN_TOKEN=live.api.tokens["owner"])
     _follow_then_interrupt(argv, env, lambda: note(live.api.store, "probe_failed", reason="x"))
+
+
+def test_a_cursor_past_the_newest_event_goes_on_from_now(api: Api) -> None:
+    last = note(api.store, "probe_failed", reason="x")
+    r = get(api, "owner", **{"Last-Event-ID": "9000000000"})
+    assert r.status_code == 200 and blocks(r.text)[0] == {"retry": "2000", "id": str(last)}
+
+
+def test_the_type_filter_takes_a_warm_servers_footprint_by_its_type(api: Api) -> None:
+    note(api.store, "footprint_raised", "warm:17", type="burn.custom", bytes=1)
+    note(api.store, "footprint_raised", "warm:18", type="echo.echo", bytes=1)
+    got = shown(get(api, "owner", "after=0&type=burn.custom").text)
+    assert [e["job"] for e in got] == ["warm:17"]
+    assert shown(get(api, "submitter", "after=0").text) == []

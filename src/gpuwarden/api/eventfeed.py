@@ -136,8 +136,8 @@ class EventFeed:
         if owner is None and wanted is None:
             return True
         job = self._job(event.job_id)
-        if job is None:
-            return False
+        if job is None:  # not a job's id (``warm:<epoch>``): its own ``type`` counts
+            return owner is None and event.detail.get("type") == wanted
         return (owner is None or job[0] == owner) and (wanted is None or job[1] == wanted)
 
     def _job(self, job_id: str) -> tuple[str | None, str] | None:

@@ -22,6 +22,7 @@ server being told to stop (:func:`stop_when`)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -40,6 +41,8 @@ from gpuwarden.api.eventfeed import TYPE_NAME, BadCursor, EventFeed, EventFilter
 from gpuwarden.api.eventfeed import sse_block as block
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.api.routers.jobs import visible_job
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["events"], dependencies=[Depends(get_scope)])
 
@@ -188,8 +191,10 @@ async def event_stream(
         job=job_id, type=type_name, owner=who.token_id if access is Scope.OWN else None
     )
     streams = streams_of(request.app)
-    if start is None:
-        start = await run_in_threadpool(ctx.store.last_event_id)
+    newest = await run_in_threadpool(ctx.store.last_event_id)
+    # past the newest event: an id of another (or a reset) store, never seen here;
+    # the stream goes on from now instead of waiting for ids that far on
+    start = newest if start is None else min(start, newest)
     refused = streams.take(who.token_id)
     if refused is not None:
         raise HttpError(429, refused, {"Retry-After": "5"})
@@ -233,8 +238,8 @@ async def _follow(ctx: ApiContext, feed: EventFeed, streams: Streams) -> AsyncGe
     told = feed.cursor  # the last id the client was given
     quiet_since = time.monotonic()
     while not streams.stopping():
-        if feed.full or await streams.newest(ctx) > feed.cursor:
-            shown = await run_in_threadpool(feed.read)
+        shown = await _look(ctx, feed, streams)
+        if shown is not None:
             if shown:
                 yield "".join(block(e) for e in shown)
                 told = int(shown[-1]["id"])
@@ -247,3 +252,16 @@ async def _follow(ctx: ApiContext, feed: EventFeed, streams: Streams) -> AsyncGe
             yield f": keep-alive\n{moved}\n"
             quiet_since = time.monotonic()
         await anyio.sleep(POLL_S)
+
+
+async def _look(ctx: ApiContext, feed: EventFeed, streams: Streams) -> list[dict[str, Any]] | None:
+    """The next events when there may be new ones (None when there are none). A
+    store that cannot answer now (busy, unreachable) is asked again later."""
+    try:
+        if feed.full or await streams.newest(ctx) > feed.cursor:
+            return await run_in_threadpool(feed.read)
+    except Exception as exc:
+        if not ctx.store.unavailable(exc):
+            raise
+        log.warning("the event stream could not read the store now: %s", exc)
+    return None
