@@ -585,3 +585,13 @@ def test_the_type_filter_takes_a_warm_servers_footprint_by_its_type(api: Api) ->
     got = shown(get(api, "owner", "after=0&type=burn.custom").text)
     assert [e["job"] for e in got] == ["warm:17"]
     assert shown(get(api, "submitter", "after=0").text) == []
+
+
+def test_events_refuse_a_state_dir_that_has_no_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: dict[str, str]
+) -> None:
+    code, _, err = run(capsys, "--state-dir", str(tmp_path / "typo"), "events")
+    assert code == 2 and f"no gpuwarden state in {tmp_path / 'typo'}" in err
+    assert not (tmp_path / "typo").exists()
+    code, _, err = run(capsys, "--state-dir", str(tmp_path), "events", "--after", "-3")
+    assert code == 2 and "--after -3" in err
