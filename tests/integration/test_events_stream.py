@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -229,6 +230,7 @@ class Live:
     api: Api
     thread: ApiThread
     url: str
+    store: SqliteStore  # the API's own connection
 
     def client(self, who: str) -> gwclient.Client:
         return gwclient.Client(self.url, self.api.tokens[who])
@@ -241,7 +243,7 @@ def live(api: Api) -> Iterator[Live]:
     thread = ApiThread(store, registry, api.config, "127.0.0.1", 0, name="test-api")
     assert thread.start()
     try:
-        yield Live(api=api, thread=thread, url=thread.url)
+        yield Live(api=api, thread=thread, url=thread.url, store=store)
     finally:
         thread.stop()
         store.close()
@@ -369,8 +371,12 @@ def test_a_submitter_following_never_sees_anothers_job(live: Live) -> None:
 
 
 def _open(live: Live, who: str) -> tuple[httpx.Client, httpx.Response]:
+    return _open_url(live, who, "/v1/events")
+
+
+def _open_url(live: Live, who: str, url: str) -> tuple[httpx.Client, httpx.Response]:
     http = httpx.Client(base_url=live.url, headers=live.api.h(who), timeout=10)
-    response = http.send(http.build_request("GET", "/v1/events"), stream=True)
+    response = http.send(http.build_request("GET", url), stream=True)
     return http, response
 
 
@@ -595,3 +601,76 @@ def test_events_refuse_a_state_dir_that_has_no_store(
     assert not (tmp_path / "typo").exists()
     code, _, err = run(capsys, "--state-dir", str(tmp_path), "events", "--after", "-3")
     assert code == 2 and "--after -3" in err
+
+
+def test_a_store_that_cannot_answer_for_a_moment_does_not_end_the_stream(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = live.store.events
+    failures: list[int] = []
+
+    def locked(**kw: Any) -> list[Event]:
+        if len(failures) < 3:
+            failures.append(1)
+            raise sqlite3.OperationalError("database is locked")
+        return real(**kw)
+
+    got: list[str] = []
+    drops: list[str] = []
+
+    def follow() -> None:
+        with live.client("owner") as c:
+            for event in c.events(on_drop=drops.append):
+                got.append(event["kind"])
+                if event["kind"] == "the_end":
+                    return
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    wait_for("the stream to be open", lambda: events_router.streams_of(live.thread.app).total)
+    monkeypatch.setattr(live.store, "events", locked)
+    note(live.api.store, "probe_failed", reason="x")
+    wait_for("the store to refuse", lambda: len(failures) == 3)
+    note(live.api.store, "the_end")
+    reader.join(20)
+    assert not reader.is_alive()
+    assert got == ["probe_failed", "the_end"] and drops == []
+
+
+def test_a_stream_of_one_job_moves_its_cursor_past_other_events(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(events_router, "HEARTBEAT_S", 0.3)
+    job(live.api.store, "a-1", None)
+    reads: list[int] = []
+    real = live.store.events
+
+    def counted(**kw: Any) -> list[Event]:
+        reads.append(1)
+        return real(**kw)
+
+    monkeypatch.setattr(live.store, "events", counted)
+    http, response = _open_url(live, "owner", "/v1/events?job=a-1&after=0")
+    try:
+        lines = response.iter_lines()
+        assert '"a-1"' in next(line for line in lines if line.startswith("data: "))
+        other = note(live.api.store, "gpu_fault", gpu="GPU-1")
+        assert _first(lines, lambda line: line.startswith("id: ")) == f"id: {other}"
+        settled = len(reads)
+        time.sleep(1.0)  # idle: the job's events are not read again every poll
+        assert len(reads) <= settled + 1
+    finally:
+        response.close()
+        http.close()
+
+
+def _first(lines: Iterator[str], wanted: Callable[[str], bool], timeout: float = 10.0) -> str:
+    """The first line that is ``wanted``, read within ``timeout`` (heartbeats keep
+    lines coming)."""
+    deadline = time.monotonic() + timeout
+    for line in lines:
+        if wanted(line):
+            return line
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError("no such line in time")

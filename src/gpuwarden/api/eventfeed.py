@@ -113,9 +113,15 @@ class EventFeed:
         #: whether the last read took a whole batch (more may be there now)
         self.full = False
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self, upto: int = 0) -> list[dict[str, Any]]:
+        """``upto``: the newest event id, read before this call. Ids are handed out
+        in commit order, so every event up to it is there to be read; when a read
+        of one job's events takes less than a batch, the cursor moves on to it (a
+        stream of one job does not read the job's events again for every other)."""
         found = self.store.events(job_id=self.flt.job, after_id=self.cursor, limit=self.batch)
         self.full = len(found) >= self.batch
+        if self.flt.job is not None and not self.full:
+            self.cursor = max(self.cursor, upto)
         redactor = Redactor(self.store, self.flt.owner) if self.flt.owner else None
         shown: list[dict[str, Any]] = []
         for event in found:

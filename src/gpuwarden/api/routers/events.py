@@ -258,8 +258,9 @@ async def _look(ctx: ApiContext, feed: EventFeed, streams: Streams) -> list[dict
     """The next events when there may be new ones (None when there are none). A
     store that cannot answer now (busy, unreachable) is asked again later."""
     try:
-        if feed.full or await streams.newest(ctx) > feed.cursor:
-            return await run_in_threadpool(feed.read)
+        newest = await streams.newest(ctx)
+        if feed.full or newest > feed.cursor:
+            return await run_in_threadpool(feed.read, newest)
     except Exception as exc:
         if not ctx.store.unavailable(exc):
             raise
