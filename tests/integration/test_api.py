@@ -156,6 +156,7 @@ class Case:
             .replace("out.txt", "{path}")
             .replace("logs/stdout", "logs/{stream}")
             .replace("GPU-sim-0000-12345678", "{gpu_uuid}")
+            .partition("?")[0]
         )
 
 
@@ -176,6 +177,7 @@ CASES = [
     Case("DELETE", "/v1/tokens/{token}", frozenset({R}), 200),
     Case("GET", "/v1/audit", frozenset({R, OP}), 200),
     Case("POST", "/v1/gpus/GPU-sim-0000-12345678/clear", frozenset({R}), 202),
+    Case("GET", "/v1/events?follow=false", frozenset(READERS), 200),
 ]
 
 
@@ -260,6 +262,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "gpu.clear": {R},
         # GET /metrics (tests/integration/test_metrics.py)
         "metrics.read": {R, OP},
+        "events.read": READERS,
     }
     order = [r.value for r in Role]
     got = {a: {order[i] for i, s in enumerate(row) if s is not None} for a, row in MATRIX.items()}

@@ -50,7 +50,7 @@ from gpuwarden.api.limits import (
     retry_after,
     send_error,
 )
-from gpuwarden.api.routers import admin, gpus, jobs, logs, metrics, nodes, status
+from gpuwarden.api.routers import admin, events, gpus, jobs, logs, metrics, nodes, status
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
 from gpuwarden.node.jobends import JobEnds
@@ -66,6 +66,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     nodes.router,
     gpus.router,
     metrics.router,
+    events.router,
 )
 
 

@@ -86,6 +86,7 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "gpu.clear":     (ALL,  None,    None,     None, None),
     # GET /metrics; public too with [api] metrics_public = true (api/routers/metrics.py)
     "metrics.read":  (ALL,  ALL,     None,     None, None),
+    "events.read":   (ALL,  ALL,     OWN,      None, None),
 }
 # fmt: on
 _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)

@@ -15,7 +15,19 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gpuwarden.cli import cluster, jobs, logs, node, runtimes, status, submit, tokens, tools, top
+from gpuwarden.cli import (
+    cluster,
+    events,
+    jobs,
+    logs,
+    node,
+    runtimes,
+    status,
+    submit,
+    tokens,
+    tools,
+    top,
+)
 from gpuwarden.cli.common import (
     Parser,
     add_global_options,
@@ -36,6 +48,7 @@ COMMANDS = (
     "jobs",
     "show",
     "logs",
+    "events",
     "cancel",
     "explain",
     "preview",
@@ -59,6 +72,7 @@ _PARSERS = {
     **top.PARSERS,
     **jobs.PARSERS,
     **logs.PARSERS,
+    **events.PARSERS,
     **tokens.PARSERS,
     **cluster.PARSERS,
     **tools.PARSERS,
