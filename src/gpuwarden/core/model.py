@@ -101,6 +101,9 @@ class JobSpec:
     vram_bytes: int | None = None  # per-job footprint override (ad-hoc jobs)
     #: what the job asks of the host it runs on (``gpuwarden.core.placement.CONSTRAINT_KEYS``)
     constraints: dict[str, Any] = field(default_factory=dict)
+    #: how long the submitter expects it to run, in seconds (used for backfill while
+    #: its type has no measured run time; ``gpuwarden.core.profile``)
+    est_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +131,8 @@ class Job:
     owner: str | None = None
     #: what the job asks of the host it runs on (SPEC.md section 4)
     constraints: dict[str, Any] = field(default_factory=dict)
+    #: how long the submitter expects it to run, in seconds (None: not declared)
+    est_s: float | None = None
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)
@@ -147,6 +152,8 @@ class Attempt:
     stdout: str = ""
     stderr: str = ""
     pid: int | None = None
+    #: the highest RAM its process tree was seen to use (None: not measured)
+    ram_peak_bytes: int | None = None
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

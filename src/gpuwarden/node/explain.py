@@ -149,7 +149,7 @@ def queued_entries(
                 priority=job.priority,
                 seq=job.seq,
                 coresident=jobtype.coresident or jobtype.runtime is not None,
-                expected_s=run_times.estimate(jobtype.name),
+                expected_s=run_times.expected_s(jobtype.name, job.est_s),
                 serve=jobtype.launch is LaunchMode.SERVE,
                 warm=jobtype.name in warm_types,
                 runtime=runtime_of(jobtype, runtimes),

@@ -429,7 +429,7 @@ class Broker:
     def _lineup(self, key: ClassKey) -> policy.Lineup:
         """One class of the queue index as the planner sees it (its footprint,
         estimate and warm server as the node knows them now)."""
-        type_name, priority, own_bytes = key
+        type_name, priority, own_bytes, est_s = key
         jobtype = self.registry.types[type_name]
         seq, head = self.queue.index.head(key) or (0, "")
         vram = jobtype.lane is Lane.VRAM
@@ -441,7 +441,8 @@ class Broker:
             priority=priority,
             seq=seq,
             coresident=jobtype.coresident or jobtype.runtime is not None,
-            expected_s=self.run_times.estimate(type_name),
+            # the type's measured estimate once it has one, else the class's est_s
+            expected_s=self.run_times.expected_s(type_name, est_s),
             serve=jobtype.launch is LaunchMode.SERVE,
             warm=self.warm.has(type_name),
             runtime=self._runtime_of(jobtype),

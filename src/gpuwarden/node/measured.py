@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from gpuwarden.core import footprint
+from gpuwarden.core import footprint, profile
 from gpuwarden.core.model import JobType
 from gpuwarden.core.policy import GpuView
 from gpuwarden.store.base import Store
 
 #: a type's run-time estimate looks at this many of its latest runs
-RUN_TIME_WINDOW = 20
+RUN_TIME_WINDOW = profile.RUN_TIME_WINDOW
 
 
 class Footprints:
@@ -90,5 +90,14 @@ class RunTimes:
 
     def estimate(self, type_name: str) -> float | None:
         """The longest of the type's latest runs: what backfilling plans with."""
-        times = self._times.get(type_name)
-        return max(times) if times else None
+        return profile.estimate(self.times(type_name))
+
+    def times(self, type_name: str) -> list[float]:
+        """The type's latest run times, oldest first."""
+        return list(self._times.get(type_name, ()))
+
+    def expected_s(self, type_name: str, est_s: float | None) -> float | None:
+        """How long a job of the type that declared ``est_s`` is expected to run:
+        the type's measured estimate once it has one, else ``est_s`` as the planner
+        rounds it (:func:`gpuwarden.core.profile.expected_s`)."""
+        return profile.expected_s(self.estimate(type_name), profile.est_class(est_s))

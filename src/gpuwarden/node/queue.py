@@ -3,7 +3,7 @@
 The loop does not read every queued job from the store on every tick (a queue
 of 100,000 jobs would cost more than the rest of the tick together). It keeps a
 :class:`gpuwarden.core.queueindex.QueueIndex` of the queued jobs, keyed by class
-``(type, priority, per-job footprint)``, loaded once at start and then followed
+``(type, priority, per-job footprint, declared run time)``, loaded once at start and then followed
 through the store's events: every change of a job's state is an event written
 in the same transaction, so the events after the cursor name exactly the jobs
 that entered or left ``queued`` (a submission from the CLI, the API or an agent's
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
+from gpuwarden.core.profile import est_class
 from gpuwarden.core.queueindex import QueueIndex
 from gpuwarden.core.states import JobState
 from gpuwarden.registry import Registry
@@ -35,8 +36,10 @@ _CHECK_EVERY_S = 5.0
 #: ids per ``queue_entries`` call
 _ID_BATCH = 900
 
-#: a class of the index: job type, priority, the job's own footprint (or None)
-ClassKey = tuple[str, int, int | None]
+#: a class of the index: job type, priority, the job's own footprint (or None), and
+#: the run time it declared as the planner rounds it (``core.profile.est_class``;
+#: None for a job that declares none, as most do: their classes are not split)
+ClassKey = tuple[str, int, int | None, float | None]
 
 
 class QueueBook:
@@ -122,7 +125,8 @@ class QueueBook:
                     reason=f"job type {e.type} is not known to this broker (module removed?)",
                 )
             else:
-                self.index.add(e.id, e.seq, (e.type, e.priority, e.vram_bytes))
+                key = (e.type, e.priority, e.vram_bytes, est_class(e.est_s))
+                self.index.add(e.id, e.seq, key)
 
     def classes(self) -> list[ClassKey]:
         return self.index.classes()

@@ -225,7 +225,7 @@ class WarmServers:
         classes = index.classes()
         if paused or not classes:
             return starts
-        top = max(priority for _, priority, _ in classes)
+        top = max(key[1] for key in classes)
         degraded = self.vram.degraded()
         for server in self.pool:
             if server.state is not ServerState.IDLE or server.gpu in degraded:

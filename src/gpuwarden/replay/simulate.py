@@ -80,6 +80,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 
+from gpuwarden.core import profile
 from gpuwarden.core.ledger import Holding, HoldState, Ledger
 from gpuwarden.core.model import Lane, format_bytes
 from gpuwarden.core.policy import (
@@ -140,6 +141,9 @@ class TraceJob:
     keep_warm: bool = False
     #: how long the server may stay idle before it is evicted (None: the options')
     idle_grace_s: float | None = None
+    #: how long its submitter expects it to run (planned with until its type has a
+    #: measured run time, as the broker does: ``core.profile.expected_s``)
+    est_s: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -504,9 +508,12 @@ class _Sim:
     def footprint(self, t: TraceJob) -> int:
         return max(t.vram_bytes, self.footprints.get(t.type, 0))
 
-    def estimate(self, type_: str) -> float | None:
-        times = self.run_times.get(type_)
-        return max(times) if times and self.opts.estimate_run_times else None
+    def estimate(self, t: TraceJob) -> float | None:
+        """The job's expected run time: its type's measured estimate, else its est_s."""
+        if not self.opts.estimate_run_times:
+            return None
+        measured = profile.estimate(self.run_times.get(t.type, ()))
+        return profile.expected_s(measured, profile.est_class(t.est_s))
 
     def queued_job(self, job: _Job) -> QueuedJob:
         t = job.trace
@@ -518,7 +525,7 @@ class _Sim:
             priority=t.priority,
             seq=job.seq,
             coresident=t.coresident,
-            expected_s=self.estimate(t.type),
+            expected_s=self.estimate(t),
             serve=t.serve,
         )
 
@@ -574,7 +581,7 @@ class _Sim:
                 coresident=t.coresident,
                 job_id=t.id,
                 since=now,
-                expected_end=None if (e := self.estimate(t.type)) is None else now + e,
+                expected_end=None if (e := self.estimate(t)) is None else now + e,
                 backfill_for=backfill_for,
             ),
         )
@@ -799,7 +806,7 @@ class _Sim:
             replace(
                 q,
                 warm=q.serve and q.type in warm,
-                expected_s=self.estimate(q.type),
+                expected_s=self.estimate(self.jobs[q.id].trace),
             )
             for q in self.queued.values()
         )

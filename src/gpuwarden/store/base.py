@@ -69,6 +69,8 @@ class QueueEntry:
     seq: int
     vram_bytes: int | None
     cancel_requested: bool
+    #: the run time its submitter declared (None: none)
+    est_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,16 @@ class MeasuredFootprint:
 
     type: str
     bytes: int
+    job_id: str | None
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class TypeProfile:
+    """The largest RAM peak measured for a job type (by any of its attempts)."""
+
+    type: str
+    ram_peak_bytes: int
     job_id: str | None
     updated_at: float
 
@@ -341,6 +353,18 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def recent_run_times(self, *, limit: int = 5000) -> list[tuple[str, float]]:
         """``(job type, seconds)`` of the latest succeeded attempts, newest first."""
+
+    @abc.abstractmethod
+    def type_profiles(self) -> dict[str, TypeProfile]:
+        """Every type's measured RAM peak, by job type."""
+
+    @abc.abstractmethod
+    def record_ram_peak(
+        self, job_id: str, number: int, type_name: str, nbytes: int, *, now: float
+    ) -> None:
+        """Attempt ``number`` of the job (of ``type_name``) was seen to use ``nbytes``
+        of RAM at most: keep it on the attempt, and as the type's RAM peak if it is
+        larger than the one stored (never lower that)."""
 
     @abc.abstractmethod
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:

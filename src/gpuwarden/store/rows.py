@@ -19,6 +19,7 @@ from gpuwarden.store.base import (
     MeasuredFootprint,
     NodeStatus,
     TokenRecord,
+    TypeProfile,
 )
 from gpuwarden.store.cluster import Claimable, Lease, NodeRecord, NodeState
 
@@ -38,6 +39,7 @@ def spec_hash(spec: JobSpec) -> str:
             "vram_bytes": spec.vram_bytes,
             # only when given: the fingerprints of jobs without constraints are unchanged
             **({"constraints": spec.constraints} if spec.constraints else {}),
+            **({"est_s": spec.est_s} if spec.est_s is not None else {}),
         },
         sort_keys=True,
     )
@@ -67,6 +69,16 @@ def job(row: Row, decode: Decode) -> Job:
         result=decode(row["result"]),
         owner=row["owner"],
         constraints=decode(row["constraints"]),
+        est_s=row["est_s"],
+    )
+
+
+def type_profile(row: Row) -> TypeProfile:
+    return TypeProfile(
+        type=row["type"],
+        ram_peak_bytes=int(row["ram_peak_bytes"]),
+        job_id=row["job_id"],
+        updated_at=row["updated_at"],
     )
 
 
@@ -98,6 +110,7 @@ def attempt(row: Row) -> Attempt:
         stdout=row["stdout"],
         stderr=row["stderr"],
         pid=row["pid"],
+        ram_peak_bytes=row["ram_peak_bytes"],
     )
 
 

@@ -241,6 +241,10 @@ class SqlStore(Store, Generic[C]):
                     },
                 )
             self._insert_jobs(conn, [self._job_row(spec, origin, now=now) for spec in specs])
+            # a column of its own (0008), written only for the jobs that declare it
+            for spec in specs:
+                if spec.est_s is not None:
+                    self._run(conn, "set_job_est_s", {"id": spec.id, "est_s": spec.est_s})
             # the events last: PostgreSQL's events lock is taken after every row lock
             for spec in specs:
                 detail: dict[str, Any] = {"type": spec.type}
@@ -349,6 +353,7 @@ class SqlStore(Store, Generic[C]):
                 seq=int(r["seq"]),
                 vram_bytes=None if r["vram_bytes"] is None else int(r["vram_bytes"]),
                 cancel_requested=bool(r["cancel_requested"]),
+                est_s=None if r["est_s"] is None else float(r["est_s"]),
             )
             for r in found
         ]

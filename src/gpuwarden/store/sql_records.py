@@ -14,7 +14,13 @@ from typing import Any
 
 from gpuwarden.core.model import Event, Role
 from gpuwarden.store import rows
-from gpuwarden.store.base import AuditRow, MeasuredFootprint, NodeStatus, TokenRecord
+from gpuwarden.store.base import (
+    AuditRow,
+    MeasuredFootprint,
+    NodeStatus,
+    TokenRecord,
+    TypeProfile,
+)
 from gpuwarden.store.sql import C, SqlStore, duplicate_token
 
 
@@ -30,6 +36,24 @@ class SqlRecordStore(SqlStore[C]):
         return [
             (r["type"], float(r["seconds"])) for r in self._read("recent_run_times", limit=limit)
         ]
+
+    def type_profiles(self) -> dict[str, TypeProfile]:
+        return {r["type"]: rows.type_profile(r) for r in self._read("type_profiles")}
+
+    def record_ram_peak(
+        self, job_id: str, number: int, type_name: str, nbytes: int, *, now: float
+    ) -> None:
+        with self._write() as conn:
+            self._run(
+                conn,
+                "set_attempt_ram_peak",
+                {"job_id": job_id, "number": number, "bytes": nbytes},
+            )
+            self._run(
+                conn,
+                "raise_ram_peak",
+                {"type": type_name, "bytes": nbytes, "job_id": job_id, "now": now},
+            )
 
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
         with self._write() as conn:

@@ -47,13 +47,13 @@ SELECT count(*) AS n FROM jobs
  WHERE id = ANY(%(ids)s::text[]) AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
 -- name: queue_entries
-SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs WHERE state = 'queued';
 
 -- name: queued_count
 SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
 
 -- name: queue_entries_of
-SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
  WHERE state = 'queued' AND id = ANY(%(ids)s::text[]);
 
 -- name: running_jobs
@@ -227,3 +227,21 @@ SELECT * FROM audit WHERE id > %(after_id)s ORDER BY id LIMIT %(limit)s;
 
 -- name: schema_version
 SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;
+
+-- name: set_job_est_s
+UPDATE jobs SET est_s = %(est_s)s WHERE id = %(id)s;
+
+-- name: type_profiles
+SELECT * FROM type_profiles ORDER BY type;
+
+-- name: set_attempt_ram_peak
+UPDATE attempts SET ram_peak_bytes = %(bytes)s
+ WHERE job_id = %(job_id)s AND number = %(number)s;
+
+-- name: raise_ram_peak
+INSERT INTO type_profiles (type, ram_peak_bytes, job_id, updated_at)
+VALUES (%(type)s, %(bytes)s, %(job_id)s, %(now)s)
+ON CONFLICT (type) DO UPDATE
+   SET ram_peak_bytes = excluded.ram_peak_bytes, job_id = excluded.job_id,
+       updated_at = excluded.updated_at
+ WHERE excluded.ram_peak_bytes > type_profiles.ram_peak_bytes;

@@ -43,13 +43,13 @@ SELECT count(*) AS n FROM jobs
    AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
 -- name: queue_entries
-SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs WHERE state = 'queued';
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs WHERE state = 'queued';
 
 -- name: queued_count
 SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
 
 -- name: queue_entries_of
-SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
  WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
 
 -- name: running_jobs
@@ -198,3 +198,21 @@ SELECT * FROM audit WHERE id > :after_id ORDER BY id LIMIT :limit;
 
 -- name: schema_version
 SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;
+
+-- name: set_job_est_s
+UPDATE jobs SET est_s = :est_s WHERE id = :id;
+
+-- name: type_profiles
+SELECT * FROM type_profiles ORDER BY type;
+
+-- name: set_attempt_ram_peak
+UPDATE attempts SET ram_peak_bytes = :bytes
+ WHERE job_id = :job_id AND number = :number;
+
+-- name: raise_ram_peak
+INSERT INTO type_profiles (type, ram_peak_bytes, job_id, updated_at)
+VALUES (:type, :bytes, :job_id, :now)
+ON CONFLICT (type) DO UPDATE
+   SET ram_peak_bytes = excluded.ram_peak_bytes, job_id = excluded.job_id,
+       updated_at = excluded.updated_at
+ WHERE excluded.ram_peak_bytes > type_profiles.ram_peak_bytes;
