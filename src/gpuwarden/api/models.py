@@ -10,6 +10,7 @@ from typing import Annotated, Any, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuwarden.core.model import Attempt, Event, Job, Role
+from gpuwarden.core.profile import MAX_EST_S
 from gpuwarden.store.base import AuditRow, TokenRecord
 
 #: the largest integer a job's priority may be (64-bit signed, as in a manifest)
@@ -73,6 +74,11 @@ class JobIn(_Request):
         default_factory=dict,
         description="what the job asks of the node it runs on: min_gpu_vram_gib, gpu_model "
         "(vram lane only), labels, node (SPEC.md section 4)",
+    )
+    est_s: Annotated[float, Field(gt=0, le=MAX_EST_S)] | None = Field(
+        default=None,
+        description="how long the job is expected to run, in seconds: used for backfill "
+        "while its type has no measured run time (SPEC.md section 11)",
     )
 
     @field_validator("params", mode="after")
@@ -142,6 +148,7 @@ class JobOut(BaseModel):
     bundle: str | None
     owner: str | None
     constraints: dict[str, Any] = {}
+    est_s: float | None = None
 
     @classmethod
     def of(cls, j: Job) -> Self:
@@ -162,6 +169,7 @@ class JobOut(BaseModel):
             bundle=j.bundle,
             owner=j.owner,
             constraints=j.constraints,
+            est_s=j.est_s,
         )
 
 

@@ -61,6 +61,13 @@ def add_job_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
     sp.add_argument("--vram-gib", type=float, help="VRAM footprint for this job (vram lane)")
     sp.add_argument(
+        "--est-s",
+        type=float,
+        metavar="SECONDS",
+        help="how long the job is expected to run: lets it start on a GPU held back for "
+        "another job while its type has no measured run time",
+    )
+    sp.add_argument(
         "--input",
         dest="inputs",
         action="append",
@@ -233,6 +240,7 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         priority=args.priority,
         vram_bytes=int(args.vram_gib * GIB) if args.vram_gib is not None else None,
         constraints=parse_constraints(args.constraints),
+        est_s=args.est_s,
     )
     return prepare(registry, spec)
 
@@ -493,6 +501,7 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
             outputs=args.outputs,
             constraints=parse_constraints(args.constraints),
             wait=first_wait,
+            est_s=args.est_s,
         )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:

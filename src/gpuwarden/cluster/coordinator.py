@@ -279,6 +279,7 @@ def claim(
             "priority": job.priority,
             "vram_bytes": job.vram_bytes,
             "constraints": job.constraints,
+            "est_s": job.est_s,
             "attempts": job.attempts,
             "lease_id": lease_id,
             "expires_at": expires_at,

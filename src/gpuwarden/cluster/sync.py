@@ -305,6 +305,7 @@ class Agent:
             outputs=tuple(payload.get("outputs") or ()),
             priority=int(payload.get("priority") or 0),
             vram_bytes=payload.get("vram_bytes"),
+            est_s=None if payload.get("est_s") is None else float(payload["est_s"]),
         )
         origin = DIRECT
         if inputs:

@@ -10,6 +10,7 @@ from pathlib import PurePosixPath
 from gpuwarden.core.model import JobSpec, Lane
 from gpuwarden.core.params import validate_params
 from gpuwarden.core.placement import GPU_CONSTRAINTS, check_constraints
+from gpuwarden.core.profile import check_est_s
 from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 
@@ -77,4 +78,10 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
             f"job {spec.id}: constraint {', '.join(gpu_only)} asks for a GPU, but "
             f"{jobtype.name} runs on the cpu lane and never uses one"
         )
-    return replace(spec, params=params, inputs=inputs, outputs=outputs, constraints=constraints)
+    try:
+        est_s = None if spec.est_s is None else check_est_s(spec.est_s)
+    except ValueError as exc:
+        raise ValidationError(f"job {spec.id}: {exc}") from None
+    return replace(
+        spec, params=params, inputs=inputs, outputs=outputs, constraints=constraints, est_s=est_s
+    )

@@ -26,6 +26,7 @@ from typing import Any
 from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
 from gpuwarden.core.placement import check_constraints
+from gpuwarden.core.profile import check_est_s
 from gpuwarden.errors import BundleError
 
 __all__ = [
@@ -54,7 +55,17 @@ _DRIVE_RE = re.compile(r"[A-Za-z]:")
 
 
 _TOP_KEYS = ("version", "jobs")
-_JOB_KEYS = ("id", "type", "params", "inputs", "outputs", "priority", "vram_gib", "constraints")
+_JOB_KEYS = (
+    "id",
+    "type",
+    "params",
+    "inputs",
+    "outputs",
+    "priority",
+    "vram_gib",
+    "constraints",
+    "est_s",
+)
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _MAX_VRAM_GIB = 2**20  # 1 PiB: anything above is a typo, and keeps vram_bytes in int64
@@ -241,6 +252,13 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         except ValueError as exc:
             raise BundleError(f"{at}.constraints: {exc}") from None
 
+    est_s: float | None = None
+    if "est_s" in raw:
+        try:
+            est_s = check_est_s(raw["est_s"])
+        except ValueError as exc:
+            raise BundleError(f"{at}.{exc}") from None
+
     return JobSpec(
         id=job_id,
         type=jtype,
@@ -250,6 +268,7 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         priority=priority,
         vram_bytes=vram_bytes,
         constraints=constraints,
+        est_s=est_s,
     )
 
 
@@ -335,5 +354,7 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
             entry["vram_gib"] = int(gib) if gib.is_integer() else gib
         if job.constraints:
             entry["constraints"] = dict(job.constraints)
+        if job.est_s is not None:
+            entry["est_s"] = job.est_s
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}

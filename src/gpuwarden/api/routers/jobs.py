@@ -213,6 +213,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             priority=body.priority,
             vram_bytes=vram,
             constraints=dict(body.constraints),
+            est_s=body.est_s,
         ),
         owner=who.token_id,
     )
