@@ -313,6 +313,10 @@ class TypeOut(BaseModel):
     source: dict[str, Any] = {}
     description: str
     params: list[ParamOut]
+    #: what its runs showed: ``vram_declared_bytes``, ``vram_measured_bytes``,
+    #: ``ram_peak_bytes``, ``wall`` (``runs``, ``median_s``, ``p90_s``, ``longest_s``
+    #: of its latest succeeded runs; null before any), as ``types --json`` shows it
+    profile: dict[str, Any] | None = None
 
 
 class StatusOut(BaseModel):

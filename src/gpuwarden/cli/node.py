@@ -36,6 +36,7 @@ from gpuwarden.cli.common import (
 )
 from gpuwarden.cli.httpserver import ApiThread
 from gpuwarden.cli.submit import add_job_options, copy_inputs, copy_outputs, job_spec, print_result
+from gpuwarden.cli.topview import span
 from gpuwarden.client import Client
 from gpuwarden.config import Config, load_config
 from gpuwarden.core.model import Job, format_bytes
@@ -45,6 +46,7 @@ from gpuwarden.eventlog import CURSOR_FILE, EventLog, NullLog
 from gpuwarden.intake.service import result_json
 from gpuwarden.node import explain
 from gpuwarden.node.loop import Broker
+from gpuwarden.node.measured import type_profiles
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Submission
 
@@ -297,6 +299,9 @@ def _types_here(args: argparse.Namespace) -> int:
     registry = Registry.load(config.module_paths, config.launch_rules)
     rules = registry.rules
     described = registry.describe()
+    profiles = _profiles_here(config, registry)
+    for d in described:
+        d["profile"] = profiles.get(d["type"])
     summary = rules.unsandboxed_summary(registry.types.values())
     if args.json:
         doc = {
@@ -319,10 +324,43 @@ def _types_here(args: argparse.Namespace) -> int:
     return 0
 
 
+def _profiles_here(config: Config, registry: Registry) -> dict[str, dict[str, Any]]:
+    """Each type's measured profile, from the state directory's store; none where
+    no broker has made one yet (``types`` works on a fresh machine)."""
+    if not config.database and not config.db_path.exists():
+        return {}
+    store = open_store(config)
+    try:
+        return type_profiles(store, registry.types.values())
+    finally:
+        store.close()
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f}s" if s < 10 else span(s)
+
+
+def _measured(profile: dict[str, Any] | None) -> str:
+    """A type's profile in the table: what its runs showed, or ``-``."""
+    if not profile:
+        return "-"
+    lines = []
+    if profile.get("vram_measured_bytes"):
+        lines.append(f"VRAM {format_bytes(profile['vram_measured_bytes'])}")
+    if profile.get("ram_peak_bytes"):
+        lines.append(f"RAM {format_bytes(profile['ram_peak_bytes'])}")
+    if wall := profile.get("wall"):
+        runs = f"{wall['runs']} run{'s' if wall['runs'] != 1 else ''}"
+        lines.append(f"{_seconds(wall['median_s'])} median, {_seconds(wall['p90_s'])} p90 ({runs})")
+    return "\n".join(lines) or "-"
+
+
 def _print_types(described: list[dict[str, Any]]) -> None:
     """The table of ``types`` and its refusals, from :meth:`Registry.describe` rows
     (the API's ``/v1/types`` rows are the same)."""
-    table = Table("type", "lane, launch", "VRAM", "runs here", "from", "what it does; parameters")
+    table = Table(
+        "type", "lane, launch", "VRAM", "measured", "runs here", "from", "what it does; parameters"
+    )
     for d in described:
         params = ", ".join(
             f"{p['name']}:{p['type']}{'' if p['required'] else '?'}" for p in d["params"]
@@ -339,6 +377,7 @@ def _print_types(described: list[dict[str, Any]]) -> None:
             escape(d["type"]),
             f"{d['lane']}, {d['launch']}",
             format_bytes(d["vram_bytes"]) if d["vram_bytes"] else "-",
+            _measured(d.get("profile")),
             runs,
             escape(shown_from),
             what,

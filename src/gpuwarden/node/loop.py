@@ -524,6 +524,7 @@ class Broker:
         follow (servers freed, memory measured, bundles looked at)."""
         recorded: list[Recorded] = []
         failure: Exception | None = None
+        self.attempts.ram.sample(now)  # the running attempts' RAM, before any ends here
         with self.store.batch():
             try:
                 while (message := self.mailbox.take()) is not None:

@@ -1,18 +1,28 @@
 """What the node learned from its own attempts: each type's measured footprint
 (raised by the rule of :mod:`gpuwarden.core.footprint`, never lowered, kept in
-the store) and its latest run times (what backfilling plans with).
+the store), its latest run times (what backfilling plans with, with a job's own
+``est_s`` until there is one: :mod:`gpuwarden.core.profile`), and the RAM peak
+of each attempt's process tree (:class:`RamPeaks`, kept per attempt and per type).
+:func:`type_profiles` puts them together per type for ``types`` and the API.
 
 Owned by the broker loop: attempts and warm servers feed it as they end.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 from gpuwarden.core import footprint, profile
+from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import JobType
 from gpuwarden.core.policy import GpuView
+from gpuwarden.launch import reaper
+from gpuwarden.launch.base import Launcher
+from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.store.base import Store
 
 #: a type's run-time estimate looks at this many of its latest runs
@@ -101,3 +111,99 @@ class RunTimes:
         the type's measured estimate once it has one, else ``est_s`` as the planner
         rounds it (:func:`gpuwarden.core.profile.expected_s`)."""
         return profile.expected_s(self.estimate(type_name), profile.est_class(est_s))
+
+
+#: the RAM of running attempts is sampled at most this often (on the loop's ticks)
+RAM_SAMPLE_S = 0.2
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def tree_rss(root: int) -> int:
+    """The resident memory of ``root`` and its live descendants now, in bytes (the
+    sum of their RSS: pages they share count once per process); 0 once it is gone."""
+    total = 0
+    for pid in (root, *reaper.tree_pids(root)):
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_bytes().split()[1]) * _PAGE
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return total
+
+
+def tree_shows_ram(launcher: Launcher) -> bool:
+    """Whether an attempt's memory is in its main process's tree with this
+    launcher: host processes and bubblewrap sandboxes, yes; podman's and docker's
+    containers run under their daemon or monitor, not under the command started."""
+    return not isinstance(launcher, SandboxLauncher) or launcher.runtime is Runtime.BUBBLEWRAP
+
+
+class RamPeaks:
+    """Per running attempt (by its holder name), the most RAM its process tree was
+    seen to use: sampled on the loop's ticks, at most every ``every_s`` (a peak
+    between two samples is missed; an attempt that ends before its first sample
+    has no measurement)."""
+
+    def __init__(
+        self, *, every_s: float = RAM_SAMPLE_S, read: Callable[[int], int] = tree_rss
+    ) -> None:
+        self.every_s = every_s
+        self._read = read
+        self._roots: dict[str, int] = {}
+        self._peaks: dict[str, int] = {}
+        self._due = float("-inf")
+
+    def __len__(self) -> int:
+        return len(self._roots)
+
+    def watch(self, holder: str, pid: int) -> None:
+        """The attempt's main process runs as ``pid``: sample its tree from now on."""
+        self._roots[holder] = pid
+        self.sample_one(holder)
+
+    def sample(self, now: float) -> None:
+        """Sample every watched attempt, if the last samples are ``every_s`` old."""
+        if not self._roots or now < self._due:
+            return
+        self._due = now + self.every_s
+        for holder in list(self._roots):
+            self.sample_one(holder)
+
+    def sample_one(self, holder: str) -> None:
+        pid = self._roots.get(holder)
+        if pid is not None:
+            used = self._read(pid)
+            if used > self._peaks.get(holder, 0):
+                self._peaks[holder] = used
+
+    def peak(self, holder: str) -> int | None:
+        """The attempt's peak so far (None: never seen to use any)."""
+        return self._peaks.get(holder)
+
+    def end(self, holder: str) -> None:
+        """The attempt is over: stop watching it."""
+        self._roots.pop(holder, None)
+        self._peaks.pop(holder, None)
+
+
+def type_profiles(store: Store, types: Iterable[JobType]) -> dict[str, dict[str, Any]]:
+    """Per type, its measured profile as ``types --json`` and ``GET /v1/types`` show
+    it: declared and measured VRAM, the RAM peak, the wall times of its latest
+    succeeded runs (median, p90, longest: the estimate backfilling plans with)."""
+    vram = store.footprints()
+    ram = store.type_profiles()
+    times = RunTimes(store.recent_run_times())
+    return {t.name: _profile(t, vram, ram, times) for t in types}
+
+
+def _profile(
+    t: JobType, vram: Mapping[str, Any], ram: Mapping[str, Any], times: RunTimes
+) -> dict[str, Any]:
+    measured = vram.get(t.name)
+    peak = ram.get(t.name)
+    wall = profile.wall_times(times.times(t.name))
+    return {
+        "vram_declared_bytes": t.vram_bytes,
+        "vram_measured_bytes": measured.bytes if measured is not None else None,
+        "ram_peak_bytes": peak.ram_peak_bytes if peak is not None else None,
+        "wall": wall.to_json() if wall is not None else None,
+    }

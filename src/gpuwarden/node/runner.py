@@ -38,7 +38,7 @@ from gpuwarden.errors import GpuwardenError, TransitionError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Starter
 from gpuwarden.node import attemptfs
 from gpuwarden.node.attempts import Launching
-from gpuwarden.node.measured import Footprints, RunTimes
+from gpuwarden.node.measured import Footprints, RamPeaks, RunTimes, tree_shows_ram
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
 from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.vram import VramBook
@@ -108,6 +108,8 @@ class AttemptRunner:
         self.stats = stats if stats is not None else NodeStats()
         #: per job id, its attempt that runs here (loop-owned)
         self.by_job: dict[str, RunningAttempt] = {}
+        #: the RAM peaks of the running attempts (sampled on the loop's ticks)
+        self.ram = RamPeaks()
         #: while the loop plans (:meth:`launches_after_commit`): the launches that
         #: wait for their starts' commit; None: a launch happens at once
         self._pending: list[_Pending] | None = None
@@ -205,6 +207,7 @@ class AttemptRunner:
                 )
             # a runtime job's own process is the runtime's client: it gets no GPU
             request = self.launching.request(run, None if run.runtime else gpu, now)
+            run.ram_measured = tree_shows_ram(launcher)
             if isinstance(launcher, Starter):
                 run.thread = launcher.start(
                     request,
@@ -265,6 +268,8 @@ class AttemptRunner:
         if run is not None and run.attempt.number == note.attempt:
             self.vram.set_pid(run.holder, note.pid)
             self.store.set_attempt_pid(run.job.id, run.attempt.number, note.pid)
+            if run.ram_measured:
+                self.ram.watch(run.holder, note.pid)
 
     def on_exchange(self, note: ExchangeNote) -> None:
         run = self.by_job.get(note.job_id)
@@ -340,6 +345,7 @@ class AttemptRunner:
             ("raising its footprint", lambda: self._after_cuda_oom(run, verdict, holder, now)),
             ("measuring its memory", lambda: self._measure(run, now)),
             ("noting its run time", lambda: self._note_run_time(run, result, verdict)),
+            ("forgetting its RAM samples", lambda: self.ram.end(run.holder)),
             ("counting it", lambda: self._count(run, result, verdict)),
             ("touching its bundle", lambda: self._touch_bundle(run)),
         ]
@@ -416,6 +422,10 @@ class AttemptRunner:
         """Write the attempt's end. One the store refuses as not this attempt's to
         end (a stale report) is logged; the node's own state follows either way."""
         try:
+            if (ram := self.ram.peak(run.holder)) is not None:
+                self.store.record_ram_peak(
+                    run.job.id, run.attempt.number, run.jobtype.name, ram, now=now
+                )
             self.store.finish_attempt(
                 run.job.id,
                 run.attempt.number,

@@ -81,6 +81,8 @@ class RunningAttempt:
     exchange_refused: list[dict[str, str]] = field(default_factory=list)
     #: a runtime type's job: the managed runtime it uses (its name here)
     runtime: str | None = None
+    #: its processes are in its main process's tree: their RAM is measured
+    ram_measured: bool = False
 
     @property
     def holder(self) -> str:

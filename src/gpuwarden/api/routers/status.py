@@ -20,6 +20,7 @@ from gpuwarden.api.redact import Redactor
 from gpuwarden.api.routers.nodes import is_coordinator
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.report import cluster_status
+from gpuwarden.node.measured import type_profiles
 from gpuwarden.store.cluster import ClusterStore
 
 router = APIRouter(tags=["status"])
@@ -93,6 +94,7 @@ def types(request: Request, ctx: Ctx) -> list[TypeOut]:
         return rules.refusal(t) is None
 
     described = {d["type"]: d for d in ctx.registry.describe()}
+    profiles = type_profiles(store, ctx.registry.types.values())
     out = []
     for t in sorted(ctx.registry.types.values(), key=lambda t: t.name):
         d = described[t.name]
@@ -114,6 +116,7 @@ def types(request: Request, ctx: Ctx) -> list[TypeOut]:
                 unsandboxed=None if cluster else d["unsandboxed"],
                 source=d["source"],
                 description=t.description,
+                profile=profiles.get(t.name),
                 params=[
                     ParamOut(
                         name=p.name,
