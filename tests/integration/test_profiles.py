@@ -77,6 +77,7 @@ def make_config(tmp_path: Path) -> Config:
             "state_dir": tmp_path / "state",
             "node_name": "testnode",
             "gpu": "sim",
+            "allow_unsandboxed_containers": True,
             "module_paths": [MODULES, TEST_MODULES],
             "sim_gpu": {"count": 1, "vram_gib": 24, "release_delay_s": 0},
             "broker": {"poll_interval_s": 0.02, "kill_grace_s": 0.3},
@@ -131,6 +132,37 @@ def test_a_job_that_allocates_ram_has_its_peak_measured_and_shown_by_types(
     line = next(ln for ln in text.splitlines() if "testmods.sleep" in ln)
     assert "RAM 1" in line and "MiB" in line  # the hog's 160-odd MiB
     assert "median" in text and "p90 (2 runs)" in text
+
+
+def _state(node: Node, job_id: str) -> JobState | None:
+    job = node.store.get_job(job_id)
+    return None if job is None else job.state
+
+
+def test_the_broker_backfills_a_job_by_its_est_s_before_its_type_is_measured(
+    node: Node,
+) -> None:
+    """x (10 GiB, shares, declares 4 s) runs; head (20 GiB, needs the GPU to itself)
+    waits with the GPU held back; q (4 GiB, shares, declares 1 s) is expected to
+    end before x does, so it starts beside x at once. q2, the same job without
+    est_s, has no estimate until q's run measured its type: then it starts beside
+    x too, expected to take what q took. Neither delays the head."""
+    flat = "testmods.flat"
+    submit(node, JobSpec("x", flat, {"gib": 10, "seconds": 4}, vram_bytes=10 * GIB, est_s=4))
+    run_until(node, lambda: _state(node, "x") is JobState.RUNNING)
+    submit(
+        node,
+        JobSpec("head", "testmods.gpu", {"gib": 20, "seconds": 0.3}, vram_bytes=20 * GIB),
+        JobSpec("q", flat, {"gib": 4, "seconds": 0.3}, est_s=1),
+        JobSpec("q2", flat, {"gib": 4, "seconds": 0.3}),
+    )
+    run_until(node, lambda: _done(node, "x", "head", "q", "q2"), timeout=60)
+    [x], [head], [q], [q2] = (node.store.attempts(i) for i in ("x", "head", "q", "q2"))
+    assert x.ended_at is not None and q.ended_at is not None and head.ended_at is not None
+    assert q2.ended_at is not None
+    assert q.started_at < x.ended_at  # beside x, on the GPU held back for the head
+    assert q.ended_at <= q2.started_at < x.ended_at  # once q measured the type
+    assert max(x.ended_at, q.ended_at, q2.ended_at) <= head.started_at  # not delayed
 
 
 def test_types_on_a_fresh_machine_has_no_profiles(
