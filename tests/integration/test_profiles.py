@@ -23,6 +23,7 @@ from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, MIB, JobSpec, Role
 from gpuwarden.core.states import JobState
+from gpuwarden.node import explain
 from gpuwarden.node.measured import RamPeaks, tree_rss, type_profiles
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
@@ -206,3 +207,23 @@ def test_the_api_shows_each_types_profile(store: Store, tmp_path: Path) -> None:
     assert rows["testmods.gpu"]["profile"]["wall"]["median_s"] == 4.0
     assert rows["testmods.gpu"]["profile"]["vram_measured_bytes"] == 3 * GIB
     assert rows["testmods.sleep"]["profile"]["ram_peak_bytes"] is None
+
+
+def test_explain_says_what_a_declared_run_time_is_planned_with(store: Store) -> None:
+    registry = Registry.load([MODULES, TEST_MODULES])
+    store.submit([JobSpec("e", "testmods.gpu", est_s=30)], now=1.0)
+    job = store.get_job("e")
+    assert job is not None
+    lines = explain.explain_job(job, store, registry, None)
+    assert (
+        "declared run time 30 s (planned as 32 s): used for backfill until testmods.gpu "
+        "has a measured run time"
+    ) in lines
+    _ran(store, "g", "testmods.gpu", 7.0, MIB)
+    lines = explain.explain_job(job, store, registry, None)
+    assert (
+        "declared run time 30 s; testmods.gpu's measured run time, 7.0 s (the longest of "
+        "its latest runs), is used instead"
+    ) in lines
+    plain = store.submit([JobSpec("p", "testmods.gpu")], now=2.0)[0]
+    assert not any("run time" in ln for ln in explain.explain_job(plain, store, registry, None))

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwarden.core import footprint, policy
+from gpuwarden.core import footprint, policy, profile
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
@@ -217,6 +217,21 @@ def describe(decision: policy.Decision) -> str:
 ClusterLines = Callable[[Job], list[str]]
 
 
+def estimate_line(type_name: str, est_s: float, store: Store) -> str:
+    """What a job that declared ``est_s`` is planned with (section 11, "Profiles")."""
+    measured = RunTimes(store.recent_run_times()).estimate(type_name)
+    if measured is None:
+        planned = profile.est_class(est_s)
+        return (
+            f"declared run time {est_s:g} s (planned as {planned:g} s): used for backfill "
+            f"until {type_name} has a measured run time"
+        )
+    return (
+        f"declared run time {est_s:g} s; {type_name}'s measured run time, {measured:.1f} s "
+        "(the longest of its latest runs), is used instead"
+    )
+
+
 def explain_job(
     job: Job,
     store: Store,
@@ -240,6 +255,8 @@ def explain_job(
     if job.state.terminal:
         lines.append(f"it ended: {job.reason}")
         return lines
+    if job.est_s is not None:
+        lines.append(estimate_line(job.type, job.est_s, store))
     if job.state.value == "running":
         attempts = store.attempts(job.id)
         a = attempts[-1]
