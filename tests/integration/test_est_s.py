@@ -17,12 +17,16 @@ from gpuwarden import client as c
 from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.cli import common
+from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster import nodeview as nv
 from gpuwarden.config import Config
-from gpuwarden.core.model import JobSpec, Role
+from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.errors import BundleError, ValidationError
 from gpuwarden.intake.jobs import prepare
 from gpuwarden.intake.manifest import manifest_doc, parse_manifest
 from gpuwarden.registry import Registry
+from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore
 from gpuwarden.store.sqlite import SqliteStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,3 +140,32 @@ def test_submit_url_passes_est_s(
     assert code == 0, err
     job = store.get_job(f"{token[3:15]}-r1")
     assert job is not None and job.est_s == 300.0
+
+
+def test_a_coordinators_claim_hands_the_agent_the_jobs_est_s(store: Store) -> None:
+    """On both stores: the payload an agent puts into its own store carries est_s."""
+    assert isinstance(store, ClusterStore)
+    registry = Registry.load(MODULES)
+    store.create_token(
+        token_id="a" * 12, name="n", role=Role.NODE, secret_hash="x", now=0.0,
+        created_by="local", node="n",
+    )  # fmt: skip
+    co.enroll(store, "n", token_id="a" * 12, capabilities={}, now=0.0)
+    gpu = {"uuid": "G", "name": "sim", "total_bytes": 24 * GIB, "free_bytes": 24 * GIB}
+    store.touch_node(
+        "n",
+        {"gpus": [{**gpu, "usable_bytes": 24 * GIB}], "warm": [], "busy": 0, "max_jobs": 4,
+         "labels": {}, "accepting": True},
+        0.0,
+    )  # fmt: skip
+    store.submit(
+        [
+            JobSpec("e", "testmods.gpu", {"gib": 1}, vram_bytes=GIB, est_s=20),
+            JobSpec("p", "testmods.gpu", {"gib": 1}, vram_bytes=GIB),
+        ],
+        now=1.0,
+    )
+    record = store.get_node("n")
+    assert record is not None
+    got = co.claim(store, registry, "n", nv.node_view(record), 2.0, lease_s=5.0)
+    assert {p["id"]: p["est_s"] for p in got} == {"e": 20.0, "p": None}
