@@ -227,3 +227,22 @@ def test_explain_says_what_a_declared_run_time_is_planned_with(store: Store) -> 
     ) in lines
     plain = store.submit([JobSpec("p", "testmods.gpu")], now=2.0)[0]
     assert not any("run time" in ln for ln in explain.explain_job(plain, store, registry, None))
+
+
+def test_ram_peaks_sample_a_few_attempts_per_tick_in_turn() -> None:
+    """With more attempts than ``per_tick``, each tick samples the next few, so a
+    tick's cost stays bounded and every attempt still gets its turn."""
+    read: list[int] = []
+    peaks = RamPeaks(every_s=0.0, per_tick=2, read=lambda pid: read.append(pid) or pid)
+    for pid in (1, 2, 3):
+        peaks.watch(f"j{pid}/1", pid)
+    read.clear()
+    peaks.sample(1.0)
+    peaks.sample(2.0)
+    assert read == [1, 2, 3, 1]
+    peaks.end("j2/1")
+    read.clear()
+    peaks.sample(3.0)
+    peaks.sample(4.0)
+    assert sorted(read[:2]) == [1, 3] and len(read) == 4 and 2 not in read
+    assert peaks.peak("j3/1") == 3 and peaks.peak("j2/1") is None

@@ -115,6 +115,9 @@ class RunTimes:
 
 #: the RAM of running attempts is sampled at most this often (on the loop's ticks)
 RAM_SAMPLE_S = 0.2
+#: and at most this many attempts at a time, in turn: a node running hundreds of
+#: attempts samples each less often rather than make its loop's tick long
+RAM_SAMPLES_PER_TICK = 32
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -139,16 +142,22 @@ def tree_shows_ram(launcher: Launcher) -> bool:
 
 class RamPeaks:
     """Per running attempt (by its holder name), the most RAM its process tree was
-    seen to use: sampled on the loop's ticks, at most every ``every_s`` (a peak
-    between two samples is missed; an attempt that ends before its first sample
-    has no measurement)."""
+    seen to use: sampled on the loop's ticks, at most every ``every_s``, at most
+    ``per_tick`` attempts at a time, in turn (a peak between two samples is
+    missed; an attempt that ends before its first sample has no measurement)."""
 
     def __init__(
-        self, *, every_s: float = RAM_SAMPLE_S, read: Callable[[int], int] = tree_rss
+        self,
+        *,
+        every_s: float = RAM_SAMPLE_S,
+        per_tick: int = RAM_SAMPLES_PER_TICK,
+        read: Callable[[int], int] = tree_rss,
     ) -> None:
         self.every_s = every_s
+        self.per_tick = per_tick
         self._read = read
         self._roots: dict[str, int] = {}
+        self._turn: deque[str] = deque()  # whose sample is next, in turn
         self._peaks: dict[str, int] = {}
         self._due = float("-inf")
 
@@ -157,15 +166,20 @@ class RamPeaks:
 
     def watch(self, holder: str, pid: int) -> None:
         """The attempt's main process runs as ``pid``: sample its tree from now on."""
+        if holder not in self._roots:
+            self._turn.append(holder)
         self._roots[holder] = pid
         self.sample_one(holder)
 
     def sample(self, now: float) -> None:
-        """Sample every watched attempt, if the last samples are ``every_s`` old."""
+        """Sample the next ``per_tick`` watched attempts, if the last samples are
+        ``every_s`` old."""
         if not self._roots or now < self._due:
             return
         self._due = now + self.every_s
-        for holder in list(self._roots):
+        for _ in range(min(self.per_tick, len(self._turn))):
+            holder = self._turn[0]
+            self._turn.rotate(-1)
             self.sample_one(holder)
 
     def sample_one(self, holder: str) -> None:
@@ -181,7 +195,8 @@ class RamPeaks:
 
     def end(self, holder: str) -> None:
         """The attempt is over: stop watching it."""
-        self._roots.pop(holder, None)
+        if self._roots.pop(holder, None) is not None:
+            self._turn.remove(holder)
         self._peaks.pop(holder, None)
 
 
