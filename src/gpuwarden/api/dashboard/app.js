@@ -233,25 +233,27 @@
 
   // -- actions -------------------------------------------------------------------
 
-  // a button that asks once more before it acts
-  function actionButton(label, title, run) {
-    let armed = null;
-    const button = el("button", { type: "button", class: "danger", title });
-    button.textContent = label;
-    button.dataset.label = label;
+  // a button that asks once more before it acts; the page is redrawn every few
+  // seconds, so whether it has been asked is kept by key, not in the button
+  const ARM_MS = 4000;
+  state.armed = {};
+
+  function actionButton(key, label, title, run) {
+    const button = el("button", { type: "button", class: "danger", title, "data-action": key });
+    const look = () => {
+      const armed = (state.armed[key] || 0) > Date.now();
+      button.textContent = armed ? "confirm " + label : label;
+      button.classList.toggle("confirm", armed);
+    };
+    look();
     button.addEventListener("click", async () => {
-      if (!armed) {
-        button.textContent = "confirm " + label;
-        button.classList.add("confirm");
-        armed = setTimeout(() => {
-          armed = null;
-          button.textContent = label;
-          button.classList.remove("confirm");
-        }, 4000);
+      if (!((state.armed[key] || 0) > Date.now())) {
+        state.armed[key] = Date.now() + ARM_MS;
+        look();
+        setTimeout(look, ARM_MS + 50);
         return;
       }
-      clearTimeout(armed);
-      armed = null;
+      delete state.armed[key];
       button.disabled = true;
       try {
         await run();
@@ -269,7 +271,7 @@
 
   function cancelButton(job) {
     if (!can("job.cancel") || !job.id) return null;
-    return actionButton("cancel", "cancel job " + job.id, () =>
+    return actionButton("cancel:" + job.id, "cancel", "cancel job " + job.id, () =>
       api("POST", "/v1/jobs/" + encodeURIComponent(job.id) + "/cancel"));
   }
 
@@ -299,7 +301,7 @@
       for (const g of n.gpus) {
         if (!g.degraded) continue;
         const clear = g.fault && can("gpu.clear")
-          ? actionButton("clear fault", "resume VRAM admission on " + g.uuid, () =>
+          ? actionButton("clear:" + g.uuid, "clear fault", "resume VRAM admission on " + g.uuid, () =>
             api("POST", "/v1/gpus/" + encodeURIComponent(g.uuid) + "/clear"))
           : null;
         banners.push(el("div", {
@@ -430,10 +432,10 @@
       const gpus = (n.gpus || []).map((g) => (g.name || g.uuid) + " " + gib(g.free_bytes) + " free").join("; ");
       let act = null;
       if (can("node.drain") && n.state === "active") {
-        act = actionButton("drain", "no new work for " + n.name, () =>
+        act = actionButton("drain:" + n.name, "drain", "no new work for " + n.name, () =>
           api("POST", "/v1/nodes/" + encodeURIComponent(n.name) + "/drain"));
       } else if (can("node.resume") && n.state === "draining") {
-        act = actionButton("resume", "take new work on " + n.name, () =>
+        act = actionButton("resume:" + n.name, "resume", "take new work on " + n.name, () =>
           api("POST", "/v1/nodes/" + encodeURIComponent(n.name) + "/resume"));
       }
       return el("tr", { "data-node": n.name },
@@ -451,14 +453,20 @@
     const H = 80;
     for (const g of doc.gpus) {
       const total = g.total_bytes || 1;
+      // the last hour, or less while this API has less: from its first sample (a minute at least)
       const t1 = doc.now;
-      const t0 = t1 - doc.keep_s;
+      const t0 = Math.max(t1 - doc.keep_s, Math.min(doc.since || t1, t1 - 60));
       const x = (ts) => ((ts - t0) / (t1 - t0)) * W;
       const y = (b) => H - (Math.min(b, total) / total) * (H - 4) - 2;
       const line = (i) => g.samples.map((s) => x(s[0]).toFixed(1) + "," + y(s[i]).toFixed(1)).join(" ");
       const chart = svg("svg", { viewBox: "0 0 " + W + " " + H, preserveAspectRatio: "none", role: "img" });
       chart.append(svg("polyline", { class: "line-used", points: line(1) }));
       chart.append(svg("polyline", { class: "line-ledger", points: line(2) }));
+      const last = g.samples[g.samples.length - 1];
+      if (last) {  // the latest reading as a dot: one sample is visible too
+        chart.append(svg("circle", { class: "dot-used", cx: x(last[0]), cy: y(last[1]), r: 2.5 }));
+        chart.append(svg("circle", { class: "dot-ledger", cx: x(last[0]), cy: y(last[2]), r: 2.5 }));
+      }
       figures.push(el("figure", { "data-gpu": g.uuid }, chart,
         el("figcaption", {}, (g.name || "GPU") + " " + g.uuid + " (" + g.node + "): ",
           el("span", { style: { color: "var(--device)" } }, "device"), " and ",
@@ -499,7 +507,7 @@
     for (const [window, rows] of Object.entries(doc.gpu_hours)) {
       const most2 = Math.max(0.0001, ...rows.map((r) => r.hours));
       parts.push(el("div", { class: "mute" }, "last " + window));
-      parts.push(rows.length ? hbars(rows.map((r) => [r.name, r.hours, r.hours.toFixed(2)]), most2, "measured")
+      parts.push(rows.length ? hbars(rows.map((r) => [r.name, r.hours, r.hours < 0.1 ? dur(r.hours * 3600) : r.hours.toFixed(1) + " h"]), most2, "measured")
         : el("p", { class: "empty" }, "no GPU time"));
     }
     fill("hours", parts);
