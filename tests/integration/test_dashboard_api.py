@@ -406,3 +406,63 @@ def test_wait_histogram_and_gpu_hours_by_hand() -> None:
     assert hist["counts"][0] == 1 and hist["counts"][3] == 1 and hist["counts"][5] == 1
     hours = gpu_hours(spans, now=3600.0, window_s=3600.0)
     assert hours == {"o": pytest.approx((9.5 + 3560.0) / 3600)}
+
+
+def test_warm_servers_show_the_grace_left(api: Api) -> None:
+    api.clock.t = time.time()
+    warm = {"type": "testmods.warm", "gpu": "GPU-sim-a", "state": "idle", "idle_s": 100.0}
+    views = [{"type": "testmods.warm", "idle_grace_s": 300.0, "holder": "warm:testmods.warm"}]
+    kept = {**warm, "type": "testmods.pinned", "keep_warm": True}
+    publish(api, gpus=[gpu("GPU-sim-a", ())], warm=[warm, kept], warm_views=views)
+    client, _ = signed_in(api, "operator")
+    idle, pinned = client.get("/v1/dashboard/overview").json()["nodes"][0]["warm"]
+    assert idle["grace_left_s"] == 200.0 and idle["idle_grace_s"] == 300.0
+    assert pinned["grace_left_s"] is None
+
+
+def test_in_a_cluster_the_overview_lists_the_nodes_and_an_operator_drains_one(api: Api) -> None:
+    r = api.client.post("/v1/nodes/invite", json={"name": "gpu-a"}, headers=api.h("owner"))
+    assert r.status_code == 201, r.text
+    invite = r.json()["token"]
+    r = api.client.post(
+        "/v1/nodes/enroll",
+        json={"capabilities": {"gpus": []}},
+        headers={"Authorization": f"Bearer {invite}"},
+    )
+    assert r.status_code == 201, r.text
+    agent = {"Authorization": f"Bearer {r.json()['token']}"}
+    api.clock.t = time.time()
+    fault = "hardware fault: Xid 79"
+    reported = {
+        "uuid": "GPU-agent-0",
+        "name": "A100",
+        "total_bytes": 40 * GIB,
+        "free_bytes": 20 * GIB,
+        "used_bytes": 15 * GIB,
+        "ledger_bytes": 12 * GIB,
+        "foreign_bytes": GIB,
+        "reserve_bytes": GIB,
+        "degraded": fault,
+    }
+    beat = {"report": {"gpus": [reported], "warm": ["embed.minilm"], "max_jobs": 2}}
+    assert api.client.post("/v1/node/heartbeat", json=beat, headers=agent).status_code == 200
+    op, csrf = signed_in(api, "operator")
+    doc = op.get("/v1/dashboard/overview").json()
+    [node] = doc["cluster"]
+    assert node["name"] == "gpu-a" and node["state"] == "active" and "seen_s_ago" in node
+    # its GPUs are drawn from the agent's report: the ledger's total, the device, a fault
+    [drawn] = [n for n in doc["nodes"] if n["node"] == "gpu-a"]
+    [g] = drawn["gpus"]
+    assert g["ledger_bytes"] == 12 * GIB and g["used_bytes"] == 15 * GIB and g["fault"]
+    assert [h["kind"] for h in g["holdings"]] == ["ledger"]
+    assert [w["type"] for w in drawn["warm"]] == ["embed.minilm"]
+    timeline = op.get("/v1/dashboard/history").json()["gpus"]
+    [row] = [t for t in timeline if t["uuid"] == "GPU-agent-0"]
+    assert row["node"] == "gpu-a" and row["samples"][-1][2] == 12 * GIB
+    h = {"Origin": ORIGIN, "X-Gpuwarden-CSRF": csrf}
+    assert op.post("/v1/nodes/gpu-a/drain", headers={"Origin": ORIGIN}).status_code == 403
+    r = op.post("/v1/nodes/gpu-a/drain", headers=h)
+    assert r.status_code == 200 and r.json()["state"] == "draining"
+    assert op.post("/v1/nodes/gpu-a/resume", headers=h).json()["resumed"] is True
+    sub, _ = signed_in(api, "submitter")
+    assert sub.get("/v1/dashboard/overview").json()["cluster"] is None

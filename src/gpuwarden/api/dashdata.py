@@ -28,7 +28,7 @@ from gpuwarden.cluster.report import node_json
 from gpuwarden.core.model import Job, Lane
 from gpuwarden.core.states import JobState
 from gpuwarden.store.base import AttemptSpan
-from gpuwarden.store.cluster import ClusterStore
+from gpuwarden.store.cluster import ClusterStore, NodeState
 
 #: how many jobs each list of the page holds at most
 MAX_LISTED = 100
@@ -117,6 +117,77 @@ def node_doc(payload: dict[str, Any], node: str, updated_at: float, now: float) 
         "warm": _warm_doc(payload),
         "last_error": payload.get("last_error"),
     }
+
+
+def report_node_doc(
+    name: str, report: dict[str, Any], last_seen: float | None, now: float
+) -> dict[str, Any]:
+    """An enrolled node as its agent last reported it, in :func:`node_doc`'s shape:
+    its GPUs carry the ledger's total (an agent reports no holdings one by one)."""
+    gpus = []
+    for g in report.get("gpus") or []:
+        if not isinstance(g, dict):
+            continue
+        ledger = int(_num(g.get("ledger_bytes")) or 0)
+        degraded = str(g.get("degraded") or "")
+        doc = _gpu_doc({**g, "holdings": [], "runtimes": []}, degraded, now)
+        doc["ledger_bytes"] = ledger
+        doc["holdings"] = (
+            [
+                {
+                    "holder": "ledger",
+                    "job": None,
+                    "type": "",
+                    "bytes": ledger,
+                    "state": "",
+                    "kind": "ledger",
+                    "since": None,
+                    "expected_end": None,
+                }
+            ]
+            if ledger
+            else []
+        )
+        gpus.append(doc)
+    warm = [
+        {
+            "type": str(t),
+            "gpu": "",
+            "state": "loaded",
+            "footprint_bytes": None,
+            "jobs_served": None,
+            "idle_s": None,
+            "idle_grace_s": None,
+            "grace_left_s": None,
+            "keep_warm": False,
+        }
+        for t in report.get("warm") or []
+    ]
+    seen = last_seen if last_seen is not None else now
+    return {
+        "node": name,
+        "updated_at": seen,
+        "age_s": round(max(0.0, now - seen), 1),
+        "stopped": False,
+        "accepting": True,
+        "probe": "agent report",
+        "probe_error": "",
+        "gpus": gpus,
+        "warm": warm,
+        "last_error": None,
+    }
+
+
+def _reported(ctx: ApiContext, known: set[str], now: float) -> list[dict[str, Any]]:
+    """The enrolled nodes (a coordinator's agents) that publish no status here."""
+    store = ctx.store
+    if not isinstance(store, ClusterStore):
+        return []
+    return [
+        report_node_doc(r.name, r.report, r.last_seen, now)
+        for r in store.list_nodes()
+        if r.name not in known and r.state is not NodeState.REVOKED and r.report
+    ]
 
 
 def _visible_jobs(ctx: ApiContext, who: Principal, scope: Scope, state: JobState) -> list[Job]:
@@ -246,10 +317,12 @@ def overview(ctx: ApiContext, who: Principal, scope: Scope) -> dict[str, Any]:
         redactor = Redactor(ctx.store, who.token_id)
         raw = [redactor.value(n) for n in raw]
     reasons, running = _published(raw)
+    nodes = [node_doc(n, str(n["node"]), float(n["updated_at"]), now) for n in raw]
+    nodes += _reported(ctx, {n["node"] for n in nodes}, now)
     return {
         "now": now,
         "own_jobs_only": scope is Scope.OWN,
-        "nodes": [node_doc(n, str(n["node"]), float(n["updated_at"]), now) for n in raw],
+        "nodes": nodes,
         "queued": _queued(ctx, who, scope, reasons, now),
         "running": _running(ctx, who, scope, running, now),
         "failures": _failures(ctx, who, scope),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore, NodeState
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,15 @@ def _int(value: Any) -> int:
 
 
 def gpu_sample(gpu: dict[str, Any], ts: float) -> Sample:
-    """A sample of one GPU of a published status document."""
+    """A sample of one GPU of a published status document (or of an agent's
+    report, which gives the ledger's total as ``ledger_bytes``)."""
     holdings = gpu.get("holdings") or []
     runtimes = gpu.get("runtimes") or []
+    ledger = sum(_int(h.get("bytes")) for h in holdings if isinstance(h, dict))
     return Sample(
         ts=ts,
         used_bytes=_int(gpu.get("used_bytes")),
-        ledger_bytes=sum(_int(h.get("bytes")) for h in holdings if isinstance(h, dict)),
+        ledger_bytes=ledger if "holdings" in gpu else _int(gpu.get("ledger_bytes")),
         foreign_bytes=_int(gpu.get("foreign_bytes")),
         runtime_bytes=sum(_int(r.get("bytes")) for r in runtimes if isinstance(r, dict)),
     )
@@ -98,18 +101,30 @@ class History:
         self._lock = threading.Lock()
 
     def sample(self) -> None:
-        """Take one sample of every GPU of every live node."""
+        """Take one sample of every GPU of every live node: the brokers' published
+        statuses, and on a coordinator the agents' last reports."""
         now = self.clock()
-        statuses = self.store.node_statuses()
+        live: list[tuple[str, list[Any]]] = [
+            (s.node, s.payload.get("gpus") or [])
+            for s in self.store.node_statuses()
+            if now - s.updated_at <= STALE_S and not s.payload.get("stopped")
+        ]
+        if isinstance(self.store, ClusterStore):
+            known = {node for node, _ in live}
+            live += [
+                (r.name, r.report.get("gpus") or [])
+                for r in self.store.list_nodes()
+                if r.name not in known
+                and r.last_seen is not None
+                and now - r.last_seen <= STALE_S
+                and r.state is not NodeState.REVOKED
+            ]
         with self._lock:
             self._last = now
-            for status in statuses:
-                if now - status.updated_at > STALE_S or status.payload.get("stopped"):
-                    continue
-                for gpu in status.payload.get("gpus") or []:
-                    if not isinstance(gpu, dict) or not isinstance(gpu.get("uuid"), str):
-                        continue
-                    self._add(status.node, gpu, now)
+            for node, gpus in live:
+                for gpu in gpus:
+                    if isinstance(gpu, dict) and isinstance(gpu.get("uuid"), str):
+                        self._add(node, gpu, now)
 
     def _add(self, node: str, gpu: dict[str, Any], now: float) -> None:
         uuid = str(gpu["uuid"])[:128]

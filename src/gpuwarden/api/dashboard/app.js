@@ -330,7 +330,8 @@
       at += bytes;
     };
     for (const h of g.holdings) {
-      const label = h.kind === "warm" ? "warm " + h.type : (h.job || h.holder) + " (" + h.type + ")";
+      const label = h.kind === "warm" ? "warm " + h.type
+        : h.kind === "ledger" ? "ledger (jobs and warm servers)" : (h.job || h.holder) + " (" + h.type + ")";
       add(h.kind === "warm" ? "warm" : "job", h.bytes, label, { "data-job": h.job || null, "data-holder": h.holder });
     }
     for (const r of g.runtimes) add("runtime", r.bytes, "runtime " + r.name, {});
@@ -405,10 +406,13 @@
       for (const w of n.warm) {
         const grace = w.keep_warm ? "kept warm" : w.grace_left_s !== null
           ? "idle " + dur(w.idle_s) + ", stops in " + dur(w.grace_left_s) : w.state;
+        const where = w.gpu ? " on " + w.gpu : " on " + n.node;
+        const detail = w.footprint_bytes === null || w.footprint_bytes === undefined ? null
+          : el("div", { class: "reason" }, gib(w.footprint_bytes) + ", " + (w.jobs_served || 0) + " jobs served, " + grace);
         rows.push(el("li", {},
           el("div", { class: "row-head" }, el("span", { class: "id" }, w.type),
-            el("span", { class: "grow mute" }, w.state + " on " + w.gpu)),
-          el("div", { class: "reason" }, gib(w.footprint_bytes) + ", " + w.jobs_served + " jobs served, " + grace)));
+            el("span", { class: "grow mute" }, w.state + where)),
+          detail));
       }
     }
     fill("warm", rows.length ? el("ul", { class: "rows" }, rows) : el("p", { class: "empty" }, "no warm server"));
