@@ -466,3 +466,24 @@ def test_in_a_cluster_the_overview_lists_the_nodes_and_an_operator_drains_one(ap
     assert op.post("/v1/nodes/gpu-a/resume", headers=h).json()["resumed"] is True
     sub, _ = signed_in(api, "submitter")
     assert sub.get("/v1/dashboard/overview").json()["cluster"] is None
+
+
+def test_a_submitters_failures_name_no_other_job(api: Api) -> None:
+    job(api, "submitter2", "theirs")
+    job(api, "submitter", "mine")
+    api.store.start_attempt("mine", node="n1", gpu_uuid="GPU-sim-a", now=2.0)
+    api.store.finish_attempt(
+        "mine",
+        1,
+        target=JobState.FAILED,
+        now=3.0,
+        outcome="cuda_oom",
+        reason="CUDA out of memory while its GPU was used by job theirs.",
+    )
+    sub, _ = signed_in(api, "submitter")
+    [failed] = sub.get("/v1/dashboard/overview").json()["failures"]
+    assert failed["id"] == "mine" and "theirs" not in failed["reason"]
+    assert "another job" in failed["reason"]
+    owner, _ = signed_in(api, "owner")
+    [seen] = owner.get("/v1/dashboard/overview").json()["failures"]
+    assert "by job theirs" in seen["reason"]

@@ -266,10 +266,19 @@ def _running(
 
 
 def _failures(ctx: ApiContext, who: Principal, scope: Scope) -> list[dict[str, Any]]:
+    """The latest failed jobs and why (a submitter's own, with any other job named
+    in a reason hidden, as ``GET /v1/jobs/{id}`` does)."""
     owner = who.token_id if scope is Scope.OWN else None
     jobs = ctx.store.list_jobs(states=frozenset({JobState.FAILED}), limit=MAX_FAILURES, owner=owner)
+    redactor = Redactor(ctx.store, who.token_id) if owner is not None else None
     return [
-        {"id": j.id, "type": j.type, "ended_at": j.updated_at, "reason": j.reason} for j in jobs
+        {
+            "id": j.id,
+            "type": j.type,
+            "ended_at": j.updated_at,
+            "reason": redactor.text(j.reason) if redactor is not None else j.reason,
+        }
+        for j in jobs
     ]
 
 

@@ -189,7 +189,8 @@
     };
     const soon = () => {
       if (state.debounce) return;
-      state.debounce = setTimeout(() => { state.debounce = null; refresh(false); }, 200);
+      // a burst of events makes one refresh, at most two a second
+      state.debounce = setTimeout(() => { state.debounce = null; refresh(false); }, 500);
     };
     for (const kind of EVENT_KINDS) source.addEventListener(kind, soon);
   }
