@@ -19,7 +19,7 @@ from gpuwarden.core.ledger import Holding
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.core.policy import GpuView
 from gpuwarden.core.states import JobState
-from gpuwarden.store.base import AttemptSpan, NodeStatus, Submission
+from gpuwarden.store.base import AttemptSpan, NodeStatus, Store, Submission
 from tests.integration.test_api import Api, build, make_client
 
 ORIGIN = "http://testserver"
@@ -487,3 +487,26 @@ def test_a_submitters_failures_name_no_other_job(api: Api) -> None:
     owner, _ = signed_in(api, "owner")
     [seen] = owner.get("/v1/dashboard/overview").json()["failures"]
     assert "by job theirs" in seen["reason"]
+
+
+def test_attempt_spans_on_every_backend(store: Store) -> None:
+    """The store query behind GPU-hours and queue waits: attempts running, or
+    ended at ``since`` or later, the latest started first, with their job's owner."""
+    store.submit(
+        [JobSpec(id=i, type="echo.echo", params={}) for i in ("old", "recent", "live")],
+        now=10.0,
+        origin=Submission(owner="tok"),
+    )
+    for job_id, start, end in (("old", 20.0, 30.0), ("recent", 40.0, 60.0), ("live", 70.0, None)):
+        store.start_attempt(job_id, node="n", gpu_uuid="G", now=start)
+        if end is not None:
+            store.finish_attempt(
+                job_id, 1, target=JobState.DONE, now=end, outcome="succeeded", reason="ok"
+            )
+    spans = store.attempt_spans(since=50.0)
+    assert [(s.job_id, s.started_at, s.ended_at) for s in spans] == [
+        ("live", 70.0, None),
+        ("recent", 40.0, 60.0),
+    ]
+    assert all(s.owner == "tok" and s.submitted_at == 10.0 and s.gpu_uuid == "G" for s in spans)
+    assert [s.job_id for s in store.attempt_spans(since=0.0, limit=1)] == ["live"]
