@@ -46,13 +46,21 @@ SCREENSHOT = REPO / "docs" / "dashboard.png"
 pytestmark = pytest.mark.slow
 
 
+def _binary(path: Path) -> Path | None:
+    """The program at ``path``, else the one of its name on PATH."""
+    if path.exists():
+        return path
+    found = shutil.which(path.name)
+    return Path(found) if found else None
+
+
 def _missing() -> str | None:
     try:
         import selenium  # noqa: F401
     except ImportError:
         return "selenium is not installed (pip install -e '.[dev]')"
     for path in (CHROMIUM, CHROMEDRIVER):
-        if not (path.exists() or shutil.which(path.name)):
+        if _binary(path) is None:
             return f"{path} is missing (apt-get install chromium chromium-driver)"
     return None
 
@@ -176,11 +184,11 @@ def driver(served: Served) -> Iterator[Any]:
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
+    options.binary_location = str(_binary(CHROMIUM))
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
         options.add_argument(arg)
     options.add_argument("--window-size=1600,1000")
-    d = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    d = webdriver.Chrome(service=Service(str(_binary(CHROMEDRIVER))), options=options)
     d.set_page_load_timeout(30)
     try:
         yield d
@@ -233,6 +241,16 @@ def sign_in(d: Any, served: Served, who: str) -> None:
     wait_for("who is signed in", lambda: who in by_css(d, "#who")[0].text)
 
 
+def redrawn(d: Any, times: int = 1) -> None:
+    """Wait until the page has refreshed its data ``times`` more (it counts them)."""
+
+    def count() -> int:
+        return int(d.execute_script("return Number(document.body.dataset.refreshes || 0)"))
+
+    start = count()
+    wait_for(f"{times} more refreshes", lambda: count() >= start + times, 15)
+
+
 def set_width(d: Any, width: int, height: int = 1000, *, mobile: bool = False) -> None:
     d.execute_cdp_cmd(
         "Emulation.setDeviceMetricsOverride",
@@ -243,7 +261,8 @@ def set_width(d: Any, width: int, height: int = 1000, *, mobile: bool = False) -
 def screenshot(d: Any, path: Path, width: int, *, mobile: bool) -> None:
     """The whole page at ``width`` CSS pixels; no horizontal overflow first."""
     set_width(d, width, mobile=mobile)
-    time.sleep(0.3)  # the layout settles at the new width (no event says so)
+    wait_for(f"a width of {width}", lambda: d.execute_script("return innerWidth") == width)
+    redrawn(d)  # drawn again at this width
     inner = d.execute_script("return window.innerWidth")
     scroll = d.execute_script("return document.documentElement.scrollWidth")
     assert inner == width
@@ -312,7 +331,7 @@ def test_cancel_a_job_from_the_page_and_see_it_end(driver: Any, served: Served) 
     served.running_on(job_id)
     button = f'button[data-action="cancel:{job_id}"]'
     assert click(driver, button) == "confirm cancel"  # the button asks once more
-    time.sleep(1.5)  # the list is redrawn meanwhile: the button still asks
+    redrawn(driver)  # the list is redrawn meanwhile: the button still asks
     assert by_css(driver, button)[0].text == "confirm cancel"
     click(driver, button)
     wait_for("the job to end", lambda: served.job(job_id)["state"] == "cancelled", 20)
@@ -354,7 +373,7 @@ def test_a_submitters_session_sees_only_its_own_jobs_and_no_admin_action(
     sign_in(driver, served, "alice")
     wait_for("her own job", lambda: by_css(driver, f'[data-job="{mine}"]'))
     assert served.job(theirs)["state"] in ("queued", "running")
-    time.sleep(1.2)  # a refresh more: nothing of bob's arrives later either
+    redrawn(driver, 2)  # refreshes more: nothing of bob's arrives later either
     page = driver.page_source
     assert theirs not in page and theirs.split("-", 1)[1] not in page
     assert "bob" not in by_css(driver, "#main")[0].text

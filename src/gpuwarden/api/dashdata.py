@@ -371,11 +371,13 @@ def gpu_hours(spans: list[AttemptSpan], now: float, window_s: float) -> dict[str
     return out
 
 
-def footprints(ctx: ApiContext) -> list[dict[str, Any]]:
-    """Per vram-lane type: its declared peak against the measured one."""
+def footprints(ctx: ApiContext, ran: set[str] | None = None) -> list[dict[str, Any]]:
+    """Per vram-lane type: its declared peak against the measured one; the types
+    measured first, then those that ran in the week (``ran``), then the rest."""
     measured = ctx.store.footprints()
+    ran = ran or set()
     rows = []
-    for t in sorted(ctx.registry.types.values(), key=lambda t: t.name):
+    for t in ctx.registry.types.values():
         if t.lane is not Lane.VRAM:
             continue
         got = measured.get(t.name)
@@ -385,8 +387,10 @@ def footprints(ctx: ApiContext) -> list[dict[str, Any]]:
                 "declared_bytes": t.vram_bytes,
                 "measured_bytes": got.bytes if got is not None else None,
                 "measured_at": got.updated_at if got is not None else None,
+                "ran_this_week": t.name in ran,
             }
         )
+    rows.sort(key=lambda r: (r["measured_bytes"] is None, not r["ran_this_week"], r["type"]))
     return rows
 
 
@@ -419,7 +423,7 @@ class Stats:
                     at=now,
                     waits={**wait_histogram(day), "window_s": WINDOWS_S["day"]},
                     hours={w: gpu_hours(spans, now, secs) for w, secs in WINDOWS_S.items()},
-                    footprints=footprints(ctx),
+                    footprints=footprints(ctx, {s.type for s in spans}),
                     spans=len(spans),
                 )
             return got

@@ -9,6 +9,7 @@
   const HISTORY_MS = 10000;
   const STATS_MS = 30000;
   const EVENTS_RETRY_MS = 30000;
+  const FOOTPRINTS_SHOWN = 12;    // measured or run this week first
   const EVENT_KINDS = [
     "transition", "submitted", "leased", "cancel_requested", "cancel_passed_on",
     "gpu_fault", "gpu_fault_cleared", "gpu_xid", "gpu_clear_requested", "gpu_clear_ignored",
@@ -224,6 +225,8 @@
         renderStats(state.stats);
       }
       $("foot").textContent = "updated " + new Date().toLocaleTimeString();
+      state.refreshes = (state.refreshes || 0) + 1;
+      document.body.dataset.refreshes = String(state.refreshes);  // tests wait on it
       if (!state.actionError) notice("");
     } catch (e) {
       if (!state.session) return;
@@ -502,10 +505,13 @@
     else {
       fill("footprints", el("table", {},
         el("thead", {}, el("tr", {}, el("th", {}, "type"), el("th", { class: "num" }, "declared"), el("th", { class: "num" }, "measured"))),
-        el("tbody", {}, doc.footprints.map((f) => el("tr", {},
+        el("tbody", {}, doc.footprints.slice(0, FOOTPRINTS_SHOWN).map((f) => el("tr", {},
           el("td", { class: "mono" }, f.type), el("td", { class: "num" }, gib(f.declared_bytes)),
           el("td", { class: "num" }, f.measured_bytes === null ? "not yet" : gib(f.measured_bytes) +
-            (f.measured_bytes > f.declared_bytes ? " ▲" : "")))))));
+            (f.measured_bytes > f.declared_bytes ? " ▲" : "")))))),
+        doc.footprints.length > FOOTPRINTS_SHOWN
+          ? el("p", { class: "mute" }, (doc.footprints.length - FOOTPRINTS_SHOWN) + " more types not shown (measured and recently run types come first)")
+          : null);
     }
 
     const parts = [];
