@@ -14,6 +14,7 @@ request was at fault), so the CLI prints them as one line.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import secrets
 import time
@@ -32,6 +33,12 @@ from gpuwarden.errors import GpuwardenError, UserError
 Rows = list[dict[str, Any]]
 Lines = list[str]
 JobTypes = list[JobType]
+
+#: the event stream: how long a silent connection is trusted (the server sends a
+#: heartbeat every 15 s), and how soon a dropped one is opened again (doubling)
+EVENTS_READ_TIMEOUT_S = 45.0
+FIRST_RECONNECT_S = 0.25
+MAX_RECONNECT_S = 5.0
 
 #: the states after which a job never changes again
 TERMINAL = frozenset({"done", "failed", "cancelled", "quarantined"})
@@ -430,6 +437,82 @@ class Client:
                 f"reading the logs of {job_id} from {self.url} failed: {exc}"
             ) from None
 
+    # -- the event stream ------------------------------------------------------
+
+    def events(
+        self,
+        *,
+        after: int | None = None,
+        job: str | None = None,
+        type_name: str | None = None,
+        follow: bool = True,
+        on_drop: Callable[[str], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> Iterator[dict[str, Any]]:
+        """The event log (``GET /v1/events``): one dict per event, in order. Starts
+        after event ``after`` (None: from now on; 0: the whole history). Without
+        ``follow``, ends once the events there are have come. A connection that
+        drops (or a stream the server ends while following) is opened again with
+        ``Last-Event-ID``, so no event is lost or repeated; ``on_drop`` is told why
+        each time. A first connection that fails raises, as every call does."""
+        cursor = after
+        connected = False
+        delay = FIRST_RECONNECT_S
+        while True:
+            why = "the server ended the stream"
+            try:
+                for kind, value in self._event_blocks(cursor, job, type_name, follow=follow):
+                    connected = True
+                    delay = FIRST_RECONNECT_S
+                    if kind == "id":
+                        cursor = int(value)
+                    else:
+                        yield value
+                if not follow:
+                    return
+            except RateLimited as exc:
+                if not connected:
+                    raise
+                why, delay = exc.message, max(delay, exc.retry_after)
+            except (Unreachable, ServerError) as exc:
+                if not connected:
+                    raise
+                why = exc.message
+            if on_drop is not None:
+                at = "the start" if cursor is None else f"event {cursor}"
+                on_drop(f"{why}; reconnecting in {delay:g} s (resuming after {at})")
+            sleep(delay)
+            delay = min(delay * 2, MAX_RECONNECT_S)
+
+    def _event_blocks(
+        self, cursor: int | None, job: str | None, type_name: str | None, *, follow: bool
+    ) -> Iterator[tuple[str, Any]]:
+        """One connection to the stream: ``("id", N)`` when the cursor moves and
+        ``("event", dict)`` for each event (its ``id`` comes first)."""
+        params: dict[str, Any] = {"follow": "true" if follow else "false"}
+        if job is not None:
+            params["job"] = job
+        if type_name is not None:
+            params["type"] = type_name
+        headers = {"Last-Event-ID": str(cursor)} if cursor is not None else {}
+        timeout = httpx.Timeout(30.0, read=EVENTS_READ_TIMEOUT_S)
+        try:
+            with self._http.stream(
+                "GET", "/v1/events", params=params, headers=headers, timeout=timeout
+            ) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise _error(response)
+                for event_id, data in sse_events(response.iter_lines()):
+                    if data:
+                        yield "event", json.loads(data)
+                    if event_id is not None and event_id.isdigit():
+                        yield "id", int(event_id)
+        except httpx.TimeoutException as exc:
+            raise Unreachable(f"{self.url} sent nothing for too long ({exc})") from None
+        except httpx.TransportError as exc:
+            raise Unreachable(f"the event stream of {self.url} broke off: {exc}") from None
+
 
 @dataclass
 class LogStream:
@@ -441,6 +524,29 @@ class LogStream:
     note: str
     refused: bool
     chunks: Iterator[bytes]
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[tuple[str | None, str]]:
+    """Server-sent events from a stream's lines, as ``(last event id, data)`` per
+    event (data ``""``: a block that only moves the id). A block the stream did not
+    end with a blank line is not an event (it was cut off)."""
+    event_id: str | None = None
+    data: list[str] = []
+    moved = False
+    for line in lines:
+        if not line:
+            if data or moved:
+                yield event_id, "\n".join(data)
+            data, moved = [], False
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "data":
+            data.append(value)
+        elif name == "id" and "\0" not in value:
+            event_id, moved = value, True
 
 
 def _jobtype(t: dict[str, Any]) -> JobType:

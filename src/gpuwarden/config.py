@@ -105,6 +105,9 @@ class ApiSettings(_Section):
     rate_per_s: Annotated[float, Field(gt=0, le=1_000_000)] = 20.0
     #: requests a token may make at once before the rate applies
     burst: Annotated[int, Field(ge=1, le=1_000_000)] = 40
+    #: GET /metrics answers without a token (Prometheus scrapes without one); off:
+    #: it takes an owner's or operator's token (a scrape config's bearer token)
+    metrics_public: bool = False
 
 
 class ClusterSettings(_Section):

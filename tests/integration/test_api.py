@@ -156,6 +156,7 @@ class Case:
             .replace("out.txt", "{path}")
             .replace("logs/stdout", "logs/{stream}")
             .replace("GPU-sim-0000-12345678", "{gpu_uuid}")
+            .partition("?")[0]
         )
 
 
@@ -176,6 +177,7 @@ CASES = [
     Case("DELETE", "/v1/tokens/{token}", frozenset({R}), 200),
     Case("GET", "/v1/audit", frozenset({R, OP}), 200),
     Case("POST", "/v1/gpus/GPU-sim-0000-12345678/clear", frozenset({R}), 202),
+    Case("GET", "/v1/events?follow=false", frozenset(READERS), 200),
     # the dashboard's (POST /v1/session takes a token in its body, not a header: its
     # own tests are in tests/integration/test_dashboard_api.py)
     Case("GET", "/v1/session", frozenset(READERS), 200),
@@ -266,6 +268,9 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "node.resume": {R, OP},
         "node.revoke": {R},
         "gpu.clear": {R},
+        # GET /metrics (tests/integration/test_metrics.py)
+        "metrics.read": {R, OP},
+        "events.read": READERS,
         # the dashboard (tests/integration/test_dashboard_api.py)
         "session.read": READERS,
         "session.delete": READERS,

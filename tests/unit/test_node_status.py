@@ -56,6 +56,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "last_error",
         "queued_indexed",
         "runtimes",
+        "stats",
     ]
     [gpu] = doc["gpus"]
     assert list(gpu) == [

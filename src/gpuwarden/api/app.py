@@ -57,7 +57,17 @@ from gpuwarden.api.limits import (
     retry_after,
     send_error,
 )
-from gpuwarden.api.routers import admin, dashboard, gpus, jobs, logs, nodes, status
+from gpuwarden.api.routers import (
+    admin,
+    dashboard,
+    events,
+    gpus,
+    jobs,
+    logs,
+    metrics,
+    nodes,
+    status,
+)
 from gpuwarden.api.routers import session as session_routes
 from gpuwarden.api.session import (
     CSRF_HEADER,
@@ -82,6 +92,8 @@ ROUTERS: tuple[APIRouter, ...] = (
     status.router,
     nodes.router,
     gpus.router,
+    metrics.router,
+    events.router,
     session_routes.router,
     dashboard.router,
 )
@@ -171,6 +183,10 @@ class Gate:
         self.ctx = ctx
         self.routes = routes
         self.limiter = limiter
+        #: the actions answered without a token: ``[api] metrics_public`` adds /metrics
+        self.public = PUBLIC | (
+            {metrics.METRICS_ACTION} if ctx.config.api.metrics_public else set()
+        )
 
     def _match(self, scope: Scope) -> tuple[APIRoute | None, dict[str, Any]]:
         for route in self.routes:
@@ -192,7 +208,7 @@ class Gate:
             await send_error(send, 403, "this endpoint is in no row of the permission matrix")
             return
         client = (scope.get("client") or ("unknown",))[0]
-        if name in PUBLIC:
+        if name in self.public:
             wait = self.limiter.take(f"addr:{client}")
             if wait:
                 await self._too_many(send, wait)

@@ -86,6 +86,9 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "node.resume":   (ALL,  ALL,     None,     None, None),
     "node.revoke":   (ALL,  None,    None,     None, None),
     "gpu.clear":     (ALL,  None,    None,     None, None),
+    # GET /metrics; public too with [api] metrics_public = true (api/routers/metrics.py)
+    "metrics.read":  (ALL,  ALL,     None,     None, None),
+    "events.read":   (ALL,  ALL,     OWN,      None, None),
     # the dashboard (api/session.py, api/routers/dashboard.py)
     "session.read":  (ALL,  ALL,     ALL,      None, None),
     "session.delete": (ALL, ALL,     ALL,      None, None),

@@ -1,5 +1,5 @@
 """The ``gpuwarden`` command line: one small function per sub-command, one module
-per group of them (:mod:`.node`, :mod:`.submit`, :mod:`.status`, :mod:`.jobs`,
+per group of them (:mod:`.node`, :mod:`.submit`, :mod:`.status`, :mod:`.top`, :mod:`.jobs`,
 :mod:`.logs`, :mod:`.tokens`, :mod:`.cluster`, :mod:`.tools`), and what they share
 in :mod:`.common`: the global options, the config, the consoles, the choice
 between the local store and the HTTP API, and errors as exit statuses.
@@ -15,7 +15,19 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from gpuwarden.cli import cluster, jobs, logs, node, runtimes, status, submit, tokens, tools
+from gpuwarden.cli import (
+    cluster,
+    events,
+    jobs,
+    logs,
+    node,
+    runtimes,
+    status,
+    submit,
+    tokens,
+    tools,
+    top,
+)
 from gpuwarden.cli.common import (
     Parser,
     add_global_options,
@@ -32,9 +44,11 @@ COMMANDS = (
     "serve",
     "submit",
     "status",
+    "top",
     "jobs",
     "show",
     "logs",
+    "events",
     "cancel",
     "explain",
     "preview",
@@ -55,8 +69,10 @@ _PARSERS = {
     **node.PARSERS,
     **submit.PARSERS,
     **status.PARSERS,
+    **top.PARSERS,
     **jobs.PARSERS,
     **logs.PARSERS,
+    **events.PARSERS,
     **tokens.PARSERS,
     **cluster.PARSERS,
     **tools.PARSERS,

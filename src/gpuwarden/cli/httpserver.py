@@ -47,7 +47,7 @@ class ApiThread:
         import uvicorn  # noqa: PLC0415
 
         from gpuwarden.api.app import create_app  # noqa: PLC0415
-        from gpuwarden.api.routers import nodes  # noqa: PLC0415
+        from gpuwarden.api.routers import events, nodes  # noqa: PLC0415
 
         self.app = create_app(
             store,
@@ -75,6 +75,8 @@ class ApiThread:
                 timeout_keep_alive=30,
             )
         )
+        # event streams end when the server stops (it waits for open answers)
+        events.stop_when(self.app, lambda: self.server.should_exit)
         run = self.server.run if sock is None else functools.partial(self.server.run, [sock])
         self.thread = threading.Thread(target=run, name=name, daemon=True)
         #: the address listened on once started (port 0 is then the port it got)

@@ -200,6 +200,8 @@ class Agent:
             "probe_error": st.probe_error,
             "heartbeat_every_s": self.heartbeat_every_s,
             "accepting": self.state == "active" and b.accepting and not self.stopping,
+            # what the node counted (its /metrics on the coordinator: gpuwarden.api.metrics)
+            "stats": st.stats.to_json(),
         }
 
     def _leased_jobs(self) -> list[Job]:

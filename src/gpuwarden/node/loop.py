@@ -63,6 +63,7 @@ from gpuwarden.node.running import (
 )
 from gpuwarden.node.runtimes import ManagedRuntimes
 from gpuwarden.node.settings import NodeSettings
+from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.status import (
     BrokerStatus,
     FootprintStatus,
@@ -152,6 +153,8 @@ class Broker:
     def _build(self, intake: IntakeFactory) -> None:
         """Build the collaborators, each given what it depends on."""
         self.mailbox = Mailbox()
+        #: what the node counts of itself, published in its status (``/metrics``)
+        self.stats = NodeStats(since=self._clock())
         #: who in this process waits for a job's end (the API's ``wait``)
         self.ends = JobEnds()
         # a submission or a cancel, from this process or another, wakes the loop
@@ -202,6 +205,7 @@ class Broker:
             touch=self.queues.touch,
             max_interruptions=self.settings.max_interruptions,
             clock=self._clock,
+            stats=self.stats,
         )
         self.gpus = GpuWatch(
             probe=self.probe,
@@ -403,8 +407,8 @@ class Broker:
         # also when only warm servers may expire
         done = policy.plan_pass(lineups, self._snapshot(), now)
         for eviction in done.evictions:
-            if isinstance(eviction, policy.Evict):
-                self.warm.evict(eviction)
+            if isinstance(eviction, policy.Evict) and self.warm.evict(eviction):
+                self.stats.evicted(eviction.type)
         for ask in done.asks:
             self.runtimes.ask(ask, now)
         index = self.queue.index
@@ -684,6 +688,7 @@ class Broker:
             waiting=self._waiting(),
             last_error=self._last_error,
             queued_indexed=len(self.queue),
+            stats=self.stats.snapshot(queued=self.queue.by_type(), faults=self.vram.faults),
         )
 
     def _waiting(self) -> dict[str, str]:
@@ -698,6 +703,7 @@ class Broker:
         """Add an event to the store (``job`` names the job it is about)."""
         job = detail.pop("job", None)
         self.store.add_event(Event(ts=self.clock(), kind=kind, job_id=job, detail=detail))
+        self.stats.on_event(kind, detail)
 
     def record_error(self, where: str, exc: Exception) -> None:
         """A step failed: log it, keep it for the status, and say it as an event."""

@@ -127,6 +127,13 @@ class QueueBook:
     def classes(self) -> list[ClassKey]:
         return self.index.classes()
 
+    def by_type(self) -> dict[str, int]:
+        """How many jobs of each type are queued (the metrics' queue depth)."""
+        out: dict[str, int] = {}
+        for key in self.index.classes():
+            out[key[0]] = out.get(key[0], 0) + self.index.size(key)
+        return out
+
     def first(self, order: Iterable[ClassKey], limit: int) -> list[tuple[ClassKey, str]]:
         """Up to ``limit`` queued jobs, class by class in ``order``: ``(class, id)``."""
         out: list[tuple[ClassKey, str]] = []

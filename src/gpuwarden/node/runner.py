@@ -40,6 +40,7 @@ from gpuwarden.node import attemptfs
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
+from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState
 from gpuwarden.store.base import Store
@@ -87,6 +88,7 @@ class AttemptRunner:
         touch: Callable[[str, str], None],
         max_interruptions: int,
         clock: Callable[[], float],
+        stats: NodeStats | None = None,
     ) -> None:
         self.node = node
         self.store = store
@@ -102,6 +104,8 @@ class AttemptRunner:
         #: the broker's limit on interruptions, for types that set none
         self.default_max_interruptions = max_interruptions
         self.clock = clock
+        #: what the node counts (attempts, their waits and run times): ``/metrics``
+        self.stats = stats if stats is not None else NodeStats()
         #: per job id, its attempt that runs here (loop-owned)
         self.by_job: dict[str, RunningAttempt] = {}
         #: while the loop plans (:meth:`launches_after_commit`): the launches that
@@ -130,10 +134,13 @@ class AttemptRunner:
         (a client cancelled it between the plan and now). From here on the attempt
         is this broker's: whatever fails, it ends through a posted result (so it is
         never left running, and a cancel reaches it)."""
+        # a first attempt waited since its submission; a retry since it was queued again
+        queued_since = job.submitted_at if job.attempts == 0 else job.updated_at
         try:
             job, attempt = self.store.start_attempt(job.id, node=self.node, gpu_uuid=gpu, now=now)
         except TransitionError:
             return None
+        self.stats.attempt_started(jobtype.name, attempt.started_at - queued_since)
         if jobtype.launch is LaunchMode.SERVE:
             self.store.commit()  # its warm server is handed the job at once
         attempt_dir = self.launching.attempt_dir(job.id, attempt.number)
@@ -333,6 +340,7 @@ class AttemptRunner:
             ("raising its footprint", lambda: self._after_cuda_oom(run, verdict, holder, now)),
             ("measuring its memory", lambda: self._measure(run, now)),
             ("noting its run time", lambda: self._note_run_time(run, result, verdict)),
+            ("counting it", lambda: self._count(run, result, verdict)),
             ("touching its bundle", lambda: self._touch_bundle(run)),
         ]
         for where, step in steps:
@@ -491,6 +499,10 @@ class AttemptRunner:
     def _note_run_time(self, run: RunningAttempt, result: LaunchResult, verdict: Verdict) -> None:
         if verdict.outcome is Outcome.SUCCEEDED:
             self.run_times.note(run.jobtype.name, result.ended_at - result.started_at)
+
+    def _count(self, run: RunningAttempt, result: LaunchResult, verdict: Verdict) -> None:
+        run_s = result.ended_at - result.started_at
+        self.stats.attempt_ended(run.jobtype.name, verdict.outcome.value, run_s)
 
     def _touch_bundle(self, run: RunningAttempt) -> None:
         if run.job.bundle and run.job.queue_root:

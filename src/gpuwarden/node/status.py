@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwarden.core.policy import GpuView, WarmView
+from gpuwarden.node.stats import StatsSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +224,8 @@ class BrokerStatus:
     queued_indexed: int = 0
     #: the managed runtimes as the loop last saw them (``ManagedRuntimes.statuses``)
     runtimes: tuple[dict[str, Any], ...] = ()
+    #: what the node counted since its broker started (``/metrics``: :mod:`gpuwarden.node.stats`)
+    stats: StatsSnapshot = field(default_factory=StatsSnapshot)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -241,6 +244,7 @@ class BrokerStatus:
             "last_error": self.last_error.to_json() if self.last_error is not None else None,
             "queued_indexed": self.queued_indexed,
             "runtimes": [dict(r) for r in self.runtimes],
+            "stats": self.stats.to_json(),
         }
 
     @classmethod
@@ -265,6 +269,7 @@ class BrokerStatus:
             last_error=LoopError.from_json(last_error) if isinstance(last_error, dict) else None,
             queued_indexed=int(d.get("queued_indexed") or 0),
             runtimes=tuple(dict(r) for r in d.get("runtimes") or () if isinstance(r, dict)),
+            stats=StatsSnapshot.from_json(d.get("stats")),
         )
 
     def gpu_views(self) -> tuple[GpuView, ...]:

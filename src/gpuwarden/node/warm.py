@@ -688,11 +688,12 @@ class WarmServers:
             )
         return True
 
-    def evict(self, decision: policy.Evict) -> None:
-        """Stop an idle warm server; its busyness is checked again right here."""
+    def evict(self, decision: policy.Evict) -> bool:
+        """Stop an idle warm server; its busyness is checked again right here.
+        Whether it was stopped."""
         server = self.pool.get(decision.type)
         if server is None or server.holder != decision.holder:
-            return
+            return False
         if server.state is not ServerState.IDLE:
             self.emit(
                 "eviction_skipped",
@@ -700,8 +701,9 @@ class WarmServers:
                 epoch=server.epoch,
                 reason=f"it is {server.state.value} now",
             )
-            return
+            return False
         self.stop(server, f"evicted: {decision.reason}")
+        return True
 
     def stop_idle_on(self, gpu: str, reason: str) -> None:
         """Stop the idle servers on ``gpu`` (a busy one stops with its job)."""

@@ -176,9 +176,16 @@
   }
 
   function startEvents() {
-    if (state.source || !window.EventSource || !state.session) return;
+    if (state.source || !state.session) return;
+    if (!window.EventSource) { setLive(false); return; }  // an old browser: polling only
     let source;
-    try { source = new EventSource("/v1/events", { withCredentials: true }); } catch (e) { return; }
+    try {
+      source = new EventSource("/v1/events", { withCredentials: true });
+    } catch (e) {
+      setLive(false);
+      return;
+    }
+    setLive(false);  // until it opens
     state.source = source;
     source.onopen = () => setLive(true);
     source.onerror = () => {
