@@ -10,12 +10,16 @@
   const STATS_MS = 30000;
   const EVENTS_RETRY_MS = 30000;
   const FOOTPRINTS_SHOWN = 12;    // measured or run this week first
+  // the kinds of the event log (SPEC.md section 9): a named event reaches only a
+  // listener of its kind, so the page listens for each (and "message")
   const EVENT_KINDS = [
-    "transition", "submitted", "leased", "cancel_requested", "cancel_passed_on",
-    "gpu_fault", "gpu_fault_cleared", "gpu_xid", "gpu_clear_requested", "gpu_clear_ignored",
-    "probe_failed", "probe_recovered", "footprint_raised", "warm_server_starting",
-    "warm_server_stopping", "node_state", "node_enrolled", "loop_error", "broker_started",
-    "broker_stopping", "broker_stopped", "attempt_recovered", "message",
+    "transition", "submitted", "cancel_requested", "cancel_passed_on", "memory_reclaimed",
+    "gpu_fault", "gpu_fault_cleared", "gpu_xid", "gpu_degraded", "gpu_recovered",
+    "gpu_clear_requested", "gpu_clear_ignored", "probe_failed", "probe_recovered",
+    "footprint_raised", "eviction_skipped", "warm_server_starting", "warm_server_loaded",
+    "warm_server_stopping", "warm_server_stopped", "leased", "node_state", "node_enrolled",
+    "stale_report", "loop_error", "broker_started", "broker_stopping", "broker_stopped",
+    "attempt_recovered", "bundle_accepted", "bundle_finished", "bundle_rejected", "message",
   ];
 
   const state = {
@@ -196,6 +200,7 @@
       setLive(false);
     };
     const soon = () => {
+      state.lastEvent = Date.now();
       if (state.debounce) return;
       // a burst of events makes one refresh, at most two a second
       state.debounce = setTimeout(() => { state.debounce = null; refresh(false); }, 500);
@@ -211,7 +216,10 @@
 
   function schedule() {
     if (state.timer) clearTimeout(state.timer);
-    const wait = document.hidden ? POLL_HIDDEN_MS : state.live ? POLL_LIVE_MS : POLL_MS;
+    // just after an event, look again soon: what it tells of may be published a
+    // moment after it (a broker's status follows its events)
+    const eventful = Date.now() - (state.lastEvent || 0) < 3000;
+    const wait = document.hidden ? POLL_HIDDEN_MS : state.live && !eventful ? POLL_LIVE_MS : POLL_MS;
     state.timer = setTimeout(() => refresh(false), wait);
   }
 
