@@ -510,3 +510,11 @@ def test_attempt_spans_on_every_backend(store: Store) -> None:
     ]
     assert all(s.owner == "tok" and s.submitted_at == 10.0 and s.gpu_uuid == "G" for s in spans)
     assert [s.job_id for s in store.attempt_spans(since=0.0, limit=1)] == ["live"]
+
+
+def test_the_session_cookie_is_found_beside_another_applications_odd_cookies(api: Api) -> None:
+    client, _ = signed_in(api, "owner")
+    sid = client.cookies.get(SESSION_COOKIE)
+    odd = f'other={{"a": 1}}; broken; {SESSION_COOKIE}={sid}; x="y z"'
+    r = browser(api).get("/v1/session", headers={"Cookie": odd})
+    assert r.status_code == 200 and r.json()["name"] == "owner"

@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.cookies import SimpleCookie
 
 #: the cookie holding the session id (HttpOnly)
 SESSION_COOKIE = "gw_session"
@@ -100,17 +99,18 @@ class Sessions:
 
 
 def cookie_value(cookie_header: str | None, name: str) -> str | None:
-    """The value of cookie ``name`` in a ``Cookie`` header (None when absent or the
-    header does not parse)."""
+    """The value of cookie ``name`` in a ``Cookie`` header (None when absent). Split
+    as browsers write it (``a=1; b=2``), not with :mod:`http.cookies`, which gives
+    up on the whole header at one cookie it finds malformed (another application on
+    the same host may have set any)."""
     if not cookie_header:
         return None
-    jar: SimpleCookie = SimpleCookie()
-    try:
-        jar.load(cookie_header)
-    except Exception:  # a malformed Cookie header: as if it had none
-        return None
-    morsel = jar.get(name)
-    return morsel.value if morsel is not None and morsel.value else None
+    for part in cookie_header.split(";"):
+        key, sep, value = part.strip().partition("=")
+        if sep and key.strip() == name:
+            value = value.strip().strip('"')
+            return value or None
+    return None
 
 
 def own_origin(scheme: str, host: str | None) -> str | None:
