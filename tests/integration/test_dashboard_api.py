@@ -518,3 +518,12 @@ def test_the_session_cookie_is_found_beside_another_applications_odd_cookies(api
     odd = f'other={{"a": 1}}; broken; {SESSION_COOKIE}={sid}; x="y z"'
     r = browser(api).get("/v1/session", headers={"Cookie": odd})
     assert r.status_code == 200 and r.json()["name"] == "owner"
+
+
+def test_a_session_cookie_replayed_from_another_address_is_refused(api: Api) -> None:
+    client, _ = signed_in(api, "owner")
+    stolen = client.cookies.get(SESSION_COOKIE)
+    elsewhere = TestClient(api.client.app, client=("10.9.8.7", 4000))
+    r = elsewhere.get("/v1/jobs", headers={"Cookie": f"{SESSION_COOKIE}={stolen}"})
+    assert r.status_code == 401 and "another address" in r.json()["error"]
+    assert client.get("/v1/jobs").status_code == 200  # where it was made, it works

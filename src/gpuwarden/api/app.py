@@ -219,7 +219,7 @@ class Gate:
         target = str(params.get("job_id") or params.get("token_id") or "")
         headers = Headers(scope=scope)
         try:
-            principal, session = await run_in_threadpool(self._authenticate, headers)
+            principal, session = await run_in_threadpool(self._authenticate, headers, client)
         except AuthFailed as exc:
             # failed authentication counts against the client's address
             wait = self.limiter.take(f"addr:{client}")
@@ -266,9 +266,10 @@ class Gate:
             return
         await self.app(scope, receive, send)
 
-    def _authenticate(self, headers: Headers) -> tuple[Principal, Session | None]:
+    def _authenticate(self, headers: Headers, client: str) -> tuple[Principal, Session | None]:
         """The bearer header's principal; without that header, the session cookie's
-        (and the session). Raises :class:`AuthFailed`."""
+        (and the session), from the address it was signed in from. Raises
+        :class:`AuthFailed`."""
         now = self.ctx.clock()
         authorization = headers.get("authorization")
         sid = None if authorization else cookie_value(headers.get("cookie"), SESSION_COOKIE)
@@ -279,6 +280,11 @@ class Gate:
             raise AuthFailed(
                 "this browser's session has ended (signed out, expired, or the API was "
                 "restarted): sign in again at /"
+            )
+        if session.client and session.client != client:
+            raise AuthFailed(
+                "this session was signed in from another address: sign in again at / "
+                "(a session cookie is taken only from where it was made)"
             )
         try:
             return authenticate_session(self.ctx.store, session.token_id, now=now), session

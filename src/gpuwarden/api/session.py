@@ -11,6 +11,12 @@ jar: a stolen cookie dies with sign-out, with its expiry and with a restart of
 the API, and the token behind it is checked on every request (a revoked or expired
 token ends its sessions at once).
 
+Cookies are not kept apart by port: every web server the browser reaches under
+the same host name receives this one. So a session also remembers the client
+address it was signed in from, and its cookie from any other address is refused
+(401: sign in again). Serve the dashboard under a host name of its own where the
+same name also serves other web applications.
+
 A request authenticated by the cookie that would change something (every action
 in ``auth.MUTATING``) must also come from the API's own origin (:func:`same_origin`)
 and carry the CSRF header (:func:`csrf_refusal`): two checks, either of which stops
@@ -47,6 +53,9 @@ class Session:
     csrf: str
     created_at: float
     expires_at: float
+    #: the client address it was signed in from: a cookie replayed from elsewhere
+    #: (another web server on this host name receives it too) is refused
+    client: str = ""
 
 
 class Sessions:
@@ -60,7 +69,7 @@ class Sessions:
         self._by_id: dict[str, Session] = {}
         self._lock = threading.Lock()
 
-    def create(self, token_id: str) -> Session:
+    def create(self, token_id: str, client: str = "") -> Session:
         now = self.clock()
         session = Session(
             id=secrets.token_urlsafe(32),
@@ -68,6 +77,7 @@ class Sessions:
             csrf=secrets.token_urlsafe(32),
             created_at=now,
             expires_at=now + self.ttl_s,
+            client=client,
         )
         with self._lock:
             self._forget_expired(now)

@@ -78,6 +78,11 @@ def _token_of(request: Request, body: bytes) -> tuple[str, bool]:
     return str(doc["token"]), False
 
 
+def _client(request: Request) -> str:
+    """The client's address as the gate sees it (the ASGI scope's)."""
+    return str((request.scope.get("client") or ("unknown",))[0])
+
+
 def describe(ctx: ApiContext, who: Principal, session: Session | None) -> dict[str, Any]:
     """Who is signed in, how, and what the page may offer them."""
     return {
@@ -123,7 +128,7 @@ async def sign_in(request: Request, ctx: Ctx) -> Response:
         raise HttpError(
             403, f"a {who.role.value} token cannot sign in to the dashboard: use a person's token"
         )
-    session = ctx.sessions.create(who.token_id)
+    session = ctx.sessions.create(who.token_id, client=_client(request))
     await run_in_threadpool(audit_ok, request, {"expires_at": session.expires_at})
     response: Response = (
         RedirectResponse("/", status_code=303)
