@@ -102,6 +102,22 @@ class TypeProfile:
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptSpan:
+    """When one attempt ran, with what its job says of who and when (the dashboard's
+    GPU-hours and queue waits)."""
+
+    job_id: str
+    number: int
+    type: str
+    owner: str | None
+    gpu_uuid: str | None
+    submitted_at: float
+    started_at: float
+    ended_at: float | None
+    outcome: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Submission:
     """Where a group of jobs came from: a bundle in a queue root, or a direct submit."""
 
@@ -365,6 +381,11 @@ class Store(abc.ABC):
         """Attempt ``number`` of the job (of ``type_name``) was seen to use ``nbytes``
         of RAM at most: keep it on the attempt, and as the type's RAM peak if it is
         larger than the one stored (never lower that)."""
+
+    @abc.abstractmethod
+    def attempt_spans(self, *, since: float, limit: int = 50_000) -> list[AttemptSpan]:
+        """The attempts still running or ended at ``since`` or later, the latest
+        started first (at most ``limit``)."""
 
     @abc.abstractmethod
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:

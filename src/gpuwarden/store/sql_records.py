@@ -15,6 +15,7 @@ from typing import Any
 from gpuwarden.core.model import Event, Role
 from gpuwarden.store import rows
 from gpuwarden.store.base import (
+    AttemptSpan,
     AuditRow,
     MeasuredFootprint,
     NodeStatus,
@@ -54,6 +55,22 @@ class SqlRecordStore(SqlStore[C]):
                 "raise_ram_peak",
                 {"type": type_name, "bytes": nbytes, "job_id": job_id, "now": now},
             )
+
+    def attempt_spans(self, *, since: float, limit: int = 50_000) -> list[AttemptSpan]:
+        return [
+            AttemptSpan(
+                job_id=r["job_id"],
+                number=int(r["number"]),
+                type=r["type"],
+                owner=r["owner"],
+                gpu_uuid=r["gpu_uuid"],
+                submitted_at=float(r["submitted_at"]),
+                started_at=float(r["started_at"]),
+                ended_at=None if r["ended_at"] is None else float(r["ended_at"]),
+                outcome=r["outcome"],
+            )
+            for r in self._read("attempt_spans", since=since, limit=limit)
+        ]
 
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
         with self._write() as conn:
