@@ -359,7 +359,7 @@ def _print_types(described: list[dict[str, Any]]) -> None:
     """The table of ``types`` and its refusals, from :meth:`Registry.describe` rows
     (the API's ``/v1/types`` rows are the same)."""
     table = Table(
-        "type", "lane, launch", "VRAM", "measured", "runs here", "from", "what it does; parameters"
+        "type", "lane, launch", "VRAM", "runs here", "from", "measured", "what it does; parameters"
     )
     for d in described:
         params = ", ".join(
@@ -377,9 +377,9 @@ def _print_types(described: list[dict[str, Any]]) -> None:
             escape(d["type"]),
             f"{d['lane']}, {d['launch']}",
             format_bytes(d["vram_bytes"]) if d["vram_bytes"] else "-",
-            _measured(d.get("profile")),
             runs,
             escape(shown_from),
+            _measured(d.get("profile")),
             what,
         )
     out.print(table)
