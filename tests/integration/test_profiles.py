@@ -13,8 +13,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from fastapi.testclient import TestClient
+from psycopg import sql
 
 from gpuwarden import cli
 from gpuwarden.api.app import create_app
@@ -28,7 +30,7 @@ from gpuwarden.node.measured import RamPeaks, tree_rss, type_profiles
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from tests.brokerkit import run_until, submit
-from tests.conftest import MODULES
+from tests.conftest import MODULES, STORE_BACKENDS
 
 TEST_MODULES = Path(__file__).resolve().parents[1] / "modules"
 LOCAL = Principal(token_id="local", name="t", role=Role.OWNER)
@@ -72,10 +74,11 @@ def test_ram_peaks_keep_the_most_seen_and_sample_at_most_every_interval() -> Non
     assert next(seen) == 70
 
 
-def make_config(tmp_path: Path) -> Config:
+def make_config(tmp_path: Path, database: str = "") -> Config:
     return Config.model_validate(
         {
             "state_dir": tmp_path / "state",
+            "database": database,
             "node_name": "testnode",
             "gpu": "sim",
             "allow_unsandboxed_containers": True,
@@ -87,9 +90,17 @@ def make_config(tmp_path: Path) -> Config:
     )
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    with open_node(make_config(tmp_path), mock_gpu=True) as n:
+@pytest.fixture(params=STORE_BACKENDS)
+def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Node]:
+    """A broker on SQLite, and on PostgreSQL (a schema of its own)."""
+    database = ""
+    if request.param == "postgres":
+        pg_url, schema = request.getfixturevalue("pg_url"), request.getfixturevalue("pg_schema")
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        sep = "&" if "?" in pg_url else "?"
+        database = f"{pg_url}{sep}options=-c%20search_path%3D{schema}"
+    with open_node(make_config(tmp_path, database), mock_gpu=True) as n:
         yield n
 
 
@@ -118,6 +129,7 @@ def test_a_job_that_allocates_ram_has_its_peak_measured_and_shown_by_types(
     config = tmp_path / "gpuwarden.toml"
     config.write_text(
         f'state_dir = "{tmp_path / "state"}"\nmodule_paths = ["{MODULES}", "{TEST_MODULES}"]\n'
+        f'database = "{node.config.database}"\n'  # the broker's store: SQLite or PostgreSQL
     )
     assert cli.main(["--config", str(config), "types", "--json"]) == 0
     rows = {d["type"]: d for d in json.loads(capsys.readouterr().out)["types"]}
