@@ -14,8 +14,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuwarden.core import profile
-from gpuwarden.core.model import GIB
-from gpuwarden.core.policy import Decision, Snapshot, Start, Wait, order, plan
+from gpuwarden.core.ledger import Holding
+from gpuwarden.core.model import GIB, Lane
+from gpuwarden.core.policy import (
+    Decision,
+    GpuView,
+    QueuedJob,
+    Snapshot,
+    Start,
+    Wait,
+    order,
+    plan,
+)
 from gpuwarden.node.measured import RunTimes
 from gpuwarden.replay.simulate import SimGpu, SimOptions, SimResult, TraceJob, simulate
 
@@ -67,6 +77,23 @@ def test_est_s_is_used_before_any_measurement_and_the_measurement_wins_after() -
     # the estimate is the longest of the latest runs
     times.note("t.x", 40.0)
     assert times.expected_s("t.x", 500.0) == 100.0
+    # a started job holds its GPU for what it declared, not rounded up
+    assert times.holding_s("t.other", 30.0) == 30.0 and times.holding_s("t.x", 30.0) == 100.0
+
+
+def test_a_holders_end_is_its_declared_est_s_not_the_rounded_one() -> None:
+    """x declares (and takes) 100 s; rounded, it would be expected to end at 107.6 s,
+    and b (its type measured at 104 s) would start and keep the head out until
+    105 s. With x's end as declared, b waits for the head."""
+    trace = [
+        TraceJob("b0", "t.b", -300.0, 104.0, 4 * GIB, coresident=True),  # measures t.b
+        TraceJob("x", "t.x", 0.0, 100.0, 10 * GIB, coresident=True, est_s=100.0),
+        TraceJob("head", "t.head", 0.5, 10.0, 20 * GIB),
+        TraceJob("b", "t.b", 1.0, 104.0, 4 * GIB, coresident=True),
+    ]
+    r = simulate([SimGpu("G", 24 * GIB)], trace, plan)
+    assert r.jobs["head"].start_s == 100.0
+    assert r.jobs["b"].start_s == 110.0
 
 
 def _held_back_trace(est_q: float | None, *, measured_first: bool = False) -> list[TraceJob]:
@@ -105,6 +132,53 @@ def test_the_measured_run_time_wins_over_a_job_declaring_less() -> None:
     assert r.jobs["q0"].end_s == -72.0
     assert r.jobs["head"].start_s == 100.0
     assert r.jobs["q"].start_s == 110.0
+
+
+NOW = 1000.0
+
+
+def _held(job_id: str, gib: int, expected_end: float | None) -> Holding:
+    return Holding(
+        f"{job_id}/1", "t.held", gib * GIB, True, job_id=job_id, since=NOW - 1,
+        expected_end=expected_end,
+    )  # fmt: skip
+
+
+def _queued(
+    job_id: str, gib: int, seq: int, *, shares: bool, expected_s: float | None = None
+) -> QueuedJob:
+    return QueuedJob(
+        job_id, f"t.{job_id}", Lane.VRAM, gib * GIB, 0, seq, shares, expected_s=expected_s
+    )
+
+
+def test_a_holder_without_an_estimate_may_end_at_once_and_let_the_head_fit_sooner() -> None:
+    """u (no estimate) and k (ends in 100 s) hold 4 GiB each; the head (17 GiB,
+    shares) fits once either has gone; b (8 GiB, 50 s) does not fit beside it.
+    Were u taken as staying, the head would "fit in 100 s" and b would start; but
+    u may end now, and then b would keep the head out for 50 s. So b waits."""
+    g = GpuView("G", 24 * GIB, holdings=(_held("u", 4, None), _held("k", 4, NOW + 100)))
+    head = _queued("head", 17, 0, shares=True)
+    b = _queued("b", 8, 1, shares=True, expected_s=50.0)
+    decisions = {d.job_id: d for d in plan(Snapshot((head, b), (g,)), NOW)}
+    assert isinstance(decisions["head"], Wait) and decisions["head"].reserved_gpu == "G"
+    assert isinstance(decisions["b"], Wait)
+    # with u's end known (after k's), the head fits when k ends: b ends before that
+    g = GpuView("G", 24 * GIB, holdings=(_held("u", 4, NOW + 200), _held("k", 4, NOW + 100)))
+    decisions = {d.job_id: d for d in plan(Snapshot((head, b), (g,)), NOW)}
+    assert decisions["b"] == Start("b", "G")
+
+
+def test_a_holder_without_an_estimate_does_not_stop_a_backfill_that_ends_in_time() -> None:
+    """The head needs the GPU to itself: it cannot start before k ends, in 100 s,
+    whenever u ends; b (50 s) is gone by then, so it starts."""
+    g = GpuView("G", 24 * GIB, holdings=(_held("u", 4, None), _held("k", 4, NOW + 100)))
+    head = _queued("head", 20, 0, shares=False)
+    b = _queued("b", 4, 1, shares=True, expected_s=50.0)
+    decisions = {d.job_id: d for d in plan(Snapshot((head, b), (g,)), NOW)}
+    assert decisions["b"] == Start("b", "G")
+    slow = _queued("b", 4, 1, shares=True, expected_s=150.0)
+    assert isinstance(plan(Snapshot((head, slow), (g,)), NOW)[1], Wait)
 
 
 class _BackfillWatch:
@@ -151,14 +225,15 @@ def _fits_at(
 
 @st.composite
 def exact_traces(draw: st.DrawFn) -> tuple[list[SimGpu], list[TraceJob]]:
-    """Types with one run time each (a power of two: the planner's rounding keeps
-    it exact), jobs that declare it or nothing: every estimate is right."""
+    """Types with one run time each, jobs that declare it or nothing: every
+    estimate is right (a queued job's est_s is planned rounded up, a holding's
+    end as declared)."""
     kinds = draw(
         st.lists(
             st.tuples(
                 st.sampled_from([4, 6, 10, 16, 20]),
                 st.booleans(),
-                st.sampled_from([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]),
+                st.sampled_from([1.0, 2.0, 3.0, 5.0, 7.5, 13.0, 30.0, 64.0]),
             ),
             min_size=2,
             max_size=4,

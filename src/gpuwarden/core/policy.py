@@ -15,8 +15,9 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
   on a reserved GPU only where it will not delay the reserved job: either both
   co-reside and fit beside each other, together with every job already started beside it, once
   everything else there has ended; or it is expected to end before the reserved
-  job is expected to fit (run-time estimates per type, measured; a job without
-  an estimate, or beside a holder without one, never backfills this way).
+  job could fit (run-time estimates: its type's measured one, else its own
+  ``est_s``; a holder without one may end at any moment, so the head's fit is
+  reckoned as if it had gone; a job without an estimate never backfills this way).
 - A job whose footprint exceeds every GPU's total (less the reserve) is refused.
 - A degraded GPU takes no ``vram`` job; ``cpu`` jobs go on.
 """
@@ -821,15 +822,20 @@ def _ends_before_head_fits(job: QueuedJob, head: QueuedJob, g: _Gpu, now: float)
 def head_fits_at(
     head: QueuedJob, capacity: int, holdings: list[Holding], now: float
 ) -> float | None:
-    """When ``head`` is expected to fit, as the holders end in their expected order;
-    None when that depends on a holder with no estimate (or past its estimate)."""
-    left = sorted(holdings, key=lambda h: h.expected_end if h.expected_end else float("inf"))
+    """The earliest ``head`` could fit, as the holders end in their expected order:
+    a holder with no estimate, or past it, may end at any moment, so it counts as
+    gone already (taking it as staying would promise a later time than the head
+    may really fit at, and let a backfill run into it). None if it never fits."""
+    left = sorted(
+        (h for h in holdings if h.expected_end is not None and h.expected_end > now),
+        key=lambda h: h.expected_end or now,
+    )
     at = now
     while not _fits(head, capacity, left):
-        ending = left.pop(0)
-        if ending.expected_end is None or ending.expected_end <= now:
-            return None  # unknown, or running late: no promise can be made
-        at = max(at, ending.expected_end)
+        if not left:
+            return None
+        ending = left.pop(0).expected_end
+        at = max(at, ending or now)
     return at
 
 

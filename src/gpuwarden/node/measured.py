@@ -112,6 +112,12 @@ class RunTimes:
         rounds it (:func:`gpuwarden.core.profile.expected_s`)."""
         return profile.expected_s(self.estimate(type_name), profile.est_class(est_s))
 
+    def holding_s(self, type_name: str, est_s: float | None) -> float | None:
+        """How long a started job is expected to hold its GPU: as :meth:`expected_s`,
+        but with ``est_s`` as declared, not rounded up (a holder expected to end
+        later than its own word would let a backfill run into the held-back job)."""
+        return profile.expected_s(self.estimate(type_name), est_s)
+
 
 #: the RAM of running attempts is sampled at most this often (on the loop's ticks)
 RAM_SAMPLE_S = 0.2

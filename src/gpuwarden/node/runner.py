@@ -201,7 +201,7 @@ class AttemptRunner:
                     nbytes=0 if warm else self.footprints.of(jobtype, job.vram_bytes),
                     coresident=jobtype.coresident or run.runtime is not None,
                     now=now,
-                    expected_s=self.run_times.expected_s(jobtype.name, job.est_s),
+                    expected_s=self.run_times.holding_s(jobtype.name, job.est_s),
                     backfill_for=decision.backfill_for,
                     runtime=run.runtime,
                 )

@@ -508,12 +508,13 @@ class _Sim:
     def footprint(self, t: TraceJob) -> int:
         return max(t.vram_bytes, self.footprints.get(t.type, 0))
 
-    def estimate(self, t: TraceJob) -> float | None:
-        """The job's expected run time: its type's measured estimate, else its est_s."""
+    def estimate(self, t: TraceJob, *, holding: bool = False) -> float | None:
+        """The job's expected run time: its type's measured estimate, else its est_s
+        (rounded up as the queue's classes round it; as declared for a holding)."""
         if not self.opts.estimate_run_times:
             return None
         measured = profile.estimate(self.run_times.get(t.type, ()))
-        return profile.expected_s(measured, profile.est_class(t.est_s))
+        return profile.expected_s(measured, t.est_s if holding else profile.est_class(t.est_s))
 
     def queued_job(self, job: _Job) -> QueuedJob:
         t = job.trace
@@ -581,7 +582,7 @@ class _Sim:
                 coresident=t.coresident,
                 job_id=t.id,
                 since=now,
-                expected_end=None if (e := self.estimate(t)) is None else now + e,
+                expected_end=None if (e := self.estimate(t, holding=True)) is None else now + e,
                 backfill_for=backfill_for,
             ),
         )
