@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwarden.core.dependencies import DependencyError, DepKind, Dependency
+from gpuwarden.core.dependencies import Dependency, DependencyError, DepKind
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError
