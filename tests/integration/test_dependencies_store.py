@@ -3,14 +3,20 @@ the held flag, the cascade in the transaction of a job's end, the refusals."""
 
 from __future__ import annotations
 
-import pytest
+import tempfile
+from pathlib import Path
 
-from gpuwarden.core.dependencies import Dependency, DependencyError, DepKind
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuwarden.core.dependencies import Dependency, DependencyError, DepKind, Standing, standing
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore
+from gpuwarden.store.sqlite import SqliteStore
 
 
 def spec(i: str, *after: str) -> JobSpec:
@@ -143,3 +149,60 @@ def test_the_claim_path_skips_held_jobs(store: Store) -> None:
     assert claimable == ["a"]
     leased = store.lease_jobs("n1", ["a", "b"], lease_id="L", expires_at=100.0, now=2.0)
     assert leased == ["a"]
+
+
+# -- a property, on the real store ----------------------------------------------
+
+ENDS = (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+
+
+@st.composite
+def pipelines(draw: st.DrawFn) -> list[tuple[list[str], JobState]]:
+    """Jobs j0..jn, each naming earlier ones, and how each ends if it runs."""
+    n = draw(st.integers(1, 8))
+    out: list[tuple[list[str], JobState]] = []
+    for i in range(n):
+        targets = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
+        kinds = [draw(st.sampled_from(list(DepKind))) for _ in targets]
+        out.append(
+            (
+                [f"{k.value}:j{t}" for k, t in zip(kinds, targets, strict=True)],
+                draw(st.sampled_from(ENDS)),
+            )
+        )
+    return out
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipelines(), st.booleans())
+def test_on_the_store_nothing_is_claimable_before_its_conditions_and_all_ends(
+    pipeline: list[tuple[list[str], JobState]], one_submission: bool
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = SqliteStore(Path(tmp) / "s.db")
+        try:
+            specs = [spec(f"j{i}", *after) for i, (after, _) in enumerate(pipeline)]
+            if one_submission:
+                store.submit(specs, now=1.0)
+            else:
+                for s in specs:
+                    store.submit([s], now=1.0)
+            now = 2.0
+            while entries := store.queue_entries():
+                for entry in sorted(entries, key=lambda e: e.seq):
+                    for dep, dep_state in store.dependencies(entry.id):
+                        assert standing(dep, dep_state) is Standing.HOLDS  # the property
+                i = int(min(entries, key=lambda e: e.seq).id[1:])
+                target = pipeline[i][1]
+                if target is JobState.CANCELLED:
+                    store.request_cancel(f"j{i}", now=now)
+                else:
+                    end(store, f"j{i}", target, now=now)
+                now += 2.0
+            for i in range(len(pipeline)):  # nothing is left waiting
+                job = store.get_job(f"j{i}")
+                assert job is not None and job.state.terminal and not job.held
+                if job.attempts == 0 and job.state is JobState.FAILED:
+                    assert "can never hold" in job.reason
+        finally:
+            store.close()
