@@ -52,7 +52,9 @@ SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
  WHERE state = 'queued' AND NOT held;
 
 -- name: queued_count
-SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued' AND NOT held;
+-- two index-only counts (a held job is always queued: every transition clears held)
+SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
+     - (SELECT COUNT(*) FROM jobs WHERE held) AS n;
 
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs

@@ -49,7 +49,9 @@ SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
  WHERE state = 'queued' AND held = 0;
 
 -- name: queued_count
-SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued' AND held = 0;
+-- two index-only counts (a held job is always queued: every transition clears held)
+SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
+     - (SELECT COUNT(*) FROM jobs WHERE held = 1) AS n;
 
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested FROM jobs
