@@ -4,6 +4,7 @@ the held flag, the cascade in the transaction of a job's end, the refusals."""
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,39 @@ def test_on_the_store_nothing_is_claimable_before_its_conditions_and_all_ends(
                     assert "can never hold" in job.reason
         finally:
             store.close()
+
+
+def test_a_dependent_submitted_while_its_dependency_ends_is_never_left_held(
+    store: Store,
+) -> None:
+    """Submitting ``afterok:X`` races X's end on another connection: the submission
+    locks X's row, so either it sees X ended, or X's end sees the dependent. No
+    dependent is left held on an ended dependency."""
+    n = 25
+    store.submit([spec(f"r{i}") for i in range(n)], now=1.0)
+    errors: list[BaseException] = []
+
+    def ender() -> None:
+        try:
+            for i in range(n):
+                end(store, f"r{i}", JobState.DONE, now=2.0 + i)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    def submitter() -> None:
+        try:
+            for i in range(n):
+                store.submit([spec(f"d{i}", f"afterok:r{i}")], now=2.0 + i)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ender), threading.Thread(target=submitter)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for i in range(n):
+        d = store.get_job(f"d{i}")
+        assert d is not None and d.state is JobState.QUEUED and not d.held, d
+    assert {e.id for e in store.queue_entries()} == {f"d{i}" for i in range(n)}
