@@ -118,6 +118,8 @@ def test_the_wheel_in_a_fresh_venv_runs_run_once_and_demo_from_an_empty_folder(
     for module in ("burn", "echo", "embed", "probe"):
         assert f"gpuwarden/modules/{module}/module.toml" in names, module
     assert "gpuwarden/modules/echo/src/echo.py" in names
+    for page in ("index.html", "app.js", "app.css"):  # the dashboard, served offline
+        assert f"gpuwarden/api/dashboard/{page}" in names, page
 
     venv = tmp_path / "venv"
     sh([sys.executable, "-m", "venv", venv], cwd=tmp_path)

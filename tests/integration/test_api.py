@@ -178,6 +178,13 @@ CASES = [
     Case("GET", "/v1/audit", frozenset({R, OP}), 200),
     Case("POST", "/v1/gpus/GPU-sim-0000-12345678/clear", frozenset({R}), 202),
     Case("GET", "/v1/events?follow=false", frozenset(READERS), 200),
+    # the dashboard's (POST /v1/session takes a token in its body, not a header: its
+    # own tests are in tests/integration/test_dashboard_api.py)
+    Case("GET", "/v1/session", frozenset(READERS), 200),
+    Case("DELETE", "/v1/session", frozenset(READERS), 200),
+    Case("GET", "/v1/dashboard/overview", frozenset(READERS), 200),
+    Case("GET", "/v1/dashboard/history", frozenset(READERS), 200),
+    Case("GET", "/v1/dashboard/stats", frozenset(READERS), 200),
 ]
 
 
@@ -186,6 +193,7 @@ def test_the_cases_cover_every_endpoint(api: Api) -> None:
     served = {(m.upper(), p) for p, ops in schema["paths"].items() for m in ops}
     # the node endpoints have their own matrix test (tests/integration/test_nodes_api.py)
     served = {(m, p) for m, p in served if not p.startswith(("/v1/node/", "/v1/nodes"))}
+    served.discard(("POST", "/v1/session"))  # a public sign-in: test_dashboard_api.py
     assert served == {(c.method, c.template) for c in CASES}
 
 
@@ -263,6 +271,10 @@ def test_matrix_table_matches_the_tested_one() -> None:
         # GET /metrics (tests/integration/test_metrics.py)
         "metrics.read": {R, OP},
         "events.read": READERS,
+        # the dashboard (tests/integration/test_dashboard_api.py)
+        "session.read": READERS,
+        "session.delete": READERS,
+        "dashboard.read": READERS,
     }
     order = [r.value for r in Role]
     got = {a: {order[i] for i, s in enumerate(row) if s is not None} for a, row in MATRIX.items()}

@@ -7,6 +7,11 @@ token's rate (429); then the body-size limit applies (413). Only then does
 FastAPI parse the body (422) and run the route. Each refusal of a mutating
 action is written to the audit log, and so is each success.
 
+A request without an ``Authorization`` header may instead carry the dashboard's
+session cookie (``api/session.py``); a mutating action by cookie must then come
+from the API's own origin and carry the session's CSRF header, or it is refused
+(403, audited). Bearer-token requests are unchanged.
+
 Routers, one per concern (``routers/``): ``jobs``, ``admin`` (tokens, audit),
 ``status`` (status, types, health). Node and agent endpoints come as a router
 of their own: add it to :data:`ROUTERS` (the gate knows the routes from there,
@@ -35,8 +40,10 @@ from gpuwarden.api.auth import (
     MUTATING,
     PUBLIC,
     AuthFailed,
+    Principal,
     allowed,
     authenticate,
+    authenticate_session,
     needed_roles,
 )
 from gpuwarden.api.context import ApiContext, AuditHook, action_of
@@ -50,7 +57,27 @@ from gpuwarden.api.limits import (
     retry_after,
     send_error,
 )
-from gpuwarden.api.routers import admin, events, gpus, jobs, logs, metrics, nodes, status
+from gpuwarden.api.routers import (
+    admin,
+    dashboard,
+    events,
+    gpus,
+    jobs,
+    logs,
+    metrics,
+    nodes,
+    status,
+)
+from gpuwarden.api.routers import session as session_routes
+from gpuwarden.api.session import (
+    CSRF_HEADER,
+    SESSION_COOKIE,
+    Session,
+    Sessions,
+    cookie_value,
+    csrf_refusal,
+    same_origin,
+)
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
 from gpuwarden.node.jobends import JobEnds
@@ -67,6 +94,8 @@ ROUTERS: tuple[APIRouter, ...] = (
     gpus.router,
     metrics.router,
     events.router,
+    session_routes.router,
+    dashboard.router,
 )
 
 
@@ -93,7 +122,13 @@ def create_app(
         redoc_url=None,
     )
     ctx = ApiContext(
-        store=store, registry=registry, config=config, clock=clock, wake=wake, ends=ends
+        store=store,
+        registry=registry,
+        config=config,
+        clock=clock,
+        wake=wake,
+        ends=ends,
+        sessions=Sessions(clock=clock),
     )
     app.state.gw = ctx
     errors.install(app)
@@ -123,6 +158,7 @@ def create_app(
         limit_for=limit_for,
     )
     app.add_middleware(Gate, ctx=ctx, routes=routes, limiter=limiter)
+    dashboard.install(app)
     if type(store).__name__ == "PostgresStore":  # several coordinators may share it
         nodes.install_sweeper(app)
     return app
@@ -183,9 +219,7 @@ class Gate:
         target = str(params.get("job_id") or params.get("token_id") or "")
         headers = Headers(scope=scope)
         try:
-            principal = await run_in_threadpool(
-                authenticate, self.ctx.store, headers.get("authorization"), now=self.ctx.clock()
-            )
+            principal, session = await run_in_threadpool(self._authenticate, headers, client)
         except AuthFailed as exc:
             # failed authentication counts against the client's address
             wait = self.limiter.take(f"addr:{client}")
@@ -204,6 +238,14 @@ class Gate:
         state["gw_principal"] = principal
         if name in MUTATING:
             state["gw_audit"] = AuditHook(self.ctx, state, name, principal, target=target)
+        if session is not None:
+            state["gw_session"] = session
+            why = cross_site(scope, headers, session) if name in MUTATING else None
+            if why is not None:
+                message = f"{name} refused for a browser session: {why}"
+                await errors.audit_refusal(Request(scope), 403, message)
+                await send_error(send, 403, message)
+                return
         access = allowed(principal.role, name)
         if access is None:
             roles = needed_roles(name)
@@ -224,6 +266,32 @@ class Gate:
             return
         await self.app(scope, receive, send)
 
+    def _authenticate(self, headers: Headers, client: str) -> tuple[Principal, Session | None]:
+        """The bearer header's principal; without that header, the session cookie's
+        (and the session), from the address it was signed in from. Raises
+        :class:`AuthFailed`."""
+        now = self.ctx.clock()
+        authorization = headers.get("authorization")
+        sid = None if authorization else cookie_value(headers.get("cookie"), SESSION_COOKIE)
+        if sid is None:
+            return authenticate(self.ctx.store, authorization, now=now), None
+        session = self.ctx.sessions.get(sid)
+        if session is None:
+            raise AuthFailed(
+                "this browser's session has ended (signed out, expired, or the API was "
+                "restarted): sign in again at /"
+            )
+        if session.client and session.client != client:
+            raise AuthFailed(
+                "this session was signed in from another address: sign in again at / "
+                "(a session cookie is taken only from where it was made)"
+            )
+        try:
+            return authenticate_session(self.ctx.store, session.token_id, now=now), session
+        except AuthFailed:
+            self.ctx.sessions.end(sid)  # its token is revoked or expired: so is the session
+            raise
+
     def _too_many_message(self, wait: float) -> str:
         return (
             f"too many requests: at most {self.limiter.rate:g} per second "
@@ -234,3 +302,18 @@ class Gate:
         await send_error(
             send, 429, self._too_many_message(wait), {"Retry-After": retry_after(wait)}
         )
+
+
+def cross_site(scope: Scope, headers: Headers, session: Session) -> str | None:
+    """Why a mutating request by a browser session is refused, or None: it must come
+    from the API's own origin and carry the session's CSRF header (api/session.py)."""
+    why = same_origin(
+        scheme=str(scope.get("scheme") or "http"),
+        host=headers.get("host"),
+        origin=headers.get("origin"),
+        fetch_site=headers.get("sec-fetch-site"),
+        referer=headers.get("referer"),
+    )
+    if why is not None:
+        return f"it does not come from this API's own page ({why})"
+    return csrf_refusal(session, headers.get(CSRF_HEADER))

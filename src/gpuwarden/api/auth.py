@@ -28,12 +28,14 @@ __all__ = [
     "MATRIX",
     "MUTATING",
     "PUBLIC",
+    "SESSION_ROLES",
     "AuthFailed",
     "Principal",
     "Role",
     "Scope",
     "allowed",
     "authenticate",
+    "authenticate_session",
     "hash_secret",
     "issue_token",
     "needed_roles",
@@ -87,6 +89,10 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     # GET /metrics; public too with [api] metrics_public = true (api/routers/metrics.py)
     "metrics.read":  (ALL,  ALL,     None,     None, None),
     "events.read":   (ALL,  ALL,     OWN,      None, None),
+    # the dashboard (api/session.py, api/routers/dashboard.py)
+    "session.read":  (ALL,  ALL,     ALL,      None, None),
+    "session.delete": (ALL, ALL,     ALL,      None, None),
+    "dashboard.read": (ALL, ALL,     OWN,      None, None),
 }
 # fmt: on
 _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)
@@ -96,10 +102,12 @@ MUTATING = frozenset(
     {"job.submit", "job.cancel", "token.create", "token.revoke"}
     | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
     | {"node.finish", "node.report", "node.upload", "node.drain", "node.resume", "node.revoke"}
-    | {"gpu.clear"}
+    | {"gpu.clear", "session.create", "session.delete"}
 )
-#: actions that need no token
-PUBLIC = frozenset({"health.read"})
+#: actions that need no token (``session.create`` checks the token it is given itself)
+PUBLIC = frozenset({"health.read", "dashboard.page", "session.create"})
+#: the roles that may sign in to the dashboard (a node's credential may not)
+SESSION_ROLES = frozenset({Role.OWNER, Role.OPERATOR, Role.SUBMITTER})
 
 
 def allowed(role: Role, action: str) -> Scope | None:
@@ -195,6 +203,19 @@ def authenticate(store: Store, authorization: str | None, *, now: float) -> Prin
     good = hmac.compare_digest(presented, record.secret_hash if record else _DUMMY_HASH)
     if record is None or not good:
         raise AuthFailed(_NOT_VALID, token_id)
+    return _usable(record, token_id, now)
+
+
+def authenticate_session(store: Store, token_id: str, *, now: float) -> Principal:
+    """The principal of a browser session's token (checked at sign-in): refused,
+    like a bearer token, once the token is gone, revoked or expired."""
+    record = store.get_token(token_id)
+    if record is None:
+        raise AuthFailed("the token of this session no longer exists: sign in again", token_id)
+    return _usable(record, token_id, now)
+
+
+def _usable(record: TokenRecord, token_id: str, now: float) -> Principal:
     if record.revoked_at is not None:
         raise AuthFailed(
             f"token {token_id} ({record.name}) was revoked: ask the owner for a new one",

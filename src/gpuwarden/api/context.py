@@ -13,6 +13,7 @@ from fastapi import Request
 
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.errors import HttpError
+from gpuwarden.api.session import Sessions
 from gpuwarden.config import Config
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
@@ -33,6 +34,8 @@ class ApiContext:
     #: now (a job was submitted), and where its loop says that jobs ended
     wake: Callable[[], None] | None = None
     ends: JobEnds | None = None
+    #: the dashboard's browser sessions, in this process only (api/session.py)
+    sessions: Sessions = field(default_factory=Sessions)
 
 
 # the three below are async: they only read the request's state, and a plain

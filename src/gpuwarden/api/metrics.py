@@ -15,7 +15,7 @@ names of NVIDIA's DCGM exporter (``DCGM_FI_DEV_FB_USED`` and ``DCGM_FI_DEV_FB_FR
 MiB, labelled ``gpu`` (the index), ``UUID``, ``device``, ``modelName`` and
 ``Hostname`` as it labels them: its ``etc/default-counters.csv``), so that existing
 GPU dashboards work unchanged beside gpuwarden's own ledger series. SPEC text:
-``docs/spec-drafts/metrics.md``.
+``SPEC.md, section 18``.
 """
 
 from __future__ import annotations

@@ -91,6 +91,22 @@ class MeasuredFootprint:
 
 
 @dataclass(frozen=True, slots=True)
+class AttemptSpan:
+    """When one attempt ran, with what its job says of who and when (the dashboard's
+    GPU-hours and queue waits)."""
+
+    job_id: str
+    number: int
+    type: str
+    owner: str | None
+    gpu_uuid: str | None
+    submitted_at: float
+    started_at: float
+    ended_at: float | None
+    outcome: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Submission:
     """Where a group of jobs came from: a bundle in a queue root, or a direct submit."""
 
@@ -363,6 +379,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def recent_run_times(self, *, limit: int = 5000) -> list[tuple[str, float]]:
         """``(job type, seconds)`` of the latest succeeded attempts, newest first."""
+
+    @abc.abstractmethod
+    def attempt_spans(self, *, since: float, limit: int = 50_000) -> list[AttemptSpan]:
+        """The attempts still running or ended at ``since`` or later, the latest
+        started first (at most ``limit``)."""
 
     @abc.abstractmethod
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:

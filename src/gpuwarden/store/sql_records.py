@@ -14,7 +14,7 @@ from typing import Any
 
 from gpuwarden.core.model import Event, Role
 from gpuwarden.store import rows
-from gpuwarden.store.base import AuditRow, MeasuredFootprint, NodeStatus, TokenRecord
+from gpuwarden.store.base import AttemptSpan, AuditRow, MeasuredFootprint, NodeStatus, TokenRecord
 from gpuwarden.store.sql import C, SqlStore, duplicate_token
 
 
@@ -29,6 +29,22 @@ class SqlRecordStore(SqlStore[C]):
     def recent_run_times(self, *, limit: int = 5000) -> list[tuple[str, float]]:
         return [
             (r["type"], float(r["seconds"])) for r in self._read("recent_run_times", limit=limit)
+        ]
+
+    def attempt_spans(self, *, since: float, limit: int = 50_000) -> list[AttemptSpan]:
+        return [
+            AttemptSpan(
+                job_id=r["job_id"],
+                number=int(r["number"]),
+                type=r["type"],
+                owner=r["owner"],
+                gpu_uuid=r["gpu_uuid"],
+                submitted_at=float(r["submitted_at"]),
+                started_at=float(r["started_at"]),
+                ended_at=None if r["ended_at"] is None else float(r["ended_at"]),
+                outcome=r["outcome"],
+            )
+            for r in self._read("attempt_spans", since=since, limit=limit)
         ]
 
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:

@@ -169,6 +169,15 @@ SELECT j.type AS type, a.ended_at - a.started_at AS seconds
  ORDER BY a.ended_at DESC
  LIMIT %(limit)s;
 
+-- name: attempt_spans
+SELECT a.job_id AS job_id, a.number AS number, a.gpu_uuid AS gpu_uuid,
+       a.started_at AS started_at, a.ended_at AS ended_at, a.outcome AS outcome,
+       j.type AS type, j.owner AS owner, j.submitted_at AS submitted_at
+  FROM attempts a JOIN jobs j ON j.id = a.job_id
+ WHERE a.ended_at IS NULL OR a.ended_at >= %(since)s
+ ORDER BY a.started_at DESC
+ LIMIT %(limit)s;
+
 -- name: request_gpu_clear
 INSERT INTO gpu_clears (gpu_uuid, requested_at) VALUES (%(gpu_uuid)s, %(now)s);
 
