@@ -10,6 +10,7 @@ import pytest
 
 from gpuwarden.core.states import JobState
 from tests.integration.test_api import Api, build, submit
+from tests.integration.test_dashboard_api import signed_in
 
 
 @pytest.fixture
@@ -83,3 +84,12 @@ def test_a_submitter_cannot_depend_on_a_job_it_cannot_see(api: Api) -> None:
     assert ok["after"] == [f"afterany:{theirs['id']}"]
     job = api.store.get_job("op-1")
     assert job is not None and job.state is JobState.QUEUED and job.held
+
+
+def test_the_dashboard_says_why_a_held_job_waits(api: Api) -> None:
+    submit(api, "owner", id="first")
+    submit(api, "owner", id="second", after=["afterany:first"])
+    owner, _ = signed_in(api, "owner")
+    doc = owner.get("/v1/dashboard/overview").json()
+    reasons = {q["id"]: q["reason"] for q in doc["queued"]}
+    assert reasons["second"] == "waits for job first (queued)"
