@@ -101,6 +101,8 @@ class JobSpec:
     vram_bytes: int | None = None  # per-job footprint override (ad-hoc jobs)
     #: what the job asks of the host it runs on (``gpuwarden.core.placement.CONSTRAINT_KEYS``)
     constraints: dict[str, Any] = field(default_factory=dict)
+    #: the jobs it waits for, each ``KIND:ID`` (``gpuwarden.core.dependencies``)
+    after: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,10 @@ class Job:
     owner: str | None = None
     #: what the job asks of the host it runs on (SPEC.md section 4)
     constraints: dict[str, Any] = field(default_factory=dict)
+    #: the jobs it waits for, each ``KIND:ID`` (SPEC.md section 1, "Dependencies")
+    after: tuple[str, ...] = ()
+    #: queued, but not to be planned or offered: a dependency does not hold yet
+    held: bool = False
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
 from gpuwarden.core.placement import check_constraints
@@ -54,7 +55,17 @@ _DRIVE_RE = re.compile(r"[A-Za-z]:")
 
 
 _TOP_KEYS = ("version", "jobs")
-_JOB_KEYS = ("id", "type", "params", "inputs", "outputs", "priority", "vram_gib", "constraints")
+_JOB_KEYS = (
+    "id",
+    "type",
+    "params",
+    "inputs",
+    "outputs",
+    "priority",
+    "vram_gib",
+    "constraints",
+    "after",
+)
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _MAX_VRAM_GIB = 2**20  # 1 PiB: anything above is a typo, and keeps vram_bytes in int64
@@ -250,7 +261,18 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         priority=priority,
         vram_bytes=vram_bytes,
         constraints=constraints,
+        after=_after(raw.get("after", []), at),
     )
+
+
+def _after(value: Any, at: str) -> tuple[str, ...]:
+    """A job's ``after``: an array of ``KIND:ID`` strings (SPEC.md section 4)."""
+    if not isinstance(value, list):
+        raise BundleError(f"{at}.after must be an array of strings, got {_json_type(value)}")
+    try:
+        return tuple(str(d) for d in parse_all(value))
+    except DependencyError as exc:
+        raise BundleError(f"{at}.after: {exc}") from None
 
 
 def parse_manifest(
@@ -335,5 +357,7 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
             entry["vram_gib"] = int(gib) if gib.is_integer() else gib
         if job.constraints:
             entry["constraints"] = dict(job.constraints)
+        if job.after:
+            entry["after"] = list(job.after)
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}
