@@ -175,13 +175,16 @@ class Client:
         idempotency_key: str | None = None,
         constraints: Mapping[str, Any] | None = None,
         wait: float | None = None,
+        after: Iterable[str] = (),
         est_s: float | None = None,
     ) -> dict[str, Any]:
         """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
         the same request returns the same job instead of a second one. ``constraints``:
         what the node that runs it must have (``min_gpu_vram_gib``, ``gpu_model``,
-        ``labels``, ``node``; SPEC.md section 4). ``est_s``: how long it is expected
-        to run (seconds), used for backfill until its type has a measured run time.
+        ``labels``, ``node``; SPEC.md section 4). ``after``: the jobs it waits for,
+        each ``afterok:ID``, ``afterany:ID`` or ``afternotok:ID`` (all must hold).
+        ``est_s``: how long it is expected to run (seconds), used for backfill until
+        its type has a measured run time.
 
         With ``wait`` (seconds, 0 to 60), the one request waits for the job to end
         (a long poll): the job comes back ended, with its result.json in ``result``
@@ -196,6 +199,8 @@ class Client:
             body["outputs"] = list(outputs)
         if constraints:
             body["constraints"] = dict(constraints)
+        if after:
+            body["after"] = list(after)
         if est_s is not None:
             body["est_s"] = est_s
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}

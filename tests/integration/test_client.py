@@ -158,3 +158,14 @@ def test_unreachable_server() -> None:
         pytest.raises(c.Unreachable, match="cannot reach"),
     ):
         api.list()
+
+
+def test_submit_with_after(setup: tuple[SqliteStore, TestClient, dict[str, str]]) -> None:
+    _, tc, tokens = setup
+    with client(tc, tokens["submitter"]) as api:
+        first = api.submit("echo.echo", {"text": "1"}, id="step-1")
+        second = api.submit("echo.echo", {"text": "2"}, id="step-2", after=["afterok:step-1"])
+        assert second["after"] == [f"afterok:{first['id']}"] and second["held"] is True
+        assert api.get("step-2")["reason"] == f"waits for job {first['id']} (queued)"
+        with pytest.raises(c.Invalid, match="no job with id 'ghost'"):
+            api.submit("echo.echo", {"text": "3"}, after=["afterok:ghost"])

@@ -139,6 +139,20 @@ def test_a_form_sign_in_redirects_to_the_page(api: Api) -> None:
     assert client.get("/v1/session").json()["role"] == "owner"
 
 
+def test_a_form_with_too_many_fields_is_refused_not_a_server_error(api: Api) -> None:
+    client = browser(api)
+    fields = "&".join(f"f{i}=x" for i in range(12))
+    assert len(fields.split("&")) > 10, "the attack: more fields than parse_qs may take"
+    r = client.post(
+        "/v1/session",
+        content=f"token={api.tokens['owner']}&{fields}",
+        headers={"Origin": ORIGIN, "Content-Type": "application/x-www-form-urlencoded"},
+        follow_redirects=False,
+    )
+    assert r.status_code == 422 and "more than 10" in r.json()["error"], r.text
+    assert client.get("/v1/session").status_code == 401, "no session was made"
+
+
 @pytest.mark.parametrize(
     ("token", "headers", "status", "says"),
     [

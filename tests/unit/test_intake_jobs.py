@@ -327,3 +327,10 @@ def test_an_id_of_an_api_tokens_form_is_only_that_tokens(registry: Registry) -> 
     # other ids with hex in them are anyone's
     for free in ("0a1b2c3d4e5-x", "0a1b2c3d4e5fx-y", "run-0a1b2c3d4e5f"):
         assert prepare(registry, replace(spec, id=free)).id == free
+
+
+def test_prepare_checks_after_and_names_the_job(registry: Registry) -> None:
+    out = prepare(registry, replace(echo(), after=("afterok:a", "afterany:b")))
+    assert out.after == ("afterok:a", "afterany:b")
+    with pytest.raises(ValidationError, match=r"job job-1: dependency 'ok:a': unknown kind"):
+        prepare(registry, replace(echo(), after=("ok:a",)))

@@ -261,3 +261,29 @@ def test_constraints_survive_writing_a_bundle() -> None:
     spec = JobSpec(id="w1", type="echo.echo", constraints={"node": "n1"})
     [back] = parse_manifest(json.dumps(manifest_doc([spec])).encode())
     assert back.constraints == {"node": "n1"}
+
+
+def test_after_is_read_and_checked() -> None:
+    [job] = parse_manifest(_doc(_job(after=["afterok:prep", "afternotok:x.1"])))
+    assert job.after == ("afterok:prep", "afternotok:x.1")
+    [plain] = parse_manifest(_doc(_job()))
+    assert plain.after == ()
+    [back] = parse_manifest(json.dumps(manifest_doc([job])).encode())
+    assert back.after == job.after
+
+
+@pytest.mark.parametrize(
+    ("after", "message"),
+    [
+        ("afterok:a", "after must be an array of strings"),
+        ([1], "a dependency must be a string"),
+        (["a"], "is not KIND:ID"),
+        (["before:a"], "unknown kind 'before'"),
+        (["afterok:a", "afterok:a"], "named twice"),
+    ],
+)
+def test_bad_after_is_refused(after: Any, message: str) -> None:
+    with pytest.raises(BundleError) as info:
+        parse_manifest(_doc(_job(after=after)))
+    assert "jobs[0].after" in str(info.value)
+    assert message in str(info.value)

@@ -27,6 +27,7 @@ from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster.report import node_json
 from gpuwarden.core.model import Job, Lane
 from gpuwarden.core.states import JobState
+from gpuwarden.node import explain
 from gpuwarden.store.base import AttemptSpan
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
@@ -206,7 +207,9 @@ def _queued(
     out = []
     for job in _visible_jobs(ctx, who, scope, JobState.QUEUED):
         reason = reasons.get(job.id) or (
-            "no wait reason published for it yet (the broker names the first queued "
+            explain.shown_reason(job, ctx.store)  # held: waits for its dependencies
+            if job.held
+            else "no wait reason published for it yet (the broker names the first queued "
             f"jobs'); `gpuwarden explain {job.id}` works it out"
         )
         out.append(

@@ -75,6 +75,12 @@ class JobIn(_Request):
         description="what the job asks of the node it runs on: min_gpu_vram_gib, gpu_model "
         "(vram lane only), labels, node (SPEC.md section 4)",
     )
+    after: Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="jobs this one waits for, each afterok:ID, afterany:ID or afternotok:ID "
+        "(all must hold; SPEC.md section 1, Dependencies)",
+        examples=[["afterok:prep-1"]],
+    )
     est_s: Annotated[float, Field(gt=0, le=MAX_EST_S)] | None = Field(
         default=None,
         description="how long the job is expected to run, in seconds: used for backfill "
@@ -148,6 +154,9 @@ class JobOut(BaseModel):
     bundle: str | None
     owner: str | None
     constraints: dict[str, Any] = {}
+    #: the jobs it waits for (``KIND:ID``), and whether it still waits for them
+    after: list[str] = []
+    held: bool = False
     est_s: float | None = None
 
     @classmethod
@@ -169,6 +178,8 @@ class JobOut(BaseModel):
             bundle=j.bundle,
             owner=j.owner,
             constraints=j.constraints,
+            after=list(j.after),
+            held=j.held,
             est_s=j.est_s,
         )
 

@@ -101,6 +101,8 @@ def _job_json(j: Job) -> dict[str, Any]:
         "exit_code": j.exit_code,
         "bundle": j.bundle,
         "params": j.params,
+        "after": list(j.after),
+        "held": j.held,
     }
 
 
@@ -152,9 +154,10 @@ def _jobs_here(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         states = frozenset(JobState(s) for s in args.state) if args.state else None
         jobs = store.list_jobs(states=states, limit=args.limit)
+        rows = [_job_json(j) | {"reason": explain.shown_reason(j, store)} for j in jobs]
     finally:
         store.close()
-    return [_job_json(j) for j in jobs]
+    return rows
 
 
 # -- show ---------------------------------------------------------------------------
@@ -170,6 +173,7 @@ def _show_here(args: argparse.Namespace) -> int:
         job = _get_job(store, args.job)
         attempts = store.attempts(job.id)
         events = store.events(job_id=job.id)
+        job = job.evolve(reason=explain.shown_reason(job, store))
     finally:
         store.close()
     if args.json:
@@ -181,6 +185,8 @@ def _show_here(args: argparse.Namespace) -> int:
     out.print(f"[bold]{job.id}[/]  {job.type}  [bold]{job.state.value}[/]  priority {job.priority}")
     if job.reason:
         out.print(f"reason: {job.reason}")
+    if job.after:
+        out.print(f"after: {', '.join(job.after)}" + (" (waiting)" if job.held else ""))
     out.print(f"params: {json.dumps(job.params)}")
     table = Table("attempt", "node", "GPU", "started", "ran", "exit", "outcome", "reason")
     for a in attempts:
@@ -222,6 +228,9 @@ def _show_http(args: argparse.Namespace, client: Client) -> int:
     )
     if data.get("reason"):
         out.print(f"reason: {data['reason']}", markup=False)
+    if data.get("after"):
+        held = " (waiting)" if data.get("held") else ""
+        out.print(f"after: {', '.join(data['after'])}{held}", markup=False)
     out.print(f"params: {json.dumps(data['params'])}", markup=False)
     table = Table("attempt", "node", "GPU", "started", "ran", "exit", "outcome", "reason")
     for a in data.get("attempts_detail", []):

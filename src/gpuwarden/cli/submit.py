@@ -113,6 +113,14 @@ def _add_submit(sub: Commands) -> None:
         allow_abbrev=False,
     )
     add_job_options(sp)
+    sp.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="KIND:ID",
+        help="a job this one waits for (repeatable; all must hold): afterok:ID (ID ended "
+        "done), afternotok:ID (ID ended any other way), afterany:ID (ID ended)",
+    )
     sp.add_argument("--queue", type=Path, help="queue root to drop the bundle into")
     sp.add_argument("--wait", action="store_true", help="wait for the result and show it")
     sp.add_argument("--wait-timeout", type=float, default=3600.0, help="seconds (default 3600)")
@@ -240,6 +248,7 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         priority=args.priority,
         vram_bytes=int(args.vram_gib * GIB) if args.vram_gib is not None else None,
         constraints=parse_constraints(args.constraints),
+        after=tuple(getattr(args, "after", ())),
         est_s=args.est_s,
     )
     return prepare(registry, spec)
@@ -501,6 +510,7 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
             outputs=args.outputs,
             constraints=parse_constraints(args.constraints),
             wait=first_wait,
+            after=args.after,
             est_s=args.est_s,
         )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")

@@ -101,6 +101,8 @@ class JobSpec:
     vram_bytes: int | None = None  # per-job footprint override (ad-hoc jobs)
     #: what the job asks of the host it runs on (``gpuwarden.core.placement.CONSTRAINT_KEYS``)
     constraints: dict[str, Any] = field(default_factory=dict)
+    #: the jobs it waits for, each ``KIND:ID`` (``gpuwarden.core.dependencies``)
+    after: tuple[str, ...] = ()
     #: how long the submitter expects it to run, in seconds (used for backfill while
     #: its type has no measured run time; ``gpuwarden.core.profile``)
     est_s: float | None = None
@@ -131,6 +133,10 @@ class Job:
     owner: str | None = None
     #: what the job asks of the host it runs on (SPEC.md section 4)
     constraints: dict[str, Any] = field(default_factory=dict)
+    #: the jobs it waits for, each ``KIND:ID`` (SPEC.md section 1, "Dependencies")
+    after: tuple[str, ...] = ()
+    #: queued, but not to be planned or offered: a dependency does not hold yet
+    held: bool = False
     #: how long the submitter expects it to run, in seconds (None: not declared)
     est_s: float | None = None
 

@@ -7,6 +7,7 @@ import secrets
 from dataclasses import replace
 from pathlib import PurePosixPath
 
+from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.model import JobSpec, Lane
 from gpuwarden.core.params import validate_params
 from gpuwarden.core.placement import GPU_CONSTRAINTS, check_constraints
@@ -79,9 +80,19 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
             f"{jobtype.name} runs on the cpu lane and never uses one"
         )
     try:
+        after = tuple(str(d) for d in parse_all(spec.after))
+    except DependencyError as exc:
+        raise DependencyError(f"job {spec.id}: {exc}") from None
+    try:
         est_s = None if spec.est_s is None else check_est_s(spec.est_s)
     except ValueError as exc:
         raise ValidationError(f"job {spec.id}: {exc}") from None
     return replace(
-        spec, params=params, inputs=inputs, outputs=outputs, constraints=constraints, est_s=est_s
+        spec,
+        params=params,
+        inputs=inputs,
+        outputs=outputs,
+        constraints=constraints,
+        after=after,
+        est_s=est_s,
     )

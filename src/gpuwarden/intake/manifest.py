@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
 from gpuwarden.core.placement import check_constraints
@@ -64,6 +65,7 @@ _JOB_KEYS = (
     "priority",
     "vram_gib",
     "constraints",
+    "after",
     "est_s",
 )
 _INT64_MIN = -(2**63)
@@ -268,8 +270,19 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         priority=priority,
         vram_bytes=vram_bytes,
         constraints=constraints,
+        after=_after(raw.get("after", []), at),
         est_s=est_s,
     )
+
+
+def _after(value: Any, at: str) -> tuple[str, ...]:
+    """A job's ``after``: an array of ``KIND:ID`` strings (SPEC.md section 4)."""
+    if not isinstance(value, list):
+        raise BundleError(f"{at}.after must be an array of strings, got {_json_type(value)}")
+    try:
+        return tuple(str(d) for d in parse_all(value))
+    except DependencyError as exc:
+        raise BundleError(f"{at}.after: {exc}") from None
 
 
 def parse_manifest(
@@ -354,6 +367,8 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
             entry["vram_gib"] = int(gib) if gib.is_integer() else gib
         if job.constraints:
             entry["constraints"] = dict(job.constraints)
+        if job.after:
+            entry["after"] = list(job.after)
         if job.est_s is not None:
             entry["est_s"] = job.est_s
         out.append(entry)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwarden.core import footprint, policy, profile
+from gpuwarden.core import dependencies, footprint, policy, profile
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
@@ -211,6 +211,26 @@ def describe(decision: policy.Decision) -> str:
     return f"would wait: {decision.reason}"
 
 
+def shown_reason(job: Job, store: Store) -> str:
+    """The reason people are shown with a job: a held job's is why it waits
+    (``waits for job X (running)``, its dependency's state now), else the stored one."""
+    if not job.held:
+        return job.reason
+    return dependencies.judge(store.dependencies(job.id)).reason or job.reason
+
+
+def dependency_lines(job: Job, store: Store) -> list[str]:
+    """A held job's wait: the reason (``waits for job X (running)``), then each
+    dependency with its job's state and where it stands."""
+    deps = store.dependencies(job.id)
+    verdict = dependencies.judge(deps)
+    lines = [f"it waits: {verdict.reason or 'its dependencies hold; it is being released'}"]
+    for dep, state in deps:
+        stands = dependencies.standing(dep, state)
+        lines.append(f"  {dep}: {dep.job_id} is {state.value} ({stands})")
+    return lines
+
+
 #: what a coordinator adds to a job's explanation, given by the caller (the node knows
 #: nothing of the cluster): why no node took a queued job, which node runs a leased
 #: one; ``[]`` where it has nothing to add. ``cluster.report.explain`` passes them.
@@ -252,6 +272,8 @@ def explain_job(
             "shares a GPU with co-resident types" if jobtype.coresident else "needs a GPU to itself"
         )
         lines.append(f"footprint {format_bytes(need)}{note}; it {share}")
+    if job.after and not job.held:
+        lines.append(f"after {', '.join(job.after)}")
     if job.state.terminal:
         lines.append(f"it ended: {job.reason}")
         return lines
@@ -263,6 +285,9 @@ def explain_job(
         where = f"on {a.gpu_uuid}" if a.gpu_uuid else "on a cpu slot"
         lines.append(f"attempt {a.number} runs {where} since {time.ctime(a.started_at)}")
         lines += running(job) if running else []
+        return lines
+    if job.held:  # not planned, nor offered, until its dependencies hold
+        lines += dependency_lines(job, store)
         return lines
     cluster = placement(job) if placement else []
     if cluster:  # several hosts: agents are offered jobs by the coordinator

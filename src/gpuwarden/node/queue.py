@@ -7,7 +7,9 @@ of 100,000 jobs would cost more than the rest of the tick together). It keeps a
 through the store's events: every change of a job's state is an event written
 in the same transaction, so the events after the cursor name exactly the jobs
 that entered or left ``queued`` (a submission from the CLI, the API or an agent's
-sync, a retry, a cancel). Those jobs are read again, and only they.
+sync, a retry, a cancel), or were released when their dependencies came to hold
+(``dependencies_held``: a job held for them is queued but never indexed, so the
+plan never looks at it). Those jobs are read again, and only they.
 
 Where event ids could become visible out of order (PostgreSQL sequences commit
 in any order), a cheap count of the store's queued jobs is compared with the
@@ -97,7 +99,8 @@ class QueueBook:
             touched.update(
                 e.job_id
                 for e in batch
-                if e.job_id is not None and "queued" in (e.to_state, e.from_state)
+                if e.job_id is not None
+                and ("queued" in (e.to_state, e.from_state) or e.kind == "dependencies_held")
             )
             if len(batch) < _EVENT_BATCH:
                 break

@@ -57,8 +57,8 @@ class Recovery:
         self.on_error = on_error
 
     def run(self, now: float) -> None:
-        """Stop every leftover process and container, then end each attempt the
-        store shows running."""
+        """Stop every leftover process and container, end each attempt the store
+        shows running, then judge the held jobs again (their dependencies)."""
         leftovers = find_instance_processes(self.instance)
         reaped_all, survivors_all = stop_processes(leftovers, self.kill_grace_s)
         if leftovers:
@@ -69,6 +69,9 @@ class Recovery:
                 self.emit("leftover_containers_removed", containers=removed)
         for job in self.store.running_jobs():
             self.end_interrupted(job, now)
+        settled = self.store.settle_dependencies(now=now)
+        if settled:
+            self.emit("dependencies_settled", jobs=settled)
 
     def end_interrupted(self, job: Job, now: float) -> None:
         """End the attempt of ``job`` an earlier run left running: interrupted."""

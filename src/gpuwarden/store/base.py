@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwarden.core.dependencies import Dependency
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
@@ -201,7 +202,16 @@ class Store(abc.ABC):
         ``body_hash``, nothing is inserted and the jobs of that first submission are
         returned (in its order); with another ``body_hash``, nothing is inserted and
         :class:`IdempotencyConflict` is raised. Otherwise the jobs are inserted and
-        the key is recorded with their ids in the same transaction."""
+        the key is recorded with their ids in the same transaction.
+
+        A spec's ``after`` (already parsed by :func:`gpuwarden.core.dependencies.parse_all`)
+        may name stored jobs and jobs of the same submission; one that names neither,
+        or a cycle, raises :class:`~gpuwarden.core.dependencies.DependencyError` and
+        nothing is inserted. A job whose dependencies do not hold yet is stored held
+        (queued, but neither planned nor claimed: not in :meth:`queue_entries`); one
+        whose dependencies can never hold is stored and failed at once, with the
+        reason. Whenever a job ends, in the same transaction, each held job that
+        names it is released (event ``dependencies_held``) or failed, down the chain."""
 
     @abc.abstractmethod
     def idempotency_record(self, token_id: str, key: str) -> IdempotencyRecord | None:
@@ -227,11 +237,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def queue_entries(self, ids: Sequence[str] | None = None) -> list[QueueEntry]:
-        """Every queued job (or those of ``ids`` that are queued), in no order."""
+        """Every queued job that is not held (or those of ``ids``), in no order."""
 
     @abc.abstractmethod
     def queued_count(self) -> int:
-        """How many jobs are queued (an index count: cheap beside a long history)."""
+        """How many jobs are queued and not held (an index count: cheap beside a long
+        history): what :meth:`queue_entries` returns."""
 
     @abc.abstractmethod
     def running_jobs(self) -> list[Job]:
@@ -287,6 +298,17 @@ class Store(abc.ABC):
         (``queued`` for a retry) in one transaction. Only the current attempt of a
         running job can be finished, once: a stale or repeated report raises
         ``TransitionError`` and changes nothing."""
+
+    @abc.abstractmethod
+    def dependencies(self, job_id: str) -> list[tuple[Dependency, JobState]]:
+        """The job's dependencies (``after``), each with its job's current state."""
+
+    @abc.abstractmethod
+    def settle_dependencies(self, *, now: float) -> int:
+        """Judge every held job again (a restart's recovery): release those whose
+        dependencies hold, fail those whose can never hold (and so on down their
+        dependents). Return how many changed. A job's end does this for its own
+        dependents in its own transaction; this is the net under it."""
 
     @abc.abstractmethod
     def attempts(self, job_id: str) -> list[Attempt]:

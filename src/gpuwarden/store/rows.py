@@ -39,6 +39,7 @@ def spec_hash(spec: JobSpec) -> str:
             "vram_bytes": spec.vram_bytes,
             # only when given: the fingerprints of jobs without constraints are unchanged
             **({"constraints": spec.constraints} if spec.constraints else {}),
+            **({"after": list(spec.after)} if spec.after else {}),
             **({"est_s": spec.est_s} if spec.est_s is not None else {}),
         },
         sort_keys=True,
@@ -69,6 +70,8 @@ def job(row: Row, decode: Decode) -> Job:
         result=decode(row["result"]),
         owner=row["owner"],
         constraints=decode(row["constraints"]),
+        after=tuple(decode(row["depends_on"])),
+        held=bool(row["held"]),
         est_s=row["est_s"],
     )
 

@@ -35,7 +35,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from gpuwarden.core import states
+from gpuwarden.core import dependencies, states
+from gpuwarden.core.dependencies import Dependency, DepKind, Standing, Verdict
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UnknownJobError, UserError
@@ -240,7 +241,12 @@ class SqlStore(Store, Generic[C]):
                         "now": now,
                     },
                 )
-            self._insert_jobs(conn, [self._job_row(spec, origin, now=now) for spec in specs])
+            verdicts = self._dependencies_at_submit(conn, specs)
+            self._insert_jobs(
+                conn,
+                [self._job_row(spec, origin, now=now, held=spec.id in verdicts) for spec in specs],
+            )
+            self._insert_deps(conn, specs)
             # a column of its own (0008), written only for the jobs that declare it
             for spec in specs:
                 if spec.est_s is not None:
@@ -250,13 +256,115 @@ class SqlStore(Store, Generic[C]):
                 detail: dict[str, Any] = {"type": spec.type}
                 if origin.bundle:
                     detail["bundle"] = origin.bundle
+                if spec.after:
+                    detail["after"] = list(spec.after)
                 self._event(
                     conn,
                     Event(
                         ts=now, kind="submitted", job_id=spec.id, to_state="queued", detail=detail
                     ),
                 )
+            self._apply_verdicts(conn, verdicts, now=now)
             return [self._job(r) for r in self._run(conn, "jobs_by_ids", {"ids": self._ids(ids)})]
+
+    def _dependencies_at_submit(self, conn: C, specs: Sequence[JobSpec]) -> dict[str, Verdict]:
+        """Check a submission's dependencies (unknown ids, cycles: refused) and judge
+        them: the jobs that are not released at once, with their verdicts (waiting,
+        or never: those fail at once). The stored jobs named are locked, so that none
+        ends unseen before this submission commits."""
+        new = {s.id: dependencies.parse_all(s.after) for s in specs if s.after}
+        if not new:
+            return {}
+        batch = {s.id for s in specs}
+        named = sorted({d.job_id for deps in new.values() for d in deps} - batch)
+        found = {
+            r["id"]: states.JobState(r["state"])
+            for r in self._run(conn, "lock_job_states", {"ids": self._ids(named)})
+        }
+        dependencies.check_graph(new, lambda i: i in found or i in batch)
+        verdicts = dependencies.initial(new, found)
+        return {j: v for j, v in verdicts.items() if v.standing is not Standing.HOLDS}
+
+    def _insert_deps(self, conn: C, specs: Sequence[JobSpec]) -> None:
+        for spec in specs:
+            for dep in dependencies.parse_all(spec.after):
+                self._run(
+                    conn,
+                    "insert_dep",
+                    {"job_id": spec.id, "kind": dep.kind.value, "dep_id": dep.job_id},
+                )
+
+    def _apply_verdicts(
+        self,
+        conn: C,
+        verdicts: Sequence[tuple[str, Verdict]] | Mapping[str, Verdict],
+        *,
+        now: float,
+    ) -> None:
+        """Release or fail held jobs as decided (waiting ones stay held)."""
+        items = verdicts.items() if isinstance(verdicts, Mapping) else verdicts
+        for job_id, verdict in items:
+            if verdict.standing is Standing.NEVER:
+                self._change_in(
+                    conn,
+                    job_id,
+                    JobState.FAILED,
+                    now=now,
+                    reason=verdict.reason,
+                    detail={"dependencies": "never"},
+                    exit_code=None,
+                    result=None,
+                )
+            elif verdict.standing is Standing.HOLDS:
+                self._run(conn, "release_job", {"id": job_id, "now": now})
+                self._event(conn, Event(ts=now, kind="dependencies_held", job_id=job_id))
+
+    def _cascade_in(self, conn: C, job_id: str, target: JobState) -> list[tuple[str, Verdict]]:
+        """What job ``job_id`` ending as ``target`` does to the held jobs that name it
+        (their rows locked, before any event is written)."""
+
+        def dependents(of: str) -> list[str]:
+            return [r["id"] for r in self._run(conn, "lock_dependents", {"id": of})]
+
+        return dependencies.cascade(
+            job_id, target, dependents, lambda of: self._dependencies_in(conn, of)
+        )
+
+    def _dependencies_in(self, conn: C, job_id: str) -> list[tuple[Dependency, JobState]]:
+        return [
+            (Dependency(DepKind(r["kind"]), r["dep_id"]), JobState(r["state"]))
+            for r in self._run(conn, "deps_of", {"id": job_id})
+        ]
+
+    def dependencies(self, job_id: str) -> list[tuple[Dependency, JobState]]:
+        with self._connection() as conn:
+            return self._dependencies_in(conn, job_id)
+
+    def settle_dependencies(self, *, now: float) -> int:
+        changed = 0
+        with self._write() as conn:
+            for row in list(self._run(conn, "held_jobs", {})):
+                job = self._job_in(conn, row["id"], lock=True)
+                if job.state is not JobState.QUEUED or not job.held:
+                    continue  # decided already, down the chain of one before it
+                verdict = dependencies.judge(self._dependencies_in(conn, job.id))
+                if verdict.standing is Standing.WAITING:
+                    continue
+                changed += 1
+                if verdict.standing is Standing.NEVER:
+                    self._transition_in(
+                        conn,
+                        job.id,
+                        JobState.FAILED,
+                        now=now,
+                        reason=verdict.reason,
+                        detail={"dependencies": "never"},
+                        exit_code=None,
+                        result=None,
+                    )
+                else:
+                    self._apply_verdicts(conn, [(job.id, verdict)], now=now)
+        return changed
 
     def _answered(
         self, conn: C, idempotency: tuple[str, str, str], ids: list[str], *, now: float
@@ -286,7 +394,9 @@ class SqlStore(Store, Generic[C]):
         )
         return None
 
-    def _job_row(self, spec: JobSpec, origin: Submission, *, now: float) -> dict[str, Any]:
+    def _job_row(
+        self, spec: JobSpec, origin: Submission, *, now: float, held: bool = False
+    ) -> dict[str, Any]:
         return {
             "id": spec.id,
             "type": spec.type,
@@ -297,6 +407,8 @@ class SqlStore(Store, Generic[C]):
             "vram_bytes": spec.vram_bytes,
             "spec_hash": spec_hash(spec),
             "constraints": self._json(spec.constraints),
+            "depends_on": self._json(list(spec.after)),
+            "held": held,
             "now": now,
             "bundle": origin.bundle,
             "queue_root": origin.queue_root,
@@ -380,7 +492,38 @@ class SqlStore(Store, Generic[C]):
         result: Mapping[str, Any] | None,
         sources: frozenset[JobState] | None = None,
     ) -> Job:
-        """The guarded update: every change of a job's state but its start."""
+        """The guarded update: every change of a job's state but its start. An end
+        also releases or fails the held jobs that name this one, down the chain,
+        in the same transaction (their rows are locked before any event)."""
+        follows = self._cascade_in(conn, job_id, target) if target.terminal else []
+        job = self._change_in(
+            conn,
+            job_id,
+            target,
+            now=now,
+            reason=reason,
+            detail=detail,
+            exit_code=exit_code,
+            result=result,
+            sources=sources,
+        )
+        self._apply_verdicts(conn, follows, now=now)
+        return job
+
+    def _change_in(
+        self,
+        conn: C,
+        job_id: str,
+        target: JobState,
+        *,
+        now: float,
+        reason: str,
+        detail: Mapping[str, Any] | None,
+        exit_code: int | None,
+        result: Mapping[str, Any] | None,
+        sources: frozenset[JobState] | None = None,
+    ) -> Job:
+        """One job's guarded update and its event, nothing that follows from it."""
         before = self._job_in(conn, job_id, lock=True)
         # ``sources`` narrows the table for callers that know more (an attempt's end
         # comes only from running); it never widens it.
@@ -457,6 +600,10 @@ class SqlStore(Store, Generic[C]):
             states.check(before.state, JobState.RUNNING)
             if before.cancel_requested:
                 raise TransitionError(f"job {job_id} has a cancel request; it will not start")
+            if before.held:
+                raise TransitionError(
+                    f"job {job_id} waits for its dependencies; it was not started"
+                )
             cur = self._run(conn, "start_job", {"id": job_id, "now": now})
             if cur.rowcount != 1:  # pragma: no cover - guarded above under the lock
                 raise TransitionError(f"job {job_id} changed state before it could start")

@@ -42,6 +42,7 @@ from gpuwarden.api.models import (
 from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
+from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
@@ -213,6 +214,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             priority=body.priority,
             vram_bytes=vram,
             constraints=dict(body.constraints),
+            after=_visible_after(ctx, who, access, body.after),
             est_s=body.est_s,
         ),
         owner=who.token_id,
@@ -251,6 +253,25 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
         response.status_code = 200
         response.headers["Idempotent-Replayed"] = "true"
     return job
+
+
+def _visible_after(
+    ctx: ApiContext, who: Principal, access: Scope, after: list[str]
+) -> tuple[str, ...]:
+    """The job's dependencies, each naming a job this principal may see (a submitter
+    its own, with or without its prefix) by its stored id; a 422 that names the
+    dependency otherwise, the same for a job that does not exist and for another's."""
+    out: list[str] = []
+    for dep in parse_all(after):
+        try:
+            job = visible_job(ctx, who, access, dep.job_id)
+        except HttpError:
+            raise DependencyError(
+                f"dependency {dep}: no job with id {dep.job_id!r} that this token can see "
+                "(GET /v1/jobs lists them)"
+            ) from None
+        out.append(f"{dep.kind.value}:{job.id}")
+    return tuple(out)
 
 
 def _refuse_file_inputs(jobtype: JobType, body: JobIn) -> None:
@@ -305,7 +326,11 @@ def list_jobs(
         limit=limit,
         owner=who.token_id if access is Scope.OWN else None,
     )
-    return [JobOut.of(j) for j in jobs]
+    out = [JobOut.of(j) for j in jobs]
+    for o, j in zip(out, jobs, strict=True):
+        if j.held:  # why it waits, as it stands now
+            o.reason = explain.shown_reason(j, ctx.store)
+    return out
 
 
 @router.get("/v1/jobs/{job_id}", response_model=JobDetail, responses=_ERRORS)
@@ -314,6 +339,7 @@ def get_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> JobDetail:
     """One job with its attempts and events."""
     job = visible_job(ctx, who, access, job_id)
     detail = JobDetail.full(job, ctx.store.attempts(job.id), ctx.store.events(job_id=job.id))
+    detail.reason = explain.shown_reason(job, ctx.store)
     if access is Scope.OWN:  # reasons may name the jobs it waited for: not another's
         r = Redactor(ctx.store, who.token_id)
         detail.reason = r.text(detail.reason)

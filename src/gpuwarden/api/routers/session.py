@@ -63,7 +63,12 @@ def _token_of(request: Request, body: bytes) -> tuple[str, bool]:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     text = body.decode("utf-8", "replace")
     if ctype == "application/x-www-form-urlencoded":
-        values = urllib.parse.parse_qs(text, max_num_fields=10).get("token", [])
+        try:
+            values = urllib.parse.parse_qs(text, max_num_fields=10).get("token", [])
+        except ValueError:  # more fields than a sign-in form has
+            raise HttpError(
+                422, "a sign-in form has one field, token: this one has more than 10"
+            ) from None
         return (values[0] if values else ""), True
     try:
         doc = json.loads(text) if text.strip() else None

@@ -36,6 +36,7 @@ RETURNING *;
 -- starting it, and that start must not find its row locked)
 SELECT j.id FROM jobs j
  WHERE j.id = ANY(%(ids)s::text[]) AND j.state = 'queued' AND NOT j.cancel_requested
+   AND NOT j.held
    AND NOT EXISTS (SELECT 1 FROM leases l
                     WHERE l.job_id = j.id AND l.expires_at > %(now)s)
  FOR UPDATE OF j SKIP LOCKED;
@@ -56,6 +57,7 @@ ON CONFLICT (job_id) DO UPDATE
 WITH free AS (
   SELECT j.id FROM jobs j
    WHERE j.id = ANY(%(ids)s::text[]) AND j.state = 'queued' AND NOT j.cancel_requested
+     AND NOT j.held
      AND NOT EXISTS (SELECT 1 FROM leases l
                       WHERE l.job_id = j.id AND l.expires_at > %(now)s)
    FOR UPDATE OF j SKIP LOCKED
@@ -76,7 +78,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > %(now)s GROUP BY node;
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
- WHERE j.state = 'queued' AND NOT j.cancel_requested
+ WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
    AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
    AND (j.priority < %(after_priority)s
         OR (j.priority = %(after_priority)s AND j.seq > %(after_seq)s))
@@ -88,7 +90,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
- WHERE j.state = 'queued' AND NOT j.cancel_requested
+ WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
    AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
  ORDER BY j.priority DESC, j.seq

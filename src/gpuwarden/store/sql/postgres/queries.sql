@@ -5,10 +5,10 @@
 -- name: insert_job
 INSERT INTO jobs (id, type, state, priority, params, inputs, outputs, vram_bytes,
                   spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner,
-                  constraints)
+                  constraints, depends_on, held)
 VALUES (%(id)s, %(type)s, 'queued', %(priority)s, %(params)s, %(inputs)s, %(outputs)s,
         %(vram_bytes)s, %(spec_hash)s, %(now)s, %(now)s, %(bundle)s, %(queue_root)s,
-        %(input_dir)s, %(owner)s, %(constraints)s);
+        %(input_dir)s, %(owner)s, %(constraints)s, %(depends_on)s, %(held)s);
 
 -- name: job_ids_existing
 SELECT id FROM jobs WHERE id = ANY(%(ids)s::text[]);
@@ -47,14 +47,18 @@ SELECT count(*) AS n FROM jobs
  WHERE id = ANY(%(ids)s::text[]) AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
 -- name: queue_entries
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs WHERE state = 'queued';
+-- the queued jobs that may be planned: not held for their dependencies
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
+ WHERE state = 'queued' AND NOT held;
 
 -- name: queued_count
-SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
+-- two index-only counts (a held job is always queued: every transition clears held)
+SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
+     - (SELECT COUNT(*) FROM jobs WHERE held) AS n;
 
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
- WHERE state = 'queued' AND id = ANY(%(ids)s::text[]);
+ WHERE state = 'queued' AND NOT held AND id = ANY(%(ids)s::text[]);
 
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
@@ -67,12 +71,13 @@ UPDATE jobs
    SET state = %(target)s, updated_at = %(now)s, reason = %(reason)s,
        exit_code = COALESCE(%(exit_code)s::bigint, exit_code),
        result = COALESCE(%(result)s::jsonb, result),
-       cancel_requested = CASE WHEN %(target)s = 'queued' THEN cancel_requested ELSE FALSE END
+       cancel_requested = CASE WHEN %(target)s = 'queued' THEN cancel_requested ELSE FALSE END,
+       held = FALSE
  WHERE id = %(id)s AND state = ANY(%(sources)s::text[]);
 
 -- name: start_job
 UPDATE jobs SET state = 'running', updated_at = %(now)s, attempts = attempts + 1, reason = ''
- WHERE id = %(id)s AND state = 'queued' AND NOT cancel_requested;
+ WHERE id = %(id)s AND state = 'queued' AND NOT cancel_requested AND NOT held;
 
 -- name: insert_attempt
 INSERT INTO attempts (job_id, number, node, gpu_uuid, started_at)
@@ -236,6 +241,33 @@ SELECT * FROM audit WHERE id > %(after_id)s ORDER BY id LIMIT %(limit)s;
 
 -- name: schema_version
 SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;
+
+-- name: insert_dep
+INSERT INTO job_deps (job_id, kind, dep_id) VALUES (%(job_id)s, %(kind)s, %(dep_id)s);
+
+-- name: lock_job_states
+-- the stored jobs of a submission's dependencies, locked (in id order) so that none
+-- of them ends, and looks for its dependents, before the submission commits
+SELECT id, state FROM jobs WHERE id = ANY(%(ids)s::text[]) ORDER BY id FOR UPDATE;
+
+-- name: lock_dependents
+-- the held jobs that name this one, locked: what its end may release or fail
+SELECT j.id FROM job_deps d JOIN jobs j ON j.id = d.job_id
+ WHERE d.dep_id = %(id)s AND j.state = 'queued' AND j.held
+ ORDER BY j.seq
+ FOR UPDATE OF j;
+
+-- name: deps_of
+SELECT d.kind, d.dep_id, j.state FROM job_deps d JOIN jobs j ON j.id = d.dep_id
+ WHERE d.job_id = %(id)s
+ ORDER BY d.dep_id, d.kind;
+
+-- name: release_job
+UPDATE jobs SET held = FALSE, updated_at = %(now)s
+ WHERE id = %(id)s AND state = 'queued' AND held;
+
+-- name: held_jobs
+SELECT id FROM jobs WHERE held AND state = 'queued' ORDER BY seq;
 
 -- name: set_job_est_s
 UPDATE jobs SET est_s = %(est_s)s WHERE id = %(id)s;

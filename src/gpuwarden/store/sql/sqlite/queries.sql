@@ -8,9 +8,10 @@ SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs;
 -- name: insert_job
 INSERT INTO jobs (id, seq, type, state, priority, params, inputs, outputs, vram_bytes,
                   spec_hash, submitted_at, updated_at, bundle, queue_root, input_dir, owner,
-                  constraints)
+                  constraints, depends_on, held)
 VALUES (:id, :seq, :type, 'queued', :priority, :params, :inputs, :outputs, :vram_bytes,
-        :spec_hash, :now, :now, :bundle, :queue_root, :input_dir, :owner, :constraints);
+        :spec_hash, :now, :now, :bundle, :queue_root, :input_dir, :owner, :constraints,
+        :depends_on, :held);
 
 -- name: job_ids_existing
 SELECT id FROM jobs WHERE id IN (SELECT value FROM json_each(:ids));
@@ -43,14 +44,18 @@ SELECT count(*) AS n FROM jobs
    AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
 -- name: queue_entries
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs WHERE state = 'queued';
+-- the queued jobs that may be planned: not held for their dependencies
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
+ WHERE state = 'queued' AND held = 0;
 
 -- name: queued_count
-SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued';
+-- two index-only counts (a held job is always queued: every transition clears held)
+SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
+     - (SELECT COUNT(*) FROM jobs WHERE held = 1) AS n;
 
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
- WHERE state = 'queued' AND id IN (SELECT value FROM json_each(:ids));
+ WHERE state = 'queued' AND held = 0 AND id IN (SELECT value FROM json_each(:ids));
 
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
@@ -63,12 +68,13 @@ UPDATE jobs
    SET state = :target, updated_at = :now, reason = :reason,
        exit_code = COALESCE(:exit_code, exit_code),
        result = COALESCE(:result, result),
-       cancel_requested = CASE WHEN :target = 'queued' THEN cancel_requested ELSE 0 END
+       cancel_requested = CASE WHEN :target = 'queued' THEN cancel_requested ELSE 0 END,
+       held = 0
  WHERE id = :id AND state IN (SELECT value FROM json_each(:sources));
 
 -- name: start_job
 UPDATE jobs SET state = 'running', updated_at = :now, attempts = attempts + 1, reason = ''
- WHERE id = :id AND state = 'queued' AND cancel_requested = 0;
+ WHERE id = :id AND state = 'queued' AND cancel_requested = 0 AND held = 0;
 
 -- name: insert_attempt
 INSERT INTO attempts (job_id, number, node, gpu_uuid, started_at)
@@ -207,6 +213,30 @@ SELECT * FROM audit WHERE id > :after_id ORDER BY id LIMIT :limit;
 
 -- name: schema_version
 SELECT COALESCE(MAX(version), 0) AS v FROM schema_migrations;
+
+-- name: insert_dep
+INSERT INTO job_deps (job_id, kind, dep_id) VALUES (:job_id, :kind, :dep_id);
+
+-- name: lock_job_states
+-- the stored jobs of a submission's dependencies (a plain read: see the top)
+SELECT id, state FROM jobs WHERE id IN (SELECT value FROM json_each(:ids)) ORDER BY id;
+
+-- name: lock_dependents
+-- the held jobs that name this one: what its end may release or fail
+SELECT j.id FROM job_deps d JOIN jobs j ON j.id = d.job_id
+ WHERE d.dep_id = :id AND j.state = 'queued' AND j.held = 1
+ ORDER BY j.seq;
+
+-- name: deps_of
+SELECT d.kind, d.dep_id, j.state FROM job_deps d JOIN jobs j ON j.id = d.dep_id
+ WHERE d.job_id = :id
+ ORDER BY d.dep_id, d.kind;
+
+-- name: release_job
+UPDATE jobs SET held = 0, updated_at = :now WHERE id = :id AND state = 'queued' AND held = 1;
+
+-- name: held_jobs
+SELECT id FROM jobs WHERE held = 1 AND state = 'queued' ORDER BY seq;
 
 -- name: set_job_est_s
 UPDATE jobs SET est_s = :est_s WHERE id = :id;
