@@ -393,3 +393,31 @@ def test_a_bundle_that_fails_to_be_read_for_reasons_not_its_own_is_read_again(
 def job_state(node: Node, job_id: str) -> JobState | None:
     j = node.store.get_job(job_id)
     return None if j is None else j.state
+
+
+def test_a_start_refused_while_the_job_stays_queued_is_tried_again(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store refuses a start when another writer holds the job's row for a
+    moment (on PostgreSQL, a submission naming it as a dependency): the job stays
+    in the queue index and starts on a later pass, not after the index is rebuilt."""
+    submit(node, JobSpec("j", "testmods.sleep", {"seconds": 0.05}))
+    attempts = node.broker.attempts
+    real = attempts.begin
+    refused: list[str] = []
+
+    def locked_once(job, jobtype, gpu, now):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append(job.id)
+            return None  # what begin() answers when the store refused the start
+        return real(job, jobtype, gpu, now)
+
+    monkeypatch.setattr(attempts, "begin", locked_once)
+    node.broker.tick()
+    assert refused == ["j"], "the start really was refused"
+    job = node.store.get_job("j")
+    assert job is not None and job.state is JobState.QUEUED
+    assert "j" in node.broker.queue.index, "still in the index"
+    run_until(
+        node, lambda: (j := node.store.get_job("j")) is not None and j.state is JobState.DONE, 10
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,19 @@ def state(store: Store, job_id: str) -> JobState:
 
 
 def end(store: Store, job_id: str, target: JobState, *, now: float = 5.0) -> None:
-    """Run the job's attempt and end it as ``target``."""
-    store.start_attempt(job_id, node="n", gpu_uuid=None, now=now)
+    """Run the job's attempt and end it as ``target``. A start that finds the job's
+    row locked by another writer (on PostgreSQL, a submission naming it locks it)
+    is tried again, as a broker's next pass would."""
+    for _ in range(200):
+        try:
+            store.start_attempt(job_id, node="n", gpu_uuid=None, now=now)
+            break
+        except TransitionError as exc:
+            if "being changed by another writer" not in str(exc):
+                raise
+            time.sleep(0.01)
+    else:
+        raise AssertionError(f"{job_id} stayed locked by another writer")
     store.finish_attempt(
         job_id, 1, target=target, now=now + 1, outcome="x", reason=f"it {target.value}"
     )

@@ -489,9 +489,10 @@ class Broker:
             if not self.warm.ready(jobtype, decision):
                 return False
             run = self.attempts.begin(job, jobtype, gpu, now)
-            if run is not None:
-                self._began(run.job.id)
-                self.warm.start(run, decision, gpu, now)
+            if run is None:
+                return not self._still_queued(job.id)
+            self._began(run.job.id)
+            self.warm.start(run, decision, gpu, now)
             return True
         launcher = self.launchers.get(jobtype.launch)
         if launcher is None:
@@ -509,11 +510,18 @@ class Broker:
             launcher = self.runtimes.launcher(runtime, jobtype.model, launcher)
         run = self.attempts.begin(job, jobtype, gpu, now)
         if run is None:
-            return True  # cancelled by a client between the snapshot and now
+            return not self._still_queued(job.id)
         run.runtime = runtime
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
         return True
+
+    def _still_queued(self, job_id: str) -> bool:
+        """After a start the store refused: True when the job is still queued (its
+        row was locked by another writer for a moment: tried again next pass),
+        False when it left the queue (cancelled by a client since the plan)."""
+        job = self.store.get_job(job_id)
+        return job is not None and job.state is JobState.QUEUED
 
     def _began(self, job_id: str) -> None:
         self._status_dirty = True
