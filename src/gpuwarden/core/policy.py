@@ -31,6 +31,7 @@ from typing import Any
 
 from gpuwarden.core.ledger import Holding, HoldState, compatible
 from gpuwarden.core.model import Lane, format_bytes
+from gpuwarden.core.preempt import Need, Preempt, Victim, choose, describe, preempts
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,8 @@ class Snapshot:
     #: ``ClassWait.reserved_gpu``); a job that still gets a reservation keeps its GPU,
     #: so the GPU that drains for it is not traded for another that looks sooner
     held_back: tuple[tuple[str, str], ...] = ()
+    #: the running attempts of preemptible types (:mod:`gpuwarden.core.preempt`)
+    victims: tuple[Victim, ...] = ()
 
     def gpus_json(self) -> list[dict[str, Any]]:
         return [g.to_json() for g in self.gpus]
@@ -326,6 +329,8 @@ class Pass:
     starts: list[Start] = field(default_factory=list)
     refusals: list[Refuse] = field(default_factory=list)
     waits: list[ClassWait] = field(default_factory=list)
+    #: running preemptible jobs to ask to checkpoint, each for the job that waits
+    preemptions: list[Preempt] = field(default_factory=list)
 
 
 def class_key(job: QueuedJob) -> Hashable:
@@ -382,6 +387,7 @@ def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass
     step = _Step(snapshot, now, {lu.job.type for lu in lineups})
     done.evictions = step.evictions
     done.asks = step.asks
+    done.preemptions = step.preemptions
     if not snapshot.accepting:
         for lu in sorted(lineups, key=lambda lu: _rank(lu.job)):
             done.waits.append(ClassWait.fixed(lu.key, lu.job.id, "the broker is shutting down"))
@@ -495,6 +501,10 @@ class _Step:
         self.evictions = self.warm.expired(now, wanted)
         self.runtimes = {r.name: r for r in snapshot.runtimes}
         self.asks: list[AskRuntime] = []
+        self.preemptions: list[Preempt] = []
+        #: victims asked (this pass or before) stay out of other jobs' choices
+        self.victims = [v for v in snapshot.victims if v.preempting_for is None]
+        self.pending = [v for v in snapshot.victims if v.preempting_for is not None]
         degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
         self.paused = {
             w.type: snapshot.vram_paused or degraded.get(w.gpu_uuid, "")
@@ -526,10 +536,40 @@ class _Step:
         elif isinstance(decision, _Blocked) and not self.snapshot.vram_paused:
             evicted = _evict_for(job, decision, self.gpus, self.warm)
             self.evictions += evicted
+            asked: list[AskRuntime] = []
             if not evicted and self.snapshot.runtimes:
                 gpus = self.gpus if among is None else among
-                self.asks += _ask_runtimes_for(job, decision, gpus, self.runtimes)
+                asked = _ask_runtimes_for(job, decision, gpus, self.runtimes)
+                self.asks += asked
+            if not evicted and not asked and self.snapshot.victims and among is None:
+                self.preempt_for(job, decision)
         return decision
+
+    def preempt_for(self, job: QueuedJob, blocked: _Blocked) -> None:
+        """When running preemptible jobs of lower priority stand between a waiting
+        job and a GPU, ask the fewest and cheapest to checkpoint (or wait for those
+        already asked for it), and hold that GPU back for it."""
+        mine = [v for v in self.pending if v.preempting_for == job.id]
+        gpus = {
+            g.view.uuid: g
+            for g in self.gpus
+            if not g.view.degraded
+            and g.capacity >= job.vram_bytes
+            and (g.reserved_for is None or g.reserved_for.id == job.id)
+        }
+        need = Need(job.id, job.vram_bytes, job.coresident, job.priority)
+        views = [(u, g.capacity, g.holdings) for u, g in gpus.items()]
+        choice = choose(need, views, [*self.victims, *mine], self.now)
+        if choice is None:
+            return
+        g = gpus[choice.gpu_uuid]
+        if g.reserved_for is None:
+            g.reserved_for = job
+        blocked.reserved = g.view.uuid
+        blocked.extra.append(describe(choice, job.id))
+        chosen = {v.holder for v in choice.victims}
+        self.victims = [v for v in self.victims if v.holder not in chosen]
+        self.preemptions += preempts(choice, job.id)
 
     def runtime_job(self, job: QueuedJob) -> Start | Refuse | _Blocked | list[_Gpu]:
         """A runtime type's job: refused where this node has no such runtime, held
