@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import GIB, JobType, Lane, LaunchMode, ParamSpec, ParamType
 from gpuwarden.core.params import value_fits
+from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL
 from gpuwarden.errors import ModuleError, ValidationError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -80,6 +81,14 @@ class _TypeToml(_Strict):
     # runtime types only: the managed runtime whose model the jobs use
     runtime: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None = None
     model: Annotated[str, Field(pattern=r"^[^\x00-\x20\x7f]{1,200}$")] | None = None
+    # preemption at a safe point (gpuwarden.core.preempt)
+    preemptible: bool = False
+    #: one of ``gpuwarden.core.preempt.SIGNALS``
+    checkpoint_signal: Literal[
+        "SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGWINCH"
+    ] = DEFAULT_SIGNAL
+    checkpoint_grace_s: Annotated[float, Field(gt=0, le=24 * 3600)] = DEFAULT_GRACE_S
+    min_run_s: Annotated[float, Field(ge=0, le=30 * 24 * 3600)] = DEFAULT_MIN_RUN_S
 
 
 class _ModuleMeta(_Strict):
@@ -221,6 +230,7 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
     if t.launch == "serve" and t.lane != "vram":
         raise ModuleError(f'{where}: a serve type holds a model on a GPU: use lane = "vram"')
     _check_runtime_type(where, t)
+    _check_preemptible(where, t)
     params = tuple(_param(where, pname, p) for pname, p in t.params.items())
     return JobType(
         name=f"{module}.{tname}",
@@ -243,7 +253,33 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
         expected_device_bytes=(int(t.expected_device_gib * GIB) if t.expected_device_gib else None),
         runtime=t.runtime,
         model=t.model,
+        preemptible=t.preemptible,
+        checkpoint_signal=t.checkpoint_signal,
+        checkpoint_grace_s=t.checkpoint_grace_s,
+        min_run_s=t.min_run_s,
     )
+
+
+def _check_preemptible(where: str, t: _TypeToml) -> None:
+    """The checkpoint keys belong to a preemptible type; a preemptible type's jobs
+    are processes of their own on a GPU (a warm server or a runtime's client
+    holds memory that is not the job's to checkpoint)."""
+    keys = [
+        k
+        for k in ("checkpoint_signal", "checkpoint_grace_s", "min_run_s")
+        if k in t.model_fields_set
+    ]
+    if keys and not t.preemptible:
+        raise ModuleError(f"{where}: key {keys[0]!r} applies only to preemptible = true types")
+    if not t.preemptible:
+        return
+    if t.lane != "vram":
+        raise ModuleError(f'{where}: preemption frees a GPU: a preemptible type uses lane = "vram"')
+    if t.launch == "serve" or t.runtime is not None:
+        raise ModuleError(
+            f"{where}: a preemptible type's jobs run as processes of their own "
+            '(launch = "host" or "container"; not serve or runtime types)'
+        )
 
 
 def _check_runtime_type(where: str, t: _TypeToml) -> None:

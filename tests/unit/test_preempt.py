@@ -4,14 +4,34 @@ which running preemptible jobs are asked to checkpoint for a waiting one."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuwarden.core.classify import (
+    AttemptFacts,
+    Outcome,
+    checkpoints_before,
+    classify,
+    interruptions_before,
+)
 from gpuwarden.core.ledger import Holding
 from gpuwarden.core.model import GIB, Lane
 from gpuwarden.core.policy import GpuView, Pass, QueuedJob, Snapshot, lineups_of, plan_pass
-from gpuwarden.core.preempt import Need, Victim, choose, eligible
+from gpuwarden.core.preempt import (
+    DEFAULT_GRACE_S,
+    DEFAULT_MIN_RUN_S,
+    DEFAULT_SIGNAL,
+    Need,
+    Victim,
+    choose,
+    eligible,
+)
+from gpuwarden.core.states import JobState
+from gpuwarden.errors import ModuleError
+from gpuwarden.registry import parse_module
 
 NOW = 1_000_000.0
 
@@ -260,3 +280,91 @@ def test_the_virtual_run_does_preempt_and_resume() -> None:
     assert by_id["train"].attempts == ["checkpointed", "done"]
     assert by_id["stubborn"].attempts == ["preempted", "done"]
     assert all(j.finished == 1 for j in jobs)
+
+
+# -- the type keys and the outcomes ---------------------------------------------------
+
+_TRAIN = """[module]
+name = "mine"
+
+[types.train]
+lane = "vram"
+vram_gib = 4
+command = ["{python}", "src/run.py"]
+"""
+
+
+def _module(tmp_path: Path, extra: str, lane: str = "vram") -> Path:
+    path = tmp_path / "mine"
+    (path / "src").mkdir(parents=True)
+    (path / "src" / "run.py").write_text("print('hi')\n")
+    toml = _TRAIN if lane == "vram" else _TRAIN.replace('"vram"', '"cpu"').replace("4", "0")
+    (path / "module.toml").write_text(toml + extra)
+    return path
+
+
+def test_module_toml_preemption_keys(tmp_path: Path) -> None:
+    (jt,) = parse_module(_module(tmp_path / "a", "preemptible = true\n")).types
+    assert (jt.preemptible, jt.checkpoint_signal, jt.checkpoint_grace_s, jt.min_run_s) == (
+        True,
+        DEFAULT_SIGNAL,
+        DEFAULT_GRACE_S,
+        DEFAULT_MIN_RUN_S,
+    )
+    keys = (
+        'preemptible = true\ncheckpoint_signal = "SIGTERM"\ncheckpoint_grace_s = 5\nmin_run_s = 0\n'
+    )
+    (jt,) = parse_module(_module(tmp_path / "b", keys)).types
+    assert (jt.checkpoint_signal, jt.checkpoint_grace_s, jt.min_run_s) == ("SIGTERM", 5.0, 0.0)
+    (jt,) = parse_module(_module(tmp_path / "c", "")).types
+    assert not jt.preemptible
+
+
+@pytest.mark.parametrize(
+    ("extra", "lane", "words"),
+    [
+        ('preemptible = true\ncheckpoint_signal = "SIGKILL"\n', "vram", "checkpoint_signal"),
+        ("checkpoint_grace_s = 5\n", "vram", "applies only to preemptible"),
+        ("preemptible = true\n", "cpu", 'lane = "vram"'),
+        ('preemptible = true\nlaunch = "serve"\n', "vram", "processes of their own"),
+    ],
+)
+def test_module_toml_preemption_refusals(tmp_path: Path, extra: str, lane: str, words: str) -> None:
+    with pytest.raises(ModuleError) as info:
+        parse_module(_module(tmp_path, extra, lane))
+    assert words in str(info.value)
+
+
+def test_exit_6_after_the_signal_is_checkpointed_and_spends_nothing() -> None:
+    facts = AttemptFacts(exit_code=6, preempted_for="urgent", checkpoint_signal="SIGUSR1")
+    v = classify(facts, attempt=3, max_retries=0)
+    assert (v.outcome, v.target) == (Outcome.CHECKPOINTED, JobState.QUEUED)
+    assert "urgent" in v.reason and "GPUWARDEN_RESUME=1" in v.reason
+    # unasked, exit 6 is the job's own failure
+    v = classify(AttemptFacts(exit_code=6), attempt=1, max_retries=2)
+    assert v.outcome is Outcome.JOB_FAILED
+    # asked, and it ended well anyway: done
+    v = classify(AttemptFacts(exit_code=0, preempted_for="urgent"), attempt=1, max_retries=2)
+    assert v.outcome is Outcome.SUCCEEDED
+
+
+def test_stopped_after_the_grace_is_preempted_and_counted_as_an_interruption() -> None:
+    facts = AttemptFacts(exit_code=-15, stopped=True, preempted_for="urgent")
+    v = classify(facts, attempt=1, max_retries=0, interruptions=0, max_interruptions=1)
+    assert (v.outcome, v.target) == (Outcome.PREEMPTED, JobState.QUEUED)
+    assert "interruption 1/1" in v.reason
+    v = classify(facts, attempt=2, max_retries=0, interruptions=1, max_interruptions=1)
+    assert (v.outcome, v.target) == (Outcome.PREEMPTED, JobState.QUARANTINED)
+    # a shutdown during the grace is a shutdown
+    down = AttemptFacts(exit_code=-15, stopped=True, shutting_down=True, preempted_for="u")
+    assert classify(down, attempt=1, max_retries=0).outcome is Outcome.SHUTDOWN
+    assert interruptions_before(["preempted", "interrupted", "checkpointed", None]) == 2
+    assert checkpoints_before(["preempted", "checkpointed", "checkpointed"]) == 2
+
+
+def test_checkpoints_spend_no_retry_of_a_later_failure() -> None:
+    launch = AttemptFacts(exit_code=None, launch_error="no runtime")
+    v = classify(launch, attempt=3, max_retries=1, checkpoints=2)
+    assert v.target is JobState.QUEUED and "retrying (1/1)" in v.reason
+    v = classify(launch, attempt=3, max_retries=1)
+    assert v.target is JobState.QUARANTINED

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gpuwarden.core.preempt import CHECKPOINT_EXIT
 from gpuwarden.core.states import JobState
 
 
@@ -33,6 +34,12 @@ class Outcome(StrEnum):
     CUDA_OOM = "cuda_oom"  # CUDA OOM with the GPU to itself: its footprint is wrong
     #: the broker failed while it completed the attempt (a bug): the job fails
     INTERNAL_ERROR = "internal_error"
+    #: asked to yield (preemption), it saved its state and exited 6: re-queued,
+    #: no retry spent, resumed with ``GPUWARDEN_RESUME=1``
+    CHECKPOINTED = "checkpointed"
+    #: asked to yield, it did not exit within its grace: stopped and re-queued,
+    #: counted against its interruptions (``max_interruptions``), no retry spent
+    PREEMPTED = "preempted"
 
 
 INFRASTRUCTURE = frozenset(
@@ -86,6 +93,10 @@ class AttemptFacts:
     #: the sandbox stopped it for passing one of its limits, and which
     #: (``"output past 16384 MiB"``), or None: the job's own failure
     limit_exceeded: str | None = None
+    #: it was asked to checkpoint (preempted) for this job, or None
+    preempted_for: str | None = None
+    #: the signal it was sent then
+    checkpoint_signal: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +113,7 @@ def classify(
     max_retries: int,
     interruptions: int = 0,
     max_interruptions: int = DEFAULT_MAX_INTERRUPTIONS,
+    checkpoints: int = 0,
 ) -> Verdict:
     """Map an ended attempt to the job's next state and a reason a person can read.
 
@@ -111,10 +123,13 @@ def classify(
     against ``max_retries``. An interruption itself is re-queued while the job's
     interruptions, this one included, are at most ``max_interruptions``, and
     quarantined past that: a job that takes the broker down every time it runs
-    must not do so for ever.
+    must not do so for ever. ``checkpoints`` is how many ended ``checkpointed``
+    (:func:`checkpoints_before`): they spend neither.
     """
     outcome, reason = _outcome(facts)
-    if outcome is Outcome.INTERRUPTED:
+    if outcome is Outcome.CHECKPOINTED:
+        return Verdict(outcome, JobState.QUEUED, f"{reason}; re-queued without spending a retry")
+    if outcome in (Outcome.INTERRUPTED, Outcome.PREEMPTED):
         count = interruptions + 1
         if count <= max_interruptions:
             return Verdict(
@@ -123,16 +138,28 @@ def classify(
                 f"{reason}; re-queued without spending a retry "
                 f"(interruption {count}/{max_interruptions})",
             )
+        if outcome is Outcome.PREEMPTED:
+            why = (
+                f"{count} of its attempts were interrupted (max_interruptions = "
+                f"{max_interruptions}), the last by ignoring its checkpoint signal"
+            )
+        else:
+            why = (
+                f"the broker stopped unexpectedly during {count} of its attempts "
+                f"(max_interruptions = {max_interruptions}), so the job may be what takes "
+                "the broker down"
+            )
         return Verdict(
             outcome,
             JobState.QUARANTINED,
-            f"{reason}; quarantined: the broker stopped unexpectedly during {count} of its "
-            f"attempts (max_interruptions = {max_interruptions}), so the job may be what "
-            "takes the broker down (each attempt's reason: `gpuwarden show JOB`)",
+            f"{reason}; quarantined: {why} (each attempt's reason: `gpuwarden show JOB`)",
         )
     if outcome in INFRASTRUCTURE:
         target, why = retry_or_quarantine(
-            reason, attempt=attempt, max_retries=max_retries, interruptions=interruptions
+            reason,
+            attempt=attempt,
+            max_retries=max_retries,
+            interruptions=interruptions + checkpoints,
         )
         return Verdict(outcome, target, why)
     target = {
@@ -166,9 +193,19 @@ def retry_or_quarantine(
     )
 
 
+#: outcomes that count against a job's ``max_interruptions`` (and spend no retry)
+INTERRUPTIONS = frozenset({Outcome.INTERRUPTED.value, Outcome.PREEMPTED.value})
+
+
 def interruptions_before(outcomes: Iterable[str | None]) -> int:
-    """How many of a job's earlier attempts (their stored outcomes) were interrupted."""
-    return sum(1 for o in outcomes if o == Outcome.INTERRUPTED.value)
+    """How many of a job's earlier attempts (their stored outcomes) were interrupted:
+    by the broker's own end, or stopped after ignoring a checkpoint signal."""
+    return sum(1 for o in outcomes if o in INTERRUPTIONS)
+
+
+def checkpoints_before(outcomes: Iterable[str | None]) -> int:
+    """How many of a job's earlier attempts ended checkpointed (they spend nothing)."""
+    return sum(1 for o in outcomes if o == Outcome.CHECKPOINTED.value)
 
 
 def internal_error(what: str) -> Verdict:
@@ -179,6 +216,20 @@ def internal_error(what: str) -> Verdict:
         JobState.FAILED,
         f"internal error while the broker completed the attempt: {what} "
         "(a gpuwarden bug: the broker's log has the traceback)",
+    )
+
+
+def _preempted(f: AttemptFacts, for_job: str) -> tuple[Outcome, str]:
+    if f.exit_code != CHECKPOINT_EXIT:
+        return (
+            Outcome.PREEMPTED,
+            f"preempted for job {for_job}: it did not exit within its checkpoint grace after "
+            f"{f.checkpoint_signal}, so it was stopped",
+        )
+    return (
+        Outcome.CHECKPOINTED,
+        f"checkpointed on {f.checkpoint_signal} (exit {CHECKPOINT_EXIT}), yielding to job "
+        f"{for_job}; it resumes with GPUWARDEN_RESUME=1",
     )
 
 
@@ -200,6 +251,10 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         return Outcome.WORKER_FAILED, f"its warm server failed: {f.worker_error}"
     if f.stopped and f.cancel_requested:
         return Outcome.CANCELLED, "cancelled while running; its processes were stopped"
+    if f.preempted_for is not None and (
+        f.exit_code == CHECKPOINT_EXIT or (f.stopped and not f.shutting_down)
+    ):
+        return _preempted(f, f.preempted_for)
     if f.stopped:
         return (
             Outcome.SHUTDOWN,

@@ -83,6 +83,13 @@ class JobType:
     #: model its jobs use, and that model; None: not a runtime type
     runtime: str | None = None
     model: str | None = None
+    #: its jobs may be asked to checkpoint and yield to a job of higher priority
+    #: (``gpuwarden.core.preempt``): the signal they are sent, how long they have
+    #: to exit 6 after it, and how long one must have run before it may be asked
+    preemptible: bool = False
+    checkpoint_signal: str = "SIGUSR1"
+    checkpoint_grace_s: float = 60.0
+    min_run_s: float = 300.0
 
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from gpuwarden.core.ledger import Holding, compatible
 
@@ -29,7 +30,7 @@ from gpuwarden.core.ledger import Holding, compatible
 CHECKPOINT_EXIT = 6
 #: the signals a type may name as its ``checkpoint_signal``
 SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGWINCH")
-DEFAULT_SIGNAL = "SIGUSR1"
+DEFAULT_SIGNAL: Final = "SIGUSR1"
 DEFAULT_GRACE_S = 60.0
 DEFAULT_MIN_RUN_S = 300.0
 #: the most victims considered on one GPU (the search is over their subsets)
