@@ -120,9 +120,12 @@ def job_env(
     attempt: int,
     base: Mapping[str, str],
     weights_dir: Path | None,
+    resume: bool = False,
 ) -> dict[str, str]:
     """The environment a job starts with (SPEC.md section 7): ``base`` (see
-    :func:`host_env`) and the ``GPUWARDEN_*`` variables that name its files."""
+    :func:`host_env`) and the ``GPUWARDEN_*`` variables that name its files;
+    ``GPUWARDEN_RESUME=1`` when it resumes (its output folder carried over from an
+    attempt that was checkpointed or preempted)."""
     env = dict(base)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(
@@ -139,6 +142,8 @@ def job_env(
     )
     if weights_dir is not None:
         env["GPUWARDEN_WEIGHTS_DIR"] = str(weights_dir)
+    if resume:
+        env["GPUWARDEN_RESUME"] = "1"
     return env
 
 
@@ -237,6 +242,22 @@ class Launching:
                 moved_to=str(made.moved_aside),
             )
 
+    def carry_outputs(
+        self, run: RunningAttempt, layout: AttemptLayout, owner: tuple[int, int] | None
+    ) -> None:
+        """A resumed attempt starts with what the previous one left in its output
+        folder (its checkpoint): copied, by descriptor, into this one's."""
+        assert run.resume_from is not None
+        with safefs.opened_dir(layout.out) as out_fd:
+            copied = safefs.copy_into(run.resume_from, out_fd, owner=owner)
+        self.emit(
+            "outputs_carried_over",
+            job=run.job.id,
+            attempt=run.attempt.number,
+            files=len(copied.files),
+            refused=len(copied.refused),
+        )
+
     def params(self, run: RunningAttempt) -> tuple[Path, dict[str, Any]]:
         """The job's input directory, and its parameters with inputs made absolute."""
         input_dir = AttemptLayout(run.attempt_dir, given_inputs=_given_inputs(run.job)).inputs
@@ -254,6 +275,8 @@ class Launching:
         owner = self.sandbox_owner(jobtype)
         for d in layout.folders():
             safefs.make_dir(d, owner=owner)
+        if run.resume_from is not None:
+            self.carry_outputs(run, layout, owner)
         input_dir, params = self.params(run)
         weights = self.settings.weights_dir
         mounts: tuple[Mount, ...] = ()
@@ -285,6 +308,7 @@ class Launching:
             attempt=run.attempt.number,
             base=host_env(self.probe.job_env(gpu)),
             weights_dir=weights,
+            resume=run.resume_from is not None,
         )
         return LaunchRequest(
             job_id=job.id,

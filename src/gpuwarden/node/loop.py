@@ -50,6 +50,7 @@ from gpuwarden.node.attempts import Launching
 from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.measured import Footprints, RunTimes
+from gpuwarden.node.preempting import Preemptions
 from gpuwarden.node.queue import ClassKey, QueueBook
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner, Recorded
@@ -207,6 +208,8 @@ class Broker:
             clock=self._clock,
             stats=self.stats,
         )
+        #: the running preemptible jobs asked to yield (``core/preempt.py``'s rule)
+        self.preemptions = Preemptions(attempts=self.attempts, emit=self.emit)
         self.gpus = GpuWatch(
             probe=self.probe,
             vram=self.vram,
@@ -411,6 +414,9 @@ class Broker:
                 self.stats.evicted(eviction.type)
         for ask in done.asks:
             self.runtimes.ask(ask, now)
+        for preempt in done.preemptions:
+            if self.preemptions.ask(preempt, now):
+                self._status_dirty = True
         index = self.queue.index
         for refused in done.refusals:
             index.remove(refused.job_id)
@@ -471,6 +477,7 @@ class Broker:
             held_back=tuple(
                 (w.job_id, w.reserved_gpu) for w in self._waits.values() if w.reserved_gpu
             ),
+            victims=self.preemptions.victims(),
         )
 
     def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> bool:
@@ -567,9 +574,11 @@ class Broker:
     def _pass_cancels(self, now: float) -> None:
         if not len(self.attempts):
             return
+        self.preemptions.overdue(now)  # an asked job past its checkpoint grace is stopped
         for job in self.store.running_jobs():
             run = self.attempts.by_job.get(job.id)
-            if run is not None and job.cancel_requested and run.stop_reason is None:
+            # a cancel overrides a preemption's stop (the job is cancelled, not re-queued)
+            if run is not None and job.cancel_requested and run.stop_reason in (None, "preempt"):
                 run.stop_reason = "cancel"
                 run.stop.set()
                 if run.server is not None and run.server.state is not ServerState.STOPPING:

@@ -19,6 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpuwarden import faults
@@ -28,6 +29,7 @@ from gpuwarden.core.classify import (
     AttemptFacts,
     Outcome,
     Verdict,
+    checkpoints_before,
     classify,
     internal_error,
     interruptions_before,
@@ -37,7 +39,7 @@ from gpuwarden.core.model import Job, JobType, LaunchMode
 from gpuwarden.errors import GpuwardenError, TransitionError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Starter
 from gpuwarden.node import attemptfs
-from gpuwarden.node.attempts import Launching
+from gpuwarden.node.attempts import AttemptLayout, Launching
 from gpuwarden.node.measured import Footprints, RamPeaks, RunTimes, tree_shows_ram
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
 from gpuwarden.node.stats import NodeStats
@@ -147,8 +149,20 @@ class AttemptRunner:
             self.store.commit()  # its warm server is handed the job at once
         attempt_dir = self.launching.attempt_dir(job.id, attempt.number)
         run = RunningAttempt(job=job, attempt=attempt, jobtype=jobtype, attempt_dir=attempt_dir)
+        run.resume_from = self._resumes_from(run)
         self.by_job[job.id] = run
         return run
+
+    def _resumes_from(self, run: RunningAttempt) -> Path | None:
+        """A preemptible job's attempt after one that ended checkpointed or
+        preempted resumes: that attempt's output folder is carried into this one's."""
+        number = run.attempt.number
+        if not run.jobtype.preemptible or number < 2:
+            return None
+        before = [a for a in self.store.attempts(run.job.id) if a.number == number - 1]
+        if before and before[0].outcome in (Outcome.CHECKPOINTED.value, Outcome.PREEMPTED.value):
+            return AttemptLayout(self.launching.attempt_dir(run.job.id, number - 1)).out
+        return None
 
     @contextlib.contextmanager
     def launches_after_commit(self) -> Iterator[None]:
@@ -266,6 +280,7 @@ class AttemptRunner:
     def on_started(self, note: Started) -> None:
         run = self.by_job.get(note.job_id)
         if run is not None and run.attempt.number == note.attempt:
+            run.pid = note.pid
             self.vram.set_pid(run.holder, note.pid)
             self.store.set_attempt_pid(run.job.id, run.attempt.number, note.pid)
             if run.ram_measured:
@@ -347,6 +362,7 @@ class AttemptRunner:
             ("noting its run time", lambda: self._note_run_time(run, result, verdict)),
             ("forgetting its RAM samples", lambda: self.ram.end(run.holder)),
             ("counting it", lambda: self._count(run, result, verdict)),
+            ("saying its preemption ended", lambda: self._preemption_ended(run, verdict)),
             ("touching its bundle", lambda: self._touch_bundle(run)),
         ]
         for where, step in steps:
@@ -374,6 +390,8 @@ class AttemptRunner:
             stopped=result.stopped,
             cancel_requested=run.stop_reason == "cancel",
             shutting_down=run.stop_reason == "shutdown",
+            preempted_for=run.preempting_for,
+            checkpoint_signal=run.jobtype.checkpoint_signal,
             launch_error=result.launch_error,
             oom_killed=result.oom_killed,
             limit_exceeded=result.limit_exceeded,
@@ -382,8 +400,11 @@ class AttemptRunner:
             stderr_tail=stderr_tail,
         )
         number, max_retries = run.attempt.number, run.jobtype.max_retries
-        verdict = classify(facts, attempt=number, max_retries=max_retries)
-        if verdict.outcome in INFRASTRUCTURE and number > 1:
+        most = self.max_interruptions(run.jobtype)
+        verdict = classify(facts, attempt=number, max_retries=max_retries, max_interruptions=most)
+        if (
+            verdict.outcome in INFRASTRUCTURE or verdict.outcome is Outcome.PREEMPTED
+        ) and number > 1:
             # earlier interruptions by the broker's own end spend no retry (rare:
             # the store is asked only for a retried infrastructure failure)
             earlier = [a.outcome for a in self.store.attempts(run.job.id) if a.number < number]
@@ -392,7 +413,8 @@ class AttemptRunner:
                 attempt=number,
                 max_retries=max_retries,
                 interruptions=interruptions_before(earlier),
-                max_interruptions=self.max_interruptions(run.jobtype),
+                max_interruptions=most,
+                checkpoints=checkpoints_before(earlier),
             )
         reason = verdict.reason
         if result.survivors:
@@ -513,6 +535,17 @@ class AttemptRunner:
     def _count(self, run: RunningAttempt, result: LaunchResult, verdict: Verdict) -> None:
         run_s = result.ended_at - result.started_at
         self.stats.attempt_ended(run.jobtype.name, verdict.outcome.value, run_s)
+
+    def _preemption_ended(self, run: RunningAttempt, verdict: Verdict) -> None:
+        if verdict.outcome in (Outcome.CHECKPOINTED, Outcome.PREEMPTED):
+            self.emit(
+                verdict.outcome.value,
+                job=run.job.id,
+                attempt=run.attempt.number,
+                for_job=run.preempting_for,
+                signal=run.jobtype.checkpoint_signal,
+                target=verdict.target.value,
+            )
 
     def _touch_bundle(self, run: RunningAttempt) -> None:
         if run.job.bundle and run.job.queue_root:

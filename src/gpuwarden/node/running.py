@@ -73,7 +73,7 @@ class RunningAttempt:
     stop: threading.Event = field(default_factory=StopSignal)
     #: what ends with the attempt: its worker thread, or the reaper's handle
     thread: Joinable | None = None
-    stop_reason: str | None = None  # "cancel" or "shutdown"
+    stop_reason: str | None = None  # "cancel", "shutdown" or "preempt"
     server: WarmServer | None = None  # the warm server it runs on (serve types)
     #: why its GPU stopped it ("gpu_fault" or "app_error" stop reasons)
     fault: str | None = None
@@ -83,6 +83,14 @@ class RunningAttempt:
     runtime: str | None = None
     #: its processes are in its main process's tree: their RAM is measured
     ram_measured: bool = False
+    #: its main process (from its ``Started`` note), None until it runs
+    pid: int | None = None
+    #: asked to checkpoint (preempted) for this job, and until when it may take
+    preempting_for: str | None = None
+    preempt_deadline: float = 0.0
+    #: the previous attempt's output folder, carried into this one's (it resumes
+    #: after a checkpoint or a preemption: ``GPUWARDEN_RESUME=1``), or None
+    resume_from: Path | None = None
 
     @property
     def holder(self) -> str:
