@@ -41,9 +41,16 @@ def out_file(b: Broker, job: str, attempt: int, name: str) -> Path:
     return b.config.parent / "state" / "jobs" / job / f"attempt-{attempt}" / "out" / name
 
 
-def running_for(b: Broker, job: str, steps: int) -> bool:
+def running(b: Broker, job: str) -> bool:
     """The job runs and has logged its start (its process holds its memory)."""
     return show(b, job)["state"] == "running" and out_file(b, job, 1, "log.txt").exists()
+
+
+def status(b: Broker) -> dict[str, Any]:
+    r = run("--config", b.config, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    node: dict[str, Any] = json.loads(r.stdout)["nodes"][0]
+    return node
 
 
 def ended(b: Broker, *jobs: str) -> bool:
@@ -52,7 +59,7 @@ def ended(b: Broker, *jobs: str) -> bool:
 
 def test_a_training_run_checkpoints_yields_and_resumes(broker: Broker) -> None:
     submit(broker, "trainmods.train", "--steps", "60", "--step-s", "0.05", "--id", "train")
-    wait_for(lambda: running_for(broker, "train", 0), "train running")
+    wait_for(lambda: running(broker, "train"), "train running")
     submit(broker, "trainmods.urgent", "--priority", "5", "--id", "urgent")
     wait_for(lambda: ended(broker, "train", "urgent"), "both ended", timeout=60)
 
@@ -89,8 +96,18 @@ def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     broker: Broker,
 ) -> None:
     submit(broker, "trainmods.stubborn", "--steps", "120", "--step-s", "0.05", "--id", "stub")
-    wait_for(lambda: running_for(broker, "stub", 0), "stub running")
+    wait_for(lambda: running(broker, "stub"), "stub running")
     submit(broker, "trainmods.urgent", "--priority", "5", "--id", "urgent")
+
+    def says_so() -> bool:  # during its grace (3 s), status says who yields to whom
+        node = status(broker)
+        running = {r["job"]: r.get("preempting_for") for r in node["running"]}
+        why = node["waiting"].get("urgent", "")
+        return running.get("stub") == "urgent" and "Preempting stub for urgent" in why
+
+    wait_for(says_so, "status: preempting stub for urgent", timeout=10)
+    text = run("--config", broker.config, "status").stdout
+    assert "stub (preempting for urgent)" in text
     wait_for(lambda: ended(broker, "stub", "urgent"), "both ended", timeout=60)
 
     assert [e["job"] for e in broker.events("preemption_requested")] == ["stub"]

@@ -283,7 +283,9 @@ def _print_status(node: str, pid: int | None, old_s: float, st: BrokerStatus, pr
         out.print(queues)
     running = Table("running job", "type", "attempt", "GPU", "for")
     for r in st.running:
-        running.add_row(r.job, r.type, str(r.attempt), r.gpu or "-", age(r.started_at))
+        # a job asked to yield says so: "preempting X for Y"
+        job = r.job if r.preempting_for is None else f"{r.job} (preempting for {r.preempting_for})"
+        running.add_row(job, r.type, str(r.attempt), r.gpu or "-", age(r.started_at))
     out.print(running if st.running else "running: none")
     if st.waiting:
         waiting = Table("waiting job", "why")

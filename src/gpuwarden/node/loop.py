@@ -698,6 +698,7 @@ class Broker:
                     attempt=r.attempt.number,
                     gpu=r.attempt.gpu_uuid,
                     started_at=r.attempt.started_at,
+                    preempting_for=r.preempting_for,
                 )
                 for r in self.attempts
             ),

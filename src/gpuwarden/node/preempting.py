@@ -105,10 +105,6 @@ class Preemptions:
                     for_job=run.preempting_for,
                 )
 
-    def preempting(self) -> dict[str, str]:
-        """The running jobs asked to yield, each with the job it yields to."""
-        return {r.job.id: r.preempting_for for r in self.attempts if r.preempting_for is not None}
-
 
 def _overdue(run: RunningAttempt, now: float) -> bool:
     return (

@@ -112,15 +112,20 @@ class RunningStatus:
     attempt: int
     gpu: str | None = None
     started_at: float | None = None
+    #: asked to checkpoint and yield to this job (preemption), or None
+    preempting_for: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "job": self.job,
             "type": self.type,
             "attempt": self.attempt,
             "gpu": self.gpu,
             "started_at": self.started_at,
         }
+        if self.preempting_for is not None:
+            out["preempting_for"] = self.preempting_for
+        return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunningStatus:
@@ -130,6 +135,7 @@ class RunningStatus:
             attempt=int(d.get("attempt", 0)),
             gpu=d.get("gpu"),
             started_at=d.get("started_at"),
+            preempting_for=d.get("preempting_for"),
         )
 
 
