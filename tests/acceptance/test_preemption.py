@@ -99,7 +99,7 @@ def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     wait_for(lambda: running(broker, "stub"), "stub running")
     submit(broker, "trainmods.urgent", "--priority", "5", "--id", "urgent")
 
-    def says_so() -> bool:  # during its grace (3 s), status says who yields to whom
+    def says_so() -> bool:  # during its grace (5 s), status says who yields to whom
         node = status(broker)
         running = {r["job"]: r.get("preempting_for") for r in node["running"]}
         why = node["waiting"].get("urgent", "")
@@ -108,6 +108,10 @@ def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     wait_for(says_so, "status: preempting stub for urgent", timeout=10)
     text = run("--config", broker.config, "status").stdout
     assert "stub (preempting for urgent)" in text
+    said = run("--config", broker.config, "explain", "stub").stdout
+    assert "preempting stub for urgent" in said, said
+    said = run("--config", broker.config, "explain", "urgent").stdout
+    assert "Preempting stub for urgent" in said, said
     wait_for(lambda: ended(broker, "stub", "urgent"), "both ended", timeout=60)
 
     assert [e["job"] for e in broker.events("preemption_requested")] == ["stub"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuwarden.core import dependencies, footprint, policy, profile
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
@@ -47,6 +47,8 @@ class View:
     warm: tuple[policy.WarmView, ...] = ()
     #: the managed runtimes as the broker last saw them (who may be asked)
     runtimes: tuple[policy.RuntimeView, ...] = ()
+    #: the running jobs asked to checkpoint and yield, each with the job it yields to
+    preempting: dict[str, str] = field(default_factory=dict)
 
 
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
@@ -89,6 +91,7 @@ def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
             )
             for r in published.runtimes
         ),
+        {r.job: r.preempting_for for r in published.running if r.preempting_for is not None},
     )
 
 
@@ -284,6 +287,8 @@ def explain_job(
         a = attempts[-1]
         where = f"on {a.gpu_uuid}" if a.gpu_uuid else "on a cpu slot"
         lines.append(f"attempt {a.number} runs {where} since {time.ctime(a.started_at)}")
+        if view is not None and (for_job := view.preempting.get(job.id)) is not None:
+            lines.append(f"preempting {job.id} for {for_job}: it was asked to checkpoint and yield")
         lines += running(job) if running else []
         return lines
     if job.held:  # not planned, nor offered, until its dependencies hold
