@@ -58,7 +58,7 @@ def ended(b: Broker, *jobs: str) -> bool:
 
 
 def test_a_training_run_checkpoints_yields_and_resumes(broker: Broker) -> None:
-    submit(broker, "trainmods.train", "--steps", "60", "--step-s", "0.05", "--id", "train")
+    submit(broker, "trainmods.train", "--steps", "200", "--step-s", "0.03", "--id", "train")
     wait_for(lambda: running(broker, "train"), "train running")
     submit(broker, "trainmods.urgent", "--priority", "5", "--id", "urgent")
     wait_for(lambda: ended(broker, "train", "urgent"), "both ended", timeout=60)
@@ -81,21 +81,21 @@ def test_a_training_run_checkpoints_yields_and_resumes(broker: Broker) -> None:
     assert first["ended_at"] <= u["started_at"] <= second["started_at"]
     # the resumed attempt got the first one's output folder and GPUWARDEN_RESUME=1
     step = int(out_file(broker, "train", 1, "step.txt").read_text())
-    assert 0 < step < 60
+    assert 0 < step < 200
     log = out_file(broker, "train", 2, "log.txt").read_text().splitlines()
     assert log == [
         "attempt 1: start at step 0 resume=0",
         f"attempt 1: checkpointed at step {step}",
         f"attempt 2: start at step {step} resume=1",
-        "attempt 2: finished at step 60",
+        "attempt 2: finished at step 200",
     ]
-    assert out_file(broker, "train", 2, "done.txt").read_text() == "60"
+    assert out_file(broker, "train", 2, "done.txt").read_text() == "200"
 
 
 def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     broker: Broker,
 ) -> None:
-    submit(broker, "trainmods.stubborn", "--steps", "120", "--step-s", "0.05", "--id", "stub")
+    submit(broker, "trainmods.stubborn", "--steps", "400", "--step-s", "0.03", "--id", "stub")
     wait_for(lambda: running(broker, "stub"), "stub running")
     submit(broker, "trainmods.urgent", "--priority", "5", "--id", "urgent")
 
@@ -129,4 +129,4 @@ def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     log = out_file(broker, "stub", 2, "log.txt").read_text().splitlines()
     assert log[0] == "attempt 1: start at step 0 resume=0"
     assert "attempt 2: start at step 0 resume=1" in log
-    assert log[-1] == "attempt 2: finished at step 120"
+    assert log[-1] == "attempt 2: finished at step 400"
