@@ -1,0 +1,67 @@
+"""Fair share as the broker loop keeps it: each owner's decayed use in VRAM GiB-hours.
+
+The table is small (one entry per owner) and lives in the loop
+(:class:`gpuwarden.core.fairshare.Usage`): it is read once at start from the
+store's ``fair_share`` table and added to as each attempt ends (its holding's
+bytes times its run time), in the store in the same batch as the end and in the
+loop's table once that batch is committed. A planning pass reads each owner's
+use once (:meth:`FairUse.table`), so the hot path costs a dict lookup per class.
+
+A stored table rather than the attempts' history: what an attempt held is known
+only to the loop's ledger (the attempts table does not keep it), and the table
+is O(owners) to load however long the history, where reading 5 half-lives of
+attempts back would cost a scan that grows with the job rate.
+"""
+
+from __future__ import annotations
+
+from gpuwarden.core.fairshare import Usage, gib_hours
+from gpuwarden.core.model import Lane
+from gpuwarden.node.measured import Footprints
+from gpuwarden.node.running import RunningAttempt
+from gpuwarden.node.vram import VramBook
+from gpuwarden.store.base import Store
+
+
+class FairUse:
+    """The owners' use, in the store and in the loop."""
+
+    def __init__(self, store: Store, half_life_s: float) -> None:
+        self.store = store
+        self.usage = Usage(half_life_s)
+        self._pending: list[tuple[str | None, float, float]] = []
+        if self.usage.enabled:
+            self.usage.load(store.fair_share())
+
+    def table(self, now: float) -> dict[str, float]:
+        """Each owner's use now (owner "" is local)."""
+        return self.usage.table(now) if self.usage.enabled else {}
+
+    def charge(
+        self, run: RunningAttempt, vram: VramBook, footprints: Footprints, now: float
+    ) -> None:
+        """The attempt ended at ``now``: count what it held (written in the open
+        batch; the loop's table follows at :meth:`committed`)."""
+        if not self.usage.enabled:
+            return
+        holding = vram.ledger.get(run.holder)
+        if holding is not None:
+            nbytes = holding.bytes
+        elif run.jobtype.lane is Lane.VRAM:  # on a warm server: what its type holds
+            nbytes = footprints.of(run.jobtype, run.job.vram_bytes)
+        else:
+            return
+        used = gib_hours(nbytes, run.attempt.started_at, now)
+        if used <= 0:
+            return
+        self.store.add_fair_share(run.job.owner, used, now=now, half_life_s=self.usage.half_life_s)
+        self._pending.append((run.job.owner, used, now))
+
+    def committed(self) -> None:
+        for owner, used, at in self._pending:
+            self.usage.add(owner, used, at)
+        self._pending.clear()
+
+    def dropped(self) -> None:
+        """The batch was not committed: its ends are drained again."""
+        self._pending.clear()
