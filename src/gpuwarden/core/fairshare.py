@@ -16,10 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwarden.core.model import GIB
 
-__all__ = ["DEFAULT_HALF_LIFE_S", "GIB", "Usage", "decayed", "gib_hours", "standing"]
+__all__ = [
+    "DEFAULT_HALF_LIFE_S",
+    "Usage",
+    "decayed",
+    "gib_hours",
+    "share_rows",
+    "standing",
+    "why_behind",
+]
 
 #: the default half-life of a use: 7 days
 DEFAULT_HALF_LIFE_S = 7 * 24 * 3600.0
@@ -97,3 +106,34 @@ def standing(use: Mapping[str, float]) -> dict[str, int]:
     """Each owner's rank among owners: 1 for the least use (who goes first)."""
     ranked = sorted(use, key=lambda o: (use[o], o))
     return {o: n for n, o in enumerate(ranked, start=1)}
+
+
+def share_rows(
+    use: Mapping[str, float], counts: Mapping[str, tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """What ``gpuwarden share`` shows: each owner (owner "" is local) with its use in
+    GiB-hours now, its queued and running jobs, and its standing (1: goes first at
+    equal priority), least use first. ``counts``: ``(queued, running)`` by owner."""
+    owners = set(use) | set(counts)
+    ranks = standing({o: use.get(o, 0.0) for o in owners})
+    return [
+        {
+            "owner": o,
+            "gib_h": round(use.get(o, 0.0), 4),
+            "queued": counts.get(o, (0, 0))[0],
+            "running": counts.get(o, (0, 0))[1],
+            "standing": ranks[o],
+        }
+        for o in sorted(owners, key=ranks.__getitem__)
+    ]
+
+
+def why_behind(mine: str, my_use: float, other: str, other_use: float) -> str | None:
+    """Why a job of ``mine`` waits behind a job of ``other`` at equal priority
+    because of fair share, or None when fair share is not why."""
+    if other == mine or other_use >= my_use:
+        return None
+    return (
+        f"fair share: owner {other or 'local'} has used less: "
+        f"{other_use:.2f} GiB-h against {my_use:.2f}"
+    )

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwarden.core import dependencies, footprint, policy, profile
+from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, Usage, why_behind
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
@@ -252,6 +253,27 @@ def estimate_line(type_name: str, est_s: float, store: Store) -> str:
     )
 
 
+def fair_share_lines(job: Job, store: Store, half_life_s: float) -> list[str]:
+    """A queued job behind the jobs of another owner who used less, at equal priority
+    (fair share): the owner who used least of them, with both uses."""
+    if half_life_s <= 0:
+        return []
+    now = time.time()
+    usage = Usage(half_life_s)
+    usage.load(store.fair_share())
+    mine = job.owner or ""
+    others = {
+        e.owner or ""
+        for e in store.queue_entries()
+        if e.priority == job.priority and (e.owner or "") != mine
+    }
+    if not others:
+        return []
+    least = min(others, key=lambda o: (usage.of(o, now), o))
+    why = why_behind(mine, usage.of(mine, now), least, usage.of(least, now))
+    return [] if why is None else [f"it waits behind another owner's jobs: {why}"]
+
+
 def explain_job(
     job: Job,
     store: Store,
@@ -260,6 +282,7 @@ def explain_job(
     *,
     placement: ClusterLines | None = None,
     running: ClusterLines | None = None,
+    half_life_s: float = DEFAULT_HALF_LIFE_S,
 ) -> list[str]:
     """Lines that say where a job stands and, if it waits, why."""
     lines = [f"{job.id} ({job.type}) is {job.state.value}"]
@@ -320,5 +343,7 @@ def explain_job(
             now = store.get_job(job.id)
             state = now.state.value if now is not None else "gone"
             lines.append(f"it left the queue just now: it is {state}")
+    if reason is not None:  # it waits: behind another owner's jobs, by fair share?
+        lines += fair_share_lines(job, store, half_life_s)
     lines.append(f"(as seen by the {view.source})")
     return lines

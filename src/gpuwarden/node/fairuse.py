@@ -15,12 +15,18 @@ attempts back would cost a scan that grows with the job rate.
 
 from __future__ import annotations
 
-from gpuwarden.core.fairshare import Usage, gib_hours
+from collections.abc import Callable
+from typing import Any
+
+from gpuwarden.core.fairshare import Usage, gib_hours, share_rows
 from gpuwarden.core.model import Lane
 from gpuwarden.node.measured import Footprints
 from gpuwarden.node.running import RunningAttempt
 from gpuwarden.node.vram import VramBook
 from gpuwarden.store.base import Store
+
+#: how ``share`` names the owner of jobs no API token submitted
+LOCAL_NAME = "local (CLI and bundles)"
 
 
 class FairUse:
@@ -65,3 +71,20 @@ class FairUse:
     def dropped(self) -> None:
         """The batch was not committed: its ends are drained again."""
         self._pending.clear()
+
+
+def share_report(
+    store: Store, half_life_s: float, now: float, name_of: Callable[[str], str]
+) -> list[dict[str, Any]]:
+    """Each owner's use, jobs and standing (``gpuwarden share``, ``GET /v1/share``),
+    from the store: its table decayed to ``now``; ``name_of`` names an owner id
+    ("" for local) for people."""
+    usage = Usage(half_life_s)
+    if usage.enabled:
+        usage.load(store.fair_share())
+    counts = {o or "": n for o, n in store.owner_counts().items()}
+    rows = share_rows(usage.table(now), counts)
+    for row in rows:
+        row["name"] = name_of(row["owner"])
+        row["owner"] = row["owner"] or None
+    return rows

@@ -417,6 +417,10 @@ class Store(abc.ABC):
         not decayed since ``as of`` (:mod:`gpuwarden.core.fairshare`)."""
 
     @abc.abstractmethod
+    def owner_counts(self) -> dict[str | None, tuple[int, int]]:
+        """Each owner's ``(queued, running)`` jobs (owners with neither are absent)."""
+
+    @abc.abstractmethod
     def add_fair_share(
         self, owner: str | None, gib_h: float, *, now: float, half_life_s: float
     ) -> None:

@@ -79,6 +79,17 @@ class SqlRecordStore(SqlStore[C]):
             for r in self._read("fair_share")
         ]
 
+    def owner_counts(self) -> dict[str | None, tuple[int, int]]:
+        out: dict[str | None, tuple[int, int]] = {}
+        for r in self._read("owner_counts"):
+            queued, running = out.get(r["owner"], (0, 0))
+            if r["state"] == "queued":
+                queued = int(r["n"])
+            else:
+                running = int(r["n"])
+            out[r["owner"]] = (queued, running)
+        return out
+
     def add_fair_share(
         self, owner: str | None, gib_h: float, *, now: float, half_life_s: float
     ) -> None:

@@ -368,7 +368,15 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
 def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
     """Where the job stands and, if it waits, why (as `gpuwarden explain`)."""
     job = visible_job(ctx, who, access, job_id)
-    lines = report.explain(job, ctx.store, ctx.registry, ctx.config.broker.cpu_slots, time.time())
+    broker = ctx.config.broker
+    lines = report.explain(
+        job,
+        ctx.store,
+        ctx.registry,
+        broker.cpu_slots,
+        time.time(),
+        half_life_s=broker.fair_share_half_life_s,
+    )
     if access is Scope.OWN:  # wait reasons name other jobs: not another token's
         redactor = Redactor(ctx.store, who.token_id)
         lines = [redactor.text(line) for line in lines]

@@ -296,3 +296,8 @@ SELECT gib_h, as_of FROM fair_share WHERE owner = %(owner)s FOR UPDATE;
 -- name: put_fair_share
 INSERT INTO fair_share (owner, gib_h, as_of) VALUES (%(owner)s, %(gib_h)s, %(as_of)s)
 ON CONFLICT (owner) DO UPDATE SET gib_h = excluded.gib_h, as_of = excluded.as_of;
+
+-- name: owner_counts
+-- fair share (`gpuwarden share`): each owner's queued and running jobs
+SELECT owner, state, COUNT(*) AS n FROM jobs
+ WHERE state IN ('queued', 'running') GROUP BY owner, state;

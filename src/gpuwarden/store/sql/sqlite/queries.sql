@@ -265,3 +265,8 @@ SELECT gib_h, as_of FROM fair_share WHERE owner = :owner;
 -- name: put_fair_share
 INSERT INTO fair_share (owner, gib_h, as_of) VALUES (:owner, :gib_h, :as_of)
 ON CONFLICT (owner) DO UPDATE SET gib_h = excluded.gib_h, as_of = excluded.as_of;
+
+-- name: owner_counts
+-- fair share (`gpuwarden share`): each owner's queued and running jobs
+SELECT owner, state, COUNT(*) AS n FROM jobs
+ WHERE state IN ('queued', 'running') GROUP BY owner, state;
