@@ -42,6 +42,14 @@ def test_the_stored_table_decays_and_adds(store: Store) -> None:
     assert rows[""] == (2.0, 1000.0)
     store.add_fair_share("tok-a", 2.0, now=1000.0, half_life_s=WEEK)  # counted late
     assert {o: v for o, v, _ in store.fair_share()}["tok-a"] == pytest.approx(6.0)
+    # each owner's queued and running jobs (share's columns)
+    registry = Registry.load([MODULES, TEST_MODULES])
+    specs = [JobSpec(id=f"e{i}", type="echo.echo", params={"text": "x"}) for i in range(3)]
+    jobs = [prepare(registry, s) for s in specs]
+    store.submit(jobs[:2], now=1.0, origin=Submission(owner="tok-a"))
+    store.submit(jobs[2:], now=1.0)
+    store.start_attempt("e0", node="n", gpu_uuid=None, now=2.0)
+    assert store.owner_counts() == {"tok-a": (1, 1), None: (1, 0)}
 
 
 def make_config(tmp_path: Path) -> Config:
