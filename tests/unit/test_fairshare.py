@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwarden.core.fairshare import Usage, decayed, gib_hours, standing
+from gpuwarden.core.fairshare import Usage, decayed, gib_hours, hide_owners, standing, why_behind
 from gpuwarden.core.model import GIB, Lane
 from gpuwarden.core.policy import GpuView, QueuedJob, Snapshot, Start, order, plan
 from gpuwarden.core.queueindex import QueueIndex
@@ -195,3 +195,14 @@ def test_a_plan_class_merges_its_owners_least_use_first() -> None:
     ]
     one = [("t", "a")]  # one owner: the index's own (seq, id)
     assert list(owners_members(index, one, use)) == [(0, "a0"), (3, "a3"), (6, "a6")]
+
+
+def test_a_submitter_is_not_shown_another_owners_id() -> None:
+    line = "it waits behind another owner's jobs: fair share: owner tok-b has used less: 1.00"
+    assert hide_owners(line, "tok-a").endswith("fair share: another owner has used less: 1.00")
+    assert hide_owners(line, "tok-b") == line
+    assert why_behind("tok-a", 5.0, "tok-b", 1.0) == (
+        "fair share: owner tok-b has used less: 1.00 GiB-h against 5.00"
+    )
+    assert why_behind("tok-a", 1.0, "tok-b", 5.0) is None  # it is not why
+    assert why_behind("", 1.0, "", 0.0) is None  # the same owner

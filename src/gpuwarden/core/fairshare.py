@@ -14,6 +14,7 @@ read or added to. A half-life of 0 turns fair share off (every owner reads 0).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "Usage",
     "decayed",
     "gib_hours",
+    "hide_owners",
     "share_rows",
     "standing",
     "why_behind",
@@ -137,3 +139,16 @@ def why_behind(mine: str, my_use: float, other: str, other_use: float) -> str | 
         f"fair share: owner {other or 'local'} has used less: "
         f"{other_use:.2f} GiB-h against {my_use:.2f}"
     )
+
+
+_OWNER_IN_TEXT = re.compile(r"owner (?P<owner>\S+) has used less")
+
+
+def hide_owners(text: str, own: str | None) -> str:
+    """``text`` (an explain line) with every owner but ``own`` named ``another owner``
+    (a submitter sees no other token's id)."""
+
+    def swap(m: re.Match[str]) -> str:
+        return m.group(0) if m.group("owner") == own else "another owner has used less"
+
+    return _OWNER_IN_TEXT.sub(swap, text)

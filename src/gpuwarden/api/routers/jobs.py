@@ -43,6 +43,7 @@ from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
 from gpuwarden.core.dependencies import DependencyError, parse_all
+from gpuwarden.core.fairshare import hide_owners
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
@@ -379,7 +380,7 @@ def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
     )
     if access is Scope.OWN:  # wait reasons name other jobs: not another token's
         redactor = Redactor(ctx.store, who.token_id)
-        lines = [redactor.text(line) for line in lines]
+        lines = [hide_owners(redactor.text(line), who.token_id) for line in lines]
     return Explanation(job=job.id, lines=lines)
 
 
