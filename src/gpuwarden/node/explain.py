@@ -17,7 +17,7 @@ to start" (``explain``), whatever room the GPUs have.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gpuwarden.core import dependencies, footprint, policy, profile
@@ -126,9 +126,12 @@ def queued_entries(
     registry: Registry,
     warm_types: frozenset[str] = frozenset(),
     runtimes: tuple[policy.RuntimeView, ...] = (),
+    use: Mapping[str, float] | None = None,
 ) -> list[policy.QueuedJob]:
     """Every queued job as the broker's planner sees it (footprints and run-time
-    estimates as measured), read in one query of light rows."""
+    estimates as measured, its owner's fair-share ``use``), read in one query of
+    light rows."""
+    use = use or {}
     footprints = {t: f.bytes for t, f in store.footprints().items()}
     run_times = RunTimes(store.recent_run_times())
     out = []
@@ -155,6 +158,8 @@ def queued_entries(
                 warm=jobtype.name in warm_types,
                 runtime=runtime_of(jobtype, runtimes),
                 model=jobtype.model or "",
+                owner=job.owner or "",
+                usage=use.get(job.owner or "", 0.0),
             )
         )
     return out
@@ -253,6 +258,13 @@ def estimate_line(type_name: str, est_s: float, store: Store) -> str:
     )
 
 
+def use_now(store: Store, half_life_s: float) -> dict[str, float]:
+    """Each owner's fair-share use now, from the store's table."""
+    usage = Usage(half_life_s)
+    usage.load(store.fair_share())
+    return usage.table(time.time())
+
+
 def fair_share_lines(job: Job, store: Store, half_life_s: float) -> list[str]:
     """A queued job behind the jobs of another owner who used less, at equal priority
     (fair share): the owner who used least of them, with both uses."""
@@ -336,7 +348,9 @@ def explain_job(
         lines.append(f"it waits: {reason}")
     else:
         warm_types = frozenset(w.type for w in view.warm)
-        queued = queued_entries(store, registry, warm_types, view.runtimes)
+        queued = queued_entries(
+            store, registry, warm_types, view.runtimes, use_now(store, half_life_s)
+        )
         if any(j.id == job.id for j in queued):
             lines.append(describe(decide(view, queued, job.id)))
         else:  # it started (or ended) between the two reads
