@@ -4,15 +4,26 @@ and a pure one-GPU loop in which owners with equal streams end with equal use.""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gpuwarden.core.fairshare import Usage, decayed, gib_hours, hide_owners, standing, why_behind
+from gpuwarden.core.ledger import Holding
 from gpuwarden.core.model import GIB, Lane
-from gpuwarden.core.policy import GpuView, QueuedJob, Snapshot, Start, order, plan
+from gpuwarden.core.policy import (
+    GpuView,
+    Lineup,
+    QueuedJob,
+    Snapshot,
+    Start,
+    order,
+    plan,
+    plan_pass,
+)
 from gpuwarden.core.queueindex import QueueIndex
 from gpuwarden.node.queue import owners_head, owners_members
 
@@ -206,3 +217,57 @@ def test_a_submitter_is_not_shown_another_owners_id() -> None:
     )
     assert why_behind("tok-a", 1.0, "tok-b", 5.0) is None  # it is not why
     assert why_behind("", 1.0, "", 0.0) is None  # the same owner
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([4, 10, 20]),  # GiB
+            st.integers(0, 1),  # priority
+            st.sampled_from(["a", "b", "c"]),  # owner
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    st.fixed_dictionaries({o: st.sampled_from([0.0, 1.0, 5.0]) for o in ("a", "b", "c")}),
+    st.lists(st.sampled_from([0, 8, 16]), min_size=1, max_size=4),  # GiB held per GPU
+)
+def test_merged_owner_classes_start_what_plan_starts(
+    specs: list[tuple[int, int, str]], use: dict[str, float], held: list[int]
+) -> None:
+    """The loop's plan classes (one per footprint and priority, its owners merged
+    least use first) start the same jobs, in the same order, as plan() over every
+    job with a class per owner: merging owners changes the work, not the result."""
+    jobs = [
+        dataclasses.replace(job(f"j{n}", o, use[o], priority=p, seq=n, gib=g), coresident=True)
+        for n, (g, p, o) in enumerate(specs)
+    ]
+    gpus = tuple(
+        GpuView(
+            f"GPU-{i}",
+            24 * GIB,
+            holdings=(Holding(f"r{i}", "x.y", h * GIB, True, job_id=f"r{i}"),) if h else (),
+        )
+        for i, h in enumerate(held)
+    )
+    snap = Snapshot(queued=tuple(jobs), gpus=gpus)
+    expected = [d.job_id for d in plan(snap, 0.0) if isinstance(d, Start)]
+    assume(expected)
+    index: QueueIndex[tuple[int, int, str]] = QueueIndex()
+    by_id = {j.id: j for j in jobs}
+    for j in jobs:
+        index.add(j.id, j.seq, (j.vram_bytes, j.priority, j.owner))
+    groups: dict[tuple[int, int], list[tuple[int, int, str]]] = {}
+    for key in index.classes():
+        groups.setdefault(key[:2], []).append(key)
+    lineups = []
+    for plan_key, keys in groups.items():
+        found = owners_head(index, keys, use)
+        assert found is not None
+        lineups.append(Lineup(plan_key, by_id[found[1][1]], owners_members(index, keys, use)))
+    done = plan_pass(lineups, Snapshot(queued=(), gpus=gpus), 0.0)
+    started = [s.job_id for s in done.starts]
+    assert sorted(started) == sorted(expected)
+    ranks = {j.id: (-j.priority, j.usage, j.seq) for j in jobs}
+    assert started == sorted(started, key=ranks.__getitem__)
