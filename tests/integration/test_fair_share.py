@@ -98,6 +98,11 @@ def test_the_owner_who_used_least_starts_first(tmp_path: Path) -> None:
         assert node.store.get_job("b1").state.value == "running"  # type: ignore[union-attr]
         a1 = node.store.get_job("a1")
         assert a1 is not None and a1.state.value == "queued"
+        # while b1 runs, what it held so far counts for tok-b (not yet in the store)
+        running = node.broker.fair.table(time.time(), node.broker.attempts)
+        assert running.get("tok-b", 0.0) > 0 and "tok-b" not in dict(
+            (o, v) for o, v, _ in node.store.fair_share()
+        )
         # explain says why: B's queued b2 goes before it, by fair share
         run_until(node, lambda: node.broker.wait_reason("a1") is not None)
         node.broker.tick()

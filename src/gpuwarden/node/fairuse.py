@@ -5,7 +5,9 @@ The table is small (one entry per owner) and lives in the loop
 store's ``fair_share`` table and added to as each attempt ends (its holding's
 bytes times its run time), in the store in the same batch as the end and in the
 loop's table once that batch is committed. A planning pass reads each owner's
-use once (:meth:`FairUse.table`), so the hot path costs a dict lookup per class.
+use once (:meth:`FairUse.table`, with what the running attempts have held so
+far: a long job counts before it ends), so the hot path costs a dict lookup per
+class and one sum over the running attempts.
 
 A stored table rather than the attempts' history: what an attempt held is known
 only to the loop's ledger (the attempts table does not keep it), and the table
@@ -15,7 +17,7 @@ attempts back would cost a scan that grows with the job rate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpuwarden.core.fairshare import Usage, gib_hours, share_rows
@@ -32,32 +34,46 @@ LOCAL_NAME = "local (CLI and bundles)"
 class FairUse:
     """The owners' use, in the store and in the loop."""
 
-    def __init__(self, store: Store, half_life_s: float) -> None:
+    def __init__(
+        self, store: Store, half_life_s: float, vram: VramBook, footprints: Footprints
+    ) -> None:
         self.store = store
+        self.vram = vram
+        self.footprints = footprints
         self.usage = Usage(half_life_s)
         self._pending: list[tuple[str | None, float, float]] = []
         if self.usage.enabled:
             self.usage.load(store.fair_share())
 
-    def table(self, now: float) -> dict[str, float]:
-        """Each owner's use now (owner "" is local)."""
-        return self.usage.table(now) if self.usage.enabled else {}
+    def table(self, now: float, running: Iterable[RunningAttempt] = ()) -> dict[str, float]:
+        """Each owner's use now (owner "" is local), with what its ``running``
+        attempts have held so far (counted for good when they end)."""
+        if not self.usage.enabled:
+            return {}
+        use = self.usage.table(now)
+        for run in running:
+            so_far = gib_hours(self.held(run), run.attempt.started_at, now)
+            if so_far > 0:
+                owner = run.job.owner or ""
+                use[owner] = use.get(owner, 0.0) + so_far
+        return use
 
-    def charge(
-        self, run: RunningAttempt, vram: VramBook, footprints: Footprints, now: float
-    ) -> None:
+    def held(self, run: RunningAttempt) -> int:
+        """The VRAM an attempt holds: its holding, or, on a warm server, its type's
+        footprint; 0 for a ``cpu`` job."""
+        holding = self.vram.ledger.get(run.holder)
+        if holding is not None:
+            return holding.bytes
+        if run.jobtype.lane is Lane.VRAM:
+            return self.footprints.of(run.jobtype, run.job.vram_bytes)
+        return 0
+
+    def charge(self, run: RunningAttempt, now: float) -> None:
         """The attempt ended at ``now``: count what it held (written in the open
         batch; the loop's table follows at :meth:`committed`)."""
         if not self.usage.enabled:
             return
-        holding = vram.ledger.get(run.holder)
-        if holding is not None:
-            nbytes = holding.bytes
-        elif run.jobtype.lane is Lane.VRAM:  # on a warm server: what its type holds
-            nbytes = footprints.of(run.jobtype, run.job.vram_bytes)
-        else:
-            return
-        used = gib_hours(nbytes, run.attempt.started_at, now)
+        used = gib_hours(self.held(run), run.attempt.started_at, now)
         if used <= 0:
             return
         self.store.add_fair_share(run.job.owner, used, now=now, half_life_s=self.usage.half_life_s)

@@ -176,7 +176,9 @@ class Broker:
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
         #: each owner's decayed VRAM GiB-hours (fair share), loaded once, added to at each end
-        self.fair = FairUse(self.store, self.settings.fair_share_half_life_s)
+        self.fair = FairUse(
+            self.store, self.settings.fair_share_half_life_s, self.vram, self.footprints
+        )
         self.launching = Launching(
             settings=self.settings,
             probe=self.probe,
@@ -386,7 +388,11 @@ class Broker:
         paused = f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else ""
         types = self.registry.types
         for job, jobtype, start in self.warm.fast_starts(
-            self.queue.index, self.store, types, paused=paused, use=self.fair.table(now)
+            self.queue.index,
+            self.store,
+            types,
+            paused=paused,
+            use=self.fair.table(now, self.attempts),
         ):
             if self._start(job, jobtype, start, now):
                 self.queue.index.remove(job.id)
@@ -397,7 +403,7 @@ class Broker:
         """Plan over the queue index's classes and carry out the decisions."""
         if self.queue.refresh(now):
             self._status_dirty = True
-        self._use = use = self.fair.table(now)
+        self._use = use = self.fair.table(now, self.attempts)
         lineups = (
             [self._lineup(keys, use) for keys in self.queue.groups().values()]
             if self.accepting
@@ -561,7 +567,7 @@ class Broker:
                             self._status_dirty = True
                     elif (run := self.attempts.pop(message)) is not None:
                         self._status_dirty = True
-                        self.fair.charge(run, self.vram, self.footprints, now)
+                        self.fair.charge(run, now)
                         recorded.append(self.attempts.record(run, message, now))
             except Exception as exc:  # what came before it is still committed
                 failure = exc
