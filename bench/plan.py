@@ -2,7 +2,8 @@
 
 Part 1 (no broker, no processes): a seeded backlog of queued jobs (mixed
 footprints, co-resident and exclusive types, three priorities, per-job
-footprints on some, warm servers on some GPUs) is put in a
+footprints on some, warm servers on some GPUs, ``--owners`` submitters with
+their fair-share use; default 4: each owner is a class of its own) is put in a
 :class:`gpuwarden.core.queueindex.QueueIndex` the way the broker loop keeps it,
 and :func:`gpuwarden.core.policy.plan_pass` is timed over it, ``--passes`` times
 (default 50) per size, on GPUs most of whose memory is held by running jobs (so a
@@ -49,6 +50,7 @@ from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import GIB, Lane
 from gpuwarden.core.policy import GpuView, Lineup, QueuedJob, Snapshot, WarmView, plan_pass
 from gpuwarden.core.queueindex import QueueIndex
+from gpuwarden.node.queue import owners_head, owners_members
 
 SEED = 14
 GPU_GIB = 80
@@ -117,13 +119,17 @@ def gpus_busy(g: int, rng: random.Random) -> tuple[list[GpuView], list[WarmView]
     return views, warm
 
 
-def lineups(index: QueueIndex, warm: set[str]) -> list[Lineup]:
-    """What the loop builds before each pass: one prototype job per class."""
+def lineups(index: QueueIndex, warm: set[str], use: dict[str, float]) -> list[Lineup]:
+    """What the loop builds before each pass: one prototype job per class of the
+    plan (the index's classes but for their owner, merged in fair-share order)."""
     by_name = {t[0]: t for t in TYPES}
-    out = []
+    groups: dict[tuple[object, ...], list[tuple[object, ...]]] = {}
     for key in index.classes():
-        name, priority, own = key  # type: ignore[misc]
-        seq, head = index.head(key) or (0, "")
+        groups.setdefault(key[:-1], []).append(key)
+    out = []
+    for keys in groups.values():
+        key, (seq, head) = owners_head(index, keys, use) or (keys[0], (0, ""))
+        name, priority, own, owner = key  # type: ignore[misc]
         _, gib, co, est, serve, _ = by_name[name]
         job = QueuedJob(
             head,
@@ -136,16 +142,21 @@ def lineups(index: QueueIndex, warm: set[str]) -> list[Lineup]:
             warm=name in warm,
             expected_s=est,
             serve=serve,
+            owner=owner,
+            usage=use.get(owner, 0.0),
         )
-        out.append(Lineup(key, job, index.members(key)))
+        out.append(Lineup(key[:-1], job, owners_members(index, keys, use)))
     return out
 
 
-def time_passes(n: int, g: int, passes: int) -> dict[str, float]:
+def time_passes(n: int, g: int, passes: int, owners: int = 1) -> dict[str, float]:
     rng = random.Random(SEED)
+    who = random.Random(SEED + 1)  # owners drawn apart: the backlog stays the same
+    names = [f"owner{i}" for i in range(owners)]
+    use = {o: who.uniform(0.0, 500.0) for o in names}  # fair share: GiB-hours used
     index = QueueIndex()
     for job_id, seq, t, prio, own in backlog(n, rng):
-        index.add(job_id, seq, (t, prio, own))
+        index.add(job_id, seq, (t, prio, own, who.choice(names)))
     views, warm = gpus_busy(g, rng)
     snapshot = Snapshot(queued=(), gpus=tuple(views), cpu_slots=4, warm=tuple(warm))
     warm_types = {w.type for w in warm}
@@ -153,7 +164,7 @@ def time_passes(n: int, g: int, passes: int) -> dict[str, float]:
     decided = None
     for _ in range(passes):
         t0 = time.perf_counter()
-        decided = plan_pass(lineups(index, warm_types), snapshot, now=100.0)
+        decided = plan_pass(lineups(index, warm_types, use), snapshot, now=100.0)
         times.append((time.perf_counter() - t0) * 1000)
     assert decided is not None
     times.sort()
@@ -330,6 +341,9 @@ def main() -> int:
     ap.add_argument("--rss-jobs", type=int, default=100_000)
     ap.add_argument("--no-rss", action="store_true", help="skip part 2 (the real broker)")
     ap.add_argument("--smoke", action="store_true", help="small sizes, for the test suite")
+    ap.add_argument(
+        "--owners", type=int, default=4, help="submitters (fair share splits classes by owner)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep part 2's temporary folder")
     args = ap.parse_args()
     sizes = [(2000, 8), (100_000, 64)]
@@ -338,7 +352,7 @@ def main() -> int:
     print(f"plan: one plan_pass over a seeded backlog (seed {SEED}), {args.passes} passes each")
     out: dict[str, dict[str, float]] = {}
     for n, g in sizes:
-        out[f"{n}x{g}"] = time_passes(n, g, args.passes)
+        out[f"{n}x{g}"] = time_passes(n, g, args.passes, args.owners)
     rss = None if args.no_rss else broker_rss(args.rss_jobs, args.keep)
     tick = None if args.no_rss else idle_ticks(args.rss_jobs)
     if not args.smoke:

@@ -129,6 +129,7 @@ def node_settings(config: Config) -> NodeSettings:
         weights_dir=s.weights_dir,
         scratch_bytes=int(s.scratch_mib * MIB),
         runtimes=tuple(runtime_spec(r) for r in config.runtimes),
+        fair_share_half_life_s=b.fair_share_half_life_s,
     )
 
 

@@ -357,6 +357,11 @@ class Client:
         status: dict[str, Any] = self.request_json("GET", "/v1/status")
         return status
 
+    def share(self) -> Rows:
+        """Each owner's fair share (a submitter: its own row)."""
+        rows: Rows = self.request_json("GET", "/v1/share")
+        return rows
+
     def types(self) -> Rows:
         types: Rows = self.request_json("GET", "/v1/types")
         return types

@@ -18,6 +18,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuwarden.core.classify import DEFAULT_MAX_INTERRUPTIONS
+from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S
 from gpuwarden.core.launchrules import LaunchRules, Runtime, image_is_pinned
 from gpuwarden.core.model import GIB, MIB
 from gpuwarden.core.runtime import RuntimeKind
@@ -59,6 +60,8 @@ class BrokerSettings(_Section):
     #: times a job may be interrupted by the broker's own end (crash, SIGKILL)
     #: before it is quarantined; interruptions spend no retry
     max_interruptions: Annotated[int, Field(ge=0, le=100)] = DEFAULT_MAX_INTERRUPTIONS
+    #: fair share: the half-life of an owner's use in VRAM GiB-hours (0: off)
+    fair_share_half_life_s: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] = DEFAULT_HALF_LIFE_S
 
 
 class VramSettings(_Section):

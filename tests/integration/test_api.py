@@ -171,6 +171,7 @@ CASES = [
     Case("GET", "/v1/jobs/{job}/logs/stdout", frozenset(READERS), 200),
     Case("GET", "/v1/status", frozenset(READERS), 200),
     Case("GET", "/v1/types", frozenset(READERS), 200),
+    Case("GET", "/v1/share", frozenset(READERS), 200),
     Case("GET", "/v1/health", frozenset(r.value for r in Role), 200),
     Case("POST", "/v1/tokens", frozenset({R}), 201, {"name": "new", "role": "submitter"}),
     Case("GET", "/v1/tokens", frozenset({R}), 200),
@@ -249,6 +250,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "job.cancel": READERS,
         "types.read": READERS,
         "status.read": READERS,
+        "share.read": READERS,  # a submitter sees its own row (test_fair_share.py)
         "audit.read": {R, OP},
         "token.create": {R},
         "token.list": {R},

@@ -18,8 +18,8 @@ TOP_KEYS = (
     "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, state_dir, vram, warm"
 )
 BROKER_KEYS = (
-    "clip_chars, cpu_slots, kill_grace_s, max_interruptions, poll_interval_s, "
-    "shutdown_grace_s, status_interval_s"
+    "clip_chars, cpu_slots, fair_share_half_life_s, kill_grace_s, max_interruptions, "
+    "poll_interval_s, shutdown_grace_s, status_interval_s"
 )
 
 

@@ -304,6 +304,20 @@ class ParamOut(BaseModel):
     description: str = ""
 
 
+class ShareOut(BaseModel):
+    """One owner's fair share (``GET /v1/share``, ``gpuwarden share``)."""
+
+    #: the token's id; null for the CLI on the host and bundles
+    owner: str | None
+    name: str
+    #: VRAM GiB-hours used, decayed with ``[broker] fair_share_half_life_s``
+    gib_h: float
+    queued: int
+    running: int
+    #: its rank among owners: 1 goes first among jobs of equal priority
+    standing: int
+
+
 class TypeOut(BaseModel):
     type: str
     module: str

@@ -22,6 +22,7 @@ from gpuwarden.cli import (
     logs,
     node,
     runtimes,
+    share,
     status,
     submit,
     tokens,
@@ -51,6 +52,7 @@ COMMANDS = (
     "events",
     "cancel",
     "explain",
+    "share",
     "preview",
     "gpu",
     "token",
@@ -77,6 +79,7 @@ _PARSERS = {
     **cluster.PARSERS,
     **tools.PARSERS,
     **runtimes.PARSERS,
+    **share.PARSERS,
 }
 assert sorted(_PARSERS) == sorted(COMMANDS), "COMMANDS lists each command once"
 

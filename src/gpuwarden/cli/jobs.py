@@ -305,7 +305,14 @@ def _explain_here(args: argparse.Namespace) -> list[str]:
     try:
         job = _get_job(store, args.job)
         registry = Registry.load(config.module_paths, config.launch_rules)
-        return report.explain(job, store, registry, config.broker.cpu_slots, time.time())
+        return report.explain(
+            job,
+            store,
+            registry,
+            config.broker.cpu_slots,
+            time.time(),
+            half_life_s=config.broker.fair_share_half_life_s,
+        )
     finally:
         store.close()
 

@@ -25,6 +25,7 @@ from gpuwarden.cluster.nodeview import (
     silence,
 )
 from gpuwarden.core import placement
+from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S
 from gpuwarden.core.model import Job, Lane, format_bytes
 from gpuwarden.core.placement import NodeView, Offerable
 from gpuwarden.core.states import JobState
@@ -34,18 +35,27 @@ from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore, Lease, NodeRecord, NodeState
 
 
-def explain(job: Job, store: Store, registry: Registry, cpu_slots: int, now: float) -> list[str]:
+def explain(
+    job: Job,
+    store: Store,
+    registry: Registry,
+    cpu_slots: int,
+    now: float,
+    *,
+    half_life_s: float = DEFAULT_HALF_LIFE_S,
+) -> list[str]:
     """Where a job stands and, if it waits, why: as the broker last published its
     view, and, over a coordinator's store, what the enrolled nodes say."""
     status = latest_status(store, now)
     view = view_from_status(status, cpu_slots) if status else None
     if not isinstance(store, ClusterStore):
-        return explain_job(job, store, registry, view)
+        return explain_job(job, store, registry, view, half_life_s=half_life_s)
     return explain_job(
         job,
         store,
         registry,
         view,
+        half_life_s=half_life_s,
         placement=lambda j: explain_placement(store, registry, j, now),
         running=lambda j: explain_running(store, j, now),
     )

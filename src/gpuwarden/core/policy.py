@@ -8,7 +8,8 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
   budget: total, minus the configured reserve, minus memory held by processes
   gpuwarden did not start, minus the ledger. Two GPUs' free memory never adds up.
 - It shares a GPU only if it and every holder there opt in to co-residence.
-- Order: higher priority first, then a job whose model is warm, then arrival.
+- Order: higher priority first, then the job whose owner used least (fair share),
+  then a job whose model is warm, then arrival.
 - The first job that cannot start (the first ``max_reservations``) gets a
   reservation: the GPU held back for it in the previous pass (``held_back``),
   else the GPU it fits soonest (:func:`fits_soonest_key`). A later job may start
@@ -52,6 +53,10 @@ class QueuedJob:
     #: word its type gave when no runtime here answers to it) and the model
     runtime: str = ""
     model: str = ""
+    #: who submitted it (the token's id, "" for local) and that owner's decayed
+    #: use in GiB-hours as the pass sees it (:mod:`gpuwarden.core.fairshare`)
+    owner: str = ""
+    usage: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,8 +242,9 @@ class AskRuntime:
 
 
 def order(jobs: tuple[QueuedJob, ...] | list[QueuedJob]) -> list[QueuedJob]:
-    """Higher priority first, then a job whose model is warm, then arrival order."""
-    return sorted(jobs, key=lambda j: (-j.priority, not j.warm, j.seq))
+    """Higher priority first, then the owner who used least (fair share), then a
+    job whose model is warm, then arrival order."""
+    return sorted(jobs, key=_rank)
 
 
 def never_fits(need: int, gpus: tuple[GpuView, ...] | list[GpuView]) -> str | None:
@@ -255,15 +261,22 @@ def never_fits(need: int, gpus: tuple[GpuView, ...] | list[GpuView]) -> str | No
     )
 
 
+#: a member of a class: ``(seq, id)``, or ``(seq, id, owner, usage)`` where the
+#: class holds jobs of several owners (fair share: they need the same, but their
+#: owners' use orders them apart)
+Member = tuple[int, str] | tuple[int, str, str, float]
+
+
 @dataclass(frozen=True, slots=True)
 class Lineup:
     """One class of interchangeable queued jobs, as a pass sees it: what each of
-    them needs (``job``: the head, with its id and seq) and all their
-    ``(seq, id)`` in arrival order, the head first (:mod:`gpuwarden.core.queueindex`)."""
+    them needs (``job``: the head, with its id and seq) and all their members
+    in queue order, the head first (:mod:`gpuwarden.core.queueindex`): arrival
+    order, or the owners' use then arrival where members name their owners."""
 
     key: Hashable
     job: QueuedJob
-    members: Iterable[tuple[int, str]]
+    members: Iterable[Member]
 
 
 class ClassWait:
@@ -346,6 +359,8 @@ def class_key(job: QueuedJob) -> Hashable:
         job.serve,
         job.runtime,
         job.model,
+        job.owner,
+        job.usage,
     )
 
 
@@ -392,12 +407,13 @@ def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass
         for lu in sorted(lineups, key=lambda lu: _rank(lu.job)):
             done.waits.append(ClassWait.fixed(lu.key, lu.job.id, "the broker is shutting down"))
         return done
-    heads: list[tuple[tuple[int, bool, int], int, QueuedJob, Iterator[tuple[int, str]]]] = []
+    heads: list[tuple[Rank, int, QueuedJob, Iterator[Member]]] = []
     for n, lu in enumerate(lineups):
         members = iter(lu.members)
         first = next(members, None)
         if first is not None:
-            heads.append((_rank(lu.job, first[0]), n, _as(lu.job, first), members))
+            head = _as(lu.job, first)
+            heads.append((_rank(head), n, head, members))
     heapq.heapify(heads)
     while heads:
         _, n, job, members = heapq.heappop(heads)
@@ -405,23 +421,29 @@ def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass
         if isinstance(decision, Start):
             done.starts.append(decision)
             if (following := next(members, None)) is not None:
-                heapq.heappush(heads, (_rank(job, following[0]), n, _as(job, following), members))
+                job = _as(job, following)
+                heapq.heappush(heads, (_rank(job), n, job, members))
         elif isinstance(decision, Refuse):  # every job of the class needs the same
             done.refusals.append(decision)
-            done.refusals.extend(Refuse(i, decision.reason) for _, i in members)
+            done.refusals.extend(Refuse(m[1], decision.reason) for m in members)
         else:
             done.waits.append(decision.class_wait(lineups[n].key))
     return done
 
 
-def _rank(job: QueuedJob, seq: int | None = None) -> tuple[int, bool, int]:
-    return (-job.priority, not job.warm, job.seq if seq is None else seq)
+#: a job's place in the queue: priority, its owner's use, warm, arrival
+Rank = tuple[int, float, bool, int]
 
 
-def _as(proto: QueuedJob, member: tuple[int, str]) -> QueuedJob:
-    seq, job_id = member
+def _rank(job: QueuedJob, seq: int | None = None) -> Rank:
+    return (-job.priority, job.usage, not job.warm, job.seq if seq is None else seq)
+
+
+def _as(proto: QueuedJob, member: Member) -> QueuedJob:
+    seq, job_id = member[0], member[1]
     if job_id == proto.id:
         return proto
+    owner, usage = (member[2], member[3]) if len(member) == 4 else (proto.owner, proto.usage)
     return QueuedJob(
         job_id,
         proto.type,
@@ -435,6 +457,8 @@ def _as(proto: QueuedJob, member: tuple[int, str]) -> QueuedJob:
         proto.serve,
         proto.runtime,
         proto.model,
+        owner,
+        usage,
     )
 
 

@@ -17,10 +17,11 @@ to start" (``explain``), whatever room the GPUs have.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwarden.core import dependencies, footprint, policy, profile
+from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, Usage, why_behind
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
 from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
@@ -128,9 +129,12 @@ def queued_entries(
     registry: Registry,
     warm_types: frozenset[str] = frozenset(),
     runtimes: tuple[policy.RuntimeView, ...] = (),
+    use: Mapping[str, float] | None = None,
 ) -> list[policy.QueuedJob]:
     """Every queued job as the broker's planner sees it (footprints and run-time
-    estimates as measured), read in one query of light rows."""
+    estimates as measured, its owner's fair-share ``use``), read in one query of
+    light rows."""
+    use = use or {}
     footprints = {t: f.bytes for t, f in store.footprints().items()}
     run_times = RunTimes(store.recent_run_times())
     out = []
@@ -157,6 +161,8 @@ def queued_entries(
                 warm=jobtype.name in warm_types,
                 runtime=runtime_of(jobtype, runtimes),
                 model=jobtype.model or "",
+                owner=job.owner or "",
+                usage=use.get(job.owner or "", 0.0),
             )
         )
     return out
@@ -255,6 +261,34 @@ def estimate_line(type_name: str, est_s: float, store: Store) -> str:
     )
 
 
+def use_now(store: Store, half_life_s: float) -> dict[str, float]:
+    """Each owner's fair-share use now, from the store's table."""
+    usage = Usage(half_life_s)
+    usage.load(store.fair_share())
+    return usage.table(time.time())
+
+
+def fair_share_lines(job: Job, store: Store, half_life_s: float) -> list[str]:
+    """A queued job behind the jobs of another owner who used less, at equal priority
+    (fair share): the owner who used least of them, with both uses."""
+    if half_life_s <= 0:
+        return []
+    now = time.time()
+    usage = Usage(half_life_s)
+    usage.load(store.fair_share())
+    mine = job.owner or ""
+    others = {
+        e.owner or ""
+        for e in store.queue_entries()
+        if e.priority == job.priority and (e.owner or "") != mine
+    }
+    if not others:
+        return []
+    least = min(others, key=lambda o: (usage.of(o, now), o))
+    why = why_behind(mine, usage.of(mine, now), least, usage.of(least, now))
+    return [] if why is None else [f"it waits behind another owner's jobs: {why}"]
+
+
 def explain_job(
     job: Job,
     store: Store,
@@ -263,6 +297,7 @@ def explain_job(
     *,
     placement: ClusterLines | None = None,
     running: ClusterLines | None = None,
+    half_life_s: float = DEFAULT_HALF_LIFE_S,
 ) -> list[str]:
     """Lines that say where a job stands and, if it waits, why."""
     lines = [f"{job.id} ({job.type}) is {job.state.value}"]
@@ -318,12 +353,16 @@ def explain_job(
         lines.append(f"it waits: {reason}")
     else:
         warm_types = frozenset(w.type for w in view.warm)
-        queued = queued_entries(store, registry, warm_types, view.runtimes)
+        queued = queued_entries(
+            store, registry, warm_types, view.runtimes, use_now(store, half_life_s)
+        )
         if any(j.id == job.id for j in queued):
             lines.append(describe(decide(view, queued, job.id)))
         else:  # it started (or ended) between the two reads
             now = store.get_job(job.id)
             state = now.state.value if now is not None else "gone"
             lines.append(f"it left the queue just now: it is {state}")
+    if reason is not None:  # it waits: behind another owner's jobs, by fair share?
+        lines += fair_share_lines(job, store, half_life_s)
     lines.append(f"(as seen by the {view.source})")
     return lines

@@ -47,11 +47,12 @@ from gpuwarden.intake.service import QueueIntake
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
+from gpuwarden.node.fairuse import FairUse
 from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.preempting import Preemptions
-from gpuwarden.node.queue import ClassKey, QueueBook
+from gpuwarden.node.queue import ClassKey, PlanKey, QueueBook
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner, Recorded
 from gpuwarden.node.running import (
@@ -141,7 +142,9 @@ class Broker:
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
         #: why each class of the queue waits, as the last pass left it, in queue order
-        self._waits: dict[ClassKey, policy.ClassWait] = {}
+        self._waits: dict[PlanKey, policy.ClassWait] = {}
+        #: each owner's fair-share use as the last pass read it
+        self._use: dict[str, float] = {}
         #: the last event written to the event log: where the log's own cursor says
         #: (``serve --log``), or the store's latest event
         self._event_cursor = self.events.resume(store.last_event_id())
@@ -173,6 +176,10 @@ class Broker:
         )
         self.footprints = Footprints(self.store, step_bytes=self.settings.vram.step_bytes)
         self.run_times = RunTimes(self.store.recent_run_times())
+        #: each owner's decayed VRAM GiB-hours (fair share), loaded once, added to at each end
+        self.fair = FairUse(
+            self.store, self.settings.fair_share_half_life_s, self.vram, self.footprints
+        )
         self.launching = Launching(
             settings=self.settings,
             probe=self.probe,
@@ -384,7 +391,11 @@ class Broker:
         paused = f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else ""
         types = self.registry.types
         for job, jobtype, start in self.warm.fast_starts(
-            self.queue.index, self.store, types, paused=paused
+            self.queue.index,
+            self.store,
+            types,
+            paused=paused,
+            use=self.fair.table(now, self.attempts),
         ):
             if self._start(job, jobtype, start, now):
                 self.queue.index.remove(job.id)
@@ -395,7 +406,12 @@ class Broker:
         """Plan over the queue index's classes and carry out the decisions."""
         if self.queue.refresh(now):
             self._status_dirty = True
-        lineups = [self._lineup(key) for key in self.queue.classes()] if self.accepting else []
+        self._use = use = self.fair.table(now, self.attempts)
+        lineups = (
+            [self._lineup(keys, use) for keys in self.queue.groups().values()]
+            if self.accepting
+            else []
+        )
         if len(self.vram.ledger) or any(lu.job.lane is Lane.VRAM for lu in lineups):
             self._observe(now)  # the reclaim gate needs fresh readings while memory is held
         if len(self.runtimes):
@@ -428,16 +444,17 @@ class Broker:
             elif self._start(job, self.registry.types[job.type], start, now):
                 index.remove(start.job_id)
         before = [w.signature() for w in self._waits.values()]
-        self._waits = {cast(ClassKey, w.key): w for w in done.waits}
+        self._waits = {cast(PlanKey, w.key): w for w in done.waits}
         if [w.signature() for w in done.waits] != before:
             self._status_dirty = True
 
-    def _lineup(self, key: ClassKey) -> policy.Lineup:
-        """One class of the queue index as the planner sees it (its footprint,
-        estimate and warm server as the node knows them now)."""
-        type_name, priority, own_bytes, est_s = key
+    def _lineup(self, keys: list[ClassKey], use: Mapping[str, float]) -> policy.Lineup:
+        """One class as the planner sees it: the queue index's classes of ``keys``
+        (the same but for their owners), with the footprint, estimate and warm server
+        the node knows now, its head the first of them in queue order (fair share)."""
+        key, (seq, head) = self.queue.head(keys, use) or (keys[0], (0, ""))
+        type_name, priority, own_bytes, est_s, owner = key
         jobtype = self.registry.types[type_name]
-        seq, head = self.queue.index.head(key) or (0, "")
         vram = jobtype.lane is Lane.VRAM
         job = policy.QueuedJob(
             id=head,
@@ -453,8 +470,10 @@ class Broker:
             warm=self.warm.has(type_name),
             runtime=self._runtime_of(jobtype),
             model=jobtype.model or "",
+            owner=owner,
+            usage=use.get(owner, 0.0),
         )
-        return policy.Lineup(key, job, self.queue.index.members(key))
+        return policy.Lineup(key[:4], job, self.queue.members(keys, use))
 
     def _runtime_of(self, jobtype: JobType) -> str:
         """A runtime type's runtime, by its name here (or the word its type gave,
@@ -555,15 +574,18 @@ class Broker:
                             self._status_dirty = True
                     elif (run := self.attempts.pop(message)) is not None:
                         self._status_dirty = True
+                        self.fair.charge(run, now)
                         recorded.append(self.attempts.record(run, message, now))
             except Exception as exc:  # what came before it is still committed
                 failure = exc
             try:
                 self.store.commit()
             except Exception:
+                self.fair.dropped()
                 for r in recorded:  # not written after all: drained again next tick
                     self.attempts.unrecord(r)
                 raise
+            self.fair.committed()
             for r in recorded:
                 self.attempts.follow(r, now)
                 self.ends.ended(r.run.job.id)  # committed: a waiting request may look
@@ -716,7 +738,7 @@ class Broker:
         class in queue order: the reasons are written here, not in every pass."""
         return {
             job_id: self._waits[key].wait(job_id).reason
-            for key, job_id in self.queue.first(self._waits, _STATUS_WAITING_MAX)
+            for key, job_id in self.queue.first(self._waits, _STATUS_WAITING_MAX, self._use)
         }
 
     def emit(self, kind: str, **detail: Any) -> None:
@@ -763,7 +785,7 @@ class Broker:
     def wait_reason(self, job_id: str) -> str | None:
         """Why a queued job waits, as the last pass saw it (None: it was not judged)."""
         key = self.queue.index.key_of(job_id)
-        waited = None if key is None else self._waits.get(key)
+        waited = None if key is None else self._waits.get(key[:4])
         return None if waited is None else waited.wait(job_id).reason
 
 

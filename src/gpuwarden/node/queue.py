@@ -1,15 +1,15 @@
 """The node's queue as its loop keeps it between ticks.
 
-The loop does not read every queued job from the store on every tick (a queue
-of 100,000 jobs would cost more than the rest of the tick together). It keeps a
+The loop does not read every queued job from the store on every tick (a queue of
+100,000 jobs would cost more than the rest of the tick together). It keeps a
 :class:`gpuwarden.core.queueindex.QueueIndex` of the queued jobs, keyed by class
-``(type, priority, per-job footprint, declared run time)``, loaded once at start and then followed
-through the store's events: every change of a job's state is an event written
-in the same transaction, so the events after the cursor name exactly the jobs
-that entered or left ``queued`` (a submission from the CLI, the API or an agent's
-sync, a retry, a cancel), or were released when their dependencies came to hold
-(``dependencies_held``: a job held for them is queued but never indexed, so the
-plan never looks at it). Those jobs are read again, and only they.
+``(type, priority, per-job footprint, declared run time, owner)``, loaded once at
+start and then followed through the store's events: every change of a job's state is
+an event written in the same transaction, so the events after the cursor name
+exactly the jobs that entered or left ``queued`` (a submission from the CLI, the API
+or an agent's sync, a retry, a cancel), or were released when their dependencies
+came to hold (``dependencies_held``: a job held for them is queued but never
+indexed, so the plan never looks at it). Those jobs are read again, and only they.
 
 Where event ids could become visible out of order (PostgreSQL sequences commit
 in any order), a cheap count of the store's queued jobs is compared with the
@@ -19,9 +19,12 @@ A job is read in full only when it starts.
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
+from gpuwarden.core.policy import Member
 from gpuwarden.core.profile import est_class
 from gpuwarden.core.queueindex import QueueIndex
 from gpuwarden.core.states import JobState
@@ -40,8 +43,13 @@ _ID_BATCH = 900
 
 #: a class of the index: job type, priority, the job's own footprint (or None), and
 #: the run time it declared as the planner rounds it (``core.profile.est_class``;
-#: None for a job that declares none, as most do: their classes are not split)
-ClassKey = tuple[str, int, int | None, float | None]
+#: None for a job that declares none, as most do: their classes are not split), and
+#: its owner ("" for local): fair share orders owners apart (``core.fairshare``)
+ClassKey = tuple[str, int, int | None, float | None, str]
+#: a class as the plan sees it: the index's classes but for their owner. The jobs
+#: of one need the same, whoever owns them, so a pass decides for each such class
+#: once; its owners' jobs are merged in queue order (:meth:`QueueBook.members`)
+PlanKey = tuple[str, int, int | None, float | None]
 
 
 class QueueBook:
@@ -128,7 +136,7 @@ class QueueBook:
                     reason=f"job type {e.type} is not known to this broker (module removed?)",
                 )
             else:
-                key = (e.type, e.priority, e.vram_bytes, est_class(e.est_s))
+                key = (e.type, e.priority, e.vram_bytes, est_class(e.est_s), e.owner or "")
                 self.index.add(e.id, e.seq, key)
 
     def classes(self) -> list[ClassKey]:
@@ -141,12 +149,69 @@ class QueueBook:
             out[key[0]] = out.get(key[0], 0) + self.index.size(key)
         return out
 
-    def first(self, order: Iterable[ClassKey], limit: int) -> list[tuple[ClassKey, str]]:
-        """Up to ``limit`` queued jobs, class by class in ``order``: ``(class, id)``."""
-        out: list[tuple[ClassKey, str]] = []
+    def groups(self) -> dict[PlanKey, list[ClassKey]]:
+        """The index's classes by the plan's class (the same but for the owner)."""
+        out: dict[PlanKey, list[ClassKey]] = {}
+        for key in self.index.classes():
+            out.setdefault(key[:-1], []).append(key)
+        return out
+
+    def head(
+        self, keys: list[ClassKey], use: Mapping[str, float]
+    ) -> tuple[ClassKey, tuple[int, str]] | None:
+        return owners_head(self.index, keys, use)
+
+    def members(self, keys: list[ClassKey], use: Mapping[str, float]) -> Iterator[Member]:
+        return owners_members(self.index, keys, use)
+
+    def first(
+        self, order: Iterable[PlanKey], limit: int, use: Mapping[str, float]
+    ) -> list[tuple[PlanKey, str]]:
+        """Up to ``limit`` queued jobs, plan class by class in ``order``: ``(class, id)``."""
+        groups = self.groups()
+        out: list[tuple[PlanKey, str]] = []
         for key in order:
-            for _, job_id in self.index.members(key):
+            for member in self.members(groups.get(key, []), use):
                 if len(out) >= limit:
                     return out
-                out.append((key, job_id))
+                out.append((key, member[1]))
         return out
+
+
+#: an index's class whose last field is its owner
+OK = TypeVar("OK", bound=tuple[Any, ...])
+
+
+def owners_head(
+    index: QueueIndex[OK], keys: list[OK], use: Mapping[str, float]
+) -> tuple[OK, tuple[int, str]] | None:
+    """The first job of these classes (the same but for their owner, the key's last
+    field) in queue order: its owner's use (fair share), then arrival."""
+    best: tuple[float, int, OK, tuple[int, str]] | None = None
+    for key in keys:
+        head = index.head(key)
+        if head is not None and (best is None or (use.get(key[-1], 0.0), head[0]) < best[:2]):
+            best = (use.get(key[-1], 0.0), head[0], key, head)
+    return None if best is None else (best[2], best[3])
+
+
+def owners_members(
+    index: QueueIndex[OK], keys: list[OK], use: Mapping[str, float]
+) -> Iterator[Member]:
+    """The jobs of these classes, lazily, in queue order: the owner who used least
+    first, arrival order within an owner. One owner: ``(seq, id)``; several:
+    ``(seq, id, owner, use)`` (the plan ranks each by its owner's use)."""
+    if len(keys) <= 1:
+        yield from (index.members(keys[0]) if keys else ())
+        return
+    # an owner's use is the same for all its jobs: the owners one after the other,
+    # least use first, merged by arrival only where their use is the same (lazily:
+    # an owner's jobs are walked only once the pass gets to them)
+    by_use: dict[float, list[OK]] = {}
+    for k in keys:
+        by_use.setdefault(use.get(k[-1], 0.0), []).append(k)
+    for used in sorted(by_use):
+        tied = by_use[used]
+        streams = [((seq, job_id, str(k[-1])) for seq, job_id in index.members(k)) for k in tied]
+        for seq, job_id, owner in streams[0] if len(streams) == 1 else heapq.merge(*streams):
+            yield (seq, job_id, owner, used)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.runtime import RuntimeKind
 
@@ -83,3 +84,5 @@ class NodeSettings:
     scratch_bytes: int
     #: the managed runtimes (``[[runtimes]]``)
     runtimes: tuple[RuntimeSpec, ...] = ()
+    #: fair share (``[broker] fair_share_half_life_s``): the half-life of an owner's use; 0: off
+    fair_share_half_life_s: float = DEFAULT_HALF_LIFE_S

@@ -211,6 +211,7 @@ class WarmServers:
         types: Mapping[str, JobType],
         *,
         paused: str,
+        use: Mapping[str, float] | None = None,
     ) -> list[tuple[Job, JobType, policy.Start]]:
         """The queued jobs to hand to idle warm servers now, without a planning pass
         (the warm fast path): for each idle server, the first queued job of its type
@@ -220,7 +221,8 @@ class WarmServers:
         plan decides instead when a queued job has a higher priority (its memory
         may come from evicting this idle server), when VRAM admission is paused
         (``paused``: the probe failed) or the server's GPU is degraded. A job the
-        index holds that is no longer queued (a client cancelled it) is taken out."""
+        index holds that is no longer queued (a client cancelled it) is taken out.
+        ``use``: each owner's use (fair share: among equal priority, least first)."""
         starts: list[tuple[Job, JobType, policy.Start]] = []
         classes = index.classes()
         if paused or not classes:
@@ -230,15 +232,17 @@ class WarmServers:
         for server in self.pool:
             if server.state is not ServerState.IDLE or server.gpu in degraded:
                 continue
-            # the type's first job in queue order: highest priority, then arrival
+            # the type's first job in queue order: highest priority, the owner who
+            # used least, then arrival
+            use = use or {}
             heads = [
-                (key[1], head)
+                (key[1], use.get(key[4], 0.0), head)
                 for key in classes
                 if key[0] == server.type.name and (head := index.head(key)) is not None
             ]
             if not heads:
                 continue
-            priority, (_, job_id) = min(heads, key=lambda h: (-h[0], h[1][0]))
+            priority, _, (_, job_id) = min(heads, key=lambda h: (-h[0], h[1], h[2][0]))
             jobtype = types.get(server.type.name)
             if priority < top or jobtype is None:
                 continue

@@ -72,6 +72,8 @@ class QueueEntry:
     cancel_requested: bool
     #: the run time its submitter declared (None: none)
     est_s: float | None = None
+    #: who submitted it (the token's id; None: the local CLI or a bundle)
+    owner: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +410,22 @@ class Store(abc.ABC):
     def attempt_spans(self, *, since: float, limit: int = 50_000) -> list[AttemptSpan]:
         """The attempts still running or ended at ``since`` or later, the latest
         started first (at most ``limit``)."""
+
+    @abc.abstractmethod
+    def fair_share(self) -> list[tuple[str, float, float]]:
+        """Each owner's stored use: ``(owner, GiB-hours, as of)`` (owner "" is local),
+        not decayed since ``as of`` (:mod:`gpuwarden.core.fairshare`)."""
+
+    @abc.abstractmethod
+    def owner_counts(self) -> dict[str | None, tuple[int, int]]:
+        """Each owner's ``(queued, running)`` jobs (owners with neither are absent)."""
+
+    @abc.abstractmethod
+    def add_fair_share(
+        self, owner: str | None, gib_h: float, *, now: float, half_life_s: float
+    ) -> None:
+        """Add ``gib_h`` GiB-hours to ``owner``'s use at ``now``, the stored use
+        decayed to ``now`` first (in the open batch, if any)."""
 
     @abc.abstractmethod
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:

@@ -466,6 +466,7 @@ class SqlStore(Store, Generic[C]):
                 vram_bytes=None if r["vram_bytes"] is None else int(r["vram_bytes"]),
                 cancel_requested=bool(r["cancel_requested"]),
                 est_s=None if r["est_s"] is None else float(r["est_s"]),
+                owner=r["owner"],
             )
             for r in found
         ]

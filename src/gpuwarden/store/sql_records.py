@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from gpuwarden.core.fairshare import decayed
 from gpuwarden.core.model import Event, Role
 from gpuwarden.store import rows
 from gpuwarden.store.base import (
@@ -71,6 +72,38 @@ class SqlRecordStore(SqlStore[C]):
             )
             for r in self._read("attempt_spans", since=since, limit=limit)
         ]
+
+    def fair_share(self) -> list[tuple[str, float, float]]:
+        return [
+            (str(r["owner"]), float(r["gib_h"]), float(r["as_of"]))
+            for r in self._read("fair_share")
+        ]
+
+    def owner_counts(self) -> dict[str | None, tuple[int, int]]:
+        out: dict[str | None, tuple[int, int]] = {}
+        for r in self._read("owner_counts"):
+            queued, running = out.get(r["owner"], (0, 0))
+            if r["state"] == "queued":
+                queued = int(r["n"])
+            else:
+                running = int(r["n"])
+            out[r["owner"]] = (queued, running)
+        return out
+
+    def add_fair_share(
+        self, owner: str | None, gib_h: float, *, now: float, half_life_s: float
+    ) -> None:
+        key = owner or ""
+        with self._write() as conn:
+            row = self._run(conn, "lock_fair_share", {"owner": key}).fetchone()
+            value, as_of = gib_h, now
+            if row is not None:
+                old, old_as_of = float(row["gib_h"]), float(row["as_of"])
+                if now >= old_as_of:
+                    value = decayed(old, old_as_of, now, half_life_s) + gib_h
+                else:  # an end older than the last one counted
+                    value, as_of = old + decayed(gib_h, now, old_as_of, half_life_s), old_as_of
+            self._run(conn, "put_fair_share", {"owner": key, "gib_h": value, "as_of": as_of})
 
     def raise_footprint(self, type_name: str, nbytes: int, *, now: float, job_id: str) -> bool:
         with self._write() as conn:

@@ -43,6 +43,7 @@ from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
 from gpuwarden.core.dependencies import DependencyError, parse_all
+from gpuwarden.core.fairshare import hide_owners
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
@@ -368,10 +369,18 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
 def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
     """Where the job stands and, if it waits, why (as `gpuwarden explain`)."""
     job = visible_job(ctx, who, access, job_id)
-    lines = report.explain(job, ctx.store, ctx.registry, ctx.config.broker.cpu_slots, time.time())
+    broker = ctx.config.broker
+    lines = report.explain(
+        job,
+        ctx.store,
+        ctx.registry,
+        broker.cpu_slots,
+        time.time(),
+        half_life_s=broker.fair_share_half_life_s,
+    )
     if access is Scope.OWN:  # wait reasons name other jobs: not another token's
         redactor = Redactor(ctx.store, who.token_id)
-        lines = [redactor.text(line) for line in lines]
+        lines = [hide_owners(redactor.text(line), who.token_id) for line in lines]
     return Explanation(job=job.id, lines=lines)
 
 

@@ -15,11 +15,12 @@ from fastapi import APIRouter, Depends, Request
 from gpuwarden import __version__
 from gpuwarden.api.auth import Principal, Scope, allowed
 from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, get_scope
-from gpuwarden.api.models import ErrorOut, Health, ParamOut, StatusOut, TypeOut
+from gpuwarden.api.models import ErrorOut, Health, ParamOut, ShareOut, StatusOut, TypeOut
 from gpuwarden.api.redact import Redactor
 from gpuwarden.api.routers.nodes import is_coordinator
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.report import cluster_status
+from gpuwarden.node.fairuse import LOCAL_NAME, share_report
 from gpuwarden.node.measured import type_profiles
 from gpuwarden.store.cluster import ClusterStore
 
@@ -71,6 +72,31 @@ def status(
     if cluster is None:
         return StatusOut(nodes=nodes, jobs=counts)
     return StatusOut(nodes=nodes, jobs=counts, cluster=cluster)
+
+
+@router.get(
+    "/v1/share",
+    response_model=list[ShareOut],
+    responses=_ERRORS,
+)
+@action("share.read")
+def share(
+    ctx: Ctx,
+    who: Annotated[Principal, Depends(get_principal)],
+    scope: Annotated[Scope, Depends(get_scope)],
+) -> list[ShareOut]:
+    """Each owner's fair share: VRAM GiB-hours used (decayed), jobs queued and
+    running, and standing among owners (1 goes first at equal priority). A
+    submitter sees only its own row (its standing still among all owners)."""
+
+    def name_of(owner: str) -> str:
+        token = ctx.store.get_token(owner) if owner else None
+        return LOCAL_NAME if not owner else token.name if token else owner
+
+    rows = share_report(ctx.store, ctx.config.broker.fair_share_half_life_s, ctx.clock(), name_of)
+    if scope is Scope.OWN:
+        rows = [r for r in rows if r["owner"] == who.token_id]
+    return [ShareOut(**r) for r in rows]
 
 
 @router.get(

@@ -45,7 +45,7 @@ SELECT count(*) AS n FROM jobs
 
 -- name: queue_entries
 -- the queued jobs that may be planned: not held for their dependencies
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner FROM jobs
  WHERE state = 'queued' AND held = 0;
 
 -- name: queued_count
@@ -54,7 +54,7 @@ SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
      - (SELECT COUNT(*) FROM jobs WHERE held = 1) AS n;
 
 -- name: queue_entries_of
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner FROM jobs
  WHERE state = 'queued' AND held = 0 AND id IN (SELECT value FROM json_each(:ids));
 
 -- name: running_jobs
@@ -255,3 +255,18 @@ ON CONFLICT (type) DO UPDATE
    SET ram_peak_bytes = excluded.ram_peak_bytes, job_id = excluded.job_id,
        updated_at = excluded.updated_at
  WHERE excluded.ram_peak_bytes > type_profiles.ram_peak_bytes;
+
+-- name: fair_share
+SELECT owner, gib_h, as_of FROM fair_share ORDER BY owner;
+
+-- name: lock_fair_share
+SELECT gib_h, as_of FROM fair_share WHERE owner = :owner;
+
+-- name: put_fair_share
+INSERT INTO fair_share (owner, gib_h, as_of) VALUES (:owner, :gib_h, :as_of)
+ON CONFLICT (owner) DO UPDATE SET gib_h = excluded.gib_h, as_of = excluded.as_of;
+
+-- name: owner_counts
+-- fair share (`gpuwarden share`): each owner's queued and running jobs
+SELECT owner, state, COUNT(*) AS n FROM jobs
+ WHERE state IN ('queued', 'running') GROUP BY owner, state;
