@@ -50,7 +50,7 @@ from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import GIB, Lane
 from gpuwarden.core.policy import GpuView, Lineup, QueuedJob, Snapshot, WarmView, plan_pass
 from gpuwarden.core.queueindex import QueueIndex
-from gpuwarden.node.queue import owners_head, owners_members
+from gpuwarden.node.queue import owners_head, owners_members, settle_memory
 
 SEED = 14
 GPU_GIB = 80
@@ -158,6 +158,7 @@ def time_passes(n: int, g: int, passes: int, owners: int = 1) -> dict[str, float
     for job_id, seq, t, prio, own in backlog(n, rng):
         index.add(job_id, seq, (t, prio, own, who.choice(names)))
     views, warm = gpus_busy(g, rng)
+    settle_memory()  # as the broker does once it has read its queue in (node/queue.py)
     snapshot = Snapshot(queued=(), gpus=tuple(views), cpu_slots=4, warm=tuple(warm))
     warm_types = {w.type for w in warm}
     times = []

@@ -19,6 +19,7 @@ A job is read in full only when it starts.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -93,6 +94,8 @@ class QueueBook:
         self._take(self.store.queue_entries(), now)
         self._cursor = max(self._cursor, cursor)
         self._checked_at = now
+        if not self._loaded:
+            settle_memory()  # once, at the broker's start: what it read lives on
         self._loaded = True
 
     def _follow(self, now: float) -> bool:
@@ -215,3 +218,15 @@ def owners_members(
         streams = [((seq, job_id, str(k[-1])) for seq, job_id in index.members(k)) for k in tied]
         for seq, job_id, owner in streams[0] if len(streams) == 1 else heapq.merge(*streams):
             yield (seq, job_id, owner, used)
+
+
+def settle_memory() -> None:
+    """Once the broker has started and read its queue in (100,000 jobs are some
+    10^6 objects that live as long as their jobs queue): move everything alive now
+    out of the garbage collector's view (``gc.freeze``), so that its full
+    collections, which a planning pass's short-lived objects set off now and then,
+    do not walk them again each time (they made a pass's p99 ten times its p50).
+    Frozen objects are still freed by reference counting when they go; a cycle
+    among them is never collected, which is why this happens once, at the start,
+    when what is alive is the broker's own lasting state."""
+    gc.freeze()
