@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
+from gpuwarden.node.attempts import AttemptLayout, Launching
 from gpuwarden.node.preempting import signal_group
 
 WAIT = "import signal, sys, time\nsignal.signal(signal.SIGUSR1, lambda *a: sys.exit(6))\n"
@@ -38,3 +41,37 @@ def test_a_process_that_leads_no_group_gets_nothing() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_resumed_attempt_gets_the_checkpoints_files_but_never_a_link_out(
+    tmp_path: Path,
+) -> None:
+    """The previous attempt's output folder is the job's to write: a link planted
+    there (to a file of the host's) must not be followed into the next attempt."""
+    secret = tmp_path / "secret"
+    secret.write_text("host's own")
+    before = AttemptLayout(tmp_path / "attempt-1")
+    before.out.mkdir(parents=True)
+    (before.out / "step.txt").write_text("41")
+    (before.out / "leak").symlink_to(secret)
+    (before.out / "dir-leak").symlink_to(tmp_path)
+    assert (before.out / "leak").read_text() == "host's own", "the attack is in place"
+    after = AttemptLayout(tmp_path / "attempt-2")
+    after.out.mkdir(parents=True)
+    events: list[tuple[str, dict[str, object]]] = []
+    fake = SimpleNamespace(
+        sandbox_for=lambda jobtype: None, emit=lambda kind, **d: events.append((kind, d))
+    )
+    run = SimpleNamespace(
+        resume_from=before.out,
+        jobtype=None,
+        job=SimpleNamespace(id="j"),
+        attempt=SimpleNamespace(number=2),
+    )
+    Launching.carry_outputs(fake, run, after, None)  # type: ignore[arg-type]
+    assert (after.out / "step.txt").read_text() == "41"
+    assert not (after.out / "leak").exists() and not (after.out / "leak").is_symlink()
+    assert not (after.out / "dir-leak").exists()
+    assert events == [
+        ("outputs_carried_over", {"job": "j", "attempt": 2, "files": 1, "refused": 2})
+    ]

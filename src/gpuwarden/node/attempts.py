@@ -246,10 +246,14 @@ class Launching:
         self, run: RunningAttempt, layout: AttemptLayout, owner: tuple[int, int] | None
     ) -> None:
         """A resumed attempt starts with what the previous one left in its output
-        folder (its checkpoint): copied, by descriptor, into this one's."""
+        folder (its checkpoint): copied, by descriptor, into this one's; links and
+        other non-regular files are left out, and a sandboxed job's checkpoint is
+        bounded by its output limit (past it the attempt cannot be prepared)."""
         assert run.resume_from is not None
+        sandbox = self.sandbox_for(run.jobtype)
+        limit = sandbox.limits.output_bytes if sandbox is not None else 0
         with safefs.opened_dir(layout.out) as out_fd:
-            copied = safefs.copy_into(run.resume_from, out_fd, owner=owner)
+            copied = safefs.copy_into(run.resume_from, out_fd, owner=owner, max_bytes=limit or None)
         self.emit(
             "outputs_carried_over",
             job=run.job.id,
