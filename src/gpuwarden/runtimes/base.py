@@ -65,6 +65,8 @@ class RuntimeClient(abc.ABC):
         self.http = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout_s, transport=transport
         )
+        #: what the last probe found, for clients that keep it (None: not probed yet)
+        self.capabilities: Capabilities | None = None
 
     def close(self) -> None:
         self.http.close()

@@ -137,17 +137,8 @@ class LlamaServerClient(RuntimeClient):
 
     kind = RuntimeKind.LLAMA_SERVER
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 5.0,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        super().__init__(url, token=token, timeout_s=timeout_s, transport=transport)
-        #: what the last probe found (None: not probed yet)
-        self.capabilities: Capabilities | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         #: router mode (None: not probed yet)
         self.router: bool | None = None
         #: the route that reads each model's work ("" in single-model mode)

@@ -109,18 +109,6 @@ class VllmClient(RuntimeClient):
 
     kind = RuntimeKind.VLLM
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 5.0,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        super().__init__(url, token=token, timeout_s=timeout_s, transport=transport)
-        #: what the last probe found (None: not probed yet)
-        self.capabilities: Capabilities | None = None
-
     def where(self, method: str, path: str) -> str:
         return f"{self.kind.value} at {self.url}: {method} {path}"
 
