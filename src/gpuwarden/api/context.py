@@ -3,13 +3,15 @@ and the request's principal, the scope it was granted, and its audit row."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 
 from gpuwarden.api.auth import Principal, Scope
 from gpuwarden.api.errors import HttpError
@@ -145,3 +147,23 @@ def action(name: str) -> Callable[[F], F]:
 def action_of(endpoint: Any) -> str | None:
     name = getattr(endpoint, ACTION_ATTRIBUTE, None)
     return name if isinstance(name, str) else None
+
+
+def run_while_serving(app: FastAPI, start: Callable[[], None], stop: Callable[[], None]) -> None:
+    """Call ``start`` when the app's lifespan begins and ``stop`` when it ends (a
+    background thread of the API: the dashboard's sampler, the coordinator's
+    sweeper), around whatever lifespan the app had."""
+    inner = app.router.lifespan_context
+    lock = threading.Lock()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: Any) -> AsyncIterator[Any]:
+        with lock:
+            start()
+        try:
+            async with inner(a) as state:
+                yield state
+        finally:
+            stop()
+
+    app.router.lifespan_context = lifespan

@@ -11,9 +11,6 @@ refresh; ``history`` is the memory timeline this API process keeps
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +19,14 @@ from starlette.responses import FileResponse, JSONResponse
 
 from gpuwarden.api import dashdata
 from gpuwarden.api.auth import Principal, Scope
-from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, get_scope
+from gpuwarden.api.context import (
+    ApiContext,
+    action,
+    get_ctx,
+    get_principal,
+    get_scope,
+    run_while_serving,
+)
 from gpuwarden.api.history import History, Sampler
 from gpuwarden.api.models import ErrorOut
 
@@ -116,17 +120,4 @@ def install(app: FastAPI) -> None:
     app.state.gw_history = kept
     app.state.gw_stats = dashdata.Stats(clock=ctx.clock)
     sampler = Sampler(kept)
-    inner = app.router.lifespan_context
-    lock = threading.Lock()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(a: Any) -> AsyncIterator[Any]:
-        with lock:
-            sampler.start()
-        try:
-            async with inner(a) as state:
-                yield state
-        finally:
-            sampler.stop()
-
-    app.router.lifespan_context = lifespan
+    run_while_serving(app, sampler.start, sampler.stop)

@@ -20,11 +20,9 @@ is audited with their ids.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -42,6 +40,7 @@ from gpuwarden.api.context import (
     get_ctx,
     get_principal,
     get_scope,
+    run_while_serving,
     set_target,
 )
 from gpuwarden.api.errors import HttpError
@@ -677,17 +676,4 @@ def install_sweeper(app: FastAPI, *, clock: Callable[[], float] | None = None) -
         return
     sweeper = Sweeper(store, ctx.registry, ctx.config.cluster, clock=clock or ctx.clock)
     app.state.gw_sweeper = sweeper
-    inner = app.router.lifespan_context
-    lock = threading.Lock()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(a: Any) -> AsyncIterator[Any]:
-        with lock:
-            sweeper.start()
-        try:
-            async with inner(a) as state:
-                yield state
-        finally:
-            sweeper.stop()
-
-    app.router.lifespan_context = lifespan
+    run_while_serving(app, sweeper.start, sweeper.stop)
