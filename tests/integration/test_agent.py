@@ -200,8 +200,11 @@ def test_reports_go_several_a_request_or_one_each(rig: Rig, batched: bool) -> No
     singles = [p for p in rig.switch.paths if p.endswith(("/start", "/finish"))]
     batches = rig.switch.paths.count("/v1/node/reports")
     if batched:
-        assert batches >= 1 and singles == []
-        assert batches < 2 * len(ids)  # several reports a request
+        # a report that is alone in the outbox when it is sent goes by itself
+        # (``Agent._deliver``): how many do depends on timing; together they must
+        # be fewer requests than reports
+        assert batches >= 1
+        assert batches + len(singles) < 2 * len(ids)  # several reports a request
     else:  # asked once, then one report a request
         assert batches == 1 and len(singles) == 2 * len(ids)
     audited = [(a.action, a.target) for a in rig.store.audit_rows()]
