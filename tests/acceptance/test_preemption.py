@@ -95,17 +95,18 @@ def test_a_training_run_checkpoints_yields_and_resumes(broker: Broker) -> None:
 def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     broker: Broker,
 ) -> None:
-    submit(broker, "trainmods.stubborn", "--steps", "400", "--step-s", "0.03", "--id", "stub")
+    # 1200 steps of 15 ms: it runs well past its grace (10 s) ignoring the signal
+    submit(broker, "trainmods.stubborn", "--steps", "1200", "--step-s", "0.015", "--id", "stub")
     wait_for(lambda: running(broker, "stub"), "stub running")
     submit(broker, "trainmods.urgent", "--priority", "5", "--id", "urgent")
 
-    def says_so() -> bool:  # during its grace (5 s), status says who yields to whom
+    def says_so() -> bool:  # during its grace (10 s), status says who yields to whom
         node = status(broker)
         running = {r["job"]: r.get("preempting_for") for r in node["running"]}
         why = node["waiting"].get("urgent", "")
         return running.get("stub") == "urgent" and "Preempting stub for urgent" in why
 
-    wait_for(says_so, "status: preempting stub for urgent", timeout=10)
+    wait_for(says_so, "status: preempting stub for urgent", timeout=15)
     text = run("--config", broker.config, "status").stdout
     assert "stub (preempting for urgent)" in text
     said = run("--config", broker.config, "explain", "stub").stdout
@@ -129,4 +130,4 @@ def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     log = out_file(broker, "stub", 2, "log.txt").read_text().splitlines()
     assert log[0] == "attempt 1: start at step 0 resume=0"
     assert "attempt 2: start at step 0 resume=1" in log
-    assert log[-1] == "attempt 2: finished at step 400"
+    assert log[-1] == "attempt 2: finished at step 1200"
