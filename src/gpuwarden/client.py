@@ -177,6 +177,7 @@ class Client:
         wait: float | None = None,
         after: Iterable[str] = (),
         est_s: float | None = None,
+        gpus: int | None = None,
     ) -> dict[str, Any]:
         """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
         the same request returns the same job instead of a second one. ``constraints``:
@@ -184,7 +185,8 @@ class Client:
         ``labels``, ``node``; SPEC.md section 4). ``after``: the jobs it waits for,
         each ``afterok:ID``, ``afterany:ID`` or ``afternotok:ID`` (all must hold).
         ``est_s``: how long it is expected to run (seconds), used for backfill until
-        its type has a measured run time.
+        its type has a measured run time. ``gpus``: how many GPUs of one node it
+        holds at once, its footprint on each (default: its type's).
 
         With ``wait`` (seconds, 0 to 60), the one request waits for the job to end
         (a long poll): the job comes back ended, with its result.json in ``result``
@@ -203,6 +205,8 @@ class Client:
             body["after"] = list(after)
         if est_s is not None:
             body["est_s"] = est_s
+        if gpus is not None:
+            body["gpus"] = gpus
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         job: dict[str, Any] = self.request_json(
             "POST", "/v1/jobs", json=body, headers=headers, **self._waiting(wait)

@@ -36,7 +36,15 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuwarden.core.launchrules import LaunchRules
-from gpuwarden.core.model import GIB, JobType, Lane, LaunchMode, ParamSpec, ParamType
+from gpuwarden.core.model import (
+    GIB,
+    MAX_GPUS,
+    JobType,
+    Lane,
+    LaunchMode,
+    ParamSpec,
+    ParamType,
+)
 from gpuwarden.core.params import value_fits
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL
 from gpuwarden.errors import ModuleError, ValidationError
@@ -89,6 +97,8 @@ class _TypeToml(_Strict):
     ] = DEFAULT_SIGNAL
     checkpoint_grace_s: Annotated[float, Field(gt=0, le=24 * 3600)] = DEFAULT_GRACE_S
     min_run_s: Annotated[float, Field(ge=0, le=30 * 24 * 3600)] = DEFAULT_MIN_RUN_S
+    # how many GPUs of one node each job holds at once (vram_gib on each)
+    gpus: Annotated[int, Field(ge=1, le=MAX_GPUS)] = 1
 
 
 class _ModuleMeta(_Strict):
@@ -231,6 +241,7 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
         raise ModuleError(f'{where}: a serve type holds a model on a GPU: use lane = "vram"')
     _check_runtime_type(where, t)
     _check_preemptible(where, t)
+    _check_gpus(where, t)
     params = tuple(_param(where, pname, p) for pname, p in t.params.items())
     return JobType(
         name=f"{module}.{tname}",
@@ -257,7 +268,22 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
         checkpoint_signal=t.checkpoint_signal,
         checkpoint_grace_s=t.checkpoint_grace_s,
         min_run_s=t.min_run_s,
+        gpus=t.gpus,
     )
+
+
+def _check_gpus(where: str, t: _TypeToml) -> None:
+    """A multi-GPU type's jobs are processes of their own on the vram lane (a warm
+    server and a runtime's model live on one GPU)."""
+    if t.gpus == 1:
+        return
+    if t.lane != "vram":
+        raise ModuleError(f"{where}: key 'gpus' asks for GPUs: use lane = \"vram\"")
+    if t.launch == "serve" or t.runtime is not None:
+        raise ModuleError(
+            f"{where}: key 'gpus' > 1 applies to jobs that run as processes of their own "
+            '(launch = "host" or "container"); a warm server or a runtime type holds one GPU'
+        )
 
 
 def _check_preemptible(where: str, t: _TypeToml) -> None:
@@ -422,6 +448,17 @@ class Registry:
                     "vram_bytes": t.vram_bytes,
                     "coresident": t.coresident,
                     "timeout_s": t.timeout_s,
+                    "gpus": t.gpus,
+                    "preemptible": t.preemptible,
+                    "preemption": (
+                        {
+                            "checkpoint_signal": t.checkpoint_signal,
+                            "checkpoint_grace_s": t.checkpoint_grace_s,
+                            "min_run_s": t.min_run_s,
+                        }
+                        if t.preemptible
+                        else None
+                    ),
                     "runs_here": refused is None,
                     "refused": refused,
                     "runs_as": rules.where(t),

@@ -225,6 +225,10 @@ def test_error_values_are_shortened() -> None:
         ("volumes", ["/:/host"], "extra mounts"),
         ("devices", ["/dev/nvidia0"], "devices"),
         ("privileged", True, "privileges"),
+        # a count is a request for that many GPUs (the broker picks them); names are not
+        ("gpus", ["GPU-0", "GPU-1"], "devices"),
+        ("gpus", "all", "devices"),
+        ("gpus", True, "devices"),
     ],
 )
 def test_a_job_cannot_widen_its_sandbox(key: str, value: Any, named: str) -> None:

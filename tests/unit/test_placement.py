@@ -176,3 +176,31 @@ def test_a_job_warm_on_a_node_whose_rules_refuse_it_is_not_held_back_for_it() ->
     stale = NodeView("stale", gpus=(gpu("s0", 24),), warm=frozenset({"m.warm"}), rules=LOCAL)
     cold = NodeView("cold", gpus=(gpu("c0", 24),), rules=BWRAP)
     assert offers_for(cold, [served], [stale], now=101) == ["j1"]
+
+
+# --- jobs on several GPUs ------------------------------------------------------------
+
+
+PAIR = NodeView("pair", gpus=(gpu("p0", 24), gpu("p1", 24)), max_jobs=4)
+ONE = NodeView("one", gpus=(gpu("o0", 80),), max_jobs=4)
+
+
+def test_a_multi_gpu_job_is_offered_only_to_a_node_with_that_many_gpus_with_room() -> None:
+    two = job(1, 16, gpus=2)
+    assert offers_for(ONE, [two], [PAIR], now=100) == []  # one GPU, however big
+    assert offers_for(PAIR, [two], [ONE], now=100) == ["j1"]
+    half_busy = NodeView("pair", gpus=(gpu("p0", 24), gpu("p1", 24, free=8)), max_jobs=4)
+    assert offers_for(half_busy, [two], [], now=100) == []  # never on fewer GPUs
+
+
+def test_an_offered_multi_gpu_job_takes_room_on_each_of_its_gpus() -> None:
+    three = NodeView("three", gpus=(gpu("t0", 24), gpu("t1", 24), gpu("t2", 24)), max_jobs=4)
+    queued = [job(1, 16, gpus=2), job(2, 16, gpus=2), job(3, 16)]
+    assert offers_for(three, queued, [], now=100) == ["j1", "j3"]
+
+
+def test_no_node_with_enough_gpus_is_said_at_submission() -> None:
+    why = never_placeable(job(1, 16, gpus=2), [ONE, SMALL])
+    assert why is not None
+    assert "one: needs 2 GPUs at once with 16.0 GiB on each; it has 1 such GPU(s)" in why
+    assert never_placeable(job(1, 16, gpus=2), [ONE, PAIR]) is None

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gpuwarden.core.model import Attempt, Event, Job, Role
+from gpuwarden.core.model import MAX_GPUS, Attempt, Event, Job, Role
 from gpuwarden.core.profile import MAX_EST_S
 from gpuwarden.store.base import AuditRow, TokenRecord
 
@@ -86,6 +86,11 @@ class JobIn(_Request):
         description="how long the job is expected to run, in seconds: used for backfill "
         "while its type has no measured run time (SPEC.md section 11)",
     )
+    gpus: Annotated[int, Field(ge=1, le=MAX_GPUS)] | None = Field(
+        default=None,
+        description="how many GPUs of one node it holds at once, its footprint on each "
+        "(default: its type's gpus; SPEC.md section 4)",
+    )
 
     @field_validator("params", mode="after")
     @classmethod
@@ -158,6 +163,7 @@ class JobOut(BaseModel):
     after: list[str] = []
     held: bool = False
     est_s: float | None = None
+    gpus: int | None = None
 
     @classmethod
     def of(cls, j: Job) -> Self:
@@ -181,6 +187,7 @@ class JobOut(BaseModel):
             after=list(j.after),
             held=j.held,
             est_s=j.est_s,
+            gpus=j.gpus,
         )
 
 

@@ -355,6 +355,23 @@ def _measured(profile: dict[str, Any] | None) -> str:
     return "\n".join(lines) or "-"
 
 
+def vram_cell(nbytes: int, gpus: int) -> str:
+    """A type's declared VRAM: ``8.0 GiB``, or ``8.0 GiB on each of 2 GPUs``."""
+    if not nbytes:
+        return "-"
+    return format_bytes(nbytes) + (f" on each of {gpus} GPUs" if gpus > 1 else "")
+
+
+def preemption_cell(keys: dict[str, Any] | None) -> str:
+    """A preemptible type's keys, on a line of their own under its lane."""
+    if not keys:
+        return ""
+    return (
+        f"\npreemptible ({keys['checkpoint_signal']}, grace {keys['checkpoint_grace_s']:g} s, "
+        f"min run {keys['min_run_s']:g} s)"
+    )
+
+
 def _print_types(described: list[dict[str, Any]]) -> None:
     """The table of ``types`` and its refusals, from :meth:`Registry.describe` rows
     (the API's ``/v1/types`` rows are the same)."""
@@ -375,8 +392,8 @@ def _print_types(described: list[dict[str, Any]]) -> None:
         what = escape(d["description"] or "-") + (f"\n[dim]{escape(params)}[/]" if params else "")
         table.add_row(
             escape(d["type"]),
-            f"{d['lane']}, {d['launch']}",
-            format_bytes(d["vram_bytes"]) if d["vram_bytes"] else "-",
+            f"{d['lane']}, {d['launch']}" + preemption_cell(d.get("preemption")),
+            vram_cell(d["vram_bytes"], d.get("gpus", 1)),
             runs,
             escape(shown_from),
             _measured(d.get("profile")),

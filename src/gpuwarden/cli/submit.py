@@ -38,7 +38,7 @@ from gpuwarden.client import Client
 from gpuwarden.cluster import coordinator
 from gpuwarden.config import load_config
 from gpuwarden.core.launchrules import LaunchRules
-from gpuwarden.core.model import GIB, JobSpec, JobType, Lane
+from gpuwarden.core.model import GIB, JobSpec, JobType, Lane, gpu_count
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import never_fits
 from gpuwarden.core.states import JobState
@@ -66,6 +66,13 @@ def add_job_options(sp: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long the job is expected to run: lets it start on a GPU held back for "
         "another job while its type has no measured run time",
+    )
+    sp.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="how many GPUs of one node the job holds at once, its footprint on each "
+        "(default: its type's gpus, usually 1)",
     )
     sp.add_argument(
         "--input",
@@ -250,6 +257,7 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         constraints=parse_constraints(args.constraints),
         after=tuple(getattr(args, "after", ())),
         est_s=args.est_s,
+        gpus=args.gpus,
     )
     return prepare(registry, spec)
 
@@ -387,7 +395,7 @@ def _refuse_if_it_never_fits(
         return
     view = explain.view_from_status(status, cpu_slots)
     need = explain.effective_footprint(jobtype, spec.vram_bytes, store)
-    if (why := never_fits(need, view.gpus)) is not None:
+    if (why := never_fits(need, view.gpus, gpu_count(jobtype, spec.gpus))) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
 
 
@@ -512,6 +520,7 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
             wait=first_wait,
             after=args.after,
             est_s=args.est_s,
+            gpus=args.gpus,
         )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:

@@ -280,6 +280,7 @@ def claim(
             "vram_bytes": job.vram_bytes,
             "constraints": job.constraints,
             "est_s": job.est_s,
+            "gpus": job.gpus,
             "attempts": job.attempts,
             "lease_id": lease_id,
             "expires_at": expires_at,

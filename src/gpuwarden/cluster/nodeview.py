@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwarden.core.launchrules import LaunchRules
-from gpuwarden.core.model import Job, Lane
+from gpuwarden.core.model import Job, Lane, gpu_count
 from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
 from gpuwarden.registry import Registry
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
@@ -147,6 +147,7 @@ def offerable(
         avoid=frozenset(lost),
         launch=jobtype.launch,
         runtime=jobtype.runtime is not None,
+        gpus=gpu_count(jobtype, job.gpus),
     )
 
 

@@ -306,6 +306,7 @@ class Agent:
             priority=int(payload.get("priority") or 0),
             vram_bytes=payload.get("vram_bytes"),
             est_s=None if payload.get("est_s") is None else float(payload["est_s"]),
+            gpus=None if payload.get("gpus") is None else int(payload["gpus"]),
         )
         origin = DIRECT
         if inputs:

@@ -273,6 +273,9 @@ def widening_refusal(key: str, value: object) -> str | None:
     what = _WIDENING_KEYS.get(key.lower())
     if what is None:
         return None
+    if key == "gpus" and isinstance(value, int | float) and not isinstance(value, bool):
+        return None  # a count of GPUs for the broker to choose (SPEC.md section 4): no device
+    # (a list or a string under ``gpus`` names devices: refused as one)
     detail = ""
     if what == "environment variables" and isinstance(value, dict):
         named = sorted(k for k in value if str(k).upper().startswith(_DANGEROUS_ENV))

@@ -72,6 +72,12 @@ class Holding:
         )
 
 
+def parts_of(holder: str, count: int) -> tuple[str, ...]:
+    """The names of an attempt's holdings on ``count`` GPUs (a multi-GPU job holds
+    one on each): the holder itself, then ``HOLDER+1``, ``HOLDER+2``..."""
+    return (holder, *(f"{holder}+{i}" for i in range(1, count)))
+
+
 def compatible(coresident: bool, holdings: Iterable[Holding]) -> bool:
     """A newcomer shares a GPU only if it and every holder there opt in to co-residence."""
     held = list(holdings)

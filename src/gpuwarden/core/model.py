@@ -90,6 +90,9 @@ class JobType:
     checkpoint_signal: str = "SIGUSR1"
     checkpoint_grace_s: float = 60.0
     min_run_s: float = 300.0
+    #: how many GPUs of one node each of its jobs holds at once, its ``vram_bytes``
+    #: on each (a job's own ``gpus`` overrides it; :func:`gpu_count`)
+    gpus: int = 1
 
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)
@@ -113,6 +116,8 @@ class JobSpec:
     #: how long the submitter expects it to run, in seconds (used for backfill while
     #: its type has no measured run time; ``gpuwarden.core.profile``)
     est_s: float | None = None
+    #: how many GPUs of one node it holds at once (None: its type's ``gpus``)
+    gpus: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +151,8 @@ class Job:
     held: bool = False
     #: how long the submitter expects it to run, in seconds (None: not declared)
     est_s: float | None = None
+    #: how many GPUs of one node it holds at once (None: its type's ``gpus``)
+    gpus: int | None = None
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)
@@ -156,6 +163,8 @@ class Attempt:
     job_id: str
     number: int
     node: str
+    #: its GPU, or a multi-GPU job's GPUs comma-separated (as ``CUDA_VISIBLE_DEVICES``
+    #: names them: :func:`gpu_list`); None: a cpu job
     gpu_uuid: str | None
     started_at: float
     ended_at: float | None = None
@@ -167,6 +176,11 @@ class Attempt:
     pid: int | None = None
     #: the highest RAM its process tree was seen to use (None: not measured)
     ram_peak_bytes: int | None = None
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """The GPUs it holds (one, several, or none)."""
+        return gpu_list(self.gpu_uuid)
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)
@@ -194,6 +208,31 @@ class Event:
             out["to"] = self.to_state
         out.update(self.detail)
         return out
+
+
+#: the most GPUs one job may ask for (on one node)
+MAX_GPUS = 64
+
+
+def gpu_count(jobtype: JobType, job_gpus: int | None) -> int:
+    """How many GPUs a job holds: its own ``gpus``, else its type's."""
+    return job_gpus if job_gpus is not None else jobtype.gpus
+
+
+def gpu_list(gpus: str | None) -> tuple[str, ...]:
+    """``"GPU-a,GPU-b"`` -> ``("GPU-a", "GPU-b")``: the one string that names an
+    attempt's GPUs everywhere one GPU is named (a GPU's UUID holds no comma)."""
+    return tuple(gpus.split(",")) if gpus else ()
+
+
+def check_gpus(value: object, where: str = "gpus") -> int:
+    """A job's or type's ``gpus``: an integer from 1 to :data:`MAX_GPUS`. Raise
+    :class:`ValueError` saying what is wrong."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where} must be an integer (how many GPUs), got {value!r:.60}")
+    if not 1 <= value <= MAX_GPUS:
+        raise ValueError(f"{where} must be from 1 to {MAX_GPUS}, got {value}")
+    return value
 
 
 def format_bytes(n: int | float) -> str:

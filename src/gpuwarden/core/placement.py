@@ -199,6 +199,8 @@ class Offerable:
     #: a runtime type's job: its own process runs no model code on a GPU (the
     #: launch rules judge it as a cpu type's), its runtime does
     runtime: bool = False
+    #: how many GPUs of one node it holds at once, ``vram_bytes`` on each
+    gpus: int = 1
 
 
 def type_refusal(job: Offerable, node: NodeView) -> str | None:
@@ -262,10 +264,11 @@ def offers_for(
                 for g in job.constraints.gpus(node)
                 if room.get(g.uuid, 0) >= job.vram_bytes or job.type in node.warm
             ]
-            if not fits:
+            if len(fits) < job.gpus:  # a multi-GPU job: all its GPUs on this node, now
                 continue
-            best = min(fits, key=lambda g: room[g.uuid])  # the tightest fit packs best
-            room[best.uuid] -= 0 if job.type in node.warm else job.vram_bytes
+            # the tightest fits pack best
+            for best in sorted(fits, key=lambda g: (room[g.uuid], g.uuid))[: job.gpus]:
+                room[best.uuid] -= 0 if job.type in node.warm else job.vram_bytes
         chosen.append(job.id)
     return chosen
 
@@ -275,7 +278,13 @@ def _could_run(job: Offerable, node: NodeView) -> bool:
         return False
     if job.lane is not Lane.VRAM:
         return True
-    return any(g.usable_bytes >= job.vram_bytes for g in job.constraints.gpus(node))
+    return _big_enough(job, node) >= job.gpus
+
+
+def _big_enough(job: Offerable, node: NodeView) -> int:
+    """How many of the node's GPUs (those the job's constraints allow) could ever
+    hold its footprint."""
+    return sum(g.usable_bytes >= job.vram_bytes for g in job.constraints.gpus(node))
 
 
 def never_placeable(job: Offerable, nodes: Sequence[NodeView]) -> str | None:
@@ -293,6 +302,11 @@ def never_placeable(job: Offerable, nodes: Sequence[NodeView]) -> str | None:
                 why = (
                     f"needs {format_bytes(job.vram_bytes)} on one GPU; its largest has "
                     f"{format_bytes(biggest)}"
+                )
+            elif (big := _big_enough(job, node)) < job.gpus:
+                why = (
+                    f"needs {job.gpus} GPUs at once with {format_bytes(job.vram_bytes)} on "
+                    f"each; it has {big} such GPU(s)"
                 )
         if why is None:
             return None

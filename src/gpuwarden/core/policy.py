@@ -21,6 +21,11 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
   reckoned as if it had gone; a job without an estimate never backfills this way).
 - A job whose footprint exceeds every GPU's total (less the reserve) is refused.
 - A degraded GPU takes no ``vram`` job; ``cpu`` jobs go on.
+- A job on several GPUs (``gpus = N``) starts only when N GPUs of the node each
+  fit its footprint at once, never on fewer; its reservation holds back the N
+  GPUs it fits soonest. It never starts beside a held-back job (only where it
+  ends before that job could fit), and nothing is evicted, released or
+  preempted for it: several GPUs are not freed at once for one job.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwarden.core.ledger import Holding, HoldState, compatible
-from gpuwarden.core.model import Lane, format_bytes
+from gpuwarden.core.model import Lane, format_bytes, gpu_list
 from gpuwarden.core.preempt import Need, Preempt, Victim, choose, describe, preempts
 
 
@@ -57,6 +62,8 @@ class QueuedJob:
     #: use in GiB-hours as the pass sees it (:mod:`gpuwarden.core.fairshare`)
     owner: str = ""
     usage: float = 0.0
+    #: how many GPUs it holds at once, ``vram_bytes`` on each (all or none)
+    gpus: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +178,7 @@ class Snapshot:
 @dataclass(frozen=True, slots=True)
 class Start:
     job_id: str
+    #: its GPU, or a multi-GPU job's GPUs comma-separated (``core.model.gpu_list``)
     gpu_uuid: str | None
     #: started beside the job this GPU is held back for (counts against its room)
     backfill_for: str | None = None
@@ -183,7 +191,8 @@ class Start:
 class Wait:
     job_id: str
     reason: str
-    #: the GPU held back for this job, if it got the reservation
+    #: the GPU held back for this job, if it got the reservation (a multi-GPU
+    #: job's GPUs, comma-separated)
     reserved_gpu: str | None = None
 
 
@@ -247,18 +256,26 @@ def order(jobs: tuple[QueuedJob, ...] | list[QueuedJob]) -> list[QueuedJob]:
     return sorted(jobs, key=_rank)
 
 
-def never_fits(need: int, gpus: tuple[GpuView, ...] | list[GpuView]) -> str | None:
-    """Why a footprint can never fit one of these GPUs, or None if it can."""
+def never_fits(need: int, gpus: tuple[GpuView, ...] | list[GpuView], count: int = 1) -> str | None:
+    """Why a footprint can never fit one of these GPUs (``count`` of them at once,
+    for a multi-GPU job), or None if it can."""
     if not gpus:
         return None  # a node without GPUs (yet) says so in its wait reason
     best = max(g.total_bytes - g.reserve_bytes for g in gpus)
-    if need <= best:
-        return None
-    return (
-        f"needs {format_bytes(need)} on one GPU, more than any GPU here offers "
-        f"(the largest has {format_bytes(best)} after the reserve); "
-        "it can never run on this node"
-    )
+    if need > best:
+        where = "one GPU" if count == 1 else f"each of {count} GPUs"
+        return (
+            f"needs {format_bytes(need)} on {where}, more than any GPU here offers "
+            f"(the largest has {format_bytes(best)} after the reserve); "
+            "it can never run on this node"
+        )
+    if count > 1 and (big := sum(g.total_bytes - g.reserve_bytes >= need for g in gpus)) < count:
+        return (
+            f"needs {count} GPUs at once with {format_bytes(need)} on each, and this node "
+            f"has {len(gpus)} GPU(s), {big} of them that big (after the reserve); "
+            "it can never run on this node"
+        )
+    return None
 
 
 #: a member of a class: ``(seq, id)``, or ``(seq, id, owner, usage)`` where the
@@ -361,6 +378,7 @@ def class_key(job: QueuedJob) -> Hashable:
         job.model,
         job.owner,
         job.usage,
+        job.gpus,
     )
 
 
@@ -459,6 +477,7 @@ def _as(proto: QueuedJob, member: Member) -> QueuedJob:
         proto.model,
         owner,
         usage,
+        proto.gpus,
     )
 
 
@@ -557,7 +576,9 @@ class _Step:
         decision = self.place(job, among)
         if isinstance(decision, Start) and job.serve:
             self.warm.loading(job.type, decision.gpu_uuid or "")
-        elif isinstance(decision, _Blocked) and not self.snapshot.vram_paused:
+        elif isinstance(decision, _Blocked) and not self.snapshot.vram_paused and job.gpus == 1:
+            # (a multi-GPU job waits for GPUs to come free on their own: no eviction,
+            # release or preemption frees several GPUs at once for it)
             evicted = _evict_for(job, decision, self.gpus, self.warm)
             self.evictions += evicted
             asked: list[AskRuntime] = []
@@ -591,8 +612,9 @@ class _Step:
             g.reserved_for = job
         blocked.reserved = g.view.uuid
         blocked.extra.append(describe(choice, job.id))
-        chosen = {v.holder for v in choice.victims}
-        self.victims = [v for v in self.victims if v.holder not in chosen]
+        # (by job: a multi-GPU victim is listed once per GPU it holds)
+        chosen = {v.job_id for v in choice.victims}
+        self.victims = [v for v in self.victims if v.job_id not in chosen]
         self.preemptions += preempts(choice, job.id)
 
     def runtime_job(self, job: QueuedJob) -> Start | Refuse | _Blocked | list[_Gpu]:
@@ -642,22 +664,13 @@ class _Step:
             )
         if self.best is not None and need > self.best:
             return Refuse(job.id, never_fits(need, snapshot.gpus) or "")
+        if job.gpus > 1:
+            return self.place_many(job, gpus)
         fitting = [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
         if fitting:
             best, how = min(fitting, key=lambda gh: (gh[0].free - need, gh[0].view.uuid))
             backfill_for = how or None
-            best.add(
-                Holding(
-                    holder=f"{job.id}/next",
-                    type=job.type,
-                    bytes=need,
-                    coresident=job.coresident,
-                    job_id=job.id,
-                    since=now,
-                    expected_end=None if job.expected_s is None else now + job.expected_s,
-                    backfill_for=backfill_for,
-                )
-            )
+            best.add(_started(job, f"{job.id}/next", now, backfill_for))
             return Start(job.id, best.view.uuid, backfill_for)
         reserved = None
         if self.reservations_left > 0:
@@ -677,6 +690,59 @@ class _Step:
         if reserved is not None:
             blocked.extra.append(f"{reserved.view.uuid} is held back for it until it fits")
         return blocked
+
+    def place_many(self, job: QueuedJob, gpus: list[_Gpu]) -> Start | Refuse | _Blocked:
+        """A job on ``job.gpus`` GPUs: all at once or not at all, on those where it
+        fits tightest, never beside a job one of them is held back for (only where
+        it would end before that job could fit); else it waits, with the GPUs it
+        fits soonest held back for it, all of them, where a reservation is left."""
+        n, need, now = job.gpus, job.vram_bytes, self.now
+        if (why := never_fits(need, self.snapshot.gpus, n)) is not None:
+            return Refuse(job.id, why)
+        fitting = [g for g in gpus if _can_start(job, g, now) == ""]
+        if len(fitting) >= n:
+            chosen = sorted(fitting, key=lambda g: (g.free - need, g.view.uuid))[:n]
+            for i, g in enumerate(chosen):
+                g.add(_started(job, f"{job.id}/next@{i}", now))
+            return Start(job.id, ",".join(g.view.uuid for g in chosen))
+        reserved: list[_Gpu] = []
+        if self.reservations_left > 0:
+            reserved = _reserve_many(job, gpus, self.held_back.get(job.id))
+            if reserved:
+                self.reservations_left -= 1
+        could = {g.view.uuid for g in fitting}
+        seen = [(len(g.holdings), g.reserved_for if g not in reserved else None) for g in gpus]
+
+        def render() -> str:
+            each = [
+                f"{g.view.uuid} could take it" if g.view.uuid in could else _why_not(job, g, at)
+                for g, at in zip(gpus, seen, strict=True)
+            ]
+            return (
+                f"needs {format_bytes(need)} on each of {n} GPUs at once, and {len(could)} "
+                "can take it now; " + "; ".join(each)
+            )
+
+        held = ",".join(g.view.uuid for g in reserved)
+        blocked = _Blocked(job, render, held or None)
+        if reserved:
+            names = ", ".join(g.view.uuid for g in reserved)
+            blocked.extra.append(f"{names} are held back for it until it fits on all {n}")
+        return blocked
+
+
+def _started(job: QueuedJob, holder: str, now: float, backfill_for: str | None = None) -> Holding:
+    """The holding a start decided in this pass counts as, for the rest of it."""
+    return Holding(
+        holder=holder,
+        type=job.type,
+        bytes=job.vram_bytes,
+        coresident=job.coresident,
+        job_id=job.id,
+        since=now,
+        expected_end=None if job.expected_s is None else now + job.expected_s,
+        backfill_for=backfill_for,
+    )
 
 
 class _Warm:
@@ -928,6 +994,32 @@ def _reserve(job: QueuedJob, gpus: list[_Gpu], previous: str | None = None) -> _
     )
     chosen.reserved_for = job
     return chosen
+
+
+def _reserve_many(job: QueuedJob, gpus: list[_Gpu], previous: str | None) -> list[_Gpu]:
+    """Hold back ``job.gpus`` GPUs for a multi-GPU job that cannot start (as
+    :func:`_reserve` does one): those held back for it in the previous pass first,
+    then those it fits soonest. None when fewer than that many may be held."""
+    candidates = [
+        g
+        for g in gpus
+        if g.reserved_for is None and not g.view.degraded and g.capacity >= job.vram_bytes
+    ]
+    if len(candidates) < job.gpus:
+        return []
+    kept = set(gpu_list(previous))
+    chosen = sorted(
+        candidates,
+        key=lambda g: (
+            g.view.uuid not in kept,
+            *fits_soonest_key(job, g.capacity, g.holdings),
+            g.held,
+            g.view.uuid,
+        ),
+    )[: job.gpus]
+    for g in chosen:
+        g.reserved_for = job
+    return sorted(chosen, key=lambda g: g.view.uuid)
 
 
 def fits_soonest_key(job: QueuedJob, capacity: int, holdings: list[Holding]) -> tuple[int, float]:

@@ -58,8 +58,15 @@ class SimClient:
 
 def attach(env: Mapping[str, str] | None = None) -> SimClient:
     """Attach to the simulated GPU this process was given (read from ``env``,
-    by default ``os.environ``). Raises ``GpuProbeError`` outside gpuwarden's
-    simulated GPU, or when the job was given no GPU."""
+    by default ``os.environ``; the first, for a job given several). Raises
+    ``GpuProbeError`` outside gpuwarden's simulated GPU, or when the job was given
+    no GPU."""
+    return attach_all(env)[0]
+
+
+def attach_all(env: Mapping[str, str] | None = None) -> list[SimClient]:
+    """One client per simulated GPU this process was given, in the order
+    ``CUDA_VISIBLE_DEVICES`` names them (a multi-GPU job's)."""
     env = os.environ if env is None else env
     path = env.get(SIM_ENV, "")
     if not path:
@@ -73,22 +80,27 @@ def attach(env: Mapping[str, str] | None = None) -> SimClient:
         raise GpuProbeError(
             f"not running under gpuwarden's simulated GPU: {VISIBLE_ENV} is not set"
         )
-    first = visible.split(",")[0].strip()
-    if not first:
+    names = [n.strip() for n in visible.split(",")]
+    if not names[0]:
         raise GpuProbeError(
             f"this job was given no GPU ({VISIBLE_ENV} is empty): it cannot allocate VRAM"
         )
     uuids = device.uuids()
-    if first.isdigit():  # an index, as CUDA also accepts
-        index = int(first)
+    return [SimClient(device, _uuid_of(name, uuids, visible)) for name in names]
+
+
+def _uuid_of(name: str, uuids: list[str], visible: str) -> str:
+    """A name in ``CUDA_VISIBLE_DEVICES``: a UUID, or an index as CUDA also accepts."""
+    if name.isdigit():
+        index = int(name)
         if index >= len(uuids):
             raise GpuProbeError(
                 f"{VISIBLE_ENV}={visible!r} names GPU {index}, but the simulated node has "
                 f"{len(uuids)}"
             )
-        return SimClient(device, uuids[index])
-    if first not in uuids:
+        return uuids[index]
+    if name not in uuids:
         raise GpuProbeError(
             f"{VISIBLE_ENV}={visible!r} names no simulated GPU (known: {', '.join(uuids)})"
         )
-    return SimClient(device, first)
+    return name

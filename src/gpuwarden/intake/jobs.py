@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import PurePosixPath
 
 from gpuwarden.core.dependencies import DependencyError, parse_all
-from gpuwarden.core.model import JobSpec, Lane
+from gpuwarden.core.model import JobSpec, JobType, Lane, LaunchMode, check_gpus
 from gpuwarden.core.params import validate_params
 from gpuwarden.core.placement import GPU_CONSTRAINTS, check_constraints
 from gpuwarden.core.profile import check_est_s
@@ -87,6 +87,7 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
         est_s = None if spec.est_s is None else check_est_s(spec.est_s)
     except ValueError as exc:
         raise ValidationError(f"job {spec.id}: {exc}") from None
+    _check_gpus(spec, jobtype)
     return replace(
         spec,
         params=params,
@@ -96,3 +97,27 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
         after=after,
         est_s=est_s,
     )
+
+
+def _check_gpus(spec: JobSpec, jobtype: JobType) -> None:
+    """A job's own ``gpus``: a count, for a type whose jobs are processes of their
+    own on the vram lane (a warm server and a runtime's model hold one GPU)."""
+    if spec.gpus is None:
+        return
+    try:
+        check_gpus(spec.gpus)
+    except ValueError as exc:
+        raise ValidationError(f"job {spec.id}: {exc}") from None
+    if spec.gpus == 1:
+        return
+    if jobtype.lane is not Lane.VRAM:
+        raise ValidationError(
+            f"job {spec.id}: gpus = {spec.gpus} asks for GPUs, but {jobtype.name} runs on the "
+            "cpu lane and never uses one"
+        )
+    if jobtype.launch is LaunchMode.SERVE or jobtype.runtime is not None:
+        kind = "a warm server" if jobtype.launch is LaunchMode.SERVE else "a managed runtime"
+        raise ValidationError(
+            f"job {spec.id}: gpus = {spec.gpus}, but {jobtype.name} runs in {kind}, which "
+            "holds one GPU; only jobs that run as processes of their own may span GPUs"
+        )

@@ -25,7 +25,7 @@ from typing import Any
 
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.launchrules import widening_refusal
-from gpuwarden.core.model import GIB, MIB, JobSpec, format_bytes
+from gpuwarden.core.model import GIB, MIB, JobSpec, check_gpus, format_bytes
 from gpuwarden.core.placement import check_constraints
 from gpuwarden.core.profile import check_est_s
 from gpuwarden.errors import BundleError
@@ -67,6 +67,7 @@ _JOB_KEYS = (
     "constraints",
     "after",
     "est_s",
+    "gpus",
 )
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -247,19 +248,7 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
             raise BundleError(f"{at}.vram_gib must be at most {_MAX_VRAM_GIB}, got {show(vram)}")
         vram_bytes = math.ceil(vram * GIB)
 
-    constraints: dict[str, Any] = {}
-    if "constraints" in raw:
-        try:
-            constraints = check_constraints(raw["constraints"])
-        except ValueError as exc:
-            raise BundleError(f"{at}.constraints: {exc}") from None
-
-    est_s: float | None = None
-    if "est_s" in raw:
-        try:
-            est_s = check_est_s(raw["est_s"])
-        except ValueError as exc:
-            raise BundleError(f"{at}.{exc}") from None
+    constraints, est_s, gpus = _scheduling(raw, at)
 
     return JobSpec(
         id=job_id,
@@ -272,7 +261,31 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         constraints=constraints,
         after=_after(raw.get("after", []), at),
         est_s=est_s,
+        gpus=gpus,
     )
+
+
+def _scheduling(raw: dict[str, Any], at: str) -> tuple[dict[str, Any], float | None, int | None]:
+    """A job's ``constraints``, ``est_s`` and ``gpus`` (each optional), checked."""
+    constraints: dict[str, Any] = {}
+    if "constraints" in raw:
+        try:
+            constraints = check_constraints(raw["constraints"])
+        except ValueError as exc:
+            raise BundleError(f"{at}.constraints: {exc}") from None
+    est_s: float | None = None
+    if "est_s" in raw:
+        try:
+            est_s = check_est_s(raw["est_s"])
+        except ValueError as exc:
+            raise BundleError(f"{at}.{exc}") from None
+    gpus: int | None = None
+    if "gpus" in raw:
+        try:
+            gpus = check_gpus(raw["gpus"], f"{at}.gpus")
+        except ValueError as exc:
+            raise BundleError(str(exc)) from None
+    return constraints, est_s, gpus
 
 
 def _after(value: Any, at: str) -> tuple[str, ...]:
@@ -371,5 +384,7 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
             entry["after"] = list(job.after)
         if job.est_s is not None:
             entry["est_s"] = job.est_s
+        if job.gpus is not None:
+            entry["gpus"] = job.gpus
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}

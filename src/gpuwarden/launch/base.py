@@ -71,7 +71,8 @@ class LaunchRequest:
     #: the working directory and arguments that are host paths under a mount's
     #: source are rewritten to the mount's target
     mounts: tuple[Mount, ...] = ()
-    #: the one GPU the attempt may use (the vram lane), by UUID
+    #: the GPU the attempt may use (the vram lane), by UUID; a multi-GPU job's
+    #: GPUs comma-separated (``core.model.gpu_list``)
     gpu_uuid: str | None = None
     #: memory the sandbox may use, where the runtime enforces it (0: its default)
     memory_bytes: int = 0

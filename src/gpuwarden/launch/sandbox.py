@@ -57,6 +57,7 @@ from typing import Literal
 import gpuwarden
 from gpuwarden import safefs
 from gpuwarden.core.launchrules import Runtime
+from gpuwarden.core.model import gpu_list
 from gpuwarden.launch import enter
 from gpuwarden.launch.base import INSIDE, LaunchRequest, LaunchResult, Mount, inside_path
 from gpuwarden.launch.cgroups import PidsCgroups, find_pids_cgroups
@@ -369,13 +370,13 @@ class SandboxLauncher:
         return [*starter, "--", *args]
 
     def _device_paths(self, req: LaunchRequest) -> list[str]:
-        """bubblewrap: the nodes of the request's GPU and the driver's control nodes."""
+        """bubblewrap: the nodes of the request's GPUs and the driver's control nodes."""
         if req.gpu_uuid is None:
             return []
         # pynvml takes ~80 ms to import: only a launch on a real GPU pays for it
         from gpuwarden.gpu.nvml import device_nodes  # noqa: PLC0415
 
-        return device_nodes(req.gpu_uuid)
+        return list(dict.fromkeys(p for g in gpu_list(req.gpu_uuid) for p in device_nodes(g)))
 
     def _engine_argv(self, req: LaunchRequest) -> list[str]:
         lim = self.limits
@@ -422,8 +423,11 @@ class SandboxLauncher:
         args += ["--mount", f"type=bind,source={_package_dir()},target={LIB_INSIDE}/gpuwarden"]
         args[-1] += ",readonly"
         if req.gpu_uuid is not None:
-            if podman:
-                args += ["--device", f"nvidia.com/gpu={req.gpu_uuid}"]
+            if podman:  # CDI: one device per GPU
+                for gpu in gpu_list(req.gpu_uuid):
+                    args += ["--device", f"nvidia.com/gpu={gpu}"]
+            elif "," in req.gpu_uuid:  # docker reads --gpus as CSV: a list is one quoted field
+                args += ["--gpus", f'"device={req.gpu_uuid}"']
             else:
                 args += ["--gpus", f"device={req.gpu_uuid}"]
         args += ["--workdir", inside_path(req.mounts, req.cwd)]

@@ -59,11 +59,10 @@ class FairUse:
         return use
 
     def held(self, run: RunningAttempt) -> int:
-        """The VRAM an attempt holds: its holding, or, on a warm server, its type's
-        footprint; 0 for a ``cpu`` job."""
-        holding = self.vram.ledger.get(run.holder)
-        if holding is not None:
-            return holding.bytes
+        """The VRAM an attempt holds: its holding (a multi-GPU job's on all its GPUs),
+        or, on a warm server, its type's footprint; 0 for a ``cpu`` job."""
+        if self.vram.ledger.get(run.holder) is not None:
+            return self.vram.held_bytes(run.holder)
         if run.jobtype.lane is Lane.VRAM:
             return self.footprints.of(run.jobtype, run.job.vram_bytes)
         return 0

@@ -101,7 +101,7 @@ class GpuWatch:
             self.emit("gpu_fault", gpu=gpu, xid=code, reason=reason)
             self.warm.stop_idle_on(gpu, f"its GPU reported Xid {code}")
         for run in self.attempts:
-            if run.attempt.gpu_uuid != gpu or run.stop_reason is not None:
+            if gpu not in run.attempt.gpus or run.stop_reason is not None:
                 continue
             run.stop_reason = "gpu_fault" if kind == "critical" else "app_error"
             run.fault = f"Xid {code}"

@@ -37,7 +37,7 @@ from hashlib import sha256
 from typing import Any, cast
 
 from gpuwarden.core import policy
-from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode
+from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode, gpu_count
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.eventlog import EventLog, NullLog
@@ -453,7 +453,7 @@ class Broker:
         (the same but for their owners), with the footprint, estimate and warm server
         the node knows now, its head the first of them in queue order (fair share)."""
         key, (seq, head) = self.queue.head(keys, use) or (keys[0], (0, ""))
-        type_name, priority, own_bytes, est_s, owner = key
+        type_name, priority, own_bytes, est_s, own_gpus, owner = key
         jobtype = self.registry.types[type_name]
         vram = jobtype.lane is Lane.VRAM
         job = policy.QueuedJob(
@@ -472,8 +472,9 @@ class Broker:
             model=jobtype.model or "",
             owner=owner,
             usage=use.get(owner, 0.0),
+            gpus=gpu_count(jobtype, own_gpus),
         )
-        return policy.Lineup(key[:4], job, self.queue.members(keys, use))
+        return policy.Lineup(key[:-1], job, self.queue.members(keys, use))
 
     def _runtime_of(self, jobtype: JobType) -> str:
         """A runtime type's runtime, by its name here (or the word its type gave,
@@ -627,7 +628,9 @@ class Broker:
             jobtype = self.registry.get(spec.type)
             if jobtype.lane is not Lane.VRAM:
                 continue
-            why = policy.never_fits(self.footprints.of(jobtype, spec.vram_bytes), views)
+            why = policy.never_fits(
+                self.footprints.of(jobtype, spec.vram_bytes), views, gpu_count(jobtype, spec.gpus)
+            )
             if why is not None:
                 raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
 
@@ -785,7 +788,7 @@ class Broker:
     def wait_reason(self, job_id: str) -> str | None:
         """Why a queued job waits, as the last pass saw it (None: it was not judged)."""
         key = self.queue.index.key_of(job_id)
-        waited = None if key is None else self._waits.get(key[:4])
+        waited = None if key is None else self._waits.get(key[:-1])
         return None if waited is None else waited.wait(job_id).reason
 
 

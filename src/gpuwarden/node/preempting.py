@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 
+from gpuwarden.core.ledger import parts_of
 from gpuwarden.core.preempt import Preempt, Victim
 from gpuwarden.launch import reaper
 from gpuwarden.node.runner import AttemptRunner
@@ -43,12 +44,13 @@ class Preemptions:
         self.emit = emit
 
     def victims(self) -> tuple[Victim, ...]:
-        """The running attempts the plan may ask to checkpoint (and those asked)."""
+        """The running attempts the plan may ask to checkpoint (and those asked): a
+        multi-GPU attempt once per GPU, under the name of its holding there."""
         return tuple(
             Victim(
                 job_id=run.job.id,
-                holder=run.holder,
-                gpu_uuid=run.attempt.gpu_uuid,
+                holder=part,
+                gpu_uuid=gpu,
                 priority=run.job.priority,
                 since=run.attempt.started_at,
                 min_run_s=run.jobtype.min_run_s,
@@ -58,9 +60,11 @@ class Preemptions:
             )
             for run in self.attempts
             if run.jobtype.preemptible
-            and run.attempt.gpu_uuid is not None
             and run.pid is not None  # its process runs: the signal has somewhere to go
             and (run.stop_reason is None or run.preempting_for is not None)
+            for part, gpu in zip(
+                parts_of(run.holder, len(run.attempt.gpus)), run.attempt.gpus, strict=True
+            )
         )
 
     def ask(self, decision: Preempt, now: float) -> bool:

@@ -44,13 +44,14 @@ _ID_BATCH = 900
 
 #: a class of the index: job type, priority, the job's own footprint (or None), and
 #: the run time it declared as the planner rounds it (``core.profile.est_class``;
-#: None for a job that declares none, as most do: their classes are not split), and
-#: its owner ("" for local): fair share orders owners apart (``core.fairshare``)
-ClassKey = tuple[str, int, int | None, float | None, str]
+#: None for a job that declares none, as most do: their classes are not split), the
+#: GPUs it asked for itself (None: its type's count), and its owner ("" for local,
+#: always last): fair share orders owners apart (``core.fairshare``)
+ClassKey = tuple[str, int, int | None, float | None, int | None, str]
 #: a class as the plan sees it: the index's classes but for their owner. The jobs
 #: of one need the same, whoever owns them, so a pass decides for each such class
 #: once; its owners' jobs are merged in queue order (:meth:`QueueBook.members`)
-PlanKey = tuple[str, int, int | None, float | None]
+PlanKey = tuple[str, int, int | None, float | None, int | None]
 
 
 class QueueBook:
@@ -139,7 +140,14 @@ class QueueBook:
                     reason=f"job type {e.type} is not known to this broker (module removed?)",
                 )
             else:
-                key = (e.type, e.priority, e.vram_bytes, est_class(e.est_s), e.owner or "")
+                key = (
+                    e.type,
+                    e.priority,
+                    e.vram_bytes,
+                    est_class(e.est_s),
+                    e.gpus,
+                    e.owner or "",
+                )
                 self.index.add(e.id, e.seq, key)
 
     def classes(self) -> list[ClassKey]:

@@ -21,8 +21,8 @@ from typing import Any
 
 import psutil
 
-from gpuwarden.core.ledger import Holding, HoldState, Ledger
-from gpuwarden.core.model import format_bytes
+from gpuwarden.core.ledger import Holding, HoldState, Ledger, parts_of
+from gpuwarden.core.model import format_bytes, gpu_list
 from gpuwarden.core.policy import GpuView
 from gpuwarden.gpu.base import GpuReading
 from gpuwarden.node.settings import VramSettings
@@ -86,6 +86,9 @@ class VramBook:
         #: the holdings of runtime jobs, by holder: the runtime whose memory each
         #: accounts for (its footprint covers the model the runtime loads for it)
         self.runtime_of: dict[str, _RuntimeUse] = {}
+        #: a multi-GPU attempt's holdings, one per GPU, by its holder's name (the
+        #: first is the holder itself, the others ``HOLDER+i``)
+        self._parts: dict[str, tuple[str, ...]] = {}
 
     # -- holdings -------------------------------------------------------------
 
@@ -106,40 +109,61 @@ class VramBook:
     ) -> None:
         """An attempt starts on ``gpu``: hold its footprint. A runtime job's
         (``runtime``: the managed runtime it uses) holds it for the runtime: while
-        it runs, that much of the runtime's memory there is this holding's."""
-        others = self.ledger.holdings(gpu)
-        for other in others:
-            if other.holder in self._tracked:
-                self._tracked[other.holder].alone = False
-        self.ledger.hold(
-            gpu,
-            Holding(
-                holder=holder,
-                type=type_name,
-                bytes=nbytes,
-                coresident=coresident,
-                job_id=job_id,
-                since=now,
-                expected_end=None if expected_s is None else now + expected_s,
-                backfill_for=backfill_for,
-                state=state,
-            ),
-        )
-        self._tracked[holder] = _Tracked(alone=not others)
+        it runs, that much of the runtime's memory there is this holding's. A
+        multi-GPU attempt (``gpu``: its GPUs, comma-separated) holds ``nbytes`` on
+        each, one holding per GPU, all ended and measured as one."""
+        gpus = gpu_list(gpu)
+        names = parts_of(holder, len(gpus))
+        if len(names) > 1:
+            self._parts[holder] = names
+        for name, one in zip(names, gpus, strict=True):
+            self._hold_one(
+                name,
+                one,
+                Holding(
+                    holder=name,
+                    type=type_name,
+                    bytes=nbytes,
+                    coresident=coresident,
+                    job_id=job_id,
+                    since=now,
+                    expected_end=None if expected_s is None else now + expected_s,
+                    backfill_for=backfill_for,
+                    state=state,
+                ),
+            )
         if runtime is not None:
             g = self._gpus.get(gpu)
             self.runtime_of[holder] = _RuntimeUse(
                 runtime, g.runtime_raw.get(runtime, 0) if g else 0
             )
 
+    def _hold_one(self, holder: str, gpu: str, holding: Holding) -> None:
+        others = self.ledger.holdings(gpu)
+        for other in others:
+            if other.holder in self._tracked:
+                self._tracked[other.holder].alone = False
+        self.ledger.hold(gpu, holding)
+        self._tracked[holder] = _Tracked(alone=not others)
+
+    def parts(self, holder: str) -> tuple[str, ...]:
+        """The names of its holdings: itself, or a multi-GPU attempt's one per GPU."""
+        return self._parts.get(holder, (holder,))
+
+    def held_bytes(self, holder: str) -> int:
+        """What it holds now, on all its GPUs together."""
+        return sum(h.bytes for p in self.parts(holder) if (h := self.ledger.get(p)) is not None)
+
     def alone(self, holder: str) -> bool:
-        """Nothing else held memory on its GPU since it started."""
-        t = self._tracked.get(holder)
-        return t is not None and t.alone
+        """Nothing else held memory on its GPU (any of its GPUs) since it started."""
+        tracked = [self._tracked.get(p) for p in self.parts(holder)]
+        return all(t is not None and t.alone for t in tracked)
 
     def peak(self, holder: str) -> int:
-        t = self._tracked.get(holder)
-        return t.peak_bytes if t is not None else 0
+        """The most it was seen to use on one GPU (its footprint is per GPU)."""
+        return max(
+            (t.peak_bytes for p in self.parts(holder) if (t := self._tracked.get(p))), default=0
+        )
 
     def fault(self, gpu: str, reason: str) -> None:
         self.faults[gpu] = reason
@@ -148,24 +172,31 @@ class VramBook:
         return self.faults.pop(gpu, None) is not None
 
     def set_pid(self, holder: str, pid: int) -> None:
-        if (t := self._tracked.get(holder)) is not None:
-            t.main_pid = pid
-            t.pids.add(pid)
+        for part in self.parts(holder):
+            if (t := self._tracked.get(part)) is not None:
+                t.main_pid = pid
+                t.pids.add(pid)
 
     def end(self, holder: str, now: float) -> Measurement | None:
         """The attempt's processes are gone: its holding waits for the probe to show
-        its memory free (reclaiming). Returns what was measured while it ran."""
+        its memory free (reclaiming). Returns what was measured while it ran (a
+        multi-GPU attempt's peak is the most it used on one of its GPUs)."""
         holding = self.ledger.get(holder)
-        tracked = self._tracked.get(holder)
-        if holding is None or tracked is None:
+        if holding is None or holder not in self._tracked:
             return None
-        measurement = Measurement(holding.type, holding.job_id, tracked.peak_bytes, tracked.alone)
+        measurement = Measurement(
+            holding.type, holding.job_id, self.peak(holder), self.alone(holder)
+        )
         self.runtime_of.pop(holder, None)  # the runtime's memory is its own again
-        if not tracked.pids:  # no process ever ran: nothing to reclaim
-            self.ledger.release(holder)
-            del self._tracked[holder]
-        else:
-            self.ledger.update(holder, state=HoldState.RECLAIMING, since=now)
+        for part in self._parts.pop(holder, (holder,)):
+            tracked = self._tracked.get(part)
+            if tracked is None:
+                continue
+            if not tracked.pids:  # no process ever ran: nothing to reclaim
+                self.ledger.release(part)
+                del self._tracked[part]
+            else:
+                self.ledger.update(part, state=HoldState.RECLAIMING, since=now)
         return measurement
 
     # -- observation ------------------------------------------------------------

@@ -236,7 +236,7 @@ class WarmServers:
             # used least, then arrival
             use = use or {}
             heads = [
-                (key[1], use.get(key[4], 0.0), head)
+                (key[1], use.get(key[-1], 0.0), head)
                 for key in classes
                 if key[0] == server.type.name and (head := index.head(key)) is not None
             ]

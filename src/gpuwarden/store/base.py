@@ -74,6 +74,8 @@ class QueueEntry:
     est_s: float | None = None
     #: who submitted it (the token's id; None: the local CLI or a bundle)
     owner: str | None = None
+    #: how many GPUs it asked for itself (None: its type's count)
+    gpus: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

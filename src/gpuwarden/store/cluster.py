@@ -73,6 +73,8 @@ class Claimable:
     #: a job with input files: the folder they were staged in (on the host that
     #: took its bundle); None for a job without input files
     input_dir: str | None = None
+    #: how many GPUs it asked for itself (None: its type's count)
+    gpus: int | None = None
 
 
 class ClusterStore(Store):

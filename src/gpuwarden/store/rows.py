@@ -41,6 +41,7 @@ def spec_hash(spec: JobSpec) -> str:
             **({"constraints": spec.constraints} if spec.constraints else {}),
             **({"after": list(spec.after)} if spec.after else {}),
             **({"est_s": spec.est_s} if spec.est_s is not None else {}),
+            **({"gpus": spec.gpus} if spec.gpus is not None else {}),
         },
         sort_keys=True,
     )
@@ -73,6 +74,7 @@ def job(row: Row, decode: Decode) -> Job:
         after=tuple(decode(row["depends_on"])),
         held=bool(row["held"]),
         est_s=row["est_s"],
+        gpus=row["gpus"],
     )
 
 
@@ -215,4 +217,5 @@ def claimable(row: Row, decode: Decode) -> Claimable:
         attempts=row["attempts"],
         constraints=dict(decode(row["constraints"])),
         input_dir=row["input_dir"],
+        gpus=row["gpus"],
     )

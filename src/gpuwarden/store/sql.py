@@ -251,6 +251,8 @@ class SqlStore(Store, Generic[C]):
             for spec in specs:
                 if spec.est_s is not None:
                     self._run(conn, "set_job_est_s", {"id": spec.id, "est_s": spec.est_s})
+                if spec.gpus is not None:  # likewise (0010)
+                    self._run(conn, "set_job_gpus", {"id": spec.id, "gpus": spec.gpus})
             # the events last: PostgreSQL's events lock is taken after every row lock
             for spec in specs:
                 detail: dict[str, Any] = {"type": spec.type}
@@ -467,6 +469,7 @@ class SqlStore(Store, Generic[C]):
                 cancel_requested=bool(r["cancel_requested"]),
                 est_s=None if r["est_s"] is None else float(r["est_s"]),
                 owner=r["owner"],
+                gpus=None if r["gpus"] is None else int(r["gpus"]),
             )
             for r in found
         ]

@@ -44,7 +44,7 @@ from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.fairshare import hide_owners
-from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType
+from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType, gpu_count
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
@@ -217,6 +217,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             constraints=dict(body.constraints),
             after=_visible_after(ctx, who, access, body.after),
             est_s=body.est_s,
+            gpus=body.gpus,
         ),
         owner=who.token_id,
     )
@@ -295,9 +296,15 @@ def _refuse_if_it_never_fits(ctx: ApiContext, spec: JobSpec, jobtype: JobType) -
         for s in ctx.store.node_statuses()
         if now - s.updated_at <= explain.FRESH_S
     ]
-    gpus = [g for st in live if not st.stopped for g in st.gpu_views()]
+    nodes = [st.gpu_views() for st in live if not st.stopped]
     need = explain.effective_footprint(jobtype, spec.vram_bytes, ctx.store)
-    if (why := policy.never_fits(need, gpus)) is not None:
+    count = gpu_count(jobtype, spec.gpus)
+    if count > 1:  # its GPUs must all be on one node
+        whys = [policy.never_fits(need, gpus, count) for gpus in nodes]
+        if whys and all(whys):
+            raise ValidationError(f"job {spec.id} ({spec.type}) {whys[0]}")
+        return
+    if (why := policy.never_fits(need, [g for gpus in nodes for g in gpus])) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
 
 

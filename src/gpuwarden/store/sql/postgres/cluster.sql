@@ -75,7 +75,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > %(now)s GROUP BY node;
 
 -- name: claimable_jobs_after
 -- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
@@ -87,7 +87,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
  LIMIT %(limit)s;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held

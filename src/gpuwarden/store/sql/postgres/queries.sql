@@ -48,7 +48,7 @@ SELECT count(*) AS n FROM jobs
 
 -- name: queue_entries
 -- the queued jobs that may be planned: not held for their dependencies
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
  WHERE state = 'queued' AND NOT held;
 
 -- name: queued_count
@@ -57,7 +57,7 @@ SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
      - (SELECT COUNT(*) FROM jobs WHERE held) AS n;
 
 -- name: queue_entries_of
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
  WHERE state = 'queued' AND NOT held AND id = ANY(%(ids)s::text[]);
 
 -- name: running_jobs
@@ -268,6 +268,9 @@ UPDATE jobs SET held = FALSE, updated_at = %(now)s
 
 -- name: held_jobs
 SELECT id FROM jobs WHERE held AND state = 'queued' ORDER BY seq;
+
+-- name: set_job_gpus
+UPDATE jobs SET gpus = %(gpus)s WHERE id = %(id)s;
 
 -- name: set_job_est_s
 UPDATE jobs SET est_s = %(est_s)s WHERE id = %(id)s;

@@ -45,7 +45,7 @@ SELECT count(*) AS n FROM jobs
 
 -- name: queue_entries
 -- the queued jobs that may be planned: not held for their dependencies
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
  WHERE state = 'queued' AND held = 0;
 
 -- name: queued_count
@@ -54,7 +54,7 @@ SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
      - (SELECT COUNT(*) FROM jobs WHERE held = 1) AS n;
 
 -- name: queue_entries_of
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
  WHERE state = 'queued' AND held = 0 AND id IN (SELECT value FROM json_each(:ids));
 
 -- name: running_jobs
@@ -237,6 +237,9 @@ UPDATE jobs SET held = 0, updated_at = :now WHERE id = :id AND state = 'queued' 
 
 -- name: held_jobs
 SELECT id FROM jobs WHERE held = 1 AND state = 'queued' ORDER BY seq;
+
+-- name: set_job_gpus
+UPDATE jobs SET gpus = :gpus WHERE id = :id;
 
 -- name: set_job_est_s
 UPDATE jobs SET est_s = :est_s WHERE id = :id;
