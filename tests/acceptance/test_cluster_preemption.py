@@ -235,3 +235,32 @@ def test_a_training_run_yields_across_hosts_and_resumes_once(cluster: Cluster) -
     assert (out_dir(a, "train", 2) / "done.txt").read_text() == "300"
     # its lease is gone with its end, and no other lease waits on it
     assert c.sql("SELECT job_id FROM leases WHERE job_id IN ('train', 'urgent')") == []
+
+
+def test_a_run_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    a = c.agents["n24"]
+    with c.client() as client:
+        client.submit("trainmods.stubborn", {"steps": 400, "step_s": 0.05}, id="stub")
+    wait_for("stub running", lambda: running_here(c, "stub", out_dir(a, "stub", 1)))
+    with c.client() as client:
+        client.submit("trainmods.urgent", {}, id="urgent2", priority=5)
+    wait_for("both ended", lambda: ended(c, "stub", "urgent2"), timeout=120)
+
+    assert [(v, d["for_job"]) for v, d in asked(c) if v == "stub"] == [("stub", "urgent2")]
+    # it ignored the signal: stopped after its grace (5 s, within the 10 s lease)
+    [over] = agent_events(a, "preemption_grace_ended")
+    assert over["job"] == "stub" and over["for_job"] == "urgent2"
+    stub = job(c, "stub")
+    assert stub["state"] == "done"
+    first, second = stub["attempts_detail"]
+    assert first["outcome"] == "preempted" and "interruption 1/2" in first["reason"]
+    assert second["outcome"] == "succeeded" and first["node"] == second["node"] == "n24"
+    [u] = job(c, "urgent2")["attempts_detail"]
+    assert u["node"] == "n24" and first["ended_at"] <= u["started_at"] <= second["started_at"]
+    log = (out_dir(a, "stub", 2) / "log.txt").read_text().splitlines()
+    assert log[0] == "attempt 1: start at step 0 resume=0"
+    assert "attempt 2: start at step 0 resume=1" in log
+    assert log[-1] == "attempt 2: finished at step 400"

@@ -55,6 +55,9 @@ class Held:
     started: bool = False
     #: it ended here and its end was reported (or needs no report)
     ended: bool = False
+    #: the coordinator asked it to yield to this job, and its broker was asked:
+    #: never again until the attempt's end is reported (a later attempt is not asked)
+    asked_for: str | None = None
 
 
 @dataclass
@@ -278,9 +281,9 @@ class Agent:
         """The coordinator chose a job held here to yield to a waiting one (sent at
         each heartbeat until its end is reported): the broker signals it, once."""
         h = self.held.get(str(ask.get("id")))
-        if h is None or h.lost or h.ended:
-            return
         for_job = str(ask.get("for_job", ""))
+        if h is None or h.lost or h.ended or h.asked_for is not None:
+            return
         waiting = self.held.get(for_job)
         decision = Preempt(
             job_id=h.local_id,
@@ -293,6 +296,7 @@ class Agent:
         if decision.signal not in SIGNALS:
             log.warning("job %s: the coordinator asked for signal %s", h.job_id, decision.signal)
             return
+        h.asked_for = for_job  # once: a later attempt of it is never asked on this word
         if self.broker.preempt(decision):
             log.info("job %s: asked to checkpoint for job %s", h.job_id, for_job)
 
@@ -548,6 +552,7 @@ class Agent:
         if r.kind == "start":
             r.held.started = True
             return
+        r.held.asked_for = None  # its end is known: the coordinator's mark is cleared
         if not got.get("lease_kept", False) and not r.held.ended:
             # the coordinator ended it (quarantined past its retries, cancelled)
             r.held.ended = True
