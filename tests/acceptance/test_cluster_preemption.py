@@ -171,7 +171,7 @@ def test_a_job_that_is_not_preemptible_is_never_signalled(cluster: Cluster) -> N
     c = cluster
     a = c.agents["n24"]
     with c.client() as client:
-        client.submit("testmods.gpu", {"gib": 16, "seconds": 6}, id="steady", vram_gib=16)
+        client.submit("testmods.gpu", {"gib": 16, "seconds": 12}, id="steady", vram_gib=16)
     wait_for("steady running", lambda: state_of(c, "steady") == "running")
     with c.client() as client:
         client.submit("trainmods.urgent", {}, id="urgent0", priority=5)
