@@ -113,6 +113,30 @@ def test_renew_only_live_leases_of_the_node(store: Store) -> None:
     assert [lease.job_id for lease in s.leases("n2")] == ["c"]
 
 
+def test_a_lease_marked_for_preemption_is_not_renewed(store: Store) -> None:
+    s = cs(store)
+    submit(s, "a", "b")
+    s.lease_jobs("n1", ["a", "b"], lease_id="L1", expires_at=10.0, now=1.0)
+    # only a started job's live lease is marked, once, under its own lease id
+    assert not s.mark_lease_preempt("a", lease_id="L1", for_job="hi", now=2.0)
+    assert s.mark_lease_started("a", 1, lease_id="L1")
+    assert not s.mark_lease_preempt("a", lease_id="other", for_job="hi", now=2.0)
+    assert not s.mark_lease_preempt("a", lease_id="L1", for_job="hi", now=11.0)  # expired
+    assert s.mark_lease_preempt("a", lease_id="L1", for_job="hi", now=2.0)
+    assert not s.mark_lease_preempt("a", lease_id="L1", for_job="other", now=2.0)
+    lease = s.lease_of("a")
+    assert lease is not None and lease.preempt_for == "hi"
+    assert s.renew_leases("n1", 20.0, now=5.0) == 1  # b only
+    assert s.renew_leases("n1", 20.0, now=5.0, job_ids=["a", "b"]) == 1
+    got = {lease.job_id: (lease.expires_at, lease.preempt_for) for lease in s.leases("n1")}
+    assert got == {"a": (10.0, "hi"), "b": (20.0, None)}
+    # its end reported (back in the node's own queue): renewed again
+    assert s.mark_lease_started("a", None, lease_id="L1")
+    lease = s.lease_of("a")
+    assert lease is not None and lease.preempt_for is None
+    assert s.renew_leases("n1", 30.0, now=6.0, job_ids=["a"]) == 1
+
+
 def test_drop_and_start_are_fenced_by_lease_id(store: Store) -> None:
     s = cs(store)
     submit(s, "a")

@@ -20,6 +20,15 @@ The rules:
 * :func:`heartbeat` renews the leases of the jobs the node says it holds, and
   answers which of them it must stop: the ones whose lease it lost, and the ones
   a client cancelled.
+* Preemption across hosts happens at the lease boundary (:func:`heartbeat`): when
+  a queued job no node has room for would fit on the node were some of its
+  running jobs of preemptible types and lower priority gone
+  (:func:`gpuwarden.core.placement.preemptions_for`), their leases are marked
+  for it (not renewed from then on), a ``preemption_requested`` event names the
+  job that caused it, the waiting job is leased to that node at once (its room
+  goes to it), and every heartbeat answers ``preempts`` for the node to signal
+  until its report of the attempt's end clears the mark. A node that never
+  reacts loses the lease, and the sweep takes the job back as for any node.
 * :func:`sweep` (one coordinator at a time, under the store's maintenance lock):
   an expired lease of a job that never started is dropped, and the job is
   offered again; an expired lease of a running job ends its attempt as an
@@ -45,9 +54,10 @@ from gpuwarden.cluster.nodeview import (
     offerable,
 )
 from gpuwarden.core import placement
-from gpuwarden.core.classify import retry_or_quarantine
-from gpuwarden.core.model import Job, JobSpec, JobType
-from gpuwarden.core.placement import NodeView, Offerable
+from gpuwarden.core.classify import Outcome, retry_or_quarantine
+from gpuwarden.core.model import Event, Job, JobSpec, JobType
+from gpuwarden.core.placement import CrossPreempt, NodeView, Offerable
+from gpuwarden.core.preempt import Victim
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UserError
 from gpuwarden.registry import Registry
@@ -63,6 +73,10 @@ END_STATES = frozenset(
 
 #: a start that finds its job's row locked by a claim tries this often
 _START_TRIES = 5
+
+#: outcomes of a node's retry that its own rule judged (a checkpoint spends nothing;
+#: a preemption counts against its ``max_interruptions`` there): no retry spent here
+NODE_JUDGED = frozenset({Outcome.CHECKPOINTED.value, Outcome.PREEMPTED.value})
 
 #: used when a job's type is not known here (the coordinator's modules lack it)
 DEFAULT_MAX_RETRIES = 2
@@ -268,6 +282,13 @@ def claim(
     lease_id = secrets.token_hex(8)
     expires_at = now + lease_s
     got = store.lease_jobs(node_name, ids, lease_id=lease_id, expires_at=expires_at, now=now)
+    return _payloads(store, got, lease_id, expires_at)
+
+
+def _payloads(
+    store: ClusterStore, got: list[str], lease_id: str, expires_at: float
+) -> list[dict[str, Any]]:
+    """What a node is sent of each job just leased to it."""
     jobs = {job.id: job for job in store.jobs_by_ids(got)}
     return [
         {
@@ -401,7 +422,7 @@ def finish(
     if lease is None or lease.lease_id != lease_id or lease.node != node_name:
         lease = upload_lease(store, node_name, job_id, lease_id=lease_id, now=now)
     assert lease.attempt is not None  # upload_lease refuses a lease of no attempt
-    if state is JobState.QUEUED:
+    if state is JobState.QUEUED and outcome not in NODE_JUDGED:
         current = store.get_job(job_id)
         target, why = retry_or_quarantine(
             reason,
@@ -454,9 +475,15 @@ def heartbeat(
     lease_s: float = 90.0,
     *,
     held: Collection[str] = (),
+    registry: Registry | None = None,
+    timing: Timing | None = None,
+    inputs_here: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Keep the node's report, renew the leases of the jobs it holds, and say which
-    of them it must stop (``lost``: it has no lease any more, never report it)."""
+    of them it must stop (``lost``: it has no lease any more, never report it).
+    With ``registry``: preemption across hosts (:func:`preempt`): ``preempts``, the
+    running jobs to ask to checkpoint, and ``jobs``, the waiting jobs leased to the
+    node for the room they make (each only when there is one)."""
     record = store.touch_node(node_name, report, now)
     if record is None:
         raise UnknownNode(f"no node named {node_name!r}: enrol it again")
@@ -480,12 +507,142 @@ def heartbeat(
             store.drop_lease(job_id, lease_id=lease.lease_id)
         elif job.cancel_requested:
             cancels.append({"id": job_id, "reason": "cancelled by a client", "lost": False})
-    return {
+    answer: dict[str, Any] = {
         "state": record.state.value,
         "lease_s": lease_s,
         "renewed": renewed,
         "cancels": cancels,
     }
+    if registry is not None:
+        stopping = {c["id"] for c in cancels}
+        live = {i: lease for i, lease in mine.items() if lease.live(now) and i not in stopping}
+        timing = timing or Timing(lease_s=lease_s)
+        jobs = preempt(store, registry, record, live, now, timing=timing, inputs_here=inputs_here)
+        if asks := preempts_of(record, store.leases(node_name), now, held):
+            answer["preempts"] = asks
+        if jobs:
+            answer["jobs"] = jobs
+    return answer
+
+
+def _victims(record: NodeRecord, mine: Mapping[str, Lease]) -> tuple[Victim, ...]:
+    """The node's reported preemptible running jobs that hold a live started lease
+    here, each with the store's word on what it yields to."""
+    out = []
+    for v in node_view(record).victims:
+        lease = mine.get(v.job_id)
+        if lease is not None and lease.started:
+            out.append(dataclasses.replace(v, preempting_for=lease.preempt_for or v.preempting_for))
+    return tuple(out)
+
+
+def preempt(
+    store: ClusterStore,
+    registry: Registry,
+    record: NodeRecord,
+    mine: Mapping[str, Lease],
+    now: float,
+    *,
+    timing: Timing,
+    inputs_here: Callable[[str], bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Preemption across hosts at the lease boundary, for one node: choose its
+    victims (:func:`gpuwarden.core.placement.preemptions_for` over the top of the
+    queue), lease each waiting job to the node, mark its victims' leases (not renewed
+    from then on) and record a ``preemption_requested`` event per victim. Returns the
+    payloads of the jobs leased. ``mine``: the node's live leases."""
+    victims = _victims(record, mine)
+    if record.state is not NodeState.ACTIVE or not any(v.preempting_for is None for v in victims):
+        return []
+    counts = store.live_lease_counts(now)
+    view = dataclasses.replace(node_view(record, busy=counts.get(record.name, 0)), victims=victims)
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    found = store.claimable_jobs(now=now, limit=CLAIM_PAGE)
+    queued = _offerable(
+        store, registry, found, footprints=footprints, types=None, inputs_here=inputs_here
+    )
+    others = _others(store, record.name, counts, now, timing)
+    payloads: list[dict[str, Any]] = []
+    for chosen in placement.preemptions_for(view, queued, others, now=now):
+        payloads += _carry_out(
+            store, record.name, chosen, mine=mine, now=now, lease_s=timing.lease_s
+        )
+    return payloads
+
+
+def _carry_out(
+    store: ClusterStore,
+    node: str,
+    chosen: CrossPreempt,
+    *,
+    mine: Mapping[str, Lease],
+    now: float,
+    lease_s: float,
+) -> list[dict[str, Any]]:
+    """Lease the waiting job to the node, then mark its victims' leases."""
+    lease_id = secrets.token_hex(8)
+    expires_at = now + lease_s
+    got = store.lease_jobs(
+        node, [chosen.for_job], lease_id=lease_id, expires_at=expires_at, now=now
+    )
+    if not got:
+        return []  # another node took it meanwhile: nothing is asked
+    for v in chosen.choice.victims:
+        lease = mine[v.job_id]
+        if not store.mark_lease_preempt(
+            v.job_id, lease_id=lease.lease_id, for_job=chosen.for_job, now=now
+        ):
+            continue
+        reason = (
+            f"job {chosen.for_job}, of higher priority, needs its memory on {v.gpu_uuid} "
+            f"of node {node}"
+        )
+        store.add_event(
+            Event(
+                ts=now,
+                kind="preemption_requested",
+                job_id=v.job_id,
+                detail={
+                    "job": v.job_id,
+                    "attempt": lease.attempt,
+                    "for_job": chosen.for_job,
+                    "signal": v.signal,
+                    "gpu": v.gpu_uuid,
+                    "grace_s": v.grace_s,
+                    "reason": reason,
+                    "node": node,
+                },
+            )
+        )
+    return _payloads(store, got, lease_id, expires_at)
+
+
+def preempts_of(
+    record: NodeRecord, leases: Collection[Lease], now: float, held: Collection[str]
+) -> list[dict[str, Any]]:
+    """What the node is asked to signal: each job it holds whose live lease is marked
+    for preemption, with its type's signal and grace as it reported them (sent at
+    every heartbeat until its end clears the mark: the agent asks once)."""
+    reported = {v.job_id: v for v in node_view(record).victims}
+    out = []
+    for lease in leases:
+        v = reported.get(lease.job_id)
+        if lease.preempt_for is None or not lease.live(now) or lease.job_id not in held:
+            continue
+        if v is None:
+            continue  # not running there (any more): its end is on its way
+        out.append(
+            {
+                "id": lease.job_id,
+                "for_job": lease.preempt_for,
+                "signal": v.signal,
+                "grace_s": v.grace_s,
+                "gpu": v.gpu_uuid,
+                "reason": f"job {lease.preempt_for}, of higher priority, needs its memory on "
+                f"{v.gpu_uuid} of node {record.name}",
+            }
+        )
+    return out
 
 
 # -- operators ------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import Job, Lane, gpu_count
 from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
+from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL, Victim
 from gpuwarden.registry import Registry
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
 
@@ -112,7 +113,39 @@ def node_view(
         types=_names(rep.get("types")),
         modules=_names(rep.get("modules")),
         rules=LaunchRules.from_json(rules),
+        victims=_victims(rep.get("victims"), record),
     )
+
+
+def _victims(raw: Any, record: NodeRecord) -> tuple[Victim, ...]:
+    """The node's reported running jobs of preemptible types (SPEC.md section 16,
+    ``victims``), on this coordinator's clock: each one's ``run_s`` counted back from
+    when the report came (its ``last_seen``)."""
+    if not isinstance(raw, list):
+        return ()
+    seen = record.last_seen if record.last_seen is not None else record.enrolled_at
+    out = []
+    for v in raw:
+        if not isinstance(v, Mapping) or not v.get("job") or not v.get("gpu"):
+            continue
+        try:
+            out.append(
+                Victim(
+                    job_id=str(v["job"]),
+                    holder=str(v["job"]),
+                    gpu_uuid=str(v["gpu"]),
+                    priority=int(v.get("priority", 0)),
+                    since=seen - float(v.get("run_s", 0.0)),
+                    min_run_s=float(v.get("min_run_s", DEFAULT_MIN_RUN_S)),
+                    signal=str(v.get("signal", DEFAULT_SIGNAL)),
+                    grace_s=float(v.get("grace_s", DEFAULT_GRACE_S)),
+                    preempting_for=str(v["preempting_for"]) if v.get("preempting_for") else None,
+                    bytes=max(0, int(v.get("bytes", 0))),
+                )
+            )
+        except (TypeError, ValueError):
+            continue  # a malformed entry is not a victim
+    return tuple(out)
 
 
 def _names(raw: Any) -> frozenset[str] | None:

@@ -228,6 +228,13 @@ def explain_placement(
         return []
     leases = store.leases()
     lease = next((lease for lease in leases if lease.job_id == job.id), None)
+    yielding = [y for y in leases if y.preempt_for == job.id and y.live(now)]
+    if lease is not None and lease.live(now) and yielding:
+        names = ", ".join(y.job_id for y in yielding)
+        return [
+            f"it is leased to node {lease.node} and waits for job {names} to checkpoint on "
+            f"node {lease.node} (preempted for it: a lower-priority job of a preemptible type)"
+        ]
     if lease is not None and lease.live(now):
         holder = next((r for r in records if r.name == lease.node), None)
         quiet = silence(holder, [lease], now) if holder is not None else None
@@ -272,6 +279,11 @@ def explain_running(store: ClusterStore, job: Job, now: float) -> list[str]:
     if record is None:
         return []
     quiet = silence(record, [lease], now)
+    if quiet is None and lease.preempt_for is not None:
+        return [
+            f"on node {lease.node}, asked to checkpoint for job {lease.preempt_for} (its lease "
+            f"is not renewed: it ends in {lease.expires_at - now:.0f} s)"
+        ]
     if quiet is None:
         return [
             f"on node {lease.node}, heard from {heard_s_ago(record, now):.0f} s ago (lease "

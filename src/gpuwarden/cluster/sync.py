@@ -25,6 +25,7 @@ from gpuwarden.cluster.coordinator_client import (
 from gpuwarden.cluster.nodeview import heartbeat_every_s
 from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
+from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNAL, SIGNALS, Preempt
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import JOB_ID
@@ -54,6 +55,9 @@ class Held:
     started: bool = False
     #: it ended here and its end was reported (or needs no report)
     ended: bool = False
+    #: the coordinator asked it to yield to this job, and its broker was asked:
+    #: never again until the attempt's end is reported (a later attempt is not asked)
+    asked_for: str | None = None
 
 
 @dataclass
@@ -190,6 +194,8 @@ class Agent:
                 for r in st.running
                 if r.job in self._by_local
             ],
+            # running jobs of preemptible types: a coordinator may ask them to yield
+            "victims": self._victims(),
             "busy": self._busy(),
             "max_jobs": self.max_jobs,
             "labels": self.labels,
@@ -203,6 +209,33 @@ class Agent:
             # what the node counted (its /metrics on the coordinator: gpuwarden.api.metrics)
             "stats": st.stats.to_json(),
         }
+
+    def _victims(self) -> list[dict[str, Any]]:
+        """The running attempts of preemptible types leased here, as a coordinator
+        chooses among them (how long each has run, not its start: the clocks of the
+        two hosts need not agree)."""
+        now = self.broker.clock()
+        out = []
+        for v, held_bytes in self.broker.victims():
+            job = self._by_local.get(v.job_id)
+            if job is None:
+                continue
+            out.append(
+                {
+                    "job": job,
+                    "gpu": v.gpu_uuid,
+                    "priority": v.priority,
+                    "run_s": max(0.0, now - v.since),
+                    "min_run_s": v.min_run_s,
+                    "signal": v.signal,
+                    "grace_s": v.grace_s,
+                    "bytes": held_bytes,
+                    "preempting_for": None
+                    if v.preempting_for is None
+                    else self._by_local.get(v.preempting_for, v.preempting_for),
+                }
+            )
+        return out
 
     def _leased_jobs(self) -> list[Job]:
         """The local jobs of what is leased here and has not ended."""
@@ -226,6 +259,10 @@ class Agent:
         lease_s = float(answer.get("lease_s", self.lease_s))
         if lease_s != self.lease_s:
             self.set_lease(lease_s)
+        for job in answer.get("jobs", []):  # leased for the room a preemption makes
+            self._take(job)
+        for ask in answer.get("preempts", []):
+            self._preempt(ask)
         for cancel in answer.get("cancels", []):
             h = self.held.get(str(cancel.get("id")))
             if h is None or h.lost:
@@ -239,6 +276,29 @@ class Agent:
                     with contextlib.suppress(UserError):
                         self.store.request_cancel(h.local_id, now=self.broker.clock())
                         log.info("job %s: %s; stopping it", h.job_id, reason)
+
+    def _preempt(self, ask: dict[str, Any]) -> None:
+        """The coordinator chose a job held here to yield to a waiting one (sent at
+        each heartbeat until its end is reported): the broker signals it, once."""
+        h = self.held.get(str(ask.get("id")))
+        for_job = str(ask.get("for_job", ""))
+        if h is None or h.lost or h.ended or h.asked_for is not None:
+            return
+        waiting = self.held.get(for_job)
+        decision = Preempt(
+            job_id=h.local_id,
+            for_job=waiting.local_id if waiting is not None else for_job,
+            gpu_uuid=str(ask.get("gpu", "")),
+            signal=str(ask.get("signal", DEFAULT_SIGNAL)),
+            grace_s=float(ask.get("grace_s", DEFAULT_GRACE_S)),
+            reason=str(ask.get("reason", f"job {for_job} needs its memory")),
+        )
+        if decision.signal not in SIGNALS:
+            log.warning("job %s: the coordinator asked for signal %s", h.job_id, decision.signal)
+            return
+        h.asked_for = for_job  # once: a later attempt of it is never asked on this word
+        if self.broker.preempt(decision):
+            log.info("job %s: asked to checkpoint for job %s", h.job_id, for_job)
 
     def _take_state(self, state: str) -> None:
         if state == "revoked":
@@ -493,6 +553,7 @@ class Agent:
         if r.kind == "start":
             r.held.started = True
             return
+        r.held.asked_for = None  # its end is known: the coordinator's mark is cleared
         if not got.get("lease_kept", False) and not r.held.ended:
             # the coordinator ended it (quarantined past its retries, cancelled)
             r.held.ended = True

@@ -18,17 +18,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwarden.core.launchrules import LaunchRules
+from gpuwarden.core.ledger import Holding
 from gpuwarden.core.model import GIB, Lane, LaunchMode, format_bytes
+from gpuwarden.core.preempt import Choice, Need, Victim, choose
 
 __all__ = [
     "CONSTRAINT_KEYS",
     "Constraints",
+    "CrossPreempt",
     "GpuRoom",
     "NodeView",
     "Offerable",
     "check_constraints",
     "never_placeable",
     "offers_for",
+    "preemptions_for",
     "refusal",
     "type_refusal",
 ]
@@ -174,6 +178,9 @@ class NodeView:
     modules: frozenset[str] | None = None
     #: its launch rules (runtime, ``allow_*``); None: not reported
     rules: LaunchRules | None = None
+    #: its running jobs of preemptible types (``job_id`` the coordinator's id,
+    #: ``since`` on the coordinator's clock), with what each holds
+    victims: tuple[Victim, ...] = ()
 
     @property
     def slots(self) -> int:
@@ -312,3 +319,79 @@ def never_placeable(job: Offerable, nodes: Sequence[NodeView]) -> str | None:
             return None
         reasons.append(f"{node.name}: {why}")
     return "no node can ever run it: " + "; ".join(reasons)
+
+
+# -- preemption across hosts ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CrossPreempt:
+    """Ask the node's running ``choice.victims`` to checkpoint, for ``for_job``."""
+
+    node: str
+    for_job: str
+    choice: Choice
+
+
+def _has_room(job: Offerable, node: NodeView) -> bool:
+    """Could ``node`` take ``job`` now, by the room its GPUs reported?"""
+    if not node.accepting or refusal(job, node) is not None:
+        return False
+    if job.lane is not Lane.VRAM or job.type in node.warm:
+        return node.slots > 0
+    return node.slots > 0 and any(
+        g.free_bytes >= job.vram_bytes for g in job.constraints.gpus(node)
+    )
+
+
+def _gpu_if_yielded(gpu: GpuRoom, victims: Sequence[Victim]) -> tuple[str, int, Sequence[Holding]]:
+    """One GPU as :func:`gpuwarden.core.preempt.choose` reads it, from a report: its
+    room now plus what its victims hold, and the victims as its holdings (the
+    node's own plan judges co-residence when the job gets there)."""
+    here = [v for v in victims if v.gpu_uuid == gpu.uuid]
+    capacity = min(gpu.usable_bytes, gpu.free_bytes + sum(v.bytes for v in here))
+    holdings = [Holding(v.holder, "", v.bytes, coresident=True, job_id=v.job_id) for v in here]
+    return gpu.uuid, capacity, holdings
+
+
+def preemptions_for(
+    node: NodeView, queued: Sequence[Offerable], others: Iterable[NodeView], *, now: float
+) -> list[CrossPreempt]:
+    """Which of ``node``'s running preemptible jobs to ask to checkpoint, and for which
+    queued jobs: a vram job that no node has room for now (``node`` nor ``others``),
+    that ``node`` runs, and that one of its GPUs would hold were some of its
+    preemptible jobs of lower priority, run at least their ``min_run_s``, gone
+    (:func:`gpuwarden.core.preempt.choose`: the fewest, the cheapest). Highest
+    priority first; a job some node's victims already yield to waits for them and
+    asks nothing more; one GPU yields to one job a pass. Never a job that is not
+    preemptible: only ``node.victims`` (what the node reported of preemptible
+    types) are ever chosen."""
+    if not node.accepting or not node.victims:
+        return []
+    nodes = [node, *(o for o in others if o.name != node.name)]
+    waited_for = {v.preempting_for for n in nodes for v in n.victims if v.preempting_for}
+    # a GPU with a victim asked already is held for that job
+    held = {v.gpu_uuid for v in node.victims if v.preempting_for}
+    free = [v for v in node.victims if v.preempting_for is None]
+    out: list[CrossPreempt] = []
+    for job in sorted(queued, key=lambda j: (-j.priority, j.seq)):
+        if not free:
+            break
+        if job.lane is not Lane.VRAM or job.id in waited_for or job.type in node.warm:
+            continue
+        if refusal(job, node) is not None or any(_has_room(job, n) for n in nodes):
+            continue
+        gpus = [
+            _gpu_if_yielded(g, free)
+            for g in job.constraints.gpus(node)
+            if g.uuid not in held and g.usable_bytes >= job.vram_bytes
+        ]
+        need = Need(job.id, job.vram_bytes, True, job.priority)
+        choice = choose(need, gpus, free, now)
+        if choice is None or not choice.victims:
+            continue
+        out.append(CrossPreempt(node.name, job.id, choice))
+        held.add(choice.gpu_uuid)
+        chosen = {v.holder for v in choice.victims}
+        free = [v for v in free if v.holder not in chosen]
+    return out

@@ -51,6 +51,8 @@ class Victim:
     grace_s: float = DEFAULT_GRACE_S
     #: the waiting job it was asked to checkpoint for, or None
     preempting_for: str | None = None
+    #: what it holds on its GPU (an agent reports it; the node's plan reads its ledger)
+    bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from typing import Any, cast
 
 from gpuwarden.core import policy
 from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode, gpu_count
+from gpuwarden.core.preempt import Preempt, Victim
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.eventlog import EventLog, NullLog
@@ -633,6 +634,27 @@ class Broker:
             )
             if why is not None:
                 raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
+
+    def victims(self) -> list[tuple[Victim, int]]:
+        """This node's running attempts of preemptible types (the plan's victims),
+        each with the bytes it holds in the ledger: what a coordinator needs to
+        choose them for preemption across hosts. On the loop's thread."""
+        out = []
+        for v in self.preemptions.victims():
+            holding = self.vram.ledger.get(v.holder)
+            out.append((v, holding.bytes if holding is not None else 0))
+        return out
+
+    def preempt(self, decision: Preempt) -> bool:
+        """Ask a running attempt to checkpoint on a coordinator's word (preemption
+        across hosts; the agent's sync calls it on the loop's thread): the same
+        signal, grace and event as the node's own plan. False when it is not running
+        here as asked, or was asked already."""
+        asked = self.preemptions.ask(decision, self.clock())
+        if asked:
+            self._status_dirty = True
+            self.wake()
+        return asked
 
     def room(self, pending: Iterable[Job]) -> list[GpuReport]:
         """Per GPU, the room a new job could take here now, as placement across

@@ -53,6 +53,9 @@ class Lease:
     #: the node reported the job's start; ``attempt`` is then the store's attempt number
     started: bool = False
     attempt: int | None = None
+    #: the waiting job this running job was chosen to yield to (preemption across
+    #: hosts): the lease is not renewed until the node reports the attempt's end
+    preempt_for: str | None = None
 
     def live(self, now: float) -> bool:
         return now < self.expires_at
@@ -197,7 +200,14 @@ class ClusterStore(Store):
         self, job_id: str, attempt: int | None, *, lease_id: str | None = None
     ) -> bool:
         """Record that the leased job started as ``attempt`` (None: it is back in the
-        node's own queue, not started). Only if the lease is still ``lease_id``."""
+        node's own queue, not started). Only if the lease is still ``lease_id``.
+        Clears the lease's ``preempt_for``: it is renewed again."""
+
+    @abc.abstractmethod
+    def mark_lease_preempt(self, job_id: str, *, lease_id: str, for_job: str, now: float) -> bool:
+        """Mark the live lease ``lease_id`` of a started job as chosen to yield to
+        ``for_job``: :meth:`renew_leases` leaves it alone from now on. False when the
+        lease is not that one, not live, not started, or marked already."""
 
     # -- where jobs were lost -------------------------------------------------
 

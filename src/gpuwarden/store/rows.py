@@ -152,6 +152,7 @@ def lease(row: Row) -> Lease:
         leased_at=row["leased_at"],
         started=bool(row["started"]),
         attempt=row["attempt"],
+        preempt_for=row["preempt_for"],
     )
 
 

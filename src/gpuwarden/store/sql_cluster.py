@@ -254,6 +254,10 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         }
         return self._write_one("mark_lease_started", params) == 1
 
+    def mark_lease_preempt(self, job_id: str, *, lease_id: str, for_job: str, now: float) -> bool:
+        params = {"job_id": job_id, "lease_id": lease_id, "for_job": for_job, "now": now}
+        return self._write_one("mark_lease_preempt", params) == 1
+
     # -- where jobs were lost -------------------------------------------------
 
     def add_lost(self, job_id: str, node: str, *, now: float) -> None:

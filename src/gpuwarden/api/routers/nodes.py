@@ -306,18 +306,35 @@ def enroll(body: EnrollIn, request: Request, ctx: Ctx, who: Who) -> dict[str, An
 @action("node.heartbeat")
 def heartbeat(body: HeartbeatIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
     """Keep the node's report, renew the leases of the jobs it holds; answers its
-    state (active, draining), the lease length, and which jobs to stop."""
+    state (active, draining), the lease length, which jobs to stop, which to ask to
+    checkpoint (``preempts``) and the waiting jobs leased to it for that room
+    (``jobs``)."""
     name = node_of(ctx, who)
     set_target(request, name)
     t = timing(ctx)
     try:
         answer = co.heartbeat(
-            cluster_store(ctx), name, body.report, ctx.clock(), t.lease_s, held=body.jobs
+            cluster_store(ctx),
+            name,
+            body.report,
+            ctx.clock(),
+            t.lease_s,
+            held=body.jobs,
+            registry=ctx.registry,
+            timing=t,
+            inputs_here=_inputs_here,
         )
     except co.UnknownNode as exc:
         raise HttpError(401, exc.message) from None
-    if answer["cancels"]:
-        audit_ok(request, {"cancels": answer["cancels"]})
+    if answer["cancels"] or answer.get("jobs"):
+        audit_ok(
+            request,
+            {
+                "cancels": answer["cancels"],
+                "jobs": [j["id"] for j in answer.get("jobs", [])],
+                "preempts": [p["id"] for p in answer.get("preempts", [])],
+            },
+        )
     return answer
 
 

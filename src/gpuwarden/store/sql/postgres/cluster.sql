@@ -98,11 +98,12 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
 
 -- name: renew_leases
 UPDATE leases SET expires_at = %(expires_at)s
- WHERE node = %(node)s AND expires_at > %(now)s;
+ WHERE node = %(node)s AND expires_at > %(now)s AND preempt_for IS NULL;
 
 -- name: renew_leases_of
 UPDATE leases SET expires_at = %(expires_at)s
- WHERE node = %(node)s AND expires_at > %(now)s AND job_id = ANY(%(ids)s::text[]);
+ WHERE node = %(node)s AND expires_at > %(now)s AND preempt_for IS NULL
+   AND job_id = ANY(%(ids)s::text[]);
 
 -- name: leases_all
 SELECT * FROM leases ORDER BY leased_at, job_id;
@@ -129,7 +130,7 @@ DELETE FROM leases
  WHERE job_id = %(job_id)s AND (%(lease_id)s::text IS NULL OR lease_id = %(lease_id)s::text);
 
 -- name: mark_lease_started
-UPDATE leases SET started = %(started)s, attempt = %(attempt)s
+UPDATE leases SET started = %(started)s, attempt = %(attempt)s, preempt_for = NULL
  WHERE job_id = %(job_id)s AND (%(lease_id)s::text IS NULL OR lease_id = %(lease_id)s::text);
 
 -- name: add_lost
@@ -144,3 +145,9 @@ SELECT pg_try_advisory_lock(%(key)s) AS got;
 
 -- name: unlock
 SELECT pg_advisory_unlock(%(key)s) AS released;
+
+-- name: mark_lease_preempt
+-- a running job chosen to yield to for_job: its lease is not renewed from now on
+UPDATE leases SET preempt_for = %(for_job)s
+ WHERE job_id = %(job_id)s AND lease_id = %(lease_id)s AND started AND expires_at > %(now)s
+   AND preempt_for IS NULL;

@@ -69,11 +69,11 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
 
 -- name: renew_leases
 UPDATE leases SET expires_at = :expires_at
- WHERE node = :node AND expires_at > :now;
+ WHERE node = :node AND expires_at > :now AND preempt_for IS NULL;
 
 -- name: renew_leases_of
 UPDATE leases SET expires_at = :expires_at
- WHERE node = :node AND expires_at > :now
+ WHERE node = :node AND expires_at > :now AND preempt_for IS NULL
    AND job_id IN (SELECT value FROM json_each(:ids));
 
 -- name: leases_all
@@ -100,7 +100,7 @@ SELECT * FROM leases WHERE job_id = :job_id;
 DELETE FROM leases WHERE job_id = :job_id AND (:lease_id IS NULL OR lease_id = :lease_id);
 
 -- name: mark_lease_started
-UPDATE leases SET started = :started, attempt = :attempt
+UPDATE leases SET started = :started, attempt = :attempt, preempt_for = NULL
  WHERE job_id = :job_id AND (:lease_id IS NULL OR lease_id = :lease_id);
 
 -- name: add_lost
@@ -109,3 +109,9 @@ ON CONFLICT (job_id, node) DO NOTHING;
 
 -- name: lost_nodes
 SELECT node FROM job_lost_on WHERE job_id = :job_id ORDER BY lost_at, node;
+
+-- name: mark_lease_preempt
+-- a running job chosen to yield to :for_job: its lease is not renewed from now on
+UPDATE leases SET preempt_for = :for_job
+ WHERE job_id = :job_id AND lease_id = :lease_id AND started AND expires_at > :now
+   AND preempt_for IS NULL;
