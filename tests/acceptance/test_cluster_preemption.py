@@ -250,7 +250,8 @@ def test_a_run_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     wait_for("both ended", lambda: ended(c, "stub", "urgent2"), timeout=120)
 
     assert [(v, d["for_job"]) for v, d in asked(c) if v == "stub"] == [("stub", "urgent2")]
-    # it ignored the signal: stopped after its grace (5 s, within the 10 s lease)
+    # it ignored the signal: stopped after its grace (10 s, as long as the lease: the
+    # marked lease lasts through the grace and one more lease, so it is not lost)
     [over] = agent_events(a, "preemption_grace_ended")
     assert over["job"] == "stub" and over["for_job"] == "urgent2"
     stub = job(c, "stub")

@@ -135,6 +135,18 @@ def test_a_lease_marked_for_preemption_is_not_renewed(store: Store) -> None:
     lease = s.lease_of("a")
     assert lease is not None and lease.preempt_for is None
     assert s.renew_leases("n1", 30.0, now=6.0, job_ids=["a"]) == 1
+    # marked with a time: the lease lasts at least that long (the victim's grace),
+    # never shorter than it was
+    assert s.mark_lease_started("a", 2, lease_id="L1")
+    assert s.mark_lease_preempt("a", lease_id="L1", for_job="hi", now=7.0, expires_at=45.0)
+    assert s.renew_leases("n1", 50.0, now=8.0, job_ids=["a"]) == 0
+    lease = s.lease_of("a")
+    assert lease is not None and (lease.expires_at, lease.preempt_for) == (45.0, "hi")
+    assert s.mark_lease_started("a", None, lease_id="L1")
+    assert s.mark_lease_started("a", 3, lease_id="L1")
+    assert s.mark_lease_preempt("a", lease_id="L1", for_job="hi", now=9.0, expires_at=12.0)
+    lease = s.lease_of("a")
+    assert lease is not None and lease.expires_at == 45.0
 
 
 def test_drop_and_start_are_fenced_by_lease_id(store: Store) -> None:

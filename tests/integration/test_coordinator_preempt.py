@@ -94,13 +94,15 @@ def test_a_waiting_job_preempts_a_preemptible_job_at_the_lease_boundary(
     assert event.job_id == "t"
     assert event.detail["for_job"] == "u" and event.detail["node"] == "n"
     assert {"job", "attempt", "for_job", "signal", "gpu", "grace_s", "reason"} <= set(event.detail)
+    # not renewed from now on, but it lasts through its grace (20 s) and one more
+    # lease (10 s) to report its end: 3 + 20 + 10
     lease = s.lease_of("t")
-    assert lease is not None and lease.preempt_for == "u" and lease.expires_at == 13.0
+    assert lease is not None and lease.preempt_for == "u" and lease.expires_at == 33.0
     # the next heartbeats do not renew it, ask again (the agent asks once), choose no more
     again = beat(s, registry, rep, 5.0, ["t", "u"])
     assert [p["id"] for p in again["preempts"]] == ["t"] and again["jobs"] == []
     lease = s.lease_of("t")
-    assert lease is not None and lease.expires_at == 13.0
+    assert lease is not None and lease.expires_at == 33.0
     assert len([e for e in s.events() if e.kind == "preemption_requested"]) == 1
     assert rp.explain_placement(s, registry, s.get_job("u"), 5.0) == [  # type: ignore[arg-type]
         "it is leased to node n and waits for job t to checkpoint on node n (preempted for "
@@ -176,8 +178,14 @@ def test_an_agent_that_never_reacts_loses_the_lease_to_the_sweep(
     s.submit([urgent("u")], now=2.0)
     assert beat(s, registry, with_victims(victim("t")), 3.0, ["t"])["preempts"]
     beat(s, registry, with_victims(victim("t")), 8.0, ["t", "u"])  # u renewed, t not
-    swept = co.sweep(s, 14.0, registry=registry)
+    # within its grace and one more lease (until 3 + 20 + 10) the victim is not lost
+    beat(s, registry, with_victims(victim("t")), 17.0, ["t", "u"])
+    assert co.sweep(s, 20.0, registry=registry)["interrupted"] == 0
+    assert s.lease_of("t") is not None
+    beat(s, registry, with_victims(victim("t")), 26.0, ["t", "u"])
+    beat(s, registry, with_victims(victim("t")), 30.0, ["t", "u"])
+    swept = co.sweep(s, 34.0, registry=registry)
     assert swept["interrupted"] == 1
     assert s.lease_of("t") is None
     lease = s.lease_of("u")
-    assert lease is not None and lease.live(14.0)
+    assert lease is not None and lease.live(34.0)

@@ -589,8 +589,14 @@ def _carry_out(
         return []  # another node took it meanwhile: nothing is asked
     for v in chosen.choice.victims:
         lease = mine[v.job_id]
+        # not renewed from now on, but it lasts through the victim's grace and one
+        # more lease to report its end: using its grace is never a lost lease
         if not store.mark_lease_preempt(
-            v.job_id, lease_id=lease.lease_id, for_job=chosen.for_job, now=now
+            v.job_id,
+            lease_id=lease.lease_id,
+            for_job=chosen.for_job,
+            now=now,
+            expires_at=now + v.grace_s + lease_s,
         ):
             continue
         reason = (

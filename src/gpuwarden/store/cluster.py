@@ -204,10 +204,14 @@ class ClusterStore(Store):
         Clears the lease's ``preempt_for``: it is renewed again."""
 
     @abc.abstractmethod
-    def mark_lease_preempt(self, job_id: str, *, lease_id: str, for_job: str, now: float) -> bool:
+    def mark_lease_preempt(
+        self, job_id: str, *, lease_id: str, for_job: str, now: float, expires_at: float = 0.0
+    ) -> bool:
         """Mark the live lease ``lease_id`` of a started job as chosen to yield to
-        ``for_job``: :meth:`renew_leases` leaves it alone from now on. False when the
-        lease is not that one, not live, not started, or marked already."""
+        ``for_job``: :meth:`renew_leases` leaves it alone from now on, and it lasts
+        at least until ``expires_at`` (the victim's grace and the time to report its
+        end: a job is not taken back for using the grace it was given). False when
+        the lease is not that one, not live, not started, or marked already."""
 
     # -- where jobs were lost -------------------------------------------------
 

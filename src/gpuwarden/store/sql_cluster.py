@@ -254,8 +254,16 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
         }
         return self._write_one("mark_lease_started", params) == 1
 
-    def mark_lease_preempt(self, job_id: str, *, lease_id: str, for_job: str, now: float) -> bool:
-        params = {"job_id": job_id, "lease_id": lease_id, "for_job": for_job, "now": now}
+    def mark_lease_preempt(
+        self, job_id: str, *, lease_id: str, for_job: str, now: float, expires_at: float = 0.0
+    ) -> bool:
+        params = {
+            "job_id": job_id,
+            "lease_id": lease_id,
+            "for_job": for_job,
+            "now": now,
+            "expires_at": expires_at,
+        }
         return self._write_one("mark_lease_preempt", params) == 1
 
     # -- where jobs were lost -------------------------------------------------

@@ -147,7 +147,8 @@ SELECT pg_try_advisory_lock(%(key)s) AS got;
 SELECT pg_advisory_unlock(%(key)s) AS released;
 
 -- name: mark_lease_preempt
--- a running job chosen to yield to for_job: its lease is not renewed from now on
-UPDATE leases SET preempt_for = %(for_job)s
+-- a running job chosen to yield to for_job: its lease is not renewed from now on,
+-- but lasts at least until expires_at (its grace, then time to report its end)
+UPDATE leases SET preempt_for = %(for_job)s, expires_at = GREATEST(expires_at, %(expires_at)s)
  WHERE job_id = %(job_id)s AND lease_id = %(lease_id)s AND started AND expires_at > %(now)s
    AND preempt_for IS NULL;

@@ -111,7 +111,8 @@ ON CONFLICT (job_id, node) DO NOTHING;
 SELECT node FROM job_lost_on WHERE job_id = :job_id ORDER BY lost_at, node;
 
 -- name: mark_lease_preempt
--- a running job chosen to yield to :for_job: its lease is not renewed from now on
-UPDATE leases SET preempt_for = :for_job
+-- a running job chosen to yield to :for_job: its lease is not renewed from now on,
+-- but lasts at least until :expires_at (its grace, then time to report its end)
+UPDATE leases SET preempt_for = :for_job, expires_at = MAX(expires_at, :expires_at)
  WHERE job_id = :job_id AND lease_id = :lease_id AND started AND expires_at > :now
    AND preempt_for IS NULL;
