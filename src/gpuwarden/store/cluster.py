@@ -73,6 +73,8 @@ class Claimable:
     #: a job with input files: the folder they were staged in (on the host that
     #: took its bundle); None for a job without input files
     input_dir: str | None = None
+    #: the id of the API token that submitted it (None: the CLI on the host, a bundle)
+    owner: str | None = None
 
 
 class ClusterStore(Store):
@@ -136,6 +138,18 @@ class ClusterStore(Store):
         unless they were staged in a folder (``input_dir``), highest priority
         first, then arrival order; with ``after`` (a job's ``(priority, seq)``),
         only those that come after it in that order (the next page)."""
+
+    @abc.abstractmethod
+    def queued_owners(self) -> list[str]:
+        """The owners of queued jobs (``""`` for the CLI on the host and bundles), by
+        id: one index probe each, however many jobs they have queued."""
+
+    @abc.abstractmethod
+    def claimable_jobs_of(
+        self, owner: str, *, now: float, limit: int = 1000, after: tuple[int, int] | None = None
+    ) -> list[Claimable]:
+        """:meth:`claimable_jobs` of one owner (``""``: jobs no API token submitted),
+        in the same order and with the same ``after``."""
 
     def live_lease_counts(self, now: float) -> dict[str, int]:
         """How many live leases each node holds (nodes with none are left out)."""

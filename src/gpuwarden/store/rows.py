@@ -215,4 +215,5 @@ def claimable(row: Row, decode: Decode) -> Claimable:
         attempts=row["attempts"],
         constraints=dict(decode(row["constraints"])),
         input_dir=row["input_dir"],
+        owner=row["owner"],
     )

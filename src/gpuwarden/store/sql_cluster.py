@@ -185,6 +185,25 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
             )
         return [rows.claimable(r, self._decode) for r in found]
 
+    def queued_owners(self) -> list[str]:
+        return [str(r["owner"]) for r in self._read("queued_owners")]
+
+    def claimable_jobs_of(
+        self, owner: str, *, now: float, limit: int = 1000, after: tuple[int, int] | None = None
+    ) -> list[Claimable]:
+        if after is None:
+            found = self._read_planned("claimable_jobs_of_owner", owner=owner, now=now, limit=limit)
+        else:
+            found = self._read_planned(
+                "claimable_jobs_of_owner_after",
+                owner=owner,
+                now=now,
+                limit=limit,
+                after_priority=after[0],
+                after_seq=after[1],
+            )
+        return [rows.claimable(r, self._decode) for r in found]
+
     def _read_planned(self, query: str, **params: Any) -> list[Row]:
         """A read whose best plan depends on the data as it is now (how many queued
         jobs are leased): a dialect that reuses plans plans this one at each run."""

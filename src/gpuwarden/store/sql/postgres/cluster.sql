@@ -75,7 +75,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > %(now)s GROUP BY node;
 
 -- name: claimable_jobs_after
 -- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
@@ -87,7 +87,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
  LIMIT %(limit)s;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
@@ -144,3 +144,44 @@ SELECT pg_try_advisory_lock(%(key)s) AS got;
 
 -- name: unlock
 SELECT pg_advisory_unlock(%(key)s) AS released;
+
+-- name: queued_owners
+-- fair share: the owners of queued jobs ('' for local), one index probe each (a skip
+-- scan over jobs_queued_owner)
+WITH RECURSIVE o(owner) AS (
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j WHERE j.state = 'queued'
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+    UNION ALL
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j
+             WHERE j.state = 'queued' AND COALESCE(j.owner, '') > o.owner
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+      FROM o WHERE o.owner IS NOT NULL
+)
+SELECT owner FROM o WHERE owner IS NOT NULL;
+
+-- name: claimable_jobs_of_owner
+-- claimable_jobs of one owner ('' for local), in its order (jobs_queued_owner)
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
+       j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
+   AND NOT j.cancel_requested AND NOT j.held
+   AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT %(limit)s;
+
+-- name: claimable_jobs_of_owner_after
+-- the next page of claimable_jobs_of_owner: after (after_priority, after_seq)
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
+       j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
+   AND NOT j.cancel_requested AND NOT j.held
+   AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+   AND j.priority <= %(after_priority)s
+   AND (j.priority < %(after_priority)s
+        OR (j.priority = %(after_priority)s AND j.seq > %(after_seq)s))
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT %(limit)s;

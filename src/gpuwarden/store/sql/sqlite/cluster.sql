@@ -47,7 +47,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > :now GROUP BY node;
 
 -- name: claimable_jobs_after
 -- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0
@@ -58,7 +58,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
  LIMIT :limit;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0
@@ -109,3 +109,44 @@ ON CONFLICT (job_id, node) DO NOTHING;
 
 -- name: lost_nodes
 SELECT node FROM job_lost_on WHERE job_id = :job_id ORDER BY lost_at, node;
+
+-- name: queued_owners
+-- fair share: the owners of queued jobs ('' for local), one index probe each (a skip
+-- scan over jobs_queued_owner)
+WITH RECURSIVE o(owner) AS (
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j WHERE j.state = 'queued'
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+    UNION ALL
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j
+             WHERE j.state = 'queued' AND COALESCE(j.owner, '') > o.owner
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+      FROM o WHERE o.owner IS NOT NULL
+)
+SELECT owner FROM o WHERE owner IS NOT NULL;
+
+-- name: claimable_jobs_of_owner
+-- claimable_jobs of one owner ('' for local), in its order (jobs_queued_owner)
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
+       j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
+   AND j.cancel_requested = 0 AND j.held = 0
+   AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT :limit;
+
+-- name: claimable_jobs_of_owner_after
+-- the next page of claimable_jobs_of_owner: after (after_priority, after_seq)
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
+       j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
+   AND j.cancel_requested = 0 AND j.held = 0
+   AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
+   AND j.priority <= :after_priority
+   AND (j.priority < :after_priority
+        OR (j.priority = :after_priority AND j.seq > :after_seq))
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT :limit;
