@@ -127,8 +127,11 @@ def offerable(
     registry: Registry,
     footprints: Mapping[str, int],
     lost: Collection[str] = (),
+    *,
+    usage: float = 0.0,
 ) -> Offerable | None:
-    """Placement's view of a queued job; None when its type is not known here."""
+    """Placement's view of a queued job; None when its type is not known here.
+    ``usage``: its owner's fair-share use now."""
     jobtype = registry.types.get(job.type)
     if jobtype is None:
         return None
@@ -147,6 +150,7 @@ def offerable(
         avoid=frozenset(lost),
         launch=jobtype.launch,
         runtime=jobtype.runtime is not None,
+        usage=usage,
     )
 
 
