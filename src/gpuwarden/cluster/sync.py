@@ -104,6 +104,8 @@ class Agent:
         self._batched = True
         self.stopping = False
         self.set_lease(lease_s)
+        # the coordinator charges each owner's fair share from the finish reports
+        broker.fair.keep_ends()
 
     # -- timing -------------------------------------------------------------
 
@@ -390,6 +392,9 @@ class Agent:
             "stdout": attempt.stdout if attempt is not None else "",
             "stderr": attempt.stderr if attempt is not None else "",
         }
+        held = self.broker.fair.take_end(h.local_id, number) if isinstance(number, int) else None
+        if held:  # the VRAM it held here: the coordinator charges its owner's fair share
+            body["held_bytes"] = held
         if outcome in _SHUTDOWN_OUTCOMES:
             # this agent stopped: not the job's failure; it runs again elsewhere
             body.update(
