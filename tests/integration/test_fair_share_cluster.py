@@ -7,6 +7,7 @@ report brings (capped at the node's GPUs, counted once), and explain's line."""
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store, Submission
 from gpuwarden.store.cluster import ClusterStore
+from tests.integration.test_agent import make_rig
 from tests.integration.test_coordinator import TIMING, enrol
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,3 +213,29 @@ def test_the_claim_queue_is_the_pure_order_by_decayed_use(
         claimorder.MIN_CHUNK = saved
         for i in range(len(queue)):
             s.request_cancel(f"x{n}-{i}", now=NOW)
+
+
+def test_an_agents_finish_report_charges_the_owner_on_the_coordinator(tmp_path: Path) -> None:
+    """A real broker on a simulated GPU, the coordinator's app in process: the
+    finish report says what the attempt held here, and the coordinator's table
+    counts it for the job's owner (the coordinator's clock times the run)."""
+    rigs = make_rig(tmp_path)
+    rig = next(rigs)
+    try:
+        job = JobSpec(
+            id="g1",
+            type="testmods.gpu",
+            params={"gib": 2, "seconds": 0.5, "leak": False},
+            vram_bytes=2 * GIB,
+        )
+        rig.store.submit([job], now=time.time(), origin=Submission(owner="tok-a"))
+        rig.until("g1 done", lambda: rig.job("g1").state is JobState.DONE)
+        [attempt] = rig.store.attempts("g1")
+        assert attempt.node == "a" and attempt.ended_at is not None
+        [(owner, gib_h, as_of)] = rig.store.fair_share()
+        assert owner == "tok-a" and as_of == attempt.ended_at
+        span_h = (attempt.ended_at - attempt.started_at) / 3600
+        assert gib_h == pytest.approx(2 * span_h, rel=0.3)  # about 2 GiB held the whole run
+        assert rig.node.broker.fair.ends == {}  # taken for the report, kept no longer
+    finally:
+        rigs.close()
