@@ -10,6 +10,7 @@ import itertools
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -237,5 +238,50 @@ def test_an_agents_finish_report_charges_the_owner_on_the_coordinator(tmp_path: 
         span_h = (attempt.ended_at - attempt.started_at) / 3600
         assert gib_h == pytest.approx(2 * span_h, rel=0.3)  # about 2 GiB held the whole run
         assert rig.node.broker.fair.ends == {}  # taken for the report, kept no longer
+    finally:
+        rigs.close()
+
+
+class _BeforeHeldBytes(httpx.BaseTransport):
+    """A coordinator from before ``held_bytes``: a body with it is refused (422)."""
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self.inner = inner
+        self.refused = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if b'"held_bytes"' in request.read():
+            self.refused += 1
+            return httpx.Response(422, json={"error": "held_bytes: extra field not permitted"})
+        return self.inner.handle_request(request)
+
+
+def test_an_agent_sends_its_finish_again_without_held_bytes_to_an_older_coordinator(
+    tmp_path: Path,
+) -> None:
+    rigs = make_rig(tmp_path)
+    rig = next(rigs)
+    try:
+        old = _BeforeHeldBytes(rig.switch.inner)
+        rig.switch.inner = old
+        refused = []
+        for job_id in ("g1", "g2"):
+            job = JobSpec(
+                id=job_id,
+                type="testmods.gpu",
+                params={"gib": 1, "seconds": 0.2, "leak": False},
+                vram_bytes=GIB,
+            )
+            rig.store.submit([job], now=time.time(), origin=Submission(owner="tok-a"))
+            rig.until(f"{job_id} done", lambda j=job_id: rig.job(j).state is JobState.DONE)
+            refused.append(old.refused)
+        # g1's finish was refused for the field and sent again without it (its end
+        # is recorded); g2's went without it at once
+        assert refused[0] >= 1 and refused[1] == refused[0]
+        assert [a.outcome for j in ("g1", "g2") for a in rig.store.attempts(j)] == [
+            "succeeded",
+            "succeeded",
+        ]
+        assert rig.store.fair_share() == []  # that coordinator counts nothing
     finally:
         rigs.close()
