@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import httpx
+import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuwarden.api.routers.nodes import FinishIn
 from gpuwarden.cluster import claimorder
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster import nodeview as nv
@@ -285,3 +287,12 @@ def test_an_agent_sends_its_finish_again_without_held_bytes_to_an_older_coordina
         assert rig.store.fair_share() == []  # that coordinator counts nothing
     finally:
         rigs.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 2**50 + 1, True, "5", 1.5])
+def test_a_finish_report_with_an_absurd_held_bytes_is_refused(bad: object) -> None:
+    body = {"lease_id": "L", "state": "done"}
+    assert FinishIn.model_validate({**body, "held_bytes": 4 * GIB}).held_bytes == 4 * GIB
+    assert FinishIn.model_validate(body).held_bytes is None  # an agent from before it
+    with pytest.raises(pydantic.ValidationError, match="held_bytes"):
+        FinishIn.model_validate({**body, "held_bytes": bad})
