@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -296,3 +297,22 @@ def test_a_finish_report_with_an_absurd_held_bytes_is_refused(bad: object) -> No
     assert FinishIn.model_validate(body).held_bytes is None  # an agent from before it
     with pytest.raises(pydantic.ValidationError, match="held_bytes"):
         FinishIn.model_validate({**body, "held_bytes": bad})
+
+
+def test_what_a_running_job_has_held_so_far_counts_for_its_owner(
+    s: ClusterStore, registry: Registry
+) -> None:
+    view = enrol(s, "n1", 24, now=NOW)
+    s.add_fair_share("light", 1.0, now=NOW, half_life_s=WEEK)
+    ten_h_ago = NOW - 10 * 3600
+    long = JobSpec(id="long", type="testmods.gpu", params={"gib": 8}, vram_bytes=8 * GIB)
+    s.submit([long], now=ten_h_ago, origin=Submission(owner="heavy"))
+    s.start_attempt("long", node="n1", gpu_uuid="GPU-0", now=ten_h_ago)
+    submit(s, "heavy", "h1")
+    submit(s, "light", "l1")
+    held_of = partial(nv.footprint_of, registry, {})
+    use = owners_use(s, NOW, WEEK, held_of=held_of)
+    assert use == {"heavy": pytest.approx(80.0), "light": pytest.approx(1.0)}  # 8 GiB x 10 h
+    assert owners_use(s, NOW, WEEK) == {"light": pytest.approx(1.0)}  # the table alone
+    [got] = co.claim(s, registry, "n1", view, NOW, timing=TIMING, want=1, half_life_s=WEEK)
+    assert got["id"] == "l1"  # the heavy owner's running job counts before it ends

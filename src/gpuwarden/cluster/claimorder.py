@@ -19,9 +19,9 @@ as before fair share.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from gpuwarden.core.fairshare import Usage, claim_rank, why_behind
+from gpuwarden.core.fairshare import Usage, claim_rank, gib_hours, why_behind
 from gpuwarden.core.model import Job
 from gpuwarden.store.cluster import Claimable, ClusterStore
 
@@ -109,14 +109,29 @@ class ClaimQueue:
         return job
 
 
-def owners_use(store: ClusterStore, now: float, half_life_s: float) -> dict[str, float]:
-    """Each owner's fair-share use at ``now`` from the coordinator's table (what the
-    nodes reported of ended attempts); empty when fair share is off."""
+def owners_use(
+    store: ClusterStore,
+    now: float,
+    half_life_s: float,
+    held_of: Callable[[str, int | None], int] | None = None,
+) -> dict[str, float]:
+    """Each owner's fair-share use at ``now``: the coordinator's table (what the
+    nodes reported of ended attempts) decayed to ``now``, and, with ``held_of``
+    (a running job's type and declared VRAM to the bytes it holds: its
+    footprint), what each running job has held so far; empty when fair share is
+    off."""
     usage = Usage(half_life_s)
     if not usage.enabled:
         return {}
     usage.load(store.fair_share())
-    return usage.table(now)
+    use = usage.table(now)
+    if held_of is not None:
+        for run in store.running_attempts():
+            so_far = gib_hours(held_of(run.type, run.vram_bytes), run.started_at, now)
+            if so_far > 0:
+                owner = run.owner or ""
+                use[owner] = use.get(owner, 0.0) + so_far
+    return use
 
 
 def fair_share_wait(

@@ -35,11 +35,13 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from typing import Any
 
 from gpuwarden.cluster.claimorder import ClaimQueue, owners_use
 from gpuwarden.cluster.nodeview import (
     Timing,
+    footprint_of,
     is_fresh,
     judged_view,
     judged_views,
@@ -187,7 +189,8 @@ def _offers(
     when the slots are full, so a page that fills them gives what the whole
     queue would."""
     footprints = {t: f.bytes for t, f in store.footprints().items()}
-    queue = ClaimQueue(store, now=now, use=owners_use(store, now, half_life_s))
+    use = owners_use(store, now, half_life_s, held_of=partial(footprint_of, registry, footprints))
+    queue = ClaimQueue(store, now=now, use=use)
     page = max(CLAIM_PAGE, 4 * view.slots)
     queued: list[Offerable] = []
     nodes: list[NodeView] | None = None

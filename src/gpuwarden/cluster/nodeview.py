@@ -135,9 +135,7 @@ def offerable(
     jobtype = registry.types.get(job.type)
     if jobtype is None:
         return None
-    need = 0
-    if jobtype.lane is Lane.VRAM:
-        need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+    need = footprint_of(registry, footprints, job.type, job.vram_bytes)
     return Offerable(
         id=job.id,
         type=job.type,
@@ -152,6 +150,18 @@ def offerable(
         runtime=jobtype.runtime is not None,
         usage=usage,
     )
+
+
+def footprint_of(
+    registry: Registry, footprints: Mapping[str, int], type_name: str, vram_bytes: int | None
+) -> int:
+    """The VRAM a job of ``type_name`` (asking ``vram_bytes``) needs on one GPU: its
+    ask or its type's declaration, raised to the type's measured footprint; 0 on
+    the cpu lane or for a type not known here."""
+    jobtype = registry.types.get(type_name)
+    if jobtype is None or jobtype.lane is not Lane.VRAM:
+        return 0
+    return max(vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
 
 
 def judged_view(record: NodeRecord) -> NodeView:

@@ -11,12 +11,14 @@ only: nothing here changes the store.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from gpuwarden.cluster.claimorder import fair_share_wait, owners_use
 from gpuwarden.cluster.nodeview import (
     Silence,
     Timing,
+    footprint_of,
     heard_s_ago,
     is_fresh,
     judged_views,
@@ -273,7 +275,10 @@ def explain_waiting(
     lease = store.lease_of(job.id)
     if lease is not None and lease.live(now):
         return lines  # it waits in that node's own queue
-    why = fair_share_wait(store, job, now=now, use=owners_use(store, now, half_life_s))
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    held_of = partial(footprint_of, registry, footprints)
+    use = owners_use(store, now, half_life_s, held_of=held_of)
+    why = fair_share_wait(store, job, now=now, use=use)
     return lines if why is None else [*lines, f"it waits behind another owner's jobs: {why}"]
 
 

@@ -77,6 +77,17 @@ class Claimable:
     owner: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RunningUse:
+    """A running job as fair share counts it before its end: its owner, its type and
+    declared VRAM (its footprint), and when its current attempt started."""
+
+    owner: str | None
+    type: str
+    vram_bytes: int | None
+    started_at: float
+
+
 class ClusterStore(Store):
     """What the coordinator needs of the store beyond the :class:`Store` contract."""
 
@@ -150,6 +161,10 @@ class ClusterStore(Store):
     ) -> list[Claimable]:
         """:meth:`claimable_jobs` of one owner (``""``: jobs no API token submitted),
         in the same order and with the same ``after``."""
+
+    @abc.abstractmethod
+    def running_attempts(self) -> list[RunningUse]:
+        """Every running job's current attempt, in arrival order."""
 
     def live_lease_counts(self, now: float) -> dict[str, int]:
         """How many live leases each node holds (nodes with none are left out)."""

@@ -185,3 +185,11 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
  ORDER BY j.priority DESC, j.seq
  LIMIT %(limit)s;
+
+-- name: running_attempts
+-- fair share: what each running job has held so far (its owner, type, declared VRAM and
+-- its current attempt's start); as many rows as jobs run
+SELECT j.owner, j.type, j.vram_bytes, a.started_at
+  FROM jobs j JOIN attempts a ON a.job_id = j.id AND a.number = j.attempts
+ WHERE j.state = 'running' AND a.ended_at IS NULL
+ ORDER BY j.seq;
