@@ -172,19 +172,38 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
  LIMIT %(limit)s;
 
 -- name: claimable_jobs_of_owner_after
--- the next page of claimable_jobs_of_owner: after (after_priority, after_seq)
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.owner,
-       j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
-  FROM jobs j
- WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
-   AND NOT j.cancel_requested AND NOT j.held
-   AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
-   AND j.priority <= %(after_priority)s
-   AND (j.priority < %(after_priority)s
-        OR (j.priority = %(after_priority)s AND j.seq > %(after_seq)s))
-   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
- ORDER BY j.priority DESC, j.seq
- LIMIT %(limit)s;
+-- the next page of claimable_jobs_of_owner: after (after_priority, after_seq). Two
+-- ranges of jobs_queued_owner, each read in index order as far as the page needs (one
+-- condition with OR would let the planner read all of the owner's queued jobs and sort)
+SELECT * FROM (
+    SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+               j.owner, j.constraints,
+               CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+      FROM jobs j
+     WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
+           AND NOT j.cancel_requested AND NOT j.held
+           AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+           AND j.priority = %(after_priority)s AND j.seq > %(after_seq)s
+           AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+     ORDER BY j.seq
+     LIMIT %(limit)s
+) same_priority
+UNION ALL
+SELECT * FROM (
+    SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+               j.owner, j.constraints,
+               CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+      FROM jobs j
+     WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
+           AND NOT j.cancel_requested AND NOT j.held
+           AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+           AND j.priority < %(after_priority)s
+           AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+     ORDER BY j.priority DESC, j.seq
+     LIMIT %(limit)s
+) lower_priority
+ORDER BY priority DESC, seq
+LIMIT %(limit)s;
 
 -- name: running_attempts
 -- fair share: what each running job has held so far (its owner, type, declared VRAM and
