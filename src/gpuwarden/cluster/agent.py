@@ -97,8 +97,10 @@ def run_agent(
     max_jobs = max_jobs or config.cluster.max_jobs
     coordinator_url = coordinator_url or config.cluster.coordinator_url or None
     cred = _saved_credential(cred_path, coordinator_url, enroll_token, say)
-    # the agent's own store is SQLite in its state directory, never a shared one
-    local = config.model_copy(update={"database": "", "queue_roots": []})
+    # the agent's own store is SQLite in its state directory, never a shared one; it
+    # keeps no fair-share use (the coordinator's store does, from the finish reports)
+    broker_cfg = config.broker.model_copy(update={"fair_share_half_life_s": 0.0})
+    local = config.model_copy(update={"database": "", "queue_roots": [], "broker": broker_cfg})
     enrolment: Enrolment | None = None
     if cred is not None:
         local = local.model_copy(update={"node_name": cred.node})

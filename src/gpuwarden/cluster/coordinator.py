@@ -44,17 +44,22 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Collection, Mapping
+from functools import partial
 from typing import Any
 
+from gpuwarden.cluster.claimorder import ClaimQueue, owners_use
 from gpuwarden.cluster.nodeview import (
     Timing,
+    held_by,
     is_fresh,
+    judged_view,
     judged_views,
     node_view,
     offerable,
 )
 from gpuwarden.core import placement
 from gpuwarden.core.classify import Outcome, retry_or_quarantine
+from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, gib_hours, reported_held
 from gpuwarden.core.model import Event, Job, JobSpec, JobType
 from gpuwarden.core.placement import CrossPreempt, NodeView, Offerable
 from gpuwarden.core.preempt import Victim
@@ -162,6 +167,7 @@ def _offerable(
     footprints: Mapping[str, int],
     types: Collection[str] | None,
     inputs_here: Callable[[str], bool] | None,
+    queue: ClaimQueue,
 ) -> list[Offerable]:
     out = []
     for job in found:
@@ -170,7 +176,7 @@ def _offerable(
         if job.input_dir is not None and (inputs_here is None or not inputs_here(job.input_dir)):
             continue  # its input files are not on this coordinator: it cannot pass them on
         lost = store.lost_nodes(job.id) if job.attempts else ()  # never ran: never lost
-        off = offerable(job, registry, footprints, lost)
+        off = offerable(job, registry, footprints, lost, usage=queue.usage(job.owner))
         if off is not None:
             out.append(off)
     return out
@@ -186,24 +192,35 @@ def _offers(
     timing: Timing,
     types: Collection[str] | None,
     inputs_here: Callable[[str], bool] | None,
+    half_life_s: float,
 ) -> list[str]:
-    """What placement offers the node, reading the queue a page at a time: the
-    first :data:`CLAIM_PAGE` jobs (at least four per free slot) in the order
-    placement takes them, the next page only while the node still has room and
-    the page was full, up to :data:`CLAIM_SCAN` jobs in all. Placement takes jobs
-    in that order and stops when the slots are full, so a page that fills them
-    gives what the whole queue would."""
+    """What placement offers the node, reading the queue a page at a time in the
+    order placement takes it (priority, the owner's fair-share use, arrival:
+    :class:`~gpuwarden.cluster.claimorder.ClaimQueue`): the first
+    :data:`CLAIM_PAGE` jobs (at least four per free slot), the next page only
+    while the node still has room and the page was full, up to
+    :data:`CLAIM_SCAN` jobs in all. Placement takes jobs in that order and stops
+    when the slots are full, so a page that fills them gives what the whole
+    queue would."""
     footprints = {t: f.bytes for t, f in store.footprints().items()}
+    use = owners_use(store, now, half_life_s, held_of=partial(held_by, registry, footprints))
+    queue = ClaimQueue(store, now=now, use=use)
     page = max(CLAIM_PAGE, 4 * view.slots)
     queued: list[Offerable] = []
     nodes: list[NodeView] | None = None
-    after: tuple[int, int] | None = None
     read = 0
     while True:
-        found = store.claimable_jobs(now=now, limit=min(page, CLAIM_SCAN - read), after=after)
+        want = min(page, CLAIM_SCAN - read)
+        found = queue.take(want)
         read += len(found)
         queued += _offerable(
-            store, registry, found, footprints=footprints, types=types, inputs_here=inputs_here
+            store,
+            registry,
+            found,
+            footprints=footprints,
+            types=types,
+            inputs_here=inputs_here,
+            queue=queue,
         )
         if queued:
             nodes = others() if nodes is None else nodes
@@ -212,9 +229,8 @@ def _offers(
             )
         else:
             ids = []
-        if len(ids) >= view.slots or len(found) < page or read >= CLAIM_SCAN:
+        if len(ids) >= view.slots or len(found) < want or read >= CLAIM_SCAN:
             return ids
-        after = (found[-1].priority, found[-1].seq)
         page *= 4
 
 
@@ -245,9 +261,11 @@ def claim(
     want: int | None = None,
     inputs_here: Callable[[str], bool] | None = None,
     record: NodeRecord | None = None,
+    half_life_s: float = DEFAULT_HALF_LIFE_S,
 ) -> list[dict[str, Any]]:
     """Lease to the node the jobs placement offers it now; return their payloads
-    (with the lease id). ``types``: the job types the node can run (None: any);
+    (with the lease id). ``half_life_s``: fair share's (``[broker]
+    fair_share_half_life_s``; 0: off). ``types``: the job types the node can run (None: any);
     ``want``: the most jobs it asks for; ``inputs_here``: whether a job's staged
     input folder is on this coordinator (None: no job with input files is offered;
     the node fetches the files with ``GET /v1/node/jobs/{id}/inputs/{name}``);
@@ -276,6 +294,7 @@ def claim(
         timing=timing,
         types=types,
         inputs_here=inputs_here,
+        half_life_s=half_life_s,
     )
     if not ids:
         return []
@@ -407,13 +426,18 @@ def finish(
     release: bool = False,
     output_dir: str | None = None,
     lease: Lease | None = None,
+    held_bytes: int | None = None,
+    half_life_s: float = DEFAULT_HALF_LIFE_S,
 ) -> dict[str, Any]:
     """The node's attempt of the leased job ended in ``state`` (``queued``: the
     node retries it itself, and keeps the lease; with ``release``, the node gives
     it back, and it is offered again). Past the type's ``max_retries`` counted
     over every node, a retry becomes quarantine. ``lease``: the lease as
     :func:`upload_lease` just checked it for this node, lease id and time (else
-    it is read and checked here)."""
+    it is read and checked here). ``held_bytes``: the VRAM the node says the
+    attempt held; its owner is charged that (at most all the node's GPUs) times
+    the attempt's run time as recorded here, once the end is recorded (fair
+    share, with ``half_life_s``)."""
     if state not in END_STATES:
         raise UserError(
             f"an attempt ends in one of {', '.join(sorted(s.value for s in END_STATES))}, "
@@ -432,13 +456,7 @@ def finish(
         )
         if target is JobState.QUARANTINED:  # a retry keeps the node's own reason
             state, reason = target, why
-    body = dict(result or {})
-    body["node"] = node_name
-    if output_dir is not None and state in (JobState.DONE, JobState.FAILED):
-        # the coordinator's own copy of what the node uploaded (SPEC.md, section 16)
-        if "output_dir" in body:
-            body["node_output_dir"] = body["output_dir"]
-        body["output_dir"] = output_dir
+    body = _result_body(result, node_name, state, output_dir)
     try:
         job = store.finish_attempt(
             job_id,
@@ -454,6 +472,8 @@ def finish(
         )
     except TransitionError as exc:
         raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
+    if held_bytes and half_life_s > 0:
+        charge(store, node_name, job, lease.attempt, held_bytes, now=now, half_life_s=half_life_s)
     kept = False
     if job.state is JobState.QUEUED and job.cancel_requested:
         store.drop_lease(job_id, lease_id=lease_id)
@@ -465,6 +485,46 @@ def finish(
     else:
         store.drop_lease(job_id, lease_id=lease_id)
     return {"state": job.state.value, "lease_kept": kept}
+
+
+def _result_body(
+    result: Mapping[str, Any] | None, node_name: str, state: JobState, output_dir: str | None
+) -> dict[str, Any]:
+    """The result a node reported, as the coordinator keeps it."""
+    body = dict(result or {})
+    body["node"] = node_name
+    if output_dir is not None and state in (JobState.DONE, JobState.FAILED):
+        # the coordinator's own copy of what the node uploaded (SPEC.md, section 16)
+        if "output_dir" in body:
+            body["node_output_dir"] = body["output_dir"]
+        body["output_dir"] = output_dir
+    return body
+
+
+def charge(
+    store: ClusterStore,
+    node_name: str,
+    job: Job,
+    number: int,
+    held_bytes: int,
+    *,
+    now: float,
+    half_life_s: float,
+) -> float:
+    """Count attempt ``number`` of ``job``, just ended on ``node_name``, for its
+    owner's fair share: the bytes the node says it held, at most all its GPUs'
+    memory, times the attempt's run time by this store's clock (its start as the
+    node reported it, to ``now``). Returns the GiB-hours counted."""
+    record = store.get_node(node_name)
+    total = sum(g.total_bytes for g in judged_view(record).gpus) if record is not None else 0
+    held = reported_held(held_bytes, total)
+    attempt = next((a for a in store.attempts(job.id) if a.number == number), None)
+    if attempt is None or held <= 0:
+        return 0.0
+    used = gib_hours(held, attempt.started_at, now)
+    if used > 0:
+        store.add_fair_share(job.owner, used, now=now, half_life_s=half_life_s)
+    return used
 
 
 def heartbeat(
@@ -557,9 +617,17 @@ def preempt(
     counts = store.live_lease_counts(now)
     view = dataclasses.replace(node_view(record, busy=counts.get(record.name, 0)), victims=victims)
     footprints = {t: f.bytes for t, f in store.footprints().items()}
-    found = store.claimable_jobs(now=now, limit=CLAIM_PAGE)
+    # in priority, then arrival order: only a job of higher priority preempts, so
+    # fair share (which orders equal priorities) does not change the choice
+    queue = ClaimQueue(store, now=now, use={})
     queued = _offerable(
-        store, registry, found, footprints=footprints, types=None, inputs_here=inputs_here
+        store,
+        registry,
+        queue.take(CLAIM_PAGE),
+        footprints=footprints,
+        types=None,
+        inputs_here=inputs_here,
+        queue=queue,
     )
     others = _others(store, record.name, counts, now, timing)
     payloads: list[dict[str, Any]] = []

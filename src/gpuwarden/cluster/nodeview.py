@@ -160,14 +160,15 @@ def offerable(
     registry: Registry,
     footprints: Mapping[str, int],
     lost: Collection[str] = (),
+    *,
+    usage: float = 0.0,
 ) -> Offerable | None:
-    """Placement's view of a queued job; None when its type is not known here."""
+    """Placement's view of a queued job; None when its type is not known here.
+    ``usage``: its owner's fair-share use now."""
     jobtype = registry.types.get(job.type)
     if jobtype is None:
         return None
-    need = 0
-    if jobtype.lane is Lane.VRAM:
-        need = max(job.vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+    need = footprint_of(registry, footprints, job.type, job.vram_bytes)
     return Offerable(
         id=job.id,
         type=job.type,
@@ -181,7 +182,34 @@ def offerable(
         launch=jobtype.launch,
         runtime=jobtype.runtime is not None,
         gpus=gpu_count(jobtype, job.gpus),
+        usage=usage,
     )
+
+
+def footprint_of(
+    registry: Registry, footprints: Mapping[str, int], type_name: str, vram_bytes: int | None
+) -> int:
+    """The VRAM a job of ``type_name`` (asking ``vram_bytes``) needs on one GPU: its
+    ask or its type's declaration, raised to the type's measured footprint; 0 on
+    the cpu lane or for a type not known here."""
+    jobtype = registry.types.get(type_name)
+    if jobtype is None or jobtype.lane is not Lane.VRAM:
+        return 0
+    return max(vram_bytes or jobtype.vram_bytes, footprints.get(jobtype.name, 0))
+
+
+def held_by(
+    registry: Registry,
+    footprints: Mapping[str, int],
+    type_name: str,
+    vram_bytes: int | None,
+    gpus: int | None,
+) -> int:
+    """What a running job holds on all its GPUs (fair share counts it): its
+    footprint on each of its own ``gpus``, else its type's count."""
+    jobtype = registry.types.get(type_name)
+    per_gpu = footprint_of(registry, footprints, type_name, vram_bytes)
+    return per_gpu * (gpu_count(jobtype, gpus) if jobtype is not None else 1)
 
 
 def judged_view(record: NodeRecord) -> NodeView:

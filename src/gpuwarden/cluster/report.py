@@ -11,12 +11,15 @@ only: nothing here changes the store.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
+from gpuwarden.cluster.claimorder import fair_share_wait, owners_use
 from gpuwarden.cluster.nodeview import (
     Silence,
     Timing,
     heard_s_ago,
+    held_by,
     is_fresh,
     judged_views,
     live_counts,
@@ -56,7 +59,7 @@ def explain(
         registry,
         view,
         half_life_s=half_life_s,
-        placement=lambda j: explain_placement(store, registry, j, now),
+        placement=lambda j: explain_waiting(store, registry, j, now, half_life_s),
         running=lambda j: explain_running(store, j, now),
     )
 
@@ -265,6 +268,25 @@ def explain_placement(
         f"node {record.name} " + _why_not(record, view, off, views, leases, now=now, timing=timing)
         for record, view in zip(live, views, strict=True)
     ]
+
+
+def explain_waiting(
+    store: ClusterStore, registry: Registry, job: Job, now: float, half_life_s: float
+) -> list[str]:
+    """:func:`explain_placement`, and, for a job not leased to a node yet that is
+    offered after another owner's job of the same priority because that owner used
+    less (fair share), ``it waits behind another owner's jobs: fair share: ...``."""
+    lines = explain_placement(store, registry, job, now)
+    if not lines or half_life_s <= 0:
+        return lines
+    lease = store.lease_of(job.id)
+    if lease is not None and lease.live(now):
+        return lines  # it waits in that node's own queue
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    held_of = partial(held_by, registry, footprints)
+    use = owners_use(store, now, half_life_s, held_of=held_of)
+    why = fair_share_wait(store, job, now=now, use=use)
+    return lines if why is None else [*lines, f"it waits behind another owner's jobs: {why}"]
 
 
 def explain_running(store: ClusterStore, job: Job, now: float) -> list[str]:

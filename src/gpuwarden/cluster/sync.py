@@ -71,6 +71,17 @@ class _Report:
     not_uploaded: list[dict[str, str]] = field(default_factory=list)
 
 
+def _unknown_held(r: _Report, got: Refused) -> bool:
+    """Whether a finish was refused only for its ``held_bytes`` (fair share), as by a
+    coordinator from before the field."""
+    return (
+        r.kind == "finish"
+        and "held_bytes" in r.body
+        and got.status == 422
+        and "held_bytes" in got.message
+    )
+
+
 class Agent:
     """The sync step: run :meth:`sync` after each broker tick, in the loop's thread."""
 
@@ -106,8 +117,12 @@ class Agent:
         self._warned_at = -1e9
         #: whether the coordinator takes several reports a request (until it says no)
         self._batched = True
+        #: whether the coordinator takes ``held_bytes`` in a finish (until it says no)
+        self._held_ok = True
         self.stopping = False
         self.set_lease(lease_s)
+        # the coordinator charges each owner's fair share from the finish reports
+        broker.fair.keep_ends()
 
     # -- timing -------------------------------------------------------------
 
@@ -451,6 +466,9 @@ class Agent:
             "stdout": attempt.stdout if attempt is not None else "",
             "stderr": attempt.stderr if attempt is not None else "",
         }
+        held = self.broker.fair.take_end(h.local_id, number) if isinstance(number, int) else None
+        if held and self._held_ok:  # what it held here: the coordinator charges its owner
+            body["held_bytes"] = held
         if outcome in _SHUTDOWN_OUTCOMES:
             # this agent stopped: not the job's failure; it runs again elsewhere
             body.update(
@@ -539,6 +557,12 @@ class Agent:
 
     def _answered(self, r: _Report, got: dict[str, Any] | Refused) -> None:
         """What the coordinator said of one report."""
+        if isinstance(got, Refused) and _unknown_held(r, got):
+            # a coordinator that does not know the field (an older one): again without
+            self._held_ok = False
+            r.body.pop("held_bytes")
+            self._outbox.appendleft(r)
+            return
         if isinstance(got, Refused):
             log.warning("job %s: %s report refused: %s", r.held.job_id, r.kind, got.message)
             if r.kind == "start":

@@ -24,9 +24,11 @@ from gpuwarden.core.model import GIB
 __all__ = [
     "DEFAULT_HALF_LIFE_S",
     "Usage",
+    "claim_rank",
     "decayed",
     "gib_hours",
     "hide_owners",
+    "reported_held",
     "share_rows",
     "standing",
     "why_behind",
@@ -50,6 +52,21 @@ def decayed(value: float, since: float, now: float, half_life_s: float) -> float
 def gib_hours(held_bytes: int, started_at: float, ended_at: float) -> float:
     """The GiB-hours of ``held_bytes`` held from ``started_at`` to ``ended_at``."""
     return max(0, held_bytes) / GIB * max(0.0, ended_at - started_at) / 3600.0
+
+
+def claim_rank(priority: int, usage: float, seq: int) -> tuple[int, float, int]:
+    """A queued job's place among the jobs a coordinator offers: higher priority
+    first, then the owner who used least, then arrival (``seq``)."""
+    return (-priority, usage, seq)
+
+
+def reported_held(held_bytes: int | None, node_total_bytes: int) -> int:
+    """The VRAM a node says an ended attempt held, as a coordinator counts it: never
+    below 0, never more than all the node's GPUs hold (a node is trusted only so
+    far)."""
+    if held_bytes is None:
+        return 0
+    return max(0, min(int(held_bytes), max(0, node_total_bytes)))
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwarden.core.fairshare import claim_rank
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.ledger import Holding
 from gpuwarden.core.model import GIB, Lane, LaunchMode, format_bytes
@@ -208,6 +209,14 @@ class Offerable:
     runtime: bool = False
     #: how many GPUs of one node it holds at once, ``vram_bytes`` on each
     gpus: int = 1
+    #: its owner's fair-share use in GiB-hours (``core.fairshare``): at equal
+    #: priority, the job of the owner who used least is offered first
+    usage: float = 0.0
+
+    @property
+    def rank(self) -> tuple[int, float, int]:
+        """Its place in the queue: priority, its owner's use, arrival."""
+        return claim_rank(self.priority, self.usage, self.seq)
 
 
 def type_refusal(job: Offerable, node: NodeView) -> str | None:
@@ -245,13 +254,14 @@ def offers_for(
     slots. A vram job is offered only if it fits the room a GPU of the node has
     now (the jobs offered in this call count against it); a job warm elsewhere
     waits up to ``affinity_wait_s`` for that node; a job lost on this node goes
-    to another one when another could take it."""
+    to another one when another could take it. Jobs are taken highest priority
+    first, then the least-used owner's (fair share), then in arrival order."""
     if node.slots == 0:
         return []
     others = [o for o in others if o.name != node.name]
     room = {g.uuid: g.free_bytes for g in node.gpus}
     chosen: list[str] = []
-    for job in sorted(queued, key=lambda j: (-j.priority, j.seq)):
+    for job in sorted(queued, key=lambda j: j.rank):
         if len(chosen) >= node.slots:
             break
         if refusal(job, node) is not None:

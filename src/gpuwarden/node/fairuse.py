@@ -30,6 +30,9 @@ from gpuwarden.store.base import Store
 #: how ``share`` names the owner of jobs no API token submitted
 LOCAL_NAME = "local (CLI and bundles)"
 
+#: the most ended attempts whose holding is kept for an agent's reports
+MAX_ENDS_KEPT = 10_000
+
 
 class FairUse:
     """The owners' use, in the store and in the loop."""
@@ -42,6 +45,10 @@ class FairUse:
         self.footprints = footprints
         self.usage = Usage(half_life_s)
         self._pending: list[tuple[str | None, float, float]] = []
+        #: what each ended attempt held, by (job id, attempt number), for an agent's
+        #: finish reports (:meth:`keep_ends`; None: not kept)
+        self.ends: dict[tuple[str, int], int] | None = None
+        self._pending_ends: list[tuple[tuple[str, int], int]] = []
         if self.usage.enabled:
             self.usage.load(store.fair_share())
 
@@ -67,12 +74,26 @@ class FairUse:
             return self.footprints.of(run.jobtype, run.job.vram_bytes)
         return 0
 
+    def keep_ends(self) -> None:
+        """Keep what each ended attempt held (an agent: the coordinator charges its
+        owner from the finish report, :meth:`take_end`)."""
+        if self.ends is None:
+            self.ends = {}
+
+    def take_end(self, job_id: str, number: int) -> int | None:
+        """The bytes attempt ``number`` of the job held, once it ended and its end
+        was committed (taken once; None: not known)."""
+        return None if self.ends is None else self.ends.pop((job_id, number), None)
+
     def charge(self, run: RunningAttempt, now: float) -> None:
         """The attempt ended at ``now``: count what it held (written in the open
         batch; the loop's table follows at :meth:`committed`)."""
+        held = self.held(run)
+        if self.ends is not None:
+            self._pending_ends.append(((run.job.id, run.attempt.number), held))
         if not self.usage.enabled:
             return
-        used = gib_hours(self.held(run), run.attempt.started_at, now)
+        used = gib_hours(held, run.attempt.started_at, now)
         if used <= 0:
             return
         self.store.add_fair_share(run.job.owner, used, now=now, half_life_s=self.usage.half_life_s)
@@ -82,10 +103,16 @@ class FairUse:
         for owner, used, at in self._pending:
             self.usage.add(owner, used, at)
         self._pending.clear()
+        if self.ends is not None:
+            self.ends.update(self._pending_ends)
+            while len(self.ends) > MAX_ENDS_KEPT:  # never taken (not a leased job)
+                del self.ends[next(iter(self.ends))]
+        self._pending_ends.clear()
 
     def dropped(self) -> None:
         """The batch was not committed: its ends are drained again."""
         self._pending.clear()
+        self._pending_ends.clear()
 
 
 def share_report(

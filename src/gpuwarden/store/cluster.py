@@ -78,6 +78,21 @@ class Claimable:
     input_dir: str | None = None
     #: how many GPUs it asked for itself (None: its type's count)
     gpus: int | None = None
+    #: the id of the API token that submitted it (None: the CLI on the host, a bundle)
+    owner: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunningUse:
+    """A running job as fair share counts it before its end: its owner, its type and
+    declared VRAM (its footprint), and when its current attempt started."""
+
+    owner: str | None
+    type: str
+    vram_bytes: int | None
+    started_at: float
+    #: the GPUs it asked for itself (None: its type's count)
+    gpus: int | None = None
 
 
 class ClusterStore(Store):
@@ -141,6 +156,22 @@ class ClusterStore(Store):
         unless they were staged in a folder (``input_dir``), highest priority
         first, then arrival order; with ``after`` (a job's ``(priority, seq)``),
         only those that come after it in that order (the next page)."""
+
+    @abc.abstractmethod
+    def queued_owners(self) -> list[str]:
+        """The owners of queued jobs (``""`` for the CLI on the host and bundles), by
+        id: one index probe each, however many jobs they have queued."""
+
+    @abc.abstractmethod
+    def claimable_jobs_of(
+        self, owner: str, *, now: float, limit: int = 1000, after: tuple[int, int] | None = None
+    ) -> list[Claimable]:
+        """:meth:`claimable_jobs` of one owner (``""``: jobs no API token submitted),
+        in the same order and with the same ``after``."""
+
+    @abc.abstractmethod
+    def running_attempts(self) -> list[RunningUse]:
+        """Every running job's current attempt, in arrival order."""
 
     def live_lease_counts(self, now: float) -> dict[str, int]:
         """How many live leases each node holds (nodes with none are left out)."""

@@ -219,4 +219,5 @@ def claimable(row: Row, decode: Decode) -> Claimable:
         constraints=dict(decode(row["constraints"])),
         input_dir=row["input_dir"],
         gpus=row["gpus"],
+        owner=row["owner"],
     )

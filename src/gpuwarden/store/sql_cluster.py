@@ -19,7 +19,14 @@ from typing import Any
 from gpuwarden.core.model import Event, Job
 from gpuwarden.store import rows
 from gpuwarden.store.base import AuditRow
-from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
+from gpuwarden.store.cluster import (
+    Claimable,
+    ClusterStore,
+    Lease,
+    NodeRecord,
+    NodeState,
+    RunningUse,
+)
 from gpuwarden.store.rows import Row
 from gpuwarden.store.sql import C
 from gpuwarden.store.sql_records import SqlRecordStore
@@ -184,6 +191,37 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
                 after_seq=after[1],
             )
         return [rows.claimable(r, self._decode) for r in found]
+
+    def queued_owners(self) -> list[str]:
+        return [str(r["owner"]) for r in self._read("queued_owners")]
+
+    def claimable_jobs_of(
+        self, owner: str, *, now: float, limit: int = 1000, after: tuple[int, int] | None = None
+    ) -> list[Claimable]:
+        if after is None:
+            found = self._read_planned("claimable_jobs_of_owner", owner=owner, now=now, limit=limit)
+        else:
+            found = self._read_planned(
+                "claimable_jobs_of_owner_after",
+                owner=owner,
+                now=now,
+                limit=limit,
+                after_priority=after[0],
+                after_seq=after[1],
+            )
+        return [rows.claimable(r, self._decode) for r in found]
+
+    def running_attempts(self) -> list[RunningUse]:
+        return [
+            RunningUse(
+                owner=r["owner"],
+                type=r["type"],
+                vram_bytes=None if r["vram_bytes"] is None else int(r["vram_bytes"]),
+                started_at=float(r["started_at"]),
+                gpus=None if r["gpus"] is None else int(r["gpus"]),
+            )
+            for r in self._read("running_attempts")
+        ]
 
     def _read_planned(self, query: str, **params: Any) -> list[Row]:
         """A read whose best plan depends on the data as it is now (how many queued

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import files
@@ -145,6 +145,10 @@ class StartIn(_Body):
     gpu: Annotated[str, Field(max_length=256)] | None = None
 
 
+#: the most VRAM a finish report may say an attempt held (1 PiB): past it, refused
+MAX_HELD_BYTES = 2**50
+
+
 class FinishIn(_Body):
     lease_id: Annotated[str, Field(min_length=1, max_length=64)]
     state: JobState
@@ -156,6 +160,11 @@ class FinishIn(_Body):
     stderr: Annotated[str, Field(max_length=10_000_000)] = ""
     release: bool = Field(
         default=False, description="with state queued: give the job back (the node stops)"
+    )
+    held_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_HELD_BYTES)] | None = Field(
+        default=None,
+        description="the VRAM the attempt held on the node (fair share: its owner is "
+        "charged this, at most all the node's GPUs, times its run time)",
     )
 
     @field_validator("result", mode="after")
@@ -361,6 +370,7 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
         want=body.want,
         inputs_here=_inputs_here,
         record=record,
+        half_life_s=ctx.config.broker.fair_share_half_life_s,
     )
     if jobs:
         audit_ok(request, {"jobs": [j["id"] for j in jobs], "lease": jobs[0]["lease_id"]})
@@ -407,6 +417,8 @@ def _finish(ctx: ApiContext, name: str, job_id: str, body: FinishIn) -> dict[str
         release=body.release,
         output_dir=output_dir,
         lease=lease,
+        held_bytes=body.held_bytes,
+        half_life_s=ctx.config.broker.fair_share_half_life_s,
     )
 
 

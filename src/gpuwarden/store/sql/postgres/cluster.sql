@@ -75,7 +75,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > %(now)s GROUP BY node;
 
 -- name: claimable_jobs_after
 -- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
@@ -87,7 +87,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
  LIMIT %(limit)s;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
@@ -152,3 +152,71 @@ SELECT pg_advisory_unlock(%(key)s) AS released;
 UPDATE leases SET preempt_for = %(for_job)s, expires_at = GREATEST(expires_at, %(expires_at)s)
  WHERE job_id = %(job_id)s AND lease_id = %(lease_id)s AND started AND expires_at > %(now)s
    AND preempt_for IS NULL;
+
+-- name: queued_owners
+-- fair share: the owners of queued jobs ('' for local), one index probe each (a skip
+-- scan over jobs_queued_owner)
+WITH RECURSIVE o(owner) AS (
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j WHERE j.state = 'queued'
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+    UNION ALL
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j
+             WHERE j.state = 'queued' AND COALESCE(j.owner, '') > o.owner
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+      FROM o WHERE o.owner IS NOT NULL
+)
+SELECT owner FROM o WHERE owner IS NOT NULL;
+
+-- name: claimable_jobs_of_owner
+-- claimable_jobs of one owner ('' for local), in its order (jobs_queued_owner)
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
+       j.owner, j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
+   AND NOT j.cancel_requested AND NOT j.held
+   AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT %(limit)s;
+
+-- name: claimable_jobs_of_owner_after
+-- the next page of claimable_jobs_of_owner: after (after_priority, after_seq). Two
+-- ranges of jobs_queued_owner, each read in index order as far as the page needs (one
+-- condition with OR would let the planner read all of the owner's queued jobs and sort)
+SELECT * FROM (
+    SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+               j.gpus, j.owner, j.constraints,
+               CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+      FROM jobs j
+     WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
+           AND NOT j.cancel_requested AND NOT j.held
+           AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+           AND j.priority = %(after_priority)s AND j.seq > %(after_seq)s
+           AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+     ORDER BY j.seq
+     LIMIT %(limit)s
+) same_priority
+UNION ALL
+SELECT * FROM (
+    SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+               j.gpus, j.owner, j.constraints,
+               CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+      FROM jobs j
+     WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
+           AND NOT j.cancel_requested AND NOT j.held
+           AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
+           AND j.priority < %(after_priority)s
+           AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
+     ORDER BY j.priority DESC, j.seq
+     LIMIT %(limit)s
+) lower_priority
+ORDER BY priority DESC, seq
+LIMIT %(limit)s;
+
+-- name: running_attempts
+-- fair share: what each running job has held so far (its owner, type, declared VRAM and
+-- its current attempt's start); as many rows as jobs run
+SELECT j.owner, j.type, j.vram_bytes, j.gpus, a.started_at
+  FROM jobs j JOIN attempts a ON a.job_id = j.id AND a.number = j.attempts
+ WHERE j.state = 'running' AND a.ended_at IS NULL
+ ORDER BY j.seq;

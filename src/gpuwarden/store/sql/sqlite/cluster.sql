@@ -47,7 +47,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > :now GROUP BY node;
 
 -- name: claimable_jobs_after
 -- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0
@@ -58,7 +58,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
  LIMIT :limit;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner,
        j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0
@@ -116,3 +116,71 @@ SELECT node FROM job_lost_on WHERE job_id = :job_id ORDER BY lost_at, node;
 UPDATE leases SET preempt_for = :for_job, expires_at = MAX(expires_at, :expires_at)
  WHERE job_id = :job_id AND lease_id = :lease_id AND started AND expires_at > :now
    AND preempt_for IS NULL;
+
+-- name: queued_owners
+-- fair share: the owners of queued jobs ('' for local), one index probe each (a skip
+-- scan over jobs_queued_owner)
+WITH RECURSIVE o(owner) AS (
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j WHERE j.state = 'queued'
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+    UNION ALL
+    SELECT (SELECT COALESCE(j.owner, '') FROM jobs j
+             WHERE j.state = 'queued' AND COALESCE(j.owner, '') > o.owner
+             ORDER BY COALESCE(j.owner, '') LIMIT 1)
+      FROM o WHERE o.owner IS NOT NULL
+)
+SELECT owner FROM o WHERE owner IS NOT NULL;
+
+-- name: claimable_jobs_of_owner
+-- claimable_jobs of one owner ('' for local), in its order (jobs_queued_owner)
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
+       j.owner, j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
+  FROM jobs j
+ WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
+   AND j.cancel_requested = 0 AND j.held = 0
+   AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
+   AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+ ORDER BY j.priority DESC, j.seq
+ LIMIT :limit;
+
+-- name: claimable_jobs_of_owner_after
+-- the next page of claimable_jobs_of_owner: after (after_priority, after_seq). Two
+-- ranges of jobs_queued_owner, each read in index order as far as the page needs (one
+-- condition with OR would let the planner read all of the owner's queued jobs and sort)
+SELECT * FROM (
+    SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+               j.gpus, j.owner, j.constraints,
+               CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
+      FROM jobs j
+     WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
+           AND j.cancel_requested = 0 AND j.held = 0
+           AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
+           AND j.priority = :after_priority AND j.seq > :after_seq
+           AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+     ORDER BY j.seq
+     LIMIT :limit
+) same_priority
+UNION ALL
+SELECT * FROM (
+    SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
+               j.gpus, j.owner, j.constraints,
+               CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
+      FROM jobs j
+     WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
+           AND j.cancel_requested = 0 AND j.held = 0
+           AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
+           AND j.priority < :after_priority
+           AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
+     ORDER BY j.priority DESC, j.seq
+     LIMIT :limit
+) lower_priority
+ORDER BY priority DESC, seq
+LIMIT :limit;
+
+-- name: running_attempts
+-- fair share: what each running job has held so far (its owner, type, declared VRAM and
+-- its current attempt's start); as many rows as jobs run
+SELECT j.owner, j.type, j.vram_bytes, j.gpus, a.started_at
+  FROM jobs j JOIN attempts a ON a.job_id = j.id AND a.number = j.attempts
+ WHERE j.state = 'running' AND a.ended_at IS NULL
+ ORDER BY j.seq;
