@@ -10,6 +10,7 @@ preemptible is never signalled: the urgent job waits for it to end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -39,10 +40,12 @@ LEASE_S = 10
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("xpreempt")
-    dbname = f"gw_xpreempt_{uuid.uuid4().hex[:12]}"
+@contextlib.contextmanager
+def running_cluster(pg_url: str, tmp: Path, agents: dict[str, dict[str, Any]]) -> Iterator[Cluster]:
+    """A coordinator on a fresh PostgreSQL database and one agent per entry of
+    ``agents`` (its name: its ``[sim_gpu]`` settings), each a process of its own;
+    yielded once every agent has reported its GPUs, stopped and dropped after."""
+    dbname = f"gw_{tmp.name[:20]}_{uuid.uuid4().hex[:12]}".lower()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
     db_url = pg_url.rsplit("/", 1)[0] + f"/{dbname}"
@@ -77,26 +80,29 @@ def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         c.procs.append(proc)
         c.urls.append(f"http://127.0.0.1:{port}")
         wait_for("the coordinator", lambda: _healthy(c.urls[0]), timeout=60)
-        state = tmp / "n24"
-        cfg = _config(
-            tmp / "n24.toml",
-            {
-                "state_dir": str(state),
-                "module_paths": modules,
-                "allow_unsandboxed_containers": True,
-                "sim_gpu": {"vram_gib": 24, "release_delay_s": 0.05},
-                "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
-                "broker": {"poll_interval_s": 0.05, "shutdown_grace_s": 2},
-                "cluster": {"claim_every_s": 0.3, "max_jobs": 4},
-            },
-        )
-        a = Agent(name="n24", gib=24, coordinator=c.urls[0], config=cfg, state=state)
-        c.agents["n24"] = a
-        invited = c.gw("node", "invite", "n24", "--url", c.urls[0], "--json")
-        assert invited.returncode == 0, invited.stderr
-        a.token = json.loads(invited.stdout)["token"]
-        c.start_agent(a, a.token)
-        wait_for("the agent with its GPU", lambda: _gpu_up(c), timeout=60)
+        for name, sim_gpu in agents.items():
+            state = tmp / name
+            cfg = _config(
+                tmp / f"{name}.toml",
+                {
+                    "state_dir": str(state),
+                    "module_paths": modules,
+                    "allow_unsandboxed_containers": True,
+                    "sim_gpu": {"release_delay_s": 0.05, **sim_gpu},
+                    "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
+                    "broker": {"poll_interval_s": 0.05, "shutdown_grace_s": 2},
+                    "cluster": {"claim_every_s": 0.3, "max_jobs": 4},
+                },
+            )
+            gib = int(sim_gpu.get("vram_gib", 24))
+            a = Agent(name=name, gib=gib, coordinator=c.urls[0], config=cfg, state=state)
+            c.agents[name] = a
+            invited = c.gw("node", "invite", name, "--url", c.urls[0], "--json")
+            assert invited.returncode == 0, invited.stderr
+            a.token = json.loads(invited.stdout)["token"]
+            c.start_agent(a, a.token)
+        for name in agents:
+            wait_for(f"the agent {name} with its GPUs", lambda n=name: _gpu_up(c, n), timeout=60)
         yield c
     finally:
         for proc in c.procs:
@@ -114,8 +120,16 @@ def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
             )
 
 
-def _gpu_up(c: Cluster) -> bool:
-    node = c.nodes().get("n24")
+@pytest.fixture(scope="module")
+def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(
+        pg_url, tmp_path_factory.mktemp("xpreempt"), {"n24": {"vram_gib": 24}}
+    ) as c:
+        yield c
+
+
+def _gpu_up(c: Cluster, name: str) -> bool:
+    node = c.nodes().get(name)
     return bool(
         node and node["state"] == "active" and node["gpus"] and "free_bytes" in node["gpus"][0]
     )

@@ -121,6 +121,7 @@ def submission_refusal(
         vram_bytes=spec.vram_bytes,
         attempts=0,
         constraints=spec.constraints,
+        gpus=spec.gpus,
     )
     footprints = {t: f.bytes for t, f in store.footprints().items()}
     off = offerable(draft, registry, footprints)
