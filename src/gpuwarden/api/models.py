@@ -334,6 +334,11 @@ class TypeOut(BaseModel):
     coresident: bool
     timeout_s: float
     max_retries: int
+    #: how many GPUs of one node each of its jobs holds at once
+    gpus: int = 1
+    preemptible: bool = False
+    #: a preemptible type's ``checkpoint_signal``, ``checkpoint_grace_s``, ``min_run_s``
+    preemption: dict[str, Any] | None = None
     runs_here: bool
     #: why this host's launch rules refuse it (a broker's API), else None
     refused: str | None = None

@@ -135,6 +135,9 @@ def types(request: Request, ctx: Ctx) -> list[TypeOut]:
                 coresident=t.coresident,
                 timeout_s=t.timeout_s,
                 max_retries=t.max_retries,
+                gpus=t.gpus,
+                preemptible=t.preemptible,
+                preemption=d["preemption"],
                 runs_here=runs_here,
                 # a coordinator runs nothing: how a type runs is each node's business
                 refused=None if cluster else d["refused"],
