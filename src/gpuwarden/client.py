@@ -400,9 +400,12 @@ class Client:
         )
         return rows
 
-    def clear_gpu(self, gpu_uuid: str) -> dict[str, Any]:
-        """Ask the broker that owns the GPU to clear its fault (an owner's call)."""
-        done: dict[str, Any] = self.request_json("POST", f"/v1/gpus/{_seg(gpu_uuid)}/clear")
+    def clear_gpu(self, gpu_uuid: str, *, reason: str) -> dict[str, Any]:
+        """Ask the broker that owns the GPU to clear its fault (an owner's call),
+        saying what was done about it (``reason``, recorded with the token)."""
+        done: dict[str, Any] = self.request_json(
+            "POST", f"/v1/gpus/{_seg(gpu_uuid)}/clear", json={"reason": reason}
+        )
         return done
 
     def job_types(self) -> JobTypes:

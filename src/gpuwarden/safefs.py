@@ -24,6 +24,8 @@ followed:
 - :func:`copy_tree` / :func:`copy_into` copy the regular files and folders of a
   hostile tree into a folder the broker owns, by descriptor on both sides;
   :func:`move_entries` renames entries out of a held folder.
+- :func:`write_file` replaces a small file of the broker's own whole, at once (a
+  fresh temporary file beside it, renamed over it), following no link.
 
 Nothing else in gpuwarden opens such a path.
 
@@ -67,6 +69,7 @@ __all__ = [
     "read_text",
     "remove_tree",
     "walk",
+    "write_file",
 ]
 
 #: default bounds of :func:`walk` and :func:`copy_tree`
@@ -188,6 +191,36 @@ def open_dir_at(dir_fd: int, rel: str | os.PathLike[str], *, shown: str = "") ->
         os.close(fd)
         raise
     return fd
+
+
+def write_file(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600) -> None:
+    """Replace the file ``path`` with ``data`` at once: written to a fresh file beside
+    it (``O_EXCL``, never through a link, ``mode``), flushed to disk, then renamed
+    over it, so a reader sees the old content or the new, never part of it. The
+    folder is opened without following a link in its last component."""
+    head, _, name = os.fspath(path).rpartition("/")
+    if not name:
+        raise UnsafePathError(path, "names no file")
+    dir_fd = open_dir(head or ".")
+    tmp = f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+    try:
+        fd = _open_at(dir_fd, tmp, _O_NEW, f"{head}/{tmp}")
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        os.fsync(dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(dir_fd)
 
 
 def _parent_of(

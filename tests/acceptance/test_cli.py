@@ -283,7 +283,7 @@ def test_commands_that_need_a_state_dir_refuse_a_missing_one(tmp_path: Path) -> 
         ["cancel", "x"],
         ["explain", "x"],
         ["logs", "x"],
-        ["gpu", "clear", "GPU-sim-0"],
+        ["gpu", "clear", "GPU-sim-0", "--reason", "checked"],
         ["token", "list"],
         ["token", "revoke", "0123456789ab"],
         ["audit"],

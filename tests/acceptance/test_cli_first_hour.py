@@ -303,7 +303,7 @@ def test_tokens_audit_types_and_gpu_clear_over_http(
 
     wait_for(lambda: run("--config", config, "status").returncode == 0, "a fresh status")
     gpu = json.loads(run("--config", config, "status", "--json").stdout)["nodes"][0]["gpus"][0]
-    r = run_env("gpu", "clear", gpu["uuid"], *url, token=owner)
+    r = run_env("gpu", "clear", gpu["uuid"], "--reason", "checked", *url, token=owner)
     assert r.returncode == 0 and f"clear the fault on {gpu['uuid']}" in r.stdout, r.stderr
 
     remote_audit = run_env("audit", "--json", *url, token=owner)

@@ -177,7 +177,9 @@ CASES = [
     Case("GET", "/v1/tokens", frozenset({R}), 200),
     Case("DELETE", "/v1/tokens/{token}", frozenset({R}), 200),
     Case("GET", "/v1/audit", frozenset({R, OP}), 200),
-    Case("POST", "/v1/gpus/GPU-sim-0000-12345678/clear", frozenset({R}), 202),
+    Case(
+        "POST", "/v1/gpus/GPU-sim-0000-12345678/clear", frozenset({R}), 202, {"reason": "reseated"}
+    ),
     Case("GET", "/v1/events?follow=false", frozenset(READERS), 200),
     # the dashboard's (POST /v1/session takes a token in its body, not a header: its
     # own tests are in tests/integration/test_dashboard_api.py)
@@ -762,15 +764,26 @@ def test_error_bodies_are_one_json_object(api: Api) -> None:
 
 def test_only_an_owner_clears_a_gpu_fault_and_the_request_reaches_the_broker(api: Api) -> None:
     gpu = "GPU-sim-0000-12345678"
+    why = {"reason": "reseated the card"}
     for who in ("operator", "submitter"):
-        r = api.client.post(f"/v1/gpus/{gpu}/clear", headers=api.h(who))
+        r = api.client.post(f"/v1/gpus/{gpu}/clear", json=why, headers=api.h(who))
         assert r.status_code == 403 and "owner" in r.json()["error"]
     assert api.store.take_gpu_clears(now=api.clock()) == []
+    # a reason is required: no body, none, or a blank one is refused (422), nothing asked
     r = api.client.post(f"/v1/gpus/{gpu}/clear", headers=api.h("owner"))
-    assert r.status_code == 202 and r.json() == {"gpu": gpu, "requested": True}
-    # what the broker that owns the GPU takes on its next pass
-    assert api.store.take_gpu_clears(now=api.clock()) == [gpu]
-    bad = api.client.post("/v1/gpus/not-a-gpu/clear", headers=api.h("owner"))
+    assert r.status_code == 422 and "JSON body" in r.json()["error"]
+    for body in ({}, {"reason": "   "}):
+        r = api.client.post(f"/v1/gpus/{gpu}/clear", json=body, headers=api.h("owner"))
+        assert r.status_code == 422 and "reason" in r.json()["error"], r.text
+    assert api.store.take_gpu_clears(now=api.clock()) == []
+    r = api.client.post(f"/v1/gpus/{gpu}/clear", json=why, headers=api.h("owner"))
+    assert r.status_code == 202 and r.json()["gpu"] == gpu and r.json()["requested"] is True
+    # what the broker that owns the GPU takes on its next pass: who asked, and why
+    (taken,) = api.store.take_gpu_clears(now=api.clock())
+    assert taken.gpu_uuid == gpu and taken.reason == "reseated the card"
+    assert taken.by == f"token:{api.id_of('owner')} (owner)"
+    bad = api.client.post("/v1/gpus/not-a-gpu/clear", json=why, headers=api.h("owner"))
     assert bad.status_code == 422 and "GPU UUID" in bad.json()["error"]
     rows = [r for r in api.store.audit_rows() if r.action == "gpu.clear"]
-    assert [r.outcome.split(":")[0] for r in rows] == ["refused", "refused", "ok", "refused"]
+    assert [r.outcome.split(":")[0] for r in rows] == ["refused"] * 5 + ["ok", "refused"]
+    assert rows[5].detail["reason"] == "reseated the card"

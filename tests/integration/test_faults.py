@@ -5,6 +5,7 @@ that can never be written. Each test first checks that its fault happened."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -311,3 +312,49 @@ def test_a_type_sets_its_own_max_interruptions_in_module_toml(tmp_path: Path) ->
         assert job is not None and job.state is JobState.QUARANTINED
         assert "(max_interruptions = 0)" in job.reason
         n.broker.shutdown(0)
+
+
+def write_faults(node: Node, *latches: dict[str, object]) -> Path:
+    path = node.broker.settings.state_dir / "faults.json"
+    path.write_text(json.dumps({"node": node.broker.node, "latches": list(latches)}))
+    return path
+
+
+def test_a_latch_the_store_lost_is_put_back_from_the_file_and_written_again(
+    node: Node,
+) -> None:
+    gpu = node.probe.device.uuids()[0]  # type: ignore[attr-defined]
+    write_faults(node, {"gpu": gpu, "xid": 79, "latched_at": 100.0})
+    assert node.store.gpu_faults() == []  # the store never had it
+    node.broker.recover()
+    assert "latched since" in node.broker.vram.faults[gpu]
+    (row,) = node.store.gpu_faults(open_only=True)
+    assert (row.node, row.gpu_uuid, row.xid, row.latched_at) == ("faultnode", gpu, 79, 100.0)
+    assert "gpu_fault_restored" in kinds(node)
+
+
+def test_a_latch_the_store_closed_stays_closed_whatever_the_file_says(node: Node) -> None:
+    gpu = node.probe.device.uuids()[0]  # type: ignore[attr-defined]
+    node.store.latch_gpu_fault(node="faultnode", gpu_uuid=gpu, xid=79, reason="x", now=100.0)
+    node.store.clear_gpu_fault(node="faultnode", gpu_uuid=gpu, now=101.0, by="me", reason="ok")
+    path = write_faults(node, {"gpu": gpu, "xid": 79, "latched_at": 100.0})
+    node.broker.recover()
+    assert gpu not in node.broker.vram.faults
+    assert json.loads(path.read_text())["latches"] == []  # the file follows the store
+
+
+def test_without_the_store_the_files_latch_holds(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu = node.probe.device.uuids()[0]  # type: ignore[attr-defined]
+    write_faults(node, {"gpu": gpu, "xid": 48, "latched_at": 100.0}, {"junk": 1})
+
+    def unreachable(**_: object) -> list[object]:
+        raise OSError("the store is unreachable")
+
+    monkeypatch.setattr(node.store, "gpu_faults", unreachable)
+    with pytest.raises(OSError):
+        node.store.gpu_faults()  # the store really cannot be read
+    assert node.broker.gpus.restore()
+    assert "Xid 48 (latched since" in node.broker.vram.faults[gpu]
+    assert list(node.broker.gpus.latches) == [gpu]

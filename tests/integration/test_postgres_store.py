@@ -291,9 +291,9 @@ def test_gpu_clears_skip_requests_another_broker_is_taking(
         store.request_gpu_clear(g, now=1.0)
     with _raw(pg_url, pg_schema) as other:
         other.execute("SELECT id FROM gpu_clears WHERE gpu_uuid = 'GPU-b' FOR UPDATE")
-        assert store.take_gpu_clears(now=2.0) == ["GPU-a", "GPU-c"]
+        assert [c.gpu_uuid for c in store.take_gpu_clears(now=2.0)] == ["GPU-a", "GPU-c"]
         other.rollback()
-    assert store.take_gpu_clears(now=3.0) == ["GPU-b"]
+    assert [c.gpu_uuid for c in store.take_gpu_clears(now=3.0)] == ["GPU-b"]
     assert store.take_gpu_clears(now=4.0) == []
 
 
@@ -310,7 +310,7 @@ def test_concurrent_takers_take_each_gpu_clear_once(
     def take(s: PostgresStore) -> None:
         barrier.wait()
         for _ in range(5):
-            taken.extend(s.take_gpu_clears(now=2.0))
+            taken.extend(c.gpu_uuid for c in s.take_gpu_clears(now=2.0))
 
     threads = [threading.Thread(target=take, args=(s,)) for s in stores]
     for t in threads:

@@ -14,6 +14,7 @@ from gpuwarden.store.base import (
     DuplicateBundleError,
     DuplicateJobError,
     DuplicateTokenError,
+    GpuClear,
     IdempotencyConflict,
     NodeStatus,
     Store,
@@ -275,14 +276,58 @@ def test_quarantine_is_terminal_and_only_from_running(store: Store) -> None:
 
 def test_gpu_clear_requests_are_taken_once(store: Store) -> None:
     assert store.take_gpu_clears(now=1.0) == []
-    store.request_gpu_clear("GPU-a", now=1.0)
+    store.request_gpu_clear("GPU-a", now=1.0, by="local:ann", reason="reseated the card")
     store.request_gpu_clear("GPU-b", now=2.0)
-    assert store.take_gpu_clears(now=3.0) == ["GPU-a", "GPU-b"]
+    assert store.take_gpu_clears(now=3.0) == [
+        GpuClear("GPU-a", "local:ann", "reseated the card"),
+        GpuClear("GPU-b", "", ""),
+    ]
     assert store.take_gpu_clears(now=4.0) == []
     assert [e.detail["gpu"] for e in store.events() if e.kind == "gpu_clear_requested"] == [
         "GPU-a",
         "GPU-b",
     ]
+
+
+def test_a_gpu_fault_latch_is_kept_until_cleared_with_who_and_why(store: Store) -> None:
+    assert store.gpu_faults() == []
+    assert store.latch_gpu_fault(node="n1", gpu_uuid="GPU-a", xid=79, reason="Xid 79", now=1.0)
+    # one open latch per node and GPU: a second is refused, another node's is its own
+    assert not store.latch_gpu_fault(node="n1", gpu_uuid="GPU-a", xid=48, reason="x", now=2.0)
+    assert store.latch_gpu_fault(node="n2", gpu_uuid="GPU-a", xid=48, reason="Xid 48", now=2.0)
+    (opened,) = store.gpu_faults(node="n1", open_only=True)
+    assert (opened.gpu_uuid, opened.xid, opened.latched_at, opened.cleared_at) == (
+        "GPU-a",
+        79,
+        1.0,
+        None,
+    )
+    assert store.clear_gpu_fault(
+        node="n1", gpu_uuid="GPU-a", now=5.0, by="local:ann", reason="reseated the card"
+    )
+    assert not store.clear_gpu_fault(node="n1", gpu_uuid="GPU-a", now=6.0, by="x", reason="y")
+    assert store.gpu_faults(node="n1", open_only=True) == []
+    (closed,) = store.gpu_faults(node="n1", gpu_uuid="GPU-a")
+    assert (closed.cleared_at, closed.cleared_by, closed.clear_reason) == (
+        5.0,
+        "local:ann",
+        "reseated the card",
+    )
+    # the history is kept: a new latch on the same GPU is a new row
+    assert store.latch_gpu_fault(node="n1", gpu_uuid="GPU-a", xid=94, reason="Xid 94", now=7.0)
+    assert [(f.xid, f.cleared_at is None) for f in store.gpu_faults(node="n1")] == [
+        (79, False),
+        (94, True),
+    ]
+    assert [f.node for f in store.gpu_faults(open_only=True)] == ["n2", "n1"]
+
+
+def test_a_gpu_fault_latch_shares_the_commit_of_its_batch(store: Store) -> None:
+    with store.batch():
+        store.latch_gpu_fault(node="n1", gpu_uuid="GPU-a", xid=79, reason="Xid 79", now=1.0)
+        store.add_event(Event(ts=1.0, kind="gpu_fault", detail={"gpu": "GPU-a"}))
+    assert [f.gpu_uuid for f in store.gpu_faults(open_only=True)] == ["GPU-a"]
+    assert "gpu_fault" in [e.kind for e in store.events()]
 
 
 # -- the HTTP API's needs: owners, tokens, audit, idempotency -----------------------

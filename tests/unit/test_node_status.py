@@ -57,6 +57,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "queued_indexed",
         "runtimes",
         "stats",
+        "faults",
     ]
     [gpu] = doc["gpus"]
     assert list(gpu) == [

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gpuwarden.core.faultlatch import CLEAR_REASON_MAX
 from gpuwarden.core.model import MAX_GPUS, Attempt, Event, Job, Role
 from gpuwarden.core.profile import MAX_EST_S
 from gpuwarden.store.base import AuditRow, TokenRecord
@@ -244,6 +245,18 @@ class TokenIn(_Request):
     node: Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")] | None = Field(
         default=None, description="the node a node or enroll token is bound to"
     )
+
+
+class GpuClearIn(_Request):
+    reason: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=CLEAR_REASON_MAX,
+            pattern=r"\S",
+            description="what was done about the fault (recorded with who cleared it)",
+        ),
+    ]
 
 
 class TokenOut(BaseModel):

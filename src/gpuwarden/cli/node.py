@@ -7,6 +7,7 @@ is in :mod:`gpuwarden.cli.status`.
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import sys
@@ -39,6 +40,7 @@ from gpuwarden.cli.submit import add_job_options, copy_inputs, copy_outputs, job
 from gpuwarden.cli.topview import span
 from gpuwarden.client import Client
 from gpuwarden.config import Config, load_config
+from gpuwarden.core.faultlatch import CLEAR_REASON_MAX
 from gpuwarden.core.model import Job, format_bytes
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
@@ -86,6 +88,12 @@ def _add_gpu(sub: Commands) -> None:
         help="resume VRAM admission on a GPU after its hardware fault was dealt with",
     )
     clear.add_argument("uuid", help="the GPU's UUID, as `gpuwarden status` shows it")
+    clear.add_argument(
+        "--reason",
+        required=True,
+        help="what was done about the fault (recorded with who cleared it), "
+        'e.g. --reason "reseated the card"',
+    )
     add_remote_options(clear)
     clear.set_defaults(func=cmd_gpu_clear)
 
@@ -250,7 +258,21 @@ def cmd_gpu_clear(args: argparse.Namespace) -> int:
     return local_or_http(args, _gpu_clear_here, _gpu_clear_http)
 
 
+def _clear_reason(args: argparse.Namespace) -> str:
+    """The operator's reason, checked: said, one line, at most 500 characters."""
+    reason = " ".join(str(args.reason).split())
+    if not reason:
+        raise UserError(
+            "gpu clear needs a --reason: what was done about the fault, e.g. "
+            '--reason "reseated the card"'
+        )
+    if len(reason) > CLEAR_REASON_MAX:
+        raise UserError(f"--reason is {len(reason)} characters; at most {CLEAR_REASON_MAX}")
+    return reason
+
+
 def _gpu_clear_here(args: argparse.Namespace) -> int:
+    reason = _clear_reason(args)
     store = existing_store(args)
     try:
         status = explain.latest_status(store, time.time())
@@ -260,15 +282,20 @@ def _gpu_clear_here(args: argparse.Namespace) -> int:
                 f"no GPU {args.uuid} on the running broker; its GPUs: "
                 f"{', '.join(sorted(known)) or 'none'}"
             )
-        store.request_gpu_clear(args.uuid, now=time.time())
+        store.request_gpu_clear(
+            args.uuid, now=time.time(), by=f"local:{getpass.getuser()}", reason=reason
+        )
     finally:
         store.close()
-    out.print(f"asked the broker to clear the fault on {args.uuid}; `gpuwarden status` shows it")
+    out.print(
+        f"asked the broker to clear the fault on {args.uuid}; `gpuwarden status` shows it",
+        markup=False,
+    )
     return 0
 
 
 def _gpu_clear_http(args: argparse.Namespace, client: Client) -> int:
-    client.clear_gpu(args.uuid)
+    client.clear_gpu(args.uuid, reason=_clear_reason(args))
     out.print(
         f"asked the broker at {client.url} to clear the fault on {args.uuid}; "
         "`gpuwarden status` shows it",

@@ -26,6 +26,7 @@ from gpuwarden.cli.common import (
 )
 from gpuwarden.client import Client
 from gpuwarden.cluster import report
+from gpuwarden.core import faultlatch
 from gpuwarden.core.model import format_bytes
 from gpuwarden.core.states import JobState
 from gpuwarden.node.status import BrokerStatus
@@ -323,5 +324,13 @@ def _print_gpus(st: BrokerStatus) -> None:
                 h.state.value,
             )
     out.print(gpus)
+    for uuid, f in st.faults.items():
+        at = f.get("latched_at")
+        since = faultlatch.when(float(at)) if isinstance(at, int | float) else "?"
+        out.print(
+            f"[red]fault latched[/] on {escape(uuid)}: Xid {escape(str(f.get('xid')))} "
+            f"since {since}; it survives a broker restart: "
+            f"`gpuwarden gpu clear {escape(uuid)} --reason TEXT` ends it"
+        )
     if holdings.row_count:
         out.print(holdings)

@@ -225,6 +225,8 @@ class Broker:
             attempts=self.attempts,
             warm=self.warm,
             emit=self.emit,
+            node=self.node,
+            state_dir=self.settings.state_dir,
         )
 
     @property
@@ -355,8 +357,10 @@ class Broker:
     def recover(self) -> None:
         """At start: end the attempts an earlier run left running
         (:mod:`gpuwarden.node.recovery`), and decide what happens to every bundle
-        left in ``processing/`` (each logged)."""
+        left in ``processing/`` (each logged); put back the GPU faults latched
+        before (:meth:`gpuwarden.node.gpus.GpuWatch.restore`)."""
         now = self.clock()
+        self.gpus.restore()
         Recovery(
             instance=self.instance,
             kill_grace_s=self.settings.kill_grace_s,
@@ -728,6 +732,7 @@ class Broker:
                 for g in self.gpus.readings
             ),
             degraded=self.vram.degraded(),
+            faults=self.gpus.fault_status(),
             footprints={
                 t.name: FootprintStatus(
                     declared_bytes=t.vram_bytes,

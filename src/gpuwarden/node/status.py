@@ -215,6 +215,8 @@ class BrokerStatus:
     gpus: tuple[GpuStatus, ...] = ()
     #: per GPU, why VRAM admission is paused there
     degraded: dict[str, str] = field(default_factory=dict)
+    #: per GPU with a latched hardware fault: ``xid``, ``latched_at``, ``reason``
+    faults: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: per vram-lane type
     footprints: dict[str, FootprintStatus] = field(default_factory=dict)
     #: per queue root, how many bundles each of its subfolders holds
@@ -251,6 +253,7 @@ class BrokerStatus:
             "queued_indexed": self.queued_indexed,
             "runtimes": [dict(r) for r in self.runtimes],
             "stats": self.stats.to_json(),
+            "faults": {g: dict(f) for g, f in self.faults.items()},
         }
 
     @classmethod
@@ -264,6 +267,9 @@ class BrokerStatus:
             probe_error=str(d.get("probe_error") or ""),
             gpus=tuple(GpuStatus.from_json(g) for g in d.get("gpus", [])),
             degraded={str(k): str(v) for k, v in (d.get("degraded") or {}).items()},
+            faults={
+                str(k): dict(v) for k, v in (d.get("faults") or {}).items() if isinstance(v, dict)
+            },
             footprints={
                 str(t): FootprintStatus.from_json(f) for t, f in (d.get("footprints") or {}).items()
             },

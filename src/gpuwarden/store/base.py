@@ -97,6 +97,32 @@ class MeasuredFootprint:
 
 
 @dataclass(frozen=True, slots=True)
+class GpuClear:
+    """An operator's request to clear a GPU's fault (``gpuwarden gpu clear``)."""
+
+    gpu_uuid: str
+    #: who asked: ``local:USER`` on the host's CLI, ``token:ID (NAME)`` through the API
+    by: str = ""
+    #: why, in the operator's words
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFault:
+    """A GPU's hardware fault latched by a critical Xid; open until cleared."""
+
+    node: str
+    gpu_uuid: str
+    xid: int
+    reason: str
+    latched_at: float
+    cleared_at: float | None = None
+    cleared_by: str | None = None
+    clear_reason: str | None = None
+    id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class TypeProfile:
     """The largest RAM peak measured for a job type (by any of its attempts)."""
 
@@ -438,12 +464,37 @@ class Store(abc.ABC):
     # -- operator requests ----------------------------------------------------
 
     @abc.abstractmethod
-    def request_gpu_clear(self, gpu_uuid: str, *, now: float) -> None:
-        """Ask the broker owning that GPU to clear its fault (``gpuwarden gpu clear``)."""
+    def request_gpu_clear(
+        self, gpu_uuid: str, *, now: float, by: str = "", reason: str = ""
+    ) -> None:
+        """Ask the broker owning that GPU to clear its fault (``gpuwarden gpu clear``),
+        saying who asks (``by``) and why."""
 
     @abc.abstractmethod
-    def take_gpu_clears(self, *, now: float) -> list[str]:
-        """The GPU UUIDs asked to be cleared since the last call; each is returned once."""
+    def take_gpu_clears(self, *, now: float) -> list[GpuClear]:
+        """The requests to clear a GPU made since the last call; each is returned once
+        (in the open batch, if any)."""
+
+    @abc.abstractmethod
+    def latch_gpu_fault(
+        self, *, node: str, gpu_uuid: str, xid: int, reason: str, now: float
+    ) -> bool:
+        """Latch a hardware fault on ``node``'s GPU (in the open batch, if any).
+        False, and nothing written, when that GPU already has an open latch there."""
+
+    @abc.abstractmethod
+    def clear_gpu_fault(
+        self, *, node: str, gpu_uuid: str, now: float, by: str, reason: str
+    ) -> bool:
+        """Close the open latch of ``node``'s GPU, saying who cleared it and why (in
+        the open batch, if any). False when it had none open."""
+
+    @abc.abstractmethod
+    def gpu_faults(
+        self, *, node: str | None = None, gpu_uuid: str | None = None, open_only: bool = False
+    ) -> list[GpuFault]:
+        """The latched faults, oldest first (closed ones too, unless ``open_only``),
+        of one node and GPU when named."""
 
     # -- API tokens -----------------------------------------------------------
 

@@ -15,6 +15,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.store.base import (
     AuditRow,
     BundleRecord,
+    GpuFault,
     IdempotencyRecord,
     MeasuredFootprint,
     NodeStatus,
@@ -220,4 +221,18 @@ def claimable(row: Row, decode: Decode) -> Claimable:
         input_dir=row["input_dir"],
         gpus=row["gpus"],
         owner=row["owner"],
+    )
+
+
+def gpu_fault(row: Row) -> GpuFault:
+    return GpuFault(
+        node=row["node"],
+        gpu_uuid=row["gpu_uuid"],
+        xid=int(row["xid"]),
+        reason=row["reason"],
+        latched_at=float(row["latched_at"]),
+        cleared_at=None if row["cleared_at"] is None else float(row["cleared_at"]),
+        cleared_by=row["cleared_by"],
+        clear_reason=row["clear_reason"],
+        id=int(row["id"]),
     )

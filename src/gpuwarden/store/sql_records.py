@@ -1,5 +1,5 @@
 """The store's records besides jobs, in SQL, for SQLite and PostgreSQL alike:
-measured footprints, operator requests (GPU clears), API tokens, the audit log
+measured footprints, operator requests (GPU clears), latched GPU faults, API tokens, the audit log
 and node statuses, on the hooks of :class:`~gpuwarden.store.sql.SqlStore`.
 
 Taking GPU clears is a claim: ``pending_gpu_clears`` locks the requests it reads
@@ -18,6 +18,8 @@ from gpuwarden.store import rows
 from gpuwarden.store.base import (
     AttemptSpan,
     AuditRow,
+    GpuClear,
+    GpuFault,
     MeasuredFootprint,
     NodeStatus,
     TokenRecord,
@@ -129,18 +131,47 @@ class SqlRecordStore(SqlStore[C]):
 
     # -- operator requests ----------------------------------------------------
 
-    def request_gpu_clear(self, gpu_uuid: str, *, now: float) -> None:
+    def request_gpu_clear(
+        self, gpu_uuid: str, *, now: float, by: str = "", reason: str = ""
+    ) -> None:
         with self._write() as conn:
-            self._run(conn, "request_gpu_clear", {"gpu_uuid": gpu_uuid, "now": now})
-            self._event(conn, Event(ts=now, kind="gpu_clear_requested", detail={"gpu": gpu_uuid}))
+            self._run(
+                conn,
+                "request_gpu_clear",
+                {"gpu_uuid": gpu_uuid, "now": now, "by": by, "reason": reason},
+            )
+            detail = {"gpu": gpu_uuid, "by": by, "reason": reason}
+            self._event(conn, Event(ts=now, kind="gpu_clear_requested", detail=detail))
 
-    def take_gpu_clears(self, *, now: float) -> list[str]:
+    def take_gpu_clears(self, *, now: float) -> list[GpuClear]:
         with self._write() as conn:
             taken = []
             for row in self._run(conn, "pending_gpu_clears", {}).fetchall():
                 if self._run(conn, "take_gpu_clear", {"id": row["id"], "now": now}).rowcount:
-                    taken.append(row["gpu_uuid"])
+                    taken.append(GpuClear(row["gpu_uuid"], row["requested_by"], row["reason"]))
             return taken
+
+    # -- latched GPU faults -----------------------------------------------------
+
+    def latch_gpu_fault(
+        self, *, node: str, gpu_uuid: str, xid: int, reason: str, now: float
+    ) -> bool:
+        params = {"node": node, "gpu_uuid": gpu_uuid, "xid": xid, "reason": reason, "now": now}
+        with self._write() as conn:
+            return bool(self._run(conn, "latch_gpu_fault", params).rowcount)
+
+    def clear_gpu_fault(
+        self, *, node: str, gpu_uuid: str, now: float, by: str, reason: str
+    ) -> bool:
+        params = {"node": node, "gpu_uuid": gpu_uuid, "now": now, "by": by, "reason": reason}
+        with self._write() as conn:
+            return bool(self._run(conn, "clear_gpu_fault", params).rowcount)
+
+    def gpu_faults(
+        self, *, node: str | None = None, gpu_uuid: str | None = None, open_only: bool = False
+    ) -> list[GpuFault]:
+        found = self._read("gpu_faults", node=node, gpu_uuid=gpu_uuid, open_only=int(open_only))
+        return [rows.gpu_fault(r) for r in found]
 
     # -- API tokens -----------------------------------------------------------
 

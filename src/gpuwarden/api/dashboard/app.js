@@ -321,7 +321,8 @@
         if (!g.degraded) continue;
         const clear = g.fault && can("gpu.clear")
           ? actionButton("clear:" + g.uuid, "clear fault", "resume VRAM admission on " + g.uuid, () =>
-            api("POST", "/v1/gpus/" + encodeURIComponent(g.uuid) + "/clear"))
+            api("POST", "/v1/gpus/" + encodeURIComponent(g.uuid) + "/clear",
+              { reason: "cleared from the dashboard" }))
           : null;
         banners.push(el("div", {
           class: "banner " + (g.fault ? "fault" : "degraded"), "data-gpu": g.uuid,

@@ -179,12 +179,13 @@ SELECT a.job_id AS job_id, a.number AS number, a.gpu_uuid AS gpu_uuid,
  LIMIT %(limit)s;
 
 -- name: request_gpu_clear
-INSERT INTO gpu_clears (gpu_uuid, requested_at) VALUES (%(gpu_uuid)s, %(now)s);
+INSERT INTO gpu_clears (gpu_uuid, requested_at, requested_by, reason)
+VALUES (%(gpu_uuid)s, %(now)s, %(by)s, %(reason)s);
 
 -- name: pending_gpu_clears
 -- SKIP LOCKED: two brokers taking requests at once each take a request at most once
 -- between them, and neither waits for the other.
-SELECT id, gpu_uuid FROM gpu_clears WHERE taken_at IS NULL ORDER BY id FOR UPDATE SKIP LOCKED;
+SELECT id, gpu_uuid, requested_by, reason FROM gpu_clears WHERE taken_at IS NULL ORDER BY id FOR UPDATE SKIP LOCKED;
 
 -- name: take_gpu_clear
 UPDATE gpu_clears SET taken_at = %(now)s WHERE id = %(id)s AND taken_at IS NULL;
@@ -304,3 +305,22 @@ ON CONFLICT (owner) DO UPDATE SET gib_h = excluded.gib_h, as_of = excluded.as_of
 -- fair share (`gpuwarden share`): each owner's queued and running jobs
 SELECT owner, state, COUNT(*) AS n FROM jobs
  WHERE state IN ('queued', 'running') GROUP BY owner, state;
+
+-- name: latch_gpu_fault
+-- at most one open latch per node and GPU (the partial unique index backs it up)
+INSERT INTO gpu_faults (node, gpu_uuid, xid, reason, latched_at)
+SELECT %(node)s::text, %(gpu_uuid)s::text, %(xid)s::integer, %(reason)s::text, %(now)s::double precision
+ WHERE NOT EXISTS (SELECT 1 FROM gpu_faults
+                    WHERE node = %(node)s AND gpu_uuid = %(gpu_uuid)s AND cleared_at IS NULL);
+
+-- name: clear_gpu_fault
+UPDATE gpu_faults SET cleared_at = %(now)s, cleared_by = %(by)s, clear_reason = %(reason)s
+ WHERE node = %(node)s AND gpu_uuid = %(gpu_uuid)s AND cleared_at IS NULL;
+
+-- name: gpu_faults
+SELECT id, node, gpu_uuid, xid, reason, latched_at, cleared_at, cleared_by, clear_reason
+  FROM gpu_faults
+ WHERE (%(node)s::text IS NULL OR node = %(node)s)
+   AND (%(gpu_uuid)s::text IS NULL OR gpu_uuid = %(gpu_uuid)s)
+   AND (%(open_only)s::integer = 0 OR cleared_at IS NULL)
+ ORDER BY id;

@@ -158,10 +158,11 @@ SELECT a.job_id AS job_id, a.number AS number, a.gpu_uuid AS gpu_uuid,
  LIMIT :limit;
 
 -- name: request_gpu_clear
-INSERT INTO gpu_clears (gpu_uuid, requested_at) VALUES (:gpu_uuid, :now);
+INSERT INTO gpu_clears (gpu_uuid, requested_at, requested_by, reason)
+VALUES (:gpu_uuid, :now, :by, :reason);
 
 -- name: pending_gpu_clears
-SELECT id, gpu_uuid FROM gpu_clears WHERE taken_at IS NULL ORDER BY id;
+SELECT id, gpu_uuid, requested_by, reason FROM gpu_clears WHERE taken_at IS NULL ORDER BY id;
 
 -- name: take_gpu_clear
 UPDATE gpu_clears SET taken_at = :now WHERE id = :id AND taken_at IS NULL;
@@ -273,3 +274,22 @@ ON CONFLICT (owner) DO UPDATE SET gib_h = excluded.gib_h, as_of = excluded.as_of
 -- fair share (`gpuwarden share`): each owner's queued and running jobs
 SELECT owner, state, COUNT(*) AS n FROM jobs
  WHERE state IN ('queued', 'running') GROUP BY owner, state;
+
+-- name: latch_gpu_fault
+-- at most one open latch per node and GPU (the partial unique index backs it up)
+INSERT INTO gpu_faults (node, gpu_uuid, xid, reason, latched_at)
+SELECT :node, :gpu_uuid, :xid, :reason, :now
+ WHERE NOT EXISTS (SELECT 1 FROM gpu_faults
+                    WHERE node = :node AND gpu_uuid = :gpu_uuid AND cleared_at IS NULL);
+
+-- name: clear_gpu_fault
+UPDATE gpu_faults SET cleared_at = :now, cleared_by = :by, clear_reason = :reason
+ WHERE node = :node AND gpu_uuid = :gpu_uuid AND cleared_at IS NULL;
+
+-- name: gpu_faults
+SELECT id, node, gpu_uuid, xid, reason, latched_at, cleared_at, cleared_by, clear_reason
+  FROM gpu_faults
+ WHERE (:node IS NULL OR node = :node)
+   AND (:gpu_uuid IS NULL OR gpu_uuid = :gpu_uuid)
+   AND (:open_only = 0 OR cleared_at IS NULL)
+ ORDER BY id;
