@@ -84,8 +84,14 @@ def grant_lines(store: ClusterStore, job_id: str) -> list[str]:
 # -- the node list and status ------------------------------------------------------
 
 
-def node_json(record: NodeRecord, leases: list[Lease], now: float) -> dict[str, Any]:
-    """What ``GET /v1/nodes`` and ``gpuwarden node list`` show of a node."""
+def node_json(
+    record: NodeRecord,
+    leases: list[Lease],
+    now: float,
+    grants: Mapping[str, Grant] | None = None,
+) -> dict[str, Any]:
+    """What ``GET /v1/nodes`` and ``gpuwarden node list`` show of a node (``grants``:
+    the open diagnostic grants by node, shown as ``grant``)."""
     mine = [lease for lease in leases if lease.node == record.name]
     rep = record.report
     quiet = silence(record, mine, now)
@@ -109,6 +115,7 @@ def node_json(record: NodeRecord, leases: list[Lease], now: float) -> dict[str, 
         "max_jobs": rep.get("max_jobs"),
         "labels": rep.get("labels", record.capabilities.get("labels", {})),
         "capabilities": record.capabilities,
+        "grant": grant_json(grants[record.name]) if grants and record.name in grants else None,
     }
 
 

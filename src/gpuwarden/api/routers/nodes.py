@@ -607,7 +607,8 @@ def list_nodes(ctx: Ctx) -> list[dict[str, Any]]:
     store = cluster_store(ctx)
     now = ctx.clock()
     leases = store.leases()
-    return [node_json(r, leases, now) for r in store.list_nodes()]
+    grants = {g.node: g for g in store.open_grants()}
+    return [node_json(r, leases, now, grants) for r in store.list_nodes()]
 
 
 def _name(name: str) -> str:
