@@ -121,6 +121,9 @@ def test_drained_node_runs_only_the_granted_job_once(s: ClusterStore, registry: 
     with pytest.raises(UserError, match="open diagnostic grant already"):
         co.diagnostic(s, "n", "a", by="owner", reason="second", now=2.0)
     assert any("diagnostic grant on node n" in line for line in rp.grant_lines(s, "b"))
+    record = s.get_node("n")
+    assert record is not None  # its heartbeat tells the draining agent to claim for b
+    assert co.heartbeat(s, "n", record.report, 2.5, 10.0)["grant"] == "b"
     [payload] = claim(s, registry, "n", 3.0)
     assert payload["id"] == "b"  # only the granted job, though "a" came first
     assert claim(s, registry, "n", 3.0) == []

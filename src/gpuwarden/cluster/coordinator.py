@@ -332,9 +332,8 @@ def _granted_claim(
     if off is None:
         return []
     busy = store.live_lease_counts(now).get(record.name, 0)
-    # closed to all else, open to this one job (when the node itself takes work)
-    accepting = bool(record.report.get("accepting", True))
-    view = dataclasses.replace(view, busy=max(view.busy, busy), accepting=accepting)
+    # closed to all else, open to this one job (a draining agent claims only then)
+    view = dataclasses.replace(view, busy=max(view.busy, busy), accepting=True)
     if not placement.offers_for(view, [off], [], now=now, affinity_wait_s=timing.affinity_wait_s):
         return []
     lease_id = secrets.token_hex(8)
@@ -675,6 +674,8 @@ def heartbeat(
         "renewed": renewed,
         "cancels": cancels,
     }
+    if record.state is NodeState.DRAINING and (grant := store.open_grant(node_name)):
+        answer["grant"] = grant.job_id  # a draining node claims for this job alone
     if registry is not None:
         stopping = {c["id"] for c in cancels}
         live = {i: lease for i, lease in mine.items() if lease.live(now) and i not in stopping}
