@@ -271,6 +271,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "node.drain": {R, OP},
         "node.resume": {R, OP},
         "node.revoke": {R},
+        "node.diagnostic": {R},
         "gpu.clear": {R},
         # GET /metrics (tests/integration/test_metrics.py)
         "metrics.read": {R, OP},

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.cli import main
+from gpuwarden.core.model import JobSpec
 from gpuwarden.store.cluster import NodeState
 from gpuwarden.store.sqlite import SqliteStore
 
@@ -51,3 +52,34 @@ def test_node_commands_on_the_local_store(
     finally:
         store.close()
     assert ("node.invite", "local") in actions and ("node.revoke", "local") in actions
+
+
+def test_node_diagnostic_on_the_local_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: dict[str, str]
+) -> None:
+    state = tmp_path / "state"
+    store = SqliteStore(state / "gpuwarden.db")
+    try:
+        store.upsert_node("gpu-a", token_id="a" * 12, capabilities={}, now=1.0)
+        store.submit([JobSpec(id="j1", type="echo.echo", params={"text": "x"})], now=1.0)
+    finally:
+        store.close()
+    code, _, err = run(capsys, state, "node", "diagnostic", "gpu-a", "j1", "--reason", "fan")
+    assert code == 2 and "draining" in err  # not drained: refused
+    assert run(capsys, state, "node", "drain", "gpu-a")[0] == 0
+    code, out, _ = run(
+        capsys, state, "node", "diagnostic", "gpu-a", "j1", "--reason", "fan", "--json"
+    )
+    assert code == 0 and json.loads(out)["job"] == "j1"
+    code, out, _ = run(capsys, state, "node", "list", "--json")
+    assert [n["grant"]["job"] for n in json.loads(out)] == ["j1"]
+    store = SqliteStore(state / "gpuwarden.db")
+    try:
+        node = store.get_node("gpu-a")
+        assert node is not None and node.state is NodeState.DRAINING
+        grant = store.open_grant("gpu-a")
+        assert grant is not None and grant.job_id == "j1" and grant.reason == "fan"
+        actions = [a.action for a in store.audit_rows()]
+    finally:
+        store.close()
+    assert "node.diagnostic" in actions

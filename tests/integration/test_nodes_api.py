@@ -399,6 +399,28 @@ def test_drain_stops_new_work(env: Env) -> None:
     assert env.post("/v1/nodes/nope/drain", "operator").status_code == 404
 
 
+def test_a_diagnostic_grant_is_the_owners_audited_and_revoked_by_a_cancel(env: Env) -> None:
+    env.enrol("a")
+    env.store.submit([gpu_job("j", 1), gpu_job("k", 1)], now=env.clock.t)
+    body = {"job": "k", "reason": "after the fan swap"}
+    assert env.post("/v1/nodes/a/diagnostic", "owner", body).status_code == 409  # not drained
+    assert env.post("/v1/nodes/a/drain", "operator").json()["state"] == "draining"
+    assert env.post("/v1/nodes/a/diagnostic", "operator", body).status_code == 403
+    assert env.post("/v1/nodes/a/diagnostic", "submitter", body).status_code == 403
+    r = env.post("/v1/nodes/a/diagnostic", "owner", body)
+    assert r.status_code == 200 and r.json()["job"] == "k" and r.json()["used_at"] is None
+    second = env.post("/v1/nodes/a/diagnostic", "owner", {"job": "j", "reason": "x"})
+    assert second.status_code == 409 and "already" in second.json()["error"]
+    rows = [a for a in env.store.audit_rows() if a.action == "node.diagnostic"]
+    assert rows[-1].outcome.startswith("refused") and rows[-2].outcome == "ok"
+    assert any(a.detail.get("reason") == "after the fan swap" for a in rows)
+    assert env.post("/v1/jobs/k/cancel", "owner").status_code == 200
+    cancels = [a for a in env.store.audit_rows() if a.action == "job.cancel"]
+    assert cancels[-1].detail.get("grants_revoked") == ["a"]
+    r = env.post("/v1/node/claim", "a", {"report": report(24)})
+    assert r.json()["jobs"] == []  # revoked: the draining node takes nothing
+
+
 def test_revoke_refuses_the_node_at_once(env: Env) -> None:
     env.enrol("a")
     env.store.submit([gpu_job("j", 1), gpu_job("k", 1)], now=env.clock.t)
@@ -459,6 +481,7 @@ ROLE_CASES = [
     ("POST", "/v1/nodes/n/drain", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/resume", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/revoke", {"owner"}, None),
+    ("POST", "/v1/nodes/n/diagnostic", {"owner"}, {"job": "j", "reason": "r"}),
 ]
 
 

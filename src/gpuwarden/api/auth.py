@@ -86,6 +86,7 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "node.drain":    (ALL,  ALL,     None,     None, None),
     "node.resume":   (ALL,  ALL,     None,     None, None),
     "node.revoke":   (ALL,  None,    None,     None, None),
+    "node.diagnostic": (ALL, None,   None,     None, None),
     "gpu.clear":     (ALL,  None,    None,     None, None),
     # GET /metrics; public too with [api] metrics_public = true (api/routers/metrics.py)
     "metrics.read":  (ALL,  ALL,     None,     None, None),
@@ -103,6 +104,7 @@ MUTATING = frozenset(
     {"job.submit", "job.cancel", "token.create", "token.revoke"}
     | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
     | {"node.finish", "node.report", "node.upload", "node.drain", "node.resume", "node.revoke"}
+    | {"node.diagnostic"}
     | {"gpu.clear", "session.create", "session.delete"}
 )
 #: actions that need no token (``session.create`` checks the token it is given itself)

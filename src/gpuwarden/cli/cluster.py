@@ -174,6 +174,15 @@ def _add_node(sub: Commands) -> None:
     nu.add_argument("name")
     add_remote_options(nu)
     nu.set_defaults(func=cmd_node_resume)
+    ng = node_sub.add_parser(
+        "diagnostic", help="let one queued job start once on a draining node (Owner)"
+    )
+    ng.add_argument("name")
+    ng.add_argument("job")
+    ng.add_argument("--reason", required=True, help="why (kept in the grant and the audit log)")
+    ng.add_argument("--json", action="store_true")
+    add_remote_options(ng)
+    ng.set_defaults(func=cmd_node_diagnostic)
     nr = node_sub.add_parser(
         "revoke", help="refuse the node's credential now; its jobs go back to the queue"
     )
@@ -588,7 +597,8 @@ def _nodes_here(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         now = time.time()
         leases = store.leases()
-        return [report.node_json(r, leases, now) for r in store.list_nodes()]
+        grants = {g.node: g for g in store.open_grants()}
+        return [report.node_json(r, leases, now, grants) for r in store.list_nodes()]
     finally:
         store.close()
 
@@ -610,6 +620,35 @@ def _drain_here(args: argparse.Namespace) -> None:
 
 def _drain_http(args: argparse.Namespace, client: Client) -> None:
     client.request_json("POST", f"/v1/nodes/{args.name}/drain")
+
+
+def cmd_node_diagnostic(args: argparse.Namespace) -> int:
+    got = local_or_http(args, _diagnostic_here, _diagnostic_http)
+    if args.json:
+        print(json.dumps(got))
+        return 0
+    err.print(
+        f"job {escape(args.job)} may start once on draining node {escape(args.name)}; "
+        "the node stays closed to everything else"
+    )
+    return 0
+
+
+def _diagnostic_here(args: argparse.Namespace) -> dict[str, Any]:
+    store = _cluster_store(args)
+    try:
+        grant = co.diagnostic(
+            store, args.name, args.job, by="local", reason=args.reason, now=time.time()
+        )
+        _audit(store, "node.diagnostic", args.name, {"job": args.job, "reason": grant.reason})
+        return report.grant_json(grant)
+    finally:
+        store.close()
+
+
+def _diagnostic_http(args: argparse.Namespace, client: Client) -> dict[str, Any]:
+    body = {"job": args.job, "reason": args.reason}
+    return dict(client.request_json("POST", f"/v1/nodes/{args.name}/diagnostic", json=body))
 
 
 def cmd_node_resume(args: argparse.Namespace) -> int:

@@ -66,7 +66,7 @@ from gpuwarden.core.preempt import Victim
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UserError
 from gpuwarden.registry import Registry
-from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
+from gpuwarden.store.cluster import Claimable, ClusterStore, Grant, Lease, NodeRecord, NodeState
 
 #: a node's name: what lists, attempts and the audit log call it
 NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -273,6 +273,8 @@ def claim(
     ``record``: the node as the caller just read or wrote it (else it is read)."""
     timing = timing or Timing(lease_s=lease_s)
     record = record or store.get_node(node_name)
+    if record is not None and record.state is NodeState.DRAINING:
+        return _granted_claim(store, registry, record, view, now, lease_s=lease_s, timing=timing)
     if record is None or record.state is not NodeState.ACTIVE:
         return []
     counts = store.live_lease_counts(now)
@@ -297,11 +299,46 @@ def claim(
         inputs_here=inputs_here,
         half_life_s=half_life_s,
     )
+    used = store.granted_used_on(node_name) if ids else set()
+    ids = [i for i in ids if i not in used]  # ran here once under a grant: never again
     if not ids:
         return []
     lease_id = secrets.token_hex(8)
     expires_at = now + lease_s
     got = store.lease_jobs(node_name, ids, lease_id=lease_id, expires_at=expires_at, now=now)
+    return _payloads(store, got, lease_id, expires_at)
+
+
+def _granted_claim(
+    store: ClusterStore,
+    registry: Registry,
+    record: NodeRecord,
+    view: NodeView,
+    now: float,
+    *,
+    lease_s: float,
+    timing: Timing,
+) -> list[dict[str, Any]]:
+    """A draining node is offered nothing, but the job of its open diagnostic grant
+    when that job is queued, claimable and fits the node now."""
+    grant = store.open_grant(record.name)
+    if grant is None:
+        return []
+    job = store.get_job(grant.job_id)
+    if job is None or job.state is not JobState.QUEUED or job.cancel_requested or job.held:
+        return []
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    off = offerable(job, registry, footprints)
+    if off is None:
+        return []
+    busy = store.live_lease_counts(now).get(record.name, 0)
+    # closed to all else, open to this one job (a draining agent claims only then)
+    view = dataclasses.replace(view, busy=max(view.busy, busy), accepting=True)
+    if not placement.offers_for(view, [off], [], now=now, affinity_wait_s=timing.affinity_wait_s):
+        return []
+    lease_id = secrets.token_hex(8)
+    expires_at = now + lease_s
+    got = store.lease_jobs(record.name, [job.id], lease_id=lease_id, expires_at=expires_at, now=now)
     return _payloads(store, got, lease_id, expires_at)
 
 
@@ -394,9 +431,10 @@ def start(
     lease = _held_lease(store, node_name, job_id, lease_id, now)
     if lease.started and lease.attempt is not None:
         return {"attempt": lease.attempt}
+    starter = _starter(store, node_name, job_id)
     for tries in range(_START_TRIES):
         try:
-            _, attempt = store.start_attempt(job_id, node=node_name, gpu_uuid=gpu_uuid, now=now)
+            _, attempt = starter(job_id, node=node_name, gpu_uuid=gpu_uuid, now=now)
             break
         except TransitionError as exc:
             job = store.get_job(job_id)
@@ -407,6 +445,66 @@ def start(
             time.sleep(0.01 * (tries + 1))
     store.mark_lease_started(job_id, attempt.number, lease_id=lease_id)
     return {"attempt": attempt.number}
+
+
+def _starter(store: ClusterStore, node_name: str, job_id: str) -> Callable[..., Any]:
+    """How the job starts on the node: consuming its open diagnostic grant there
+    (:meth:`ClusterStore.start_granted`), plainly, or not at all
+    (:class:`LeaseRefused`: it ran there once under a grant, or the node is closed and
+    its grant there was revoked)."""
+    grants = [g for g in store.grants_of_job(job_id) if g.node == node_name]
+    if any(g.used_at is not None for g in grants):
+        raise LeaseRefused(
+            f"job {job_id} ran once on node {node_name} under a diagnostic grant; "
+            "it is never retried there"
+        )
+    if any(g.open for g in grants):
+        return store.start_granted
+    record = store.get_node(node_name)
+    if grants and (record is None or record.state is not NodeState.ACTIVE):
+        raise LeaseRefused(
+            f"the diagnostic grant of job {job_id} on node {node_name} was revoked "
+            f"({grants[-1].revoked_reason}); it does not start there"
+        )
+    return store.start_attempt
+
+
+def diagnostic(
+    store: ClusterStore, name: str, job_id: str, *, by: str | None, reason: str, now: float
+) -> Grant:
+    """Let one exact queued job start on a draining node, once (an Owner's grant)."""
+    record = store.get_node(name)
+    if record is None:
+        raise UnknownNode(f"no node named {name!r} (`gpuwarden node list`)")
+    if record.state is not NodeState.DRAINING:
+        raise UserError(
+            f"node {name} is {record.state.value}: a diagnostic grant is for a draining "
+            f"node (`gpuwarden node drain {name}` first)"
+        )
+    if not reason.strip():
+        raise UserError("a diagnostic grant needs a reason (--reason)")
+    job = store.get_job(job_id)
+    if job is None or job.state is not JobState.QUEUED or job.cancel_requested:
+        state = "unknown" if job is None else job.state.value
+        raise UserError(f"job {job_id} is {state}: only a queued job may be granted")
+    if any(g.node == name and g.used_at is not None for g in store.grants_of_job(job_id)):
+        raise UserError(f"job {job_id} ran once on node {name} under a grant: never again")
+    got = store.add_grant(name, job_id, granted_by=by, reason=reason.strip(), now=now)
+    if got is None:
+        held = store.open_grant(name)
+        other = held.job_id if held is not None else "another job"
+        raise UserError(f"node {name} has an open diagnostic grant already (job {other})")
+    return got
+
+
+def _diagnostic(store: ClusterStore, node_name: str, job_id: str, attempt: int) -> bool:
+    """Was attempt ``attempt`` of the job started on the node under a grant?"""
+    return any(g.node == node_name and g.attempt == attempt for g in store.grants_of_job(job_id))
+
+
+def revoke_grants_of(store: ClusterStore, job_id: str, *, reason: str, now: float) -> int:
+    """A cancelled job's open grants end (how many)."""
+    return store.revoke_grants(now=now, reason=reason, job_id=job_id)
 
 
 def finish(
@@ -476,6 +574,8 @@ def finish(
     if held_bytes and half_life_s > 0:
         charge(store, node_name, job, lease.attempt, held_bytes, now=now, half_life_s=half_life_s)
     kept = False
+    if job.state is JobState.QUEUED and _diagnostic(store, node_name, job_id, lease.attempt):
+        release = True  # a diagnostic attempt: never retried on that node
     if job.state is JobState.QUEUED and job.cancel_requested:
         store.drop_lease(job_id, lease_id=lease_id)
         job = store.transition(
@@ -574,6 +674,8 @@ def heartbeat(
         "renewed": renewed,
         "cancels": cancels,
     }
+    if record.state is NodeState.DRAINING and (grant := store.open_grant(node_name)):
+        answer["grant"] = grant.job_id  # a draining node claims for this job alone
     if registry is not None:
         stopping = {c["id"] for c in cancels}
         live = {i: lease for i, lease in mine.items() if lease.live(now) and i not in stopping}
@@ -769,6 +871,8 @@ def resume(store: ClusterStore, name: str, *, now: float) -> tuple[NodeRecord, b
     changed = store.set_node_state(
         name, NodeState.ACTIVE, now=now, only_from=frozenset({NodeState.DRAINING})
     )
+    if changed:
+        store.revoke_grants(now=now, reason=f"node {name} resumed", node=name)
     got = store.get_node(name)
     assert got is not None
     return got, changed

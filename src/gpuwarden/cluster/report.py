@@ -35,7 +35,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.node.explain import explain_job, latest_status, view_from_status
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
-from gpuwarden.store.cluster import ClusterStore, Lease, NodeRecord, NodeState
+from gpuwarden.store.cluster import ClusterStore, Grant, Lease, NodeRecord, NodeState
 
 
 def explain(
@@ -53,7 +53,7 @@ def explain(
     view = view_from_status(status, cpu_slots) if status else None
     if not isinstance(store, ClusterStore):
         return explain_job(job, store, registry, view, half_life_s=half_life_s)
-    return explain_job(
+    lines = explain_job(
         job,
         store,
         registry,
@@ -62,13 +62,36 @@ def explain(
         placement=lambda j: explain_waiting(store, registry, j, now, half_life_s),
         running=lambda j: explain_running(store, j, now),
     )
+    return lines + grant_lines(store, job.id)
+
+
+def grant_lines(store: ClusterStore, job_id: str) -> list[str]:
+    """What ``explain`` says of the job's diagnostic grants."""
+    out = []
+    for g in store.grants_of_job(job_id):
+        if g.open:
+            out.append(f"it has a diagnostic grant on node {g.node}: {g.reason}")
+        elif g.used_at is not None:
+            out.append(
+                f"it ran once on node {g.node} under a diagnostic grant (attempt {g.attempt}); "
+                "never retried there"
+            )
+        else:
+            out.append(f"its diagnostic grant on node {g.node} was revoked: {g.revoked_reason}")
+    return out
 
 
 # -- the node list and status ------------------------------------------------------
 
 
-def node_json(record: NodeRecord, leases: list[Lease], now: float) -> dict[str, Any]:
-    """What ``GET /v1/nodes`` and ``gpuwarden node list`` show of a node."""
+def node_json(
+    record: NodeRecord,
+    leases: list[Lease],
+    now: float,
+    grants: Mapping[str, Grant] | None = None,
+) -> dict[str, Any]:
+    """What ``GET /v1/nodes`` and ``gpuwarden node list`` show of a node (``grants``:
+    the open diagnostic grants by node, shown as ``grant``)."""
     mine = [lease for lease in leases if lease.node == record.name]
     rep = record.report
     quiet = silence(record, mine, now)
@@ -92,6 +115,22 @@ def node_json(record: NodeRecord, leases: list[Lease], now: float) -> dict[str, 
         "max_jobs": rep.get("max_jobs"),
         "labels": rep.get("labels", record.capabilities.get("labels", {})),
         "capabilities": record.capabilities,
+        "grant": grant_json(grants[record.name]) if grants and record.name in grants else None,
+    }
+
+
+def grant_json(grant: Grant) -> dict[str, Any]:
+    """A diagnostic grant as ``node list``, ``status`` and the API show it."""
+    return {
+        "node": grant.node,
+        "job": grant.job_id,
+        "granted_by": grant.granted_by,
+        "reason": grant.reason,
+        "granted_at": grant.granted_at,
+        "used_at": grant.used_at,
+        "attempt": grant.attempt,
+        "revoked_at": grant.revoked_at,
+        "revoked_reason": grant.revoked_reason,
     }
 
 

@@ -106,6 +106,8 @@ class Agent:
         self.claim_every_s = claim_every_s
         self.monotonic = monotonic
         self.state = "active"
+        #: the job of this draining node's open diagnostic grant (the heartbeat says)
+        self.granted: str | None = None
         self.held: dict[str, Held] = {}
         self._by_local: dict[str, str] = {}
         self._outbox: deque[_Report] = deque()
@@ -271,6 +273,8 @@ class Agent:
             return
         self._last_ok = sent
         self._take_state(str(answer.get("state", "active")))
+        granted = answer.get("grant")
+        self.granted = str(granted) if granted else None
         lease_s = float(answer.get("lease_s", self.lease_s))
         if lease_s != self.lease_s:
             self.set_lease(lease_s)
@@ -323,7 +327,8 @@ class Agent:
             self.state = state
 
     def _may_claim(self) -> bool:
-        if self.stopping or self.state != "active" or not self.broker.accepting:
+        open_here = self.state == "active" or (self.state == "draining" and self.granted)
+        if self.stopping or not open_here or not self.broker.accepting:
             return False
         if self._busy() >= self.max_jobs:
             return False

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from gpuwarden.core.model import Job
+from gpuwarden.core.model import Attempt, Job
 from gpuwarden.store.base import AuditRow, Store
 
 
@@ -59,6 +59,27 @@ class Lease:
 
     def live(self, now: float) -> bool:
         return now < self.expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A diagnostic grant: one exact queued job may start on a draining node, once."""
+
+    id: int
+    node: str
+    job_id: str
+    granted_by: str | None
+    reason: str
+    granted_at: float
+    used_at: float | None = None
+    #: the attempt that used it
+    attempt: int | None = None
+    revoked_at: float | None = None
+    revoked_reason: str | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.used_at is None and self.revoked_at is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +275,44 @@ class ClusterStore(Store):
     @abc.abstractmethod
     def lost_nodes(self, job_id: str) -> list[str]:
         """The nodes the job was lost on, in the order it was lost."""
+
+    # -- diagnostic grants ------------------------------------------------------
+
+    @abc.abstractmethod
+    def add_grant(
+        self, node: str, job_id: str, *, granted_by: str | None, reason: str, now: float
+    ) -> Grant | None:
+        """Record an open grant of ``job_id`` on ``node``; None (nothing written) when
+        the node has an open grant already (at most one per node)."""
+
+    @abc.abstractmethod
+    def open_grant(self, node: str) -> Grant | None: ...
+
+    @abc.abstractmethod
+    def open_grants(self) -> list[Grant]:
+        """Every open grant, by node."""
+
+    @abc.abstractmethod
+    def grants_of_job(self, job_id: str) -> list[Grant]:
+        """Every grant of the job, oldest first."""
+
+    @abc.abstractmethod
+    def granted_used_on(self, node: str) -> set[str]:
+        """The jobs that started on ``node`` under a grant (never offered it again)."""
+
+    @abc.abstractmethod
+    def start_granted(
+        self, job_id: str, *, node: str, gpu_uuid: str | None, now: float
+    ) -> tuple[Job, Attempt]:
+        """:meth:`start_attempt` that consumes the job's open grant on ``node`` in the
+        same transaction: :class:`~gpuwarden.errors.TransitionError` and nothing
+        written when there is none (used by another start, or revoked)."""
+
+    @abc.abstractmethod
+    def revoke_grants(
+        self, *, now: float, reason: str, job_id: str | None = None, node: str | None = None
+    ) -> int:
+        """Revoke the open grants of ``job_id`` (or of ``node``); how many."""
 
     # -- maintenance --------------------------------------------------------
 

@@ -593,51 +593,55 @@ class SqlStore(Store, Generic[C]):
         self, job_id: str, *, node: str, gpu_uuid: str | None, now: float
     ) -> tuple[Job, Attempt]:
         with self._write() as conn:
-            row = self._run(conn, "lock_job_to_start", {"id": job_id}).fetchone()
-            if row is None:
-                self._job_in(conn, job_id)  # UnknownJobError when there is no such job
-                raise TransitionError(
-                    f"job {job_id} is being changed by another writer (another broker may be "
-                    "starting it); it was not started here"
-                )
-            before = self._job(row)
-            states.check(before.state, JobState.RUNNING)
-            if before.cancel_requested:
-                raise TransitionError(f"job {job_id} has a cancel request; it will not start")
-            if before.held:
-                raise TransitionError(
-                    f"job {job_id} waits for its dependencies; it was not started"
-                )
-            cur = self._run(conn, "start_job", {"id": job_id, "now": now})
-            if cur.rowcount != 1:  # pragma: no cover - guarded above under the lock
-                raise TransitionError(f"job {job_id} changed state before it could start")
-            number = before.attempts + 1
-            self._run(
-                conn,
-                "insert_attempt",
-                {
-                    "job_id": job_id,
-                    "number": number,
-                    "node": node,
-                    "gpu_uuid": gpu_uuid,
-                    "now": now,
-                },
+            return self._start_in(conn, job_id, node=node, gpu_uuid=gpu_uuid, now=now)
+
+    def _start_in(
+        self, conn: C, job_id: str, *, node: str, gpu_uuid: str | None, now: float
+    ) -> tuple[Job, Attempt]:
+        """:meth:`start_attempt` in the transaction of ``conn``."""
+        row = self._run(conn, "lock_job_to_start", {"id": job_id}).fetchone()
+        if row is None:
+            self._job_in(conn, job_id)  # UnknownJobError when there is no such job
+            raise TransitionError(
+                f"job {job_id} is being changed by another writer (another broker may be "
+                "starting it); it was not started here"
             )
-            self._event(
-                conn,
-                Event(
-                    ts=now,
-                    kind="transition",
-                    job_id=job_id,
-                    from_state="queued",
-                    to_state="running",
-                    detail={"attempt": number, "node": node, "gpu": gpu_uuid},
-                ),
-            )
-            job = self._job_in(conn, job_id)
-            return job, Attempt(
-                job_id=job_id, number=number, node=node, gpu_uuid=gpu_uuid, started_at=now
-            )
+        before = self._job(row)
+        states.check(before.state, JobState.RUNNING)
+        if before.cancel_requested:
+            raise TransitionError(f"job {job_id} has a cancel request; it will not start")
+        if before.held:
+            raise TransitionError(f"job {job_id} waits for its dependencies; it was not started")
+        cur = self._run(conn, "start_job", {"id": job_id, "now": now})
+        if cur.rowcount != 1:  # pragma: no cover - guarded above under the lock
+            raise TransitionError(f"job {job_id} changed state before it could start")
+        number = before.attempts + 1
+        self._run(
+            conn,
+            "insert_attempt",
+            {
+                "job_id": job_id,
+                "number": number,
+                "node": node,
+                "gpu_uuid": gpu_uuid,
+                "now": now,
+            },
+        )
+        self._event(
+            conn,
+            Event(
+                ts=now,
+                kind="transition",
+                job_id=job_id,
+                from_state="queued",
+                to_state="running",
+                detail={"attempt": number, "node": node, "gpu": gpu_uuid},
+            ),
+        )
+        job = self._job_in(conn, job_id)
+        return job, Attempt(
+            job_id=job_id, number=number, node=node, gpu_uuid=gpu_uuid, started_at=now
+        )
 
     def set_attempt_pid(self, job_id: str, number: int, pid: int) -> None:
         with self._write() as conn:

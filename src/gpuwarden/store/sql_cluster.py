@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwarden.core.model import Event, Job
+from gpuwarden.core.model import Attempt, Event, Job
+from gpuwarden.errors import TransitionError
 from gpuwarden.store import rows
 from gpuwarden.store.base import AuditRow
 from gpuwarden.store.cluster import (
     Claimable,
     ClusterStore,
+    Grant,
     Lease,
     NodeRecord,
     NodeState,
@@ -311,3 +313,91 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
 
     def lost_nodes(self, job_id: str) -> list[str]:
         return [r["node"] for r in self._read("lost_nodes", job_id=job_id)]
+
+    # -- diagnostic grants ------------------------------------------------------
+
+    @staticmethod
+    def _grant(row: Row) -> Grant:
+        return Grant(
+            id=int(row["id"]),
+            node=row["node"],
+            job_id=row["job_id"],
+            granted_by=row["granted_by"],
+            reason=row["reason"],
+            granted_at=float(row["granted_at"]),
+            used_at=row["used_at"],
+            attempt=row["attempt"],
+            revoked_at=row["revoked_at"],
+            revoked_reason=row["revoked_reason"],
+        )
+
+    def add_grant(
+        self, node: str, job_id: str, *, granted_by: str | None, reason: str, now: float
+    ) -> Grant | None:
+        with self._write() as conn:
+            self._run(conn, "lock_node", {"name": node}).fetchone()  # one grant at a time
+            if self._run(conn, "open_grant_of_node", {"node": node}).fetchone() is not None:
+                return None
+            params = {
+                "node": node,
+                "job_id": job_id,
+                "granted_by": granted_by,
+                "reason": reason,
+                "now": now,
+            }
+            self._run(conn, "insert_grant", params)
+            row = self._run(conn, "open_grant_of_node", {"node": node}).fetchone()
+            assert row is not None
+            self._event(
+                conn,
+                Event(
+                    ts=now,
+                    kind="grant",
+                    job_id=job_id,
+                    detail={"node": node, "by": granted_by, "reason": reason},
+                ),
+            )
+            return self._grant(row)
+
+    def open_grant(self, node: str) -> Grant | None:
+        found = self._read("open_grant_of_node", node=node)
+        return self._grant(found[0]) if found else None
+
+    def open_grants(self) -> list[Grant]:
+        return [self._grant(r) for r in self._read("open_grants")]
+
+    def grants_of_job(self, job_id: str) -> list[Grant]:
+        return [self._grant(r) for r in self._read("grants_of_job", job_id=job_id)]
+
+    def granted_used_on(self, node: str) -> set[str]:
+        return {r["job_id"] for r in self._read("used_grant_jobs", node=node)}
+
+    def start_granted(
+        self, job_id: str, *, node: str, gpu_uuid: str | None, now: float
+    ) -> tuple[Job, Attempt]:
+        with self._write() as conn:
+            job, attempt = self._start_in(conn, job_id, node=node, gpu_uuid=gpu_uuid, now=now)
+            params = {"node": node, "job_id": job_id, "now": now, "attempt": attempt.number}
+            if self._run(conn, "use_grant", params).rowcount != 1:
+                # rolled back with the start: the grant was used or revoked meanwhile
+                raise TransitionError(
+                    f"job {job_id} holds no open diagnostic grant on node {node}; "
+                    "it was not started"
+                )
+            return job, attempt
+
+    def request_cancel(self, job_id: str, *, now: float) -> Job:
+        """A cancel also revokes the job's open diagnostic grants (it never starts)."""
+        job = super().request_cancel(job_id, now=now)
+        self.revoke_grants(now=now, reason="the job was cancelled", job_id=job_id)
+        return job
+
+    def revoke_grants(
+        self, *, now: float, reason: str, job_id: str | None = None, node: str | None = None
+    ) -> int:
+        if job_id is not None:
+            return self._write_one(
+                "revoke_grants_of_job", {"job_id": job_id, "now": now, "reason": reason}
+            )
+        assert node is not None
+        return self._write_one("revoke_grant_of_node", {"node": node, "now": now, "reason": reason})

@@ -366,8 +366,14 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
         raise HttpError(
             409, f"job {job.id} has already ended ({job.state.value}); nothing to cancel"
         )
-    job = ctx.store.request_cancel(job.id, now=ctx.clock())
-    audit_ok(request, {"state": job.state.value}, target=job.id)
+    now = ctx.clock()
+    job = ctx.store.request_cancel(job.id, now=now)
+    detail: dict[str, object] = {"state": job.state.value}
+    if isinstance(ctx.store, ClusterStore):  # a cancel revokes its diagnostic grants
+        revoked = [g.node for g in ctx.store.grants_of_job(job.id) if g.revoked_at == now]
+        if revoked:
+            detail["grants_revoked"] = revoked
+    audit_ok(request, detail, target=job.id)
     return JobOut.of(job)
 
 

@@ -47,7 +47,7 @@ from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.nodeview import Timing, node_view
-from gpuwarden.cluster.report import node_json
+from gpuwarden.cluster.report import grant_json, node_json
 from gpuwarden.cluster.sweeper import Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
@@ -607,7 +607,8 @@ def list_nodes(ctx: Ctx) -> list[dict[str, Any]]:
     store = cluster_store(ctx)
     now = ctx.clock()
     leases = store.leases()
-    return [node_json(r, leases, now) for r in store.list_nodes()]
+    grants = {g.node: g for g in store.open_grants()}
+    return [node_json(r, leases, now, grants) for r in store.list_nodes()]
 
 
 def _name(name: str) -> str:
@@ -647,6 +648,37 @@ def resume(name: str, request: Request, ctx: Ctx) -> dict[str, Any]:
         raise HttpError(409, exc.message) from None
     audit_ok(request, {"resumed": changed})
     return {**node_json(record, store.leases(), ctx.clock()), "resumed": changed}
+
+
+class DiagnosticIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job: str = Field(min_length=1, max_length=200)
+    reason: str = Field(min_length=1, max_length=1000)
+
+
+@router.post("/v1/nodes/{name}/diagnostic", responses=_ERRORS)
+@action("node.diagnostic")
+def diagnostic(
+    name: str, body: DiagnosticIn, request: Request, ctx: Ctx, who: Who
+) -> dict[str, Any]:
+    """Let one exact queued job start on the draining node, once (Owner)."""
+    set_target(request, name)
+    try:
+        grant = co.diagnostic(
+            cluster_store(ctx),
+            _name(name),
+            body.job,
+            by=who.token_id,
+            reason=body.reason,
+            now=ctx.clock(),
+        )
+    except co.UnknownNode as exc:
+        raise HttpError(404, exc.message) from None
+    except UserError as exc:
+        raise HttpError(409, exc.message) from None
+    out = grant_json(grant)
+    audit_ok(request, {"job": grant.job_id, "reason": grant.reason})
+    return out
 
 
 @router.post("/v1/nodes/{name}/revoke", responses=_ERRORS)

@@ -184,3 +184,34 @@ SELECT j.owner, j.type, j.vram_bytes, j.gpus, a.started_at
   FROM jobs j JOIN attempts a ON a.job_id = j.id AND a.number = j.attempts
  WHERE j.state = 'running' AND a.ended_at IS NULL
  ORDER BY j.seq;
+
+-- name: open_grant_of_node
+-- diagnostic grants (migration 14): the node's open grant, if any
+SELECT * FROM node_grants WHERE node = :node AND used_at IS NULL AND revoked_at IS NULL;
+
+-- name: grants_of_job
+SELECT * FROM node_grants WHERE job_id = :job_id ORDER BY id;
+
+-- name: open_grants
+SELECT * FROM node_grants WHERE used_at IS NULL AND revoked_at IS NULL ORDER BY node;
+
+-- name: used_grant_jobs
+-- the jobs that once started on the node under a grant: never offered to it again
+SELECT job_id FROM node_grants WHERE node = :node AND used_at IS NOT NULL;
+
+-- name: insert_grant
+INSERT INTO node_grants (node, job_id, granted_by, reason, granted_at)
+VALUES (:node, :job_id, :granted_by, :reason, :now);
+
+-- name: use_grant
+-- consumed by the job's start there, once: a second start finds it used
+UPDATE node_grants SET used_at = :now, attempt = :attempt
+ WHERE node = :node AND job_id = :job_id AND used_at IS NULL AND revoked_at IS NULL;
+
+-- name: revoke_grants_of_job
+UPDATE node_grants SET revoked_at = :now, revoked_reason = :reason
+ WHERE job_id = :job_id AND used_at IS NULL AND revoked_at IS NULL;
+
+-- name: revoke_grant_of_node
+UPDATE node_grants SET revoked_at = :now, revoked_reason = :reason
+ WHERE node = :node AND used_at IS NULL AND revoked_at IS NULL;
