@@ -310,7 +310,7 @@ def test_what_a_running_job_has_held_so_far_counts_for_its_owner(
     s.start_attempt("long", node="n1", gpu_uuid="GPU-0", now=ten_h_ago)
     submit(s, "heavy", "h1")
     submit(s, "light", "l1")
-    held_of = partial(nv.footprint_of, registry, {})
+    held_of = partial(nv.held_by, registry, {})
     use = owners_use(s, NOW, WEEK, held_of=held_of)
     assert use == {"heavy": pytest.approx(80.0), "light": pytest.approx(1.0)}  # 8 GiB x 10 h
     assert owners_use(s, NOW, WEEK) == {"light": pytest.approx(1.0)}  # the table alone
