@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,7 @@ def node_settings(config: Config) -> NodeSettings:
         scratch_bytes=int(s.scratch_mib * MIB),
         runtimes=tuple(runtime_spec(r) for r in config.runtimes),
         fair_share_half_life_s=b.fair_share_half_life_s,
+        ram_floor_bytes=math.ceil(b.ram_floor_gib * GIB),
     )
 
 

@@ -178,6 +178,9 @@ class Client:
         after: Iterable[str] = (),
         est_s: float | None = None,
         gpus: int | None = None,
+        ram_gib: float | None = None,
+        ram_floor_gib: float | None = None,
+        ram_start_min_gib: float | None = None,
     ) -> dict[str, Any]:
         """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
         the same request returns the same job instead of a second one. ``constraints``:
@@ -186,7 +189,10 @@ class Client:
         each ``afterok:ID``, ``afterany:ID`` or ``afternotok:ID`` (all must hold).
         ``est_s``: how long it is expected to run (seconds), used for backfill until
         its type has a measured run time. ``gpus``: how many GPUs of one node it
-        holds at once, its footprint on each (default: its type's).
+        holds at once, its footprint on each (default: its type's). ``ram_gib``: its
+        RAM cap, enforced by the kernel; ``ram_floor_gib``: host RAM that must stay
+        available beside it; ``ram_start_min_gib``: MemAvailable it needs to start
+        (SPEC.md section 11, "Host RAM").
 
         With ``wait`` (seconds, 0 to 60), the one request waits for the job to end
         (a long poll): the job comes back ended, with its result.json in ``result``
@@ -207,6 +213,9 @@ class Client:
             body["est_s"] = est_s
         if gpus is not None:
             body["gpus"] = gpus
+        ram = {"ram_gib": ram_gib, "ram_floor_gib": ram_floor_gib}
+        ram["ram_start_min_gib"] = ram_start_min_gib
+        body.update((k, v) for k, v in ram.items() if v is not None)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         job: dict[str, Any] = self.request_json(
             "POST", "/v1/jobs", json=body, headers=headers, **self._waiting(wait)

@@ -62,6 +62,9 @@ class BrokerSettings(_Section):
     max_interruptions: Annotated[int, Field(ge=0, le=100)] = DEFAULT_MAX_INTERRUPTIONS
     #: fair share: the half-life of an owner's use in VRAM GiB-hours (0: off)
     fair_share_half_life_s: Annotated[float, Field(ge=0, le=10 * 365 * 86400)] = DEFAULT_HALF_LIFE_S
+    #: host RAM that must stay available beside every job (GiB; 0: none): a job
+    #: starts only where MemAvailable less this still holds its cap (SPEC section 11)
+    ram_floor_gib: Annotated[float, Field(ge=0, le=65536)] = 0.0
 
 
 class VramSettings(_Section):

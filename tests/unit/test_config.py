@@ -19,7 +19,7 @@ TOP_KEYS = (
 )
 BROKER_KEYS = (
     "clip_chars, cpu_slots, fair_share_half_life_s, kill_grace_s, max_interruptions, "
-    "poll_interval_s, shutdown_grace_s, status_interval_s"
+    "poll_interval_s, ram_floor_gib, shutdown_grace_s, status_interval_s"
 )
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuwarden.core.ramadmit import GIB, RamNeed, RamView, admit, floor_of
+from gpuwarden.core.model import Lane
+from gpuwarden.core.policy import QueuedJob, Snapshot, Start, plan
+from gpuwarden.core.ramadmit import GIB, NO_RAM, RamNeed, RamView, admit, floor_of, promised
 
 _bytes = st.integers(min_value=0, max_value=512 * GIB)
 
@@ -47,3 +49,49 @@ def test_start_minimum_is_named() -> None:
 
 def test_unsampled_ram_admits() -> None:
     assert admit(RamView(None, 8 * GIB), RamNeed(cap_bytes=64 * GIB)) is None
+
+
+def test_running_caps_promise_what_they_do_not_use_yet() -> None:
+    assert promised([(4 * GIB, 1 * GIB), (2 * GIB, 3 * GIB), (0, 5 * GIB)]) == 3 * GIB
+    view = RamView(10 * GIB, promised_bytes=promised([(4 * GIB, 1 * GIB)]))
+    assert admit(view, RamNeed(cap_bytes=7 * GIB)) is None
+    reason = admit(view, RamNeed(cap_bytes=8 * GIB))
+    assert reason == (
+        "host RAM: 10.00 GiB available (3.00 GiB of it promised to running jobs' caps), "
+        "a floor of 0.00 GiB must stay free beside the job's cap of 8.00 GiB"
+    )
+
+
+def test_a_start_takes_its_cap_and_leaves_its_floor() -> None:
+    view = RamView(10 * GIB).after_start(RamNeed(cap_bytes=4 * GIB, floor_bytes=3 * GIB))
+    assert view.promised_bytes == 4 * GIB and view.running_floors == (3 * GIB,)
+    assert admit(view, RamNeed(cap_bytes=3 * GIB)) is None  # 10 - 4 - 3 = 3
+    assert admit(view, RamNeed(cap_bytes=4 * GIB)) is not None
+    assert RamView(10 * GIB).after_start(NO_RAM) == RamView(10 * GIB)
+
+
+@given(
+    available=st.integers(min_value=0, max_value=64 * GIB),
+    node_floor=st.integers(min_value=0, max_value=8 * GIB),
+    caps=st.lists(st.integers(min_value=0, max_value=16 * GIB), min_size=1, max_size=12),
+    floors=st.lists(st.integers(min_value=0, max_value=8 * GIB), min_size=12, max_size=12),
+)
+def test_a_pass_never_admits_more_caps_than_the_memory_left(
+    available: int, node_floor: int, caps: list[int], floors: list[int]
+) -> None:
+    """Whatever the queue: the caps a pass starts, with the largest floor of what
+    started and the node's, fit in MemAvailable."""
+    queued = tuple(
+        QueuedJob(f"j{i}", "t.cpu", Lane.CPU, 0, 0, i, ram=RamNeed(cap, floors[i], 0))
+        for i, cap in enumerate(caps)
+    )
+    snapshot = Snapshot(
+        queued, (), cpu_slots=64, ram=RamView(available, node_floor_bytes=node_floor)
+    )
+    started = {d.job_id for d in plan(snapshot, 0.0) if isinstance(d, Start)}
+    jobs = [j for j in queued if j.id in started]
+    kept = max([node_floor, *(j.ram.floor_bytes for j in jobs)])
+    assert sum(j.ram.cap_bytes for j in jobs) <= max(0, available - kept) or not jobs
+    for d in plan(snapshot, 0.0):
+        if not isinstance(d, Start):
+            assert d.reason.startswith("host RAM: ")  # the only thing that holds a cpu job here

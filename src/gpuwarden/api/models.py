@@ -10,8 +10,9 @@ from typing import Annotated, Any, Self
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpuwarden.core.faultlatch import CLEAR_REASON_MAX
-from gpuwarden.core.model import MAX_GPUS, Attempt, Event, Job, Role
+from gpuwarden.core.model import GIB, MAX_GPUS, Attempt, Event, Job, Role
 from gpuwarden.core.profile import MAX_EST_S
+from gpuwarden.core.ramadmit import MAX_RAM_GIB, RamNeed
 from gpuwarden.store.base import AuditRow, TokenRecord
 
 #: the largest integer a job's priority may be (64-bit signed, as in a manifest)
@@ -92,6 +93,25 @@ class JobIn(_Request):
         description="how many GPUs of one node it holds at once, its footprint on each "
         "(default: its type's gpus; SPEC.md section 4)",
     )
+    ram_gib: Annotated[float, Field(gt=0, le=MAX_RAM_GIB)] | None = Field(
+        default=None,
+        description="its RAM cap in GiB, enforced by the kernel (a memory cgroup with swap "
+        "off, or the container runtime's limit); a node that cannot enforce one refuses "
+        "the job (SPEC.md section 11, Host RAM)",
+    )
+    ram_floor_gib: Annotated[float, Field(gt=0, le=MAX_RAM_GIB)] | None = Field(
+        default=None,
+        description="host RAM (GiB) that must stay available beside it while it runs",
+    )
+    ram_start_min_gib: Annotated[float, Field(gt=0, le=MAX_RAM_GIB)] | None = Field(
+        default=None,
+        description="MemAvailable (GiB) it needs right before it starts",
+    )
+
+    def ram(self) -> RamNeed:
+        """Its RAM keys in bytes (``gpuwarden.core.ramadmit``)."""
+        values = (self.ram_gib, self.ram_floor_gib, self.ram_start_min_gib)
+        return RamNeed(*(0 if v is None else math.ceil(v * GIB) for v in values))
 
     @field_validator("params", mode="after")
     @classmethod
@@ -165,6 +185,10 @@ class JobOut(BaseModel):
     held: bool = False
     est_s: float | None = None
     gpus: int | None = None
+    #: what it asks of the host's RAM, in bytes (null: nothing)
+    ram_cap_bytes: int | None = None
+    ram_floor_bytes: int | None = None
+    ram_start_min_bytes: int | None = None
 
     @classmethod
     def of(cls, j: Job) -> Self:
@@ -189,6 +213,9 @@ class JobOut(BaseModel):
             held=j.held,
             est_s=j.est_s,
             gpus=j.gpus,
+            ram_cap_bytes=j.ram.cap_bytes or None,
+            ram_floor_bytes=j.ram.floor_bytes or None,
+            ram_start_min_bytes=j.ram.start_min_bytes or None,
         )
 
 

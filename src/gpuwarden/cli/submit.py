@@ -41,6 +41,7 @@ from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import GIB, JobSpec, JobType, Lane, gpu_count
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import never_fits
+from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
 from gpuwarden.intake import bundle as bundles
@@ -73,6 +74,25 @@ def add_job_options(sp: argparse.ArgumentParser) -> None:
         metavar="N",
         help="how many GPUs of one node the job holds at once, its footprint on each "
         "(default: its type's gpus, usually 1)",
+    )
+    sp.add_argument(
+        "--ram-gib",
+        type=float,
+        metavar="GIB",
+        help="the job's RAM cap, enforced by the kernel (a memory cgroup with swap off, or "
+        "the container runtime's limit); past it the job is killed for memory",
+    )
+    sp.add_argument(
+        "--ram-floor-gib",
+        type=float,
+        metavar="GIB",
+        help="host RAM that must stay available beside the job while it runs",
+    )
+    sp.add_argument(
+        "--ram-start-min-gib",
+        type=float,
+        metavar="GIB",
+        help="MemAvailable the job needs right before it starts",
     )
     sp.add_argument(
         "--input",
@@ -258,8 +278,23 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         after=tuple(getattr(args, "after", ())),
         est_s=args.est_s,
         gpus=args.gpus,
+        ram=ram_need(args),
     )
     return prepare(registry, spec)
+
+
+def ram_need(args: argparse.Namespace) -> RamNeed:
+    """``--ram-gib``, ``--ram-floor-gib`` and ``--ram-start-min-gib`` in bytes."""
+    values = []
+    for key in RAM_KEYS:
+        value = getattr(args, key, None)
+        try:
+            values.append(
+                0 if value is None else check_ram_gib(value, "--" + key.replace("_", "-"))
+            )
+        except ValueError as exc:
+            raise ValidationError(str(exc)) from None
+    return RamNeed(*values)
 
 
 def copy_inputs(inputs: list[Path], dest: Path) -> None:
@@ -521,6 +556,9 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
             after=args.after,
             est_s=args.est_s,
             gpus=args.gpus,
+            ram_gib=args.ram_gib,
+            ram_floor_gib=args.ram_floor_gib,
+            ram_start_min_gib=args.ram_start_min_gib,
         )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:

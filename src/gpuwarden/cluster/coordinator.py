@@ -359,6 +359,7 @@ def _payloads(
             "constraints": job.constraints,
             "est_s": job.est_s,
             "gpus": job.gpus,
+            **job.ram.to_json(),
             "attempts": job.attempts,
             "lease_id": lease_id,
             "expires_at": expires_at,

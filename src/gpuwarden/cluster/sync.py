@@ -26,6 +26,7 @@ from gpuwarden.cluster.nodeview import heartbeat_every_s
 from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNAL, SIGNALS, Preempt
+from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import JOB_ID
@@ -387,6 +388,7 @@ class Agent:
             vram_bytes=payload.get("vram_bytes"),
             est_s=None if payload.get("est_s") is None else float(payload["est_s"]),
             gpus=None if payload.get("gpus") is None else int(payload["gpus"]),
+            ram=RamNeed.from_json(payload),
         )
         origin = DIRECT
         if inputs:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Self
 
+from gpuwarden.core.ramadmit import NO_RAM, RamNeed
 from gpuwarden.core.states import JobState
 
 GIB = 1024**3
@@ -118,6 +119,9 @@ class JobSpec:
     est_s: float | None = None
     #: how many GPUs of one node it holds at once (None: its type's ``gpus``)
     gpus: int | None = None
+    #: what it asks of the host's RAM: its cap, its floor, its start minimum
+    #: (``gpuwarden.core.ramadmit``; all 0: nothing asked)
+    ram: RamNeed = NO_RAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +157,8 @@ class Job:
     est_s: float | None = None
     #: how many GPUs of one node it holds at once (None: its type's ``gpus``)
     gpus: int | None = None
+    #: what it asks of the host's RAM (SPEC.md section 11, "Host RAM")
+    ram: RamNeed = NO_RAM
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

@@ -21,6 +21,12 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
   reckoned as if it had gone; a job without an estimate never backfills this way).
 - A job whose footprint exceeds every GPU's total (less the reserve) is refused.
 - A degraded GPU takes no ``vram`` job; ``cpu`` jobs go on.
+- Host RAM (:mod:`gpuwarden.core.ramadmit`), for jobs of either lane: a job
+  starts only where MemAvailable, less what running jobs' caps still promise,
+  less the largest floor (the node's, its own, the running jobs'), holds its
+  cap, and MemAvailable its start minimum; otherwise it waits with that reason
+  (no GPU is held back for it). Each start in a pass takes its cap from what is
+  left.
 - A job on several GPUs (``gpus = N``) starts only when N GPUs of the node each
   fit its footprint at once, never on fewer; its reservation holds back the N
   GPUs it fits soonest. It never starts beside a held-back job (only where it
@@ -35,9 +41,11 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwarden.core import ramadmit
 from gpuwarden.core.ledger import Holding, HoldState, compatible
 from gpuwarden.core.model import Lane, format_bytes, gpu_list
 from gpuwarden.core.preempt import Need, Preempt, Victim, choose, describe, preempts
+from gpuwarden.core.ramadmit import NO_RAM, UNSAMPLED, RamNeed, RamView
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +72,8 @@ class QueuedJob:
     usage: float = 0.0
     #: how many GPUs it holds at once, ``vram_bytes`` on each (all or none)
     gpus: int = 1
+    #: what it asks of the host's RAM (:mod:`gpuwarden.core.ramadmit`)
+    ram: RamNeed = NO_RAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +180,9 @@ class Snapshot:
     held_back: tuple[tuple[str, str], ...] = ()
     #: the running attempts of preemptible types (:mod:`gpuwarden.core.preempt`)
     victims: tuple[Victim, ...] = ()
+    #: the host's RAM as the loop sampled it (:mod:`gpuwarden.core.ramadmit`; not
+    #: sampled: every job is admitted as far as RAM goes)
+    ram: RamView = UNSAMPLED
 
     def gpus_json(self) -> list[dict[str, Any]]:
         return [g.to_json() for g in self.gpus]
@@ -379,6 +392,7 @@ def class_key(job: QueuedJob) -> Hashable:
         job.owner,
         job.usage,
         job.gpus,
+        job.ram,
     )
 
 
@@ -478,6 +492,7 @@ def _as(proto: QueuedJob, member: Member) -> QueuedJob:
         owner,
         usage,
         proto.gpus,
+        proto.ram,
     )
 
 
@@ -548,6 +563,7 @@ class _Step:
         #: victims asked (this pass or before) stay out of other jobs' choices
         self.victims = [v for v in snapshot.victims if v.preempting_for is None]
         self.pending = [v for v in snapshot.victims if v.preempting_for is not None]
+        self.ram = snapshot.ram
         degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
         self.paused = {
             w.type: snapshot.vram_paused or degraded.get(w.gpu_uuid, "")
@@ -556,6 +572,17 @@ class _Step:
         }
 
     def decide(self, job: QueuedJob) -> Start | Refuse | _Blocked:
+        """A job's decision: host RAM first (any lane), then its lane's rules. A
+        start takes its cap from the RAM left for the rest of the pass."""
+        short = ramadmit.admit(self.ram, job.ram)
+        if short is not None:
+            return _Blocked(job, lambda: short)
+        decision = self.decide_lane(job)
+        if isinstance(decision, Start):
+            self.ram = self.ram.after_start(job.ram)
+        return decision
+
+    def decide_lane(self, job: QueuedJob) -> Start | Refuse | _Blocked:
         if job.lane is Lane.CPU:
             if self.cpu_free > 0:
                 self.cpu_free -= 1

@@ -12,6 +12,7 @@ from gpuwarden.core.model import JobSpec, JobType, Lane, LaunchMode, check_gpus
 from gpuwarden.core.params import validate_params
 from gpuwarden.core.placement import GPU_CONSTRAINTS, check_constraints
 from gpuwarden.core.profile import check_est_s
+from gpuwarden.core.ramadmit import RAM_KEYS
 from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 
@@ -88,6 +89,7 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
     except ValueError as exc:
         raise ValidationError(f"job {spec.id}: {exc}") from None
     _check_gpus(spec, jobtype)
+    _check_ram(spec, jobtype)
     return replace(
         spec,
         params=params,
@@ -120,4 +122,24 @@ def _check_gpus(spec: JobSpec, jobtype: JobType) -> None:
         raise ValidationError(
             f"job {spec.id}: gpus = {spec.gpus}, but {jobtype.name} runs in {kind}, which "
             "holds one GPU; only jobs that run as processes of their own may span GPUs"
+        )
+
+
+def _check_ram(spec: JobSpec, jobtype: JobType) -> None:
+    """A job's RAM keys: each a size or 0 (the manifest, the API and the CLI
+    convert GiB); a cap only where the job is a process of its own (a warm server
+    runs the jobs of its type one after another in one process: its memory is the
+    type's ``ram_gib``)."""
+    ram = spec.ram
+    for key, value in zip(
+        RAM_KEYS, (ram.cap_bytes, ram.floor_bytes, ram.start_min_bytes), strict=True
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValidationError(f"job {spec.id}: {key} must be a size in bytes, got {value!r}")
+    if ram.cap_bytes and jobtype.launch is LaunchMode.SERVE:
+        raise ValidationError(
+            f"job {spec.id}: ram_gib caps the job's own processes, but {jobtype.name} runs "
+            "in a warm server that serves every job of its type; its memory is the type's "
+            "ram_gib (module.toml). Leave ram_gib out, or use ram_floor_gib / "
+            "ram_start_min_gib"
         )

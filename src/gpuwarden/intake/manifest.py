@@ -28,6 +28,7 @@ from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, check_gpus, format_bytes
 from gpuwarden.core.placement import check_constraints
 from gpuwarden.core.profile import check_est_s
+from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
 from gpuwarden.errors import BundleError
 
 __all__ = [
@@ -68,6 +69,7 @@ _JOB_KEYS = (
     "after",
     "est_s",
     "gpus",
+    *RAM_KEYS,
 )
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -262,7 +264,20 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         after=_after(raw.get("after", []), at),
         est_s=est_s,
         gpus=gpus,
+        ram=_ram(raw, at),
     )
+
+
+def _ram(raw: dict[str, Any], at: str) -> RamNeed:
+    """A job's ``ram_gib``, ``ram_floor_gib`` and ``ram_start_min_gib`` (each
+    optional), in bytes."""
+    values = []
+    for key in RAM_KEYS:
+        try:
+            values.append(check_ram_gib(raw[key], key) if key in raw else 0)
+        except ValueError as exc:
+            raise BundleError(f"{at}.{exc}") from None
+    return RamNeed(*values)
 
 
 def _scheduling(raw: dict[str, Any], at: str) -> tuple[dict[str, Any], float | None, int | None]:
@@ -386,5 +401,6 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
             entry["est_s"] = job.est_s
         if job.gpus is not None:
             entry["gpus"] = job.gpus
+        entry.update(job.ram.gib_keys())
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}

@@ -50,6 +50,7 @@ from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.fairuse import FairUse
 from gpuwarden.node.gpus import GpuWatch
+from gpuwarden.node.hostram import effective_need
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.preempting import Preemptions
@@ -215,6 +216,7 @@ class Broker:
             max_interruptions=self.settings.max_interruptions,
             clock=self._clock,
             stats=self.stats,
+            ram_floor_bytes=self.settings.ram_floor_bytes,
         )
         #: the running preemptible jobs asked to yield (``core/preempt.py``'s rule)
         self.preemptions = Preemptions(attempts=self.attempts, emit=self.emit)
@@ -393,6 +395,8 @@ class Broker:
             return
         if self.queue.refresh(now):  # what was submitted since the index last looked
             self._status_dirty = True
+        if self.attempts.ram_gated(*(key[-2] for key in self.queue.classes())):
+            return  # host RAM is judged by the planning pass (SPEC section 11, "Host RAM")
         paused = f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else ""
         types = self.registry.types
         for job, jobtype, start in self.warm.fast_starts(
@@ -429,7 +433,7 @@ class Broker:
                 self._status_dirty = True
             return
         # also when only warm servers may expire
-        done = policy.plan_pass(lineups, self._snapshot(), now)
+        done = policy.plan_pass(lineups, self._snapshot(now, lineups), now)
         for eviction in done.evictions:
             if isinstance(eviction, policy.Evict) and self.warm.evict(eviction):
                 self.stats.evicted(eviction.type)
@@ -458,7 +462,7 @@ class Broker:
         (the same but for their owners), with the footprint, estimate and warm server
         the node knows now, its head the first of them in queue order (fair share)."""
         key, (seq, head) = self.queue.head(keys, use) or (keys[0], (0, ""))
-        type_name, priority, own_bytes, est_s, own_gpus, owner = key
+        type_name, priority, own_bytes, est_s, own_gpus, ram, owner = key
         jobtype = self.registry.types[type_name]
         vram = jobtype.lane is Lane.VRAM
         job = policy.QueuedJob(
@@ -478,6 +482,7 @@ class Broker:
             owner=owner,
             usage=use.get(owner, 0.0),
             gpus=gpu_count(jobtype, own_gpus),
+            ram=effective_need(jobtype, ram),
         )
         return policy.Lineup(key[:-1], job, self.queue.members(keys, use))
 
@@ -488,7 +493,13 @@ class Broker:
             return ""
         return self.runtimes.resolve(jobtype.runtime) or jobtype.runtime
 
-    def _snapshot(self) -> policy.Snapshot:
+    def _snapshot(self, now: float, lineups: list[policy.Lineup]) -> policy.Snapshot:
+        # host RAM is read only when some job (or the node's floor) asks for it
+        ram = self.attempts.ram_view(
+            self.attempts.host_ram.sample(now)
+            if self.attempts.ram_gated(*(lu.job.ram for lu in lineups))
+            else None
+        )
         return policy.Snapshot(
             queued=(),
             gpus=self.vram.views(),
@@ -503,6 +514,7 @@ class Broker:
                 (w.job_id, w.reserved_gpu) for w in self._waits.values() if w.reserved_gpu
             ),
             victims=self.preemptions.victims(),
+            ram=ram,
         )
 
     def _start(self, job: Job, jobtype: JobType, decision: policy.Start, now: float) -> bool:

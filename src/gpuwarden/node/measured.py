@@ -165,6 +165,8 @@ class RamPeaks:
         self._roots: dict[str, int] = {}
         self._turn: deque[str] = deque()  # whose sample is next, in turn
         self._peaks: dict[str, int] = {}
+        #: what each tree used at its last sample (RAM admission's promised part)
+        self._now: dict[str, int] = {}
         self._due = float("-inf")
 
     def __len__(self) -> int:
@@ -192,6 +194,7 @@ class RamPeaks:
         pid = self._roots.get(holder)
         if pid is not None:
             used = self._read(pid)
+            self._now[holder] = used
             if used > self._peaks.get(holder, 0):
                 self._peaks[holder] = used
 
@@ -199,11 +202,16 @@ class RamPeaks:
         """The attempt's peak so far (None: never seen to use any)."""
         return self._peaks.get(holder)
 
+    def current(self, holder: str) -> int:
+        """What the attempt's tree used at its last sample (0: not sampled yet)."""
+        return self._now.get(holder, 0)
+
     def end(self, holder: str) -> None:
         """The attempt is over: stop watching it."""
         if self._roots.pop(holder, None) is not None:
             self._turn.remove(holder)
         self._peaks.pop(holder, None)
+        self._now.pop(holder, None)
 
 
 def type_profiles(store: Store, types: Iterable[JobType]) -> dict[str, dict[str, Any]]:

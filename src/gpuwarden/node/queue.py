@@ -3,7 +3,7 @@
 The loop does not read every queued job from the store on every tick (a queue of
 100,000 jobs would cost more than the rest of the tick together). It keeps a
 :class:`gpuwarden.core.queueindex.QueueIndex` of the queued jobs, keyed by class
-``(type, priority, per-job footprint, declared run time, owner)``, loaded once at
+``(type, priority, per-job footprint, declared run time, GPUs, RAM, owner)``, loaded once at
 start and then followed through the store's events: every change of a job's state is
 an event written in the same transaction, so the events after the cursor name
 exactly the jobs that entered or left ``queued`` (a submission from the CLI, the API
@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from gpuwarden.core.policy import Member
 from gpuwarden.core.profile import est_class
 from gpuwarden.core.queueindex import QueueIndex
+from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.states import JobState
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import QueueEntry, Store
@@ -45,13 +46,14 @@ _ID_BATCH = 900
 #: a class of the index: job type, priority, the job's own footprint (or None), and
 #: the run time it declared as the planner rounds it (``core.profile.est_class``;
 #: None for a job that declares none, as most do: their classes are not split), the
-#: GPUs it asked for itself (None: its type's count), and its owner ("" for local,
+#: GPUs it asked for itself (None: its type's count), what it asks of the host's RAM
+#: (``core.ramadmit.RamNeed``; nothing, for most jobs), and its owner ("" for local,
 #: always last): fair share orders owners apart (``core.fairshare``)
-ClassKey = tuple[str, int, int | None, float | None, int | None, str]
+ClassKey = tuple[str, int, int | None, float | None, int | None, RamNeed, str]
 #: a class as the plan sees it: the index's classes but for their owner. The jobs
 #: of one need the same, whoever owns them, so a pass decides for each such class
 #: once; its owners' jobs are merged in queue order (:meth:`QueueBook.members`)
-PlanKey = tuple[str, int, int | None, float | None, int | None]
+PlanKey = tuple[str, int, int | None, float | None, int | None, RamNeed]
 
 
 class QueueBook:
@@ -146,6 +148,7 @@ class QueueBook:
                     e.vram_bytes,
                     est_class(e.est_s),
                     e.gpus,
+                    e.ram,
                     e.owner or "",
                 )
                 self.index.add(e.id, e.seq, key)

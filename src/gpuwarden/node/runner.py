@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden import faults
-from gpuwarden.core import policy
+from gpuwarden.core import policy, ramadmit
 from gpuwarden.core.classify import (
     INFRASTRUCTURE,
     AttemptFacts,
@@ -36,10 +36,12 @@ from gpuwarden.core.classify import (
     is_cuda_oom,
 )
 from gpuwarden.core.model import Job, JobType, LaunchMode
+from gpuwarden.core.ramadmit import RamNeed, RamView
 from gpuwarden.errors import GpuwardenError, TransitionError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Starter
 from gpuwarden.node import attemptfs
 from gpuwarden.node.attempts import AttemptLayout, Launching
+from gpuwarden.node.hostram import HostRam, RunningRam, effective_need, ram_view
 from gpuwarden.node.measured import Footprints, RamPeaks, RunTimes, tree_shows_ram
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
 from gpuwarden.node.stats import NodeStats
@@ -91,6 +93,8 @@ class AttemptRunner:
         max_interruptions: int,
         clock: Callable[[], float],
         stats: NodeStats | None = None,
+        host_ram: HostRam | None = None,
+        ram_floor_bytes: int = 0,
     ) -> None:
         self.node = node
         self.store = store
@@ -112,6 +116,9 @@ class AttemptRunner:
         self.by_job: dict[str, RunningAttempt] = {}
         #: the RAM peaks of the running attempts (sampled on the loop's ticks)
         self.ram = RamPeaks()
+        #: MemAvailable, for RAM admission (``[broker] ram_floor_gib`` is the node's floor)
+        self.host_ram = host_ram if host_ram is not None else HostRam()
+        self.ram_floor_bytes = ram_floor_bytes
         #: while the loop plans (:meth:`launches_after_commit`): the launches that
         #: wait for their starts' commit; None: a launch happens at once
         self._pending: list[_Pending] | None = None
@@ -128,6 +135,36 @@ class AttemptRunner:
         if jobtype.max_interruptions is not None:
             return jobtype.max_interruptions
         return self.default_max_interruptions
+
+    # -- host RAM -----------------------------------------------------------------
+
+    def ram_view(self, available: int | None, *, but: str | None = None) -> RamView:
+        """Host RAM as admission sees it beside the running attempts (but ``but``)."""
+        running = [
+            RunningRam(effective_need(r.jobtype, r.job.ram), self.ram.current(r.holder))
+            for r in self.by_job.values()
+            if r.job.id != but
+        ]
+        return ram_view(available, self.ram_floor_bytes, running)
+
+    def ram_gated(self, *needs: RamNeed) -> bool:
+        """Whether jobs with ``needs`` are judged against host RAM at all: where one
+        asks something of it, or a floor holds on the node (its own, or a running
+        job's)."""
+        return (
+            self.ram_floor_bytes > 0
+            or any(n.asks for n in needs)
+            or any(r.job.ram.floor_bytes for r in self.by_job.values())
+        )
+
+    def ram_short(self, run: RunningAttempt, now: float) -> str | None:
+        """Right before a launch: why host RAM does not allow it now (a fresh
+        sample of MemAvailable against the same rule the plan used), or None."""
+        need = effective_need(run.jobtype, run.job.ram)
+        if not self.ram_gated(need):
+            return None
+        view = self.ram_view(self.host_ram.fresh(now), but=run.job.id)
+        return ramadmit.admit(view, need)
 
     # -- start --------------------------------------------------------------------
 
@@ -203,6 +240,20 @@ class AttemptRunner:
         thread."""
         faults.point("after_start_attempt")
         job, jobtype, gpu = run.job, run.jobtype, decision.gpu_uuid
+        if (short := self.ram_short(run, self.clock())) is not None:
+            run.thread = None
+            self.mailbox.post(
+                LaunchResult(
+                    job_id=job.id,
+                    attempt=run.attempt.number,
+                    exit_code=None,
+                    started_at=now,
+                    ended_at=self.clock(),
+                    launch_error=f"{short}; checked again right before the launch, so it was "
+                    "not started",
+                )
+            )
+            return
         try:
             if gpu is not None:
                 # a runtime job whose model the runtime has loaded adds no memory

@@ -20,6 +20,7 @@ from typing import Any
 
 from gpuwarden.core.dependencies import Dependency
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
+from gpuwarden.core.ramadmit import NO_RAM, RamNeed
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 
@@ -76,6 +77,8 @@ class QueueEntry:
     owner: str | None = None
     #: how many GPUs it asked for itself (None: its type's count)
     gpus: int | None = None
+    #: what it asks of the host's RAM (``gpuwarden.core.ramadmit``)
+    ram: RamNeed = NO_RAM
 
 
 @dataclass(frozen=True, slots=True)

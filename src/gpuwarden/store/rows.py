@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
+from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.states import JobState
 from gpuwarden.store.base import (
     AuditRow,
@@ -43,6 +44,7 @@ def spec_hash(spec: JobSpec) -> str:
             **({"after": list(spec.after)} if spec.after else {}),
             **({"est_s": spec.est_s} if spec.est_s is not None else {}),
             **({"gpus": spec.gpus} if spec.gpus is not None else {}),
+            **spec.ram.to_json(),
         },
         sort_keys=True,
     )
@@ -76,6 +78,14 @@ def job(row: Row, decode: Decode) -> Job:
         held=bool(row["held"]),
         est_s=row["est_s"],
         gpus=row["gpus"],
+        ram=ram_need(row),
+    )
+
+
+def ram_need(row: Row) -> RamNeed:
+    """A job row's RAM keys (migration 0015), in bytes."""
+    return RamNeed(
+        int(row["ram_cap_bytes"]), int(row["ram_floor_bytes"]), int(row["ram_start_min_bytes"])
     )
 
 

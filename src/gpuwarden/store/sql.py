@@ -253,6 +253,18 @@ class SqlStore(Store, Generic[C]):
                     self._run(conn, "set_job_est_s", {"id": spec.id, "est_s": spec.est_s})
                 if spec.gpus is not None:  # likewise (0010)
                     self._run(conn, "set_job_gpus", {"id": spec.id, "gpus": spec.gpus})
+                if spec.ram.asks:  # likewise (0015)
+                    ram = spec.ram
+                    self._run(
+                        conn,
+                        "set_job_ram",
+                        {
+                            "id": spec.id,
+                            "cap": ram.cap_bytes,
+                            "floor": ram.floor_bytes,
+                            "start_min": ram.start_min_bytes,
+                        },
+                    )
             # the events last: PostgreSQL's events lock is taken after every row lock
             for spec in specs:
                 detail: dict[str, Any] = {"type": spec.type}
@@ -470,6 +482,7 @@ class SqlStore(Store, Generic[C]):
                 est_s=None if r["est_s"] is None else float(r["est_s"]),
                 owner=r["owner"],
                 gpus=None if r["gpus"] is None else int(r["gpus"]),
+                ram=rows.ram_need(r),
             )
             for r in found
         ]

@@ -218,6 +218,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             after=_visible_after(ctx, who, access, body.after),
             est_s=body.est_s,
             gpus=body.gpus,
+            ram=body.ram(),
         ),
         owner=who.token_id,
     )

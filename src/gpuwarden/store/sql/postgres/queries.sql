@@ -48,7 +48,8 @@ SELECT count(*) AS n FROM jobs
 
 -- name: queue_entries
 -- the queued jobs that may be planned: not held for their dependencies
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
+       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
  WHERE state = 'queued' AND NOT held;
 
 -- name: queued_count
@@ -57,7 +58,8 @@ SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
      - (SELECT COUNT(*) FROM jobs WHERE held) AS n;
 
 -- name: queue_entries_of
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
+       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
  WHERE state = 'queued' AND NOT held AND id = ANY(%(ids)s::text[]);
 
 -- name: running_jobs
@@ -269,6 +271,10 @@ UPDATE jobs SET held = FALSE, updated_at = %(now)s
 
 -- name: held_jobs
 SELECT id FROM jobs WHERE held AND state = 'queued' ORDER BY seq;
+
+-- name: set_job_ram
+UPDATE jobs SET ram_cap_bytes = %(cap)s, ram_floor_bytes = %(floor)s, ram_start_min_bytes = %(start_min)s
+ WHERE id = %(id)s;
 
 -- name: set_job_gpus
 UPDATE jobs SET gpus = %(gpus)s WHERE id = %(id)s;

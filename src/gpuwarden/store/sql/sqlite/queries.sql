@@ -45,7 +45,8 @@ SELECT count(*) AS n FROM jobs
 
 -- name: queue_entries
 -- the queued jobs that may be planned: not held for their dependencies
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
+       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
  WHERE state = 'queued' AND held = 0;
 
 -- name: queued_count
@@ -54,7 +55,8 @@ SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
      - (SELECT COUNT(*) FROM jobs WHERE held = 1) AS n;
 
 -- name: queue_entries_of
-SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus FROM jobs
+SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
+       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
  WHERE state = 'queued' AND held = 0 AND id IN (SELECT value FROM json_each(:ids));
 
 -- name: running_jobs
@@ -238,6 +240,10 @@ UPDATE jobs SET held = 0, updated_at = :now WHERE id = :id AND state = 'queued' 
 
 -- name: held_jobs
 SELECT id FROM jobs WHERE held = 1 AND state = 'queued' ORDER BY seq;
+
+-- name: set_job_ram
+UPDATE jobs SET ram_cap_bytes = :cap, ram_floor_bytes = :floor, ram_start_min_bytes = :start_min
+ WHERE id = :id;
 
 -- name: set_job_gpus
 UPDATE jobs SET gpus = :gpus WHERE id = :id;
