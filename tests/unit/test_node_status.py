@@ -3,11 +3,13 @@ a stored document read back, also a partial one; an agent's GPU report."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import GIB
 from gpuwarden.core.policy import GpuView, WarmView
+from gpuwarden.core.ramadmit import UNSAMPLED, RamView
 from gpuwarden.node.status import (
     BrokerStatus,
     FootprintStatus,
@@ -58,6 +60,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "runtimes",
         "stats",
         "faults",
+        "ram",
     ]
     [gpu] = doc["gpus"]
     assert list(gpu) == [
@@ -136,3 +139,11 @@ def test_the_report_counts_idle_warm_servers_as_room_and_takes_what_is_leased() 
         "reserve_bytes",
         "degraded",
     ]
+
+
+def test_the_host_ram_view_goes_both_ways() -> None:
+    view = RamView(9 * GIB, GIB, (2 * GIB,), 3 * GIB)
+    back = BrokerStatus.from_json(replace(status(), ram=view).to_json())
+    assert back.ram == view
+    assert BrokerStatus.from_json({}).ram == UNSAMPLED
+    assert BrokerStatus.from_json({"ram": {"available_bytes": "x"}}).ram == UNSAMPLED

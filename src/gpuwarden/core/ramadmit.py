@@ -98,6 +98,30 @@ class RamView:
             return None
         return self.available_bytes - self.promised_bytes
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "available_bytes": self.available_bytes,
+            "node_floor_bytes": self.node_floor_bytes,
+            "running_floors": list(self.running_floors),
+            "promised_bytes": self.promised_bytes,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> RamView:
+        """A published view read back; anything unreadable is an unsampled view."""
+        if not isinstance(d, dict):
+            return cls(None)
+        try:
+            available = d.get("available_bytes")
+            return cls(
+                None if available is None else int(available),
+                int(d.get("node_floor_bytes") or 0),
+                tuple(int(f) for f in d.get("running_floors") or ()),
+                int(d.get("promised_bytes") or 0),
+            )
+        except (TypeError, ValueError):
+            return cls(None)
+
     def after_start(self, need: RamNeed) -> RamView:
         """The view once a job with ``need`` has started (within one pass): its cap
         is promised, its floor holds beside the others."""

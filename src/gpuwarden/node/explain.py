@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from gpuwarden.core import dependencies, footprint, policy, profile
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, Usage, why_behind
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
+from gpuwarden.core.ramadmit import UNSAMPLED, RamView
 from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.node.hostram import effective_need
 from gpuwarden.node.measured import RunTimes
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
@@ -50,6 +52,8 @@ class View:
     runtimes: tuple[policy.RuntimeView, ...] = ()
     #: the running jobs asked to checkpoint and yield, each with the job it yields to
     preempting: dict[str, str] = field(default_factory=dict)
+    #: the host's RAM as the broker last published it (not sampled: RAM admits all)
+    ram: RamView = UNSAMPLED
 
 
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
@@ -93,6 +97,7 @@ def view_from_status(status: NodeStatus, cpu_slots: int) -> View:
             for r in published.runtimes
         ),
         {r.job: r.preempting_for for r in published.running if r.preempting_for is not None},
+        published.ram,
     )
 
 
@@ -163,6 +168,7 @@ def queued_entries(
                 model=jobtype.model or "",
                 owner=job.owner or "",
                 usage=use.get(job.owner or "", 0.0),
+                ram=effective_need(jobtype, job.ram),
             )
         )
     return out
@@ -179,6 +185,7 @@ def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.De
         vram_paused=view.vram_paused,
         warm=view.warm,
         runtimes=view.runtimes,
+        ram=view.ram,
     )
     lineups, _ = policy.lineups_of(queued)
     done = policy.plan_pass(lineups, snapshot, time.time())

@@ -773,6 +773,7 @@ class Broker:
             last_error=self._last_error,
             queued_indexed=len(self.queue),
             stats=self.stats.snapshot(queued=self.queue.by_type(), faults=self.vram.faults),
+            ram=self.attempts.ram_view(self.attempts.host_ram.sample(self.clock())),
         )
 
     def _waiting(self) -> dict[str, str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwarden.core.policy import GpuView, WarmView
+from gpuwarden.core.ramadmit import UNSAMPLED, RamView
 from gpuwarden.node.stats import StatsSnapshot
 
 
@@ -234,6 +235,8 @@ class BrokerStatus:
     runtimes: tuple[dict[str, Any], ...] = ()
     #: what the node counted since its broker started (``/metrics``: :mod:`gpuwarden.node.stats`)
     stats: StatsSnapshot = field(default_factory=StatsSnapshot)
+    #: the host's RAM as admission sees it (``core.ramadmit.RamView``; SPEC section 11)
+    ram: RamView = UNSAMPLED
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -254,6 +257,7 @@ class BrokerStatus:
             "runtimes": [dict(r) for r in self.runtimes],
             "stats": self.stats.to_json(),
             "faults": {g: dict(f) for g, f in self.faults.items()},
+            "ram": self.ram.to_json(),
         }
 
     @classmethod
@@ -282,6 +286,7 @@ class BrokerStatus:
             queued_indexed=int(d.get("queued_indexed") or 0),
             runtimes=tuple(dict(r) for r in d.get("runtimes") or () if isinstance(r, dict)),
             stats=StatsSnapshot.from_json(d.get("stats")),
+            ram=RamView.from_json(d.get("ram")),
         )
 
     def gpu_views(self) -> tuple[GpuView, ...]:
