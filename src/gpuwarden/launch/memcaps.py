@@ -49,6 +49,7 @@ from gpuwarden.launch.cgroups import (
 )
 
 __all__ = [
+    "FIX",
     "MemoryCgroups",
     "cap_text",
     "find_memory_cgroups",
