@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from gpuwarden import safefs
 from gpuwarden.config import DATABASE_URL_PREFIXES, Config, RuntimeCall, RuntimeSettings
@@ -28,6 +29,7 @@ from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.host import HostLauncher
+from gpuwarden.launch.memcaps import MemoryCgroups, find_memory_cgroups
 from gpuwarden.launch.sandbox import SandboxLauncher, SandboxLimits
 from gpuwarden.node.loop import Broker, IntakeFactory
 from gpuwarden.node.settings import NodeSettings, RuntimeCallSpec, RuntimeSpec, VramSettings
@@ -72,8 +74,11 @@ def make_probe(config: Config, *, mock_gpu: bool) -> GpuProbe:
     return open_probe(kind, state_dir=config.state_dir, sim=sim_config(config))
 
 
-def sandbox_launcher(config: Config) -> SandboxLauncher | None:
-    """The launcher for sandboxed attempts, or None with ``container_runtime = "local"``."""
+def sandbox_launcher(
+    config: Config, memory_cgroups: MemoryCgroups | Literal["auto"] | None = "auto"
+) -> SandboxLauncher | None:
+    """The launcher for sandboxed attempts, or None with ``container_runtime = "local"``
+    (``memory_cgroups``: where bubblewrap caps a job's RAM, "auto": found now)."""
     if config.container_runtime is Runtime.LOCAL:
         return None
     s = config.sandbox
@@ -89,14 +94,20 @@ def sandbox_launcher(config: Config) -> SandboxLauncher | None:
         tmp_bytes=int(s.tmp_mib * MIB),
         output_bytes=int(s.output_mib * MIB),
     )
-    return SandboxLauncher(config.container_runtime, limits, image=config.sandbox_image)
+    return SandboxLauncher(
+        config.container_runtime,
+        limits,
+        image=config.sandbox_image,
+        memory_cgroups=memory_cgroups,
+    )
 
 
 def launchers_for(config: Config) -> dict[LaunchMode, Launcher]:
     """One launcher per launch mode that attempts are started with (serve types
     are driven by the broker's warm pool with the container launcher's runtime)."""
-    host = HostLauncher()
-    sandbox = sandbox_launcher(config)
+    memory = find_memory_cgroups()  # once: where a job's RAM cap is enforced
+    host = HostLauncher(memory)
+    sandbox = sandbox_launcher(config, memory)
     launchers: dict[LaunchMode, Launcher] = {LaunchMode.HOST: host}
     if sandbox is not None:
         launchers[LaunchMode.CONTAINER] = sandbox

@@ -21,6 +21,7 @@ import pytest
 
 from gpuwarden.config import load_config
 from gpuwarden.gpu.base import GpuReading
+from gpuwarden.launch.memcaps import find_memory_cgroups
 from gpuwarden.tools.doctor import Host, check_cdi, check_toolkit, judge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +32,7 @@ GW = [sys.executable, "-m", "gpuwarden"]
 NAMES = [
     "config",
     "runtime",
+    "memory-caps",
     "gpu",
     "cdi",
     "toolkit",
@@ -126,6 +128,14 @@ def test_local_runtime_with_sim_gpu_passes(tmp_path: Path) -> None:
     for name in ("cdi", "toolkit", "image", "sandbox", "sandbox-gpu"):
         assert checks[name]["status"] == "OK"
         assert "not needed" in checks[name]["detail"]
+    caps = checks["memory-caps"]
+    if find_memory_cgroups() is not None:  # root with the memory controller (CI)
+        assert caps["status"] == "OK", caps
+        assert caps["detail"].startswith("memory caps: enforced; host jobs: enforced, a memory")
+        assert "a test cgroup limited to 64 MiB was made, read back" in caps["detail"]
+        assert not any(find_memory_cgroups().parent.glob("doctor-*"))  # and removed
+    else:
+        assert caps["status"] == "WARN" and "jobs that ask for ram_gib are" in caps["detail"]
 
 
 def test_human_output_has_one_line_per_check(tmp_path: Path) -> None:

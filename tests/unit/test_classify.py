@@ -361,3 +361,51 @@ def test_exit_137_says_whether_the_container_runtime_recorded_an_oom_kill() -> N
     assert classify(
         AttemptFacts(exit_code=0, oom_killed=True), attempt=1, max_retries=1
     ).target is (JobState.DONE)
+
+
+# -- a job's own RAM cap (ram_gib), enforced by the kernel --------------------
+
+CAP = 2 * 2**30
+
+
+@pytest.mark.parametrize("code", [-9, 137])
+def test_killed_at_its_own_ram_cap_is_the_jobs_failure_not_retried(code: int) -> None:
+    facts = AttemptFacts(exit_code=code, oom_killed=True, ram_cap_bytes=CAP)
+    verdict = classify(facts, attempt=1, max_retries=3)
+    assert verdict == Verdict(
+        Outcome.RAM_CAP_EXCEEDED,
+        JobState.FAILED,
+        "killed for memory: it passed its RAM cap of 2.00 GiB (ram_gib) and the kernel "
+        "stopped it (OOM kill in its memory cgroup); raise ram_gib or use less memory",
+    )
+    assert Outcome.RAM_CAP_EXCEEDED not in INFRASTRUCTURE
+    assert Outcome.RAM_CAP_EXCEEDED.value == "ram_cap_exceeded"
+
+
+def test_a_child_killed_at_the_cap_fails_the_job_with_the_exit_code_said() -> None:
+    facts = AttemptFacts(exit_code=1, oom_killed=True, ram_cap_bytes=CAP // 4, stderr_tail="x")
+    verdict = classify(facts, attempt=1, max_retries=3)
+    assert verdict.outcome is Outcome.RAM_CAP_EXCEEDED and verdict.target is JobState.FAILED
+    assert "RAM cap of 0.50 GiB" in verdict.reason and "exited with code 1" in verdict.reason
+
+
+def test_under_its_cap_without_an_oom_kill_a_sigkill_stays_killed() -> None:
+    facts = AttemptFacts(exit_code=137, oom_killed=False, ram_cap_bytes=CAP)
+    verdict = classify(facts, attempt=1, max_retries=3)
+    assert verdict.outcome is Outcome.KILLED and verdict.target is JobState.QUEUED
+
+
+def test_without_a_cap_the_runtimes_oom_kill_is_still_retried() -> None:
+    facts = AttemptFacts(exit_code=137, oom_killed=True)
+    verdict = classify(facts, attempt=1, max_retries=3)
+    assert verdict.outcome is Outcome.KILLED and verdict.target is JobState.QUEUED
+    assert verdict.reason.startswith("killed for memory: the container runtime recorded")
+
+
+def test_a_capped_job_that_succeeds_or_is_cancelled_is_not_a_cap_failure() -> None:
+    ok = AttemptFacts(exit_code=0, oom_killed=False, ram_cap_bytes=CAP)
+    assert classify(ok, attempt=1, max_retries=0).outcome is Outcome.SUCCEEDED
+    cancelled = AttemptFacts(
+        exit_code=-9, oom_killed=True, ram_cap_bytes=CAP, stopped=True, cancel_requested=True
+    )
+    assert classify(cancelled, attempt=1, max_retries=0).outcome is Outcome.CANCELLED

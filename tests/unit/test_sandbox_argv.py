@@ -14,6 +14,7 @@ from gpuwarden.core.launchrules import Runtime
 from gpuwarden.launch import enter
 from gpuwarden.launch.base import LaunchRequest, Mount, inside_path
 from gpuwarden.launch.cgroups import PidsCgroups
+from gpuwarden.launch.memcaps import MemoryCgroups
 from gpuwarden.launch.sandbox import (
     LABEL_INSTANCE,
     SandboxLauncher,
@@ -282,3 +283,34 @@ def test_mounts_for_sandbox_have_fixed_targets() -> None:
     # the job's own folders, handed to the sandbox's user and counted for output_mib
     owned = {m.target for m in MOUNTS if m.job_owned}
     assert owned == {"/gpuwarden/output", "/gpuwarden/report", "/gpuwarden/scratch"}
+
+
+def test_a_ram_cap_is_the_engines_memory_limit_with_swap_off() -> None:
+    cap = 3 * 2**30
+    for runtime in (Runtime.PODMAN, Runtime.DOCKER):
+        launcher = SandboxLauncher(runtime, image="a" * 12, mixed_cgroups=False)
+        assert launcher.memory_caps().enforced and "--memory-swap" in launcher.memory_caps().how
+        p = pairs(launcher.argv(request(ram_cap_bytes=cap, memory_bytes=2**30)))
+        assert ("--memory", str(cap)) in p and ("--memory-swap", str(cap)) in p
+        assert ("--memory", str(2**30)) not in p  # the cap wins over the type's default
+    no_cgroups = SandboxLauncher(Runtime.PODMAN, SandboxLimits(cgroups=False), image="a" * 12)
+    said = no_cgroups.memory_caps()
+    assert not said.enforced and "cgroups = false" in said.how
+
+
+def test_bwrap_with_a_cap_joins_the_attempts_memory_cgroup_beside_its_pids_cgroup() -> None:
+    memory = MemoryCgroups(Path("/sys/fs/cgroup/memory"), 1)
+    launcher = SandboxLauncher(
+        Runtime.BUBBLEWRAP, pids_cgroups=PIDS, as_root=True, memory_cgroups=memory
+    )
+    starter, _ = split_bwrap(launcher.argv(request(ram_cap_bytes=2**30)))
+    joined = [b for a, b in itertools.pairwise(starter) if a == "--cgroup"]
+    name = container_name(request())
+    assert joined == [
+        f"/sys/fs/cgroup/pids/gpuwarden/{name}",
+        f"/sys/fs/cgroup/memory/gpuwarden/{name}",
+    ]
+    starter, _ = split_bwrap(launcher.argv(request()))  # no cap: the pids cgroup alone
+    assert [b for a, b in itertools.pairwise(starter) if a == "--cgroup"] == joined[:1]
+    without = SandboxLauncher(Runtime.BUBBLEWRAP, pids_cgroups=PIDS, memory_cgroups=None)
+    assert not without.memory_caps().enforced

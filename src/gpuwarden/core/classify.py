@@ -40,6 +40,9 @@ class Outcome(StrEnum):
     #: asked to yield, it did not exit within its grace: stopped and re-queued,
     #: counted against its interruptions (``max_interruptions``), no retry spent
     PREEMPTED = "preempted"
+    #: the kernel killed it (OOM kill in its memory cgroup) for passing its own
+    #: RAM cap (``ram_gib``): the job's own failure, deterministic, not retried
+    RAM_CAP_EXCEEDED = "ram_cap_exceeded"
 
 
 INFRASTRUCTURE = frozenset(
@@ -88,8 +91,11 @@ class AttemptFacts:
     gpu_fault: str | None = None
     #: it was stopped because its GPU reported an application error for it, or None
     app_error: str | None = None
-    #: the container runtime recorded an OOM kill (None: no runtime, or unknown)
+    #: the container runtime, or the attempt's memory cgroup, recorded an OOM
+    #: kill (None: no runtime and no cap, or unknown)
     oom_killed: bool | None = None
+    #: the job's RAM cap that was in place, enforced by the kernel (0: none)
+    ram_cap_bytes: int = 0
     #: the sandbox stopped it for passing one of its limits, and which
     #: (``"output past 16384 MiB"``), or None: the job's own failure
     limit_exceeded: str | None = None
@@ -233,6 +239,21 @@ def _preempted(f: AttemptFacts, for_job: str) -> tuple[Outcome, str]:
     )
 
 
+def _ram_cap_reason(cap_bytes: int, exit_code: int | None) -> str:
+    cap = f"{cap_bytes / 2**30:.2f} GiB"
+    fix = "raise ram_gib or use less memory"
+    if exit_code in (-9, 137):
+        return (
+            f"killed for memory: it passed its RAM cap of {cap} (ram_gib) and the kernel "
+            f"stopped it (OOM kill in its memory cgroup); {fix}"
+        )
+    return (
+        f"killed for memory: it passed its RAM cap of {cap} (ram_gib) and the kernel killed "
+        f"a process of it (OOM kill in its memory cgroup; it then exited with code "
+        f"{exit_code}); {fix}"
+    )
+
+
 def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
     if f.launch_error is not None:
         return Outcome.LAUNCH_ERROR, f"launch error: {f.launch_error}"
@@ -267,6 +288,8 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         )
     if f.exit_code != 0:
         tail = f": {f.stderr_tail}" if f.stderr_tail else ""
+        if f.ram_cap_bytes > 0 and f.oom_killed:
+            return Outcome.RAM_CAP_EXCEEDED, _ram_cap_reason(f.ram_cap_bytes, f.exit_code)
         if f.cuda_oom and f.gpu_alone:
             return (
                 Outcome.CUDA_OOM,

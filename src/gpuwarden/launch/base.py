@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,6 +78,11 @@ class LaunchRequest:
     gpu_uuid: str | None = None
     #: memory the sandbox may use, where the runtime enforces it (0: its default)
     memory_bytes: int = 0
+    #: the job's RAM cap (its ``ram_gib``), enforced by the kernel: a memory
+    #: cgroup of the attempt's own with swap off, or the runtime's ``--memory``
+    #: (it wins over ``memory_bytes``); 0: no cap. A launcher that cannot enforce
+    #: it (:meth:`Launcher.memory_caps`) refuses the attempt as a launch error
+    ram_cap_bytes: int = 0
 
     @property
     def marker(self) -> str:
@@ -85,6 +92,27 @@ class LaunchRequest:
 def attempt_marker(instance: str, job_id: str, attempt: int) -> str:
     """The value of ``ATTEMPT_ENV`` for one attempt of one broker instance."""
     return f"{instance}/{job_id}/{attempt}"
+
+
+def instance_prefix(instance: str) -> str:
+    """What every :func:`attempt_name` of one broker instance starts with."""
+    return f"gpuwarden-{hashlib.sha256(instance.encode()).hexdigest()[:10]}-"
+
+
+def attempt_name(req: LaunchRequest) -> str:
+    """A name unique to the broker instance, job and attempt: a container's name,
+    and the name of the attempt's own cgroups (one path component, no ``/``)."""
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", req.job_id)[:80]
+    return f"{instance_prefix(req.instance)}{job}-{req.attempt}"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCapSupport:
+    """Whether a launcher enforces a job's RAM cap (``LaunchRequest.ram_cap_bytes``),
+    and ``how``: one sentence, how caps are enforced, or why not and what to do."""
+
+    enforced: bool
+    how: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +141,10 @@ class LaunchResult:
     #: the sandbox stopped the job for passing one of its limits, and which one
     #: (``"output past 16384 MiB"``): the job's own failure, never retried
     limit_exceeded: str | None = None
+    #: the RAM cap that was in place for the attempt (``LaunchRequest.ram_cap_bytes``,
+    #: enforced by the kernel), 0 for none; with a cap, ``oom_killed`` says whether
+    #: the kernel killed a process of the attempt for passing it
+    ram_cap_bytes: int = 0
 
 
 class Launcher(Protocol):
@@ -129,6 +161,11 @@ class Launcher(Protocol):
         a failure of the job itself; a process that cannot be started gives a
         result with ``launch_error`` set. ``on_start`` is called with the main
         process's PID as soon as it runs (the broker attributes GPU memory by it)."""
+        ...
+
+    def memory_caps(self) -> MemoryCapSupport:
+        """Whether this launcher enforces ``LaunchRequest.ram_cap_bytes`` here, and how
+        (or why not): a job that asks for a cap is refused where it is not."""
         ...
 
 

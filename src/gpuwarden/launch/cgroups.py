@@ -24,7 +24,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PARENT", "PidsCgroups", "find_pids_cgroups"]
+__all__ = [
+    "PARENT",
+    "PidsCgroups",
+    "cgroup_mounts",
+    "cgroup_processes",
+    "enable_controller",
+    "find_hierarchy",
+    "find_pids_cgroups",
+    "kill_cgroup",
+    "remove_cgroup",
+    "v2_controllers",
+    "writable",
+    "write_control",
+]
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +69,13 @@ class PidsCgroups:
     def create(self, name: str, pids_max: int) -> Path:
         """Make (or reuse, after a crash) the cgroup ``name`` with ``pids.max``."""
         if self.version == 2:
-            _enable_pids(self.root)
+            enable_controller(self.root, "pids")
         self.parent.mkdir(mode=0o755, exist_ok=True)
         if self.version == 2:
-            _enable_pids(self.parent)
+            enable_controller(self.parent, "pids")
         path = self.path(name)
         path.mkdir(mode=0o755, exist_ok=True)
-        _write(path / "pids.max", str(pids_max))
+        write_control(path / "pids.max", str(pids_max))
         return path
 
     def pids_max(self, path: Path) -> int | None:
@@ -72,43 +85,60 @@ class PidsCgroups:
 
     def processes(self, path: Path) -> list[int]:
         """The processes in the cgroup now (none once it is removed)."""
-        try:
-            text = (path / "cgroup.procs").read_text()
-        except FileNotFoundError:
-            return []
-        return [int(p) for p in text.split()]
+        return cgroup_processes(path)
 
     def kill_all(self, path: Path, wait_s: float = REMOVE_WAIT_S) -> list[int]:
         """SIGKILL whatever is still in the cgroup and wait for it to empty.
         Returns the pids that were still there at the end of the wait."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            left = self.processes(path)
-            if not left or time.monotonic() >= deadline:
-                return left
-            for pid in left:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
+        return kill_cgroup(path, wait_s)
 
     def remove(self, path: Path, wait_s: float = REMOVE_WAIT_S) -> bool:
-        """Remove the (empty) cgroup; True once it is gone. A process that has just
-        exited may keep it busy for a moment: retried until ``wait_s`` passes."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                path.rmdir()
-                return True
-            except FileNotFoundError:
-                return True
-            except OSError as exc:
-                if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
-                    log.warning("could not remove the sandbox's pids cgroup %s: %s", path, exc)
-                    return False
-            time.sleep(0.05)
+        """Remove the (empty) cgroup; True once it is gone."""
+        return remove_cgroup(path, wait_s, what="the sandbox's pids cgroup")
 
 
-def _write(path: Path, text: str) -> None:
+def cgroup_processes(path: Path) -> list[int]:
+    """The processes in the cgroup ``path`` now (none once it is removed)."""
+    try:
+        text = (path / "cgroup.procs").read_text()
+    except FileNotFoundError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def kill_cgroup(path: Path, wait_s: float = REMOVE_WAIT_S) -> list[int]:
+    """SIGKILL whatever is still in the cgroup ``path`` and wait for it to empty.
+    Returns the pids that were still there at the end of the wait."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = cgroup_processes(path)
+        if not left or time.monotonic() >= deadline:
+            return left
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def remove_cgroup(path: Path, wait_s: float = REMOVE_WAIT_S, *, what: str = "the cgroup") -> bool:
+    """Remove the (empty) cgroup ``path``; True once it is gone. A process that has
+    just exited may keep it busy for a moment: retried until ``wait_s`` passes."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            path.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+                log.warning("could not remove %s %s: %s", what, path, exc)
+                return False
+        time.sleep(0.05)
+
+
+def write_control(path: Path, text: str) -> None:
+    """Write a cgroup control file (never through a link)."""
     fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         os.write(fd, text.encode())
@@ -116,11 +146,11 @@ def _write(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def _enable_pids(folder: Path) -> None:
-    """cgroup v2: let ``folder``'s children use the pids controller."""
+def enable_controller(folder: Path, controller: str) -> None:
+    """cgroup v2: let ``folder``'s children use ``controller``."""
     control = folder / "cgroup.subtree_control"
-    if "pids" not in control.read_text().split():
-        _write(control, "+pids")
+    if controller not in control.read_text().split():
+        write_control(control, f"+{controller}")
 
 
 def find_pids_cgroups(mounts: str | None = None, *, euid: int | None = None) -> PidsCgroups | None:
@@ -130,11 +160,18 @@ def find_pids_cgroups(mounts: str | None = None, *, euid: int | None = None) -> 
     ``pids`` mount comes first; then cgroup v2 with ``pids`` in the root's
     ``cgroup.controllers``. Either must be writable by this process (``euid``:
     root, or a delegated hierarchy)."""
+    found = find_hierarchy("pids", mounts, euid=euid)
+    return None if found is None else PidsCgroups(*found)
+
+
+def cgroup_mounts(controller: str, mounts: str | None = None) -> tuple[Path | None, Path | None]:
+    """(the cgroup v1 mount with ``controller``, the first cgroup2 mount), either
+    None; ``mounts`` is ``/proc/self/mounts`` text (read when None)."""
     if mounts is None:
         try:
             mounts = Path("/proc/self/mounts").read_text()
         except OSError:
-            return None
+            return None, None
     v1: Path | None = None
     v2: Path | None = None
     for line in mounts.splitlines():
@@ -142,24 +179,38 @@ def find_pids_cgroups(mounts: str | None = None, *, euid: int | None = None) -> 
         if len(parts) < 4:
             continue
         target, fstype, options = parts[1], parts[2], parts[3].split(",")
-        if fstype == "cgroup" and "pids" in options and v1 is None:
+        if fstype == "cgroup" and controller in options and v1 is None:
             v1 = Path(target)
         elif fstype == "cgroup2" and v2 is None:
             v2 = Path(target)
+    return v1, v2
+
+
+def find_hierarchy(
+    controller: str, mounts: str | None = None, *, euid: int | None = None
+) -> tuple[Path, int] | None:
+    """(root, cgroup version) where this process may make cgroups with
+    ``controller``, or None: a writable cgroup v1 mount of it first, then a
+    writable cgroup v2 mount with it in the root's ``cgroup.controllers``."""
+    v1, v2 = cgroup_mounts(controller, mounts)
     uid = os.geteuid() if euid is None else euid
-    if v1 is not None and _writable(v1, uid):
-        return PidsCgroups(v1, 1)
-    if v2 is not None and _writable(v2, uid):
-        try:
-            controllers = (v2 / "cgroup.controllers").read_text().split()
-        except OSError:
-            return None
-        if "pids" in controllers:
-            return PidsCgroups(v2, 2)
+    if v1 is not None and writable(v1, uid):
+        return v1, 1
+    if v2 is not None and writable(v2, uid) and controller in v2_controllers(v2):
+        return v2, 2
     return None
 
 
-def _writable(folder: Path, uid: int) -> bool:
+def v2_controllers(root: Path) -> list[str]:
+    """The controllers a cgroup v2 root offers (none when it cannot be read)."""
+    try:
+        return (root / "cgroup.controllers").read_text().split()
+    except OSError:
+        return []
+
+
+def writable(folder: Path, uid: int) -> bool:
+    """Whether ``uid`` may make gpuwarden's cgroups under the hierarchy ``folder``."""
     parent = folder / PARENT
     target = parent if parent.is_dir() else folder
     if uid == 0:

@@ -1,7 +1,8 @@
 """The root half of a bubblewrap start: run as a script, never imported by the broker.
 
-    python -I -S enter.py [--stage SRC]... [--cgroup DIR] [--rlimit NAME=N]...
+    python -I -S enter.py [--stage SRC]... [--cgroup DIR]... [--rlimit NAME=N]...
                           [--seccomp FILE] [--user UID:GID] -- bwrap ARGS...
+    python -I -S enter.py --cgroup DIR... -- JOB ARGS...     (a host job with a RAM cap)
 
 A broker that runs as root must not start bubblewrap as root: the sandbox's
 user would be root on the host (bubblewrap maps the inside uid to the uid that
@@ -18,10 +19,15 @@ started it), and no process limit binds root. So the launcher runs this script
    search (a 0700 state directory, an interpreter under ``/root``), and its
    ``--bind-fd`` resolves the descriptor back to that path. The launcher names
    ``/tmp/N`` as the source in bubblewrap's arguments;
-3. joins the per-sandbox pids cgroup (``--cgroup``), sets the rlimits;
+3. joins each ``--cgroup`` (the sandbox's pids cgroup; the attempt's memory
+   cgroup, :mod:`gpuwarden.launch.memcaps`: cgroup v1 has one hierarchy per
+   controller), sets the rlimits;
 4. with ``--user``: drops every supplementary group, then the gid, then the
    uid (real, effective, saved), and checks that none of root is left;
-5. executes bubblewrap with ``--seccomp FD`` added (the filter stays open for it).
+5. executes the command (bubblewrap, with ``--seccomp FD`` added when a filter
+   is given; or a host job's own command) with this process's environment:
+   its pid stays the attempt's main pid, and everything it starts is in the
+   cgroups.
 
 Any failure ends it with exit status 1 and one line on stderr that starts with
 ``gpuwarden-sandbox:`` (the launcher reports it as a launch error). Standard
@@ -81,7 +87,7 @@ def parse(argv: list[str]) -> dict[str, object]:
     """The options before ``--`` and the command after it."""
     opts: dict[str, object] = {
         "stage": [],
-        "cgroup": None,
+        "cgroups": [],
         "rlimits": [],
         "seccomp": None,
         "user": None,
@@ -101,7 +107,9 @@ def parse(argv: list[str]) -> dict[str, object]:
             assert isinstance(stage, list)
             stage.append(value)
         elif arg == "--cgroup":
-            opts["cgroup"] = value
+            cgroups = opts["cgroups"]
+            assert isinstance(cgroups, list)
+            cgroups.append(value)
         elif arg == "--rlimit":
             name, _, number = value.partition("=")
             rlimits = opts["rlimits"]
@@ -174,16 +182,18 @@ def run(argv: list[str]) -> None:
     stage = opts["stage"]
     rlimits = opts["rlimits"]
     command = opts["command"]
-    cgroup = opts["cgroup"]
+    cgroups = opts["cgroups"]
     seccomp = opts["seccomp"]
     user = opts["user"]
     assert isinstance(stage, list) and isinstance(rlimits, list) and isinstance(command, list)
-    procs = None
-    if cgroup is not None:
+    assert isinstance(cgroups, list)
+    procs = []
+    for cgroup in cgroups:
         try:
-            procs = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(f"{cgroup}/cgroup.procs", os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            raise Failure(f"cannot open the pids cgroup {cgroup}: {exc.strerror}") from None
+            raise Failure(f"cannot open the cgroup {cgroup}: {exc.strerror}") from None
+        procs.append((cgroup, fd))
     filter_fd = None
     if seccomp is not None:
         try:
@@ -193,12 +203,12 @@ def run(argv: list[str]) -> None:
         os.set_inheritable(filter_fd, True)  # bubblewrap reads it
     if stage:
         _stage([str(s) for s in stage])
-    if procs is not None:
+    for cgroup, fd in procs:
         try:
-            os.write(procs, str(os.getpid()).encode())
+            os.write(fd, str(os.getpid()).encode())
         except OSError as exc:
-            raise Failure(f"cannot join the pids cgroup {cgroup}: {exc.strerror}") from None
-        os.close(procs)
+            raise Failure(f"cannot join the cgroup {cgroup}: {exc.strerror}") from None
+        os.close(fd)
     for name, value in rlimits:
         limit = getattr(resource, f"RLIMIT_{name}", None)
         if limit is None:
@@ -214,7 +224,7 @@ def run(argv: list[str]) -> None:
     # nothing may be imported from here on: the interpreter's files may be
     # under a folder the sandbox's user cannot search (/root)
     try:
-        os.execve(program, args, os.environ)  # noqa: S606 - bubblewrap, by its path
+        os.execve(program, args, os.environ)  # noqa: S606 - bubblewrap or the job, by its path
     except OSError as exc:
         raise Failure(f"cannot run {program}: {exc.strerror}") from None
 

@@ -18,6 +18,16 @@ timeout or stop) the launcher stops, and confirms gone:
 Only a process that both leaves the group and replaces its environment (for
 example ``env -i``) right after a double fork can escape all three.
 
+A job with a RAM cap (``LaunchRequest.ram_cap_bytes``) runs in a memory cgroup
+of its attempt's own (:mod:`gpuwarden.launch.memcaps`): the root-side starter
+(:mod:`gpuwarden.launch.enter`, run with ``python -I -S``) joins it and then
+executes the job's command with the job's environment, so the main pid is the
+job's and every descendant is in the cgroup, which no process can leave. At the
+end its OOM kills are read (``LaunchResult.oom_killed``), what is left in it is
+killed, and it is removed. A starter that fails (exit 1, one
+``gpuwarden-sandbox:`` line) is a launch error. Without a cap the job starts
+directly, as it always did.
+
 A zombie counts as gone: it holds no memory, only a process-table entry, and
 reaping it is its parent's (or init's) job.
 """
@@ -30,18 +40,31 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import psutil
 
 from gpuwarden import safefs
 from gpuwarden.core.clip import join_clipped
-from gpuwarden.launch import reaper
-from gpuwarden.launch.base import ATTEMPT_ENV, LaunchRequest, LaunchResult
+from gpuwarden.launch import enter, reaper
+from gpuwarden.launch.base import (
+    ATTEMPT_ENV,
+    LaunchRequest,
+    LaunchResult,
+    MemoryCapSupport,
+    attempt_name,
+)
+from gpuwarden.launch.memcaps import (
+    MemoryCgroups,
+    cap_text,
+    find_memory_cgroups,
+    memory_caps_of,
+)
 from gpuwarden.launch.reaper import quick_leftovers
 
 __all__ = [
@@ -49,6 +72,7 @@ __all__ = [
     "HostLauncher",
     "find_attempt_processes",
     "read_clipped",
+    "starter_argv",
     "stop_processes",
 ]
 
@@ -386,19 +410,37 @@ def _not_started(
     )
 
 
-def _spawn(req: LaunchRequest) -> subprocess.Popen[bytes]:
+def starter_argv(cgroups: Iterable[Path], argv: Iterable[str]) -> list[str]:
+    """The root-side starter that joins ``cgroups`` and then executes ``argv``."""
+    args = [sys.executable, "-I", "-S", str(Path(enter.__file__).resolve())]
+    for path in cgroups:
+        args += ["--cgroup", str(path)]
+    return [*args, "--", *argv]
+
+
+class _Cap(NamedTuple):
+    """An attempt's RAM cap and the memory cgroup that enforces it."""
+
+    cgroups: MemoryCgroups
+    path: Path
+    limit_bytes: int
+
+
+def _spawn(req: LaunchRequest, cap: _Cap | None = None) -> subprocess.Popen[bytes]:
     """Start the attempt's main process in a session of its own, with exactly the
-    request's environment and the attempt's marker, its output to the log files."""
+    request's environment and the attempt's marker, its output to the log files;
+    with ``cap``, through the starter that puts it in the cap's cgroup first."""
     attempt_dir = Path(req.attempt_dir)
     env = dict(req.env)
     env[ATTEMPT_ENV] = req.marker
+    argv = list(req.argv) if cap is None else starter_argv([cap.path], req.argv)
     with (
         (attempt_dir / "stdout.log").open("wb") as out_f,
         (attempt_dir / "stderr.log").open("wb") as err_f,
         _live_lock,
     ):
         proc = subprocess.Popen(
-            list(req.argv),
+            argv,
             cwd=req.cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -439,10 +481,22 @@ def _reap_main(proc: subprocess.Popen[bytes]) -> int:
     return code
 
 
-def _result(req: LaunchRequest, pid: int, started_at: float, ending: _Ending) -> LaunchResult:
-    """The result of an attempt whose processes are all gone."""
+def _result(
+    req: LaunchRequest, pid: int, started_at: float, ending: _Ending, cap: _Cap | None = None
+) -> LaunchResult:
+    """The result of an attempt whose processes are all gone (with ``cap``: its
+    memory cgroup's OOM kills are read, what is left there killed, and it removed)."""
     attempt_dir = Path(req.attempt_dir)
     stderr = read_clipped(attempt_dir / "stderr.log", req.clip_chars)
+    oom_killed: bool | None = None
+    launch_error: str | None = None
+    if cap is not None:
+        kills, left = cap.cgroups.finish(cap.path)
+        oom_killed = kills > 0
+        ending = ending._replace(survivors=sorted({*ending.survivors, *left}))
+        said = stderr.strip()
+        if ending.exit_code == 1 and said.startswith(enter.PREFIX) and not oom_killed:
+            launch_error = f"could not start the job in its memory cgroup: {said.splitlines()[0]}"
     if ending.survivors:
         log.error(
             "attempt %s: processes %s survived SIGKILL; not confirmed gone",
@@ -466,6 +520,9 @@ def _result(req: LaunchRequest, pid: int, started_at: float, ending: _Ending) ->
         stderr=stderr,
         reaped=tuple(ending.reaped),
         survivors=tuple(ending.survivors),
+        launch_error=launch_error,
+        oom_killed=oom_killed,
+        ram_cap_bytes=0 if cap is None else cap.limit_bytes,
     )
 
 
@@ -483,8 +540,34 @@ class HostLauncher:
     """Runs an attempt as a plain host process (launch mode ``host``).
 
     Thread-safe: several attempts may run at once, each on its own worker thread;
-    the launcher holds no state between calls.
+    the launcher holds no state between calls. ``memory_cgroups``: where an
+    attempt with a RAM cap gets its memory cgroup (``"auto"``: found now; None:
+    nowhere, and an attempt with a cap is refused as a launch error).
     """
+
+    def __init__(self, memory_cgroups: MemoryCgroups | Literal["auto"] | None = "auto") -> None:
+        self.memory_cgroups = find_memory_cgroups() if memory_cgroups == "auto" else memory_cgroups
+
+    def memory_caps(self) -> MemoryCapSupport:
+        """Whether a job's RAM cap is enforced here: a memory cgroup per attempt."""
+        return memory_caps_of(self.memory_cgroups)
+
+    def _cap(self, req: LaunchRequest) -> _Cap | None:
+        """The attempt's memory cgroup, made with its limit in place (None without
+        a cap). Raises OSError when a cap is asked and cannot be enforced."""
+        if req.ram_cap_bytes <= 0:
+            return None
+        if self.memory_cgroups is None:
+            raise OSError(
+                f"a RAM cap of {cap_text(req.ram_cap_bytes)} was asked, but this host cannot "
+                f"enforce memory caps ({self.memory_caps().how})"
+            )
+        cgroups = self.memory_cgroups
+        try:
+            path = cgroups.create(attempt_name(req), req.ram_cap_bytes)
+        except (OSError, ValueError) as exc:
+            raise OSError(f"could not make the attempt's memory cgroup: {exc}") from exc
+        return _Cap(cgroups, path, req.ram_cap_bytes)
 
     def run(
         self,
@@ -523,8 +606,13 @@ class HostLauncher:
             why = f"cannot create attempt directory {attempt_dir}: {exc}"
             return _not_started(req, started_at, why)
         try:
-            proc = _spawn(req)
+            cap = self._cap(req)
+        except OSError as exc:
+            return _not_started(req, started_at, str(exc))
+        try:
+            proc = _spawn(req, cap)
         except (OSError, ValueError, TypeError) as exc:
+            _drop_cap(cap)
             return _not_started(req, started_at, _describe_start_error(req.argv[0], exc))
 
         if on_start is not None:
@@ -535,7 +623,7 @@ class HostLauncher:
         ending = self._see_through(proc, req, stop)
         with _live_lock:
             reap_adopted()
-        return _result(req, proc.pid, started_at, ending)
+        return _result(req, proc.pid, started_at, ending, cap)
 
     def start(
         self,
@@ -559,8 +647,14 @@ class HostLauncher:
             return ended
         try:
             Path(req.attempt_dir).mkdir(parents=True, exist_ok=True)
-            proc = _spawn(req)
+            cap = self._cap(req)
+        except OSError as exc:
+            ended.post(_not_started(req, started_at, str(exc)))
+            return ended
+        try:
+            proc = _spawn(req, cap)
         except (OSError, ValueError, TypeError) as exc:
+            _drop_cap(cap)
             why = _describe_start_error(req.argv[0], exc)
             ended.post(_not_started(req, started_at, why))
             return ended
@@ -569,7 +663,7 @@ class HostLauncher:
                 on_start(proc.pid)
             except Exception:  # a caller's bug must not leave the process unwatched
                 log.exception("on_start callback failed for %s", req.marker)
-        _Watching(req, proc, stop, started_at, ended).begin()
+        _Watching(req, proc, stop, started_at, ended, cap=cap).begin()
         return ended
 
     def _see_through(
@@ -656,6 +750,8 @@ class _Watching:
         stop: threading.Event,
         started_at: float,
         ended: Ended,
+        *,
+        cap: _Cap | None = None,
     ) -> None:
         self.req, self.proc, self.stop, self.started_at, self.ended = (
             req,
@@ -664,6 +760,7 @@ class _Watching:
             started_at,
             ended,
         )
+        self.cap = cap
         self.tree = _Tree(proc.pid, req.marker)
         start = time.monotonic()
         t = req.timeout_s
@@ -709,7 +806,7 @@ class _Watching:
             if left == []:
                 try:
                     ending = _Ending(_reap_main(self.proc), False, False, [], [])
-                    self.ended.post(_result(self.req, pid, self.started_at, ending))
+                    self.ended.post(_result(self.req, pid, self.started_at, ending, self.cap))
                 except Exception as exc:
                     self.ended.post(self._failed(exc))
                 return
@@ -734,12 +831,14 @@ class _Watching:
             reaped, survivors = _terminate(collect, self.req.kill_grace_s, pgid=pid, keep=pid)
             exit_code = None if pid in survivors else _reap_main(self.proc)
             ending = _Ending(exit_code, timed_out, stopped, reaped, survivors)
-            self.ended.post(_result(self.req, pid, self.started_at, ending))
+            self.ended.post(_result(self.req, pid, self.started_at, ending, self.cap))
         except Exception as exc:
             self.ended.post(self._failed(exc))
 
     def _failed(self, exc: Exception) -> LaunchResult:
         log.exception("ending attempt %s failed", self.req.marker)
+        with contextlib.suppress(Exception):
+            _drop_cap(self.cap)
         return LaunchResult(
             job_id=self.req.job_id,
             attempt=self.req.attempt,
@@ -749,6 +848,12 @@ class _Watching:
             pid=self.proc.pid,
             launch_error=f"the launcher failed: {exc!r}",
         )
+
+
+def _drop_cap(cap: _Cap | None) -> None:
+    """Kill what is left in the cap's cgroup and remove it (an attempt that failed)."""
+    if cap is not None:
+        cap.cgroups.finish(cap.path)
 
 
 def _main_proc(pid: int) -> psutil.Process | None:

@@ -14,9 +14,10 @@ rebuilt from an allow-list.
 bubblewrap run by root would map the sandbox's user to root on the host, so a
 root broker never runs it as root: :mod:`gpuwarden.launch.enter` (a small
 script run as root) stages the mount sources in a private mount namespace,
-joins a pids cgroup of the sandbox's own (:mod:`gpuwarden.launch.cgroups`),
-drops to the sandbox's uid and gid and only then executes bubblewrap, with the
-filter of :mod:`gpuwarden.launch.seccomp`.
+joins a pids cgroup of the sandbox's own (:mod:`gpuwarden.launch.cgroups`)
+and, for a job with a RAM cap, a memory cgroup of the attempt's own
+(:mod:`gpuwarden.launch.memcaps`), drops to the sandbox's uid and gid and
+only then executes bubblewrap, with the filter of :mod:`gpuwarden.launch.seccomp`.
 
 The folders the job writes to (``Mount.job_owned``) are made the sandbox
 user's by descriptor, only when the launcher creates them or while they are
@@ -37,12 +38,10 @@ and clean-up that enforce them at the end must change together.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
 import os
-import re
 import shutil
 import stat
 import subprocess
@@ -59,9 +58,24 @@ from gpuwarden import safefs
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import gpu_list
 from gpuwarden.launch import enter
-from gpuwarden.launch.base import INSIDE, LaunchRequest, LaunchResult, Mount, inside_path
+from gpuwarden.launch.base import (
+    INSIDE,
+    LaunchRequest,
+    LaunchResult,
+    MemoryCapSupport,
+    Mount,
+    attempt_name,
+    inside_path,
+    instance_prefix,
+)
 from gpuwarden.launch.cgroups import PidsCgroups, find_pids_cgroups
 from gpuwarden.launch.host import KILL_CONFIRM_S, HostLauncher
+from gpuwarden.launch.memcaps import (
+    MemoryCgroups,
+    cap_text,
+    find_memory_cgroups,
+    memory_caps_of,
+)
 from gpuwarden.launch.seccomp import bpf_program, engine_profile
 
 __all__ = [
@@ -174,13 +188,8 @@ def cgroups_usable(mounts: str | None = None) -> bool:
 
 def container_name(req: LaunchRequest) -> str:
     """A name unique to the broker instance, job and attempt, valid for both
-    runtimes (and for the attempt's pids cgroup under bubblewrap)."""
-    job = re.sub(r"[^A-Za-z0-9_.-]", "_", req.job_id)[:80]
-    return f"{_instance_prefix(req.instance)}{job}-{req.attempt}"
-
-
-def _instance_prefix(instance: str) -> str:
-    return f"gpuwarden-{hashlib.sha256(instance.encode()).hexdigest()[:10]}-"
+    runtimes (and for the attempt's cgroups under bubblewrap)."""
+    return attempt_name(req)
 
 
 def sandbox_env(req: LaunchRequest, *, pythonpath: str = LIB_INSIDE) -> dict[str, str]:
@@ -219,6 +228,7 @@ class SandboxLauncher:
         mixed_cgroups: bool | None = None,
         pids_cgroups: PidsCgroups | Literal["auto"] | None = "auto",
         as_root: bool | None = None,
+        memory_cgroups: MemoryCgroups | Literal["auto"] | None = "auto",
     ) -> None:
         if runtime is Runtime.LOCAL:
             raise ValueError("the local runtime has no sandbox: use HostLauncher")
@@ -229,7 +239,7 @@ class SandboxLauncher:
         self.image = image
         default = "bwrap" if runtime is Runtime.BUBBLEWRAP else runtime.value
         self.executable = executable or default
-        self._host = host or HostLauncher()
+        self._host = host or HostLauncher(None)
         #: podman on a host that mixes cgroup v1 controllers with a v2 mount runs
         #: in a private mount namespace without the v2 mount (found at start)
         mixed = not cgroups_usable() if mixed_cgroups is None else mixed_cgroups
@@ -242,6 +252,12 @@ class SandboxLauncher:
         if runtime is not Runtime.BUBBLEWRAP:
             pids_cgroups = None
         self.pids_cgroups = find_pids_cgroups() if pids_cgroups == "auto" else pids_cgroups
+        #: bubblewrap: where an attempt with a RAM cap gets its memory cgroup
+        #: (None: nowhere, and such an attempt is refused); podman and docker
+        #: enforce a cap with their own --memory
+        if runtime is not Runtime.BUBBLEWRAP:
+            memory_cgroups = None
+        self.memory_cgroups = find_memory_cgroups() if memory_cgroups == "auto" else memory_cgroups
         self._engine_profile: str | None = None
         self._profile_lock = threading.Lock()
 
@@ -280,6 +296,23 @@ class SandboxLauncher:
             )
         return f"pids {lim.pids} per container (--pids-limit)"
 
+    def memory_caps(self) -> MemoryCapSupport:
+        """Whether a job's RAM cap (``LaunchRequest.ram_cap_bytes``) is enforced, how."""
+        if self.runtime is Runtime.BUBBLEWRAP:
+            return memory_caps_of(self.memory_cgroups)
+        if self.runtime is Runtime.PODMAN and not self.limits.cgroups:
+            return MemoryCapSupport(
+                False,
+                "podman runs without cgroups here ([sandbox] cgroups = false), so it cannot "
+                "limit memory; set cgroups = true on a host where podman's cgroups work, or "
+                'use container_runtime = "bubblewrap" with the broker as root',
+            )
+        return MemoryCapSupport(
+            True,
+            f"{self.runtime.value}'s memory limit per container (--memory, and --memory-swap "
+            "equal to it: swap off)",
+        )
+
     def argv(self, req: LaunchRequest) -> list[str]:
         """The whole command line that runs ``req`` in the sandbox."""
         if self.runtime is Runtime.BUBBLEWRAP:
@@ -310,6 +343,12 @@ class SandboxLauncher:
         if self.runtime is not Runtime.BUBBLEWRAP or self.pids_cgroups is None:
             return None
         return self.pids_cgroups.path(container_name(req))
+
+    def memory_cgroup_path(self, req: LaunchRequest) -> Path | None:
+        """bubblewrap: the attempt's own memory cgroup (a job with a RAM cap), or None."""
+        if req.ram_cap_bytes <= 0 or self.memory_cgroups is None:
+            return None
+        return self.memory_cgroups.path(container_name(req))
 
     def _bwrap_argv(self, req: LaunchRequest) -> list[str]:
         lim = self.limits
@@ -358,9 +397,9 @@ class SandboxLauncher:
         starter = [sys.executable, "-I", "-S", str(Path(enter.__file__).resolve())]
         for path in staged:
             starter += ["--stage", path]
-        cgroup = self.cgroup_path(req)
-        if cgroup is not None:
-            starter += ["--cgroup", str(cgroup)]
+        for cgroup in (self.cgroup_path(req), self.memory_cgroup_path(req)):
+            if cgroup is not None:
+                starter += ["--cgroup", str(cgroup)]
         starter += ["--rlimit", f"NPROC={self._nproc()}", "--rlimit", f"NOFILE={lim.nofile}"]
         if cpu := self._cpu_seconds(req):
             starter += ["--rlimit", f"CPU={cpu}"]
@@ -410,7 +449,7 @@ class SandboxLauncher:
         if podman and not lim.cgroups:
             args += ["--cgroups", "disabled"]
         else:
-            memory = req.memory_bytes or lim.memory_bytes
+            memory = req.ram_cap_bytes or req.memory_bytes or lim.memory_bytes
             args += ["--pids-limit", str(lim.pids), "--cpus", f"{lim.cpus:g}"]
             args += ["--memory", str(memory), "--memory-swap", str(memory)]
         args += ["--tmpfs", f"/tmp:rw,nosuid,nodev,size={lim.tmp_bytes},mode=1777"]
@@ -471,24 +510,34 @@ class SandboxLauncher:
         """Run ``req`` in the sandbox to its end (see the module docstring)."""
         if shutil.which(self.executable) is None:
             return _not_started(req, f"the container runtime {self.executable!r} is not installed")
+        if req.ram_cap_bytes > 0 and not (caps := self.memory_caps()).enforced:
+            return _not_started(
+                req,
+                f"a RAM cap of {cap_text(req.ram_cap_bytes)} was asked, but this sandbox "
+                f"cannot enforce memory caps ({caps.how})",
+            )
         try:
             self._prepare_mounts(req)
             self._write_seccomp(req)
         except (OSError, safefs.UnsafePathError) as exc:
             return _not_started(req, f"could not prepare the sandbox: {exc}")
-        cgroup = self.cgroup_path(req)
-        if cgroup is not None:
-            assert self.pids_cgroups is not None
-            try:
-                self.pids_cgroups.create(cgroup.name, self.limits.pids)
-            except OSError as exc:
-                return _not_started(req, f"could not make the sandbox's pids cgroup: {exc}")
+        cgroup, memory = self.cgroup_path(req), self.memory_cgroup_path(req)
+        try:
+            self._make_cgroups(req, cgroup, memory)
+        except OSError as exc:
+            return _not_started(req, str(exc))
         # the runtime's client (and podman's conmon, which drops an "oom" file in
-        # its working directory) runs in the attempt's folder, never the module's
+        # its working directory) runs in the attempt's folder, never the module's;
+        # the cap is the sandbox's, never its client's
         outer = dataclasses.replace(
-            req, argv=tuple(self.argv(req)), env=self.client_env(req), cwd=req.attempt_dir
+            req,
+            argv=tuple(self.argv(req)),
+            env=self.client_env(req),
+            cwd=req.attempt_dir,
+            ram_cap_bytes=0,
         )
         watch = _OutputWatch.of(req, self.limits.output_bytes)
+        kills: int = 0
         left: list[int] = []
         try:
             if self.runtime is Runtime.BUBBLEWRAP:
@@ -496,24 +545,54 @@ class SandboxLauncher:
             else:
                 result = self._run_engine(req, outer, stop, on_start, watch)
         finally:
-            if cgroup is not None:
-                left = self._clear_cgroup(cgroup)
+            kills, left = self._clear_cgroups(cgroup, memory)
         if left:
             result = dataclasses.replace(
                 result, survivors=tuple(sorted({*result.survivors, *left}))
             )
+        if req.ram_cap_bytes > 0:
+            # bubblewrap: the attempt's memory cgroup counted OOM kills; podman
+            # and docker: the runtime's record (_run_engine)
+            oom = result.oom_killed if memory is None else kills > 0
+            result = dataclasses.replace(result, ram_cap_bytes=req.ram_cap_bytes, oom_killed=oom)
         return watch.finish(result, stop)
 
-    def _clear_cgroup(self, cgroup: Path) -> list[int]:
-        """Stop whatever is left in the attempt's pids cgroup and remove it; the
-        pids that outlived SIGKILL (they keep the cgroup)."""
-        assert self.pids_cgroups is not None
-        left = self.pids_cgroups.kill_all(cgroup)
-        if left:
-            log.error("sandbox cgroup %s: processes %s survived SIGKILL", cgroup, left)
-            return left
-        self.pids_cgroups.remove(cgroup)
-        return []
+    def _make_cgroups(self, req: LaunchRequest, pids: Path | None, memory: Path | None) -> None:
+        """Make the attempt's pids cgroup and (a RAM cap) its memory cgroup; OSError
+        says which could not be made (none is left behind)."""
+        if pids is not None:
+            assert self.pids_cgroups is not None
+            try:
+                self.pids_cgroups.create(pids.name, self.limits.pids)
+            except OSError as exc:
+                raise OSError(f"could not make the sandbox's pids cgroup: {exc}") from exc
+        if memory is not None:
+            assert self.memory_cgroups is not None
+            try:
+                self.memory_cgroups.create(memory.name, req.ram_cap_bytes)
+            except (OSError, ValueError) as exc:
+                if pids is not None:
+                    self._clear_cgroups(pids, None)
+                raise OSError(f"could not make the attempt's memory cgroup: {exc}") from exc
+
+    def _clear_cgroups(self, pids: Path | None, memory: Path | None) -> tuple[int, list[int]]:
+        """Stop whatever is left in the attempt's cgroups and remove them: the OOM
+        kills its memory cgroup counted (read first), and the pids that outlived
+        SIGKILL (they keep their cgroup)."""
+        mem = self.memory_cgroups if memory is not None else None
+        kills = 0 if mem is None or memory is None else mem.oom_kills(memory)
+        left: set[int] = set()
+        if pids is not None:
+            assert self.pids_cgroups is not None
+            stuck = self.pids_cgroups.kill_all(pids)
+            if stuck:
+                log.error("sandbox cgroup %s: processes %s survived SIGKILL", pids, stuck)
+                left.update(stuck)
+            else:
+                self.pids_cgroups.remove(pids)
+        if mem is not None and memory is not None:
+            left.update(mem.finish(memory)[1])
+        return kills, sorted(left)
 
     def _prepare_mounts(self, req: LaunchRequest) -> None:
         """Every mount's source must exist. The job's own folders are made the
@@ -775,17 +854,17 @@ class SandboxLauncher:
         return removed
 
     def _remove_leftover_cgroups(self, instance: str) -> None:
-        cgroups = self.pids_cgroups
-        if cgroups is None or not cgroups.parent.is_dir():
-            return
-        prefix = _instance_prefix(instance)
-        for path in sorted(cgroups.parent.glob(f"{prefix}*")):
-            if path.is_dir() and not path.is_symlink():
-                left = cgroups.kill_all(path)
-                if left:
-                    raise OSError(f"processes {left} in the pids cgroup {path} outlived SIGKILL")
-                cgroups.remove(path)
-                log.info("removed the pids cgroup %s a crashed run left", path)
+        prefix = instance_prefix(instance)
+        for cgroups in (self.pids_cgroups, self.memory_cgroups):
+            if cgroups is None or not cgroups.parent.is_dir():
+                continue
+            for path in sorted(cgroups.parent.glob(f"{prefix}*")):
+                if path.is_dir() and not path.is_symlink():
+                    left = cgroups.kill_all(path)
+                    if left:
+                        raise OSError(f"processes {left} in the cgroup {path} outlived SIGKILL")
+                    cgroups.remove(path)
+                    log.info("removed the cgroup %s a crashed run left", path)
 
 
 class _OutputWatch:

@@ -445,6 +445,7 @@ class AttemptRunner:
             checkpoint_signal=run.jobtype.checkpoint_signal,
             launch_error=result.launch_error,
             oom_killed=result.oom_killed,
+            ram_cap_bytes=result.ram_cap_bytes,
             limit_exceeded=result.limit_exceeded,
             missing_outputs=attemptfs.missing_outputs(run.job.outputs, listing),
             timeout_s=run.jobtype.timeout_s,

@@ -19,7 +19,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 
-from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult
+from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, MemoryCapSupport
 from gpuwarden.node.settings import RuntimeSpec
 from gpuwarden.runtimes.base import Prepared, RuntimeApiError, RuntimeClient
 
@@ -76,6 +76,10 @@ class RuntimeLaunch:
             RUNTIME_MODEL_ENV: self.model,
         }
         return self.inner.run(dataclasses.replace(req, env=env), stop, on_start)
+
+    def memory_caps(self) -> MemoryCapSupport:
+        """The wrapped launcher's: it runs the job's process."""
+        return self.inner.memory_caps()
 
     def prepare(self, timeout_s: float) -> str | None:
         """Make the model resident and check where it went; None when the job may

@@ -16,7 +16,9 @@ output and scratch, read-only inputs, no sight of a host file placed next to
 the attempt's folders, no user namespace, no mount, a seccomp filter that
 refuses keyctl, and a /tmp no larger than ``[sandbox] tmp_mib``. How the
 process limit is enforced (a pids cgroup per sandbox, or RLIMIT_NPROC shared
-by all) is said too: the shared fallback is a WARN. The doctor opens no store.
+by all) is said too: the shared fallback is a WARN. ``memory-caps`` says whether a
+job's RAM cap (``ram_gib``) is enforced here, by making a memory cgroup with a
+small limit, reading it back and removing it. The doctor opens no store.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from gpuwarden.tools.doctor.host import (
     check_cdi,
     check_config,
     check_gpu,
+    check_memory_caps,
     check_runtime,
     check_toolkit,
 )
@@ -63,6 +66,7 @@ __all__ = [
 CHECKS: tuple[tuple[str, Callable[[Host], Check]], ...] = (
     ("config", check_config),
     ("runtime", check_runtime),
+    ("memory-caps", check_memory_caps),
     ("gpu", check_gpu),
     ("cdi", check_cdi),
     ("toolkit", check_toolkit),

@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 import shutil
 
-from gpuwarden.app import make_probe
+from gpuwarden.app import make_probe, sandbox_launcher
 from gpuwarden.config import Config, load_config
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import LaunchMode, format_bytes
 from gpuwarden.errors import ConfigError, GpuwardenError
+from gpuwarden.launch.memcaps import FIX, find_memory_cgroups, why_no_memory_cgroups
 from gpuwarden.tools.doctor.base import (
     Check,
     Host,
@@ -70,6 +71,38 @@ def check_config(host: Host) -> Check:
         f"{where}: {error}",
         f"build and pin a sandbox image: `images/build.sh --runtime {runtime} --pin`, "
         f"then put the sandbox_image line it prints into the config",
+    )
+
+
+def check_memory_caps(host: Host) -> Check:
+    """Whether a job's RAM cap (``ram_gib``) is enforced here, tried for real: a
+    memory cgroup with a small limit is made, read back and removed."""
+    config = host.need_config()
+    memory = find_memory_cgroups()
+    if memory is None:
+        why = f"no memory cgroup can be made here: {why_no_memory_cgroups()}"
+    else:
+        try:
+            why = f"{memory.describe()}; {memory.try_out()}"
+        except (OSError, ValueError) as exc:
+            why = f"a test memory cgroup under {memory.parent} failed: {exc}"
+            memory = None
+    said = [f"host jobs: {'enforced, ' if memory else 'not enforced: '}{why}"]
+    enforced = memory is not None
+    sandbox = sandbox_launcher(config, memory)
+    if sandbox is not None:
+        caps = sandbox.memory_caps()
+        enforced = enforced and caps.enforced
+        state = "enforced, " if caps.enforced else "not enforced: "
+        said.append(f"{config.container_runtime.value} jobs: {state}{caps.how}")
+    if enforced:
+        return Check("memory-caps", Status.OK, "memory caps: enforced; " + "; ".join(said))
+    return Check(
+        "memory-caps",
+        Status.WARN,
+        "memory caps: not enforced here for every launch mode; jobs that ask for ram_gib are "
+        "refused where they are not; " + "; ".join(said),
+        FIX,
     )
 
 
