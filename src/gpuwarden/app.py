@@ -130,6 +130,7 @@ def node_settings(config: Config) -> NodeSettings:
         scratch_bytes=int(s.scratch_mib * MIB),
         runtimes=tuple(runtime_spec(r) for r in config.runtimes),
         fair_share_half_life_s=b.fair_share_half_life_s,
+        gpu_lock=config.gpu_lock,
     )
 
 

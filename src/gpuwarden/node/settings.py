@@ -86,3 +86,5 @@ class NodeSettings:
     runtimes: tuple[RuntimeSpec, ...] = ()
     #: fair share (``[broker] fair_share_half_life_s``): the half-life of an owner's use; 0: off
     fair_share_half_life_s: float = DEFAULT_HALF_LIFE_S
+    #: the GPU lock file's path template (``gpu_lock``), "": off
+    gpu_lock: str = ""
