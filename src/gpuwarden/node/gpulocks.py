@@ -57,8 +57,6 @@ class GpuLocks:
         self.template = template
         self.emit = emit
         self.clock = clock
-        #: per GPU, the broker's own descriptor of its lock file, only looked at
-        self._fds: dict[str, int] = {}
         #: per GPU an outsider keeps: the reason the plan gives
         self.reasons: dict[str, str] = {}
         #: per GPU an outsider keeps: its PID (0: unknown, or the file unusable)
@@ -82,11 +80,12 @@ class GpuLocks:
 
     def _look(self, uuid: str, text: str) -> tuple[int, str, str]:
         """An outsider's PID, command and reason for ``uuid`` ((0, "", "") if none)."""
-        try:
-            fd = self._fds.get(uuid)
-            if fd is None:
-                fd = self._fds[uuid] = open_lock(self._template(), uuid)
-            holder, waiter = lock_state(fd, text)
+        try:  # opened at each look: a lock file replaced since is the one looked at
+            fd = open_lock(self._template(), uuid)
+            try:
+                holder, waiter = lock_state(fd, text)
+            finally:
+                os.close(fd)
         except (GpuLockError, OSError) as exc:
             return 0, "", f"its lock file cannot be used: {exc}"
         if holder is not None:
@@ -149,11 +148,6 @@ class GpuLocks:
                 return None
             taken.append(fd)
         return taken
-
-    def close(self) -> None:
-        """Close the descriptors kept for looking (the broker stops)."""
-        release(list(self._fds.values()))
-        self._fds.clear()
 
 
 class _Kept(Exception):

@@ -363,7 +363,6 @@ class Broker:
             time.sleep(0.02)
         self._drain(self.clock())
         self.warm.close()  # only if empty: its sockets are gone
-        self.locks.close()
         self.runtimes.stop()
         self._finish_bundles(self.clock(), force=True)
         self.emit("broker_stopped")
