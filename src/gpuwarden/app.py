@@ -143,6 +143,7 @@ def node_settings(config: Config) -> NodeSettings:
         runtimes=tuple(runtime_spec(r) for r in config.runtimes),
         fair_share_half_life_s=b.fair_share_half_life_s,
         ram_floor_bytes=math.ceil(b.ram_floor_gib * GIB),
+        gpu_lock=config.gpu_lock,
     )
 
 

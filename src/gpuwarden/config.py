@@ -23,6 +23,7 @@ from gpuwarden.core.launchrules import LaunchRules, Runtime, image_is_pinned
 from gpuwarden.core.model import GIB, MIB
 from gpuwarden.core.runtime import RuntimeKind
 from gpuwarden.errors import ConfigError
+from gpuwarden.gpu.lockfile import GpuLockError, LockTemplate
 from gpuwarden.launch.detect import detect_runtime
 
 CONFIG_ENV = "GPUWARDEN_CONFIG"
@@ -262,6 +263,18 @@ class Config(_Section):
     sandbox: SandboxSettings = SandboxSettings()
     #: the managed runtimes (issue 15: registered, not yet driven by the broker)
     runtimes: list[RuntimeSettings] = Field(default_factory=list)
+    #: the GPU lock file's path template ("/run/gpuwarden/GPU-<uuid>.lock"), "": off
+    gpu_lock: str = ""
+
+    @pydantic.field_validator("gpu_lock")
+    @classmethod
+    def _lock_template(cls, value: str) -> str:
+        if value:
+            try:
+                LockTemplate(value)
+            except GpuLockError as exc:
+                raise ValueError(str(exc)) from None
+        return value
 
     @pydantic.field_validator("runtimes")
     @classmethod

@@ -39,6 +39,7 @@ NAMES = [
     "modules",
     "weights",
     "queue-roots",
+    "gpu-lock",
     "image",
     "sandbox",
     "sandbox-gpu",
@@ -427,3 +428,22 @@ def test_gpu_checks_need_the_toolkit(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for check in (check_cdi(host), check_toolkit(host)):
         assert check.status.value == "FAIL", check
         assert "nvidia-container-toolkit" in check.fix
+
+
+def test_gpu_lock_off_then_its_folder_checked(tmp_path: Path) -> None:
+    base = 'gpu = "sim"\nallow_unsandboxed_containers = true\n'
+    _, _, checks = doctor_json(write_config(tmp_path, base))
+    assert checks["gpu-lock"]["status"] == "OK" and "off" in checks["gpu-lock"]["detail"]
+    folder = tmp_path / "locks"
+    cfg = write_config(tmp_path, base + f'gpu_lock = "{folder}/GPU-<uuid>.lock"')
+    _, _, checks = doctor_json(cfg)
+    assert checks["gpu-lock"]["status"] == "OK", checks["gpu-lock"]
+    folder.mkdir(mode=0o700)
+    _, _, checks = doctor_json(cfg)
+    assert checks["gpu-lock"]["status"] == "OK" and "usable (0700)" in checks["gpu-lock"]["detail"]
+    folder.rmdir()
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    folder.symlink_to(tmp_path / "elsewhere")
+    assert folder.is_symlink()  # the planted link is in place
+    _, _, checks = doctor_json(cfg)
+    assert checks["gpu-lock"]["status"] == "FAIL" and "symlink" in checks["gpu-lock"]["detail"]

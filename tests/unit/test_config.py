@@ -13,8 +13,8 @@ from gpuwarden.errors import ConfigError, UserError
 
 TOP_KEYS = (
     "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, api, broker, "
-    "cluster, container_runtime, create_queue_roots, database, gpu, limits, module_paths, "
-    "node_name, "
+    "cluster, container_runtime, create_queue_roots, database, gpu, gpu_lock, limits, "
+    "module_paths, node_name, "
     "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, state_dir, vram, warm"
 )
 BROKER_KEYS = (
@@ -319,3 +319,23 @@ def test_an_unknown_runtime_and_a_root_uid_are_refused(tmp_path: Path) -> None:
     cfg.write_text('container_runtime = "lxc"\n[sandbox]\nuid = 0\n')
     text = config_error(cfg)
     assert "key 'container_runtime'" in text and "key 'sandbox.uid'" in text
+
+
+def test_gpu_lock_is_off_by_default_and_taken_as_written(tmp_path: Path) -> None:
+    assert load_config(None, state_dir=tmp_path).gpu_lock == ""
+    path = write(tmp_path / "gw.toml", 'gpu_lock = "/run/gpuwarden/GPU-<uuid>.lock"\n')
+    assert load_config(path).gpu_lock == "/run/gpuwarden/GPU-<uuid>.lock"
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("run/GPU-<uuid>.lock", "must be an absolute path"),
+        ("/run/gpuwarden/GPU.lock", "must contain <uuid> or {uuid}"),
+        ("/run/<uuid>/GPU.lock", "<uuid> may only be in the file's name"),
+    ],
+)
+def test_a_bad_gpu_lock_is_a_config_error(tmp_path: Path, template: str, says: str) -> None:
+    path = write(tmp_path / "gw.toml", f'gpu_lock = "{template}"\n')
+    message = config_error(path)
+    assert "gpu_lock" in message and says in message

@@ -6,10 +6,21 @@ import fcntl
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from gpuwarden.gpu.lockfile import GpuLockError, LockTemplate, holders_in, open_lock, try_lock
+from gpuwarden.gpu.lockfile import (
+    GpuLockError,
+    Holder,
+    LockTemplate,
+    holders_in,
+    lock_state,
+    open_lock,
+    try_lock,
+    waiters_in,
+)
 
 
 def test_template_placeholders() -> None:
@@ -42,6 +53,51 @@ def test_holders_in_proc_locks() -> None:
     )
     assert holders_in(text, dev, 777) == [4242]
     assert holders_in(text, dev, 999) == []
+
+
+def test_waiters_in_proc_locks() -> None:
+    dev = os.makedev(0x103, 0x2)
+    text = (
+        "1: FLOCK  ADVISORY  WRITE 4242 103:02:777 0 EOF\n"
+        "1: -> FLOCK  ADVISORY  WRITE 5151 103:02:777 0 EOF\n"
+        "1: -> FLOCK  ADVISORY  READ  5252 103:02:777 0 EOF\n"
+        "1: -> FLOCK  ADVISORY  WRITE 5151 103:02:777 0 EOF\n"
+        "2: -> POSIX  ADVISORY  WRITE 6161 103:02:777 0 EOF\n"
+        "3: -> FLOCK  ADVISORY  WRITE 7171 103:02:778 0 EOF\n"
+        "4: -> FLOCK\n"
+        "5: -> FLOCK  ADVISORY  WRITE x 103:02:777 0 EOF\n"
+    )
+    assert waiters_in(text, dev, 777) == [5151, 5252]
+    assert waiters_in(text, dev, 778) == [7171]
+    assert holders_in(text, dev, 778) == []
+    assert Holder(5151, "gpuwarden gpu lock").wants_reason() == (
+        "GPU wanted by PID 5151 (gpuwarden gpu lock), which waits for its lock"
+    )
+
+
+def test_lock_state_sees_a_real_waiter(tmp_path: pytest.TempPathFactory) -> None:
+    """This process holds the lock; a child blocks on LOCK_EX: it is the waiter."""
+    tpl = LockTemplate(f"{tmp_path}/locks/GPU-<uuid>.lock")
+    fd = open_lock(tpl, "GPU-0")
+    try:
+        assert try_lock(fd, shared=True) is None
+        code = "import fcntl,os,sys; f=os.open(sys.argv[1],os.O_RDWR); fcntl.flock(f,fcntl.LOCK_EX)"
+        child = subprocess.Popen([sys.executable, "-c", code, str(tpl.path("GPU-0"))])
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                holder, waiter = lock_state(fd, Path("/proc/locks").read_text())
+                if waiter is not None:
+                    break
+                time.sleep(0.02)
+            assert holder is None  # this process itself is not named
+            assert waiter is not None and waiter.pid == child.pid
+            assert child.poll() is None  # it really blocks
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        os.close(fd)
 
 
 def test_lock_held_by_another_process_names_it(tmp_path: pytest.TempPathFactory) -> None:

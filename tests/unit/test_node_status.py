@@ -3,6 +3,8 @@ a stored document read back, also a partial one; an agent's GPU report."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -74,6 +76,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "holdings",
         "degraded",
         "runtimes",
+        "locked",
         "free_bytes",
     ]
     assert gpu["free_bytes"] == 24 * GIB - GIB - 14 * GIB
@@ -96,6 +99,14 @@ def test_a_stored_document_reads_back_the_same() -> None:
     doc = status().to_json()
     assert BrokerStatus.from_json(doc).to_json() == doc
     assert BrokerStatus.from_json(doc).gpu_views() == (VIEW,)
+
+
+def test_a_locked_gpu_reads_back_locked() -> None:
+    """``gpu_lock``: a GPU a process outside the queue keeps says so in the status."""
+    locked = dataclasses.replace(VIEW, locked="GPU locked by PID 7 (bench)")
+    st = dataclasses.replace(status(), gpus=(GpuStatus("G0", "sim", 24 * GIB, view=locked),))
+    back = BrokerStatus.from_json(json.loads(json.dumps(st.to_json())))
+    assert back.gpu_views()[0].locked == "GPU locked by PID 7 (bench)"
 
 
 def test_a_gpu_without_the_books_view_has_no_room() -> None:

@@ -1,5 +1,6 @@
 """The commands of this node's broker: ``serve`` (the broker, and the HTTP API
-beside it), ``run-once`` (one job on a broker of its own), ``gpu clear`` and
+beside it), ``run-once`` (one job on a broker of its own), ``gpu clear``, ``gpu lock``
+(:mod:`gpuwarden.cli.gpulock`) and
 ``types`` (what the node's modules offer and its launch rules allow). ``status``
 is in :mod:`gpuwarden.cli.status`.
 """
@@ -35,6 +36,7 @@ from gpuwarden.cli.common import (
     parse_address,
     progress_text,
 )
+from gpuwarden.cli.gpulock import add_lock
 from gpuwarden.cli.httpserver import ApiThread
 from gpuwarden.cli.submit import add_job_options, copy_inputs, copy_outputs, job_spec, print_result
 from gpuwarden.cli.topview import span
@@ -96,6 +98,7 @@ def _add_gpu(sub: Commands) -> None:
     )
     add_remote_options(clear)
     clear.set_defaults(func=cmd_gpu_clear)
+    add_lock(gpu_sub)
 
 
 def _add_types(sub: Commands) -> None:

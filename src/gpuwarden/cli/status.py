@@ -28,6 +28,7 @@ from gpuwarden.client import Client
 from gpuwarden.cluster import report
 from gpuwarden.core import faultlatch
 from gpuwarden.core.model import format_bytes
+from gpuwarden.core.policy import GpuView
 from gpuwarden.core.states import JobState
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import NodeStatus
@@ -297,6 +298,15 @@ def _print_status(node: str, pid: int | None, old_s: float, st: BrokerStatus, pr
         out.print(f"[red]last loop error[/] ({age(e.ts)} ago, in {e.where}): {e.message}")
 
 
+def _gpu_state(view: GpuView | None) -> str:
+    """A GPU's state column: degraded, kept by a process outside the queue, or ok."""
+    if view is not None and view.degraded:
+        return f"[red]degraded: {escape(view.degraded)}[/]"
+    if view is not None and view.locked:
+        return f"[yellow]{escape(view.locked)}[/]"
+    return "ok"
+
+
 def _print_gpus(st: BrokerStatus) -> None:
     """A broker's GPUs and, when any, what the ledger holds on each."""
     gpus = Table("GPU", "name", "total", "used", "gpuwarden", "others", "reserve", "free", "state")
@@ -312,7 +322,7 @@ def _print_gpus(st: BrokerStatus) -> None:
             format_bytes(view.foreign_bytes if view else 0),
             format_bytes(view.reserve_bytes if view else 0),
             format_bytes(g.free_bytes),
-            f"[red]degraded: {view.degraded}[/]" if view and view.degraded else "ok",
+            _gpu_state(view),
         )
         for h in view.holdings if view else ():
             holdings.add_row(

@@ -20,7 +20,9 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
   ``est_s``; a holder without one may end at any moment, so the head's fit is
   reckoned as if it had gone; a job without an estimate never backfills this way).
 - A job whose footprint exceeds every GPU's total (less the reserve) is refused.
-- A degraded GPU takes no ``vram`` job; ``cpu`` jobs go on.
+- A degraded GPU takes no ``vram`` job; ``cpu`` jobs go on. Nor does a GPU whose
+  lock file (``gpu_lock``) a process outside the queue holds or waits for
+  (``GpuView.locked``): jobs running there go on, nothing new starts.
 - Host RAM (:mod:`gpuwarden.core.ramadmit`), for jobs of either lane: a job
   starts only where MemAvailable, less what running jobs' caps still promise,
   less the largest floor (the node's, its own, the running jobs'), holds its
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuwarden.core import ramadmit
@@ -113,6 +115,9 @@ class GpuView:
     #: what each managed runtime's processes hold here, by its name (not foreign:
     #: counted against the budget the same way, but named)
     runtimes: tuple[tuple[str, int], ...] = ()
+    #: why a process outside the queue keeps it (``gpu_lock``: it holds or waits
+    #: for the GPU's lock file), or "": taken like a degraded GPU, with this reason
+    locked: str = ""
 
     @property
     def runtime_bytes(self) -> int:
@@ -143,6 +148,7 @@ class GpuView:
             "holdings": [h.to_json() for h in self.holdings],
             "degraded": self.degraded,
             "runtimes": [{"name": n, "bytes": b} for n, b in self.runtimes],
+            "locked": self.locked,
         }
 
     @classmethod
@@ -156,6 +162,7 @@ class GpuView:
             holdings=tuple(Holding.from_json(h) for h in d.get("holdings", [])),
             degraded=d.get("degraded", ""),
             runtimes=tuple((str(r["name"]), int(r["bytes"])) for r in d.get("runtimes", [])),
+            locked=str(d.get("locked", "")),
         )
 
 
@@ -551,7 +558,7 @@ class _Step:
         self.snapshot = snapshot
         self.now = now
         self.cpu_free = snapshot.cpu_slots - snapshot.running_cpu
-        self.gpus = [_Gpu(g, list(g.holdings)) for g in snapshot.gpus]
+        self.gpus = [_Gpu(_paused_view(g), list(g.holdings)) for g in snapshot.gpus]
         self.best = max((g.total_bytes - g.reserve_bytes for g in snapshot.gpus), default=None)
         self.reservations_left = snapshot.max_reservations
         self.held_back = dict(snapshot.held_back)
@@ -564,7 +571,7 @@ class _Step:
         self.victims = [v for v in snapshot.victims if v.preempting_for is None]
         self.pending = [v for v in snapshot.victims if v.preempting_for is not None]
         self.ram = snapshot.ram
-        degraded = {g.uuid: g.degraded for g in snapshot.gpus if g.degraded}
+        degraded = {g.uuid: g.degraded or g.locked for g in snapshot.gpus if g.degraded or g.locked}
         self.paused = {
             w.type: snapshot.vram_paused or degraded.get(w.gpu_uuid, "")
             for w in snapshot.warm
@@ -1079,6 +1086,8 @@ def _why_not(job: QueuedJob, g: _Gpu, seen: tuple[int, QueuedJob | None]) -> str
     how many holdings ``g`` had then, and whom it was held back for."""
     uuid = g.view.uuid
     holdings = g.holdings[: seen[0]]
+    if g.view.locked:
+        return f"{uuid}: {g.view.locked}"
     if g.view.degraded:
         return f"{uuid} is degraded ({g.view.degraded})"
     if not compatible(job.coresident, holdings):
@@ -1099,6 +1108,12 @@ def _why_not(job: QueuedJob, g: _Gpu, seen: tuple[int, QueuedJob | None]) -> str
     if head is not None:
         return f"{uuid} is held back for job {head.id}, which waits for it and must not be delayed"
     return f"{uuid} cannot take it"  # pragma: no cover - every refusal above has a reason
+
+
+def _paused_view(g: GpuView) -> GpuView:
+    """A GPU an outside process keeps (``locked``) is planned as a degraded one:
+    no new ``vram`` job, no eviction, release or preemption for one there."""
+    return replace(g, degraded=g.locked) if g.locked and not g.degraded else g
 
 
 def _holder(h: Holding) -> str:

@@ -28,8 +28,11 @@ __all__ = [
     "LockTemplate",
     "holder_of",
     "holders_in",
+    "lock_state",
     "open_lock",
+    "read_proc_locks",
     "try_lock",
+    "waiters_in",
 ]
 
 _PLACEHOLDERS = ("<uuid>", "{uuid}")
@@ -87,18 +90,28 @@ class Holder:
             else (f"GPU locked by PID {self.pid}")
         )
 
+    def wants_reason(self) -> str:
+        """The wait reason while this process waits for the lock (nothing new starts
+        on the GPU, so that it gets it once the jobs there end)."""
+        who = f"PID {self.pid} ({self.cmd})" if self.cmd else f"PID {self.pid}"
+        return f"GPU wanted by {who}, which waits for its lock"
 
-def holders_in(proc_locks: str, dev: int, ino: int) -> list[int]:
-    """The PIDs that ``/proc/locks`` text lists as holding an ``FLOCK`` on the
-    inode ``ino`` of device ``dev`` (waiters, ``->`` lines, are not holders)."""
+
+def _flock_pids(proc_locks: str, dev: int, ino: int, *, waiting: bool) -> list[int]:
+    """The PIDs of the ``FLOCK`` lines of ``/proc/locks`` text on the inode ``ino``
+    of device ``dev``: its holders, or (``waiting``) its waiters, the ``->`` lines."""
     want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
     pids: list[int] = []
     for line in proc_locks.splitlines():
         fields = line.split()
-        if len(fields) < 6 or "->" in fields[:2] or fields[1] != "FLOCK":
+        is_waiter = len(fields) > 1 and fields[1] == "->"
+        if is_waiter != waiting:
             continue
-        node = fields[5]
-        major, _, rest = node.partition(":")
+        if is_waiter:
+            fields = fields[1:]
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        major, _, rest = fields[5].partition(":")
         minor, _, inode = rest.partition(":")
         try:
             same = f"{int(major, 16):02x}:{int(minor, 16):02x}:{int(inode)}" == want
@@ -110,6 +123,18 @@ def holders_in(proc_locks: str, dev: int, ino: int) -> list[int]:
     return pids
 
 
+def holders_in(proc_locks: str, dev: int, ino: int) -> list[int]:
+    """The PIDs that ``/proc/locks`` text lists as holding an ``FLOCK`` on the
+    inode ``ino`` of device ``dev`` (waiters, ``->`` lines, are not holders)."""
+    return _flock_pids(proc_locks, dev, ino, waiting=False)
+
+
+def waiters_in(proc_locks: str, dev: int, ino: int) -> list[int]:
+    """The PIDs that ``/proc/locks`` text lists as waiting for an ``FLOCK`` on the
+    inode ``ino`` of device ``dev`` (the ``->`` lines under a holder's line)."""
+    return _flock_pids(proc_locks, dev, ino, waiting=True)
+
+
 def _cmdline(pid: int) -> str:
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()[:4096]
@@ -118,17 +143,33 @@ def _cmdline(pid: int) -> str:
     return " ".join(p.decode("utf-8", "replace") for p in raw.split(b"\0") if p)[:200]
 
 
+def read_proc_locks() -> str:
+    """``/proc/locks`` as text ("" where it cannot be read)."""
+    try:
+        return Path("/proc/locks").read_text()
+    except OSError:
+        return ""
+
+
+def lock_state(fd: int, proc_locks: str) -> tuple[Holder | None, Holder | None]:
+    """Who other than this process holds, and who waits for, the lock of the open
+    lock file ``fd``, as ``proc_locks`` (``/proc/locks``' text) says."""
+    st = os.fstat(fd)
+    me = os.getpid()
+    found: list[Holder | None] = []
+    for pids in (
+        holders_in(proc_locks, st.st_dev, st.st_ino),
+        waiters_in(proc_locks, st.st_dev, st.st_ino),
+    ):
+        pid = next((p for p in pids if p != me), None)
+        found.append(None if pid is None else Holder(pid, _cmdline(pid)))
+    return found[0], found[1]
+
+
 def holder_of(fd: int) -> Holder | None:
     """Who holds the lock of the open lock file ``fd`` (None: nobody says)."""
-    st = os.fstat(fd)
-    try:
-        text = Path("/proc/locks").read_text()
-    except OSError:
-        return None
-    for pid in holders_in(text, st.st_dev, st.st_ino):
-        if pid != os.getpid():
-            return Holder(pid, _cmdline(pid))
-    return None
+    text = read_proc_locks()
+    return lock_state(fd, text)[0] if text else None
 
 
 def _folder(folder: Path) -> None:
@@ -159,11 +200,11 @@ def open_lock(template: LockTemplate, uuid: str) -> int:
     return fd
 
 
-def try_lock(fd: int) -> Holder | None:
-    """Take ``flock(LOCK_EX|LOCK_NB)`` on ``fd``: None when taken, else who holds it
-    (``Holder(0, "")`` when the holder cannot be found)."""
+def try_lock(fd: int, *, shared: bool = False) -> Holder | None:
+    """Take ``flock(LOCK_EX|LOCK_NB)`` (``shared``: ``LOCK_SH``) on ``fd``: None when
+    taken, else who holds it (``Holder(0, "")`` when the holder cannot be found)."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         return holder_of(fd) or Holder(0, "")
     return None

@@ -37,18 +37,30 @@ from hashlib import sha256
 from typing import Any, cast
 
 from gpuwarden.core import policy
-from gpuwarden.core.model import Event, Job, JobSpec, JobType, Lane, LaunchMode, gpu_count
+from gpuwarden.core.gpulock import lock_mode
+from gpuwarden.core.model import (
+    Event,
+    Job,
+    JobSpec,
+    JobType,
+    Lane,
+    LaunchMode,
+    gpu_count,
+    gpu_list,
+)
 from gpuwarden.core.preempt import Preempt, Victim
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.eventlog import EventLog, NullLog
 from gpuwarden.gpu.base import GpuProbe
+from gpuwarden.gpu.lockfile import LockTemplate
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.fairuse import FairUse
+from gpuwarden.node.gpulocks import GpuLocks, release
 from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.hostram import effective_need
 from gpuwarden.node.jobends import JobEnds
@@ -61,6 +73,7 @@ from gpuwarden.node.running import (
     Clock,
     ExchangeNote,
     Mailbox,
+    RunningAttempt,
     RuntimeNote,
     ServerNote,
     Started,
@@ -168,6 +181,9 @@ class Broker:
         #: the queued jobs, by class, followed through the store's events
         self.queue = QueueBook(self.store, self.registry, self._clock)
         self.vram = VramBook(self.settings.vram)
+        #: the GPU lock files (``gpu_lock``): who outside the queue keeps a GPU
+        lock = self.settings.gpu_lock
+        self.locks = GpuLocks(LockTemplate(lock) if lock else None, emit=self.emit)
         #: the managed runtimes ([[runtimes]]): looked at by a poller thread
         self.runtimes = ManagedRuntimes(
             self.settings.runtimes,
@@ -432,6 +448,7 @@ class Broker:
                 self._waits = {}
                 self._status_dirty = True
             return
+        self._look_at_locks()
         # also when only warm servers may expire
         done = policy.plan_pass(lineups, self._snapshot(now, lineups), now)
         for eviction in done.evictions:
@@ -502,7 +519,7 @@ class Broker:
         )
         return policy.Snapshot(
             queued=(),
-            gpus=self.vram.views(),
+            gpus=self.locks.mark(self.vram.views()),
             running_cpu=sum(1 for r in self.attempts if r.jobtype.lane is Lane.CPU),
             cpu_slots=self.settings.cpu_slots,
             accepting=self.accepting,
@@ -532,9 +549,8 @@ class Broker:
         if jobtype.launch is LaunchMode.SERVE and gpu is not None:
             if not self.warm.ready(jobtype, decision):
                 return False
-            run = self.attempts.begin(job, jobtype, gpu, now)
-            if run is None:
-                return not self._still_queued(job.id)
+            if not isinstance(run := self._begin(job, jobtype, gpu, now), RunningAttempt):
+                return run
             self._began(run.job.id)
             self.warm.start(run, decision, gpu, now)
             return True
@@ -552,13 +568,39 @@ class Broker:
         runtime = self.runtimes.resolve(jobtype.runtime) if jobtype.runtime else None
         if runtime is not None and jobtype.model is not None:
             launcher = self.runtimes.launcher(runtime, jobtype.model, launcher)
-        run = self.attempts.begin(job, jobtype, gpu, now)
-        if run is None:
-            return not self._still_queued(job.id)
+        if not isinstance(run := self._begin(job, jobtype, gpu, now), RunningAttempt):
+            return run
         run.runtime = runtime
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
         return True
+
+    def _begin(
+        self, job: Job, jobtype: JobType, gpu: str | None, now: float
+    ) -> RunningAttempt | bool:
+        """Take its GPUs' locks (``gpu_lock``: ``core/gpulock.py``'s mode), then begin
+        the attempt; else what :meth:`_start` returns: False (still queued: a lock
+        kept by an outsider, whose reason the next pass gives, or its row locked for
+        a moment), True (it left the queue: cancelled since the plan)."""
+        gpus = gpu_list(gpu)
+        mode = lock_mode(
+            gpus=len(gpus), coresident=jobtype.coresident, runtime=jobtype.runtime is not None
+        )
+        locks = self.locks.take(gpus, mode)
+        if locks is None:
+            self._status_dirty = True
+            return False
+        run = self.attempts.begin(job, jobtype, gpu, now)
+        if run is None:
+            release(locks)
+            return not self._still_queued(job.id)
+        run.locks = locks
+        return run
+
+    def _look_at_locks(self) -> None:
+        """Who outside the queue keeps a GPU (at most every ``gpulocks.LOOK_S``)."""
+        if self.locks.refresh(v.uuid for v in self.vram.views()):
+            self._status_dirty = True
 
     def _still_queued(self, job_id: str) -> bool:
         """After a start the store refused: True when the job is still queued (its
@@ -687,7 +729,7 @@ class Broker:
             ):
                 waiting += self.footprints.of(jobtype, job.vram_bytes)
         return gpu_reports(
-            self.vram.views(),
+            self.locks.mark(self.vram.views()),
             used={r.uuid: r.used_bytes for r in self.gpus.readings},
             evictable=self.warm.evictable(),
             waiting=waiting,
@@ -713,6 +755,7 @@ class Broker:
         self._status_dirty = False
         self._last_status = now
         self._observe(now)
+        self._look_at_locks()
         self.store.put_node_status(
             NodeStatus(
                 node=self.node,
@@ -726,7 +769,7 @@ class Broker:
         """What ``gpuwarden status`` shows of this node. ``gpus`` holds the probe's
         readings with the VRAM book's view of each: reserve, foreign memory,
         holdings (the ledger) and whether admission there is paused."""
-        views = {v.uuid: v for v in self.vram.views()}
+        views = {v.uuid: v for v in self.locks.mark(self.vram.views())}
         return BrokerStatus(
             stopped=stopped,
             accepting=self.accepting,

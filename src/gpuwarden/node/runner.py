@@ -41,6 +41,7 @@ from gpuwarden.errors import GpuwardenError, TransitionError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Starter
 from gpuwarden.node import attemptfs
 from gpuwarden.node.attempts import AttemptLayout, Launching
+from gpuwarden.node.gpulocks import release
 from gpuwarden.node.hostram import HostRam, RunningRam, effective_need, ram_view
 from gpuwarden.node.measured import Footprints, RamPeaks, RunTimes, tree_shows_ram
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
@@ -217,6 +218,7 @@ class AttemptRunner:
             except Exception:
                 for p in pending:
                     self.by_job.pop(p.run.job.id, None)
+                    release(p.run.locks)
                 raise
             for p in pending:
                 self._launch_now(p.run, p.launcher, p.decision, p.now)
@@ -407,6 +409,7 @@ class AttemptRunner:
             recorded.holder,
         )
         steps: list[tuple[str, Callable[[], None]]] = [
+            ("releasing its GPU locks", lambda: release(run.locks)),
             ("freeing its warm server", lambda: _free_server(run, result, now)),
             ("raising its footprint", lambda: self._after_cuda_oom(run, verdict, holder, now)),
             ("measuring its memory", lambda: self._measure(run, now)),

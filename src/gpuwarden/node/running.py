@@ -91,6 +91,8 @@ class RunningAttempt:
     #: the previous attempt's output folder, carried into this one's (it resumes
     #: after a checkpoint or a preemption: ``GPUWARDEN_RESUME=1``), or None
     resume_from: Path | None = None
+    #: its GPUs' lock files (``gpu_lock``), their ``flock`` held until its end is drained
+    locks: list[int] = field(default_factory=list)
 
     @property
     def holder(self) -> str:

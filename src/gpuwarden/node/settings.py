@@ -88,3 +88,5 @@ class NodeSettings:
     fair_share_half_life_s: float = DEFAULT_HALF_LIFE_S
     #: host RAM that must stay available beside every job (``[broker] ram_floor_gib``)
     ram_floor_bytes: int = 0
+    #: the GPU lock file's path template (``gpu_lock``), "": off
+    gpu_lock: str = ""

@@ -341,7 +341,7 @@ def gpu_reports(
     for v in views:
         usable = max(0, v.total_bytes - v.reserve_bytes)
         back = sum(h.bytes for h in v.holdings if h.holder in evictable)
-        free[v.uuid] = 0 if v.degraded else min(usable, v.free_bytes + back)
+        free[v.uuid] = 0 if v.degraded or v.locked else min(usable, v.free_bytes + back)
     for uuid in sorted(free, key=lambda u: -free[u]):
         take = min(waiting, free[uuid])
         free[uuid] -= take

@@ -2,7 +2,8 @@
 
 Each check is a small function that looks at one thing (the config, the
 container runtime, the GPUs, CDI, the NVIDIA container toolkit, the modules,
-the weights folder, the queue roots, the sandbox image, a real sandboxed start)
+the weights folder, the queue roots, the GPU lock file's folder, the sandbox
+image, a real sandboxed start)
 and returns a :class:`Check`: ``OK``, ``WARN`` or ``FAIL``, what it found and,
 for WARN and FAIL, what to do. A check never crashes the doctor: an exception
 becomes a FAIL with its text. Checks that need what an earlier check could not
@@ -32,6 +33,7 @@ from rich.markup import escape
 
 from gpuwarden.tools.doctor.base import Check, Host, Skip, Status
 from gpuwarden.tools.doctor.files import (
+    check_gpu_lock,
     check_image,
     check_modules,
     check_queue_roots,
@@ -73,6 +75,7 @@ CHECKS: tuple[tuple[str, Callable[[Host], Check]], ...] = (
     ("modules", check_modules),
     ("weights", check_weights),
     ("queue-roots", check_queue_roots),
+    ("gpu-lock", check_gpu_lock),
     ("image", check_image),
     ("sandbox", check_sandbox),
     ("sandbox-gpu", check_sandbox_gpu),

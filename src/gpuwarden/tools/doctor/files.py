@@ -1,13 +1,15 @@
-"""What the config points at: the modules, the weights folder, the queue roots
-and the sandbox image."""
+"""What the config points at: the modules, the weights folder, the queue roots,
+the GPU lock file's folder (``gpu_lock``) and the sandbox image."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from gpuwarden.core.launchrules import Runtime, image_is_pinned
 from gpuwarden.errors import GpuwardenError
+from gpuwarden.gpu.lockfile import LockTemplate
 from gpuwarden.intake.queueroot import SUBFOLDERS
 from gpuwarden.tools.doctor.base import (
     Check,
@@ -213,3 +215,30 @@ def check_image(host: Host) -> Check:
             f"pin it: {fix}" if not image_is_pinned(image) else "fix the runtime check first",
         )
     return Check("image", Status.OK, found)
+
+
+def check_gpu_lock(host: Host) -> Check:
+    """``gpu_lock``: whether it is set, and that its folder is usable (a folder, not
+    a link, that no one else may write), as the broker and ``gpu lock`` need it."""
+    template = host.need_config().gpu_lock
+    if not template:
+        return Check("gpu-lock", Status.OK, "off (gpu_lock is not set)")
+    folder = LockTemplate(template).folder
+    fix = f"make {folder} a folder of the broker's user, mode 0700 (or remove it: made at start)"
+    try:
+        st = folder.lstat()
+    except FileNotFoundError:
+        return Check(
+            "gpu-lock", Status.OK, f"gpu_lock = {template}; {folder} is made root-only at start"
+        )
+    if stat.S_ISLNK(st.st_mode):
+        return Check("gpu-lock", Status.FAIL, f"{folder} is a symlink; links are not used", fix)
+    if not stat.S_ISDIR(st.st_mode):
+        return Check("gpu-lock", Status.FAIL, f"{folder} is not a folder", fix)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return Check("gpu-lock", Status.FAIL, f"{folder} is writable by others", fix)
+    if st.st_uid != os.geteuid():
+        owner = f"{folder} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})"
+        return Check("gpu-lock", Status.WARN, owner, fix)
+    mode = f"{stat.S_IMODE(st.st_mode):04o}"
+    return Check("gpu-lock", Status.OK, f"gpu_lock = {template}; {folder} is usable ({mode})")
