@@ -20,12 +20,13 @@ from gpuwarden import client as c
 from gpuwarden.app import Node, open_node
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster import nodeview as nv
-from gpuwarden.core.model import GIB, JobSpec
+from gpuwarden.core.model import GIB, JobSpec, LaunchMode
 from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import BundleError
+from gpuwarden.errors import BundleError, ValidationError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake.manifest import manifest_doc, parse_manifest
+from gpuwarden.launch.host import HostLauncher
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore
@@ -257,3 +258,25 @@ def test_a_launch_refused_by_a_fresh_sample_never_runs(
     assert [a.outcome for a in node.store.attempts("late")] == ["launch_error", "succeeded"]
     # the same path names the second attempt's pid: the first one's absence is real
     assert (node.broker.launching.attempt_dir("late", 2) / "out" / "pid").is_file()
+
+
+def test_a_node_that_cannot_enforce_caps_refuses_a_job_that_asks_for_one(
+    ram_node: tuple[Node, FakeMeminfo],
+) -> None:
+    """A host launcher without memory cgroups: a bundle's job with ``ram_gib`` is
+    refused at submission (``check_fits``), and one already queued (accepted by
+    another configuration) fails at its start with the reason, never run; a job
+    without a cap of its own still runs."""
+    node, _ = ram_node
+    node.broker.launchers[LaunchMode.HOST] = HostLauncher(None)
+    assert not node.broker.launchers[LaunchMode.HOST].memory_caps().enforced
+    with pytest.raises(ValidationError, match="cannot enforce one: no memory cgroup"):
+        node.broker.check_fits([_sleep("checked", cap_bytes=GIB)])
+    submit(node, _sleep("capped", cap_bytes=GIB), _sleep("plain"))
+    run_until(node, lambda: _state(node, "capped") is JobState.FAILED)
+    job = node.store.get_job("capped")
+    assert job is not None and job.reason.startswith(
+        "refused: ram_gib asks for a RAM cap of 1.00 GiB, but this node cannot enforce one: "
+    )
+    assert node.store.attempts("capped") == []  # never started
+    run_until(node, lambda: _state(node, "plain") is JobState.DONE)

@@ -68,7 +68,7 @@ from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.preempting import Preemptions
 from gpuwarden.node.queue import ClassKey, PlanKey, QueueBook
 from gpuwarden.node.recovery import Recovery
-from gpuwarden.node.runner import AttemptRunner, Recorded
+from gpuwarden.node.runner import AttemptRunner, Recorded, cap_refusal
 from gpuwarden.node.running import (
     Clock,
     ExchangeNote,
@@ -565,6 +565,9 @@ class Broker:
                 f"{', '.join([*(m.value for m in self.launchers), LaunchMode.SERVE.value])})",
             )
             return True
+        if (no_cap := cap_refusal(job, launcher)) is not None:
+            self.store.transition(job.id, JobState.FAILED, now=now, reason=f"refused: {no_cap}")
+            return True
         runtime = self.runtimes.resolve(jobtype.runtime) if jobtype.runtime else None
         if runtime is not None and jobtype.model is not None:
             launcher = self.runtimes.launcher(runtime, jobtype.model, launcher)
@@ -680,11 +683,18 @@ class Broker:
             self._status_dirty = True
 
     def check_fits(self, specs: list[JobSpec]) -> None:
-        """Refuse, at submission, a job whose footprint exceeds every GPU here."""
+        """Refuse, at submission, a job whose footprint exceeds every GPU here, or
+        that asks for a RAM cap this node cannot enforce."""
         self._observe(self.clock())
         views = self.vram.views()
         for spec in specs:
             jobtype = self.registry.get(spec.type)
+            launcher = self.launchers.get(jobtype.launch)
+            if spec.ram.cap_bytes and launcher is not None and not launcher.memory_caps().enforced:
+                raise ValidationError(
+                    f"job {spec.id} ({spec.type}): ram_gib asks for a RAM cap, but this node "
+                    f"cannot enforce one: {launcher.memory_caps().how}"
+                )
             if jobtype.lane is not Lane.VRAM:
                 continue
             why = policy.never_fits(

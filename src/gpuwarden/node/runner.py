@@ -15,6 +15,7 @@ Everything here runs on the loop's thread, except :meth:`AttemptRunner.work`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -274,6 +275,7 @@ class AttemptRunner:
                 )
             # a runtime job's own process is the runtime's client: it gets no GPU
             request = self.launching.request(run, None if run.runtime else gpu, now)
+            request = dataclasses.replace(request, ram_cap_bytes=cap_for(run, launcher))
             run.ram_measured = tree_shows_ram(launcher)
             if isinstance(launcher, Starter):
                 run.thread = launcher.start(
@@ -616,3 +618,28 @@ def _free_server(run: RunningAttempt, result: LaunchResult, now: float) -> None:
         and server.state is not ServerState.STOPPING
     ):
         server.job_done(now)
+
+
+def cap_for(run: RunningAttempt, launcher: Launcher) -> int:
+    """The RAM cap the kernel enforces for the attempt: its own ``ram_gib`` (a
+    launcher that cannot enforce it refuses the launch; the broker refuses such a
+    job before, :func:`cap_refusal`), else its type's ``ram_gib`` where the
+    launcher enforces caps; 0: none."""
+    need = effective_need(run.jobtype, run.job.ram)
+    if run.job.ram.cap_bytes:
+        return need.cap_bytes
+    return need.cap_bytes if need.cap_bytes and launcher.memory_caps().enforced else 0
+
+
+def cap_refusal(job: Job, launcher: Launcher) -> str | None:
+    """Why a job that asks for a RAM cap of its own cannot run with this launcher
+    (it cannot enforce one), or None."""
+    if not job.ram.cap_bytes:
+        return None
+    caps = launcher.memory_caps()
+    if caps.enforced:
+        return None
+    return (
+        f"ram_gib asks for a RAM cap of {ramadmit.gib_text(job.ram.cap_bytes)}, but this node "
+        f"cannot enforce one: {caps.how}"
+    )
