@@ -244,17 +244,8 @@ class AttemptRunner:
         faults.point("after_start_attempt")
         job, jobtype, gpu = run.job, run.jobtype, decision.gpu_uuid
         if (short := self.ram_short(run, self.clock())) is not None:
-            run.thread = None
-            self.mailbox.post(
-                LaunchResult(
-                    job_id=job.id,
-                    attempt=run.attempt.number,
-                    exit_code=None,
-                    started_at=now,
-                    ended_at=self.clock(),
-                    launch_error=f"{short}; checked again right before the launch, so it was "
-                    "not started",
-                )
+            self._not_launched(
+                run, now, f"{short}; checked again right before the launch, so it was not started"
             )
             return
         try:
@@ -297,19 +288,23 @@ class AttemptRunner:
         except Exception as exc:
             if not isinstance(exc, OSError | GpuwardenError):
                 log.exception("could not prepare attempt %s", run.holder)
-            run.thread = None
-            self.mailbox.post(
-                LaunchResult(
-                    job_id=job.id,
-                    attempt=run.attempt.number,
-                    exit_code=None,
-                    started_at=now,
-                    ended_at=self.clock(),
-                    launch_error=f"could not prepare the attempt: {exc}",
-                )
-            )
+            self._not_launched(run, now, f"could not prepare the attempt: {exc}")
             return
         faults.point("after_launch")
+
+    def _not_launched(self, run: RunningAttempt, now: float, why: str) -> None:
+        """End the attempt as a launch error: its process never ran."""
+        run.thread = None
+        self.mailbox.post(
+            LaunchResult(
+                job_id=run.job.id,
+                attempt=run.attempt.number,
+                exit_code=None,
+                started_at=now,
+                ended_at=self.clock(),
+                launch_error=why,
+            )
+        )
 
     def work(self, launcher: Launcher, request: LaunchRequest, stop: threading.Event) -> None:
         """Worker thread: run the attempt, post the result. Touches nothing else."""
