@@ -47,6 +47,7 @@ from gpuwarden.core.model import (
 )
 from gpuwarden.core.params import value_fits
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL
+from gpuwarden.core.service import parse_health
 from gpuwarden.errors import ModuleError, ValidationError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -71,7 +72,7 @@ class _ParamToml(_Strict):
 
 class _TypeToml(_Strict):
     lane: Literal["vram", "cpu"]
-    launch: Literal["host", "container", "serve"] = "host"
+    launch: Literal["host", "container", "serve", "service"] = "host"
     command: Annotated[list[str], Field(min_length=1)]
     vram_gib: Annotated[float, Field(ge=0, le=4096)] = 0.0
     ram_gib: Annotated[float, Field(ge=0, le=65536)] = 0.0
@@ -99,6 +100,11 @@ class _TypeToml(_Strict):
     min_run_s: Annotated[float, Field(ge=0, le=30 * 24 * 3600)] = DEFAULT_MIN_RUN_S
     # how many GPUs of one node each job holds at once (vram_gib on each)
     gpus: Annotated[int, Field(ge=1, le=MAX_GPUS)] = 1
+    # service launch mode only (SPEC.md, "Service jobs")
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    health: str = "tcp"
+    health_grace_s: Annotated[float, Field(gt=0, le=24 * 3600)] = 60.0
+    health_every_s: Annotated[float, Field(gt=0, le=3600)] = 2.0
 
 
 class _ModuleMeta(_Strict):
@@ -240,6 +246,7 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
     if t.launch == "serve" and t.lane != "vram":
         raise ModuleError(f'{where}: a serve type holds a model on a GPU: use lane = "vram"')
     _check_runtime_type(where, t)
+    _check_service(where, t)
     _check_preemptible(where, t)
     _check_gpus(where, t)
     params = tuple(_param(where, pname, p) for pname, p in t.params.items())
@@ -269,7 +276,34 @@ def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> 
         checkpoint_grace_s=t.checkpoint_grace_s,
         min_run_s=t.min_run_s,
         gpus=t.gpus,
+        port=t.port,
+        health=t.health,
+        health_grace_s=t.health_grace_s,
+        health_every_s=t.health_every_s,
     )
+
+
+def _check_service(where: str, t: _TypeToml) -> None:
+    """A service type declares its port and a health check it can be asked; the
+    service keys belong to service types only."""
+    keys = [
+        k for k in ("port", "health", "health_grace_s", "health_every_s") if k in t.model_fields_set
+    ]
+    if t.launch != "service":
+        if keys:
+            raise ModuleError(f'{where}: key {keys[0]!r} applies only to launch = "service" types')
+        return
+    if t.port is None:
+        raise ModuleError(
+            f"{where}: a service type declares the port its process listens on "
+            "(key 'port', 1-65535)"
+        )
+    try:
+        parse_health(t.health)
+    except ValueError as exc:
+        raise ModuleError(f"{where}: key 'health': {exc}") from None
+    if t.runtime is not None:
+        raise ModuleError(f"{where}: a service type is not a runtime type (leave out 'runtime')")
 
 
 def _check_gpus(where: str, t: _TypeToml) -> None:

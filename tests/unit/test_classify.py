@@ -33,6 +33,7 @@ def test_infrastructure_outcomes() -> None:
                 Outcome.GPU_FAULT,
                 Outcome.KILLED,
                 Outcome.CUDA_OOM_SHARED,
+                Outcome.SERVICE_UNHEALTHY,
             }
         )
         == INFRASTRUCTURE
@@ -409,3 +410,16 @@ def test_a_capped_job_that_succeeds_or_is_cancelled_is_not_a_cap_failure() -> No
         exit_code=-9, oom_killed=True, ram_cap_bytes=CAP, stopped=True, cancel_requested=True
     )
     assert classify(cancelled, attempt=1, max_retries=0).outcome is Outcome.CANCELLED
+
+
+def test_a_stopped_service_is_done_and_an_unhealthy_one_is_retried_then_quarantined() -> None:
+    stopped = AttemptFacts(exit_code=-15, stopped=True, stopped_by="alice")
+    assert classify(stopped, attempt=1, max_retries=1) == Verdict(
+        Outcome.SUCCEEDED, JobState.DONE, "stopped by alice"
+    )
+    why = "the service failed its health check (GET /healthz: refused) for 3 s"
+    sick = AttemptFacts(exit_code=-15, stopped=True, service_unhealthy=why)
+    first = classify(sick, attempt=1, max_retries=1)
+    assert first.outcome is Outcome.SERVICE_UNHEALTHY and first.target is JobState.QUEUED
+    last = classify(sick, attempt=2, max_retries=1)
+    assert last.target is JobState.QUARANTINED and last.reason.startswith(why)

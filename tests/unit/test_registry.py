@@ -434,7 +434,7 @@ def test_bad_launch_mode(tmp_path: Path) -> None:
     path = make_module(tmp_path, "mine", head() + GOOD_TYPE + 'launch = "docker"\n')
     message = module_error(path)
     assert "key 'types.run.launch'" in message
-    assert "'host', 'container' or 'serve'" in message
+    assert "'host', 'container', 'serve' or 'service'" in message
 
 
 def test_bad_lane(tmp_path: Path) -> None:

@@ -43,6 +43,9 @@ class Outcome(StrEnum):
     #: the kernel killed it (OOM kill in its memory cgroup) for passing its own
     #: RAM cap (``ram_gib``): the job's own failure, deterministic, not retried
     RAM_CAP_EXCEEDED = "ram_cap_exceeded"
+    #: a service did not become healthy, or stayed unhealthy, past its
+    #: ``health_grace_s``: stopped, retried, then quarantined (infrastructure)
+    SERVICE_UNHEALTHY = "service_unhealthy"
 
 
 INFRASTRUCTURE = frozenset(
@@ -53,6 +56,7 @@ INFRASTRUCTURE = frozenset(
         Outcome.GPU_FAULT,
         Outcome.KILLED,
         Outcome.CUDA_OOM_SHARED,
+        Outcome.SERVICE_UNHEALTHY,
     }
 )
 
@@ -103,6 +107,10 @@ class AttemptFacts:
     preempted_for: str | None = None
     #: the signal it was sent then
     checkpoint_signal: str = ""
+    #: a service stopped for its health (the reason), or None
+    service_unhealthy: str | None = None
+    #: a service stopped by ``gpuwarden stop``: who asked, or None
+    stopped_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +280,10 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
         return Outcome.WORKER_FAILED, f"its warm server failed: {f.worker_error}"
     if f.stopped and f.cancel_requested:
         return Outcome.CANCELLED, "cancelled while running; its processes were stopped"
+    if f.stopped and f.stopped_by is not None:
+        return Outcome.SUCCEEDED, f"stopped by {f.stopped_by}"
+    if f.service_unhealthy is not None:
+        return Outcome.SERVICE_UNHEALTHY, f.service_unhealthy
     if f.preempted_for is not None and (
         f.exit_code == CHECKPOINT_EXIT or (f.stopped and not f.shutting_down)
     ):

@@ -23,6 +23,8 @@ class LaunchMode(StrEnum):
     HOST = "host"
     CONTAINER = "container"
     SERVE = "serve"
+    #: runs until stopped, listening on a port; sandboxed like a container type
+    SERVICE = "service"
 
 
 class ParamType(StrEnum):
@@ -94,6 +96,13 @@ class JobType:
     #: how many GPUs of one node each of its jobs holds at once, its ``vram_bytes``
     #: on each (a job's own ``gpus`` overrides it; :func:`gpu_count`)
     gpus: int = 1
+    #: service launch mode (SPEC.md, "Service jobs"): the port its process listens
+    #: on inside its sandbox, its health check (``"GET /path"`` or ``"tcp"``), how
+    #: long it may be starting or failing the check, and how often it is checked
+    port: int | None = None
+    health: str = "tcp"
+    health_grace_s: float = 60.0
+    health_every_s: float = 2.0
 
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)
@@ -122,6 +131,10 @@ class JobSpec:
     #: what it asks of the host's RAM: its cap, its floor, its start minimum
     #: (``gpuwarden.core.ramadmit``; all 0: nothing asked)
     ram: RamNeed = NO_RAM
+    #: a service type's job: its name in URLs (None: its id) and who besides its
+    #: owner may reach it (token ids or role names)
+    service: str | None = None
+    share: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +172,16 @@ class Job:
     gpus: int | None = None
     #: what it asks of the host's RAM (SPEC.md section 11, "Host RAM")
     ram: RamNeed = NO_RAM
+    #: a service type's job: its name (None: its id), who may reach it besides its
+    #: owner, and who asked to stop it (``gpuwarden stop``; None: nobody)
+    service: str | None = None
+    share: tuple[str, ...] = ()
+    stop_requested_by: str | None = None
+
+    @property
+    def service_name(self) -> str:
+        """Its name in URLs: its ``service``, else its id."""
+        return self.service or self.id
 
     def evolve(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

@@ -13,6 +13,7 @@ from gpuwarden.core.params import validate_params
 from gpuwarden.core.placement import GPU_CONSTRAINTS, check_constraints
 from gpuwarden.core.profile import check_est_s
 from gpuwarden.core.ramadmit import RAM_KEYS
+from gpuwarden.core.service import check_service_name, check_share
 from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 
@@ -90,6 +91,7 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
         raise ValidationError(f"job {spec.id}: {exc}") from None
     _check_gpus(spec, jobtype)
     _check_ram(spec, jobtype)
+    _check_service(spec, jobtype)
     return replace(
         spec,
         params=params,
@@ -143,3 +145,21 @@ def _check_ram(spec: JobSpec, jobtype: JobType) -> None:
             "ram_gib (module.toml). Leave ram_gib out, or use ram_floor_gib / "
             "ram_start_min_gib"
         )
+
+
+def _check_service(spec: JobSpec, jobtype: JobType) -> None:
+    """A job's ``service`` and ``share``: for a service type's job only, each
+    checked (the rules of a job id; token ids or role names)."""
+    if spec.service is None and not spec.share:
+        return
+    if jobtype.launch is not LaunchMode.SERVICE:
+        raise ValidationError(
+            f"job {spec.id}: service and share name and share a service, but {jobtype.name} "
+            f'is a {jobtype.launch.value} type (launch = "service" types only)'
+        )
+    try:
+        if spec.service is not None:
+            check_service_name(spec.service)
+        check_share(spec.share)
+    except ValueError as exc:
+        raise ValidationError(f"job {spec.id}: {exc}") from None

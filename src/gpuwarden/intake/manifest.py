@@ -29,6 +29,7 @@ from gpuwarden.core.model import GIB, MIB, JobSpec, check_gpus, format_bytes
 from gpuwarden.core.placement import check_constraints
 from gpuwarden.core.profile import check_est_s
 from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
+from gpuwarden.core.service import check_service_name, check_share
 from gpuwarden.errors import BundleError
 
 __all__ = [
@@ -70,6 +71,8 @@ _JOB_KEYS = (
     "est_s",
     "gpus",
     *RAM_KEYS,
+    "service",
+    "share",
 )
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -265,7 +268,27 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         est_s=est_s,
         gpus=gpus,
         ram=_ram(raw, at),
+        service=_service(raw, at),
+        share=_share(raw, at),
     )
+
+
+def _service(raw: dict[str, Any], at: str) -> str | None:
+    """A service job's ``service`` (its name in URLs), checked."""
+    if "service" not in raw:
+        return None
+    try:
+        return check_service_name(raw["service"])
+    except ValueError as exc:
+        raise BundleError(f"{at}.{exc}") from None
+
+
+def _share(raw: dict[str, Any], at: str) -> tuple[str, ...]:
+    """A service job's ``share`` (token ids or role names), checked."""
+    try:
+        return check_share(raw.get("share", []))
+    except ValueError as exc:
+        raise BundleError(f"{at}.{exc}") from None
 
 
 def _ram(raw: dict[str, Any], at: str) -> RamNeed:
@@ -402,5 +425,9 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
         if job.gpus is not None:
             entry["gpus"] = job.gpus
         entry.update(job.ram.gib_keys())
+        if job.service is not None:
+            entry["service"] = job.service
+        if job.share:
+            entry["share"] = list(job.share)
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}

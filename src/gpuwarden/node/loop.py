@@ -76,9 +76,11 @@ from gpuwarden.node.running import (
     RunningAttempt,
     RuntimeNote,
     ServerNote,
+    ServiceNote,
     Started,
 )
 from gpuwarden.node.runtimes import ManagedRuntimes
+from gpuwarden.node.services import ServiceRoute, Services
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.status import (
@@ -236,6 +238,8 @@ class Broker:
         )
         #: the running preemptible jobs asked to yield (``core/preempt.py``'s rule)
         self.preemptions = Preemptions(attempts=self.attempts, emit=self.emit)
+        #: the running service jobs: their health threads, forwarders and routes
+        self.services = Services(self.mailbox, self.emit, self._clock, self.rules.sandboxed)
         self.gpus = GpuWatch(
             probe=self.probe,
             vram=self.vram,
@@ -259,6 +263,7 @@ class Broker:
         self._clock = clock
         self.warm.clock = clock
         self.attempts.clock = clock
+        self.services.clock = clock
         self.queues.clock = clock
 
     # -- the loop -----------------------------------------------------------
@@ -344,6 +349,10 @@ class Broker:
         self.accepting = False
         self.emit("broker_stopping", running=len(self.attempts), grace_s=grace_s)
         deadline = self.clock() + grace_s
+        for run in self.attempts:  # a service runs until stopped: it is not waited for
+            if run.jobtype.launch is LaunchMode.SERVICE:
+                run.stop_reason = "shutdown"
+                run.stop.set()
         while len(self.attempts) and self.clock() < deadline:
             if force is not None and force.is_set():
                 break
@@ -365,6 +374,7 @@ class Broker:
             time.sleep(0.02)
         self._drain(self.clock())
         self.warm.close()  # only if empty: its sockets are gone
+        self.services.close()
         self.runtimes.stop()
         self._finish_bundles(self.clock(), force=True)
         self.emit("broker_stopped")
@@ -554,7 +564,12 @@ class Broker:
             self._began(run.job.id)
             self.warm.start(run, decision, gpu, now)
             return True
-        launcher = self.launchers.get(jobtype.launch)
+        service = jobtype.launch is LaunchMode.SERVICE
+        # a service runs sandboxed like a container type, with the same launcher
+        launcher = self.launchers.get(LaunchMode.CONTAINER if service else jobtype.launch)
+        if service and (taken := self.services.taken(job.service_name)) is not None:
+            self.store.transition(job.id, JobState.FAILED, now=now, reason=f"refused: {taken}")
+            return True
         if launcher is None:
             self.store.transition(
                 job.id,
@@ -574,6 +589,8 @@ class Broker:
         if not isinstance(run := self._begin(job, jobtype, gpu, now), RunningAttempt):
             return run
         run.runtime = runtime
+        if service:
+            self.services.add(run, now)
         self._began(run.job.id)
         self.attempts.launch(run, launcher, decision, now)
         return True
@@ -632,11 +649,17 @@ class Broker:
                         self.attempts.on_exchange(message)
                     elif isinstance(message, Started):
                         self.attempts.on_started(message)
+                        self.services.started(message.job_id, message.attempt, message.pid)
+                    elif isinstance(message, ServiceNote):
+                        self._status_dirty = True
+                        if (why := self.services.on_note(message)) is not None:
+                            self._stop_service(message.job_id, "service_unhealthy", why)
                     elif isinstance(message, RuntimeNote):
                         if self.runtimes.on_note(message):
                             self._status_dirty = True
                     elif (run := self.attempts.pop(message)) is not None:
                         self._status_dirty = True
+                        self.services.end(run.job.id)
                         self.fair.charge(run, now)
                         recorded.append(self.attempts.record(run, message, now))
             except Exception as exc:  # what came before it is still committed
@@ -656,12 +679,27 @@ class Broker:
         if failure is not None:
             raise failure
 
+    def _stop_service(self, job_id: str, reason: str, why: str) -> None:
+        """Stop a running service: for its health (``service_unhealthy``, ``why``
+        the reason) or at a person's request (``service_stop``, ``why`` who asked)."""
+        run = self.attempts.by_job.get(job_id)
+        if run is None or run.stop_reason is not None:
+            return
+        run.stop_reason, run.fault = reason, why
+        run.stop.set()
+        self._status_dirty = True
+        self.emit("service_stopping", job=job_id, attempt=run.attempt.number, why=why)
+
     def _pass_cancels(self, now: float) -> None:
         if not len(self.attempts):
             return
         self.preemptions.overdue(now)  # an asked job past its checkpoint grace is stopped
+        for job_id, why in self.services.overdue_all(now):
+            self._stop_service(job_id, "service_unhealthy", why)
         for job in self.store.running_jobs():
             run = self.attempts.by_job.get(job.id)
+            if run is not None and job.stop_requested_by is not None:
+                self._stop_service(job.id, "service_stop", job.stop_requested_by)
             # a cancel overrides a preemption's stop (the job is cancelled, not re-queued)
             if run is not None and job.cancel_requested and run.stop_reason in (None, "preempt"):
                 run.stop_reason = "cancel"
@@ -827,6 +865,7 @@ class Broker:
             queued_indexed=len(self.queue),
             stats=self.stats.snapshot(queued=self.queue.by_type(), faults=self.vram.faults),
             ram=self.attempts.ram_view(self.attempts.host_ram.sample(self.clock())),
+            services=tuple(self.services.statuses()),
         )
 
     def _waiting(self) -> dict[str, str]:
@@ -877,6 +916,11 @@ class Broker:
             if name is not None and t.model in loaded.get(name, ()):
                 out.append(t.name)
         return sorted(out)
+
+    def service_routes(self) -> list[ServiceRoute]:
+        """How the in-process API reaches each running service: a thread-safe
+        snapshot (the route credentials are in it: never publish it)."""
+        return self.services.routes()
 
     def wait_reason(self, job_id: str) -> str | None:
         """Why a queued job waits, as the last pass saw it (None: it was not judged)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState
 from gpuwarden.store.base import Store
+
+#: the port a service job's process listens on (its type's ``port``)
+SERVICE_PORT_ENV = "GPUWARDEN_SERVICE_PORT"
 
 #: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
@@ -267,6 +271,9 @@ class AttemptRunner:
             # a runtime job's own process is the runtime's client: it gets no GPU
             request = self.launching.request(run, None if run.runtime else gpu, now)
             request = dataclasses.replace(request, ram_cap_bytes=cap_for(run, launcher))
+            if jobtype.launch is LaunchMode.SERVICE:  # it runs until stopped
+                env = {**request.env, SERVICE_PORT_ENV: str(jobtype.port)}
+                request = dataclasses.replace(request, timeout_s=math.inf, env=env)
             run.ram_measured = tree_shows_ram(launcher)
             if isinstance(launcher, Starter):
                 run.thread = launcher.start(
@@ -442,6 +449,8 @@ class AttemptRunner:
             cancel_requested=run.stop_reason == "cancel",
             shutting_down=run.stop_reason == "shutdown",
             preempted_for=run.preempting_for,
+            service_unhealthy=run.fault if run.stop_reason == "service_unhealthy" else None,
+            stopped_by=run.fault if run.stop_reason == "service_stop" else None,
             checkpoint_signal=run.jobtype.checkpoint_signal,
             launch_error=result.launch_error,
             oom_killed=result.oom_killed,

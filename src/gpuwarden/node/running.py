@@ -73,9 +73,11 @@ class RunningAttempt:
     stop: threading.Event = field(default_factory=StopSignal)
     #: what ends with the attempt: its worker thread, or the reaper's handle
     thread: Joinable | None = None
-    stop_reason: str | None = None  # "cancel", "shutdown" or "preempt"
+    #: "cancel", "shutdown", "preempt", "service_stop" or "service_unhealthy"
+    stop_reason: str | None = None
     server: WarmServer | None = None  # the warm server it runs on (serve types)
-    #: why its GPU stopped it ("gpu_fault" or "app_error" stop reasons)
+    #: why its GPU stopped it ("gpu_fault" or "app_error" stop reasons), why its
+    #: health did ("service_unhealthy"), or who stopped it ("service_stop")
     fault: str | None = None
     #: what its warm server's exchange slot refused (an :class:`ExchangeNote`)
     exchange_refused: list[dict[str, str]] = field(default_factory=list)
@@ -116,7 +118,19 @@ class RuntimeNote:
     released: str = ""
 
 
-Message = LaunchResult | Started | ServerNote | ExchangeNote | RuntimeNote
+@dataclass(frozen=True, slots=True)
+class ServiceNote:
+    """A service's health check, from its health thread: passed or not, and what
+    a failed one said."""
+
+    job_id: str
+    attempt: int
+    ok: bool
+    error: str
+    at: float
+
+
+Message = LaunchResult | Started | ServerNote | ExchangeNote | RuntimeNote | ServiceNote
 
 
 class Mailbox:

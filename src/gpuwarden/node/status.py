@@ -237,6 +237,9 @@ class BrokerStatus:
     stats: StatsSnapshot = field(default_factory=StatsSnapshot)
     #: the host's RAM as admission sees it (``core.ramadmit.RamView``; SPEC section 11)
     ram: RamView = UNSAMPLED
+    #: the running service jobs: name, job, state, since, last_ok, error, port, gpu,
+    #: owner, share, upstream (the forwarder; never its credential)
+    services: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -258,6 +261,7 @@ class BrokerStatus:
             "stats": self.stats.to_json(),
             "faults": {g: dict(f) for g, f in self.faults.items()},
             "ram": self.ram.to_json(),
+            "services": [dict(x) for x in self.services],
         }
 
     @classmethod
@@ -287,6 +291,7 @@ class BrokerStatus:
             runtimes=tuple(dict(r) for r in d.get("runtimes") or () if isinstance(r, dict)),
             stats=StatsSnapshot.from_json(d.get("stats")),
             ram=RamView.from_json(d.get("ram")),
+            services=tuple(dict(x) for x in d.get("services") or () if isinstance(x, dict)),
         )
 
     def gpu_views(self) -> tuple[GpuView, ...]:

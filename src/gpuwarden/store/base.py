@@ -352,6 +352,12 @@ class Store(abc.ABC):
         """Cancel a queued job at once; mark a running one for the broker to stop.
         Raise ``UserError`` for a job that has already ended."""
 
+    @abc.abstractmethod
+    def request_stop(self, job_id: str, *, by: str, now: float) -> Job:
+        """Mark a running job for the broker to stop as done (a service job:
+        ``gpuwarden stop``), naming who asked. Raise ``UserError`` for a job
+        that is not running."""
+
     # -- events -------------------------------------------------------------
 
     @abc.abstractmethod

@@ -45,6 +45,8 @@ def spec_hash(spec: JobSpec) -> str:
             **({"est_s": spec.est_s} if spec.est_s is not None else {}),
             **({"gpus": spec.gpus} if spec.gpus is not None else {}),
             **spec.ram.to_json(),
+            **({"service": spec.service} if spec.service is not None else {}),
+            **({"share": list(spec.share)} if spec.share else {}),
         },
         sort_keys=True,
     )
@@ -79,6 +81,9 @@ def job(row: Row, decode: Decode) -> Job:
         est_s=row["est_s"],
         gpus=row["gpus"],
         ram=ram_need(row),
+        service=row["service"],
+        share=tuple(json.loads(row["share"] or "[]")),
+        stop_requested_by=row["stop_requested_by"],
     )
 
 

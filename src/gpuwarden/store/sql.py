@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
@@ -253,6 +254,7 @@ class SqlStore(Store, Generic[C]):
                     self._run(conn, "set_job_est_s", {"id": spec.id, "est_s": spec.est_s})
                 if spec.gpus is not None:  # likewise (0010)
                     self._run(conn, "set_job_gpus", {"id": spec.id, "gpus": spec.gpus})
+                self._set_service(conn, spec)  # likewise (0016)
                 if spec.ram.asks:  # likewise (0015)
                     ram = spec.ram
                     self._run(
@@ -736,6 +738,31 @@ class SqlStore(Store, Generic[C]):
             raise UserError(
                 f"job {job_id} has already ended ({job.state.value}); nothing to cancel"
             )
+
+    def _set_service(self, conn: C, spec: JobSpec) -> None:
+        """A service job's ``service`` and ``share`` (migration 0016), if it has them."""
+        if spec.service is not None or spec.share:
+            share = json.dumps(list(spec.share))
+            self._run(
+                conn, "set_job_service", {"id": spec.id, "service": spec.service, "share": share}
+            )
+
+    def request_stop(self, job_id: str, *, by: str, now: float) -> Job:
+        with self._write() as conn:
+            job = self._job_in(conn, job_id, lock=True)
+            if job.state is not JobState.RUNNING:
+                raise UserError(
+                    f"job {job_id} is {job.state.value}, not running: nothing to stop "
+                    "(a queued job is cancelled with `gpuwarden cancel`)"
+                )
+            if job.stop_requested_by is None:
+                self._run(conn, "mark_stop_requested", {"id": job_id, "by": by, "now": now})
+                self._event(
+                    conn, Event(ts=now, kind="stop_requested", job_id=job_id, detail={"by": by})
+                )
+            job = self._job_in(conn, job_id)
+        self._submitted()
+        return job
 
     # -- events -------------------------------------------------------------
 

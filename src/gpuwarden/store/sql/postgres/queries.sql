@@ -71,6 +71,7 @@ SELECT state, COUNT(*) AS n FROM jobs GROUP BY state;
 -- name: transition_job
 UPDATE jobs
    SET state = %(target)s, updated_at = %(now)s, reason = %(reason)s,
+       stop_requested_by = NULL,
        exit_code = COALESCE(%(exit_code)s::bigint, exit_code),
        result = COALESCE(%(result)s::jsonb, result),
        cancel_requested = CASE WHEN %(target)s = 'queued' THEN cancel_requested ELSE FALSE END,
@@ -275,6 +276,13 @@ SELECT id FROM jobs WHERE held AND state = 'queued' ORDER BY seq;
 -- name: set_job_ram
 UPDATE jobs SET ram_cap_bytes = %(cap)s, ram_floor_bytes = %(floor)s, ram_start_min_bytes = %(start_min)s
  WHERE id = %(id)s;
+
+-- name: set_job_service
+UPDATE jobs SET service = %(service)s, share = %(share)s WHERE id = %(id)s;
+
+-- name: mark_stop_requested
+UPDATE jobs SET stop_requested_by = %(by)s, updated_at = %(now)s
+ WHERE id = %(id)s AND state = 'running' AND stop_requested_by IS NULL;
 
 -- name: set_job_gpus
 UPDATE jobs SET gpus = %(gpus)s WHERE id = %(id)s;

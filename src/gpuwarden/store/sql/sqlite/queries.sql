@@ -68,6 +68,7 @@ SELECT state, COUNT(*) AS n FROM jobs GROUP BY state;
 -- name: transition_job
 UPDATE jobs
    SET state = :target, updated_at = :now, reason = :reason,
+       stop_requested_by = NULL,
        exit_code = COALESCE(:exit_code, exit_code),
        result = COALESCE(:result, result),
        cancel_requested = CASE WHEN :target = 'queued' THEN cancel_requested ELSE 0 END,
@@ -244,6 +245,13 @@ SELECT id FROM jobs WHERE held = 1 AND state = 'queued' ORDER BY seq;
 -- name: set_job_ram
 UPDATE jobs SET ram_cap_bytes = :cap, ram_floor_bytes = :floor, ram_start_min_bytes = :start_min
  WHERE id = :id;
+
+-- name: set_job_service
+UPDATE jobs SET service = :service, share = :share WHERE id = :id;
+
+-- name: mark_stop_requested
+UPDATE jobs SET stop_requested_by = :by, updated_at = :now
+ WHERE id = :id AND state = 'running' AND stop_requested_by IS NULL;
 
 -- name: set_job_gpus
 UPDATE jobs SET gpus = :gpus WHERE id = :id;

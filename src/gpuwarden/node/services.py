@@ -1,0 +1,439 @@
+"""Service jobs on one node: their health, their forwarders, their routes.
+
+A service attempt (``launch = "service"``) is started like a container attempt
+and runs until it is stopped. :class:`Services` keeps one entry per running
+service (loop-owned; a lock guards what other threads read): a health thread
+that checks it every ``health_every_s`` and posts a :class:`ServiceNote` (never
+on the loop's thread), and a :class:`Forwarder`, a TCP listener on the host's
+``127.0.0.1`` that relays each connection that presents the service's route
+credential to the service, opened inside its sandbox's network namespace
+(:mod:`gpuwarden.launch.netns`). The in-process API reaches the services through
+:meth:`Services.routes` (``Broker.service_routes()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import secrets
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwarden.core.model import JobType
+from gpuwarden.core.service import Health, HealthCheck, ServiceState, overdue, parse_health
+from gpuwarden.launch import netns
+from gpuwarden.node.running import Emit, Mailbox, RunningAttempt, ServiceNote
+
+log = logging.getLogger("gpuwarden.node.loop")
+
+#: the header a connection to a forwarder presents first, with the route credential
+ROUTE_HEADER = "X-Gpuwarden-Route"
+#: the most a connection's first request head may hold
+HEAD_MAX = 64 * 1024
+#: how long a connection has to send its first request head
+HEAD_TIMEOUT_S = 10.0
+#: how long a connection to a service (or a health check) may take to be made
+CONNECT_TIMEOUT_S = 5.0
+_CHUNK = 65536
+_FORBIDDEN = (
+    b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: 38\r\n"
+    b"Connection: close\r\n\r\nno route credential for this service\r\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceRoute:
+    """How the in-process API reaches one running service (a snapshot)."""
+
+    name: str
+    job_id: str
+    owner: str | None
+    share: tuple[str, ...]
+    #: ``starting``, ``healthy``, ``unhealthy`` (``core.service.ServiceState``)
+    state: str
+    #: the forwarder: ``http://127.0.0.1:PORT`` ("" until the service's process runs)
+    upstream: str
+    #: the value of the ``X-Gpuwarden-Route`` header the forwarder wants first
+    credential: str
+    since: float
+    last_ok: float | None
+
+
+def _split_head(head: bytes, credential: str) -> tuple[bool, bytes]:
+    """Whether ``head`` (a request head, up to its blank line) carries the route
+    credential, and the head without that header."""
+    lines = head.split(b"\r\n")
+    kept, ok = [lines[0]], False
+    want = credential.encode()
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == ROUTE_HEADER.lower().encode():
+            ok = ok or hmac.compare_digest(value.strip(), want)
+            continue
+        kept.append(line)
+    return ok, b"\r\n".join(kept)
+
+
+def _read_head(conn: socket.socket) -> tuple[bytes, bytes] | None:
+    """The first request head (through its blank line) and what followed it;
+    None when it does not end within :data:`HEAD_MAX` bytes or in time."""
+    conn.settimeout(HEAD_TIMEOUT_S)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if len(data) > HEAD_MAX:
+            return None
+        chunk = conn.recv(_CHUNK)
+        if not chunk:
+            return None
+        data += chunk
+    end = data.index(b"\r\n\r\n")
+    if end > HEAD_MAX:
+        return None
+    return data[:end], data[end + 4 :]
+
+
+def _relay(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways until both directions are closed."""
+    a.setblocking(False)
+    b.setblocking(False)
+    peer = {a: b, b: a}
+    with selectors.DefaultSelector() as sel:
+        sel.register(a, selectors.EVENT_READ)
+        sel.register(b, selectors.EVENT_READ)
+        open_reads = 2
+        while open_reads:
+            for key, _ in sel.select(timeout=60):
+                src: socket.socket = key.fileobj  # type: ignore[assignment]
+                try:
+                    data = src.recv(_CHUNK)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    sel.unregister(src)
+                    open_reads -= 1
+                    with contextlib.suppress(OSError):
+                        peer[src].shutdown(socket.SHUT_WR)
+                    continue
+                peer[src].setblocking(True)
+                peer[src].sendall(data)
+                peer[src].setblocking(False)
+
+
+class Forwarder:
+    """A TCP listener on ``127.0.0.1`` (an ephemeral port) that relays each
+    accepted connection to one service, byte for byte both ways, once its first
+    request head has presented the route credential (the header is stripped);
+    one without it is answered ``403`` and closed."""
+
+    def __init__(self, name: str, credential: str, connect: Callable[[], socket.socket]) -> None:
+        self.name = name
+        self.credential = credential
+        self._connect = connect
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name=f"forward-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def upstream(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        """Stop listening and close every connection it relays."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+            self._conns.clear()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._keep(conn):
+                return
+            threading.Thread(
+                target=self._serve, args=(conn,), name=f"forward-{self.name}-conn", daemon=True
+            ).start()
+
+    def _keep(self, conn: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return False
+            self._conns.add(conn)
+            return True
+
+    def _serve(self, conn: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            got = _read_head(conn)
+            ok, head = _split_head(got[0], self.credential) if got else (False, b"")
+            if got is None or not ok:
+                conn.sendall(_FORBIDDEN)
+                return
+            try:
+                upstream = self._connect()
+            except OSError as exc:
+                body = f"the service cannot be reached: {exc}\r\n".encode()
+                conn.sendall(
+                    b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\nConnection: close\r\n\r\n"
+                    + body
+                )
+                return
+            with self._lock:
+                self._conns.add(upstream)
+            upstream.settimeout(None)
+            conn.settimeout(None)
+            upstream.sendall(head + b"\r\n\r\n" + got[1])
+            _relay(conn, upstream)
+        except OSError:
+            pass
+        finally:
+            for s in (conn, upstream):
+                if s is not None:
+                    with self._lock:
+                        self._conns.discard(s)
+                    s.close()
+
+
+def check_once(target: Callable[[], socket.socket], check: HealthCheck) -> str | None:
+    """One health check: None when it passed, else what failed."""
+    try:
+        sock = target()
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+    with sock:
+        if check.path is None:
+            return None
+        try:
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            request = f"GET {check.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+            sock.sendall(request.encode())
+            data = b""
+            while b"\r\n" not in data and len(data) < 4096:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as exc:
+            return exc.strerror or str(exc) or type(exc).__name__
+    status = data.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = status.split(" ")
+    if len(parts) >= 2 and parts[0].startswith("HTTP/") and parts[1].startswith("2"):
+        return None
+    return f"answered {status[:80]!r}" if status else "no answer"
+
+
+@dataclass
+class _Service:
+    """One running service (loop-owned; ``health`` read under the book's lock)."""
+
+    run: RunningAttempt
+    check: HealthCheck
+    health: Health
+    credential: str
+    sandboxed: bool
+    forwarder: Forwarder | None = None
+    pid: int | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def name(self) -> str:
+        return self.run.job.service_name
+
+
+class Services:
+    """The node's running services, by job id."""
+
+    def __init__(
+        self,
+        mailbox: Mailbox,
+        emit: Emit,
+        clock: Callable[[], float],
+        sandboxed: Callable[[JobType], bool],
+    ) -> None:
+        self.mailbox = mailbox
+        self.emit = emit
+        self.clock = clock
+        self.sandboxed = sandboxed
+        self._by_job: dict[str, _Service] = {}
+        self._lock = threading.Lock()
+
+    def taken(self, name: str) -> str | None:
+        """Why a service named ``name`` may not start now (one of that name runs), or None."""
+        with self._lock:
+            other = next((s for s in self._by_job.values() if s.name == name), None)
+        if other is None:
+            return None
+        return (
+            f"a service named {name!r} already runs on this node (job {other.run.job.id}); "
+            "stop it first (`gpuwarden stop JOB`) or choose another name (--service)"
+        )
+
+    def add(self, run: RunningAttempt, now: float) -> None:
+        """A service attempt has begun: it is ``starting``."""
+        entry = _Service(
+            run=run,
+            check=parse_health(run.jobtype.health),
+            health=Health(ServiceState.STARTING, now),
+            credential=secrets.token_urlsafe(32),
+            sandboxed=self.sandboxed(run.jobtype),
+        )
+        with self._lock:
+            self._by_job[run.job.id] = entry
+
+    def started(self, job_id: str, attempt: int, pid: int) -> None:
+        """Its main process runs: its forwarder listens and its health thread starts."""
+        entry = self._by_job.get(job_id)
+        if entry is None or entry.run.attempt.number != attempt or entry.pid is not None:
+            return
+        entry.pid = pid
+        forwarder = Forwarder(entry.name, entry.credential, lambda: self._connect(entry))
+        with self._lock:
+            entry.forwarder = forwarder
+        threading.Thread(
+            target=self._watch, args=(entry,), name=f"health-{job_id}", daemon=True
+        ).start()
+        self.emit(
+            "service_started", job=job_id, service=entry.name, upstream=forwarder.upstream, pid=pid
+        )
+
+    def _connect(self, entry: _Service) -> socket.socket:
+        """A connection to the service's port, inside its sandbox's namespace."""
+        port = entry.run.jobtype.port or 0
+        if entry.pid is None:
+            raise ConnectionRefusedError("the service's process has not started")
+        if not entry.sandboxed:
+            return netns.connect(None, port, CONNECT_TIMEOUT_S)
+        inside = netns.namespace_pid(entry.pid)
+        if inside is None:
+            raise ConnectionRefusedError("its sandbox's network namespace is not there")
+        return netns.connect(inside, port, CONNECT_TIMEOUT_S)
+
+    def _watch(self, entry: _Service) -> None:
+        """Health thread: check every ``health_every_s`` until the service ends."""
+        every = entry.run.jobtype.health_every_s
+        delay = min(0.2, every)
+        while not entry.done.wait(delay):
+            error = check_once(lambda: self._connect(entry), entry.check)
+            if entry.done.is_set():
+                return
+            run = entry.run
+            self.mailbox.post(
+                ServiceNote(
+                    run.job.id, run.attempt.number, error is None, error or "", self.clock()
+                )
+            )
+            delay = every
+
+    def on_note(self, note: ServiceNote) -> str | None:
+        """Take a health check in; why the service must be stopped now, or None."""
+        entry = self._by_job.get(note.job_id)
+        if entry is None or entry.run.attempt.number != note.attempt:
+            return None
+        before = entry.health
+        after = before.after_check(note.ok, note.error, note.at)
+        with self._lock:
+            entry.health = after
+        if after.state is not before.state:
+            self.emit(
+                "service_state",
+                job=note.job_id,
+                service=entry.name,
+                state=after.state.value,
+                **({"error": after.error} if after.error else {}),
+            )
+        return self.overdue(note.job_id, note.at)
+
+    def overdue(self, job_id: str, now: float) -> str | None:
+        """Why the service must be stopped for its health now, or None."""
+        entry = self._by_job.get(job_id)
+        if entry is None:
+            return None
+        return overdue(entry.health, entry.check, entry.run.jobtype.health_grace_s, now)
+
+    def overdue_all(self, now: float) -> list[tuple[str, str]]:
+        """Every running service past its grace now (looked at on each tick, so a
+        service whose checks hang is stopped on time too)."""
+        out = []
+        for job_id in list(self._by_job):
+            if (why := self.overdue(job_id, now)) is not None:
+                out.append((job_id, why))
+        return out
+
+    def end(self, job_id: str) -> None:
+        """Its attempt has ended: its health thread and its forwarder stop."""
+        with self._lock:
+            entry = self._by_job.pop(job_id, None)
+        if entry is None:
+            return
+        entry.done.set()
+        if entry.forwarder is not None:
+            entry.forwarder.close()
+
+    def close(self) -> None:
+        for job_id in list(self._by_job):
+            self.end(job_id)
+
+    def state_of(self, job_id: str) -> str | None:
+        with self._lock:
+            entry = self._by_job.get(job_id)
+            return None if entry is None else entry.health.state.value
+
+    def routes(self) -> list[ServiceRoute]:
+        """A snapshot of every running service (any thread)."""
+        with self._lock:
+            entries = list(self._by_job.values())
+            return [
+                ServiceRoute(
+                    name=e.name,
+                    job_id=e.run.job.id,
+                    owner=e.run.job.owner,
+                    share=e.run.job.share,
+                    state=e.health.state.value,
+                    upstream=e.forwarder.upstream if e.forwarder is not None else "",
+                    credential=e.credential,
+                    since=e.health.since,
+                    last_ok=e.health.last_ok,
+                )
+                for e in entries
+            ]
+
+    def statuses(self) -> list[dict[str, Any]]:
+        """What the node status publishes of each service (no credential)."""
+        with self._lock:
+            entries = list(self._by_job.values())
+            return [
+                {
+                    "name": e.name,
+                    "job": e.run.job.id,
+                    "state": e.health.state.value,
+                    "since": e.health.since,
+                    "last_ok": e.health.last_ok,
+                    "error": e.health.error,
+                    "port": e.run.jobtype.port,
+                    "gpu": e.run.attempt.gpu_uuid,
+                    "owner": e.run.job.owner,
+                    "share": list(e.run.job.share),
+                    "upstream": e.forwarder.upstream if e.forwarder is not None else "",
+                }
+                for e in entries
+            ]

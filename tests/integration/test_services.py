@@ -1,0 +1,140 @@
+"""Service jobs on one node (SPEC.md, "Service jobs"): real processes, driven
+tick by tick; reached through the broker's forwarder."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpuwarden.app import Node, open_node
+from gpuwarden.core.model import JobSpec
+from gpuwarden.core.states import JobState
+from gpuwarden.node.services import ROUTE_HEADER, ServiceRoute
+from tests.brokerkit import run_until, submit
+from tests.integration.test_broker import make_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    with open_node(make_config(tmp_path), mock_gpu=True) as n:
+        yield n
+        n.broker.shutdown(2)
+
+
+def route(node: Node, job_id: str) -> ServiceRoute | None:
+    return next((r for r in node.broker.service_routes() if r.job_id == job_id), None)
+
+
+def wait_state(node: Node, job_id: str, state: str, timeout: float = 15) -> ServiceRoute:
+    def there() -> bool:
+        r = route(node, job_id)
+        return r is not None and r.state == state and bool(r.upstream)
+
+    run_until(node, there, timeout)
+    found = route(node, job_id)
+    assert found is not None
+    return found
+
+
+def get(upstream: str, path: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    host, port = upstream.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def ended(node: Node, job_id: str) -> bool:
+    job = node.store.get_job(job_id)
+    return job is not None and job.state.terminal
+
+
+def test_a_service_starts_becomes_healthy_is_reached_with_its_credential_and_stops(
+    node: Node,
+) -> None:
+    submit(node, JobSpec(id="w1", type="testmods.web", service="hello", share=("operator",)))
+    r = wait_state(node, "w1", "healthy")
+    assert r.name == "hello" and r.share == ("operator",) and r.upstream.startswith("http://")
+    # the published status has the service and its upstream, never its credential
+    node.broker._publish(time.time(), force=True)
+    status = node.store.node_statuses()[0].payload
+    (published,) = status["services"]
+    assert published["name"] == "hello" and published["upstream"] == r.upstream
+    assert r.credential not in json.dumps(status)
+    # with the credential: relayed, the header stripped; without it: 403
+    code, body = get(r.upstream, "/echo?x=1", {ROUTE_HEADER: r.credential})
+    assert code == 200
+    echoed = json.loads(body)
+    assert echoed["path"] == "/echo?x=1"
+    assert ROUTE_HEADER.lower() not in {k.lower() for k in echoed["headers"]}
+    assert get(r.upstream, "/echo", {})[0] == 403
+    assert get(r.upstream, "/echo", {ROUTE_HEADER: "wrong"})[0] == 403
+    service_pid = echoed["pid"]
+    assert psutil.pid_exists(service_pid)
+    # a second running service of the same name is refused at its start
+    submit(node, JobSpec(id="w2", type="testmods.web", service="hello"))
+    run_until(node, lambda: ended(node, "w2"))
+    w2 = node.store.get_job("w2")
+    assert w2 is not None and w2.state is JobState.FAILED and "already runs" in w2.reason
+    # stop: done, "stopped by", its process gone, its forwarder closed
+    node.store.request_stop("w1", by="alice", now=time.time())
+    run_until(node, lambda: ended(node, "w1"))
+    job = node.store.get_job("w1")
+    assert job is not None and job.state is JobState.DONE
+    assert job.reason == "stopped by alice"
+    assert not psutil.pid_exists(service_pid)
+    assert route(node, "w1") is None
+    with pytest.raises(OSError):
+        get(r.upstream, "/echo", {ROUTE_HEADER: r.credential})
+
+
+def test_a_never_healthy_service_is_stopped_after_its_grace_retried_then_quarantined(
+    node: Node,
+) -> None:
+    submit(node, JobSpec(id="sick", type="testmods.web", params={"behave": "never_healthy"}))
+    r = wait_state(node, "sick", "starting")
+    # the fault is real: its health check is answered 503 (once its process listens)
+    deadline = time.monotonic() + 10
+    while (code := get(r.upstream, "/healthz", {ROUTE_HEADER: r.credential})[0]) == 502:
+        assert time.monotonic() < deadline
+        node.broker.tick()
+    assert code == 503
+    run_until(node, lambda: ended(node, "sick"), timeout=25)
+    job = node.store.get_job("sick")
+    assert job is not None and job.state is JobState.QUARANTINED
+    attempts = node.store.attempts("sick")
+    assert [a.outcome for a in attempts] == ["service_unhealthy", "service_unhealthy"]
+    assert "did not pass its health check (GET /healthz: answered" in attempts[0].reason
+    assert "health_grace_s = 3 s" in attempts[0].reason and "quarantined" in job.reason
+
+
+def test_a_service_that_exits_by_itself_fails_by_the_usual_rules(node: Node) -> None:
+    submit(node, JobSpec(id="dies", type="testmods.web", params={"behave": "die"}))
+    wait_state(node, "dies", "healthy")
+    run_until(node, lambda: ended(node, "dies"))
+    job = node.store.get_job("dies")
+    assert job is not None and job.state is JobState.FAILED
+    assert "exited with code 4" in job.reason
+
+
+def test_a_gpu_services_vram_is_held_on_the_ledger_while_it_runs(node: Node) -> None:
+    submit(node, JobSpec(id="g1", type="testmods.webgpu"))
+    wait_state(node, "g1", "healthy")
+    held = [h for v in node.broker.vram.views() for h in v.holdings if h.holder == "g1/1"]
+    assert held and held[0].bytes == 2 * 1024**3
+    node.store.request_stop("g1", by="bob", now=time.time())
+    run_until(node, lambda: ended(node, "g1"))
+    assert not [h for v in node.broker.vram.views() for h in v.holdings if h.holder == "g1/1"]
+    assert os.environ.get("GPUWARDEN_SERVICE_PORT") is None  # only the job's own environment
