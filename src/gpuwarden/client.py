@@ -181,6 +181,8 @@ class Client:
         ram_gib: float | None = None,
         ram_floor_gib: float | None = None,
         ram_start_min_gib: float | None = None,
+        service: str | None = None,
+        share: Iterable[str] = (),
     ) -> dict[str, Any]:
         """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
         the same request returns the same job instead of a second one. ``constraints``:
@@ -216,6 +218,10 @@ class Client:
         ram = {"ram_gib": ram_gib, "ram_floor_gib": ram_floor_gib}
         ram["ram_start_min_gib"] = ram_start_min_gib
         body.update((k, v) for k, v in ram.items() if v is not None)
+        if service is not None:
+            body["service"] = service
+        if share:
+            body["share"] = list(share)
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         job: dict[str, Any] = self.request_json(
             "POST", "/v1/jobs", json=body, headers=headers, **self._waiting(wait)
@@ -242,6 +248,11 @@ class Client:
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         job: dict[str, Any] = self.request_json("POST", f"/v1/jobs/{_seg(job_id)}/cancel")
+        return job
+
+    def stop(self, job_id: str) -> dict[str, Any]:
+        """Stop a running service job (it ends ``done``, "stopped by" this token)."""
+        job: dict[str, Any] = self.request_json("POST", f"/v1/jobs/{_seg(job_id)}/stop")
         return job
 
     def explain(self, job_id: str) -> Lines:

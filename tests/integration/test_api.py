@@ -250,6 +250,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "job.list": READERS,
         "job.read": READERS,
         "job.cancel": READERS,
+        "job.stop": READERS,
         "types.read": READERS,
         "status.read": READERS,
         "share.read": READERS,  # a submitter sees its own row (test_fair_share.py)

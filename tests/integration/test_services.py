@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.node.services import ROUTE_HEADER, ServiceRoute
 from tests.brokerkit import run_until, submit
-from tests.integration.test_broker import make_config
+from tests.conftest import MODULES, need_tool
+from tests.integration.test_broker import TEST_MODULES, make_config
+from tests.integration.test_sandbox import make_config as sandbox_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +141,30 @@ def test_a_gpu_services_vram_is_held_on_the_ledger_while_it_runs(node: Node) -> 
     run_until(node, lambda: ended(node, "g1"))
     assert not [h for v in node.broker.vram.views() for h in v.holdings if h.holder == "g1/1"]
     assert os.environ.get("GPUWARDEN_SERVICE_PORT") is None  # only the job's own environment
+
+
+@pytest.fixture
+def bwrap_node(tmp_path: Path) -> Iterator[Node]:
+    need_tool("bwrap")
+    config = sandbox_config(tmp_path, "bubblewrap", module_paths=[MODULES, TEST_MODULES])
+    with open_node(config, mock_gpu=True) as n:
+        n.broker.recover()
+        yield n
+        n.broker.shutdown(2)
+
+
+def test_a_service_in_bubblewrap_is_reached_inside_its_network_namespace(
+    bwrap_node: Node,
+) -> None:
+    node = bwrap_node
+    submit(node, JobSpec(id="boxed", type="testmods.web"))
+    r = wait_state(node, "boxed", "healthy", timeout=25)
+    # the host cannot reach its port: it listens in the sandbox's own namespace
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", 18431), timeout=1).close()
+    code, body = get(r.upstream, "/echo", {ROUTE_HEADER: r.credential})
+    assert code == 200 and json.loads(body)["path"] == "/echo"
+    node.store.request_stop("boxed", by="carol", now=time.time())
+    run_until(node, lambda: ended(node, "boxed"), timeout=20)
+    job = node.store.get_job("boxed")
+    assert job is not None and job.state is JobState.DONE and job.reason == "stopped by carol"

@@ -66,6 +66,7 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "job.list":      (ALL,  ALL,     OWN,      None, None),
     "job.read":      (ALL,  ALL,     OWN,      None, None),
     "job.cancel":    (ALL,  ALL,     OWN,      None, None),
+    "job.stop":      (ALL,  ALL,     OWN,      None, None),
     "types.read":    (ALL,  ALL,     ALL,      None, None),
     "status.read":   (ALL,  ALL,     ALL,      None, None),
     "share.read":    (ALL,  ALL,     OWN,      None, None),
@@ -101,7 +102,7 @@ _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)
 
 #: actions that change something: each call writes an audit row, refused ones too
 MUTATING = frozenset(
-    {"job.submit", "job.cancel", "token.create", "token.revoke"}
+    {"job.submit", "job.cancel", "job.stop", "token.create", "token.revoke"}
     | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
     | {"node.finish", "node.report", "node.upload", "node.drain", "node.resume", "node.revoke"}
     | {"node.diagnostic"}

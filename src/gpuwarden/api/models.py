@@ -107,6 +107,17 @@ class JobIn(_Request):
         default=None,
         description="MemAvailable (GiB) it needs right before it starts",
     )
+    service: str | None = Field(
+        default=None,
+        description="a service type's job: its name in URLs (default: its id; the rules of "
+        "a job id; SPEC.md, Service jobs)",
+    )
+    share: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="a service type's job: token ids or role names that may reach it "
+        "besides its owner",
+    )
 
     def ram(self) -> RamNeed:
         """Its RAM keys in bytes (``gpuwarden.core.ramadmit``)."""
@@ -189,6 +200,9 @@ class JobOut(BaseModel):
     ram_cap_bytes: int | None = None
     ram_floor_bytes: int | None = None
     ram_start_min_bytes: int | None = None
+    #: a service job's name and who it is shared with (SPEC.md, "Service jobs")
+    service: str | None = None
+    share: list[str] = Field(default_factory=list)
 
     @classmethod
     def of(cls, j: Job) -> Self:
@@ -216,6 +230,8 @@ class JobOut(BaseModel):
             ram_cap_bytes=j.ram.cap_bytes or None,
             ram_floor_bytes=j.ram.floor_bytes or None,
             ram_start_min_bytes=j.ram.start_min_bytes or None,
+            service=j.service,
+            share=list(j.share),
         )
 
 

@@ -51,6 +51,7 @@ COMMANDS = (
     "logs",
     "events",
     "cancel",
+    "stop",
     "explain",
     "share",
     "preview",

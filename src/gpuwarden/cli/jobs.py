@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import time
 from typing import Any
@@ -57,6 +58,13 @@ def _add_cancel(sub: Commands) -> None:
     sp.set_defaults(func=cmd_cancel)
 
 
+def _add_stop(sub: Commands) -> None:
+    sp = sub.add_parser("stop", help="stop a running service job (it ends done)")
+    sp.add_argument("job")
+    add_remote_options(sp)
+    sp.set_defaults(func=cmd_stop)
+
+
 def _add_explain(sub: Commands) -> None:
     sp = sub.add_parser("explain", help="why a job waits (or where it runs, or how it ended)")
     sp.add_argument("job")
@@ -83,6 +91,7 @@ PARSERS = {
     "jobs": _add_jobs,
     "show": _add_show,
     "cancel": _add_cancel,
+    "stop": _add_stop,
     "explain": _add_explain,
     "preview": _add_preview,
 }
@@ -291,6 +300,21 @@ def _cancel_here(args: argparse.Namespace) -> tuple[str, str]:
 def _cancel_http(args: argparse.Namespace, client: Client) -> tuple[str, str]:
     data = client.cancel(args.job)
     return data["id"], data["state"]
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    job_id = local_or_http(args, _stop_here, lambda a, client: client.stop(a.job)["id"])
+    out.print(f"{job_id} is running: the broker will stop it and record it done")
+    return 0
+
+
+def _stop_here(args: argparse.Namespace) -> str:
+    store = existing_store(args)
+    try:
+        job = store.request_stop(args.job, by=f"{getpass.getuser()} (on the host)", now=time.time())
+    finally:
+        store.close()
+    return job.id
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

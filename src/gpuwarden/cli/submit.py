@@ -55,6 +55,23 @@ from gpuwarden.store.base import Store, Submission
 from gpuwarden.store.cluster import ClusterStore, NodeState
 
 
+def add_service_options(sp: argparse.ArgumentParser) -> None:
+    """``--service`` and ``--share`` (SPEC.md, "Service jobs")."""
+    sp.add_argument(
+        "--service",
+        metavar="NAME",
+        help='a service type\'s job (launch = "service"): its name in URLs (default: its id)',
+    )
+    sp.add_argument(
+        "--share",
+        action="append",
+        default=[],
+        metavar="WHO",
+        help="a service type's job: a token id or role name that may reach it besides its "
+        "owner (repeatable)",
+    )
+
+
 def add_job_options(sp: argparse.ArgumentParser) -> None:
     """The job of ``submit`` and ``run-once``: its type, parameters and needs."""
     sp.add_argument("type", help="job type, module.type (see `gpuwarden types`)")
@@ -75,6 +92,7 @@ def add_job_options(sp: argparse.ArgumentParser) -> None:
         help="how many GPUs of one node the job holds at once, its footprint on each "
         "(default: its type's gpus, usually 1)",
     )
+    add_service_options(sp)
     sp.add_argument(
         "--ram-gib",
         type=float,
@@ -279,6 +297,8 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         est_s=args.est_s,
         gpus=args.gpus,
         ram=ram_need(args),
+        service=getattr(args, "service", None),
+        share=tuple(getattr(args, "share", ())),
     )
     return prepare(registry, spec)
 
@@ -559,6 +579,8 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
             ram_gib=args.ram_gib,
             ram_floor_gib=args.ram_floor_gib,
             ram_start_min_gib=args.ram_start_min_gib,
+            service=args.service,
+            share=args.share,
         )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:

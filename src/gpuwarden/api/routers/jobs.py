@@ -219,6 +219,8 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             est_s=body.est_s,
             gpus=body.gpus,
             ram=body.ram(),
+            service=body.service,
+            share=tuple(body.share),
         ),
         owner=who.token_id,
     )
@@ -375,6 +377,19 @@ def cancel_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access
         if revoked:
             detail["grants_revoked"] = revoked
     audit_ok(request, detail, target=job.id)
+    return JobOut.of(job)
+
+
+@router.post("/v1/jobs/{job_id}/stop", response_model=JobOut, responses=_ERRORS)
+@action("job.stop")
+def stop_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access) -> JobOut:
+    """Stop a running service job: the broker stops its processes and records it
+    done, "stopped by" the caller (SPEC.md, "Service jobs")."""
+    job = visible_job(ctx, who, access, job_id)
+    if job.state is not JobState.RUNNING:
+        raise HttpError(409, f"job {job.id} is {job.state.value}, not running: nothing to stop")
+    job = ctx.store.request_stop(job.id, by=who.name, now=ctx.clock())
+    audit_ok(request, {"state": job.state.value}, target=job.id)
     return JobOut.of(job)
 
 
