@@ -377,3 +377,23 @@ def test_the_unavailable_page_in_json_for_a_stopped_websocket_service(env: Env) 
         assert "svc is unavailable, last seen" in json.loads(answer.body or b"{}")["error"]
 
     asyncio.run(asyncio.wait_for(go(), 20))
+
+
+def test_the_client_going_closes_the_services_websocket(env: Env) -> None:
+    def open_at_service() -> int:
+        return int(httpx.get(f"{env.service.url}/ws-open").text)
+
+    async def none_open() -> None:
+        deadline = time.monotonic() + 10
+        while await asyncio.to_thread(open_at_service) != 0:
+            assert time.monotonic() < deadline, "the service's WebSocket stayed open"
+            await asyncio.sleep(0.05)
+
+    async def go() -> None:
+        await none_open()  # an earlier test's sockets are gone
+        async with connect(env.ws_url("/run/svc/ws"), additional_headers=env.h("alice")) as ws:
+            assert await ws.recv() == f"route:{CREDENTIAL}"
+            assert await asyncio.to_thread(open_at_service) == 1
+        await none_open()
+
+    asyncio.run(asyncio.wait_for(go(), 20))

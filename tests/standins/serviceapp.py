@@ -12,7 +12,7 @@ port of 127.0.0.1, prints that port on one line, and serves until killed.
 - ``/redirect``: 302 to ``/echo/here?x=1``; ``/redirect-abs``: 302 to this
   server's own absolute URL of ``/echo/abs``
 - ``/ws`` (WebSocket): echoes text and binary frames; first sends the text
-  ``route:<credential it saw>``
+  ``route:<credential it saw>``; ``/ws-open``: how many of them are open
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ ROUTE_HEADER = "x-gpuwarden-route"
 
 def make_app(credential: str) -> Starlette:
     released = asyncio.Event()
+    open_sockets = [0]
 
     def refused(headers: list[tuple[bytes, bytes]]) -> bool:
         seen = [v.decode() for k, v in headers if k.decode().lower() == ROUTE_HEADER]
@@ -88,15 +89,22 @@ def make_app(credential: str) -> Starlette:
             await websocket.close(4403)
             return
         await websocket.accept()
-        await websocket.send_text(f"route:{websocket.headers.get(ROUTE_HEADER)}")
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                return
-            if message.get("text") is not None:
-                await websocket.send_text(message["text"])
-            elif message.get("bytes") is not None:
-                await websocket.send_bytes(message["bytes"])
+        open_sockets[0] += 1
+        try:
+            await websocket.send_text(f"route:{websocket.headers.get(ROUTE_HEADER)}")
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                if message.get("text") is not None:
+                    await websocket.send_text(message["text"])
+                elif message.get("bytes") is not None:
+                    await websocket.send_bytes(message["bytes"])
+        finally:
+            open_sockets[0] -= 1
+
+    async def ws_open(request: Request) -> Response:
+        return PlainTextResponse(str(open_sockets[0]))
 
     methods = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
     return Starlette(
@@ -106,6 +114,7 @@ def make_app(credential: str) -> Starlette:
             Route("/release", release, methods=["POST"]),
             Route("/redirect", redirect),
             Route("/redirect-abs", redirect_abs),
+            Route("/ws-open", ws_open),
             WebSocketRoute("/ws", ws),
         ]
     )
