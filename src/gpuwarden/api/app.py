@@ -40,13 +40,10 @@ from gpuwarden.api.auth import (
     MUTATING,
     PUBLIC,
     AuthFailed,
-    Principal,
     allowed,
-    authenticate,
-    authenticate_session,
     needed_roles,
 )
-from gpuwarden.api.context import ApiContext, AuditHook, action_of
+from gpuwarden.api.context import ApiContext, AuditHook, ServiceRoutes, action_of, identify
 from gpuwarden.api.limits import (
     ASGIApp,
     BodyLimitMiddleware,
@@ -66,15 +63,14 @@ from gpuwarden.api.routers import (
     logs,
     metrics,
     nodes,
+    services,
     status,
 )
 from gpuwarden.api.routers import session as session_routes
 from gpuwarden.api.session import (
     CSRF_HEADER,
-    SESSION_COOKIE,
     Session,
     Sessions,
-    cookie_value,
     csrf_refusal,
     same_origin,
 )
@@ -96,6 +92,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     events.router,
     session_routes.router,
     dashboard.router,
+    services.router,
 )
 
 
@@ -108,11 +105,13 @@ def create_app(
     monotonic: Callable[[], float] = time.monotonic,
     wake: Callable[[], None] | None = None,
     ends: JobEnds | None = None,
+    service_routes: ServiceRoutes | None = None,
 ) -> FastAPI:
     """The API on ``store``. ``clock`` stamps jobs, tokens and audit rows;
     ``monotonic`` drives the rate limiter (both injectable for tests). In the
     broker's process: ``wake`` makes its loop look at the store at once (after a
-    submit), and ``ends`` is where the loop says that jobs ended (a ``wait``)."""
+    submit), ``ends`` is where the loop says that jobs ended (a ``wait``), and
+    ``service_routes`` gives its running services, served at ``/run/<name>/``."""
     app = FastAPI(
         title="gpuwarden",
         version=__version__,
@@ -129,6 +128,7 @@ def create_app(
         wake=wake,
         ends=ends,
         sessions=Sessions(clock=clock),
+        routes=service_routes,
     )
     app.state.gw = ctx
     errors.install(app)
@@ -159,6 +159,7 @@ def create_app(
     )
     app.add_middleware(Gate, ctx=ctx, routes=routes, limiter=limiter)
     dashboard.install(app)
+    services.install(app)
     if type(store).__name__ == "PostgresStore":  # several coordinators may share it
         nodes.install_sweeper(app)
     return app
@@ -219,7 +220,7 @@ class Gate:
         target = str(params.get("job_id") or params.get("token_id") or "")
         headers = Headers(scope=scope)
         try:
-            principal, session = await run_in_threadpool(self._authenticate, headers, client)
+            principal, session = await run_in_threadpool(identify, self.ctx, headers, client)
         except AuthFailed as exc:
             # failed authentication counts against the client's address
             wait = self.limiter.take(f"addr:{client}")
@@ -265,32 +266,6 @@ class Gate:
             await send_error(send, 429, message, {"Retry-After": retry_after(wait)})
             return
         await self.app(scope, receive, send)
-
-    def _authenticate(self, headers: Headers, client: str) -> tuple[Principal, Session | None]:
-        """The bearer header's principal; without that header, the session cookie's
-        (and the session), from the address it was signed in from. Raises
-        :class:`AuthFailed`."""
-        now = self.ctx.clock()
-        authorization = headers.get("authorization")
-        sid = None if authorization else cookie_value(headers.get("cookie"), SESSION_COOKIE)
-        if sid is None:
-            return authenticate(self.ctx.store, authorization, now=now), None
-        session = self.ctx.sessions.get(sid)
-        if session is None:
-            raise AuthFailed(
-                "this browser's session has ended (signed out, expired, or the API was "
-                "restarted): sign in again at /"
-            )
-        if session.client and session.client != client:
-            raise AuthFailed(
-                "this session was signed in from another address: sign in again at / "
-                "(a session cookie is taken only from where it was made)"
-            )
-        try:
-            return authenticate_session(self.ctx.store, session.token_id, now=now), session
-        except AuthFailed:
-            self.ctx.sessions.end(sid)  # its token is revoked or expired: so is the session
-            raise
 
     def _too_many_message(self, wait: float) -> str:
         return (

@@ -96,6 +96,9 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "session.read":  (ALL,  ALL,     ALL,      None, None),
     "session.delete": (ALL, ALL,     ALL,      None, None),
     "dashboard.read": (ALL, ALL,     OWN,      None, None),
+    # /run/<name>/: who passes the gate; which service each may use is
+    # core/serviceroute.py: may_reach (its owner, its share; else the same 404)
+    "service.use":   (ALL,  OWN,     OWN,      None, None),
 }
 # fmt: on
 _COLUMNS = (Role.OWNER, Role.OPERATOR, Role.SUBMITTER, Role.NODE, Role.ENROLL)

@@ -7,21 +7,26 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
 
-from gpuwarden.api.auth import Principal, Scope
+from gpuwarden.api.auth import AuthFailed, Principal, Scope, authenticate, authenticate_session
 from gpuwarden.api.errors import HttpError
-from gpuwarden.api.session import Sessions
+from gpuwarden.api.session import SESSION_COOKIE, Session, Sessions, cookie_value
 from gpuwarden.config import Config
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import AuditRow, Store
 
 log = logging.getLogger(__name__)
+
+#: the running services of the broker in this process, by name (``/run/<name>/``)
+ServiceRoutes = Callable[[], Mapping[str, ServiceRoute]]
 
 
 @dataclass
@@ -38,6 +43,36 @@ class ApiContext:
     ends: JobEnds | None = None
     #: the dashboard's browser sessions, in this process only (api/session.py)
     sessions: Sessions = field(default_factory=Sessions)
+    #: the services this process serves at ``/run/<name>/`` (api/routers/services.py);
+    #: None: none (every name is 404). Asked on every request: never cached.
+    routes: ServiceRoutes | None = None
+
+
+def identify(ctx: ApiContext, headers: Headers, client: str) -> tuple[Principal, Session | None]:
+    """Who makes a request: the bearer header's principal; without that header, the
+    session cookie's (and the session), from the address it was signed in from.
+    Raises :class:`AuthFailed`. Reads the store: call it on a worker thread."""
+    now = ctx.clock()
+    authorization = headers.get("authorization")
+    sid = None if authorization else cookie_value(headers.get("cookie"), SESSION_COOKIE)
+    if sid is None:
+        return authenticate(ctx.store, authorization, now=now), None
+    session = ctx.sessions.get(sid)
+    if session is None:
+        raise AuthFailed(
+            "this browser's session has ended (signed out, expired, or the API was "
+            "restarted): sign in again at /"
+        )
+    if session.client and session.client != client:
+        raise AuthFailed(
+            "this session was signed in from another address: sign in again at / "
+            "(a session cookie is taken only from where it was made)"
+        )
+    try:
+        return authenticate_session(ctx.store, session.token_id, now=now), session
+    except AuthFailed:
+        ctx.sessions.end(sid)  # its token is revoked or expired: so is the session
+        raise
 
 
 # the three below are async: they only read the request's state, and a plain

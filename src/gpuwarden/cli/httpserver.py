@@ -11,8 +11,10 @@ import functools
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 
 from gpuwarden.config import Config
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.node.loop import Broker
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
@@ -37,12 +39,14 @@ class ApiThread:
         coordinator: bool = False,
         broker: Broker | None = None,
         sock: socket.socket | None = None,
+        service_routes: Callable[[], Mapping[str, ServiceRoute]] | None = None,
     ) -> None:
         """``broker``: the broker running in this process, if any: a submit wakes
         its loop, and a ``wait`` is told by it when the job ended. ``sock``: a
         socket listening already (shared by several worker processes,
         ``coordinator --workers``); ``host`` and ``port`` are then what it was
-        bound to."""
+        bound to. ``service_routes``: the running services of the broker in this
+        process, served at ``/run/<name>/``."""
         # the web stack, only here (the module docstring says why)
         import uvicorn  # noqa: PLC0415
 
@@ -55,6 +59,7 @@ class ApiThread:
             config,
             wake=broker.wake if broker is not None else None,
             ends=broker.ends if broker is not None else None,
+            service_routes=service_routes,
         )
         if coordinator:
             nodes.install_coordinator(self.app)
@@ -71,6 +76,8 @@ class ApiThread:
                 # log records what was done); keep-alive connections stay open 30 s
                 # between requests (agents and clients send one every few seconds)
                 http="auto",
+                # WebSockets (a service's at /run/<name>/) with the websockets library
+                ws="auto",
                 access_log=False,
                 timeout_keep_alive=30,
             )

@@ -1,0 +1,102 @@
+"""A running service as the proxy at ``/run/<name>/`` sees it (SPEC.md, section 15,
+"Services at /run/"): where its forwarder listens, the credential the forwarder
+demands, who may reach it, and how it is doing. Values in, values out: the node
+publishes :class:`ServiceRoute` values, the API reads them per request.
+
+The rules here are pure: :func:`may_reach` (who may use a service) and
+:func:`availability` (whether a request goes through, or what the unavailable
+page says)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from gpuwarden.core.model import Role
+
+#: a service's states, as the node reports them
+STARTING: Final = "starting"
+HEALTHY: Final = "healthy"
+UNHEALTHY: Final = "unhealthy"
+STOPPED: Final = "stopped"
+STATES: Final = frozenset({STARTING, HEALTHY, UNHEALTHY, STOPPED})
+#: what a client is told to wait before it asks a starting service again (seconds)
+STARTING_RETRY_S: Final = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceRoute:
+    """One service, by the name it is served under (``/run/<name>/``).
+
+    ``owner``: the token id that submitted the job (None: a job of the host's
+    owner, submitted on the host). ``share``: token ids and role names that may
+    use it too. ``upstream``: ``http://127.0.0.1:PORT``, the node's forwarder,
+    which demands ``X-Gpuwarden-Route: <credential>`` on each new connection.
+    ``since``: when it entered ``state``; ``last_ok``: when it last answered its
+    health check (None: never)."""
+
+    name: str
+    job_id: str
+    owner: str | None
+    share: tuple[str, ...]
+    state: str
+    upstream: str
+    credential: str
+    since: float
+    last_ok: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """Why a request to a service is not forwarded: a sentence for a person, and
+    ``retry_after_s`` when it is worth asking again soon (a starting service)."""
+
+    message: str
+    state: str
+    last_seen_s: int | None
+    retry_after_s: int | None = None
+
+
+def may_reach(route: ServiceRoute, *, token_id: str, role: Role) -> bool:
+    """Whether the token ``token_id`` with ``role`` may use ``route``: an owner
+    token always; the token that submitted the job; a token or a role named in its
+    ``share``; for a job of the host's owner (no owning token), an operator too.
+    Node and enrolment tokens never (whatever ``share`` says)."""
+    if role in (Role.NODE, Role.ENROLL):
+        return False
+    if role is Role.OWNER:
+        return True
+    if route.owner is None and role is Role.OPERATOR:
+        return True
+    if route.owner is not None and token_id == route.owner:
+        return True
+    return token_id in route.share or role.value in route.share
+
+
+def last_seen(route: ServiceRoute, now: float) -> int | None:
+    """Whole seconds since the service last answered its health check (None: never)."""
+    if route.last_ok is None:
+        return None
+    return max(0, int(now - route.last_ok))
+
+
+def availability(route: ServiceRoute, now: float) -> Unavailable | None:
+    """None when a request to ``route`` is forwarded (healthy); else why not."""
+    if route.state == HEALTHY:
+        return None
+    if route.state == STARTING:
+        waited = max(0, int(now - route.since))
+        return Unavailable(
+            f"{route.name} is starting (for {waited} s): try again in a moment",
+            STARTING,
+            last_seen(route, now),
+            STARTING_RETRY_S,
+        )
+    return unreachable(route, now, route.state if route.state in STATES else "unknown")
+
+
+def unreachable(route: ServiceRoute, now: float, state: str) -> Unavailable:
+    """The unavailable page's words: ``NAME is unavailable, last seen N s ago``."""
+    seen = last_seen(route, now)
+    when = "never seen healthy" if seen is None else f"last seen {seen} s ago"
+    return Unavailable(f"{route.name} is unavailable, {when} (it is {state})", state, seen)
