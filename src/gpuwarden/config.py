@@ -115,6 +115,16 @@ class ApiSettings(_Section):
     #: GET /metrics answers without a token (Prometheus scrapes without one); off:
     #: it takes an owner's or operator's token (a scrape config's bearer token)
     metrics_public: bool = False
+    #: the host name browsers reach services at (``/run/NAME/``), apart from the
+    #: API's own, so that a service's pages cannot act as the person viewing them;
+    #: ``{name}`` in it: a host per service. "": browsers are not served services
+    #: (tokens still are). SPEC section 15, "Services at /run/"
+    services_host: Annotated[
+        str,
+        Field(
+            max_length=253, pattern=r"^$|^(?:[a-z0-9-]+|\{name\})(?:\.(?:[a-z0-9-]+|\{name\}))*$"
+        ),
+    ] = ""
 
 
 class ClusterSettings(_Section):

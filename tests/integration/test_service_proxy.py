@@ -247,17 +247,91 @@ def test_the_share_list_and_the_owner_role_let_others_in(env: Env) -> None:
     assert httpx.get(env.url("/run/svc/echo/x"), headers=env.h("alice")).status_code == 404
 
 
-def test_a_browser_session_cookie_reaches_it_and_never_reaches_the_service(env: Env) -> None:
-    with httpx.Client(base_url=env.api.url) as browser:
-        r = browser.post(
-            "/v1/session", json={"token": env.tokens["alice"]}, headers={"Origin": env.api.url}
-        )
-        assert r.status_code == 200, r.text
-        assert browser.cookies.get("gw_session")
-        r = browser.get("/run/svc/echo/page")
+def _signed_in(env: Env, browser: httpx.Client, who: str = "alice") -> None:
+    r = browser.post(
+        env.url("/v1/session"), json={"token": env.tokens[who]}, headers={"Origin": env.api.url}
+    )
     assert r.status_code == 200, r.text
-    assert headers_of(r, "cookie") == []  # gw_session and gw_csrf stayed here
-    assert headers_of(r, "x-gpuwarden-route") == [CREDENTIAL]
+    assert browser.cookies.get("gw_session")
+
+
+def test_without_a_services_host_a_browser_session_is_not_served_a_service(env: Env) -> None:
+    """A service's pages on the API's origin could act as the viewer: the
+    dashboard's cookie never reaches a service there; a token still does."""
+    with httpx.Client() as browser:
+        _signed_in(env, browser)
+        r = browser.get(env.url("/run/svc/echo/page"))
+    assert r.status_code == 403 and "[api] services_host" in r.text, r.text
+    assert "echo" not in r.text  # the service was not asked
+    assert httpx.get(env.url("/run/svc/echo/page"), headers=env.h("alice")).status_code == 200
+
+
+@pytest.fixture
+def split_env(tmp_path: Path, service: Service) -> Iterator[Env]:
+    """The API at 127.0.0.1, its services at ``localhost``: another origin and
+    another cookie jar on the same server."""
+    config = Config.model_validate(
+        {
+            "state_dir": tmp_path,
+            "module_paths": [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"],
+            "api": {"rate_per_s": 10_000, "burst": 10_000, "services_host": "localhost"},
+        }
+    )
+    store = SqliteStore(tmp_path / "gpuwarden.db")
+    registry = Registry.load(config.module_paths, config.launch_rules)
+    routes: dict[str, ServiceRoute] = {}
+    api = ApiThread(
+        store, registry, config, "127.0.0.1", 0, name="api", service_routes=lambda: dict(routes)
+    )
+    assert api.start()
+    e = Env(api=api, store=store, service=service, routes=routes)
+    for who, role in [("alice", Role.SUBMITTER), ("bob", Role.SUBMITTER)]:
+        _, e.tokens[who] = issue_token(store, name=who, role=role, by=ADMIN, now=time.time())
+    e.serve("svc")
+    e.serve("other")
+    yield e
+    api.stop()
+
+
+def test_a_browser_is_handed_to_the_services_host_with_a_pass(split_env: Env) -> None:
+    env = split_env
+    port = env.api.url.rsplit(":", 1)[1]
+    with httpx.Client() as browser:
+        _signed_in(env, browser)
+        r = browser.get(env.url("/run/svc/echo/page?x=1"))
+        assert r.status_code == 303, r.text
+        handoff = r.headers["location"]
+        assert handoff.startswith(f"http://localhost:{port}/run/svc/echo/page?x=1&gw_handoff=")
+        r = browser.get(handoff)
+        assert r.status_code == 303 and r.headers["location"] == "/run/svc/echo/page?x=1"
+        cookie = r.headers["set-cookie"]
+        assert cookie.startswith("gw_run=") and "HttpOnly" in cookie and "Path=/run/svc/" in cookie
+        r = browser.get(f"http://localhost:{port}/run/svc/echo/page?x=1")
+        assert r.status_code == 200, r.text
+        assert headers_of(r, "cookie") == []  # neither gw_session nor gw_run reach it
+        assert headers_of(r, "x-gpuwarden-route") == [CREDENTIAL]
+        # the handoff was used up
+        assert browser.get(handoff).status_code == 401
+        # the services host serves nothing else: the API and the dashboard are not there
+        for path in ("/v1/jobs", "/", "/v1/status"):
+            r = browser.get(f"http://localhost:{port}{path}")
+            assert r.status_code == 404 and "only the services" in r.text, (path, r.text)
+        # the pass is for that service alone (its cookie is not even sent elsewhere)
+        r = browser.get(f"http://localhost:{port}/run/other/echo/x")
+        assert r.status_code == 401 and "no pass for this service" in r.text
+
+
+def test_a_handoff_is_for_one_client_and_one_service(split_env: Env) -> None:
+    env = split_env
+    with httpx.Client() as browser:
+        _signed_in(env, browser)
+        handoff = browser.get(env.url("/run/svc/x")).headers["location"]
+    # the same code for another service's path is refused, and that try uses it up:
+    # a handoff seen by someone else is spent, not kept for a second guess
+    stolen = handoff.replace("/run/svc/", "/run/other/")
+    r = httpx.get(stolen)
+    assert r.status_code == 401 and "used up or expired" in r.text
+    assert httpx.get(handoff).status_code == 401
 
 
 # -- unavailable ----------------------------------------------------------------------

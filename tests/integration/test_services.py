@@ -34,7 +34,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 
 def route(node: Node, job_id: str) -> ServiceRoute | None:
-    return next((r for r in node.broker.service_routes() if r.job_id == job_id), None)
+    return next((r for r in node.broker.service_routes().values() if r.job_id == job_id), None)
 
 
 def wait_state(node: Node, job_id: str, state: str, timeout: float = 15) -> ServiceRoute:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
@@ -40,6 +41,7 @@ from gpuwarden.api.auth import (
     MUTATING,
     PUBLIC,
     AuthFailed,
+    Principal,
     allowed,
     needed_roles,
 )
@@ -53,6 +55,7 @@ from gpuwarden.api.limits import (
     Send,
     retry_after,
     send_error,
+    send_redirect,
 )
 from gpuwarden.api.routers import (
     admin,
@@ -67,6 +70,13 @@ from gpuwarden.api.routers import (
     status,
 )
 from gpuwarden.api.routers import session as session_routes
+from gpuwarden.api.runsite import (
+    on_services_host,
+    run_cookie,
+    services_url,
+    with_handoff,
+    without_handoff,
+)
 from gpuwarden.api.session import (
     CSRF_HEADER,
     Session,
@@ -209,6 +219,10 @@ class Gate:
             await send_error(send, 403, "this endpoint is in no row of the permission matrix")
             return
         client = (scope.get("client") or ("unknown",))[0]
+        headers = Headers(scope=scope)
+        service = str(params.get("name")) if name == services.ACTION else None
+        if await self._services_host(scope, send, headers, service, client):
+            return
         if name in self.public:
             wait = self.limiter.take(f"addr:{client}")
             if wait:
@@ -218,9 +232,10 @@ class Gate:
             return
         state: dict[str, Any] = scope.setdefault("state", {})
         target = str(params.get("job_id") or params.get("token_id") or "")
-        headers = Headers(scope=scope)
         try:
-            principal, session = await run_in_threadpool(identify, self.ctx, headers, client)
+            principal, session = await run_in_threadpool(
+                partial(identify, service=service), self.ctx, headers, client
+            )
         except AuthFailed as exc:
             # failed authentication counts against the client's address
             wait = self.limiter.take(f"addr:{client}")
@@ -237,6 +252,9 @@ class Gate:
             await send_error(send, 401, exc.message, {"WWW-Authenticate": challenge})
             return
         state["gw_principal"] = principal
+        if service is not None and session is not None:  # a browser on the API's host
+            await self._hand_off(scope, send, headers, principal, service=service, client=client)
+            return
         if name in MUTATING:
             state["gw_audit"] = AuditHook(self.ctx, state, name, principal, target=target)
         if session is not None:
@@ -266,6 +284,75 @@ class Gate:
             await send_error(send, 429, message, {"Retry-After": retry_after(wait)})
             return
         await self.app(scope, receive, send)
+
+    async def _services_host(
+        self, scope: Scope, send: Send, headers: Headers, service: str | None, client: str
+    ) -> bool:
+        """On the services host (api/runsite.py): nothing but ``/run/`` is served,
+        and a handoff in the query is turned into a pass. True when answered."""
+        services_host = self.ctx.config.api.services_host
+        if not on_services_host(services_host, headers, service):
+            if service is None and on_services_host(services_host, headers, None):
+                await send_error(send, 404, "this host serves only the services at /run/NAME/")
+                return True
+            return False
+        if service is None:
+            await send_error(send, 404, "this host serves only the services at /run/NAME/")
+            return True
+        code, query = without_handoff((scope.get("query_string") or b"").decode("latin-1"))
+        if code is None:
+            return False
+        redeemed = self.ctx.passes.redeem(code, service, client)
+        if redeemed is None:
+            await send_error(
+                send,
+                401,
+                "this link's handoff is used up or expired: open the service again from "
+                "the API's own host",
+            )
+            return True
+        _, pass_id = redeemed
+        secure = scope.get("scheme") == "https"
+        location = str(scope.get("root_path", "")) + scope["path"] + (f"?{query}" if query else "")
+        await send_redirect(
+            send, location, {"Set-Cookie": run_cookie(pass_id, service, secure=secure)}
+        )
+        return True
+
+    async def _hand_off(
+        self,
+        scope: Scope,
+        send: Send,
+        headers: Headers,
+        principal: Principal,
+        *,
+        service: str,
+        client: str,
+    ) -> None:
+        """A browser session asked for a service on the API's host: send it to the
+        services host with a one-time handoff, or say why it cannot be served."""
+        services_host = self.ctx.config.api.services_host
+        if not services_host:
+            await send_error(
+                send,
+                403,
+                "a browser is served services only at a host of their own, apart from the "
+                "API's (a service's pages could otherwise act as you here): set "
+                "[api] services_host (SPEC section 15, 'Services at /run/'); a token "
+                "(Authorization: Bearer) reaches it here",
+            )
+            return
+        code = self.ctx.passes.handoff(principal.token_id, service, client)
+        query = (scope.get("query_string") or b"").decode("latin-1")
+        location = services_url(
+            services_host,
+            service,
+            scheme=str(scope.get("scheme") or "http"),
+            headers=headers,
+            path=scope["path"],
+            query=with_handoff(query, code),
+        )
+        await send_redirect(send, location)
 
     def _too_many_message(self, wait: float) -> str:
         return (

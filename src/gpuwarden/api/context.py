@@ -16,6 +16,7 @@ from starlette.datastructures import Headers
 
 from gpuwarden.api.auth import AuthFailed, Principal, Scope, authenticate, authenticate_session
 from gpuwarden.api.errors import HttpError
+from gpuwarden.api.runsite import RUN_COOKIE, RunPasses, on_services_host
 from gpuwarden.api.session import SESSION_COOKIE, Session, Sessions, cookie_value
 from gpuwarden.config import Config
 from gpuwarden.core.serviceroute import ServiceRoute
@@ -46,14 +47,30 @@ class ApiContext:
     #: the services this process serves at ``/run/<name>/`` (api/routers/services.py);
     #: None: none (every name is 404). Asked on every request: never cached.
     routes: ServiceRoutes | None = None
+    #: the handoffs and passes of browsers on the services host (api/runsite.py)
+    passes: RunPasses = field(default_factory=RunPasses)
 
 
-def identify(ctx: ApiContext, headers: Headers, client: str) -> tuple[Principal, Session | None]:
+def identify(
+    ctx: ApiContext, headers: Headers, client: str, *, service: str | None = None
+) -> tuple[Principal, Session | None]:
     """Who makes a request: the bearer header's principal; without that header, the
-    session cookie's (and the session), from the address it was signed in from.
-    Raises :class:`AuthFailed`. Reads the store: call it on a worker thread."""
+    session cookie's (and the session), from the address it was signed in from; on
+    the services host (a request for service ``service``), its pass's
+    (api/runsite.py), never the dashboard's session. Raises :class:`AuthFailed`.
+    Reads the store: call it on a worker thread."""
     now = ctx.clock()
     authorization = headers.get("authorization")
+    services_host = ctx.config.api.services_host
+    if not authorization and on_services_host(services_host, headers, service):
+        pass_id = cookie_value(headers.get("cookie"), RUN_COOKIE)
+        holder = None if pass_id is None else ctx.passes.holder(pass_id, service or "", client)
+        if holder is None:
+            raise AuthFailed(
+                "no pass for this service in this browser: open it from the API's own "
+                "host (its dashboard, or /run/NAME/ there), which sends you here with one"
+            )
+        return authenticate_session(ctx.store, holder, now=now), None
     sid = None if authorization else cookie_value(headers.get("cookie"), SESSION_COOKIE)
     if sid is None:
         return authenticate(ctx.store, authorization, now=now), None

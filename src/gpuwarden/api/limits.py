@@ -41,6 +41,15 @@ async def send_error(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def send_redirect(send: Send, location: str, headers: dict[str, str] | None = None) -> None:
+    """Send a 303 to ``location`` (never cached)."""
+    raw = [(b"location", location.encode("latin-1")), (b"content-length", b"0")]
+    raw.append((b"cache-control", b"no-store"))
+    raw += [(k.lower().encode(), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": 303, "headers": raw})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 class BodyLimitMiddleware:
     def __init__(
         self,

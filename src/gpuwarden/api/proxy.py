@@ -5,11 +5,12 @@ relayed both ways. Who may reach which service is decided before any of this
 runs (``api/routers/services.py`` over ``core/serviceroute.py``).
 
 Nothing a client sends reaches the service unfiltered: its ``Authorization``,
-the dashboard's cookies (``gw_session``, ``gw_csrf``), every ``X-Gpuwarden-*``
-and ``X-Forwarded-*`` header and the hop-by-hop headers are dropped; the route's
-credential (``X-Gpuwarden-Route``) and the proxy's own ``X-Forwarded-*`` are
-added. Bodies are streamed both ways, never read whole; the time to connect, to
-the first byte and between bytes is bounded."""
+the dashboard's cookies (``gw_session``, ``gw_csrf``), a service pass
+(``gw_run``), every ``X-Gpuwarden-*`` and ``X-Forwarded-*`` header and the
+hop-by-hop headers are dropped; the route's credential (``X-Gpuwarden-Route``)
+and the proxy's own ``X-Forwarded-*`` are added. Bodies are streamed both ways,
+never read whole; the time to connect, to the first byte and between bytes is
+bounded."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from gpuwarden.api.runsite import RUN_COOKIE
 from gpuwarden.api.session import CSRF_COOKIE, SESSION_COOKIE
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ HOP_BY_HOP = frozenset(
 DROPPED_PREFIXES = ("proxy-", "x-gpuwarden-", "x-forwarded-")
 DROPPED = frozenset({"authorization", "host", "forwarded"})
 #: the dashboard's cookies: never sent to a service, never set by one
-PRIVATE_COOKIES = frozenset({SESSION_COOKIE, CSRF_COOKIE})
+PRIVATE_COOKIES = frozenset({SESSION_COOKIE, CSRF_COOKIE, RUN_COOKIE})
 #: how long to wait for the service to take the connection, and for each read
 #: (the first byte of the answer, and every byte after it)
 CONNECT_S = 5.0

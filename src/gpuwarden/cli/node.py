@@ -240,7 +240,14 @@ class _ApiServer:
     def __init__(self, config: Config, broker: Broker, host: str, port: int) -> None:
         self.store = open_store(config)
         self.http = ApiThread(
-            self.store, broker.registry, config, host, port, name="gpuwarden-api", broker=broker
+            self.store,
+            broker.registry,
+            config,
+            host,
+            port,
+            name="gpuwarden-api",
+            broker=broker,
+            service_routes=broker.service_routes,
         )
         if not self.http.start():
             self.store.close()

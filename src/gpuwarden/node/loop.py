@@ -49,6 +49,7 @@ from gpuwarden.core.model import (
     gpu_list,
 )
 from gpuwarden.core.preempt import Preempt, Victim
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.eventlog import EventLog, NullLog
@@ -80,7 +81,7 @@ from gpuwarden.node.running import (
     Started,
 )
 from gpuwarden.node.runtimes import ManagedRuntimes
-from gpuwarden.node.services import ServiceRoute, Services
+from gpuwarden.node.services import Services
 from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.status import (
@@ -917,10 +918,10 @@ class Broker:
                 out.append(t.name)
         return sorted(out)
 
-    def service_routes(self) -> list[ServiceRoute]:
-        """How the in-process API reaches each running service: a thread-safe
-        snapshot (the route credentials are in it: never publish it)."""
-        return self.services.routes()
+    def service_routes(self) -> dict[str, ServiceRoute]:
+        """How the in-process API reaches each running service, by its name: a
+        thread-safe snapshot (the route credentials are in it: never publish it)."""
+        return {r.name: r for r in self.services.routes()}
 
     def wait_reason(self, job_id: str) -> str | None:
         """Why a queued job waits, as the last pass saw it (None: it was not judged)."""

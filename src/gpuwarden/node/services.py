@@ -26,6 +26,7 @@ from typing import Any
 
 from gpuwarden.core.model import JobType
 from gpuwarden.core.service import Health, HealthCheck, ServiceState, overdue, parse_health
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.launch import netns
 from gpuwarden.node.running import Emit, Mailbox, RunningAttempt, ServiceNote
 
@@ -44,24 +45,6 @@ _FORBIDDEN = (
     b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: 38\r\n"
     b"Connection: close\r\n\r\nno route credential for this service\r\n"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ServiceRoute:
-    """How the in-process API reaches one running service (a snapshot)."""
-
-    name: str
-    job_id: str
-    owner: str | None
-    share: tuple[str, ...]
-    #: ``starting``, ``healthy``, ``unhealthy`` (``core.service.ServiceState``)
-    state: str
-    #: the forwarder: ``http://127.0.0.1:PORT`` ("" until the service's process runs)
-    upstream: str
-    #: the value of the ``X-Gpuwarden-Route`` header the forwarder wants first
-    credential: str
-    since: float
-    last_ok: float | None
 
 
 def _split_head(head: bytes, credential: str) -> tuple[bool, bytes]:

@@ -21,12 +21,14 @@ import json
 import logging
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Annotated, Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Request, WebSocket
 from fastapi.responses import RedirectResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.responses import HTMLResponse, Response
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
@@ -36,7 +38,6 @@ from gpuwarden.api import proxy
 from gpuwarden.api.auth import AuthFailed, Principal, allowed
 from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, identify
 from gpuwarden.api.errors import HttpError
-from gpuwarden.api.session import same_origin
 from gpuwarden.core.serviceroute import ServiceRoute, Unavailable, availability, may_reach
 from gpuwarden.core.serviceroute import unreachable as unreachable_page
 
@@ -179,21 +180,23 @@ async def _ws_route(websocket: WebSocket, ctx: ApiContext, name: str) -> Service
     headers = websocket.headers
     client = (websocket.scope.get("client") or ("unknown",))[0]
     try:
-        who, session = await run_in_threadpool(identify, ctx, headers, client)
+        who, session = await run_in_threadpool(
+            partial(identify, service=name), ctx, headers, client
+        )
     except AuthFailed as exc:
         await _deny(websocket, 401, str(exc))
         return None
-    if session is not None:
-        why = same_origin(
-            scheme="https" if websocket.scope.get("scheme") == "wss" else "http",
-            host=headers.get("host"),
-            origin=headers.get("origin"),
-            fetch_site=headers.get("sec-fetch-site"),
-            referer=headers.get("referer"),
+    if session is not None:  # the dashboard's cookie, on the API's host
+        await _deny(
+            websocket,
+            403,
+            "a browser reaches services only at their own host ([api] services_host), "
+            "never with the dashboard's session",
         )
-        if why is not None:
-            await _deny(websocket, 403, f"{ACTION} refused for a browser session: {why}")
-            return None
+        return None
+    if not headers.get("authorization") and not _origin_is(headers, headers.get("host")):
+        await _deny(websocket, 403, "a service's pass is taken only from its own pages")
+        return None
     if allowed(who.role, ACTION) is None:
         await _deny(websocket, 403, f"{ACTION} needs another role than {who.role.value}")
         return None
@@ -201,6 +204,15 @@ async def _ws_route(websocket: WebSocket, ctx: ApiContext, name: str) -> Service
     if route is None:
         await _deny(websocket, 404, NOT_FOUND)
     return route
+
+
+def _origin_is(headers: Headers, host: str | None) -> bool:
+    """Whether a browser's WebSocket comes from a page of the host it asks (a pass
+    cookie must not be usable from another site's or another host's page)."""
+    origin = headers.get("origin")
+    if origin is None:
+        return True  # not a browser
+    return host is not None and urlsplit(origin).netloc.lower() == host.lower()
 
 
 async def _open(websocket: WebSocket, route: ServiceRoute) -> ClientConnection:
