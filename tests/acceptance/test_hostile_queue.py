@@ -193,7 +193,14 @@ def test_the_hostile_corpus_through_a_live_broker(site: Site) -> None:
         wait_for(all_answered, "a result or a refusal for every entry", timeout=120)
         assert b.proc.poll() is None, b.stderr.read_text()  # the broker stayed up
 
-        rejected = {str(e["bundle"]): e for e in site.events("bundle_rejected")}
+        # the event log is written after the result file: wait for every refusal's event
+        refused = {record_name(c.name) for c in corpus.CASES if c.expect == "refused"}
+
+        def rejections() -> dict[str, dict[str, object]]:
+            return {str(e["bundle"]): e for e in site.events("bundle_rejected")}
+
+        wait_for(lambda: refused <= rejections().keys(), "every refusal in the event log", 30)
+        rejected = rejections()
         for i, case in enumerate(corpus.CASES):
             if case.expect == "done":
                 got = site.result("outbox", case.raw)

@@ -169,7 +169,8 @@ def test_a_silent_node_and_its_jobs_say_so(site: Site) -> None:
     code, out, _ = site.gw("node", "list")
     assert code == 0 and "active" in out and "silent" not in out
     code, out, _ = site.gw("explain", "run-1")
-    assert "on node gpu-a, heard from 0 s ago" in out
+    # 0 s, or 1 s where the command took a while on a loaded machine
+    assert re.search(r"on node gpu-a, heard from [01] s ago", out), out
     # its heartbeats stop (it beats every second): 10 s later it is overdue
     site.beat("gpu-a", ago=10.0)
     code, out, _ = site.gw("node", "list")
