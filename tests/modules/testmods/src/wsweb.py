@@ -2,16 +2,21 @@
 library) for the service tests. It listens on ``GPUWARDEN_SERVICE_PORT`` on
 127.0.0.1: ``/healthz`` (200) and ``/echo`` (its request line and headers back,
 as JSON) are plain HTTP, answered by ``process_request``; a WebSocket on any
-other path (``/ws``) sends each message back, text as text and bytes as bytes."""
+other path (``/ws``) sends each message back, text as text and bytes as bytes.
+``start_delay_s``: how long it waits before it listens (it is ``starting`` that
+long)."""
 
 import asyncio
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 from websockets.asyncio.server import Request, Response, ServerConnection, serve
 from websockets.datastructures import Headers
 
+params = json.loads(Path(os.environ["GPUWARDEN_PARAMS"]).read_text())
 port = int(os.environ["GPUWARDEN_SERVICE_PORT"])
 
 
@@ -47,6 +52,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    time.sleep(float(params["start_delay_s"]))
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
