@@ -17,7 +17,7 @@ import pytest
 from gpuwarden.app import Node, open_node
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.node.services import ROUTE_HEADER, ServiceRoute
+from gpuwarden.node.services import ROUTE_HEADER, STOPPED_KEEP_S, ServiceRoute
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
 from tests.integration.test_broker import TEST_MODULES, make_config
@@ -98,9 +98,33 @@ def test_a_service_starts_becomes_healthy_is_reached_with_its_credential_and_sto
     assert job is not None and job.state is JobState.DONE
     assert job.reason == "stopped by alice"
     assert not psutil.pid_exists(service_pid)
-    assert route(node, "w1") is None
+    # its route is kept as stopped (no upstream; when it was last seen healthy)
+    gone = route(node, "w1")
+    assert gone is not None and gone.state == "stopped" and gone.upstream == ""
+    assert gone.last_ok is not None and r.last_ok is not None and gone.last_ok >= r.last_ok
+    node.broker._publish(time.time(), force=True)
+    (published,) = node.store.node_statuses()[0].payload["services"]
+    assert published["job"] == "w1" and published["state"] == "stopped"
     with pytest.raises(OSError):
         get(r.upstream, "/echo", {ROUTE_HEADER: r.credential})
+    # the name is free: a new service of that name replaces the stopped route
+    submit(node, JobSpec(id="w3", type="testmods.web", service="hello"))
+    again = wait_state(node, "w3", "healthy")
+    assert node.broker.service_routes()["hello"] == again
+    node.store.request_stop("w3", by="alice", now=time.time())
+    run_until(node, lambda: ended(node, "w3"))
+
+
+def test_a_stopped_route_is_dropped_after_it_was_kept(node: Node) -> None:
+    submit(node, JobSpec(id="k1", type="testmods.web", service="kept"))
+    wait_state(node, "k1", "healthy")
+    node.store.request_stop("k1", by="alice", now=time.time())
+    run_until(node, lambda: ended(node, "k1"))
+    assert node.broker.service_routes()["kept"].state == "stopped"
+    later = time.time() + STOPPED_KEEP_S + 1
+    node.broker.services.clock = lambda: later
+    assert "kept" not in node.broker.service_routes()
+    assert node.broker.services.statuses() == []
 
 
 def test_a_never_healthy_service_is_stopped_after_its_grace_retried_then_quarantined(

@@ -13,6 +13,7 @@ from gpuwarden.core.faultlatch import CLEAR_REASON_MAX
 from gpuwarden.core.model import GIB, MAX_GPUS, Attempt, Event, Job, Role
 from gpuwarden.core.profile import MAX_EST_S
 from gpuwarden.core.ramadmit import MAX_RAM_GIB, RamNeed
+from gpuwarden.core.service import ServiceView
 from gpuwarden.store.base import AuditRow, TokenRecord
 
 #: the largest integer a job's priority may be (64-bit signed, as in a manifest)
@@ -203,6 +204,22 @@ class JobOut(BaseModel):
     #: a service job's name and who it is shared with (SPEC.md, "Service jobs")
     service: str | None = None
     share: list[str] = Field(default_factory=list)
+    #: a service job's state (starting, healthy, unhealthy, stopped; null: not a
+    #: service job, or not known now) and where it is served (``/run/<name>/``)
+    service_state: str | None = None
+    service_url_path: str | None = None
+    #: since when it is in that state, when it last passed its health check, and
+    #: what its last failed check said
+    service_since: float | None = None
+    service_last_ok: float | None = None
+    service_error: str = ""
+
+    def with_service(self, view: ServiceView | None) -> Self:
+        """This job with its service's view (None: not a service job)."""
+        if view is not None:
+            for key, value in view.to_json().items():
+                setattr(self, key, value)
+        return self
 
     @classmethod
     def of(cls, j: Job) -> Self:

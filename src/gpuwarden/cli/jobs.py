@@ -27,9 +27,10 @@ from gpuwarden.client import Client
 from gpuwarden.cluster import report
 from gpuwarden.core.model import GIB, Attempt, Event, Job, Lane, LaunchMode, format_bytes
 from gpuwarden.core.policy import QueuedJob
+from gpuwarden.core.service import ServiceView
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError, ValidationError
-from gpuwarden.node import explain
+from gpuwarden.node import explain, servicestate
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 
@@ -115,6 +116,34 @@ def _job_json(j: Job) -> dict[str, Any]:
     }
 
 
+def _with_service(data: dict[str, Any], view: ServiceView | None) -> dict[str, Any]:
+    """A job's JSON with its service's keys (as the API's), for a service job."""
+    return data | view.to_json() if view is not None else data
+
+
+def _state_cell(row: dict[str, Any]) -> str:
+    """A job's state in the ``jobs`` table; a service job's service state beside it."""
+    service = row.get("service_state")
+    return f"{row['state']} ({service})" if service else str(row["state"])
+
+
+def _service_line(data: dict[str, Any]) -> str | None:
+    """``show``'s line of a service job: its state, since when, its last passed
+    health check, where it is served; None for another job."""
+    path = data.get("service_url_path")
+    if not path:
+        return None
+    state = data.get("service_state") or "not known now (no broker published lately)"
+    since = data.get("service_since")
+    if since is not None:
+        clock = time.strftime("%H:%M:%S", time.localtime(since))
+        state += f" since {clock} ({age(since)} ago)"
+    last_ok = data.get("service_last_ok")
+    checked = "never" if last_ok is None else f"{age(last_ok)} ago"
+    error = f"; last check failed: {data['service_error']}" if data.get("service_error") else ""
+    return f"service: {state}; last passed its health check {checked}{error}; URL path {path}"
+
+
 def _attempt_json(a: Attempt) -> dict[str, Any]:
     return {
         "number": a.number,
@@ -151,7 +180,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     table = Table("job", "state", "type", "attempts", "age", "reason")
     for r in rows:
         table.add_row(
-            r["id"], r["state"], r["type"], str(r["attempts"]), age(r["submitted_at"]),
+            r["id"], _state_cell(r), r["type"], str(r["attempts"]), age(r["submitted_at"]),
             r["reason"],
         )  # fmt: skip
     out.print(table if rows else "no jobs")
@@ -159,11 +188,18 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 def _jobs_here(args: argparse.Namespace) -> list[dict[str, Any]]:
-    store = existing_store(args)
+    config = config_of(args)
+    store = existing_store(args, config)
     try:
         states = frozenset(JobState(s) for s in args.state) if args.state else None
         jobs = store.list_jobs(states=states, limit=args.limit)
-        rows = [_job_json(j) | {"reason": explain.shown_reason(j, store)} for j in jobs]
+        registry = Registry.load(config.module_paths, config.launch_rules)
+        services = servicestate.views(jobs, store, registry, time.time())
+        rows = [
+            _with_service(_job_json(j), services.get(j.id))
+            | {"reason": explain.shown_reason(j, store)}
+            for j in jobs
+        ]
     finally:
         store.close()
     return rows
@@ -177,16 +213,19 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _show_here(args: argparse.Namespace) -> int:
-    store = existing_store(args)
+    config = config_of(args)
+    store = existing_store(args, config)
     try:
         job = _get_job(store, args.job)
         attempts = store.attempts(job.id)
         events = store.events(job_id=job.id)
         job = job.evolve(reason=explain.shown_reason(job, store))
+        registry = Registry.load(config.module_paths, config.launch_rules)
+        service = servicestate.views([job], store, registry, time.time()).get(job.id)
     finally:
         store.close()
+    data = _with_service(_job_json(job), service)
     if args.json:
-        data = _job_json(job)
         data["attempts_detail"] = [_attempt_json(a) for a in attempts]
         data["events"] = [e.to_json() for e in events]
         out.print_json(json.dumps(data))
@@ -194,6 +233,8 @@ def _show_here(args: argparse.Namespace) -> int:
     out.print(f"[bold]{job.id}[/]  {job.type}  [bold]{job.state.value}[/]  priority {job.priority}")
     if job.reason:
         out.print(f"reason: {job.reason}")
+    if (line := _service_line(data)) is not None:
+        out.print(line, markup=False)
     if job.after:
         out.print(f"after: {', '.join(job.after)}" + (" (waiting)" if job.held else ""))
     out.print(f"params: {json.dumps(job.params)}")
@@ -237,6 +278,8 @@ def _show_http(args: argparse.Namespace, client: Client) -> int:
     )
     if data.get("reason"):
         out.print(f"reason: {data['reason']}", markup=False)
+    if (line := _service_line(data)) is not None:
+        out.print(line, markup=False)
     if data.get("after"):
         held = " (waiting)" if data.get("held") else ""
         out.print(f"after: {', '.join(data['after'])}{held}", markup=False)

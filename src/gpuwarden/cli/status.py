@@ -29,6 +29,7 @@ from gpuwarden.cluster import report
 from gpuwarden.core import faultlatch
 from gpuwarden.core.model import format_bytes
 from gpuwarden.core.policy import GpuView
+from gpuwarden.core.service import url_path
 from gpuwarden.core.states import JobState
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import NodeStatus
@@ -289,6 +290,7 @@ def _print_status(node: str, pid: int | None, old_s: float, st: BrokerStatus, pr
         job = r.job if r.preempting_for is None else f"{r.job} (preempting for {r.preempting_for})"
         running.add_row(job, r.type, str(r.attempt), r.gpu or "-", age(r.started_at))
     out.print(running if st.running else "running: none")
+    _print_services(st)
     if st.waiting:
         waiting = Table("waiting job", "why")
         for job, why in st.waiting.items():
@@ -296,6 +298,27 @@ def _print_status(node: str, pid: int | None, old_s: float, st: BrokerStatus, pr
         out.print(waiting)
     if (e := st.last_error) is not None:
         out.print(f"[red]last loop error[/] ({age(e.ts)} ago, in {e.where}): {e.message}")
+
+
+def _print_services(st: BrokerStatus) -> None:
+    """The node's service jobs (running, and those ended in the last 10 minutes)."""
+    table = Table("service", "job", "state", "for", "last health check passed", "URL path")
+    for sv in st.services:
+        name = str(sv.get("name", ""))
+        last_ok = sv.get("last_ok")
+        state = str(sv.get("state", ""))
+        if sv.get("error") and state != "stopped":
+            state += f": {sv['error']}"
+        table.add_row(
+            escape(name),
+            escape(str(sv.get("job") or "-")),
+            escape(state),
+            age(sv.get("since")),
+            "never" if last_ok is None else f"{age(last_ok)} ago",
+            escape(url_path(name)),
+        )
+    if table.row_count:
+        out.print(table)
 
 
 def _gpu_state(view: GpuView | None) -> str:

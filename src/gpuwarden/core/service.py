@@ -8,8 +8,13 @@ of a path, or a TCP connect) every ``health_every_s``. SPEC.md, "Service jobs".
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
+
+from gpuwarden.core.model import Job
+from gpuwarden.core.states import JobState
 
 
 class ServiceState(StrEnum):
@@ -114,3 +119,65 @@ def overdue(health: Health, check: HealthCheck, grace_s: float, now: float) -> s
         f"the service failed its health check ({check}{said}) for {grace_s:g} s "
         "(health_grace_s); it was stopped"
     )
+
+
+def url_path(name: str) -> str:
+    """Where the API serves a service: ``/run/<name>/``."""
+    return f"/run/{name}/"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceView:
+    """A service job's state as people are shown it (``jobs``, ``show``, the API's
+    job JSON). ``state`` None: not known now (the job is not running, nor ended,
+    or no broker published its status lately)."""
+
+    state: str | None
+    url_path: str
+    #: since when it is in ``state`` (None: not known)
+    since: float | None = None
+    #: when it last passed its health check (None: never, or not known)
+    last_ok: float | None = None
+    #: what its last failed check said
+    error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The job JSON's ``service_*`` keys."""
+        return {
+            "service_state": self.state,
+            "service_url_path": self.url_path,
+            "service_since": self.since,
+            "service_last_ok": self.last_ok,
+            "service_error": self.error,
+        }
+
+
+def view_of(job: Job, published: Mapping[str, Any] | None, *, live: bool) -> ServiceView:
+    """A service job's view from its entry in the freshest node status
+    (``published``, None: not listed) and whether a broker published lately
+    (``live``): an ended job is ``stopped``; a running one has its published
+    state, or is ``starting`` while its broker has not published it yet; a
+    queued one has none."""
+    path = url_path(job.service_name)
+    entry = published or {}
+    last_ok = _number(entry.get("last_ok"))
+    if job.state.terminal:
+        since = _number(entry.get("since")) if entry.get("state") == "stopped" else None
+        return ServiceView(ServiceState.STOPPED.value, path, since or job.updated_at, last_ok)
+    if job.state is not JobState.RUNNING:
+        return ServiceView(None, path)
+    if published is None or entry.get("state") == ServiceState.STOPPED.value:
+        # begun, not published yet (a stopped entry is its attempt before)
+        return ServiceView(ServiceState.STARTING.value if live else None, path)
+    state = str(entry.get("state") or "")
+    return ServiceView(
+        state if state in set(ServiceState) else None,
+        path,
+        _number(entry.get("since")),
+        last_ok,
+        str(entry.get("error") or ""),
+    )
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None

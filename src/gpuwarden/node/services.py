@@ -14,6 +14,7 @@ credential to the service, opened inside its sandbox's network namespace
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import secrets
@@ -40,6 +41,9 @@ HEAD_MAX = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
 #: how long a connection to a service (or a health check) may take to be made
 CONNECT_TIMEOUT_S = 5.0
+#: how long an ended service's route is kept as ``stopped`` (so that ``/run/<name>/``
+#: answers "unavailable, last seen N s ago", and ``status`` shows it, not a 404)
+STOPPED_KEEP_S = 600.0
 _CHUNK = 65536
 _FORBIDDEN = (
     b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: 38\r\n"
@@ -258,6 +262,9 @@ class Services:
         self.clock = clock
         self.sandboxed = sandboxed
         self._by_job: dict[str, _Service] = {}
+        #: the services that ended in the last :data:`STOPPED_KEEP_S`, by name:
+        #: their last route (state ``stopped``) and their last published status
+        self._gone: dict[str, tuple[ServiceRoute, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     def taken(self, name: str) -> str | None:
@@ -282,6 +289,7 @@ class Services:
         )
         with self._lock:
             self._by_job[run.job.id] = entry
+            self._gone.pop(entry.name, None)  # the name is served by this one now
 
     def started(self, job_id: str, attempt: int, pid: int) -> None:
         """Its main process runs: its forwarder listens and its health thread starts."""
@@ -363,9 +371,17 @@ class Services:
         return out
 
     def end(self, job_id: str) -> None:
-        """Its attempt has ended: its health thread and its forwarder stop."""
+        """Its attempt has ended: its health thread and its forwarder stop; its
+        route is kept as ``stopped`` for :data:`STOPPED_KEEP_S`."""
+        now = self.clock()
         with self._lock:
             entry = self._by_job.pop(job_id, None)
+            if entry is not None:
+                route = dataclasses.replace(
+                    _route(entry), state=ServiceState.STOPPED.value, upstream="", since=now
+                )
+                status = _status(entry) | {"state": route.state, "since": now, "upstream": ""}
+                self._gone[entry.name] = (route, status)
         if entry is None:
             return
         entry.done.set()
@@ -381,42 +397,53 @@ class Services:
             entry = self._by_job.get(job_id)
             return None if entry is None else entry.health.state.value
 
+    def _kept(self) -> list[tuple[ServiceRoute, dict[str, Any]]]:
+        """The ended services still kept (under the lock): those past
+        :data:`STOPPED_KEEP_S` are dropped here."""
+        now = self.clock()
+        for name, (route, _) in list(self._gone.items()):
+            if now - route.since > STOPPED_KEEP_S:
+                del self._gone[name]
+        return list(self._gone.values())
+
     def routes(self) -> list[ServiceRoute]:
-        """A snapshot of every running service (any thread)."""
+        """A snapshot of every running service, and of each that ended in the last
+        :data:`STOPPED_KEEP_S` (state ``stopped``; any thread)."""
         with self._lock:
-            entries = list(self._by_job.values())
-            return [
-                ServiceRoute(
-                    name=e.name,
-                    job_id=e.run.job.id,
-                    owner=e.run.job.owner,
-                    share=e.run.job.share,
-                    state=e.health.state.value,
-                    upstream=e.forwarder.upstream if e.forwarder is not None else "",
-                    credential=e.credential,
-                    since=e.health.since,
-                    last_ok=e.health.last_ok,
-                )
-                for e in entries
-            ]
+            return [_route(e) for e in self._by_job.values()] + [r for r, _ in self._kept()]
 
     def statuses(self) -> list[dict[str, Any]]:
-        """What the node status publishes of each service (no credential)."""
+        """What the node status publishes of each service (no credential): the
+        running ones, then those that ended in the last :data:`STOPPED_KEEP_S`."""
         with self._lock:
-            entries = list(self._by_job.values())
-            return [
-                {
-                    "name": e.name,
-                    "job": e.run.job.id,
-                    "state": e.health.state.value,
-                    "since": e.health.since,
-                    "last_ok": e.health.last_ok,
-                    "error": e.health.error,
-                    "port": e.run.jobtype.port,
-                    "gpu": e.run.attempt.gpu_uuid,
-                    "owner": e.run.job.owner,
-                    "share": list(e.run.job.share),
-                    "upstream": e.forwarder.upstream if e.forwarder is not None else "",
-                }
-                for e in entries
-            ]
+            return [_status(e) for e in self._by_job.values()] + [dict(d) for _, d in self._kept()]
+
+
+def _route(e: _Service) -> ServiceRoute:
+    return ServiceRoute(
+        name=e.name,
+        job_id=e.run.job.id,
+        owner=e.run.job.owner,
+        share=e.run.job.share,
+        state=e.health.state.value,
+        upstream=e.forwarder.upstream if e.forwarder is not None else "",
+        credential=e.credential,
+        since=e.health.since,
+        last_ok=e.health.last_ok,
+    )
+
+
+def _status(e: _Service) -> dict[str, Any]:
+    return {
+        "name": e.name,
+        "job": e.run.job.id,
+        "state": e.health.state.value,
+        "since": e.health.since,
+        "last_ok": e.health.last_ok,
+        "error": e.health.error,
+        "port": e.run.jobtype.port,
+        "gpu": e.run.attempt.gpu_uuid,
+        "owner": e.run.job.owner,
+        "share": list(e.run.job.share),
+        "upstream": e.forwarder.upstream if e.forwarder is not None else "",
+    }

@@ -48,7 +48,7 @@ from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType, gp
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
-from gpuwarden.node import explain
+from gpuwarden.node import explain, servicestate
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.cluster import ClusterStore
@@ -337,7 +337,8 @@ def list_jobs(
         limit=limit,
         owner=who.token_id if access is Scope.OWN else None,
     )
-    out = [JobOut.of(j) for j in jobs]
+    services = servicestate.views(jobs, ctx.store, ctx.registry, ctx.clock())
+    out = [JobOut.of(j).with_service(services.get(j.id)) for j in jobs]
     for o, j in zip(out, jobs, strict=True):
         if j.held:  # why it waits, as it stands now
             o.reason = explain.shown_reason(j, ctx.store)
@@ -351,6 +352,7 @@ def get_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> JobDetail:
     job = visible_job(ctx, who, access, job_id)
     detail = JobDetail.full(job, ctx.store.attempts(job.id), ctx.store.events(job_id=job.id))
     detail.reason = explain.shown_reason(job, ctx.store)
+    detail.with_service(servicestate.views([job], ctx.store, ctx.registry, ctx.clock()).get(job.id))
     if access is Scope.OWN:  # reasons may name the jobs it waited for: not another's
         r = Redactor(ctx.store, who.token_id)
         detail.reason = r.text(detail.reason)

@@ -65,13 +65,33 @@ def status(
         )
     if allowed(who.role, "job.read") is Scope.OWN:
         redactor = Redactor(ctx.store, who.token_id)
-        nodes = [redactor.value(n) for n in nodes]
+        nodes = [redactor.value(_services_of(n, who)) for n in nodes]
         if cluster is not None:
             cluster = [redactor.value(n) for n in cluster]
     counts = {k.value: v for k, v in ctx.store.count_by_state().items()}
     if cluster is None:
         return StatusOut(nodes=nodes, jobs=counts)
     return StatusOut(nodes=nodes, jobs=counts, cluster=cluster)
+
+
+def _services_of(node: dict[str, Any], who: Principal) -> dict[str, Any]:
+    """A node's status with only the services ``who`` may reach (its own, or
+    shared with its token or role): no other service's name is shown to it, as
+    ``/run/`` tells none (SPEC.md section 15, "Services at /run/")."""
+    services = node.get("services")
+    if not isinstance(services, list):
+        return node
+    mine = [
+        s
+        for s in services
+        if isinstance(s, dict)
+        and (
+            s.get("owner") == who.token_id
+            or who.token_id in (s.get("share") or ())
+            or who.role.value in (s.get("share") or ())
+        )
+    ]
+    return node | {"services": mine}
 
 
 @router.get(
