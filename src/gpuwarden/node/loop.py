@@ -240,13 +240,8 @@ class Broker:
         #: the running preemptible jobs asked to yield (``core/preempt.py``'s rule)
         self.preemptions = Preemptions(attempts=self.attempts, emit=self.emit)
         #: the running service jobs: their health threads, forwarders and routes
-        self.services = Services(
-            self.mailbox,
-            self.emit,
-            self._clock,
-            self.rules.sandboxed,
-            self.settings.service_address,
-        )
+        services = (self.mailbox, self.emit, self._clock, self.rules.sandboxed)
+        self.services = Services(*services, self.settings.service_address)
         self.gpus = GpuWatch(
             probe=self.probe,
             vram=self.vram,
