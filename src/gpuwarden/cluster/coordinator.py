@@ -362,6 +362,8 @@ def _payloads(
             "gpus": job.gpus,
             **job.ram.to_json(),
             "attempts": job.attempts,
+            # a service's name in URLs (the coordinator serves it under that name)
+            **({"service": job.service} if job.service else {}),
             "lease_id": lease_id,
             "expires_at": expires_at,
         }

@@ -27,6 +27,7 @@ from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNAL, SIGNALS, Preempt
 from gpuwarden.core.ramadmit import RamNeed
+from gpuwarden.core.service import SERVICE_NAME
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import JOB_ID
@@ -81,6 +82,11 @@ def _unknown_held(r: _Report, got: Refused) -> bool:
         and got.status == 422
         and "held_bytes" in got.message
     )
+
+
+def _service_name(value: Any) -> str | None:
+    """A leased service's name in URLs, as the coordinator sent it (None: its id)."""
+    return value if isinstance(value, str) and SERVICE_NAME.fullmatch(value) else None
 
 
 class Agent:
@@ -420,6 +426,7 @@ class Agent:
             est_s=None if payload.get("est_s") is None else float(payload["est_s"]),
             gpus=None if payload.get("gpus") is None else int(payload["gpus"]),
             ram=RamNeed.from_json(payload),
+            service=_service_name(payload.get("service")),
         )
         origin = DIRECT
         if inputs:

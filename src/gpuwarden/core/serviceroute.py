@@ -95,7 +95,8 @@ def availability(route: ServiceRoute, now: float) -> Unavailable | None:
             last_seen(route, now),
             STARTING_RETRY_S,
         )
-    return unreachable(route, now, route.state if route.state in STATES else "unknown")
+    known = route.state in STATES or route.state == UNAVAILABLE
+    return unreachable(route, now, route.state if known else "unknown")
 
 
 def unreachable(route: ServiceRoute, now: float, state: str) -> Unavailable:
