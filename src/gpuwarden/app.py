@@ -144,6 +144,7 @@ def node_settings(config: Config) -> NodeSettings:
         fair_share_half_life_s=b.fair_share_half_life_s,
         ram_floor_bytes=math.ceil(b.ram_floor_gib * GIB),
         gpu_lock=config.gpu_lock,
+        service_address=config.cluster.service_address,
     )
 
 

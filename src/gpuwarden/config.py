@@ -7,6 +7,7 @@ name the key and what is allowed.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -147,6 +148,21 @@ class ClusterSettings(_Section):
     #: the coordinator's URL as agents reach it (http://HOST:PORT): the coordinator
     #: prints it in `node invite`; an agent enrols with it when no --coordinator
     coordinator_url: str = ""
+    #: agent (and ``serve``): the address its service forwarders listen on, the one
+    #: the coordinator reaches them at (``/run/<name>/``); 127.0.0.1 on one host
+    service_address: str = "127.0.0.1"
+
+    @pydantic.field_validator("service_address")
+    @classmethod
+    def _check_address(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(
+                "must be an IP address of this host that the coordinator can reach, "
+                "e.g. 10.0.0.5 (127.0.0.1 on one host)"
+            ) from None
+        return value
 
     @pydantic.field_validator("coordinator_url")
     @classmethod

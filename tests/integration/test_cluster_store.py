@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from gpuwarden.core.model import JobSpec
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.core.states import JobState
 from gpuwarden.store.base import Store, Submission
 from gpuwarden.store.cluster import ClusterStore, NodeState
@@ -309,3 +310,48 @@ def test_jobs_by_ids_in_submission_order(store: Store) -> None:
     submit(s, "a", "b", "c")
     assert [j.id for j in s.jobs_by_ids(["c", "zz", "a", "c"])] == ["a", "c"]
     assert s.jobs_by_ids([]) == []
+
+
+def _route(name: str, job: str, *, state: str = "healthy", cred: str = "c1") -> ServiceRoute:
+    return ServiceRoute(
+        name=name,
+        job_id=job,
+        owner="tok1",
+        share=("operator",),
+        state=state,
+        upstream="http://10.0.0.5:4000",
+        credential=cred,
+        since=3.0,
+        last_ok=4.5,
+    )
+
+
+def test_service_routes_are_written_by_heartbeat_replaced_and_dropped(store: Store) -> None:
+    s = cs(store)
+    assert s.service_routes() == []
+    assert s.put_service_routes("n1", [_route("web", "j1"), _route("api", "j2")], 10.0) == 2
+    got = {r.route.name: r for r in s.service_routes()}
+    assert sorted(got) == ["api", "web"]
+    assert got["web"].route == _route("web", "j1") and got["web"].node == "n1"
+    assert got["web"].updated_at == 10.0
+    # the next heartbeat: a new credential for web; api is no longer reported
+    s.put_service_routes("n1", [_route("web", "j1", cred="c2", state="unhealthy")], 11.0)
+    (web,) = s.service_routes()
+    assert web.route.credential == "c2" and web.route.state == "unhealthy"
+    assert web.updated_at == 11.0
+    # another node may not take a name another job's route has
+    assert s.put_service_routes("n2", [_route("web", "j9", cred="evil")], 12.0) == 0
+    (web,) = s.service_routes()
+    assert web.route.job_id == "j1" and web.node == "n1" and web.route.credential == "c2"
+    # the same job, moved to another node (its lease went there): it follows
+    assert s.put_service_routes("n2", [_route("web", "j1", cred="c3")], 13.0) == 1
+    (web,) = s.service_routes()
+    assert web.node == "n2" and web.route.credential == "c3"
+    # its job ended: the route goes
+    assert s.drop_service_route("j1") and not s.drop_service_route("j1")
+    assert s.service_routes() == []
+    # an empty report drops every route of that node alone
+    s.put_service_routes("n1", [_route("a", "ja")], 14.0)
+    s.put_service_routes("n2", [_route("b", "jb")], 14.0)
+    s.put_service_routes("n1", [], 15.0)
+    assert [r.route.name for r in s.service_routes()] == ["b"]

@@ -17,7 +17,7 @@ import pytest
 from gpuwarden.app import Node, open_node
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.node.services import ROUTE_HEADER, STOPPED_KEEP_S, ServiceRoute
+from gpuwarden.node.services import ROUTE_HEADER, STOPPED_KEEP_S, Forwarder, ServiceRoute
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
 from tests.integration.test_broker import TEST_MODULES, make_config
@@ -192,3 +192,32 @@ def test_a_service_in_bubblewrap_is_reached_inside_its_network_namespace(
     run_until(node, lambda: ended(node, "boxed"), timeout=20)
     job = node.store.get_job("boxed")
     assert job is not None and job.state is JobState.DONE and job.reason == "stopped by carol"
+
+
+def test_a_forwarder_takes_the_current_and_the_previous_credential_only() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as upstream:
+        port = upstream.getsockname()[1]
+        fwd = Forwarder(
+            "x", "first-credential", lambda: socket.create_connection(("127.0.0.1", port))
+        )
+        try:
+
+            def asks(cred: str) -> bytes:
+                with socket.create_connection(("127.0.0.1", fwd.port), timeout=5) as c:
+                    c.sendall(f"GET / HTTP/1.1\r\n{ROUTE_HEADER}: {cred}\r\n\r\n".encode())
+                    c.shutdown(socket.SHUT_WR)
+                    upstream.settimeout(0.5)
+                    try:
+                        conn, _ = upstream.accept()
+                        conn.close()
+                        return b"relayed"
+                    except TimeoutError:
+                        return c.recv(100)
+
+            fwd.rotate("second-credential")
+            assert asks("second-credential") == b"relayed"
+            assert asks("first-credential") == b"relayed"  # the one before: still taken
+            fwd.rotate("third-credential")
+            assert asks("first-credential").startswith(b"HTTP/1.1 403")
+        finally:
+            fwd.close()

@@ -43,6 +43,7 @@ from gpuwarden.cluster import report
 from gpuwarden.cluster.agent import run_agent
 from gpuwarden.cluster.enrolment import ENROLL_ENV, enrolment_token, parse_labels
 from gpuwarden.cluster.queues import QueueWatcher
+from gpuwarden.cluster.routes import RouteBook
 from gpuwarden.config import DATABASE_URL_PREFIXES, Config
 from gpuwarden.core.launchrules import LaunchRules, Runtime
 from gpuwarden.core.model import Role
@@ -300,6 +301,8 @@ def _serve_coordinator(
             name="gpuwarden-coordinator",
             coordinator=True,
             sock=sock,
+            # the running services of every node, at /run/<name>/, from the store
+            service_routes=RouteBook(store) if isinstance(store, ClusterStore) else None,
         )
 
         def on_signal(_signum: int, _frame: Any) -> None:

@@ -57,6 +57,7 @@ from gpuwarden.cluster.nodeview import (
     node_view,
     offerable,
 )
+from gpuwarden.cluster.routes import record_routes, without_routes
 from gpuwarden.core import placement
 from gpuwarden.core.classify import Outcome, retry_or_quarantine
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, gib_hours, reported_held
@@ -361,6 +362,8 @@ def _payloads(
             "gpus": job.gpus,
             **job.ram.to_json(),
             "attempts": job.attempts,
+            # a service's name in URLs (the coordinator serves it under that name)
+            **({"service": job.service} if job.service else {}),
             "lease_id": lease_id,
             "expires_at": expires_at,
         }
@@ -572,6 +575,7 @@ def finish(
         )
     except TransitionError as exc:
         raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
+    store.drop_service_route(job_id)  # a service's attempt ended: its route goes
     if held_bytes and half_life_s > 0:
         charge(store, node_name, job, lease.attempt, held_bytes, now=now, half_life_s=half_life_s)
     kept = False
@@ -640,13 +644,16 @@ def heartbeat(
     registry: Registry | None = None,
     timing: Timing | None = None,
     inputs_here: Callable[[str], bool] | None = None,
+    peer: str | None = None,
 ) -> dict[str, Any]:
     """Keep the node's report, renew the leases of the jobs it holds, and say which
     of them it must stop (``lost``: it has no lease any more, never report it).
     With ``registry``: preemption across hosts (:func:`preempt`): ``preempts``, the
     running jobs to ask to checkpoint, and ``jobs``, the waiting jobs leased to the
-    node for the room they make (each only when there is one)."""
-    record = store.touch_node(node_name, report, now)
+    node for the room they make (each only when there is one). The routes of its
+    running services are kept apart (:func:`gpuwarden.cluster.routes.record_routes`;
+    ``peer``: the address the heartbeat came from)."""
+    record = store.touch_node(node_name, without_routes(report), now)
     if record is None:
         raise UnknownNode(f"no node named {node_name!r}: enrol it again")
     if record.state is NodeState.REVOKED:
@@ -654,6 +661,7 @@ def heartbeat(
     held = list(dict.fromkeys(held))
     renewed = store.renew_leases(node_name, now + lease_s, now=now, job_ids=held)
     mine = {lease.job_id: lease for lease in store.leases(node_name)}
+    record_routes(store, node_name, report, now, leases=mine, peer=peer)
     cancels: list[dict[str, Any]] = []
     for job_id in held:
         lease = mine.get(job_id)
@@ -920,6 +928,7 @@ def _reclaim(
             except TransitionError:
                 pass  # its node's own report came first
             store.add_lost(job.id, lease.node, now=now)
+    store.drop_service_route(lease.job_id)
     store.drop_lease(lease.job_id, lease_id=lease.lease_id)
     return ended
 

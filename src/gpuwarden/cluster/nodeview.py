@@ -9,14 +9,19 @@ writes to the store.
 
 from __future__ import annotations
 
+import ipaddress
+import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import Job, Lane, gpu_count
 from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL, Victim
+from gpuwarden.core.service import SERVICE_NAME
+from gpuwarden.core.serviceroute import STATES, ServiceRoute
 from gpuwarden.registry import Registry
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
 
@@ -63,20 +68,103 @@ def heard_s_ago(record: NodeRecord, now: float) -> float:
     return max(0.0, now - heard)
 
 
+def heartbeat_window_s(record: NodeRecord) -> float:
+    """How long the node may be silent before its heartbeat is overdue: by the
+    interval it reported, else the default lease's."""
+    every = record.report.get("heartbeat_every_s")
+    if not isinstance(every, int | float) or isinstance(every, bool) or not 0 < every <= 3600:
+        every = heartbeat_every_s(Timing().lease_s)
+    return OVERDUE_BEATS * float(every) + 1.0
+
+
 def silence(record: NodeRecord, leases: Collection[Lease], now: float) -> Silence | None:
     """The node's silence when its heartbeat is overdue (by the interval it reported,
     else the default lease's), or None while it is heard from on time. ``leases``:
     its leases (the soonest end is shown). A revoked node is never silent."""
     if record.state is NodeState.REVOKED:
         return None
-    every = record.report.get("heartbeat_every_s")
-    if not isinstance(every, int | float) or isinstance(every, bool) or not 0 < every <= 3600:
-        every = heartbeat_every_s(Timing().lease_s)
     quiet = heard_s_ago(record, now)
-    if quiet <= OVERDUE_BEATS * float(every) + 1.0:
+    if quiet <= heartbeat_window_s(record):
         return None
     mine = [lease.expires_at for lease in leases if lease.node == record.name]
     return Silence(quiet, min(mine) - now if mine else None)
+
+
+# -- the services a node reports -------------------------------------------------
+
+#: the most services one heartbeat may report
+MAX_ROUTES = 256
+#: a route credential: what :func:`secrets.token_urlsafe` makes
+CREDENTIAL = re.compile(r"[A-Za-z0-9_-]{16,256}")
+_UPSTREAM = re.compile(r"http://(\[[0-9A-Fa-f:.]{2,45}\]|[0-9.]{7,15}):([0-9]{1,5})")
+
+
+def reported_routes(report: Mapping[str, Any], now: float) -> list[ServiceRoute]:
+    """The running services a heartbeat reports (``report["services"]``), each
+    checked as hostile input: a malformed entry is left out, never an error. Its
+    upstream must be ``http://HOST:PORT`` with HOST the ``address`` the node
+    declares its forwarders listen on; its times are moved onto this clock
+    (``now``) from the node's (``clock``). Owner and share are not the node's to
+    say (empty here: the job row's are used)."""
+    raw = report.get("services")
+    if not isinstance(raw, Mapping):
+        return []
+    address, clock, routes = raw.get("address"), raw.get("clock"), raw.get("routes")
+    if not isinstance(address, str) or not _number(clock) or not isinstance(routes, list):
+        return []
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return []
+    skew = now - float(clock)
+    out = [r for e in routes[:MAX_ROUTES] if (r := _route(e, ip, skew, now)) is not None]
+    names = [r.name for r in out]
+    return [r for r in out if names.count(r.name) == 1]  # a name twice: neither
+
+
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _route(
+    e: Any, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, skew: float, now: float
+) -> ServiceRoute | None:
+    """One reported route, or None when any of its fields is not what it must be."""
+    if not isinstance(e, Mapping):
+        return None
+    name, job, state, upstream, cred = (
+        e.get(k) for k in ("name", "job", "state", "upstream", "credential")
+    )
+    since, last_ok = e.get("since"), e.get("last_ok")
+    texts = (name, job, state, upstream, cred)
+    if not all(isinstance(t, str) for t in texts) or not _number(since):
+        return None
+    if last_ok is not None and not _number(last_ok):
+        return None
+    assert isinstance(name, str) and isinstance(job, str) and isinstance(upstream, str)
+    assert isinstance(state, str) and isinstance(cred, str)
+    m = _UPSTREAM.fullmatch(upstream)
+    if m is None or not SERVICE_NAME.fullmatch(name) or not SERVICE_NAME.fullmatch(job):
+        return None
+    try:
+        host = ipaddress.ip_address(m.group(1).strip("[]"))
+    except ValueError:
+        return None
+    if host != ip or not 0 < int(m.group(2)) < 65536 or state not in STATES:
+        return None
+    if not CREDENTIAL.fullmatch(cred):
+        return None
+    return ServiceRoute(
+        name=name,
+        job_id=job,
+        owner=None,
+        share=(),
+        state=state,
+        upstream=upstream,
+        credential=cred,
+        since=min(now, float(since) + skew),
+        last_ok=None if last_ok is None else min(now, float(last_ok) + skew),
+    )
 
 
 # -- what a node looks like to placement ------------------------------------------

@@ -27,6 +27,7 @@ from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNAL, SIGNALS, Preempt
 from gpuwarden.core.ramadmit import RamNeed
+from gpuwarden.core.service import SERVICE_NAME
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import JOB_ID
@@ -81,6 +82,11 @@ def _unknown_held(r: _Report, got: Refused) -> bool:
         and got.status == 422
         and "held_bytes" in got.message
     )
+
+
+def _service_name(value: Any) -> str | None:
+    """A leased service's name in URLs, as the coordinator sent it (None: its id)."""
+    return value if isinstance(value, str) and SERVICE_NAME.fullmatch(value) else None
 
 
 class Agent:
@@ -228,6 +234,31 @@ class Agent:
             "stats": st.stats.to_json(),
         }
 
+    def _services(self) -> dict[str, Any]:
+        """The running services leased here, as the coordinator serves them at
+        ``/run/<name>/`` (SPEC.md section 16, "Services across hosts"): each one's
+        forwarder (on ``service_address``) and its current route credential, with
+        this node's clock (``clock``: the coordinator counts ``since`` and
+        ``last_ok`` back from it)."""
+        routes = [
+            {
+                "name": r.name,
+                "job": self._by_local[r.job_id],
+                "state": r.state,
+                "since": r.since,
+                "last_ok": r.last_ok,
+                "upstream": r.upstream,
+                "credential": r.credential,
+            }
+            for r in self.broker.services.routes()
+            if r.job_id in self._by_local and r.upstream
+        ]
+        return {
+            "address": self.broker.services.address,
+            "clock": self.broker.clock(),
+            "routes": routes,
+        }
+
     def _victims(self) -> list[dict[str, Any]]:
         """The running attempts of preemptible types leased here, as a coordinator
         chooses among them (how long each has run, not its start: the clocks of the
@@ -265,7 +296,9 @@ class Agent:
         sent = self.monotonic()
         self._last_beat = sent
         try:
-            answer = self.coordinator.heartbeat(self.report(), self.holding())
+            # only a heartbeat carries the services' routes (with their credentials)
+            report = {**self.report(), "services": self._services()}
+            answer = self.coordinator.heartbeat(report, self.holding())
         except CoordinatorError as exc:
             self._warn(f"heartbeat failed: {exc.message}")
             return
@@ -273,6 +306,10 @@ class Agent:
             self._warn(f"heartbeat refused: {exc.message}")
             return
         self._last_ok = sent
+        # the coordinator holds each service's current credential now: one a lease
+        # old is replaced (the forwarder takes the one before it until the next beat)
+        now = self.broker.clock()
+        self.broker.services.rotate(now - self.lease_s, now)
         self._take_state(str(answer.get("state", "active")))
         granted = answer.get("grant")
         self.granted = str(granted) if granted else None
@@ -389,6 +426,7 @@ class Agent:
             est_s=None if payload.get("est_s") is None else float(payload["est_s"]),
             gpus=None if payload.get("gpus") is None else int(payload["gpus"]),
             ram=RamNeed.from_json(payload),
+            service=_service_name(payload.get("service")),
         )
         origin = DIRECT
         if inputs:

@@ -20,6 +20,9 @@ HEALTHY: Final = "healthy"
 UNHEALTHY: Final = "unhealthy"
 STOPPED: Final = "stopped"
 STATES: Final = frozenset({STARTING, HEALTHY, UNHEALTHY, STOPPED})
+#: a coordinator's word for a route whose node has not reported it within its
+#: heartbeat window (or is offline): never forwarded
+UNAVAILABLE: Final = "unavailable"
 #: what a client is told to wait before it asks a starting service again (seconds)
 STARTING_RETRY_S: Final = 2
 
@@ -92,11 +95,13 @@ def availability(route: ServiceRoute, now: float) -> Unavailable | None:
             last_seen(route, now),
             STARTING_RETRY_S,
         )
-    return unreachable(route, now, route.state if route.state in STATES else "unknown")
+    known = route.state in STATES or route.state == UNAVAILABLE
+    return unreachable(route, now, route.state if known else "unknown")
 
 
 def unreachable(route: ServiceRoute, now: float, state: str) -> Unavailable:
     """The unavailable page's words: ``NAME is unavailable, last seen N s ago``."""
     seen = last_seen(route, now)
     when = "never seen healthy" if seen is None else f"last seen {seen} s ago"
-    return Unavailable(f"{route.name} is unavailable, {when} (it is {state})", state, seen)
+    why = "its node has not reported it lately" if state == UNAVAILABLE else f"it is {state}"
+    return Unavailable(f"{route.name} is unavailable, {when} ({why})", state, seen)

@@ -185,14 +185,18 @@ def _marker_of(proc: psutil.Process) -> str | None:
         return None
 
 
-def find_instance_processes(instance: str) -> list[psutil.Process]:
+def find_instance_processes(instance: str, *, but: Iterable[str] = ()) -> list[psutil.Process]:
     """Every live process of any attempt or warm server of one broker instance
-    (``ATTEMPT_ENV`` starting with ``instance/``): what a crashed run left."""
-    prefix = f"{instance}/"
+    (``ATTEMPT_ENV`` starting with ``instance/``): what a crashed run left; those
+    of the attempt markers ``but`` (adopted attempts) are left out."""
+    prefix, kept = f"{instance}/", set(but)
     return [
         p
         for p in _all_processes()
-        if (m := _marker_of(p)) is not None and m.startswith(prefix) and not _is_gone(p)
+        if (m := _marker_of(p)) is not None
+        and m.startswith(prefix)
+        and m not in kept
+        and not _is_gone(p)
     ]
 
 
@@ -861,3 +865,85 @@ def _main_proc(pid: int) -> psutil.Process | None:
         return psutil.Process(pid)
     except psutil.NoSuchProcess:
         return None
+
+
+# ---------------------------------------------------------------------------
+# an adopted attempt
+
+
+def watch_adopted(
+    req: LaunchRequest, pid: int, stop: threading.Event, on_end: Callable[[LaunchResult], None]
+) -> Ended:
+    """Watch the main process ``pid`` of an attempt an earlier run of this broker
+    started (no child of this process: the reaper waits on its pidfd, or polls
+    it) until it exits or ``stop`` is set; then stop every process that carries
+    its marker and post its result once. Its exit status is not this process's
+    to read: an end by itself is a ``worker_error``."""
+    ended = Ended(on_end)
+    _Adopted(req, pid, stop, ended).begin()
+    return ended
+
+
+class _Adopted:
+    """One adopted attempt as the reaper sees it."""
+
+    def __init__(self, req: LaunchRequest, pid: int, stop: threading.Event, ended: Ended) -> None:
+        self.req, self.pid, self.stop, self.ended = req, pid, stop, ended
+        self.started_at = time.time()
+        self.main = _main_proc(pid)
+        self.watched = reaper.Watched(pid=pid, check=self.check, stop=stop)
+
+    def begin(self) -> None:
+        reaper.REAPER.watch(self.watched)
+
+    def check(self, now: float, exited: bool) -> bool:
+        gone = self.main is None or _is_gone(self.main)
+        if exited and gone:
+            self._end(stopped=False)
+        elif self.stop.is_set():
+            self._end(stopped=True)
+        else:
+            if self.watched.pidfd is None:  # no pidfd: looked at now and then
+                self.watched.due = now + 0.2
+            return False
+        return True
+
+    def _end(self, *, stopped: bool) -> None:
+        threading.Thread(
+            target=self._finish, args=(stopped,), name=f"stop-{self.req.marker}", daemon=True
+        ).start()
+
+    def _finish(self, stopped: bool) -> None:
+        main = self.main
+
+        def collect() -> _ProcSet:
+            found = set(find_attempt_processes(self.req.marker))
+            if main is not None and not _is_gone(main):
+                found.add(main)
+            return found
+
+        try:
+            reaped, survivors = _terminate(collect, self.req.kill_grace_s)
+        except Exception as exc:  # the end is posted whatever happens
+            log.exception("stopping adopted attempt %s failed", self.req.marker)
+            reaped, survivors = [], [self.pid]
+            stopped = stopped or bool(exc)
+        attempt_dir = Path(self.req.attempt_dir)
+        self.ended.post(
+            LaunchResult(
+                job_id=self.req.job_id,
+                attempt=self.req.attempt,
+                exit_code=None,
+                started_at=self.started_at,
+                ended_at=time.time(),
+                pid=self.pid,
+                stopped=stopped,
+                stdout=read_clipped(attempt_dir / "stdout.log", self.req.clip_chars),
+                stderr=read_clipped(attempt_dir / "stderr.log", self.req.clip_chars),
+                reaped=tuple(reaped),
+                survivors=tuple(survivors),
+                worker_error=None
+                if stopped
+                else "its process ended (adopted from an earlier run: its exit status is unknown)",
+            )
+        )

@@ -59,6 +59,7 @@ from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.sandbox import SandboxLauncher
+from gpuwarden.node.adoption import Adoption
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.fairuse import FairUse
 from gpuwarden.node.gpulocks import GpuLocks, release
@@ -240,7 +241,8 @@ class Broker:
         #: the running preemptible jobs asked to yield (``core/preempt.py``'s rule)
         self.preemptions = Preemptions(attempts=self.attempts, emit=self.emit)
         #: the running service jobs: their health threads, forwarders and routes
-        self.services = Services(self.mailbox, self.emit, self._clock, self.rules.sandboxed)
+        services = (self.mailbox, self.emit, self._clock, self.rules.sandboxed)
+        self.services = Services(*services, self.settings.service_address)
         self.gpus = GpuWatch(
             probe=self.probe,
             vram=self.vram,
@@ -402,6 +404,21 @@ class Broker:
             launching=self.launching,
             emit=self.emit,
             on_error=self.record_error,
+            adopt=Adoption(
+                instance=self.instance,
+                store=self.store,
+                registry=self.registry,
+                launcher=self.launchers.get(LaunchMode.CONTAINER),
+                launching=self.launching,
+                attempts=self.attempts,
+                services=self.services,
+                vram=self.vram,
+                footprints=self.footprints,
+                mailbox=self.mailbox,
+                emit=self.emit,
+                kill_grace_s=self.settings.kill_grace_s,
+                clip_chars=self.settings.clip_chars,
+            ).adopt,
         ).run(now)
         self.queues.recover(now)
         self._status_dirty = True

@@ -1,15 +1,18 @@
 """What a broker does at its start with the attempts an earlier run left.
 
 An earlier run of this node (the same instance: node name and state directory)
-may have died with attempts running. Every process it left (attempts, warm
-servers) is stopped, found by its instance marker, never by a bare PID; its
-containers are removed. Each attempt the store still shows running ends as
+may have died with attempts running. A running service that still answers is
+adopted first (``adopt``: :mod:`gpuwarden.node.adoption`): it goes on as this
+broker's. Every other process it left (attempts, warm servers) is stopped,
+found by its instance marker, never by a bare PID; its containers are removed.
 interrupted, judged by :func:`gpuwarden.core.classify.classify` (an interruption
 spends no retry, up to the type's limit), and the memory it held counts in the
 ledger until the probe shows it free (the reclaim gate).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from gpuwarden.core.classify import AttemptFacts, classify, interruptions_before
 from gpuwarden.core.model import Job, JobType
@@ -43,6 +46,7 @@ class Recovery:
         launching: Launching,
         emit: Emit,
         on_error: OnError,
+        adopt: Callable[[Job, float], str | None] | None = None,
     ) -> None:
         self.instance = instance
         self.kill_grace_s = kill_grace_s
@@ -55,11 +59,19 @@ class Recovery:
         self.launching = launching
         self.emit = emit
         self.on_error = on_error
+        #: takes back a running attempt (its marker), or None: it is stopped
+        self.adopt = adopt
 
     def run(self, now: float) -> None:
-        """Stop every leftover process and container, end each attempt the store
-        shows running, then judge the held jobs again (their dependencies)."""
-        leftovers = find_instance_processes(self.instance)
+        """Adopt the running services that still answer; stop every other leftover
+        process and container, end each other attempt the store shows running,
+        then judge the held jobs again (their dependencies)."""
+        running = self.store.running_jobs()
+        adopted: dict[str, str] = {}
+        for job in running:
+            if self.adopt is not None and (marker := self.adopt(job, now)) is not None:
+                adopted[job.id] = marker
+        leftovers = find_instance_processes(self.instance, but=adopted.values())
         reaped_all, survivors_all = stop_processes(leftovers, self.kill_grace_s)
         if leftovers:
             self.emit("leftovers_stopped", reaped=reaped_all, survivors=survivors_all)
@@ -67,8 +79,9 @@ class Recovery:
             removed = self.sandbox.remove_leftovers(self.instance)
             if removed:
                 self.emit("leftover_containers_removed", containers=removed)
-        for job in self.store.running_jobs():
-            self.end_interrupted(job, now)
+        for job in running:
+            if job.id not in adopted:
+                self.end_interrupted(job, now)
         settled = self.store.settle_dependencies(now=now)
         if settled:
             self.emit("dependencies_settled", jobs=settled)

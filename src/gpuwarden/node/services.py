@@ -8,7 +8,19 @@ on the loop's thread), and a :class:`Forwarder`, a TCP listener on the host's
 ``127.0.0.1`` that relays each connection that presents the service's route
 credential to the service, opened inside its sandbox's network namespace
 (:mod:`gpuwarden.launch.netns`). The in-process API reaches the services through
-:meth:`Services.routes` (``Broker.service_routes()``).
+:meth:`Services.routes` (``Broker.service_routes()``); an agent reports them to
+its coordinator at each heartbeat.
+
+A forwarder listens on ``[cluster] service_address`` (127.0.0.1 unless set: the
+address the coordinator reaches the node at). Route credentials are short-lived:
+:meth:`Services.rotate` gives a service a new one (an agent does so once a lease
+has passed and its last heartbeat, which carried the current one, got an answer),
+and its forwarder accepts the current credential and the one before it, so a
+request the coordinator sends with the credential it holds is never refused.
+
+A service an earlier run of the broker started is taken back
+(:meth:`Services.adopt`): a forwarder and a health thread of its own again,
+with a new credential.
 """
 
 from __future__ import annotations
@@ -51,16 +63,17 @@ _FORBIDDEN = (
 )
 
 
-def _split_head(head: bytes, credential: str) -> tuple[bool, bytes]:
-    """Whether ``head`` (a request head, up to its blank line) carries the route
-    credential, and the head without that header."""
+def _split_head(head: bytes, credentials: tuple[str, ...]) -> tuple[bool, bytes]:
+    """Whether ``head`` (a request head, up to its blank line) carries one of the
+    route ``credentials``, and the head without that header."""
     lines = head.split(b"\r\n")
     kept, ok = [lines[0]], False
-    want = credential.encode()
+    wanted = [c.encode() for c in credentials if c]
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if sep and name.strip().lower() == ROUTE_HEADER.lower().encode():
-            ok = ok or hmac.compare_digest(value.strip(), want)
+            given = value.strip()
+            ok = ok or any([hmac.compare_digest(given, w) for w in wanted])
             continue
         kept.append(line)
     return ok, b"\r\n".join(kept)
@@ -112,16 +125,26 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
 
 
 class Forwarder:
-    """A TCP listener on ``127.0.0.1`` (an ephemeral port) that relays each
+    """A TCP listener on ``address`` (an ephemeral port) that relays each
     accepted connection to one service, byte for byte both ways, once its first
-    request head has presented the route credential (the header is stripped);
-    one without it is answered ``403`` and closed."""
+    request head has presented the route credential, the current one or the one
+    before it (the header is stripped); one without it is answered ``403`` and
+    closed."""
 
-    def __init__(self, name: str, credential: str, connect: Callable[[], socket.socket]) -> None:
+    def __init__(
+        self,
+        name: str,
+        credential: str,
+        connect: Callable[[], socket.socket],
+        address: str = "127.0.0.1",
+    ) -> None:
         self.name = name
-        self.credential = credential
+        #: the credentials accepted: the current one, and the one before it
+        self.credentials: tuple[str, ...] = (credential,)
         self._connect = connect
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._listener = socket.create_server((address, 0), family=family)
+        self.address = address
         self.port: int = self._listener.getsockname()[1]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -131,7 +154,12 @@ class Forwarder:
 
     @property
     def upstream(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}"
+
+    def rotate(self, credential: str) -> None:
+        """Accept ``credential`` from now on, and the current one still (only it)."""
+        self.credentials = (credential, self.credentials[0])
 
     def close(self) -> None:
         """Stop listening and close every connection it relays."""
@@ -170,7 +198,7 @@ class Forwarder:
         upstream: socket.socket | None = None
         try:
             got = _read_head(conn)
-            ok, head = _split_head(got[0], self.credential) if got else (False, b"")
+            ok, head = _split_head(got[0], self.credentials) if got else (False, b"")
             if got is None or not ok:
                 conn.sendall(_FORBIDDEN)
                 return
@@ -238,6 +266,8 @@ class _Service:
     health: Health
     credential: str
     sandboxed: bool
+    #: when ``credential`` was made (the broker's clock)
+    credential_at: float = 0.0
     forwarder: Forwarder | None = None
     pid: int | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -256,11 +286,14 @@ class Services:
         emit: Emit,
         clock: Callable[[], float],
         sandboxed: Callable[[JobType], bool],
+        address: str = "127.0.0.1",
     ) -> None:
         self.mailbox = mailbox
         self.emit = emit
         self.clock = clock
         self.sandboxed = sandboxed
+        #: where the forwarders listen (``[cluster] service_address``)
+        self.address = address
         self._by_job: dict[str, _Service] = {}
         #: the services that ended in the last :data:`STOPPED_KEEP_S`, by name:
         #: their last route (state ``stopped``) and their last published status
@@ -286,6 +319,7 @@ class Services:
             health=Health(ServiceState.STARTING, now),
             credential=secrets.token_urlsafe(32),
             sandboxed=self.sandboxed(run.jobtype),
+            credential_at=now,
         )
         with self._lock:
             self._by_job[run.job.id] = entry
@@ -297,7 +331,9 @@ class Services:
         if entry is None or entry.run.attempt.number != attempt or entry.pid is not None:
             return
         entry.pid = pid
-        forwarder = Forwarder(entry.name, entry.credential, lambda: self._connect(entry))
+        forwarder = Forwarder(
+            entry.name, entry.credential, lambda: self._connect(entry), self.address
+        )
         with self._lock:
             entry.forwarder = forwarder
         threading.Thread(
@@ -306,6 +342,36 @@ class Services:
         self.emit(
             "service_started", job=job_id, service=entry.name, upstream=forwarder.upstream, pid=pid
         )
+
+    def adopt(self, run: RunningAttempt, pid: int, now: float) -> str | None:
+        """Take back a service an earlier run of this broker started (its main
+        process ``pid`` still runs): it must answer its health check now. None
+        when it is this broker's again (a forwarder, a health thread, a new
+        credential; ``healthy``), else why not (it is not added)."""
+        self.add(run, now)
+        entry = self._by_job[run.job.id]
+        entry.pid = pid
+        error = check_once(lambda: self._connect(entry), entry.check)
+        if error is not None:
+            with self._lock:
+                self._by_job.pop(run.job.id, None)
+            return error
+        entry.pid = None
+        with self._lock:
+            entry.health = Health(ServiceState.HEALTHY, now, last_ok=now)
+        self.started(run.job.id, run.attempt.number, pid)
+        return None
+
+    def rotate(self, older_than: float, now: float) -> int:
+        """Give every service whose credential was made before ``older_than`` a new
+        one (its forwarder still takes the one before); how many."""
+        with self._lock:
+            due = [e for e in self._by_job.values() if e.credential_at < older_than]
+            for e in due:
+                e.credential, e.credential_at = secrets.token_urlsafe(32), now
+                if e.forwarder is not None:
+                    e.forwarder.rotate(e.credential)
+        return len(due)
 
     def _connect(self, entry: _Service) -> socket.socket:
         """A connection to the service's port, inside its sandbox's namespace."""

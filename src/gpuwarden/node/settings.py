@@ -90,3 +90,5 @@ class NodeSettings:
     ram_floor_bytes: int = 0
     #: the GPU lock file's path template (``gpu_lock``), "": off
     gpu_lock: str = ""
+    #: where the service forwarders listen (``[cluster] service_address``)
+    service_address: str = "127.0.0.1"

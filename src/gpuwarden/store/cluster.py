@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from gpuwarden.core.model import Attempt, Job
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.store.base import AuditRow, Store
 
 
@@ -114,6 +115,17 @@ class RunningUse:
     started_at: float
     #: the GPUs it asked for itself (None: its type's count)
     gpus: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRecord:
+    """A running service's route as its node last reported it (``service_routes``):
+    the route (owner and share from the job row; times on the coordinator's clock),
+    the node that runs it, and when that node's heartbeat wrote it."""
+
+    route: ServiceRoute
+    node: str
+    updated_at: float
 
 
 class ClusterStore(Store):
@@ -324,3 +336,19 @@ class ClusterStore(Store):
 
     @abc.abstractmethod
     def release_maintenance_lock(self) -> None: ...
+
+    # -- service routes -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def put_service_routes(self, node: str, routes: Sequence[ServiceRoute], now: float) -> int:
+        """A heartbeat of ``node`` reported ``routes`` (checked by the caller): write
+        each (a route of another job's name on another node is left alone), and drop
+        the node's routes it did not report; how many were written."""
+
+    @abc.abstractmethod
+    def drop_service_route(self, job_id: str) -> bool:
+        """The job's attempt ended here: its route goes (True when there was one)."""
+
+    @abc.abstractmethod
+    def service_routes(self) -> list[RouteRecord]:
+        """Every route, by name."""

@@ -12,6 +12,7 @@ from typing import Any
 
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.ramadmit import RamNeed
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.core.states import JobState
 from gpuwarden.store.base import (
     AuditRow,
@@ -23,7 +24,7 @@ from gpuwarden.store.base import (
     TokenRecord,
     TypeProfile,
 )
-from gpuwarden.store.cluster import Claimable, Lease, NodeRecord, NodeState
+from gpuwarden.store.cluster import Claimable, Lease, NodeRecord, NodeState, RouteRecord
 
 Row = Any  # sqlite3.Row or psycopg's DictRow: both index by column name
 Decode = Callable[[Any], Any]
@@ -169,6 +170,24 @@ def lease(row: Row) -> Lease:
         started=bool(row["started"]),
         attempt=row["attempt"],
         preempt_for=row["preempt_for"],
+    )
+
+
+def route(row: Row) -> RouteRecord:
+    return RouteRecord(
+        route=ServiceRoute(
+            name=row["name"],
+            job_id=row["job_id"],
+            owner=row["owner"],
+            share=tuple(str(x) for x in json.loads(row["share"] or "[]")),
+            state=row["state"],
+            upstream=row["upstream"],
+            credential=row["credential"],
+            since=float(row["since"]),
+            last_ok=None if row["last_ok"] is None else float(row["last_ok"]),
+        ),
+        node=row["node"],
+        updated_at=float(row["updated_at"]),
     )
 
 

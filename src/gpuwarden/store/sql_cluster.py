@@ -13,10 +13,12 @@ expired one, then the ``leased`` events: in PostgreSQL one statement for the lea
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from gpuwarden.core.model import Attempt, Event, Job
+from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.errors import TransitionError
 from gpuwarden.store import rows
 from gpuwarden.store.base import AuditRow
@@ -27,6 +29,7 @@ from gpuwarden.store.cluster import (
     Lease,
     NodeRecord,
     NodeState,
+    RouteRecord,
     RunningUse,
 )
 from gpuwarden.store.rows import Row
@@ -401,3 +404,33 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
             )
         assert node is not None
         return self._write_one("revoke_grant_of_node", {"node": node, "now": now, "reason": reason})
+
+    # -- service routes -----------------------------------------------------------
+
+    def put_service_routes(self, node: str, routes: Sequence[ServiceRoute], now: float) -> int:
+        written = 0
+        with self._write() as conn:
+            for r in routes:
+                params = {
+                    "name": r.name,
+                    "job_id": r.job_id,
+                    "node": node,
+                    "owner": r.owner,
+                    "share": json.dumps(list(r.share)),
+                    "state": r.state,
+                    "upstream": r.upstream,
+                    "credential": r.credential,
+                    "since": r.since,
+                    "last_ok": r.last_ok,
+                    "now": now,
+                }
+                written += int(self._run(conn, "put_service_route", params).rowcount)
+            names = self._ids([r.name for r in routes])
+            self._run(conn, "drop_node_routes_but", {"node": node, "names": names})
+        return written
+
+    def drop_service_route(self, job_id: str) -> bool:
+        return self._write_one("drop_service_route", {"job_id": job_id}) > 0
+
+    def service_routes(self) -> list[RouteRecord]:
+        return [rows.route(r) for r in self._read("service_routes")]

@@ -48,6 +48,7 @@ from gpuwarden.api.models import ErrorOut
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.nodeview import Timing, node_view
 from gpuwarden.cluster.report import grant_json, node_json
+from gpuwarden.cluster.routes import without_routes
 from gpuwarden.cluster.sweeper import Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
@@ -332,6 +333,7 @@ def heartbeat(body: HeartbeatIn, request: Request, ctx: Ctx, who: Who) -> dict[s
             registry=ctx.registry,
             timing=t,
             inputs_here=_inputs_here,
+            peer=request.client.host if request.client is not None else None,
         )
     except co.UnknownNode as exc:
         raise HttpError(401, exc.message) from None
@@ -356,7 +358,7 @@ def claim(body: ClaimIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]
     store = cluster_store(ctx)
     now = ctx.clock()
     t = timing(ctx)
-    record = store.touch_node(name, body.report, now)
+    record = store.touch_node(name, without_routes(body.report), now)
     if record is None:  # pragma: no cover - node_of found it
         raise HttpError(401, f"no node named {name!r}")
     jobs = co.claim(

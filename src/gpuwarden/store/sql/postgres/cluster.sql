@@ -251,3 +251,28 @@ UPDATE node_grants SET revoked_at = %(now)s, revoked_reason = %(reason)s
 -- name: revoke_grant_of_node
 UPDATE node_grants SET revoked_at = %(now)s, revoked_reason = %(reason)s
  WHERE node = %(node)s AND used_at IS NULL AND revoked_at IS NULL;
+
+-- name: put_service_route
+-- a node's report of one of its services: written over the row of the same name
+-- only when it is the same job's, or a row of the same node's
+INSERT INTO service_routes
+    (name, job_id, node, owner, share, state, upstream, credential, since, last_ok, updated_at)
+VALUES (%(name)s, %(job_id)s, %(node)s, %(owner)s, %(share)s, %(state)s, %(upstream)s,
+        %(credential)s, %(since)s, %(last_ok)s, %(now)s)
+ON CONFLICT (name) DO UPDATE SET
+    job_id = excluded.job_id, node = excluded.node, owner = excluded.owner,
+    share = excluded.share, state = excluded.state, upstream = excluded.upstream,
+    credential = excluded.credential, since = excluded.since, last_ok = excluded.last_ok,
+    updated_at = excluded.updated_at
+ WHERE service_routes.job_id = excluded.job_id OR service_routes.node = excluded.node;
+
+-- name: drop_node_routes_but
+-- the node's routes it no longer reports
+DELETE FROM service_routes
+ WHERE node = %(node)s AND NOT (name = ANY(%(names)s::text[]));
+
+-- name: drop_service_route
+DELETE FROM service_routes WHERE job_id = %(job_id)s;
+
+-- name: service_routes
+SELECT * FROM service_routes ORDER BY name;

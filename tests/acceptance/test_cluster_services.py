@@ -1,0 +1,107 @@
+"""A service across hosts, for real (SPEC.md section 16, "Services across hosts"):
+a coordinator on a fresh PostgreSQL database and one agent, each a process of its
+own. The coordinator serves the agent's running service at ``/run/<name>/`` with
+the route credential the agent's heartbeat reported; a token that may not use it
+gets the same 404 as an unknown name; the agent killed with SIGKILL turns the URL
+into the unavailable page within the heartbeat window, never a stale answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from tests.acceptance.test_cluster import Cluster, wait_for
+from tests.acceptance.test_cluster_preemption import running_cluster
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(pg_url, tmp_path_factory.mktemp("xsvc"), {"s1": {"vram_gib": 24}}) as c:
+        yield c
+
+
+def _token(c: Cluster, name: str, role: str) -> str:
+    made = c.gw(
+        "token", "create", name, "--role", role, "--json", config=c.tmp / "coordinator.toml"
+    )
+    assert made.returncode == 0, made.stderr
+    return str(json.loads(made.stdout)["token"])
+
+
+def _get(c: Cluster, token: str, path: str) -> httpx.Response:
+    return httpx.get(
+        c.urls[0] + path,
+        headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
+        timeout=10,
+    )
+
+
+def _service_processes(job_id: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            marker = p.environ().get("GPUWARDEN_ATTEMPT", "")
+        except (psutil.Error, OSError):
+            continue
+        if f"/{job_id}/" in marker:
+            out.append(p)
+    return out
+
+
+def test_the_coordinator_serves_an_agents_service_until_the_agent_dies(cluster: Cluster) -> None:
+    c = cluster
+    bob = _token(c, "bob", "submitter")
+    with c.client() as client:
+        client.submit("testmods.web", {}, id="svc1", service="hello")
+    try:
+        seen: list[httpx.Response] = []
+
+        def served() -> httpx.Response | None:
+            got = _get(c, c.owner, "/run/hello/echo?x=1")
+            seen.append(got)
+            return got if got.status_code == 200 else None
+
+        try:
+            answer = wait_for("the service at /run/hello/", served, timeout=40)
+        except AssertionError:
+            raise AssertionError(
+                (seen[-1].status_code, seen[-1].text, c.gw("status").stdout)
+            ) from None
+        assert answer.json()["path"] == "/echo?x=1", answer.text  # the service itself
+        # another token that may not use it: the same 404 as a name no service has
+        assert _get(c, bob, "/run/hello/echo").status_code == 404
+        assert _get(c, c.owner, "/run/nosuch/").status_code == 404
+        # the agent dies (SIGKILL): confirmed dead first
+        agent = c.agents["s1"].proc
+        assert agent is not None
+        agent.send_signal(signal.SIGKILL)
+        assert agent.wait(10) == -signal.SIGKILL
+        killed_at = time.monotonic()
+
+        def unavailable() -> httpx.Response | None:
+            # at once: its forwarder does not answer (never a stale answer); within
+            # the heartbeat window: the coordinator says its node stopped reporting it
+            got = _get(c, c.owner, "/run/hello/echo")
+            assert got.status_code == 503, (got.status_code, got.text)
+            return got if got.json()["state"] == "unavailable" else None
+
+        page = wait_for("the unavailable page", unavailable, timeout=20)
+        took = time.monotonic() - killed_at
+        body = page.json()
+        assert body["state"] == "unavailable" and "hello is unavailable, last seen" in body["error"]
+        # within the heartbeat window (10 s leases: a beat each 1.7 s; two beats and
+        # a second), the cache's second and this poll's
+        assert took < 8, took
+    finally:
+        for p in _service_processes("svc1"):  # the orphan the killed agent left
+            if p.pid != os.getpid():
+                p.kill()
