@@ -165,6 +165,8 @@ CASES = [
     Case("GET", "/v1/jobs", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}", frozenset(READERS), 200),
     Case("POST", "/v1/jobs/{job}/cancel", frozenset(READERS), 200),
+    # a queued job: past the role check, stop says there is nothing to stop
+    Case("POST", "/v1/jobs/{job}/stop", frozenset(READERS), 409),
     Case("GET", "/v1/jobs/{job}/explain", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/result", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/outputs/out.txt", frozenset(READERS), 200),
@@ -204,7 +206,7 @@ def _url(a: Api, role: str, case: Case) -> str:
     path = case.path
     if "{job}" in path:
         job_id = f"own-{role}"
-        if "cancel" in path:
+        if "cancel" in path or "stop" in path:
             a.store.submit(
                 [JobSpec(id=job_id, type="echo.echo", params={"text": "x"})],
                 now=1.0,
@@ -582,7 +584,7 @@ def test_unknown_field_names_the_allowed_ones(api: Api) -> None:
     assert r.json()["error"] == (
         "unknown field 'inputs' in body "
         "(allowed: after, constraints, est_s, gpus, id, outputs, params, priority, "
-        "ram_floor_gib, ram_gib, ram_start_min_gib, type, vram_gib)"
+        "ram_floor_gib, ram_gib, ram_start_min_gib, service, share, type, vram_gib)"
     )
     r = api.client.post("/v1/tokens", json={"name": "x", "role": "king"}, headers=api.h("owner"))
     assert r.status_code == 422 and "body.role" in r.json()["error"]

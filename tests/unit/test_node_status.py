@@ -63,6 +63,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "stats",
         "faults",
         "ram",
+        "services",
     ]
     [gpu] = doc["gpus"]
     assert list(gpu) == [
