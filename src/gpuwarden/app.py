@@ -142,6 +142,7 @@ def node_settings(config: Config) -> NodeSettings:
         weights_dir=s.weights_dir,
         scratch_bytes=int(s.scratch_mib * MIB),
         runtimes=tuple(runtime_spec(r) for r in config.runtimes),
+        source_build_timeout_s=config.sources.build_timeout_s,
         fair_share_half_life_s=b.fair_share_half_life_s,
         ram_floor_bytes=math.ceil(b.ram_floor_gib * GIB),
         gpu_lock=config.gpu_lock,

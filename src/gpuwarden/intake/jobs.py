@@ -123,9 +123,16 @@ def _jobtype(registry: Registry, spec: JobSpec) -> JobType:
             f"(mymod.train), not {spec.type!r}"
         )
     try:
-        return registry.from_source(spec.source, spec.type)
+        jobtype = registry.from_source(spec.source, spec.type)
     except ValidationError as exc:
         raise ValidationError(f"job {spec.id}: {exc}") from None
+    if jobtype.launch is not LaunchMode.CONTAINER:
+        raise ValidationError(
+            f"job {spec.id}: {spec.type} at commit {spec.source.commit} is a "
+            f"{jobtype.launch.value} type; a job from a commit runs in its image: "
+            'launch = "container"'
+        )
+    return jobtype
 
 
 def _check_gpus(spec: JobSpec, jobtype: JobType) -> None:
