@@ -27,6 +27,7 @@ from gpuwarden.gpu.sim import SimGpuConfig
 from gpuwarden.intake.manifest import BundleLimits
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
+from gpuwarden.intake.sources import SourceCache
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.host import HostLauncher
 from gpuwarden.launch.memcaps import MemoryCgroups, find_memory_cgroups
@@ -141,6 +142,7 @@ def node_settings(config: Config) -> NodeSettings:
         weights_dir=s.weights_dir,
         scratch_bytes=int(s.scratch_mib * MIB),
         runtimes=tuple(runtime_spec(r) for r in config.runtimes),
+        source_build_timeout_s=config.sources.build_timeout_s,
         fair_share_half_life_s=b.fair_share_half_life_s,
         ram_floor_bytes=math.ceil(b.ram_floor_gib * GIB),
         gpu_lock=config.gpu_lock,
@@ -253,6 +255,7 @@ def open_node(
     try:
         config.check_sandbox()
         registry = Registry.load(config.module_paths, config.launch_rules)
+        registry.sources = source_cache(config)
         # first: a damaged store stops the start before any queue root is touched
         store = open_store(config, check=True)
         try:
@@ -285,6 +288,17 @@ def open_node(
         yield node
     finally:
         node.close()
+
+
+def source_cache(config: Config) -> SourceCache:
+    """Where the node fetches jobs' source commits (``<state>/sources``), under its
+    ``[sources]`` settings and runtime."""
+    return SourceCache(
+        config.state_dir / "sources",
+        tuple(config.sources.allow),
+        refusal=config.source_refusal,
+        timeout_s=config.sources.fetch_timeout_s,
+    )
 
 
 def _queue_roots(config: Config, extra: list[Path]) -> list[QueueRoot]:

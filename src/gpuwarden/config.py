@@ -23,6 +23,7 @@ from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S
 from gpuwarden.core.launchrules import LaunchRules, Runtime, image_is_pinned
 from gpuwarden.core.model import GIB, MIB
 from gpuwarden.core.runtime import RuntimeKind
+from gpuwarden.core.sources import check_allow
 from gpuwarden.errors import ConfigError
 from gpuwarden.gpu.lockfile import GpuLockError, LockTemplate
 from gpuwarden.launch.detect import detect_runtime
@@ -99,6 +100,22 @@ class LimitSettings(_Section):
     max_entries: Annotated[int, Field(ge=1)] = 10_000
     max_unpacked_mib: Annotated[float, Field(gt=0)] = 4096.0
     max_jobs_per_bundle: Annotated[int, Field(ge=1)] = 1000
+
+
+class SourceSettings(_Section):
+    """``[sources]``: jobs from a pinned commit (SPEC.md, "Jobs from a pinned commit")."""
+
+    #: globs (fnmatch) a job's source repository URL must match; empty: no sources
+    allow: list[str] = Field(default_factory=list)
+    #: seconds one git fetch of a commit may take
+    fetch_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 120.0
+    #: seconds one image build from a commit's Containerfile may take
+    build_timeout_s: Annotated[float, Field(gt=0, le=86400)] = 1800.0
+
+    @pydantic.field_validator("allow")
+    @classmethod
+    def _allow(cls, value: list[str]) -> list[str]:
+        return list(check_allow(value))
 
 
 class ApiSettings(_Section):
@@ -271,6 +288,7 @@ class Config(_Section):
     vram: VramSettings = VramSettings()
     warm: WarmSettings = WarmSettings()
     limits: LimitSettings = LimitSettings()
+    sources: SourceSettings = SourceSettings()
     api: ApiSettings = ApiSettings()
     cluster: ClusterSettings = ClusterSettings()
     #: "local" (no sandbox), "podman", "docker", "bubblewrap", or "auto": bubblewrap
@@ -371,6 +389,17 @@ class Config(_Section):
             allow_unsandboxed_containers=self.allow_unsandboxed_containers,
             allow_host_jobs=self.allow_host_jobs,
             auto=self.container_runtime_auto,
+        )
+
+    @property
+    def source_refusal(self) -> str | None:
+        """Why this node runs no job from a commit (None: it may): their images
+        are built and run by podman or docker."""
+        if self.container_runtime.needs_image:
+            return None
+        return (
+            "jobs from a repository are built into an image and run by podman or docker; "
+            f'this node\'s container_runtime is "{self.container_runtime.value}"'
         )
 
     def check_sandbox(self) -> None:

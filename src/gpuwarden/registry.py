@@ -27,10 +27,10 @@ import re
 import sys
 import tomllib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,6 +48,7 @@ from gpuwarden.core.model import (
 from gpuwarden.core.params import value_fits
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL
 from gpuwarden.core.service import parse_health
+from gpuwarden.core.sources import TYPE_SEP, JobSource, source_type
 from gpuwarden.errors import ModuleError, ValidationError
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -122,6 +123,8 @@ class SourceKind(StrEnum):
     PATH = "module_paths"
     ENTRY_POINT = "entry point"
     BUILTIN = "built-in"
+    #: a job's ``source``: one commit of a repository, fetched by the node
+    COMMIT = "commit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,8 @@ class ModuleSource:
             return f"module_paths {self.where}"
         if self.kind is SourceKind.ENTRY_POINT:
             return f"pip package {self.dist} (entry point {self.where})"
+        if self.kind is SourceKind.COMMIT:
+            return f"commit {self.dist} of {self.where}"
         return "built-in"
 
     def to_json(self) -> dict[str, str]:
@@ -180,6 +185,38 @@ def parse_module(
         fingerprint=fingerprint(path / "src"),
         types=types,
         source=source or ModuleSource(SourceKind.PATH, str(path.resolve().parent)),
+    )
+
+
+def parse_source_module(path: Path, source: JobSource) -> Module:
+    """The module of one commit of a repository (a job's ``source``), its tree
+    exported at ``path``. Its name and its types' names end in ``@<commit>``, so
+    that two commits of one module, and a shipped module of the same name, never
+    meet. Raise :class:`ModuleError` naming the key."""
+    toml_path = path / "module.toml"
+    meta = _read_module_toml(toml_path)
+    declared = meta.module.name
+    if not _NAME.fullmatch(declared):
+        raise ModuleError(
+            f"{toml_path}: key 'module.name' must be lower-case letters, digits and _ "
+            f"(got {declared!r})"
+        )
+    module = f"{declared}{TYPE_SEP}{source.commit}"
+    types = tuple(
+        replace(
+            _job_type(f"{toml_path}: [types.{tname}]", declared, path, tname, t),
+            name=source_type(f"{declared}.{tname}", source.commit),
+            module=module,
+        )
+        for tname, t in meta.types.items()
+    )
+    return Module(
+        name=module,
+        path=path.resolve(),
+        description=meta.module.description,
+        fingerprint=f"git:{source.commit}",
+        types=types,
+        source=ModuleSource(SourceKind.COMMIT, where=source.repo, dist=source.commit),
     )
 
 
@@ -397,9 +434,21 @@ def fingerprint(src: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+class SourceReader(Protocol):
+    """What fetches a job's source and reads its module (``intake/sources.py``)."""
+
+    def module(self, source: JobSource) -> Module:
+        """The module of ``source``'s commit, fetched if it is not cached; raise
+        :class:`~gpuwarden.errors.ValidationError` saying why not."""
+        ...
+
+
 class Registry:
     """Every job type of every module found, and the node's launch rules: which
     of them may run here (checked at submission)."""
+
+    #: fetches the module of a job's source (None: this registry takes none)
+    sources: SourceReader | None = None
 
     def __init__(
         self,
@@ -455,6 +504,35 @@ class Registry:
             raise ValidationError(
                 f"unknown job type {name!r}{hint}; known types: {known}"
             ) from None
+
+    def add(self, module: Module) -> None:
+        """Add a module found after the start (a job's source commit)."""
+        self.modules[module.name] = module
+        self.types.update((t.name, t) for t in module.types)
+
+    def from_source(self, source: JobSource, type_name: str) -> JobType:
+        """The type ``type_name`` (``mymod.train``) of the module at ``source``'s
+        commit, fetched and read once; raise :class:`ValidationError` saying why
+        not."""
+        if self.sources is None:
+            raise ValidationError(
+                "this node takes no jobs from a repository (source): set [sources] allow "
+                "in its config"
+            )
+        stored = source_type(type_name, source.commit)
+        if stored not in self.types:
+            self.add(self.sources.module(source))
+        if stored not in self.types:
+            known = sorted(
+                t.name.partition(TYPE_SEP)[0]
+                for t in self.types.values()
+                if t.name.endswith(TYPE_SEP + source.commit)
+            )
+            raise ValidationError(
+                f"commit {source.commit} of {source.repo} has no job type {type_name!r}; "
+                f"its module.toml declares: {', '.join(known) or 'none'}"
+            )
+        return self.types[stored]
 
     def module_of(self, jobtype: JobType) -> Module:
         return self.modules[jobtype.module]

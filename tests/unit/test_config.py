@@ -15,7 +15,7 @@ TOP_KEYS = (
     "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, api, broker, "
     "cluster, container_runtime, create_queue_roots, database, gpu, gpu_lock, limits, "
     "module_paths, node_name, "
-    "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, state_dir, vram, warm"
+    "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, sources, state_dir, vram, warm"
 )
 BROKER_KEYS = (
     "clip_chars, cpu_slots, fair_share_half_life_s, kill_grace_s, max_interruptions, "
@@ -339,3 +339,8 @@ def test_a_bad_gpu_lock_is_a_config_error(tmp_path: Path, template: str, says: s
     path = write(tmp_path / "gw.toml", f'gpu_lock = "{template}"\n')
     message = config_error(path)
     assert "gpu_lock" in message and says in message
+
+
+def test_sources_allow_globs_must_name_a_scheme(tmp_path: Path) -> None:
+    path = write(tmp_path / "gw.toml", "[sources]\nallow = ['git.example.org/*']\n")
+    assert "must start with https://, ssh:// or file://" in config_error(path)

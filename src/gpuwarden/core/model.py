@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any, Self
 
 from gpuwarden.core.ramadmit import NO_RAM, RamNeed
+from gpuwarden.core.sources import JobSource
 from gpuwarden.core.states import JobState
 
 GIB = 1024**3
@@ -135,6 +136,9 @@ class JobSpec:
     #: owner may reach it (token ids or role names)
     service: str | None = None
     share: tuple[str, ...] = ()
+    #: the repository and commit its module comes from (None: a module the node
+    #: has); its ``type`` is then ``<type>@<commit>`` once prepared
+    source: JobSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +181,8 @@ class Job:
     service: str | None = None
     share: tuple[str, ...] = ()
     stop_requested_by: str | None = None
+    #: the repository and commit its module comes from (None: a module the node has)
+    source: JobSource | None = None
 
     @property
     def service_name(self) -> str:

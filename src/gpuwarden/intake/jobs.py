@@ -14,6 +14,7 @@ from gpuwarden.core.placement import GPU_CONSTRAINTS, check_constraints
 from gpuwarden.core.profile import check_est_s
 from gpuwarden.core.ramadmit import RAM_KEYS
 from gpuwarden.core.service import check_service_name, check_share
+from gpuwarden.core.sources import TYPE_SEP
 from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 
@@ -56,7 +57,9 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
             f"job id {spec.id!r}: ids that begin with 12 hex digits and '-' belong to the "
             "API token with that id; choose another id"
         )
-    jobtype = registry.get(spec.type)
+    jobtype = _jobtype(registry, spec)
+    if spec.source is not None:
+        spec = replace(spec, type=jobtype.name)
     refused = registry.rules.refusal(jobtype)
     if refused is not None:
         raise ValidationError(f"job {spec.id}: refused by this node's launch rules: {refused}")
@@ -101,6 +104,35 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
         after=after,
         est_s=est_s,
     )
+
+
+def _jobtype(registry: Registry, spec: JobSpec) -> JobType:
+    """The job's type: a module the node has, or the type of the module at its
+    source's commit (fetched now unless the node has it; SPEC.md, "Jobs from a
+    pinned commit")."""
+    if spec.source is None:
+        if TYPE_SEP in spec.type:
+            raise ValidationError(
+                f"job {spec.id}: type {spec.type!r} names a commit; give the type without it "
+                "and the commit as the job's source = {repo = URL, commit = SHA}"
+            )
+        return registry.get(spec.type)
+    if TYPE_SEP in spec.type:
+        raise ValidationError(
+            f"job {spec.id}: with a source, type names a type of its module.toml "
+            f"(mymod.train), not {spec.type!r}"
+        )
+    try:
+        jobtype = registry.from_source(spec.source, spec.type)
+    except ValidationError as exc:
+        raise ValidationError(f"job {spec.id}: {exc}") from None
+    if jobtype.launch is not LaunchMode.CONTAINER:
+        raise ValidationError(
+            f"job {spec.id}: {spec.type} at commit {spec.source.commit} is a "
+            f"{jobtype.launch.value} type; a job from a commit runs in its image: "
+            'launch = "container"'
+        )
+    return jobtype
 
 
 def _check_gpus(spec: JobSpec, jobtype: JobType) -> None:

@@ -53,6 +53,16 @@ def inside_path(mounts: Iterable[Mount], host_path: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageBuild:
+    """The image a job from a commit runs in: built from ``context``'s
+    ``Containerfile`` under ``tag`` (``launch/imagebuild.py``) unless it is there."""
+
+    context: str
+    tag: str
+    timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchRequest:
     job_id: str
     attempt: int
@@ -83,6 +93,11 @@ class LaunchRequest:
     #: (it wins over ``memory_bytes``); 0: no cap. A launcher that cannot enforce
     #: it (:meth:`Launcher.memory_caps`) refuses the attempt as a launch error
     ram_cap_bytes: int = 0
+    #: a job from a commit: the image to build (or reuse) and run it in, instead
+    #: of the launcher's own (podman and docker only)
+    image_build: ImageBuild | None = None
+    #: the id of the image built (or found) for ``image_build``: set by the launcher
+    image_id: str = ""
 
     @property
     def marker(self) -> str:
@@ -145,6 +160,10 @@ class LaunchResult:
     #: enforced by the kernel), 0 for none; with a cap, ``oom_killed`` says whether
     #: the kernel killed a process of the attempt for passing it
     ram_cap_bytes: int = 0
+    #: a job from a commit: the id of the image it ran in, and whether that image
+    #: was built before (None: the launcher's own image)
+    image_id: str | None = None
+    image_reused: bool | None = None
 
 
 class Launcher(Protocol):

@@ -70,6 +70,7 @@ from gpuwarden.launch.base import (
 )
 from gpuwarden.launch.cgroups import PidsCgroups, find_pids_cgroups
 from gpuwarden.launch.host import KILL_CONFIRM_S, HostLauncher
+from gpuwarden.launch.imagebuild import BUILD_LOG, ImageBuildError, image_for
 from gpuwarden.launch.memcaps import (
     MemoryCgroups,
     cap_text,
@@ -472,7 +473,12 @@ class SandboxLauncher:
         args += ["--workdir", inside_path(req.mounts, req.cwd)]
         for key, value in sorted(sandbox_env(req).items()):
             args += ["--env", f"{key}={value}"]
-        return [*self._wrap(args), self.image, *self._inside_argv(req)]
+        return [*self._wrap(args), self._image_of(req), *self._inside_argv(req)]
+
+    def _image_of(self, req: LaunchRequest) -> str:
+        """The image ``req`` runs in: its commit's (by the id the build found), or
+        the node's ``sandbox_image``."""
+        return req.image_id or self.image
 
     def _wrap(self, args: list[str]) -> list[str]:
         """podman on a host that mixes cgroup v1 controllers with a v2 mount (crun
@@ -516,6 +522,21 @@ class SandboxLauncher:
                 f"a RAM cap of {cap_text(req.ram_cap_bytes)} was asked, but this sandbox "
                 f"cannot enforce memory caps ({caps.how})",
             )
+        built: tuple[str, bool] | None = None
+        if req.image_build is not None:
+            if not self.runtime.needs_image:
+                return _not_started(req, "a job from a commit needs podman or docker")
+            try:
+                built = image_for(
+                    self.executable,
+                    req.image_build,
+                    Path(req.attempt_dir) / BUILD_LOG,
+                    self.client_env(req),
+                    self._wrap,
+                )
+            except (ImageBuildError, OSError) as exc:
+                return _not_started(req, f"the image of {req.image_build.tag}: {exc}")
+            req = dataclasses.replace(req, image_id=built[0])
         try:
             self._prepare_mounts(req)
             self._write_seccomp(req)
@@ -555,7 +576,10 @@ class SandboxLauncher:
             # and docker: the runtime's record (_run_engine)
             oom = result.oom_killed if memory is None else kills > 0
             result = dataclasses.replace(result, ram_cap_bytes=req.ram_cap_bytes, oom_killed=oom)
-        return watch.finish(result, stop)
+        result = watch.finish(result, stop)
+        if built is not None:
+            result = dataclasses.replace(result, image_id=built[0], image_reused=built[1])
+        return result
 
     def _make_cgroups(self, req: LaunchRequest, pids: Path | None, memory: Path | None) -> None:
         """Make the attempt's pids cgroup and (a RAM cap) its memory cgroup; OSError

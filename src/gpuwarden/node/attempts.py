@@ -33,6 +33,7 @@ from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.gpu.sim import SimProbe
 from gpuwarden.launch.base import (
     INSIDE,
+    ImageBuild,
     Launcher,
     LaunchRequest,
     LaunchResult,
@@ -40,6 +41,7 @@ from gpuwarden.launch.base import (
     inside_path,
 )
 from gpuwarden.launch.host import HostLauncher
+from gpuwarden.launch.imagebuild import image_tag
 from gpuwarden.launch.sandbox import SandboxLauncher, mounts_for
 from gpuwarden.node import attemptfs
 from gpuwarden.node.running import Emit, RunningAttempt
@@ -328,6 +330,17 @@ class Launching:
             mounts=mounts,
             gpu_uuid=gpu_uuid,
             memory_bytes=jobtype.ram_bytes if sandbox is not None else 0,
+            image_build=self.image_build(job, jobtype),
+        )
+
+    def image_build(self, job: Job, jobtype: JobType) -> ImageBuild | None:
+        """A job from a commit: the image its sandbox is built from (its tree)."""
+        if job.source is None:
+            return None
+        return ImageBuild(
+            context=jobtype.module_dir,
+            tag=image_tag(job.source.commit),
+            timeout_s=self.settings.source_build_timeout_s,
         )
 
     def server_request(

@@ -29,7 +29,9 @@ from gpuwarden.core.policy import Member
 from gpuwarden.core.profile import est_class
 from gpuwarden.core.queueindex import QueueIndex
 from gpuwarden.core.ramadmit import RamNeed
+from gpuwarden.core.sources import split_type
 from gpuwarden.core.states import JobState
+from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import QueueEntry, Store
 
@@ -134,13 +136,8 @@ class QueueBook:
                 self.store.transition(
                     e.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
                 )
-            elif e.type not in self.registry.types:
-                self.store.transition(
-                    e.id,
-                    JobState.FAILED,
-                    now=now,
-                    reason=f"job type {e.type} is not known to this broker (module removed?)",
-                )
+            elif (missing := self._unknown(e)) is not None:
+                self.store.transition(e.id, JobState.FAILED, now=now, reason=missing)
             else:
                 key = (
                     e.type,
@@ -152,6 +149,22 @@ class QueueBook:
                     e.owner or "",
                 )
                 self.index.add(e.id, e.seq, key)
+
+    def _unknown(self, e: QueueEntry) -> str | None:
+        """Why the job's type is not known here; None when it is. A type from a
+        commit that another process fetched (the CLI, the API) or that the broker
+        knew before a restart is read from the source cache now."""
+        if e.type in self.registry.types:
+            return None
+        name, commit = split_type(e.type)
+        job = self.store.get_job(e.id) if commit is not None else None
+        if job is None or job.source is None:
+            return f"job type {e.type} is not known to this broker (module removed?)"
+        try:
+            self.registry.from_source(job.source, name)
+        except ValidationError as exc:
+            return f"job type {e.type}: {exc}"
+        return None
 
     def classes(self) -> list[ClassKey]:
         return self.index.classes()

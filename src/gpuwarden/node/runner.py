@@ -520,6 +520,7 @@ class AttemptRunner:
                 stdout=result.stdout,
                 stderr=result.stderr,
                 result=extra,
+                detail=self._source_detail(run, result),
             )
         except TransitionError as exc:
             self.emit("stale_report", job=run.job.id, attempt=run.attempt.number, why=exc.message)
@@ -532,6 +533,12 @@ class AttemptRunner:
             self.by_job[run.job.id] = run
             self.mailbox.put(result)
             raise
+
+    def _source_detail(self, run: RunningAttempt, result: LaunchResult) -> dict[str, Any]:
+        """What the end event of a job from a commit adds: its node and image."""
+        if run.job.source is None:
+            return {}
+        return {"node": self.node, "image_id": result.image_id, "image_reused": result.image_reused}
 
     def _record_internal_end(
         self, run: RunningAttempt, result: LaunchResult, exc: Exception, now: float

@@ -84,6 +84,8 @@ class NodeSettings:
     scratch_bytes: int
     #: the managed runtimes (``[[runtimes]]``)
     runtimes: tuple[RuntimeSpec, ...] = ()
+    #: seconds one image build of a job's source commit may take (``[sources]``)
+    source_build_timeout_s: float = 1800.0
     #: fair share (``[broker] fair_share_half_life_s``): the half-life of an owner's use; 0: off
     fair_share_half_life_s: float = DEFAULT_HALF_LIFE_S
     #: host RAM that must stay available beside every job (``[broker] ram_floor_gib``)

@@ -326,11 +326,13 @@ class Store(abc.ABC):
         stdout: str = "",
         stderr: str = "",
         result: Mapping[str, Any] | None = None,
+        detail: Mapping[str, Any] | None = None,
     ) -> Job:
         """End attempt ``number`` and move its job from running to ``target``
         (``queued`` for a retry) in one transaction. Only the current attempt of a
         running job can be finished, once: a stale or repeated report raises
-        ``TransitionError`` and changes nothing."""
+        ``TransitionError`` and changes nothing. ``detail`` is added to the event
+        (a job from a commit: its image and node); the job's source is always."""
 
     @abc.abstractmethod
     def dependencies(self, job_id: str) -> list[tuple[Dependency, JobState]]:

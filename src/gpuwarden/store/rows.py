@@ -13,6 +13,7 @@ from typing import Any
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.serviceroute import ServiceRoute
+from gpuwarden.core.sources import JobSource
 from gpuwarden.core.states import JobState
 from gpuwarden.store.base import (
     AuditRow,
@@ -48,6 +49,7 @@ def spec_hash(spec: JobSpec) -> str:
             **spec.ram.to_json(),
             **({"service": spec.service} if spec.service is not None else {}),
             **({"share": list(spec.share)} if spec.share else {}),
+            **({"source": spec.source.to_json()} if spec.source is not None else {}),
         },
         sort_keys=True,
     )
@@ -85,7 +87,19 @@ def job(row: Row, decode: Decode) -> Job:
         service=row["service"],
         share=tuple(json.loads(row["share"] or "[]")),
         stop_requested_by=row["stop_requested_by"],
+        source=(
+            JobSource(row["source_repo"], row["source_commit"])
+            if row["source_commit"] is not None
+            else None
+        ),
     )
+
+
+def source_detail(job: Job) -> dict[str, str]:
+    """What every attempt event of a job from a commit says of its source."""
+    if job.source is None:
+        return {}
+    return {"source_repo": job.source.repo, "source_commit": job.source.commit}
 
 
 def ram_need(row: Row) -> RamNeed:

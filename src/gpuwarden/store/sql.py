@@ -54,7 +54,7 @@ from gpuwarden.store.base import (
     Store,
     Submission,
 )
-from gpuwarden.store.rows import Row, spec_hash
+from gpuwarden.store.rows import Row, source_detail, spec_hash
 
 
 class Cursor(Protocol):
@@ -255,6 +255,7 @@ class SqlStore(Store, Generic[C]):
                 if spec.gpus is not None:  # likewise (0010)
                     self._run(conn, "set_job_gpus", {"id": spec.id, "gpus": spec.gpus})
                 self._set_service(conn, spec)  # likewise (0016)
+                self._set_source(conn, spec)  # likewise (0018)
                 if spec.ram.asks:  # likewise (0015)
                     ram = spec.ram
                     self._run(
@@ -650,7 +651,7 @@ class SqlStore(Store, Generic[C]):
                 job_id=job_id,
                 from_state="queued",
                 to_state="running",
-                detail={"attempt": number, "node": node, "gpu": gpu_uuid},
+                detail={"attempt": number, "node": node, "gpu": gpu_uuid, **source_detail(before)},
             ),
         )
         job = self._job_in(conn, job_id)
@@ -675,6 +676,7 @@ class SqlStore(Store, Generic[C]):
         stdout: str = "",
         stderr: str = "",
         result: Mapping[str, Any] | None = None,
+        detail: Mapping[str, Any] | None = None,
     ) -> Job:
         with self._write() as conn:
             job = self._job_in(conn, job_id, lock=True)
@@ -703,7 +705,13 @@ class SqlStore(Store, Generic[C]):
                 target,
                 now=now,
                 reason=reason,
-                detail={"attempt": number, "outcome": outcome, "exit_code": exit_code},
+                detail={
+                    "attempt": number,
+                    "outcome": outcome,
+                    "exit_code": exit_code,
+                    **source_detail(job),
+                    **(detail or {}),
+                },
                 exit_code=exit_code,
                 result=result,
                 sources=frozenset({JobState.RUNNING}),
@@ -746,6 +754,12 @@ class SqlStore(Store, Generic[C]):
             self._run(
                 conn, "set_job_service", {"id": spec.id, "service": spec.service, "share": share}
             )
+
+    def _set_source(self, conn: C, spec: JobSpec) -> None:
+        """A job's source repository and commit (migration 0018), if it has one."""
+        if spec.source is not None:
+            src = {"id": spec.id, "repo": spec.source.repo, "commit": spec.source.commit}
+            self._run(conn, "set_job_source", src)
 
     def request_stop(self, job_id: str, *, by: str, now: float) -> Job:
         with self._write() as conn:

@@ -338,3 +338,6 @@ SELECT id, node, gpu_uuid, xid, reason, latched_at, cleared_at, cleared_by, clea
    AND (%(gpu_uuid)s::text IS NULL OR gpu_uuid = %(gpu_uuid)s)
    AND (%(open_only)s::integer = 0 OR cleared_at IS NULL)
  ORDER BY id;
+
+-- name: set_job_source
+UPDATE jobs SET source_repo = %(repo)s, source_commit = %(commit)s WHERE id = %(id)s;

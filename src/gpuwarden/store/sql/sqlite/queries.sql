@@ -307,3 +307,6 @@ SELECT id, node, gpu_uuid, xid, reason, latched_at, cleared_at, cleared_by, clea
    AND (:gpu_uuid IS NULL OR gpu_uuid = :gpu_uuid)
    AND (:open_only = 0 OR cleared_at IS NULL)
  ORDER BY id;
+
+-- name: set_job_source
+UPDATE jobs SET source_repo = :repo, source_commit = :commit WHERE id = :id;

@@ -1,0 +1,134 @@
+"""Jobs from a pinned commit (SPEC.md, "Jobs from a pinned commit"): the rules a
+job's ``source = {repo = URL, commit = SHA}`` is checked by before anything is
+fetched. Pure: no git, no network, no files."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+#: a full commit id: 40 lower-case hex digits (SHA-1 object names)
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+#: the URL schemes a source may use; file:// is for repositories on the node itself
+SCHEMES = ("https", "ssh", "file")
+#: the longest repository URL accepted
+MAX_URL = 1024
+#: what joins a type's name to the commit it comes from in a job's stored type
+TYPE_SEP = "@"
+ALLOW_HINT = (
+    "add a glob that matches it to the node's [sources] allow, for example allow = "
+    '["https://git.example.org/team/*"]'
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobSource:
+    """Where a job's module comes from: a repository and one commit of it."""
+
+    repo: str
+    commit: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"repo": self.repo, "commit": self.commit}
+
+
+def check_commit(commit: object) -> str:
+    """A full commit id, or :class:`ValueError` saying why not (a branch, a tag
+    and a short id are refused: they can move or be ambiguous)."""
+    if not isinstance(commit, str):
+        raise ValueError(f"source commit must be a string, got {type(commit).__name__}")
+    if COMMIT.fullmatch(commit):
+        return commit
+    if re.fullmatch(r"[0-9a-fA-F]{40}", commit):
+        raise ValueError(f"source commit {commit!r} must be written in lower-case hex")
+    if re.fullmatch(r"[0-9a-fA-F]{4,39}", commit):
+        raise ValueError(
+            f"source commit {commit!r} is a short commit id; give the full 40-hex-digit "
+            "commit (git rev-parse HEAD)"
+        )
+    raise ValueError(
+        f"source commit {commit!r} is not a commit id: branches and tags are refused (they "
+        "can move); give the full 40-hex-digit commit (git rev-parse <branch>)"
+    )
+
+
+def check_repo(repo: object, allow: Sequence[str]) -> str:
+    """A repository URL this node may fetch from, or :class:`ValueError` saying
+    why not: https, ssh or file, no credentials, matched by a glob of ``allow``."""
+    if not isinstance(repo, str):
+        raise ValueError(f"source repo must be a string, got {type(repo).__name__}")
+    if not repo or len(repo) > MAX_URL or any(c.isspace() or ord(c) < 32 for c in repo):
+        raise ValueError(
+            f"source repo {repo[:80]!r} must be a URL of 1 to {MAX_URL} characters without "
+            "spaces or control characters"
+        )
+    parts = urlsplit(repo)
+    if parts.scheme not in SCHEMES or "://" not in repo:
+        raise ValueError(
+            f"source repo {repo!r}: the URL must start with https://, ssh:// or file:// "
+            "(scp-like host:path and other schemes are refused)"
+        )
+    if parts.password is not None or (parts.username is not None and parts.scheme != "ssh"):
+        raise ValueError(
+            f"source repo {_shown(repo)!r} holds credentials; give the URL without them (the "
+            "node fetches with its own keys)"
+        )
+    if parts.scheme != "file" and not parts.hostname:
+        raise ValueError(f"source repo {repo!r} names no host")
+    if parts.query or parts.fragment:
+        raise ValueError(f"source repo {repo!r} must not have a query or a fragment")
+    if not allow:
+        raise ValueError(
+            f"source repo {repo!r}: this node accepts no jobs from repositories ([sources] "
+            f"allow is empty); {ALLOW_HINT}"
+        )
+    if not any(fnmatch.fnmatchcase(repo, glob) for glob in allow):
+        raise ValueError(
+            f"source repo {repo!r} is not allowed on this node (allowed: "
+            f"{', '.join(allow)}); {ALLOW_HINT}"
+        )
+    return repo
+
+
+def check_source(raw: object, allow: Sequence[str]) -> JobSource:
+    """A job's ``source`` table: exactly ``repo`` and ``commit``, each checked."""
+    if not isinstance(raw, Mapping):
+        raise ValueError("source must be a table {repo = URL, commit = SHA}")
+    extra = sorted(set(raw) - {"repo", "commit"})
+    if extra:
+        raise ValueError(f"source: unknown key {extra[0]!r} (only repo and commit)")
+    missing = [k for k in ("repo", "commit") if k not in raw]
+    if missing:
+        raise ValueError(f"source: key {missing[0]!r} is missing")
+    commit = check_commit(raw["commit"])
+    return JobSource(repo=check_repo(raw["repo"], allow), commit=commit)
+
+
+def source_type(type_name: str, commit: str) -> str:
+    """The stored type of a job from a commit: ``mymod.train@<commit>``."""
+    return f"{type_name}{TYPE_SEP}{commit}"
+
+
+def split_type(stored: str) -> tuple[str, str | None]:
+    """``mymod.train@<commit>`` -> ``("mymod.train", commit)``; a plain type -> its
+    name and None."""
+    name, sep, commit = stored.partition(TYPE_SEP)
+    return (name, commit) if sep and COMMIT.fullmatch(commit) else (stored, None)
+
+
+def check_allow(globs: Sequence[str]) -> tuple[str, ...]:
+    """``[sources] allow``: globs that each name a scheme this node fetches with."""
+    for g in globs:
+        if not any(g.startswith(f"{s}://") for s in SCHEMES):
+            raise ValueError(f"[sources] allow: {g!r} must start with https://, ssh:// or file://")
+    return tuple(globs)
+
+
+def _shown(repo: str) -> str:
+    """The URL with its user information masked (never echo a password)."""
+    parts = urlsplit(repo)
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"***@{host}").geturl()
