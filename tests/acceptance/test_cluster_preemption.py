@@ -41,10 +41,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @contextlib.contextmanager
-def running_cluster(pg_url: str, tmp: Path, agents: dict[str, dict[str, Any]]) -> Iterator[Cluster]:
-    """A coordinator on a fresh PostgreSQL database and one agent per entry of
-    ``agents`` (its name: its ``[sim_gpu]`` settings), each a process of its own;
-    yielded once every agent has reported its GPUs, stopped and dropped after."""
+def running_cluster(
+    pg_url: str, tmp: Path, agents: dict[str, dict[str, Any]], lease_s: float = LEASE_S
+) -> Iterator[Cluster]:
+    """A coordinator on a fresh PostgreSQL database (leases of ``lease_s``) and one
+    agent per entry of ``agents`` (its name: its ``[sim_gpu]`` settings), each a
+    process of its own; yielded once every agent has reported its GPUs, stopped and
+    dropped after."""
     dbname = f"gw_{tmp.name[:20]}_{uuid.uuid4().hex[:12]}".lower()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
@@ -58,7 +61,7 @@ def running_cluster(pg_url: str, tmp: Path, agents: dict[str, dict[str, Any]]) -
             "database": db_url,
             "module_paths": modules,
             "api": {"rate_per_s": 10_000, "burst": 10_000},
-            "cluster": {"lease_s": LEASE_S, "offline_after_s": 12, "sweep_every_s": 0.5},
+            "cluster": {"lease_s": lease_s, "offline_after_s": 12, "sweep_every_s": 0.5},
         },
     )
     c = Cluster(tmp=tmp, db_url=db_url, env=env, urls=[], owner="")

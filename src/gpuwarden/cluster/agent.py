@@ -22,6 +22,12 @@ the coordinator's leases into that local store:
   lease") and is never reported: by then the coordinator may have given it to
   another node.
 
+At start, what an earlier run of the agent left: the broker's recovery adopts
+the services that still run and answer (:mod:`gpuwarden.node.adoption`); those
+whose leases the held-lease file names (:mod:`gpuwarden.cluster.held`) stay held
+under the same lease, which the first heartbeat renews; every other job is
+cancelled (its lease is not this run's).
+
 Before the finish of a ``done`` or ``failed`` attempt, its output files go up
 (``PUT /v1/node/jobs/{id}/outputs/{path}``); the coordinator keeps them and the
 result (what ``result.json`` holds) points at its copy. The agent keeps its own
@@ -48,6 +54,7 @@ from gpuwarden.cluster.coordinator_client import (
     enroll,
 )
 from gpuwarden.cluster.enrolment import token_id
+from gpuwarden.cluster.held import HELD_FILE, Held, load_held
 from gpuwarden.cluster.sync import Agent
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event
@@ -118,7 +125,8 @@ def run_agent(
         if on_broker is not None:
             on_broker(broker)
         broker.recover()
-        _clear_leftovers(broker)
+        held_path = local.state_dir / HELD_FILE
+        adopted = _clear_leftovers(broker, load_held(held_path, cred.node))
         client = Coordinator(cred.coordinator, cred.token)
         agent = Agent(
             broker,
@@ -128,7 +136,9 @@ def run_agent(
             max_jobs=max_jobs,
             labels=labels,
             claim_every_s=local.cluster.claim_every_s,
+            held_file=held_path,
         )
+        agent.resume(adopted)
         say(
             f"gpuwarden {__version__} agent for node {cred.node} (PID {os.getpid()})\n"
             f"  coordinator {cred.coordinator}\n"
@@ -237,13 +247,21 @@ def _enrolled_with(path: Path, token: str) -> Credential | None:
     return cred if cred.enrolled_with == wanted else None
 
 
-def _clear_leftovers(broker: Broker) -> None:
-    """Jobs an earlier run of this agent held: their leases are not this run's, so
-    they are cancelled here (the coordinator's sweep gives them out again)."""
+def _clear_leftovers(broker: Broker, saved: list[Held]) -> list[Held]:
+    """Jobs an earlier run of this agent held: a service its broker adopted (still
+    running here after :meth:`Broker.recover`, its lease in ``saved``) stays held
+    under its lease, and is returned; every other one's lease is not this run's, so
+    it is cancelled here (the coordinator's sweep gives it out again)."""
     now = broker.clock()
+    by_local = {h.local_id: h for h in saved}
+    kept: list[Held] = []
     for job in broker.store.list_jobs(
         states=frozenset({JobState.QUEUED, JobState.RUNNING}), limit=100_000
     ):
+        h = by_local.get(job.id)
+        if h is not None and job.state is JobState.RUNNING and job.id in broker.attempts.by_job:
+            kept.append(h)
+            continue
         with contextlib.suppress(UserError):
             broker.store.add_event(
                 Event(
@@ -254,3 +272,4 @@ def _clear_leftovers(broker: Broker) -> None:
                 )
             )
             broker.store.request_cancel(job.id, now=now)
+    return kept

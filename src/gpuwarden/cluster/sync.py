@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpuwarden.cluster.coordinator_client import (
@@ -22,6 +23,7 @@ from gpuwarden.cluster.coordinator_client import (
     CredentialRefused,
     Refused,
 )
+from gpuwarden.cluster.held import Held, held_rows, save_held
 from gpuwarden.cluster.nodeview import heartbeat_every_s
 from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
@@ -42,24 +44,6 @@ _SHUTDOWN_OUTCOMES = frozenset({"shutdown"})
 
 #: the most reports sent in one request (``POST /v1/node/reports``)
 REPORT_BATCH = 64
-
-
-@dataclass
-class Held:
-    """A job leased to this node, as it stands here."""
-
-    job_id: str  # the coordinator's id
-    local_id: str  # its id in the local store (the same unless that was taken)
-    lease_id: str
-    #: the lease is gone or about to go: stop it here, never report it
-    lost: bool = False
-    #: the coordinator knows it started (a start report got an answer)
-    started: bool = False
-    #: it ended here and its end was reported (or needs no report)
-    ended: bool = False
-    #: the coordinator asked it to yield to this job, and its broker was asked:
-    #: never again until the attempt's end is reported (a later attempt is not asked)
-    asked_for: str | None = None
 
 
 @dataclass
@@ -103,6 +87,7 @@ class Agent:
         labels: dict[str, str],
         claim_every_s: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
+        held_file: Path | None = None,
     ) -> None:
         self.broker = broker
         self.store: Store = broker.store
@@ -117,6 +102,9 @@ class Agent:
         self.granted: str | None = None
         self.held: dict[str, Held] = {}
         self._by_local: dict[str, str] = {}
+        #: where the held leases are kept across restarts (:mod:`gpuwarden.cluster.held`)
+        self.held_file = held_file
+        self._kept: tuple[tuple[str, str, str], ...] | None = None
         self._outbox: deque[_Report] = deque()
         self._cursor = self.store.last_event_id()
         self._last_ok = monotonic()
@@ -156,6 +144,30 @@ class Agent:
         self._forget_ended()
         if self._may_claim():
             self._claim()
+        self._keep_held()
+
+    def resume(self, saved: list[Held]) -> None:
+        """Hold again the jobs an earlier run of this agent held whose attempts the
+        broker adopted (they run on, started): the next heartbeat renews their
+        leases (the same ids), or its answer says they were lost."""
+        for h in saved:
+            h.started = True
+            self.held[h.job_id] = h
+            self._by_local[h.local_id] = h.job_id
+            log.info("job %s: adopted after a restart; holding lease %s", h.job_id, h.lease_id)
+        self._keep_held()
+
+    def _keep_held(self) -> None:
+        """Write the held leases to :attr:`held_file` when they changed."""
+        rows = held_rows(self.held.values())
+        if self.held_file is None or rows == self._kept:
+            return
+        try:
+            save_held(self.held_file, self.node, rows)
+        except OSError as exc:
+            self._warn(f"the held-lease file {self.held_file} could not be written: {exc}")
+            return
+        self._kept = rows
 
     def holding(self) -> list[str]:
         """The ids the coordinator should keep leased to this node."""
@@ -449,6 +461,7 @@ class Agent:
         h = Held(job_id=job_id, local_id=local_id, lease_id=str(payload["lease_id"]))
         self.held[job_id] = h
         self._by_local[local_id] = job_id
+        self._keep_held()
         self.broker.wake()
 
     # -- reports ----------------------------------------------------------------
