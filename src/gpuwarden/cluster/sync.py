@@ -90,7 +90,7 @@ def _service_name(value: Any) -> str | None:
     return value if isinstance(value, str) and SERVICE_NAME.fullmatch(value) else None
 
 
-def _source(value: Any) -> JobSource | None:
+def payload_source(value: Any) -> JobSource | None:
     """A leased job's source as the coordinator sent it (None: a module the node
     has). Its URL is judged by this node's ``[sources] allow`` when its type is
     read (``QueueBook``): a job this node may not fetch fails here, saying why."""
@@ -441,7 +441,7 @@ class Agent:
             gpus=None if payload.get("gpus") is None else int(payload["gpus"]),
             ram=RamNeed.from_json(payload),
             service=_service_name(payload.get("service")),
-            source=_source(payload.get("source")),
+            source=payload_source(payload.get("source")),
         )
         origin = DIRECT
         if inputs:
