@@ -44,7 +44,7 @@ from gpuwarden.core.model import GIB, JobSpec, JobType, Lane, gpu_count
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import never_fits
 from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
-from gpuwarden.core.sources import JobSource, check_source
+from gpuwarden.core.sources import COORDINATOR_REFUSAL, JobSource, check_source
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
 from gpuwarden.intake import bundle as bundles
@@ -478,6 +478,8 @@ def _submit_here(args: argparse.Namespace) -> int:
         # nodes' own launch rules decide (checked below), not this host's config
         coordinated = bool(config.database) or _has_nodes(store)
         rules = LaunchRules.unchecked() if coordinated else config.launch_rules
+        if coordinated and job_source(args) is not None:
+            raise ValidationError(COORDINATOR_REFUSAL)
         registry = Registry.load(config.module_paths, rules)
         registry.sources = source_cache(config)
         spec = job_spec(registry, args)

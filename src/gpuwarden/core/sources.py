@@ -18,6 +18,12 @@ SCHEMES = ("https", "ssh", "file")
 MAX_URL = 1024
 #: what joins a type's name to the commit it comes from in a job's stored type
 TYPE_SEP = "@"
+#: why a coordinator refuses a job from a commit (SPEC.md, "Jobs from a pinned
+#: commit", Not yet)
+COORDINATOR_REFUSAL = (
+    "a coordinator does not take jobs from a repository yet (source): submit it to a "
+    "node's own API, CLI or queue root"
+)
 ALLOW_HINT = (
     "add a glob that matches it to the node's [sources] allow, for example allow = "
     '["https://git.example.org/team/*"]'
