@@ -268,3 +268,13 @@ def test_a_coordinator_refuses_a_source_at_submission(
         "--source-repo", url, "--source-commit", commit,
     )  # fmt: skip
     assert code == 2 and "a coordinator does not take jobs from a repository yet" in err
+
+
+def test_the_api_never_echoes_a_password_in_a_source(
+    api: tuple[SqliteStore, TestClient, str],
+) -> None:
+    _, tc, token = api
+    body = {"type": "mymod.train", "source": {"repo": "https://u:s3cret@h.org/m", "commit": SHA}}
+    r = tc.post("/v1/jobs", json=body, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 422 and "holds credentials" in r.text, r.text
+    assert "s3cret" not in r.text
