@@ -183,6 +183,9 @@ class Client:
         ram_start_min_gib: float | None = None,
         service: str | None = None,
         share: Iterable[str] = (),
+        source: Mapping[str, str] | None = None,
+        source_repo: str | None = None,
+        source_commit: str | None = None,
     ) -> dict[str, Any]:
         """Submit a job; returns it (``queued``). With ``idempotency_key``, a retry of
         the same request returns the same job instead of a second one. ``constraints``:
@@ -194,7 +197,9 @@ class Client:
         holds at once, its footprint on each (default: its type's). ``ram_gib``: its
         RAM cap, enforced by the kernel; ``ram_floor_gib``: host RAM that must stay
         available beside it; ``ram_start_min_gib``: MemAvailable it needs to start
-        (SPEC.md section 11, "Host RAM").
+        (SPEC.md section 11, "Host RAM"). ``source`` (``{"repo": URL, "commit":
+        SHA}``), or ``source_repo`` and ``source_commit``: the commit whose
+        module.toml declares ``type`` (SPEC.md, "Jobs from a pinned commit").
 
         With ``wait`` (seconds, 0 to 60), the one request waits for the job to end
         (a long poll): the job comes back ended, with its result.json in ``result``
@@ -222,6 +227,9 @@ class Client:
             body["service"] = service
         if share:
             body["share"] = list(share)
+        pinned = {"repo": source_repo, "commit": source_commit}
+        if source is not None or any(pinned.values()):
+            body["source"] = {**(source or {}), **{k: v for k, v in pinned.items() if v}}
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
         job: dict[str, Any] = self.request_json(
             "POST", "/v1/jobs", json=body, headers=headers, **self._waiting(wait)

@@ -520,8 +520,11 @@ class Registry:
                 "in its config"
             )
         stored = source_type(type_name, source.commit)
+        # every time: the URL is checked against [sources] allow even when another
+        # job already brought the commit here (its tree is read from the cache)
+        module = self.sources.module(source)
         if stored not in self.types:
-            self.add(self.sources.module(source))
+            self.add(module)
         if stored not in self.types:
             known = sorted(
                 t.name.partition(TYPE_SEP)[0]

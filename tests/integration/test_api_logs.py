@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from gpuwarden import cli
+from gpuwarden import client as c
 from gpuwarden.api.routers import logs as logs_route
+from gpuwarden.cli import common
 from gpuwarden.cli.common import did_you_mean, printable
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
@@ -194,3 +197,26 @@ def test_terminal_output_is_escaped() -> None:
 )
 def test_did_you_mean(word: str, candidates: list[str], said: str) -> None:
     assert did_you_mean(word, candidates) == said
+
+
+def test_the_build_stream_is_the_attempts_build_log(
+    api: Api, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job from a pinned commit: ``build`` is the output of its image's build
+    (``build.log`` beside ``stdout.log``; SPEC.md, "Jobs from a pinned commit"),
+    through the API, the client and ``gpuwarden logs --stream build --url``."""
+    folder = ran(api, "owner", "j", out=b"trained\n")
+    r = api.client.get("/v1/jobs/j/logs/build", headers=api.h("owner"))
+    assert r.status_code == 200 and r.content == b""  # no copy is kept of a build
+    assert r.headers["X-Gpuwarden-Note"] == "attempt 1 left no build.log"
+    (folder / "build.log").write_bytes(b"STEP 1/2: FROM base\nCOMMIT\n")
+    r = api.client.get("/v1/jobs/j/logs/build", headers=api.h("owner"))
+    assert r.status_code == 200 and r.content == b"STEP 1/2: FROM base\nCOMMIT\n"
+    with c.Client("http://testserver", api.tokens["owner"], http=api.client) as client:
+        monkeypatch.setattr(common, "remote", lambda args: client)
+        code = cli.main(["logs", "--url", "http://testserver", "j", "--stream", "build"])
+        assert code == 0 and "STEP 1/2: FROM base" in capsys.readouterr().out
+        code = cli.main(
+            ["logs", "--url", "http://testserver", "j", "--stream", "build", "--stderr"]
+        )
+        assert code == 2 and "do not go together" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from gpuwarden.core.model import GIB, MAX_GPUS, Attempt, Event, Job, Role
 from gpuwarden.core.profile import MAX_EST_S
 from gpuwarden.core.ramadmit import MAX_RAM_GIB, RamNeed
 from gpuwarden.core.service import ServiceView
+from gpuwarden.core.sources import MAX_URL, JobSource, check_commit, check_repo
 from gpuwarden.store.base import AuditRow, TokenRecord
 
 #: the largest integer a job's priority may be (64-bit signed, as in a manifest)
@@ -44,6 +45,31 @@ def _check_text(value: str, where: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise ValueError(f"{where}: text must be valid Unicode (a lone surrogate?)") from None
+
+
+class SourceIn(_Request):
+    """Where a job's module comes from: one commit of a repository (SPEC.md, "Jobs
+    from a pinned commit")."""
+
+    repo: Annotated[str, Field(min_length=1, max_length=MAX_URL)] = Field(
+        description="an https://, ssh:// or file:// URL the node's [sources] allow matches"
+    )
+    commit: Annotated[str, Field(min_length=1, max_length=64)] = Field(
+        description="the full 40-hex-digit commit (branches, tags and short ids are refused)"
+    )
+
+    @field_validator("repo", mode="after")
+    @classmethod
+    def _repo(cls, value: str) -> str:
+        return check_repo(value, None)
+
+    @field_validator("commit", mode="after")
+    @classmethod
+    def _commit(cls, value: str) -> str:
+        return check_commit(value)
+
+    def spec(self) -> JobSource:
+        return JobSource(repo=self.repo, commit=self.commit)
 
 
 class JobIn(_Request):
@@ -118,6 +144,11 @@ class JobIn(_Request):
         max_length=64,
         description="a service type's job: token ids or role names that may reach it "
         "besides its owner",
+    )
+    source: SourceIn | None = Field(
+        default=None,
+        description="the commit its module comes from; type then names a type of that "
+        "commit's module.toml (SPEC.md, Jobs from a pinned commit)",
     )
 
     def ram(self) -> RamNeed:
@@ -213,6 +244,8 @@ class JobOut(BaseModel):
     service_since: float | None = None
     service_last_ok: float | None = None
     service_error: str = ""
+    #: the commit its module comes from, {repo, commit} (null: a module the node has)
+    source: dict[str, str] | None = None
 
     def with_service(self, view: ServiceView | None) -> Self:
         """This job with its service's view (None: not a service job)."""
@@ -249,6 +282,7 @@ class JobOut(BaseModel):
             ram_start_min_bytes=j.ram.start_min_bytes or None,
             service=j.service,
             share=list(j.share),
+            source=None if j.source is None else j.source.to_json(),
         )
 
 

@@ -52,6 +52,12 @@ def _add_logs(sub: Commands) -> None:
     sp.add_argument("--attempt", type=int, metavar="N", help="this attempt (default: the latest)")
     sp.add_argument("-f", "--follow", action="store_true", help="go on until the attempt has ended")
     sp.add_argument("--stderr", action="store_true", help="the stderr stream instead of stdout")
+    sp.add_argument(
+        "--stream",
+        choices=joblogs.STREAMS,
+        help="the stream: stdout (default), stderr, or build: the output of the image "
+        "build of a job from a pinned commit (build.log)",
+    )
     add_remote_options(sp)
     sp.set_defaults(func=cmd_logs)
 
@@ -90,7 +96,9 @@ class StreamOut:
 def cmd_logs(args: argparse.Namespace) -> int:
     if args.attempt is not None and args.attempt < 1:
         raise UserError(f"--attempt {args.attempt}: attempts are numbered from 1")
-    stream = "stderr" if args.stderr else "stdout"
+    if args.stderr and args.stream not in {None, "stderr"}:
+        raise UserError(f"--stderr and --stream {args.stream} do not go together: choose one")
+    stream = args.stream or ("stderr" if args.stderr else "stdout")
     try:
         return local_or_http(
             args,

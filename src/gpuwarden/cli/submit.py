@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden import safefs
+from gpuwarden.app import source_cache
 from gpuwarden.cli.common import (
     Commands,
     Progress,
@@ -42,6 +44,7 @@ from gpuwarden.core.model import GIB, JobSpec, JobType, Lane, gpu_count
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import never_fits
 from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
+from gpuwarden.core.sources import COORDINATOR_REFUSAL, JobSource, check_source
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
 from gpuwarden.intake import bundle as bundles
@@ -72,6 +75,38 @@ def add_service_options(sp: argparse.ArgumentParser) -> None:
     )
 
 
+def add_source_options(sp: argparse.ArgumentParser) -> None:
+    """``--source-repo`` and ``--source-commit`` (SPEC.md, "Jobs from a pinned commit")."""
+    sp.add_argument(
+        "--source-repo",
+        metavar="URL",
+        help="run TYPE from the module.toml of a commit of this repository (with "
+        "--source-commit; the node's [sources] allow must match the URL)",
+    )
+    sp.add_argument(
+        "--source-commit",
+        metavar="SHA",
+        help="the full 40-hex-digit commit of --source-repo (no branch, tag or short id)",
+    )
+
+
+def job_source(args: argparse.Namespace) -> JobSource | None:
+    """The job's source from ``--source-repo`` and ``--source-commit`` (both or
+    neither), checked by the rules of its form; the node checks its allow list."""
+    repo, commit = getattr(args, "source_repo", None), getattr(args, "source_commit", None)
+    if repo is None and commit is None:
+        return None
+    if repo is None or commit is None:
+        raise ValidationError(
+            "--source-repo and --source-commit go together: give the repository's URL and "
+            "the full commit"
+        )
+    try:
+        return check_source({"repo": repo, "commit": commit}, None)
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
+
+
 def add_job_options(sp: argparse.ArgumentParser) -> None:
     """The job of ``submit`` and ``run-once``: its type, parameters and needs."""
     sp.add_argument("type", help="job type, module.type (see `gpuwarden types`)")
@@ -93,6 +128,7 @@ def add_job_options(sp: argparse.ArgumentParser) -> None:
         "(default: its type's gpus, usually 1)",
     )
     add_service_options(sp)
+    add_source_options(sp)
     sp.add_argument(
         "--ram-gib",
         type=float,
@@ -228,6 +264,35 @@ def job_params(jobtype: JobType, args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
+def loose_params(args: argparse.Namespace) -> dict[str, Any]:
+    """Parameters of a type this side does not know (one of a commit's module the
+    broker reads): ``-p NAME=VALUE`` and ``--NAME VALUE``, each value read as JSON
+    where it is (``3``, ``true``, ``[1, 2]``), as text where not."""
+    words, items = list(args.extra), list(args.kv)
+    while words:
+        word = words.pop(0)
+        if not word.startswith("--") or len(word) < 3:
+            raise ValidationError(
+                f"unexpected argument {word!r}; job parameters are given as --NAME VALUE"
+            )
+        name, eq, value = word[2:].partition("=")
+        if not eq:
+            if not words:
+                raise ValidationError(f"--{name} needs a value")
+            value = words.pop(0)
+        items.append(f"{name}={value}")
+    params: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise ValidationError(f"-p {item!r}: write it as NAME=VALUE")
+        try:
+            params[name.replace("-", "_")] = json.loads(value)
+        except ValueError:
+            params[name.replace("-", "_")] = value
+    return params
+
+
 def _not_a_parameter(jobtype: JobType, word: str, args: argparse.Namespace) -> str:
     """An unknown ``--NAME`` after ``run-once TYPE`` or ``submit TYPE``: neither an
     option of the command nor a parameter of the type."""
@@ -281,12 +346,14 @@ def parse_constraints(items: Sequence[str]) -> dict[str, Any]:
 
 
 def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
-    """The job the command's words describe, checked against its type."""
-    jobtype = registry.get(args.type)
+    """The job the command's words describe, checked against its type (of a
+    module the node has, or of the module at ``--source-commit``)."""
+    source = job_source(args)
+    jobtype = registry.get(args.type) if source is None else registry.from_source(source, args.type)
     params = job_params(jobtype, args)
     spec = JobSpec(
         id=args.job_id or new_job_id(jobtype.name),
-        type=jobtype.name,
+        type=jobtype.name if source is None else args.type,
         params=params,
         inputs=tuple(p.name for p in args.inputs),
         outputs=tuple(args.outputs),
@@ -299,6 +366,7 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         ram=ram_need(args),
         service=getattr(args, "service", None),
         share=tuple(getattr(args, "share", ())),
+        source=source,
     )
     return prepare(registry, spec)
 
@@ -410,7 +478,10 @@ def _submit_here(args: argparse.Namespace) -> int:
         # nodes' own launch rules decide (checked below), not this host's config
         coordinated = bool(config.database) or _has_nodes(store)
         rules = LaunchRules.unchecked() if coordinated else config.launch_rules
+        if coordinated and job_source(args) is not None:
+            raise ValidationError(COORDINATOR_REFUSAL)
         registry = Registry.load(config.module_paths, rules)
+        registry.sources = source_cache(config)
         spec = job_spec(registry, args)
         _refuse_if_it_never_fits(spec, registry, store, config.broker.cpu_slots)
         _refuse_if_no_node_ever_could(spec, registry, store)
@@ -479,11 +550,15 @@ def _submit_to_queue(args: argparse.Namespace) -> int:
     )
     try:
         config = config_of(args)
-        paths, rules = config.module_paths, config.launch_rules
     except GpuwardenError:
         # no usable config here: the broker that reads the queue applies its rules
-        paths, rules = load_config(None).module_paths, LaunchRules.unchecked()
-    spec = job_spec(Registry.load(paths, rules), args)
+        config = load_config(None)
+        rules = LaunchRules.unchecked()
+    else:
+        rules = config.launch_rules
+    registry = Registry.load(config.module_paths, rules)
+    registry.sources = source_cache(config)
+    spec = job_spec(registry, args)
     files = {p.name: p for p in args.inputs}
     path = write_bundle(root.inbox, [spec], files, now=time.time())
     out.print(f"submitted {spec.id} ({spec.type}) as {path}")
@@ -551,21 +626,25 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
             "file inputs are not sent over HTTP yet: submit with --queue DIR, "
             "or on the broker's host without --url"
         )
-    jobtype = _remote_jobtype(client, args.type)
-    params = job_params(jobtype, args)
+    source = job_source(args)
+    if source is None:
+        jobtype = _remote_jobtype(client, args.type)
+        type_name, params = jobtype.name, job_params(jobtype, args)
+    else:  # the broker reads the commit's module.toml and checks them
+        type_name, params = args.type, loose_params(args)
     # with --wait, the submit itself waits a little (a long poll): a job that ends
     # within it comes back with its result in that one request
     first_wait = min(args.wait_timeout, FIRST_WAIT_S) if args.wait else None
     # a terminal shows a spinner while the first request waits; a log gets its
     # first line once the job is known ("job ID: submitted", then one per change)
     submitting = (
-        Progress(f"submitting a {jobtype.name} job to {client.url}")
+        Progress(f"submitting a {type_name} job to {client.url}")
         if err.is_terminal
         else contextlib.nullcontext()
     )
     with submitting:
         job = client.submit(
-            jobtype.name,
+            type_name,
             params,
             id=args.job_id,
             priority=args.priority,
@@ -581,6 +660,7 @@ def _submit_http(args: argparse.Namespace, client: Client) -> int:
             ram_start_min_gib=args.ram_start_min_gib,
             service=args.service,
             share=args.share,
+            source=None if source is None else source.to_json(),
         )
     out.print(f"submitted {job['id']} ({job['type']}) to {client.url}")
     if not args.wait:

@@ -364,6 +364,8 @@ def _payloads(
             "attempts": job.attempts,
             # a service's name in URLs (the coordinator serves it under that name)
             **({"service": job.service} if job.service else {}),
+            # a job from a commit: the agent fetches and builds it as on one host
+            **({"source": job.source.to_json()} if job.source is not None else {}),
             "lease_id": lease_id,
             "expires_at": expires_at,
         }

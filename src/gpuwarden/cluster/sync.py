@@ -30,6 +30,7 @@ from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNAL, SIGNALS, Preempt
 from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.service import SERVICE_NAME
+from gpuwarden.core.sources import JobSource, check_source
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import JOB_ID
@@ -71,6 +72,19 @@ def _unknown_held(r: _Report, got: Refused) -> bool:
 def _service_name(value: Any) -> str | None:
     """A leased service's name in URLs, as the coordinator sent it (None: its id)."""
     return value if isinstance(value, str) and SERVICE_NAME.fullmatch(value) else None
+
+
+def payload_source(value: Any) -> JobSource | None:
+    """A leased job's source as the coordinator sent it (None: a module the node
+    has). Its URL is judged by this node's ``[sources] allow`` when its type is
+    read (``QueueBook``): a job this node may not fetch fails here, saying why."""
+    if value is None:
+        return None
+    try:
+        return check_source(value, None)
+    except ValueError as exc:
+        log.error("a leased job's source was refused: %s", exc)
+        return None
 
 
 class Agent:
@@ -439,6 +453,7 @@ class Agent:
             gpus=None if payload.get("gpus") is None else int(payload["gpus"]),
             ram=RamNeed.from_json(payload),
             service=_service_name(payload.get("service")),
+            source=payload_source(payload.get("source")),
         )
         origin = DIRECT
         if inputs:

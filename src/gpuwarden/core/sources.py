@@ -18,6 +18,12 @@ SCHEMES = ("https", "ssh", "file")
 MAX_URL = 1024
 #: what joins a type's name to the commit it comes from in a job's stored type
 TYPE_SEP = "@"
+#: why a coordinator refuses a job from a commit (SPEC.md, "Jobs from a pinned
+#: commit", Not yet)
+COORDINATOR_REFUSAL = (
+    "a coordinator does not take jobs from a repository yet (source): submit it to a "
+    "node's own API, CLI or queue root"
+)
 ALLOW_HINT = (
     "add a glob that matches it to the node's [sources] allow, for example allow = "
     '["https://git.example.org/team/*"]'
@@ -55,9 +61,11 @@ def check_commit(commit: object) -> str:
     )
 
 
-def check_repo(repo: object, allow: Sequence[str]) -> str:
+def check_repo(repo: object, allow: Sequence[str] | None) -> str:
     """A repository URL this node may fetch from, or :class:`ValueError` saying
-    why not: https, ssh or file, no credentials, matched by a glob of ``allow``."""
+    why not: https, ssh or file, no credentials, matched by a glob of ``allow``
+    (None: the URL's form only, where no node's ``allow`` is at hand: a bundle's
+    manifest, a client, a coordinator)."""
     if not isinstance(repo, str):
         raise ValueError(f"source repo must be a string, got {type(repo).__name__}")
     if not repo or len(repo) > MAX_URL or any(c.isspace() or ord(c) < 32 for c in repo):
@@ -80,6 +88,8 @@ def check_repo(repo: object, allow: Sequence[str]) -> str:
         raise ValueError(f"source repo {repo!r} names no host")
     if parts.query or parts.fragment:
         raise ValueError(f"source repo {repo!r} must not have a query or a fragment")
+    if allow is None:
+        return repo
     if not allow:
         raise ValueError(
             f"source repo {repo!r}: this node accepts no jobs from repositories ([sources] "
@@ -93,8 +103,9 @@ def check_repo(repo: object, allow: Sequence[str]) -> str:
     return repo
 
 
-def check_source(raw: object, allow: Sequence[str]) -> JobSource:
-    """A job's ``source`` table: exactly ``repo`` and ``commit``, each checked."""
+def check_source(raw: object, allow: Sequence[str] | None) -> JobSource:
+    """A job's ``source`` table: exactly ``repo`` and ``commit``, each checked
+    (``allow`` as :func:`check_repo`)."""
     if not isinstance(raw, Mapping):
         raise ValueError("source must be a table {repo = URL, commit = SHA}")
     extra = sorted(set(raw) - {"repo", "commit"})

@@ -30,6 +30,7 @@ from gpuwarden.core.placement import check_constraints
 from gpuwarden.core.profile import check_est_s
 from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
 from gpuwarden.core.service import check_service_name, check_share
+from gpuwarden.core.sources import JobSource, check_source, split_type
 from gpuwarden.errors import BundleError
 
 __all__ = [
@@ -73,6 +74,7 @@ _JOB_KEYS = (
     *RAM_KEYS,
     "service",
     "share",
+    "source",
 )
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -270,6 +272,7 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         ram=_ram(raw, at),
         service=_service(raw, at),
         share=_share(raw, at),
+        source=_source(raw, at),
     )
 
 
@@ -279,6 +282,17 @@ def _service(raw: dict[str, Any], at: str) -> str | None:
         return None
     try:
         return check_service_name(raw["service"])
+    except ValueError as exc:
+        raise BundleError(f"{at}.{exc}") from None
+
+
+def _source(raw: dict[str, Any], at: str) -> JobSource | None:
+    """A job's ``source = {repo, commit}`` (SPEC.md, "Jobs from a pinned commit"),
+    checked by the rules of its form; the node checks its ``[sources] allow``."""
+    if "source" not in raw:
+        return None
+    try:
+        return check_source(raw["source"], None)
     except ValueError as exc:
         raise BundleError(f"{at}.{exc}") from None
 
@@ -429,5 +443,8 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
             entry["service"] = job.service
         if job.share:
             entry["share"] = list(job.share)
+        if job.source is not None:  # the type as its module.toml names it
+            entry["type"] = split_type(job.type)[0]
+            entry["source"] = job.source.to_json()
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}

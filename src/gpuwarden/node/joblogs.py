@@ -27,8 +27,9 @@ from gpuwarden import safefs
 from gpuwarden.core.model import Attempt, LaunchMode
 from gpuwarden.registry import Registry
 
-#: the streams a job has
-STREAMS = ("stdout", "stderr")
+#: the streams a job has: what it printed, and the output of its image's build (a
+#: job from a pinned commit; SPEC.md, "Jobs from a pinned commit")
+STREAMS = ("stdout", "stderr", "build")
 #: the most bytes read (and sent) at once
 CHUNK = 64 * 1024
 #: how long a follower waits between looks at a stream that did not grow
@@ -58,7 +59,8 @@ class Located:
 
 
 def file_name(stream: str) -> str:
-    """The stream's file in the attempt folder (``stdout.log``, ``stderr.log``)."""
+    """The stream's file in the attempt folder (``stdout.log``, ``stderr.log``,
+    ``build.log``)."""
     if stream not in STREAMS:
         raise ValueError(f"no stream {stream!r}: {', '.join(STREAMS)}")
     return f"{stream}.log"
@@ -77,7 +79,8 @@ def locate(
     the node named ``node`` (this host), or say why it cannot be read here."""
     name = file_name(stream)
     rel = f"{attempt.job_id}/attempt-{attempt.number}/{name}"
-    copy = (attempt.stdout if stream == "stdout" else attempt.stderr).encode("utf-8", "replace")
+    kept = {"stdout": attempt.stdout, "stderr": attempt.stderr}.get(stream, "")
+    copy = kept.encode("utf-8", "replace")
     kept = "; shown instead: the copy kept with the attempt (clipped)" if copy else ""
     try:
         return Located(safefs.open_file(rel, under=jobs_dir))

@@ -40,11 +40,13 @@ from gpuwarden.api.models import (
     WaitOut,
 )
 from gpuwarden.api.redact import Redactor
+from gpuwarden.api.routers.nodes import is_coordinator
 from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.fairshare import hide_owners
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType, gpu_count
+from gpuwarden.core.sources import COORDINATOR_REFUSAL, JobSource
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
@@ -202,14 +204,17 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
         set_target(request, body.id)
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
         raise HttpError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
-    jobtype = ctx.registry.get(body.type)
+    source = None if body.source is None else body.source.spec()
+    if source is not None and is_coordinator(request):
+        raise ValidationError(COORDINATOR_REFUSAL)
+    jobtype = _body_type(ctx, body, source)
     _refuse_file_inputs(jobtype, body)
     vram = math.ceil(body.vram_gib * GIB) if body.vram_gib is not None else None
     spec = prepare(
         ctx.registry,
         JobSpec(
             id=_job_id_for(who, access, body, jobtype.name),
-            type=jobtype.name,
+            type=jobtype.name if source is None else body.type,
             params=dict(body.params),
             outputs=tuple(body.outputs),
             priority=body.priority,
@@ -221,6 +226,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             ram=body.ram(),
             service=body.service,
             share=tuple(body.share),
+            source=source,
         ),
         owner=who.token_id,
     )
@@ -277,6 +283,17 @@ def _visible_after(
             ) from None
         out.append(f"{dep.kind.value}:{job.id}")
     return tuple(out)
+
+
+def _body_type(ctx: ApiContext, body: JobIn, source: JobSource | None) -> JobType:
+    """The job's type: a module this broker has, or the type of the module at its
+    source's commit (fetched now unless cached; SPEC.md, "Jobs from a pinned commit")."""
+    if source is None:
+        return ctx.registry.get(body.type)
+    try:
+        return ctx.registry.from_source(source, body.type)
+    except ValidationError as exc:
+        raise ValidationError(f"job {body.id or '(new)'}: {exc}") from None
 
 
 def _refuse_file_inputs(jobtype: JobType, body: JobIn) -> None:

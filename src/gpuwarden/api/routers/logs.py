@@ -135,7 +135,7 @@ def _header_text(text: str) -> str:
 @action("job.read")
 async def job_logs(
     job_id: str,
-    stream: Literal["stdout", "stderr"],
+    stream: Literal["stdout", "stderr", "build"],
     *,
     ctx: Ctx,
     who: Who,
@@ -147,8 +147,9 @@ async def job_logs(
         bool, Query(description="go on sending what it writes until the attempt has ended")
     ] = False,
 ) -> StreamingResponse:
-    """What an attempt of the job wrote on ``stdout`` or ``stderr`` (as `gpuwarden
-    logs`), as bytes. When the file is not on this host, or is not a regular file
+    """What an attempt of the job wrote on ``stdout`` or ``stderr``, or ``build``:
+    the output of its image's build (a job from a pinned commit), as `gpuwarden
+    logs`, as bytes. When the file is not on this host, or is not a regular file
     reached through no link, the copy kept with the attempt (clipped, possibly
     empty) is sent instead and the ``X-Gpuwarden-Note`` header says why
     (``X-Gpuwarden-Refused: true`` when the file was refused). A job that has not
