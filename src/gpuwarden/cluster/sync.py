@@ -22,6 +22,7 @@ from gpuwarden.cluster.coordinator_client import (
     CredentialRefused,
     Refused,
 )
+from gpuwarden.cluster.logship import LogShipper
 from gpuwarden.cluster.nodeview import heartbeat_every_s
 from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
@@ -129,6 +130,8 @@ class Agent:
         #: whether the coordinator takes ``held_bytes`` in a finish (until it says no)
         self._held_ok = True
         self.stopping = False
+        #: the running attempts' streams, as they go up
+        self.logs = LogShipper(coordinator, broker.settings.state_dir / "jobs", monotonic)
         self.set_lease(lease_s)
         # the coordinator charges each owner's fair share from the finish reports
         broker.fair.keep_ends()
@@ -153,6 +156,7 @@ class Agent:
             self._heartbeat()
         self._collect()
         self._send()
+        self._ship_logs()
         self._forget_ended()
         if self._may_claim():
             self._claim()
@@ -627,6 +631,19 @@ class Agent:
             # the coordinator ended it (quarantined past its retries, cancelled)
             r.held.ended = True
             self._lose(r.held, f"the coordinator ended it ({got.get('state')})")
+
+    def _ship_logs(self) -> None:
+        """Send the new bytes of each running attempt's streams (a job whose
+        reports the coordinator has not all had yet waits: its attempt there may
+        not be the one running here)."""
+        pending = {id(r.held) for r in self._outbox}
+        for h in self.held.values():
+            if h.lost or h.ended or not h.started or id(h) in pending:
+                continue
+            attempts = self.store.attempts(h.local_id)
+            if attempts and attempts[-1].ended_at is None:
+                self.logs.ship(h.job_id, h.lease_id, h.local_id, attempts[-1].number)
+        self.logs.forget({h.local_id for h in self.held.values()})
 
     def _forget_ended(self) -> None:
         for job_id, h in list(self.held.items()):
