@@ -25,6 +25,8 @@ log = logging.getLogger("gpuwarden.agent")
 
 #: the least time between two requests of one stream
 EVERY_S = 1.0
+#: the most chunks of a stream sent at an attempt's end, before its finish
+FINAL_CHUNKS = 16
 
 
 @dataclass
@@ -35,6 +37,8 @@ class _Sent:
     at: float = -1e9
     #: the file was refused (a link, a FIFO): never read
     refused: bool = False
+    #: the attempt ended and its last bytes went up
+    done: bool = False
 
 
 @dataclass
@@ -46,25 +50,40 @@ class LogShipper:
     monotonic: Callable[[], float]
     sent: dict[tuple[str, int, str], _Sent] = field(default_factory=dict)
 
-    def ship(self, job_id: str, lease_id: str, local_id: str, attempt: int) -> None:
+    def ship(
+        self, job_id: str, lease_id: str, local_id: str, attempt: int, *, final: bool = False
+    ) -> None:
         """Send what is new of each stream of attempt ``attempt`` (local number) of
-        the local job ``local_id``, leased as ``job_id``."""
+        the local job ``local_id``, leased as ``job_id``. ``final``: the attempt
+        ended and its finish goes next: up to :data:`FINAL_CHUNKS` chunks a stream,
+        at once, once."""
         for stream in STREAMS:
-            key = (local_id, attempt, stream)
-            state = self.sent.setdefault(key, _Sent())
-            now = self.monotonic()
-            if state.refused or now - state.at < EVERY_S:
+            state = self.sent.setdefault((local_id, attempt, stream), _Sent())
+            if state.refused or state.done:
                 continue
-            data = self._read(local_id, attempt, stream, state)
-            if not data:
-                continue
-            state.at = now
-            try:
-                state.offset = self.coordinator.send_log(
-                    job_id, lease_id, stream, state.offset, data
-                )
-            except (CoordinatorError, Refused) as exc:
-                log.debug("job %s: %s not sent now: %s", job_id, stream, exc)
+            if final:
+                state.done = True
+                for _ in range(FINAL_CHUNKS):
+                    if not self._send_one(job_id, lease_id, local_id, (attempt, stream), state):
+                        break
+            elif self.monotonic() - state.at >= EVERY_S:
+                self._send_one(job_id, lease_id, local_id, (attempt, stream), state)
+
+    def _send_one(
+        self, job_id: str, lease_id: str, local_id: str, which: tuple[int, str], state: _Sent
+    ) -> bool:
+        """One chunk of a stream; whether one went up."""
+        attempt, stream = which
+        data = self._read(local_id, attempt, stream, state)
+        if not data:
+            return False
+        state.at = self.monotonic()
+        try:
+            state.offset = self.coordinator.send_log(job_id, lease_id, stream, state.offset, data)
+        except (CoordinatorError, Refused) as exc:
+            log.debug("job %s: %s not sent now: %s", job_id, stream, exc)
+            return False
+        return True
 
     def _read(self, local_id: str, attempt: int, stream: str, state: _Sent) -> bytes:
         rel = f"{local_id}/attempt-{attempt}/{stream}.log"

@@ -72,6 +72,8 @@ class _Report:
     uploaded: set[str] = field(default_factory=set)
     #: outputs not sent, and why: ``[{"path", "why"}]``, in the finish's result
     not_uploaded: list[dict[str, str]] = field(default_factory=list)
+    #: a finish: the local attempt it ends (its streams' last bytes go up first)
+    attempt: int | None = None
 
 
 def _unknown_held(r: _Report, got: Refused) -> bool:
@@ -155,8 +157,8 @@ class Agent:
         if now - self._last_beat >= self.heartbeat_every_s:
             self._heartbeat()
         self._collect()
-        self._send()
         self._ship_logs()
+        self._send()
         self._forget_ended()
         if self._may_claim():
             self._claim()
@@ -478,7 +480,9 @@ class Agent:
             self._outbox.append(_Report("start", h, {"gpu": ev.detail.get("gpu")}))
             return
         if frm == JobState.RUNNING.value:
-            self._outbox.append(_Report("finish", h, self._finish_body(h, ev)))
+            number = ev.detail.get("attempt")
+            attempt = number if isinstance(number, int) else None
+            self._outbox.append(_Report("finish", h, self._finish_body(h, ev), attempt=attempt))
             if to != JobState.QUEUED.value:
                 h.ended = True
             self._claim_now = True
@@ -633,14 +637,21 @@ class Agent:
             self._lose(r.held, f"the coordinator ended it ({got.get('state')})")
 
     def _ship_logs(self) -> None:
-        """Send the new bytes of each running attempt's streams (a job whose
-        reports the coordinator has not all had yet waits: its attempt there may
-        not be the one running here)."""
-        pending = {id(r.held) for r in self._outbox}
+        """Send the new bytes of each running attempt's streams, and the last bytes
+        of an attempt whose finish is about to go. A job with a start report not yet
+        answered waits: its attempt there may not be the one running here."""
+        first: dict[int, _Report] = {}
+        for pending in self._outbox:
+            first.setdefault(id(pending.held), pending)
         for h in self.held.values():
-            if h.lost or h.ended or not h.started or id(h) in pending:
+            r = first.get(id(h))
+            if h.lost or not h.started or (r is not None and r.kind != "finish"):
                 continue
-            attempts = self.store.attempts(h.local_id)
+            if r is not None:
+                if r.attempt is not None:
+                    self.logs.ship(h.job_id, h.lease_id, h.local_id, r.attempt, final=True)
+                continue
+            attempts = self.store.attempts(h.local_id) if not h.ended else []
             if attempts and attempts[-1].ended_at is None:
                 self.logs.ship(h.job_id, h.lease_id, h.local_id, attempts[-1].number)
         self.logs.forget({h.local_id for h in self.held.values()})
