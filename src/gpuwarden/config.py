@@ -126,6 +126,9 @@ class ApiSettings(_Section):
     #: an output file an agent uploads (``PUT /v1/node/jobs/{id}/outputs/{path}``)
     #: larger than this is refused with 413
     max_output_mib: Annotated[float, Field(gt=0, le=1_048_576)] = 4096.0
+    #: the most the coordinator keeps of each stream an agent sends of a running
+    #: attempt (``POST /v1/node/jobs/{id}/logs/{stream}``): past it the oldest is cut
+    max_log_mib: Annotated[float, Field(gt=0, le=1_048_576)] = 64.0
     #: requests per second each token may make on average (token bucket)
     rate_per_s: Annotated[float, Field(gt=0, le=1_000_000)] = 20.0
     #: requests a token may make at once before the rate applies

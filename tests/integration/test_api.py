@@ -270,6 +270,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "node.report": {"node"},
         "node.upload": {"node"},
         "node.fetch": {"node"},
+        "node.logs": {"node"},
         "node.list": {R, OP},
         "node.drain": {R, OP},
         "node.resume": {R, OP},

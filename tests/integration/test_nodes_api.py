@@ -266,6 +266,37 @@ def test_outputs_go_up_and_are_served_by_the_coordinator(env: Env) -> None:
     assert [a.outcome[:7] for a in uploads] == ["ok", "refused"]
 
 
+def _log(env: Env, node: str, stream: str, offset: int, data: bytes, lease: str) -> Any:
+    return env.client.post(
+        f"/v1/node/jobs/j/logs/{stream}",
+        params={"lease_id": lease, "offset": offset},
+        content=data,
+        headers=env.h(node),
+    )
+
+
+def test_a_running_attempts_stream_goes_up_in_chunks(env: Env) -> None:
+    env.enrol("a")
+    env.enrol("b")
+    lease = _started(env, "a", "j")
+    assert _log(env, "a", "stdout", 0, b"one\n", lease).json() == {"offset": 4}
+    assert _log(env, "a", "stdout", 0, b"one\n", lease).json() == {"offset": 4}  # a retry
+    gap = _log(env, "a", "stdout", 9, b"x", lease)
+    assert gap.status_code == 416 and gap.headers["X-Gpuwarden-Offset"] == "4", gap.text
+    assert _log(env, "a", "stdout", 4, b"two\n", lease).json() == {"offset": 8}
+    assert _log(env, "a", "stdout", 8, b"x" * (64 * 1024 + 1), lease).status_code == 413
+    assert _log(env, "b", "stdout", 8, b"x", lease).status_code == 409  # not its lease
+    assert _log(env, "a", "../x", 0, b"x", lease).status_code in (404, 422)
+    got = env.client.get("/v1/jobs/j/logs/stdout", headers=env.h("owner"))
+    assert got.status_code == 200 and got.content == b"one\ntwo\n", got.text
+    assert "runs on node a" in got.headers["X-Gpuwarden-Note"]
+    r = env.post("/v1/node/jobs/j/finish", "a", {"lease_id": lease, "state": "done"})
+    assert r.status_code == 200, r.text
+    assert _log(env, "a", "stdout", 8, b"late", lease).status_code == 409
+    followed = env.client.get("/v1/jobs/j/logs/stdout?follow=true", headers=env.h("owner"))
+    assert followed.content == b"one\ntwo\n"
+
+
 @pytest.mark.parametrize("path", ["../escape.txt", "a/../../b", "%2Fetc%2Fpasswd", "a%5Cb"])
 def test_an_upload_path_out_of_the_folder_is_refused(env: Env, path: str) -> None:
     env.enrol("a")
@@ -477,6 +508,7 @@ ROLE_CASES = [
     ),
     ("PUT", "/v1/node/jobs/j/outputs/o.txt?lease_id=x", {"node"}, None),
     ("GET", "/v1/node/jobs/j/inputs/i.txt?lease_id=x", {"node"}, None),
+    ("POST", "/v1/node/jobs/j/logs/stdout?lease_id=x&offset=0", {"node"}, None),
     ("GET", "/v1/nodes", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/drain", {"owner", "operator"}, None),
     ("POST", "/v1/nodes/n/resume", {"owner", "operator"}, None),
@@ -500,7 +532,8 @@ def test_the_role_cases_cover_every_node_endpoint(env: Env) -> None:
             .replace("/j/", "/{job_id}/")
             .replace("/n/", "/{name}/")
             .replace("/o.txt", "/{path}")
-            .replace("/i.txt", "/{name}"),
+            .replace("/i.txt", "/{name}")
+            .replace("/stdout", "/{stream}"),
         )
         for m, p, _, _ in ROLE_CASES
     }

@@ -83,6 +83,8 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "node.report":   (None, None,    None,     ALL,  None),
     "node.upload":   (None, None,    None,     ALL,  None),
     "node.fetch":    (None, None,    None,     ALL,  None),
+    # a running attempt's streams, chunk by chunk: not audited (one a second a stream)
+    "node.logs":     (None, None,    None,     ALL,  None),
     "node.list":     (ALL,  ALL,     None,     None, None),
     "node.drain":    (ALL,  ALL,     None,     None, None),
     "node.resume":   (ALL,  ALL,     None,     None, None),

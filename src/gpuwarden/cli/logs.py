@@ -31,7 +31,9 @@ from gpuwarden.cli.common import (
     wait_note,
 )
 from gpuwarden.client import Client
-from gpuwarden.core.model import Attempt
+from gpuwarden.cluster import logcopy
+from gpuwarden.config import Config
+from gpuwarden.core.model import MIB, Attempt
 from gpuwarden.errors import GpuwardenError, UserError
 from gpuwarden.node import joblogs
 from gpuwarden.registry import Registry
@@ -163,6 +165,8 @@ def _logs_here(args: argparse.Namespace, stream: str) -> int:
             jobs_dir, attempt, stream, node=config.node_name, registry=registry, job_type=job.type
         )
         sink = StreamOut()
+        if _from_copy(config, store, attempt, stream, where=where, sink=sink, follow=args.follow):
+            return 0
         fd = where.fd
         if fd is None and where.later and args.follow:
             fd = _wait_for_file(store, jobs_dir, attempt, stream)
@@ -201,6 +205,38 @@ def _copy_stream(store: Store, attempt: Attempt, fd: int, sink: StreamOut, *, fo
     finally:
         os.close(fd)
     sink.close()
+
+
+def _from_copy(
+    config: Config,
+    store: Store,
+    attempt: Attempt,
+    stream: str,
+    *,
+    where: joblogs.Located,
+    sink: StreamOut,
+    follow: bool,
+) -> bool:
+    """On a coordinator: the stream of an attempt that runs (or ran) on a node, as
+    that node sent it while it ran; False when there is no such copy."""
+    path = logcopy.log_path(config.state_dir / "logs", attempt.job_id, attempt.number, stream)
+    if where.fd is not None or where.refused or attempt.node == config.node_name:
+        return False
+    if not (logcopy.kept(path) or (follow and attempt.ended_at is None)):
+        return False
+    bound = int(config.api.max_log_mib * MIB)
+
+    def ended() -> bool:
+        return not follow or _attempt_ended(store, attempt.job_id, attempt.number)
+
+    sink.write_all(logcopy.follow(path, ended, bound=bound))
+    sink.close()
+    if follow:
+        after = store.get_job(attempt.job_id)
+        if after is not None:
+            _after_follow(after.id, attempt.number, after.attempts, after.state.value,
+                          after.state.terminal)  # fmt: skip
+    return True
 
 
 def _attempt_ended(store: Store, job_id: str, number: int) -> bool:

@@ -136,6 +136,22 @@ class Coordinator:
                 ) from None
         return _answer(response)
 
+    def send_log(self, job_id: str, lease_id: str, stream: str, offset: int, data: bytes) -> int:
+        """Send bytes of a running attempt's stream from ``offset``: the offset the
+        coordinator's copy has now (also when it refused a gap: send from there)."""
+        try:
+            response = self._http.post(
+                f"/v1/node/jobs/{job_id}/logs/{stream}",
+                params={"lease_id": lease_id, "offset": offset},
+                content=data,
+                headers={"content-type": "application/octet-stream"},
+            )
+        except httpx.HTTPError as exc:
+            raise CoordinatorError(f"cannot reach the coordinator at {self.url}: {exc}") from None
+        if response.status_code == 416 and response.headers.get("x-gpuwarden-offset", "").isdigit():
+            return int(response.headers["x-gpuwarden-offset"])
+        return int(_answer(response).get("offset", offset))
+
     def fetch(self, job_id: str, lease_id: str, name: str, *, parts: Path, into: int) -> None:
         """Fetch input ``name`` of a leased job (streamed to a fresh file in the
         folder ``parts``, then renamed into the open folder ``into`` under the last

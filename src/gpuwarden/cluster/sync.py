@@ -24,6 +24,7 @@ from gpuwarden.cluster.coordinator_client import (
     Refused,
 )
 from gpuwarden.cluster.held import Held, held_rows, save_held
+from gpuwarden.cluster.logship import LogShipper
 from gpuwarden.cluster.nodeview import heartbeat_every_s
 from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
@@ -56,6 +57,8 @@ class _Report:
     uploaded: set[str] = field(default_factory=set)
     #: outputs not sent, and why: ``[{"path", "why"}]``, in the finish's result
     not_uploaded: list[dict[str, str]] = field(default_factory=list)
+    #: a finish: the local attempt it ends (its streams' last bytes go up first)
+    attempt: int | None = None
 
 
 def _unknown_held(r: _Report, got: Refused) -> bool:
@@ -131,6 +134,8 @@ class Agent:
         #: whether the coordinator takes ``held_bytes`` in a finish (until it says no)
         self._held_ok = True
         self.stopping = False
+        #: the running attempts' streams, as they go up
+        self.logs = LogShipper(coordinator, broker.settings.state_dir / "jobs", monotonic)
         self.set_lease(lease_s)
         # the coordinator charges each owner's fair share from the finish reports
         broker.fair.keep_ends()
@@ -154,6 +159,7 @@ class Agent:
         if now - self._last_beat >= self.heartbeat_every_s:
             self._heartbeat()
         self._collect()
+        self._ship_logs()
         self._send()
         self._forget_ended()
         if self._may_claim():
@@ -502,7 +508,9 @@ class Agent:
             self._outbox.append(_Report("start", h, {"gpu": ev.detail.get("gpu")}))
             return
         if frm == JobState.RUNNING.value:
-            self._outbox.append(_Report("finish", h, self._finish_body(h, ev)))
+            number = ev.detail.get("attempt")
+            attempt = number if isinstance(number, int) else None
+            self._outbox.append(_Report("finish", h, self._finish_body(h, ev), attempt=attempt))
             if to != JobState.QUEUED.value:
                 h.ended = True
             self._claim_now = True
@@ -655,6 +663,26 @@ class Agent:
             # the coordinator ended it (quarantined past its retries, cancelled)
             r.held.ended = True
             self._lose(r.held, f"the coordinator ended it ({got.get('state')})")
+
+    def _ship_logs(self) -> None:
+        """Send the new bytes of each running attempt's streams, and the last bytes
+        of an attempt whose finish is about to go. A job with a start report not yet
+        answered waits: its attempt there may not be the one running here."""
+        first: dict[int, _Report] = {}
+        for pending in self._outbox:
+            first.setdefault(id(pending.held), pending)
+        for h in self.held.values():
+            r = first.get(id(h))
+            if h.lost or not h.started or (r is not None and r.kind != "finish"):
+                continue
+            if r is not None:
+                if r.attempt is not None:
+                    self.logs.ship(h.job_id, h.lease_id, h.local_id, r.attempt, final=True)
+                continue
+            attempts = self.store.attempts(h.local_id) if not h.ended else []
+            if attempts and attempts[-1].ended_at is None:
+                self.logs.ship(h.job_id, h.lease_id, h.local_id, attempts[-1].number)
+        self.logs.forget({h.local_id for h in self.held.values()})
 
     def _forget_ended(self) -> None:
         for job_id, h in list(self.held.items()):

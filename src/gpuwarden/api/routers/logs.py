@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio
@@ -28,6 +29,7 @@ from gpuwarden.api.context import ApiContext, action, get_ctx, get_principal, ge
 from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.api.routers.jobs import visible_job
+from gpuwarden.cluster import logcopy
 from gpuwarden.core.model import Attempt, Job
 from gpuwarden.node import joblogs
 
@@ -173,6 +175,10 @@ async def job_logs(
     if where.refused:
         headers[REFUSED_HEADER] = "true"
     media = "application/octet-stream"
+    copy = logcopy.log_path(ctx.config.state_dir / "logs", job.id, chosen.number, stream)
+    elsewhere = where.fd is None and chosen.node != ctx.config.node_name and not where.refused
+    if elsewhere and (logcopy.kept(copy) or (follow and chosen.ended_at is None)):
+        return _from_copy(ctx, chosen, copy, follow=follow, headers=headers)
     if where.fd is None and not (follow and where.later):
         return StreamingResponse(iter([where.copy]), media_type=media, headers=headers)
     if not follow:
@@ -200,6 +206,45 @@ async def job_logs(
         headers=headers,
         background=BackgroundTask(opened.close),
     )
+
+
+def _from_copy(
+    ctx: ApiContext, attempt: Attempt, path: Path, *, follow: bool, headers: dict[str, str]
+) -> StreamingResponse:
+    """The stream as its node sent it while it ran (SPEC.md, section 16)."""
+    bound = int(ctx.config.api.max_log_mib * (1 << 20))
+    headers = {**headers, NOTE_HEADER: f"attempt {attempt.number} runs on node {attempt.node}: "
+               "shown: what it sent of the stream"}  # fmt: skip
+    if not follow:
+        return StreamingResponse(
+            _copy_once(path, bound), media_type="application/octet-stream", headers=headers
+        )
+    if not FOLLOWERS.take():
+        raise HttpError(429, f"{MAX_FOLLOWERS} streams are being followed already",
+                        {"Retry-After": "5"})  # fmt: skip
+    opened = _Open(None, slot=True)
+
+    def body() -> Iterator[bytes]:
+        try:
+            yield from logcopy.follow(path, lambda: _ended(ctx, attempt), bound=bound)
+        finally:
+            opened.close()
+
+    return StreamingResponse(
+        body(),
+        media_type="application/octet-stream",
+        headers=headers,
+        background=BackgroundTask(opened.close),
+    )
+
+
+def _copy_once(path: Path, bound: int) -> Iterator[bytes]:
+    pos = 0
+    while True:
+        chunk, pos = logcopy.read(path, pos, bound=bound)
+        if not chunk:
+            return
+        yield chunk
 
 
 def _whole(opened: _Open) -> Iterator[bytes]:

@@ -46,6 +46,7 @@ from gpuwarden.api.context import (
 from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.cluster import coordinator as co
+from gpuwarden.cluster import logcopy
 from gpuwarden.cluster.nodeview import Timing, node_view
 from gpuwarden.cluster.report import grant_json, node_json
 from gpuwarden.cluster.routes import without_routes
@@ -554,6 +555,64 @@ async def upload_output(
     )
     audit_ok(request, {"node": name, "lease": lease_id, "path": rel, "bytes": written})
     return {"path": rel, "bytes": written}
+
+
+#: header of a refused log chunk (416): the offset the coordinator's copy has
+OFFSET_HEADER = "X-Gpuwarden-Offset"
+
+
+def logs_root(ctx: ApiContext) -> Path:
+    """Where the coordinator keeps the streams agents send of running attempts."""
+    return ctx.config.state_dir / "logs"
+
+
+@router.post(
+    "/v1/node/jobs/{job_id}/logs/{stream}", responses={**_ERRORS, 416: {"model": ErrorOut}}
+)
+@action("node.logs")
+async def append_log(
+    job_id: str,
+    stream: Literal["stdout", "stderr", "build"],
+    request: Request,
+    *,
+    ctx: Ctx,
+    who: Who,
+    lease_id: Annotated[str, Query(min_length=1, max_length=64)],
+    offset: Annotated[int, Query(ge=0, le=2**50)],
+) -> dict[str, Any]:
+    """New bytes of a stream of the node's running attempt (the body, at most
+    64 KiB), starting at byte ``offset``: appended to the coordinator's copy once
+    (bytes it has already are skipped); 416 when ``offset`` is past its copy
+    (``X-Gpuwarden-Offset`` says where to send from); 409 when the lease is not its
+    own (SPEC.md, section 16, "Streams while a job runs")."""
+    name = await run_in_threadpool(node_of, ctx, who)
+    try:
+        attempt = await run_in_threadpool(
+            co.check_upload, cluster_store(ctx), name, _job_id(job_id), lease_id=lease_id,
+            now=ctx.clock(),
+        )  # fmt: skip
+    except co.LeaseRefused as exc:
+        raise _refused(exc) from None
+    data = await _small_body(request, logcopy.MAX_CHUNK)
+    path = logcopy.log_path(logs_root(ctx), job_id, attempt, stream)
+    bound = int(ctx.config.api.max_log_mib * MIB)
+    try:
+        have = await run_in_threadpool(logcopy.append, path, offset, data, bound=bound)
+    except logcopy.Gap as gap:
+        raise HttpError(
+            416, f"{stream} of job {job_id}: {gap}", {OFFSET_HEADER: str(gap.offset)}
+        ) from None
+    return {"offset": have}
+
+
+async def _small_body(request: Request, most: int) -> bytes:
+    """The request's body; 413 past ``most`` bytes."""
+    data = bytearray()
+    async for part in request.stream():
+        data += part
+        if len(data) > most:
+            raise HttpError(413, f"a log chunk is at most {most} bytes")
+    return bytes(data)
 
 
 def _inputs_here(input_dir: str) -> bool:

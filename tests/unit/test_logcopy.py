@@ -1,0 +1,82 @@
+"""The coordinator's copy of a running attempt's streams: the append rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpuwarden.cluster import logcopy
+
+
+def _all(path: Path, bound: int) -> bytes:
+    out, pos = b"", 0
+    while True:
+        chunk, pos = logcopy.read(path, pos, bound=bound)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_appends_in_order(tmp_path: Path) -> None:
+    path = logcopy.log_path(tmp_path, "j1", 1, "stdout")
+    assert logcopy.append(path, 0, b"one\n", bound=1000) == 4
+    assert logcopy.append(path, 4, b"two\n", bound=1000) == 8
+    assert _all(path, 1000) == b"one\ntwo\n"
+    assert logcopy.received(path) == 8
+
+
+def test_a_retried_chunk_is_not_doubled(tmp_path: Path) -> None:
+    path = logcopy.log_path(tmp_path, "j1", 1, "stdout")
+    logcopy.append(path, 0, b"one\n", bound=1000)
+    assert logcopy.append(path, 0, b"one\n", bound=1000) == 4
+    # sent again with more: only the new part is taken
+    assert logcopy.append(path, 0, b"one\ntwo\n", bound=1000) == 8
+    assert _all(path, 1000) == b"one\ntwo\n"
+
+
+def test_a_gap_is_refused_with_the_offset(tmp_path: Path) -> None:
+    path = logcopy.log_path(tmp_path, "j1", 1, "stderr")
+    logcopy.append(path, 0, b"abc", bound=1000)
+    with pytest.raises(logcopy.Gap) as got:
+        logcopy.append(path, 10, b"xyz", bound=1000)
+    assert got.value.offset == 3
+    assert _all(path, 1000) == b"abc"
+
+
+def test_the_bound_cuts_the_oldest_and_says_so(tmp_path: Path) -> None:
+    path = logcopy.log_path(tmp_path, "j1", 1, "stdout")
+    offset = 0
+    for i in range(50):
+        offset = logcopy.append(path, offset, b"line %03d\n" % i, bound=100)
+    assert offset == 50 * 9
+    assert path.stat().st_size - logcopy.HEADER_LEN <= 100
+    shown = _all(path, 100)
+    assert shown.startswith(b"[gpuwarden: the first ")
+    assert shown.endswith(b"line 049\n")
+    cut = 50 * 9 - (path.stat().st_size - logcopy.HEADER_LEN)
+    assert shown.startswith(logcopy.cut_note(cut, 100))
+    # the offsets go on past the cut: a retry is still skipped, a gap still refused
+    assert logcopy.append(path, offset - 9, b"line 049\n", bound=100) == offset
+    with pytest.raises(logcopy.Gap):
+        logcopy.append(path, offset + 1, b"x", bound=100)
+
+
+def test_only_fixed_streams(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        logcopy.log_path(tmp_path, "j1", 1, "../etc")
+
+
+def test_follow_until_ended(tmp_path: Path) -> None:
+    path = logcopy.log_path(tmp_path, "j1", 1, "stdout")
+    logcopy.append(path, 0, b"a\n", bound=1000)
+    asked = []
+
+    def ended() -> bool:
+        asked.append(1)
+        if len(asked) == 1:
+            logcopy.append(path, 2, b"b\n", bound=1000)
+            return False
+        return True
+
+    assert b"".join(logcopy.follow(path, ended, bound=1000, sleep=lambda _s: None)) == b"a\nb\n"
