@@ -23,9 +23,11 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 __all__ = [
     "PARENT",
+    "CgroupTree",
     "PidsCgroups",
     "cgroup_mounts",
     "cgroup_processes",
@@ -48,40 +50,39 @@ REMOVE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
-class PidsCgroups:
-    """Where per-sandbox pids cgroups are made: ``root/gpuwarden/<name>``."""
+class CgroupTree:
+    """Cgroups of one controller that gpuwarden makes, one per sandbox or
+    attempt: ``root/gpuwarden/<name>``. Subclasses name the controller and
+    write its limits."""
 
     root: Path
     version: int
+
+    #: the controller (``pids``, ``memory``)
+    CONTROLLER: ClassVar[str] = ""
+    #: what one of them is, in the warning of a failed removal
+    WHAT: ClassVar[str] = "the cgroup"
 
     @property
     def parent(self) -> Path:
         return self.root / PARENT
 
     def path(self, name: str) -> Path:
-        if not name or "/" in name or name in (".", ".."):
+        if not name or "/" in name or name in (".", "..") or "\0" in name:
             raise ValueError(f"not a cgroup name: {name!r}")
         return self.parent / name
 
-    def describe(self) -> str:
-        return f"a pids cgroup per sandbox under {self.parent} (cgroup v{self.version})"
-
-    def create(self, name: str, pids_max: int) -> Path:
-        """Make (or reuse, after a crash) the cgroup ``name`` with ``pids.max``."""
+    def make(self, name: str) -> Path:
+        """Make (or reuse, after a crash) the cgroup ``name``, the controller
+        enabled down the way on cgroup v2; its limits are the caller's."""
         if self.version == 2:
-            enable_controller(self.root, "pids")
+            enable_controller(self.root, self.CONTROLLER)
         self.parent.mkdir(mode=0o755, exist_ok=True)
         if self.version == 2:
-            enable_controller(self.parent, "pids")
+            enable_controller(self.parent, self.CONTROLLER)
         path = self.path(name)
         path.mkdir(mode=0o755, exist_ok=True)
-        write_control(path / "pids.max", str(pids_max))
         return path
-
-    def pids_max(self, path: Path) -> int | None:
-        """The cgroup's ``pids.max`` (None: ``max``, no limit)."""
-        text = (path / "pids.max").read_text().strip()
-        return None if text == "max" else int(text)
 
     def processes(self, path: Path) -> list[int]:
         """The processes in the cgroup now (none once it is removed)."""
@@ -94,7 +95,29 @@ class PidsCgroups:
 
     def remove(self, path: Path, wait_s: float = REMOVE_WAIT_S) -> bool:
         """Remove the (empty) cgroup; True once it is gone."""
-        return remove_cgroup(path, wait_s, what="the sandbox's pids cgroup")
+        return remove_cgroup(path, wait_s, what=self.WHAT)
+
+
+@dataclass(frozen=True, slots=True)
+class PidsCgroups(CgroupTree):
+    """Where per-sandbox pids cgroups are made: ``root/gpuwarden/<name>``."""
+
+    CONTROLLER: ClassVar[str] = "pids"
+    WHAT: ClassVar[str] = "the sandbox's pids cgroup"
+
+    def describe(self) -> str:
+        return f"a pids cgroup per sandbox under {self.parent} (cgroup v{self.version})"
+
+    def create(self, name: str, pids_max: int) -> Path:
+        """Make (or reuse, after a crash) the cgroup ``name`` with ``pids.max``."""
+        path = self.make(name)
+        write_control(path / "pids.max", str(pids_max))
+        return path
+
+    def pids_max(self, path: Path) -> int | None:
+        """The cgroup's ``pids.max`` (None: ``max``, no limit)."""
+        text = (path / "pids.max").read_text().strip()
+        return None if text == "max" else int(text)
 
 
 def cgroup_processes(path: Path) -> list[int]:

@@ -32,16 +32,13 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from gpuwarden.launch.base import MemoryCapSupport
 from gpuwarden.launch.cgroups import (
-    PARENT,
-    REMOVE_WAIT_S,
+    CgroupTree,
     cgroup_mounts,
-    cgroup_processes,
-    enable_controller,
     find_hierarchy,
-    kill_cgroup,
     remove_cgroup,
     v2_controllers,
     writable,
@@ -86,20 +83,11 @@ def oom_kills(text: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryCgroups:
+class MemoryCgroups(CgroupTree):
     """Where per-attempt memory cgroups are made: ``root/gpuwarden/<name>``."""
 
-    root: Path
-    version: int
-
-    @property
-    def parent(self) -> Path:
-        return self.root / PARENT
-
-    def path(self, name: str) -> Path:
-        if not name or "/" in name or name in (".", "..") or "\0" in name:
-            raise ValueError(f"not a cgroup name: {name!r}")
-        return self.parent / name
+    CONTROLLER: ClassVar[str] = "memory"
+    WHAT: ClassVar[str] = "the attempt's memory cgroup"
 
     def describe(self) -> str:
         return f"a memory cgroup per attempt under {self.parent} (cgroup v{self.version}), swap off"
@@ -111,13 +99,7 @@ class MemoryCgroups:
         removed again)."""
         if limit_bytes <= 0:
             raise ValueError(f"a memory cap must be positive, not {limit_bytes}")
-        if self.version == 2:
-            enable_controller(self.root, "memory")
-        self.parent.mkdir(mode=0o755, exist_ok=True)
-        if self.version == 2:
-            enable_controller(self.parent, "memory")
-        path = self.path(name)
-        path.mkdir(mode=0o755, exist_ok=True)
+        path = self.make(name)
         try:
             self._limit(path, limit_bytes)
             got = self.limit(path)
@@ -167,16 +149,6 @@ class MemoryCgroups:
             return oom_kills((path / name).read_text())
         except OSError:
             return 0
-
-    def processes(self, path: Path) -> list[int]:
-        return cgroup_processes(path)
-
-    def kill_all(self, path: Path, wait_s: float = REMOVE_WAIT_S) -> list[int]:
-        """SIGKILL what is left in the cgroup; the pids still there after ``wait_s``."""
-        return kill_cgroup(path, wait_s)
-
-    def remove(self, path: Path, wait_s: float = REMOVE_WAIT_S) -> bool:
-        return remove_cgroup(path, wait_s, what="the attempt's memory cgroup")
 
     def finish(self, path: Path) -> tuple[int, list[int]]:
         """At an attempt's end: (its OOM kills, the pids that outlived SIGKILL).
