@@ -26,13 +26,14 @@ still work. Handoffs and passes live in this process's memory only.
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, quote, urlencode
 
 from starlette.datastructures import Headers
+
+from gpuwarden.api.expiring import Expiring
 
 __all__ = [
     "HANDOFF_PARAM",
@@ -71,28 +72,18 @@ class _Book:
     def __init__(self, ttl_s: float, clock: Callable[[], float]) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._by_key: dict[str, _Entry] = {}
-        self._lock = threading.Lock()
+        self._entries: Expiring[_Entry] = Expiring(MAX_ENTRIES, clock)
 
     def add(self, token_id: str, name: str, client: str) -> str:
         key = secrets.token_urlsafe(32)
-        now = self.clock()
-        with self._lock:
-            for k in [k for k, e in self._by_key.items() if e.expires_at <= now]:
-                del self._by_key[k]
-            while len(self._by_key) >= MAX_ENTRIES:
-                del self._by_key[next(iter(self._by_key))]
-            self._by_key[key] = _Entry(token_id, name, client, now + self.ttl_s)
+        self._entries.add(key, _Entry(token_id, name, client, self.clock() + self.ttl_s))
         return key
 
     def find(self, key: str, name: str, client: str, *, take: bool) -> str | None:
         """The token id of a live entry for ``name`` from ``client`` (None else);
         ``take``: it is used up."""
-        with self._lock:
-            entry = self._by_key.pop(key, None) if take else self._by_key.get(key)
-        if entry is None or entry.expires_at <= self.clock():
-            return None
-        if entry.name != name or entry.client != client:
+        entry = self._entries.get(key, take=take)
+        if entry is None or entry.name != name or entry.client != client:
             return None
         return entry.token_id
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import hmac
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from gpuwarden.api.expiring import Expiring
 
 #: the cookie holding the session id (HttpOnly)
 SESSION_COOKIE = "gw_session"
@@ -66,8 +67,7 @@ class Sessions:
     ) -> None:
         self.ttl_s = ttl_s
         self.clock = clock
-        self._by_id: dict[str, Session] = {}
-        self._lock = threading.Lock()
+        self._by_id: Expiring[Session] = Expiring(MAX_SESSIONS, clock)
 
     def create(self, token_id: str, client: str = "") -> Session:
         now = self.clock()
@@ -79,33 +79,18 @@ class Sessions:
             expires_at=now + self.ttl_s,
             client=client,
         )
-        with self._lock:
-            self._forget_expired(now)
-            while len(self._by_id) >= MAX_SESSIONS:  # dicts keep insertion order
-                del self._by_id[next(iter(self._by_id))]
-            self._by_id[session.id] = session
+        self._by_id.add(session.id, session)
         return session
 
     def get(self, session_id: str) -> Session | None:
         """The live session of this id, or None (unknown, ended or expired)."""
-        with self._lock:
-            session = self._by_id.get(session_id)
-            if session is not None and self.clock() >= session.expires_at:
-                del self._by_id[session_id]
-                return None
-            return session
+        return self._by_id.get(session_id)
 
     def end(self, session_id: str) -> bool:
-        with self._lock:
-            return self._by_id.pop(session_id, None) is not None
+        return self._by_id.pop(session_id)
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._by_id)
-
-    def _forget_expired(self, now: float) -> None:
-        for key in [k for k, s in self._by_id.items() if now >= s.expires_at]:
-            del self._by_id[key]
+        return len(self._by_id)
 
 
 def cookie_value(cookie_header: str | None, name: str) -> str | None:
