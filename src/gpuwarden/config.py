@@ -129,6 +129,9 @@ class ApiSettings(_Section):
     #: the most the coordinator keeps of each stream an agent sends of a running
     #: attempt (``POST /v1/node/jobs/{id}/logs/{stream}``): past it the oldest is cut
     max_log_mib: Annotated[float, Field(gt=0, le=1_048_576)] = 64.0
+    #: the coordinator removes those copies once their attempt has ended and they
+    #: were not written for this many days
+    log_keep_days: Annotated[float, Field(gt=0, le=36_500)] = 14.0
     #: requests per second each token may make on average (token bucket)
     rate_per_s: Annotated[float, Field(gt=0, le=1_000_000)] = 20.0
     #: requests a token may make at once before the rate applies

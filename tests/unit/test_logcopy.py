@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,39 @@ def test_follow_until_ended(tmp_path: Path) -> None:
         return True
 
     assert b"".join(logcopy.follow(path, ended, bound=1000, sleep=lambda _s: None)) == b"a\nb\n"
+
+
+def _copy(root: Path, job: str, attempt: int, age_s: float, now: float) -> Path:
+    path = logcopy.log_path(root, job, attempt, "stdout")
+    logcopy.append(path, 0, b"line\n", bound=1000)
+    for f in path.parent.iterdir():  # the copy and its lock file
+        os.utime(f, (now - age_s, now - age_s))
+    return path
+
+
+def test_prune_removes_only_ended_attempts_not_written_for_the_keep_time(tmp_path: Path) -> None:
+    now = 1_000_000.0
+    old_ended = _copy(tmp_path, "j1", 1, 100.0, now)
+    old_running = _copy(tmp_path, "j2", 1, 100.0, now)
+    fresh_ended = _copy(tmp_path, "j3", 1, 10.0, now)
+    kept_of_j1 = _copy(tmp_path, "j1", 2, 10.0, now)
+    outside = tmp_path.parent / "outside"
+    outside.mkdir()
+    (outside / "attempt-1").mkdir()
+    (outside / "attempt-1" / "stdout.log").write_bytes(b"not ours")
+    (tmp_path / "planted").symlink_to(outside)  # never followed
+    asked: list[tuple[str, int]] = []
+
+    def ended(job: str, attempt: int) -> bool:
+        asked.append((job, attempt))
+        return job != "j2"
+
+    assert logcopy.prune(tmp_path, now=now, keep_s=60.0, ended=ended) == 1
+    assert not old_ended.exists() and not old_ended.parent.exists()
+    assert old_running.exists() and fresh_ended.exists() and kept_of_j1.exists()
+    assert (outside / "attempt-1" / "stdout.log").read_bytes() == b"not ours"
+    assert ("j2", 1) in asked and ("j3", 1) not in asked  # fresh: not even asked
+    # the last attempt of a job gone: its folder goes too
+    assert logcopy.prune(tmp_path, now=now + 60, keep_s=60.0, ended=ended) == 2
+    assert not (tmp_path / "j1").exists() and not (tmp_path / "j3").exists()
+    assert old_running.exists()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden.cluster import logcopy
-from gpuwarden.cluster.logship import FINAL_CHUNKS, LogShipper
+from gpuwarden.cluster.logship import BURST_CHUNKS, FINAL_CHUNKS, LogShipper
 
 
 class FakeCoordinator:
@@ -92,3 +92,17 @@ def test_a_link_is_never_read(tmp_path: Path) -> None:
     (folder / "stdout.log").symlink_to(secret)
     ship.ship("J", "L", "j", 1)
     assert coord.calls == []
+
+
+def test_a_fast_stream_goes_in_bursts_of_full_chunks(tmp_path: Path) -> None:
+    ship, coord, clock, folder = _setup(tmp_path)
+    data = bytes(range(256)) * (logcopy.MAX_CHUNK * (BURST_CHUNKS + 2) // 256) + b"tail"
+    (folder / "stdout.log").write_bytes(data)
+    ship.ship("J", "L", "j", 1)  # one burst: BURST_CHUNKS full chunks, no more
+    assert [c[2] for c in coord.calls] == [logcopy.MAX_CHUNK] * BURST_CHUNKS
+    ship.ship("J", "L", "j", 1)  # the same second: nothing
+    assert len(coord.calls) == BURST_CHUNKS
+    clock.t += 1
+    ship.ship("J", "L", "j", 1)  # the rest: two full chunks, then the short tail ends it
+    assert [c[2] for c in coord.calls[BURST_CHUNKS:]] == [logcopy.MAX_CHUNK] * 2 + [4]
+    assert coord.copy("stdout") == data

@@ -16,6 +16,10 @@ what is read from its head (:func:`read`) says how many bytes were cut.
 The file starts with a header of :data:`HEADER_LEN` bytes giving the number of
 bytes cut; a cut writes a new file and renames it into place, so a reader sees
 the old copy or the new one, never half of each.
+
+Copies do not stay for good: :func:`prune` (the coordinator's sweeper, every
+:data:`PRUNE_EVERY_S`) removes an attempt's copies once the attempt has ended
+and none of them was written for ``[api] log_keep_days``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gpuwarden import safefs
+
 #: the streams an agent may send
 STREAMS = ("stdout", "stderr", "build")
 #: the most bytes one request may carry
@@ -37,6 +43,8 @@ HEADER_FMT = "gpuwarden-log cut=%020d\n"
 HEADER_LEN = len(HEADER_FMT % 0)
 #: how long a follower waits between looks at a copy that did not grow
 FOLLOW_POLL_S = 0.2
+#: how often the coordinator looks for copies to remove
+PRUNE_EVERY_S = 600.0
 
 
 class Gap(Exception):
@@ -179,3 +187,29 @@ def follow(
         done = ended()
         if not done:
             sleep(FOLLOW_POLL_S)
+
+
+def prune(root: Path, *, now: float, keep_s: float, ended: Callable[[str, int], bool]) -> int:
+    """Remove the copies below ``root`` of each attempt that ``ended(job id,
+    attempt)`` says has ended and that were all last written ``keep_s`` or more
+    before ``now``; a job's folder goes with its last attempt. How many attempts'
+    copies went. The folders are the coordinator's own (named by it), removed
+    without following a link all the same."""
+    gone = 0
+    try:
+        jobs = sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink())
+    except FileNotFoundError:
+        return 0
+    for job in jobs:
+        for folder in sorted(job.glob("attempt-*")):
+            number = folder.name.removeprefix("attempt-")
+            if not number.isdigit() or folder.is_symlink() or not folder.is_dir():
+                continue
+            newest = max((f.lstat().st_mtime for f in folder.iterdir()), default=0.0)
+            if now - newest < keep_s or not ended(job.name, int(number)):
+                continue
+            safefs.remove_tree(folder)
+            gone += 1
+        with contextlib.suppress(OSError):  # not empty: attempts kept
+            job.rmdir()
+    return gone

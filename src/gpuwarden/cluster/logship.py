@@ -3,8 +3,11 @@
 After each sync, for each job held here whose attempt runs (and whose reports the
 coordinator has all had, so its attempt is the one running here), the new bytes
 of ``stdout.log``, ``stderr.log`` and ``build.log`` in the attempt's folder go up,
-at most :data:`~gpuwarden.cluster.logcopy.MAX_CHUNK` a request, at most one
-request per stream every :data:`EVERY_S` seconds, each with its offset (SPEC.md,
+at most :data:`~gpuwarden.cluster.logcopy.MAX_CHUNK` a request, each with its
+offset: every :data:`EVERY_S` seconds a stream sends while it has full chunks to
+send, up to :data:`BURST_CHUNKS` of them and :data:`BURST_S` seconds (the sync
+runs on the node's loop), so a stream that writes fast is sent at up to 512 KiB
+a second, one that writes a line now and then in one small request (SPEC.md,
 section 16, "Streams while a job runs"). The files are the job's: opened through
 :func:`gpuwarden.safefs.open_file` (no link, no FIFO, a regular file only).
 """
@@ -23,8 +26,12 @@ from gpuwarden.cluster.logcopy import MAX_CHUNK, STREAMS
 
 log = logging.getLogger("gpuwarden.agent")
 
-#: the least time between two requests of one stream
+#: the least time between two bursts of one stream
 EVERY_S = 1.0
+#: the most chunks of one stream in one burst (8 x 64 KiB: 512 KiB a second)
+BURST_CHUNKS = 8
+#: a burst stops after this long, whatever is left (the loop waits meanwhile)
+BURST_S = 0.1
 #: the most chunks of a stream sent at an attempt's end, before its finish
 FINAL_CHUNKS = 16
 
@@ -67,7 +74,20 @@ class LogShipper:
                     if not self._send_one(job_id, lease_id, local_id, (attempt, stream), state):
                         break
             elif self.monotonic() - state.at >= EVERY_S:
-                self._send_one(job_id, lease_id, local_id, (attempt, stream), state)
+                self._burst(job_id, lease_id, local_id, (attempt, stream), state)
+
+    def _burst(
+        self, job_id: str, lease_id: str, local_id: str, which: tuple[int, str], state: _Sent
+    ) -> None:
+        """Chunks of one stream while each is full (more is waiting), up to
+        :data:`BURST_CHUNKS` and :data:`BURST_S`."""
+        began = self.monotonic()
+        for _ in range(BURST_CHUNKS):
+            before = state.offset
+            if not self._send_one(job_id, lease_id, local_id, which, state):
+                return
+            if state.offset - before < MAX_CHUNK or self.monotonic() - began >= BURST_S:
+                return
 
     def _send_one(
         self, job_id: str, lease_id: str, local_id: str, which: tuple[int, str], state: _Sent

@@ -2,6 +2,9 @@
 
 Every coordinator runs one; only the one holding the store's maintenance lock
 (PostgreSQL: a session advisory lock) sweeps, the others try again each time.
+Each also removes, every :data:`~gpuwarden.cluster.logcopy.PRUNE_EVERY_S`, the
+copies of ended attempts' streams it keeps in its own state directory
+(:func:`gpuwarden.cluster.logcopy.prune`).
 """
 
 from __future__ import annotations
@@ -10,14 +13,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from gpuwarden.cluster import logcopy
 from gpuwarden.cluster.coordinator import sweep
 from gpuwarden.config import ClusterSettings
 from gpuwarden.registry import Registry
 from gpuwarden.store.cluster import ClusterStore
 
 log = logging.getLogger("gpuwarden.cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class LogCopies:
+    """Where this coordinator keeps its copies of streams, and for how long."""
+
+    root: Path
+    keep_s: float
 
 
 class Sweeper:
@@ -28,8 +42,11 @@ class Sweeper:
         settings: ClusterSettings,
         *,
         clock: Callable[[], float] = time.time,
+        logs: LogCopies | None = None,
     ) -> None:
         self.store = store
+        self.logs = logs
+        self._pruned_at = -1e18
         self.registry = registry
         self.settings = settings
         self.clock = clock
@@ -68,9 +85,29 @@ class Sweeper:
         self.last = got
         return got
 
+    def prune_logs(self) -> int:
+        """Remove the copies of ended attempts' streams not written for their
+        keep time; how many attempts' copies went."""
+        if self.logs is None:
+            return 0
+        now = self.clock()
+        self._pruned_at = now
+        gone = logcopy.prune(self.logs.root, now=now, keep_s=self.logs.keep_s, ended=self._ended)
+        if gone:
+            log.info("removed the stream copies of %d ended attempts", gone)
+        return gone
+
+    def _ended(self, job_id: str, number: int) -> bool:
+        for attempt in self.store.attempts(job_id):
+            if attempt.number == number:
+                return attempt.ended_at is not None
+        return True  # no such attempt (the job is gone): nothing to serve it to
+
     def _run(self) -> None:
         while not self._stop.wait(self.settings.sweep_every_s):
             try:
                 self.once()
+                if self.clock() - self._pruned_at >= logcopy.PRUNE_EVERY_S:
+                    self.prune_logs()
             except Exception:  # the sweeper must outlive a failing store call
                 log.exception("maintenance sweep failed")

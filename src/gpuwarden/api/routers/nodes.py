@@ -50,7 +50,7 @@ from gpuwarden.cluster import logcopy
 from gpuwarden.cluster.nodeview import Timing, node_view
 from gpuwarden.cluster.report import grant_json, node_json
 from gpuwarden.cluster.routes import without_routes
-from gpuwarden.cluster.sweeper import Sweeper
+from gpuwarden.cluster.sweeper import LogCopies, Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
@@ -796,6 +796,7 @@ def install_sweeper(app: FastAPI, *, clock: Callable[[], float] | None = None) -
     store: Store = ctx.store
     if not isinstance(store, ClusterStore):  # pragma: no cover - both stores are
         return
-    sweeper = Sweeper(store, ctx.registry, ctx.config.cluster, clock=clock or ctx.clock)
+    logs = LogCopies(logs_root(ctx), ctx.config.api.log_keep_days * 86400.0)
+    sweeper = Sweeper(store, ctx.registry, ctx.config.cluster, clock=clock or ctx.clock, logs=logs)
     app.state.gw_sweeper = sweeper
     run_while_serving(app, sweeper.start, sweeper.stop)
