@@ -18,6 +18,7 @@ from gpuwarden.cluster import nodeview as nv
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.errors import BundleError
 from gpuwarden.intake.manifest import manifest_doc, parse_manifest
+from gpuwarden.node import explain
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore
@@ -81,6 +82,9 @@ def test_submit_gpus_into_the_local_store(
         assert store.get_job("p0") is None and store.get_job("e") is None
         [entry] = store.queue_entries()
         assert entry.gpus == 3
+        # explain and preview plan with it (their view of the queue)
+        [queued] = explain.queued_entries(store, Registry.load(MODULES))
+        assert queued.id == "p3" and queued.gpus == 3
     finally:
         store.close()
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from gpuwarden.core import dependencies, footprint, policy, profile
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, Usage, why_behind
-from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes
+from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes, gpu_count
 from gpuwarden.core.ramadmit import UNSAMPLED, RamView
 from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
@@ -169,6 +169,7 @@ def queued_entries(
                 owner=job.owner or "",
                 usage=use.get(job.owner or "", 0.0),
                 ram=effective_need(jobtype, job.ram),
+                gpus=gpu_count(jobtype, job.gpus),
             )
         )
     return out
