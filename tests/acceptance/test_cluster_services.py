@@ -3,10 +3,14 @@ a coordinator on a fresh PostgreSQL database and one agent, each a process of it
 own. The coordinator serves the agent's running service at ``/run/<name>/`` with
 the route credential the agent's heartbeat reported; a token that may not use it
 gets the same 404 as an unknown name; the agent killed with SIGKILL turns the URL
-into the unavailable page within the heartbeat window, never a stale answer."""
+into the unavailable page within the heartbeat window, never a stale answer, and
+closes a client's WebSocket with a reason; once its lease expired the route is
+kept as stopped: still the unavailable page (not a 404) to those who may reach
+it, the same 404 to everyone else."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +20,8 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
 
 from tests.acceptance.test_cluster import Cluster, wait_for
 from tests.acceptance.test_cluster_preemption import running_cluster
@@ -62,6 +68,8 @@ def test_the_coordinator_serves_an_agents_service_until_the_agent_dies(cluster: 
     bob = _token(c, "bob", "submitter")
     with c.client() as client:
         client.submit("testmods.web", {}, id="svc1", service="hello")
+        client.submit("testmods.wsweb", {}, id="svc2", service="wsecho")
+    loop = asyncio.new_event_loop()
     try:
         seen: list[httpx.Response] = []
 
@@ -80,6 +88,9 @@ def test_the_coordinator_serves_an_agents_service_until_the_agent_dies(cluster: 
         # another token that may not use it: the same 404 as a name no service has
         assert _get(c, bob, "/run/hello/echo").status_code == 404
         assert _get(c, c.owner, "/run/nosuch/").status_code == 404
+        # a WebSocket through the coordinator, open when the agent dies
+        wait_for("the WebSocket service", lambda: _get(c, c.owner, "/run/wsecho/echo").is_success)
+        ws = loop.run_until_complete(_ws_open(c, c.owner, "/run/wsecho/ws"))
         # the agent dies (SIGKILL): confirmed dead first
         agent = c.agents["s1"].proc
         assert agent is not None
@@ -101,7 +112,44 @@ def test_the_coordinator_serves_an_agents_service_until_the_agent_dies(cluster: 
         # within the heartbeat window (10 s leases: a beat each 1.7 s; two beats and
         # a second), the cache's second and this poll's
         assert took < 8, took
+        # the client's WebSocket was closed, with a reason (its agent's connection broke)
+        code, reason = loop.run_until_complete(_ws_closed(ws))
+        assert (code, reason) == (1011, "the service went away")
+
+        # the lease expires (10 s): the sweep ends the attempt and keeps the route as
+        # stopped: still the unavailable page, never a 404 or a stale answer
+        def stopped() -> httpx.Response | None:
+            got = _get(c, c.owner, "/run/hello/echo")
+            assert got.status_code == 503, (got.status_code, got.text)
+            return got if got.json()["state"] == "stopped" else None
+
+        page = wait_for("the stopped page", stopped, timeout=40)
+        assert page.json()["error"].startswith("hello is unavailable, last seen ")
+        assert page.json()["error"].endswith("(it is stopped)")
+        assert page.headers["cache-control"] == "no-store"
+        # an outsider: the same 404 as a name no service has
+        assert _get(c, bob, "/run/hello/echo").status_code == 404
+        assert _get(c, bob, "/run/hello/echo").json() == _get(c, bob, "/run/nosuch/").json()
     finally:
-        for p in _service_processes("svc1"):  # the orphan the killed agent left
-            if p.pid != os.getpid():
-                p.kill()
+        loop.close()
+        for job_id in ("svc1", "svc2"):
+            for p in _service_processes(job_id):  # the orphans the killed agent left
+                if p.pid != os.getpid():
+                    p.kill()
+
+
+async def _ws_open(c: Cluster, token: str, path: str) -> ClientConnection:
+    ws = await connect(
+        "ws" + c.urls[0].removeprefix("http") + path,
+        additional_headers={"Authorization": f"Bearer {token}"},
+    )
+    await ws.send("before")
+    assert await ws.recv() == "before"
+    return ws
+
+
+async def _ws_closed(ws: ClientConnection) -> tuple[int | None, str | None]:
+    with pytest.raises(ConnectionClosed) as caught:
+        await asyncio.wait_for(ws.recv(), 20)
+    got = caught.value.rcvd
+    return (got.code, got.reason) if got is not None else (None, None)
