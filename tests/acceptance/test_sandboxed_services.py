@@ -133,8 +133,10 @@ def site(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Site]:
         need_tool("bwrap")
         extra = 'container_runtime = "bubblewrap"\n'
     else:
-        image = request.getfixturevalue("podman_base_image")
-        extra = f'container_runtime = "podman"\nsandbox_image = "{image}"\n'
+        base = request.getfixturevalue("podman_base_image")
+        inspect = ["podman", "image", "inspect", "--format", "{{.Id}}", base]
+        image = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
+        extra = f'container_runtime = "podman"\nsandbox_image = "{image}"\n'  # pinned: its id
     config = write_config(tmp_path, grace=5, extra=extra)
     broker = ApiBroker(config)
     state = tmp_path / "state"
