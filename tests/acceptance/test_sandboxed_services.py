@@ -75,6 +75,12 @@ def marked(job_id: str) -> list[psutil.Process]:
     return out
 
 
+def alive(p: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    return False
+
+
 def containers(job_id: str) -> list[str]:
     """The ids of the podman containers (any state) of ``job_id``."""
     done = subprocess.run(
@@ -222,3 +228,45 @@ def test_a_sandboxed_service_is_served_at_run_and_adopted_after_its_broker_is_ki
         poll(lambda: not containers(site.job_id), "its container removed", timeout=30)
     r = site.get(f"/run/{NAME}/echo", site.alice)
     assert r.status_code == 503 and r.json()["state"] == "stopped", r.text
+
+
+@pytest.fixture
+def bwrap_site(tmp_path: Path) -> Iterator[Site]:
+    need_tool("bwrap")
+    config = write_config(tmp_path, grace=5, extra='container_runtime = "bubblewrap"\n')
+    broker = ApiBroker(config)
+    state = tmp_path / "state"
+    s = Site(tmp_path, config, "bubblewrap", broker, token(state, "alice"), token(state, "eve"))
+    yield s
+    if s.broker.proc.poll() is None:
+        s.broker.stop()
+    for p in marked(s.job_id):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
+def test_a_sandboxed_service_that_does_not_answer_at_the_restart_is_stopped_not_adopted(
+    bwrap_site: Site,
+) -> None:
+    site = bwrap_site
+    made = run_env(
+        "submit", "testmods.wsplain", "--id", "svc", "--service", NAME, "--url",
+        site.broker.url, token=site.alice[1],
+    )  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    poll(lambda: served(site), "the service served at /run/", timeout=120)
+    site.broker.proc.send_signal(signal.SIGKILL)
+    assert site.broker.proc.wait(10) == -signal.SIGKILL
+    # the service hangs (SIGSTOP): its port still takes a connection, nothing answers
+    old = marked(site.job_id)
+    app = [p for p in old if any("wsplain.py" in a for a in p.cmdline())]
+    assert app
+    for p in app:
+        p.send_signal(signal.SIGSTOP)
+    site.broker = ApiBroker(site.config)
+    poll(lambda: events(site, "service_not_adopted"), "service_not_adopted", timeout=60)
+    assert not events(site, "service_adopted")
+    # stopped as before: every process of that attempt gone, the attempt interrupted
+    poll(lambda: not any(alive(p) for p in old), "its processes gone", 30)
+    first = site.attempts()[0]
+    assert first.ended_at is not None and first.outcome == "interrupted", first
