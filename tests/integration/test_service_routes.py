@@ -104,6 +104,11 @@ def test_heartbeat_keeps_the_routes_of_running_leased_services_only(
     # the stored node report never holds a credential
     node = s.get_node("n")
     assert node is not None and "services" not in node.report and CRED not in str(node.report)
+    # a node never makes a route "stopped" (only the job's end here does)
+    co.heartbeat(s, "n", beat(entry(state="stopped")), 4.5, 10.0, held=["w1"])
+    assert s.service_routes() == []
+    co.heartbeat(s, "n", beat(entry()), 4.6, 10.0, held=["w1"])
+    assert [r.route.state for r in s.service_routes()] == ["healthy"]
     # a name that is not the job's service name is not taken
     co.heartbeat(s, "n", beat(entry(name="hijack")), 5.0, 10.0, held=["w1"])
     assert s.service_routes() == []

@@ -68,6 +68,8 @@ def record_routes(
             continue
         if job.state is not JobState.RUNNING or job.service_name != r.name:
             continue
+        if r.state == STOPPED:  # only the job's end here makes a route stopped
+            continue
         kept.append(dataclasses.replace(r, owner=job.owner, share=tuple(job.share)))
     return store.put_service_routes(node, kept, now)
 
