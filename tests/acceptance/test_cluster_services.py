@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 
@@ -153,3 +154,57 @@ async def _ws_closed(ws: ClientConnection) -> tuple[int | None, str | None]:
         await asyncio.wait_for(ws.recv(), 20)
     got = caught.value.rcvd
     return (got.code, got.reason) if got is not None else (None, None)
+
+
+@pytest.fixture(scope="module")
+def podman_cluster(
+    pg_url: str, tmp_path_factory: pytest.TempPathFactory, podman_base_image: str
+) -> Iterator[Cluster]:
+    inspect = ["podman", "image", "inspect", "--format", "{{.Id}}", podman_base_image]
+    image = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
+    sandboxed = {"container_runtime": "podman", "sandbox_image": image}
+    tmp = tmp_path_factory.mktemp("xsvcpod")
+    with running_cluster(pg_url, tmp, {"p1": {"vram_gib": 24}}, agent_config=sandboxed) as c:
+        yield c
+
+
+def test_the_coordinator_serves_an_agents_podman_service_over_http_and_websocket(
+    podman_cluster: Cluster,
+) -> None:
+    c = podman_cluster
+    eve = _token(c, "eve", "submitter")
+    with c.client() as client:
+        client.submit("testmods.wsplain", {}, id="pod1", service="podweb")
+    try:
+        seen: list[httpx.Response] = []
+
+        def served() -> httpx.Response | None:
+            got = _get(c, c.owner, "/run/podweb/echo?x=1")
+            seen.append(got)
+            return got if got.status_code == 200 else None
+
+        try:
+            answer = wait_for("the podman service at /run/podweb/", served, timeout=120)
+        except AssertionError:
+            raise AssertionError((seen[-1].status_code, seen[-1].text)) from None
+        assert answer.json()["path"] == "/echo?x=1"
+        assert _get(c, eve, "/run/podweb/echo").status_code == 404
+
+        async def echo() -> None:
+            ws = await _ws_open(c, c.owner, "/run/podweb/ws")
+            try:
+                await ws.send(b"\x00\x01binary")
+                assert await ws.recv() == b"\x00\x01binary"
+            finally:
+                await ws.close()
+
+        asyncio.run(asyncio.wait_for(echo(), 30))
+        # it runs in a container of the agent's podman, labelled with its attempt
+        ids = subprocess.run(
+            ["podman", "ps", "--filter", "label=gpuwarden.job=pod1", "--format", "{{.ID}}"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        assert len(ids) == 1, ids
+    finally:
+        with c.client() as client:
+            client.stop("pod1")
