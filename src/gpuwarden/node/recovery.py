@@ -77,8 +77,9 @@ class Recovery:
         if leftovers:
             self.emit("leftovers_stopped", reaped=reaped_all, survivors=survivors_all)
         if self.sandbox is not None:
-            keep = [attempt_name_of(self.instance, j.id, j.attempts) for j in running]
-            keep = [name for j, name in zip(running, keep, strict=True) if j.id in adopted]
+            keep = [
+                attempt_name_of(self.instance, j.id, j.attempts) for j in running if j.id in adopted
+            ]
             removed = self.sandbox.remove_leftovers(self.instance, but=keep)
             if removed:
                 self.emit("leftover_containers_removed", containers=removed)
