@@ -42,12 +42,16 @@ pytestmark = pytest.mark.timeout(300)
 
 @contextlib.contextmanager
 def running_cluster(
-    pg_url: str, tmp: Path, agents: dict[str, dict[str, Any]], lease_s: float = LEASE_S
+    pg_url: str,
+    tmp: Path,
+    agents: dict[str, dict[str, Any]],
+    lease_s: float = LEASE_S,
+    agent_config: dict[str, Any] | None = None,
 ) -> Iterator[Cluster]:
     """A coordinator on a fresh PostgreSQL database (leases of ``lease_s``) and one
-    agent per entry of ``agents`` (its name: its ``[sim_gpu]`` settings), each a
-    process of its own; yielded once every agent has reported its GPUs, stopped and
-    dropped after."""
+    agent per entry of ``agents`` (its name: its ``[sim_gpu]`` settings; each
+    agent's config has ``agent_config``'s keys too), each a process of its own;
+    yielded once every agent has reported its GPUs, stopped and dropped after."""
     dbname = f"gw_{tmp.name[:20]}_{uuid.uuid4().hex[:12]}".lower()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
@@ -95,6 +99,7 @@ def running_cluster(
                     "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
                     "broker": {"poll_interval_s": 0.05, "shutdown_grace_s": 2},
                     "cluster": {"claim_every_s": 0.3, "max_jobs": 4},
+                    **(agent_config or {}),
                 },
             )
             gib = int(sim_gpu.get("vram_gib", 24))

@@ -5,13 +5,14 @@ silent; every store backend, with injected time."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster import nodeview as nv
 from gpuwarden.cluster.routes import RouteBook, record_routes
 from gpuwarden.core.model import JobSpec
-from gpuwarden.core.serviceroute import UNAVAILABLE, availability
+from gpuwarden.core.serviceroute import STOPPED_KEEP_S, UNAVAILABLE, availability
 from gpuwarden.core.states import JobState
 from gpuwarden.registry import Registry
 from gpuwarden.store.cluster import ClusterStore, NodeState
@@ -103,6 +104,11 @@ def test_heartbeat_keeps_the_routes_of_running_leased_services_only(
     # the stored node report never holds a credential
     node = s.get_node("n")
     assert node is not None and "services" not in node.report and CRED not in str(node.report)
+    # a node never makes a route "stopped" (only the job's end here does)
+    co.heartbeat(s, "n", beat(entry(state="stopped")), 4.5, 10.0, held=["w1"])
+    assert s.service_routes() == []
+    co.heartbeat(s, "n", beat(entry()), 4.6, 10.0, held=["w1"])
+    assert [r.route.state for r in s.service_routes()] == ["healthy"]
     # a name that is not the job's service name is not taken
     co.heartbeat(s, "n", beat(entry(name="hijack")), 5.0, 10.0, held=["w1"])
     assert s.service_routes() == []
@@ -157,4 +163,56 @@ def test_a_route_goes_with_its_job_and_is_unavailable_once_its_node_is_silent(
         reason="stopped",
         now=9.5,
     )
+    # its route is kept as stopped: no upstream, no credential, never forwarded
+    (rec,) = s.service_routes()
+    assert rec.route.state == "stopped" and rec.route.upstream == "" and rec.route.credential == ""
+    assert rec.route.since == 9.5 and rec.route.last_ok is not None
+    # a heartbeat that no longer reports it leaves the stopped route alone
+    co.heartbeat(s, "n", beat(), 10.0, 10.0, held=[])
+    clock[0] = 10.0 + 60.0  # long past the heartbeat window: still "stopped"
+    stopped = RouteBook(s, clock=lambda: clock[0], cache_s=0.0)()["hello"]
+    assert stopped.state == "stopped"
+    why = availability(stopped, clock[0])
+    assert why is not None and why.message.startswith("hello is unavailable, last seen ")
+    assert why.message.endswith("(it is stopped)")
+
+
+def test_a_stopped_route_is_kept_for_a_while_then_dropped_and_a_new_service_replaces_it(
+    s: ClusterStore, registry: Registry
+) -> None:
+    running_service(s, registry)
+    co.heartbeat(s, "n", beat(entry()), 4.0, 10.0, held=["w1"])
+    # the node goes silent and its lease expires: the sweep keeps the route stopped
+    lease = s.lease_of("w1")
+    assert lease is not None
+    late = lease.expires_at + 1.0
+    co.sweep(s, late, registry=registry)
+    (rec,) = s.service_routes()
+    assert rec.route.state == "stopped" and rec.route.since == late
+    book = RouteBook(s, clock=lambda: late + STOPPED_KEEP_S - 1, cache_s=0.0)
+    assert book()["hello"].state == "stopped"
+    # past STOPPED_KEEP_S: a name nobody has (the book skips it, the sweep drops it)
+    assert "hello" not in RouteBook(s, clock=lambda: late + STOPPED_KEEP_S + 1)()
+    assert s.drop_stopped_routes(late - 1) == 0 and s.service_routes()
+    # a new service of the same name, on another node, replaces the stopped route
+    assert (
+        s.put_service_routes(
+            "other",
+            [
+                dataclasses.replace(
+                    rec.route,
+                    job_id="w9",
+                    state="healthy",
+                    upstream="http://10.0.0.9:1",
+                    credential=CRED,
+                )
+            ],
+            late + 2,
+        )
+        == 1
+    )
+    (again,) = s.service_routes()
+    assert again.node == "other" and again.route.job_id == "w9" and again.route.state == "healthy"
+    s.stop_service_route("w9", late + 3)
+    co.sweep(s, late + 3 + STOPPED_KEEP_S + 1, registry=registry)
     assert s.service_routes() == []

@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +16,11 @@ import psutil
 import pytest
 
 from gpuwarden.app import Node, open_node
+from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
+from gpuwarden.launch.base import attempt_name_of
+from gpuwarden.launch.sandbox import LABEL_ATTEMPT, LABEL_INSTANCE, LABEL_JOB, SandboxLauncher
 from gpuwarden.node.services import ROUTE_HEADER, STOPPED_KEEP_S, Forwarder, ServiceRoute
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES, need_tool
@@ -221,3 +225,42 @@ def test_a_forwarder_takes_the_current_and_the_previous_credential_only() -> Non
             assert asks("first-credential").startswith(b"HTTP/1.1 403")
         finally:
             fwd.close()
+
+
+def test_a_podman_service_is_adopted_only_from_its_own_running_container(
+    podman_base_image: str,
+) -> None:
+    """adoptable_pid finds the attempt's container by its name, and takes it only
+    running and with this instance's, job's and attempt's labels."""
+    launcher = SandboxLauncher(Runtime.PODMAN, image=podman_base_image)
+    instance, name = "adopt-test", attempt_name_of("adopt-test", "j1", 1)
+
+    def run(*labels: str) -> None:
+        subprocess.run(["podman", "rm", "--force", name], capture_output=True, check=False)
+        # as the launcher runs it here: the ulimits it sets, and on a host that mixes
+        # cgroup v1 controllers with a v2 mount, in a mount namespace without the latter
+        hybrid = 'umount /sys/fs/cgroup/unified 2>/dev/null; exec "$@"'
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", hybrid, "sh"]
+        argv += ["podman", "run", "--detach", "--name", name, "--network", "none"]
+        argv += ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+        for label in labels:
+            argv += ["--label", label]
+        argv += [podman_base_image, "sleep", "60"]
+        subprocess.run(argv, capture_output=True, check=True)
+
+    own = (f"{LABEL_INSTANCE}={instance}", f"{LABEL_JOB}=j1", f"{LABEL_ATTEMPT}=1")
+    try:
+        assert launcher.adoptable_pid(instance, "j1", 1, 12345) is None  # no container
+        run(*own)
+        pid = launcher.adoptable_pid(instance, "j1", 1, 12345)
+        assert pid is not None and pid != 12345 and psutil.pid_exists(pid)
+        assert launcher.adoptable_pid(instance, "j1", 2, 12345) is None  # another attempt
+        run(own[0], own[1], f"{LABEL_ATTEMPT}=7")  # its name, another attempt's label
+        assert launcher.adoptable_pid(instance, "j1", 1, 12345) is None
+        subprocess.run(["podman", "stop", "--time", "0", name], capture_output=True, check=True)
+        assert launcher.adoptable_pid(instance, "j1", 1, 12345) is None  # not running
+        run(*own)
+        launcher.release_adopted(instance, "j1", 1)
+        assert not launcher.exists(name)
+    finally:
+        subprocess.run(["podman", "rm", "--force", name], capture_output=True, check=False)

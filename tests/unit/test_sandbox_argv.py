@@ -237,6 +237,15 @@ def test_bwrap_as_root_is_started_by_the_starter_which_drops_to_the_sandbox_user
     assert launcher.job_owner == (65534, 65534)
 
 
+def test_a_services_bubblewrap_outlives_the_broker_so_that_the_next_one_adopts_it() -> None:
+    launcher = SandboxLauncher(Runtime.BUBBLEWRAP, pids_cgroups=PIDS, as_root=True)
+    _, bwrap = split_bwrap(launcher.argv(request(outlives_broker=True)))
+    assert "--die-with-parent" not in bwrap
+    assert "--unshare-all" in bwrap and "--new-session" in bwrap  # the rest as ever
+    _, bwrap = split_bwrap(launcher.argv(request()))
+    assert "--die-with-parent" in bwrap
+
+
 def test_bwrap_without_a_pids_cgroup_limits_nproc_to_pids() -> None:
     launcher = SandboxLauncher(Runtime.BUBBLEWRAP, pids_cgroups=None, as_root=True)
     starter, _ = split_bwrap(launcher.argv(request()))

@@ -64,6 +64,7 @@ from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, gib_hours, reported_he
 from gpuwarden.core.model import Event, Job, JobSpec, JobType
 from gpuwarden.core.placement import CrossPreempt, NodeView, Offerable
 from gpuwarden.core.preempt import Victim
+from gpuwarden.core.serviceroute import STOPPED_KEEP_S
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import TransitionError, UserError
 from gpuwarden.registry import Registry
@@ -577,7 +578,7 @@ def finish(
         )
     except TransitionError as exc:
         raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
-    store.drop_service_route(job_id)  # a service's attempt ended: its route goes
+    store.stop_service_route(job_id, now)  # a service's attempt ended: kept as stopped
     if held_bytes and half_life_s > 0:
         charge(store, node_name, job, lease.attempt, held_bytes, now=now, half_life_s=half_life_s)
     kept = False
@@ -930,7 +931,7 @@ def _reclaim(
             except TransitionError:
                 pass  # its node's own report came first
             store.add_lost(job.id, lease.node, now=now)
-    store.drop_service_route(lease.job_id)
+    store.stop_service_route(lease.job_id, now)
     store.drop_lease(lease.job_id, lease_id=lease.lease_id)
     return ended
 
@@ -973,6 +974,7 @@ def sweep(
             cancelled += 1
         except TransitionError:
             pass
+    store.drop_stopped_routes(now - STOPPED_KEEP_S)
     return {
         "leader": True,
         "dropped": dropped,

@@ -13,6 +13,11 @@ proxy at ``/run/<name>/``.
   that its node has not reported within its heartbeat window, is answered
   ``unavailable`` (``NAME is unavailable, last seen N s ago``), never forwarded.
   A coordinator that restarts reads the same rows: no route is lost.
+* A route whose job's attempt ended (its finish, or the sweep taking back an
+  expired lease) is kept as ``stopped`` for :data:`STOPPED_KEEP_S`
+  (``ClusterStore.stop_service_route``): those who may reach it get the
+  unavailable page (``NAME is unavailable, last seen N s ago (it is stopped)``),
+  everyone else the same 404 as before; a new service of that name replaces it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from gpuwarden.cluster.nodeview import heartbeat_window_s, reported_routes
-from gpuwarden.core.serviceroute import UNAVAILABLE, ServiceRoute
+from gpuwarden.core.serviceroute import STOPPED, STOPPED_KEEP_S, UNAVAILABLE, ServiceRoute
 from gpuwarden.core.states import JobState
 from gpuwarden.store.cluster import ClusterStore, Lease, NodeRecord, NodeState
 
@@ -62,6 +67,8 @@ def record_routes(
         if job is None or lease is None or not lease.live(now) or lease.node != node:
             continue
         if job.state is not JobState.RUNNING or job.service_name != r.name:
+            continue
+        if r.state == STOPPED:  # only the job's end here makes a route stopped
             continue
         kept.append(dataclasses.replace(r, owner=job.owner, share=tuple(job.share)))
     return store.put_service_routes(node, kept, now)
@@ -106,7 +113,10 @@ class RouteBook:
             for rec in self.store.service_routes():
                 node = nodes.get(rec.node)
                 route = rec.route
-                if node is None or _gone(node, rec.updated_at, now):
+                if route.state == STOPPED:
+                    if now - route.since > STOPPED_KEEP_S:
+                        continue  # kept long enough: a name nobody has
+                elif node is None or _gone(node, rec.updated_at, now):
                     route = dataclasses.replace(route, state=UNAVAILABLE)
                 routes[route.name] = route
             self._routes, self._read_at = routes, now

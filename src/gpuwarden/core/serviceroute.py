@@ -25,6 +25,10 @@ STATES: Final = frozenset({STARTING, HEALTHY, UNHEALTHY, STOPPED})
 UNAVAILABLE: Final = "unavailable"
 #: what a client is told to wait before it asks a starting service again (seconds)
 STARTING_RETRY_S: Final = 2
+#: how long an ended service's route is kept as ``stopped`` (seconds), by a broker
+#: and by a coordinator: ``/run/<name>/`` answers "unavailable, last seen N s ago"
+#: to those who may reach it (not a 404), then the name is one nobody has
+STOPPED_KEEP_S: Final = 600.0
 
 
 @dataclass(frozen=True, slots=True)

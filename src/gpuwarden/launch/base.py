@@ -98,6 +98,9 @@ class LaunchRequest:
     image_build: ImageBuild | None = None
     #: the id of the image built (or found) for ``image_build``: set by the launcher
     image_id: str = ""
+    #: a service's attempt: it may outlive the broker (a restarted broker adopts
+    #: it), so bubblewrap runs it without ``--die-with-parent``
+    outlives_broker: bool = False
 
     @property
     def marker(self) -> str:
@@ -117,8 +120,13 @@ def instance_prefix(instance: str) -> str:
 def attempt_name(req: LaunchRequest) -> str:
     """A name unique to the broker instance, job and attempt: a container's name,
     and the name of the attempt's own cgroups (one path component, no ``/``)."""
-    job = re.sub(r"[^A-Za-z0-9_.-]", "_", req.job_id)[:80]
-    return f"{instance_prefix(req.instance)}{job}-{req.attempt}"
+    return attempt_name_of(req.instance, req.job_id, req.attempt)
+
+
+def attempt_name_of(instance: str, job_id: str, attempt: int) -> str:
+    """:func:`attempt_name` of attempt ``attempt`` of ``job_id`` under ``instance``."""
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:80]
+    return f"{instance_prefix(instance)}{job}-{attempt}"
 
 
 @dataclass(frozen=True, slots=True)

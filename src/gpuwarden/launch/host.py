@@ -872,23 +872,36 @@ def _main_proc(pid: int) -> psutil.Process | None:
 
 
 def watch_adopted(
-    req: LaunchRequest, pid: int, stop: threading.Event, on_end: Callable[[LaunchResult], None]
+    req: LaunchRequest,
+    pid: int,
+    stop: threading.Event,
+    on_end: Callable[[LaunchResult], None],
+    cleanup: Callable[[], None] | None = None,
 ) -> Ended:
     """Watch the main process ``pid`` of an attempt an earlier run of this broker
     started (no child of this process: the reaper waits on its pidfd, or polls
     it) until it exits or ``stop`` is set; then stop every process that carries
-    its marker and post its result once. Its exit status is not this process's
-    to read: an end by itself is a ``worker_error``."""
+    its marker, run ``cleanup`` (a sandbox's container or cgroups go) and post
+    its result once. Its exit status is not this process's to read: an end by
+    itself is a ``worker_error``."""
     ended = Ended(on_end)
-    _Adopted(req, pid, stop, ended).begin()
+    _Adopted(req, pid, stop, ended, cleanup).begin()
     return ended
 
 
 class _Adopted:
     """One adopted attempt as the reaper sees it."""
 
-    def __init__(self, req: LaunchRequest, pid: int, stop: threading.Event, ended: Ended) -> None:
+    def __init__(
+        self,
+        req: LaunchRequest,
+        pid: int,
+        stop: threading.Event,
+        ended: Ended,
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
         self.req, self.pid, self.stop, self.ended = req, pid, stop, ended
+        self.cleanup = cleanup
         self.started_at = time.time()
         self.main = _main_proc(pid)
         self.watched = reaper.Watched(pid=pid, check=self.check, stop=stop)
@@ -928,6 +941,11 @@ class _Adopted:
             log.exception("stopping adopted attempt %s failed", self.req.marker)
             reaped, survivors = [], [self.pid]
             stopped = stopped or bool(exc)
+        if self.cleanup is not None:
+            try:
+                self.cleanup()
+            except Exception:  # the end is posted whatever happens
+                log.exception("cleaning up after adopted attempt %s failed", self.req.marker)
         attempt_dir = Path(self.req.attempt_dir)
         self.ended.post(
             LaunchResult(

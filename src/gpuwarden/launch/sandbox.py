@@ -65,6 +65,7 @@ from gpuwarden.launch.base import (
     MemoryCapSupport,
     Mount,
     attempt_name,
+    attempt_name_of,
     inside_path,
     instance_prefix,
 )
@@ -364,7 +365,9 @@ class SandboxLauncher:
             return f"{STAGE_DIR}/{len(staged) - 1}"
 
         args = [self.executable, "--unshare-all", "--unshare-user", "--disable-userns"]
-        args += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+        if not req.outlives_broker:  # a service's is adopted by the next broker instead
+            args += ["--die-with-parent"]
+        args += ["--new-session", "--cap-drop", "ALL"]
         args += ["--uid", str(lim.uid), "--gid", str(lim.gid), "--hostname", "gpuwarden"]
         for name in ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             host = Path("/") / name
@@ -861,34 +864,79 @@ class SandboxLauncher:
             raise OSError(f"{self.executable} ps failed: {_last_line(done.stderr)}")
         return [n for n in done.stdout.split() if n]
 
-    def remove_leftovers(self, instance: str) -> list[str]:
-        """Remove every container a crashed run of ``instance`` left (and only those).
+    def remove_leftovers(self, instance: str, but: Sequence[str] = ()) -> list[str]:
+        """Remove every container a crashed run of ``instance`` left (and only those),
+        but those named in ``but`` (the attempts adopted: :func:`attempt_name_of`).
         Returns the names removed; raises OSError when one cannot be removed.
         bubblewrap has no containers: the pids cgroups a crashed run left are
         emptied and removed (logged), and nothing is returned."""
         if self.runtime is Runtime.BUBBLEWRAP:
-            self._remove_leftover_cgroups(instance)
+            self._remove_leftover_cgroups(instance, frozenset(but))
             return []
         removed = []
         for name in self.leftovers(instance):
+            if name in but:
+                continue
             gone, _ = self._remove(name)
             if not gone:
                 raise OSError(f"container {name} could not be removed")
             removed.append(name)
         return removed
 
-    def _remove_leftover_cgroups(self, instance: str) -> None:
+    def _remove_leftover_cgroups(self, instance: str, but: frozenset[str]) -> None:
         prefix = instance_prefix(instance)
         for cgroups in (self.pids_cgroups, self.memory_cgroups):
             if cgroups is None or not cgroups.parent.is_dir():
                 continue
             for path in sorted(cgroups.parent.glob(f"{prefix}*")):
+                if path.name in but:
+                    continue
                 if path.is_dir() and not path.is_symlink():
                     left = cgroups.kill_all(path)
                     if left:
                         raise OSError(f"processes {left} in the cgroup {path} outlived SIGKILL")
                     cgroups.remove(path)
                     log.info("removed the cgroup %s a crashed run left", path)
+
+    # -- adoption (node/adoption.py) ---------------------------------------------
+
+    def adoptable_pid(self, instance: str, job_id: str, attempt: int, recorded: int) -> int | None:
+        """The process an adopted service attempt is watched by and reached through,
+        or None (it does not run). bubblewrap: the PID the store recorded
+        (bubblewrap's own, whose tree holds the sandbox); podman, docker: the main
+        process of the attempt's container, found by its name and running, with
+        its labels this instance's, job's and attempt's (never a bare PID)."""
+        if self.runtime is Runtime.BUBBLEWRAP:
+            return recorded
+        name = attempt_name_of(instance, job_id, attempt)
+        done = self._ctl("inspect", "--type", "container", name, timeout=10)
+        if done.returncode != 0:
+            return None
+        try:
+            (found,) = json.loads(done.stdout)
+            state, labels = found["State"], found["Config"]["Labels"] or {}
+            pid = int(state["Pid"])
+        except (ValueError, TypeError, KeyError):
+            return None
+        wanted = {LABEL_INSTANCE: instance, LABEL_JOB: job_id, LABEL_ATTEMPT: str(attempt)}
+        if not state.get("Running") or pid <= 0:
+            return None
+        return pid if all(labels.get(k) == v for k, v in wanted.items()) else None
+
+    def release_adopted(self, instance: str, job_id: str, attempt: int) -> None:
+        """An adopted attempt ended (its processes are stopped): remove its
+        container (podman, docker) or its cgroups (bubblewrap), as its own end
+        would have."""
+        name = attempt_name_of(instance, job_id, attempt)
+        if self.runtime is not Runtime.BUBBLEWRAP:
+            self._remove(name)
+            return
+        pids = self.pids_cgroups.path(name) if self.pids_cgroups is not None else None
+        memory = self.memory_cgroups.path(name) if self.memory_cgroups is not None else None
+        self._clear_cgroups(
+            pids if pids is not None and pids.is_dir() else None,
+            memory if memory is not None and memory.is_dir() else None,
+        )
 
 
 class _OutputWatch:

@@ -12,13 +12,21 @@ on the ledger again, and the reaper watches its process
 one starts, no second process. Anything else is stopped and ends interrupted,
 as before.
 
-Only services that run as host processes (unsandboxed, with the host launcher)
-are adopted; a sandboxed one is stopped as before.
+A sandboxed service is adopted too: under bubblewrap its main process is the
+PID the store recorded (bubblewrap's, whose tree holds the sandbox's network
+namespace), under podman or docker the main process of the attempt's container,
+found by its name and its labels
+(:meth:`gpuwarden.launch.sandbox.SandboxLauncher.adoptable_pid`); it must carry
+the attempt's marker all the same. Its end removes its container or its cgroups
+(:meth:`~gpuwarden.launch.sandbox.SandboxLauncher.release_adopted`). Its output
+folder's size is no longer watched (only the run that started it watched it).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpuwarden.core.model import Job, LaunchMode
@@ -59,12 +67,22 @@ class Adoption:
         jobtype = self.registry.types.get(job.type)
         if jobtype is None or jobtype.launch is not LaunchMode.SERVICE:
             return None
-        if not isinstance(self.launcher, HostLauncher) or self.launching.sandbox_for(jobtype):
+        sandbox = self.launching.sandbox_for(jobtype)
+        if sandbox is None and not isinstance(self.launcher, HostLauncher):
             return None
         found = [a for a in self.store.attempts(job.id) if a.number == job.attempts]
         if not found or found[0].pid is None or found[0].ended_at is not None:
             return None
-        attempt, pid = found[0], found[0].pid
+        attempt, recorded = found[0], found[0].pid
+        pid: int | None = recorded
+        cleanup: Callable[[], None] | None = None
+        if sandbox is not None:
+            pid = sandbox.adoptable_pid(self.instance, job.id, attempt.number, recorded)
+            cleanup = functools.partial(
+                sandbox.release_adopted, self.instance, job.id, attempt.number
+            )
+        if pid is None:
+            return None
         marker = attempt_marker(self.instance, job.id, attempt.number)
         if not carries(pid, marker):
             return None
@@ -99,6 +117,6 @@ class Adoption:
             kill_grace_s=self.kill_grace_s,
             instance=self.instance,
         )
-        run.thread = watch_adopted(request, pid, run.stop, self.mailbox.post)
+        run.thread = watch_adopted(request, pid, run.stop, self.mailbox.post, cleanup)
         self.emit("service_adopted", job=job.id, attempt=attempt.number, pid=pid)
         return marker

@@ -3,8 +3,9 @@
 An earlier run of this node (the same instance: node name and state directory)
 may have died with attempts running. A running service that still answers is
 adopted first (``adopt``: :mod:`gpuwarden.node.adoption`): it goes on as this
-broker's. Every other process it left (attempts, warm servers) is stopped,
-found by its instance marker, never by a bare PID; its containers are removed.
+broker's (its processes, its container or its cgroups are left alone). Every
+other process it left (attempts, warm servers) is stopped, found by its
+instance marker, never by a bare PID; its containers are removed.
 interrupted, judged by :func:`gpuwarden.core.classify.classify` (an interruption
 spends no retry, up to the type's limit), and the memory it held counts in the
 ledger until the probe shows it free (the reclaim gate).
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from gpuwarden.core.classify import AttemptFacts, classify, interruptions_before
 from gpuwarden.core.model import Job, JobType
 from gpuwarden.errors import TransitionError
-from gpuwarden.launch.base import attempt_marker
+from gpuwarden.launch.base import attempt_marker, attempt_name_of
 from gpuwarden.launch.host import find_attempt_processes, find_instance_processes, stop_processes
 from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.node.attempts import Launching
@@ -76,7 +77,10 @@ class Recovery:
         if leftovers:
             self.emit("leftovers_stopped", reaped=reaped_all, survivors=survivors_all)
         if self.sandbox is not None:
-            removed = self.sandbox.remove_leftovers(self.instance)
+            keep = [
+                attempt_name_of(self.instance, j.id, j.attempts) for j in running if j.id in adopted
+            ]
+            removed = self.sandbox.remove_leftovers(self.instance, but=keep)
             if removed:
                 self.emit("leftover_containers_removed", containers=removed)
         for job in running:

@@ -273,7 +273,9 @@ class AttemptRunner:
             request = dataclasses.replace(request, ram_cap_bytes=cap_for(run, launcher))
             if jobtype.launch is LaunchMode.SERVICE:  # it runs until stopped
                 env = {**request.env, SERVICE_PORT_ENV: str(jobtype.port)}
-                request = dataclasses.replace(request, timeout_s=math.inf, env=env)
+                request = dataclasses.replace(
+                    request, timeout_s=math.inf, env=env, outlives_broker=True
+                )
             run.ram_measured = tree_shows_ram(launcher)
             if isinstance(launcher, Starter):
                 run.thread = launcher.start(

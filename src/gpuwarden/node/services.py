@@ -39,11 +39,13 @@ from typing import Any
 
 from gpuwarden.core.model import JobType
 from gpuwarden.core.service import Health, HealthCheck, ServiceState, overdue, parse_health
-from gpuwarden.core.serviceroute import ServiceRoute
+from gpuwarden.core.serviceroute import STOPPED_KEEP_S, ServiceRoute
 from gpuwarden.launch import netns
 from gpuwarden.node.running import Emit, Mailbox, RunningAttempt, ServiceNote
 
 log = logging.getLogger("gpuwarden.node.loop")
+
+__all__ = ["STOPPED_KEEP_S", "Forwarder", "ServiceRoute", "Services", "check_once"]
 
 #: the header a connection to a forwarder presents first, with the route credential
 ROUTE_HEADER = "X-Gpuwarden-Route"
@@ -53,9 +55,6 @@ HEAD_MAX = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
 #: how long a connection to a service (or a health check) may take to be made
 CONNECT_TIMEOUT_S = 5.0
-#: how long an ended service's route is kept as ``stopped`` (so that ``/run/<name>/``
-#: answers "unavailable, last seen N s ago", and ``status`` shows it, not a 404)
-STOPPED_KEEP_S = 600.0
 _CHUNK = 65536
 _FORBIDDEN = (
     b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: 38\r\n"
@@ -326,9 +325,15 @@ class Services:
             self._gone.pop(entry.name, None)  # the name is served by this one now
 
     def started(self, job_id: str, attempt: int, pid: int) -> None:
-        """Its main process runs: its forwarder listens and its health thread starts."""
+        """Its main process runs: its forwarder listens and its health thread starts.
+        A later ``pid`` of the same attempt is the container's own main process
+        (podman, docker: the first is the runtime's client, whose tree never holds
+        the container): its network namespace is the one connections go into."""
         entry = self._by_job.get(job_id)
-        if entry is None or entry.run.attempt.number != attempt or entry.pid is not None:
+        if entry is None or entry.run.attempt.number != attempt:
+            return
+        if entry.pid is not None:
+            entry.pid = pid
             return
         entry.pid = pid
         forwarder = Forwarder(

@@ -347,7 +347,18 @@ class ClusterStore(Store):
 
     @abc.abstractmethod
     def drop_service_route(self, job_id: str) -> bool:
-        """The job's attempt ended here: its route goes (True when there was one)."""
+        """The job's route goes at once, stopped or not (True when there was one)."""
+
+    @abc.abstractmethod
+    def stop_service_route(self, job_id: str, now: float) -> bool:
+        """The job's attempt ended here: its route is kept as ``stopped`` since
+        ``now``, without upstream or credential (never forwarded again), until
+        :meth:`drop_stopped_routes` or a new route of its name replaces it (True
+        when there was a running one)."""
+
+    @abc.abstractmethod
+    def drop_stopped_routes(self, before: float) -> int:
+        """Drop the routes stopped before ``before``; how many."""
 
     @abc.abstractmethod
     def service_routes(self) -> list[RouteRecord]:

@@ -432,5 +432,11 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
     def drop_service_route(self, job_id: str) -> bool:
         return self._write_one("drop_service_route", {"job_id": job_id}) > 0
 
+    def stop_service_route(self, job_id: str, now: float) -> bool:
+        return self._write_one("stop_service_route", {"job_id": job_id, "now": now}) > 0
+
+    def drop_stopped_routes(self, before: float) -> int:
+        return self._write_one("drop_stopped_routes", {"before": before})
+
     def service_routes(self) -> list[RouteRecord]:
         return [rows.route(r) for r in self._read("service_routes")]

@@ -264,15 +264,26 @@ ON CONFLICT (name) DO UPDATE SET
     share = excluded.share, state = excluded.state, upstream = excluded.upstream,
     credential = excluded.credential, since = excluded.since, last_ok = excluded.last_ok,
     updated_at = excluded.updated_at
- WHERE service_routes.job_id = excluded.job_id OR service_routes.node = excluded.node;
+ WHERE service_routes.job_id = excluded.job_id OR service_routes.node = excluded.node
+    OR service_routes.state = 'stopped';
 
 -- name: drop_node_routes_but
--- the node's routes it no longer reports
+-- the node's routes it no longer reports (an ended one's is kept: stop_service_route)
 DELETE FROM service_routes
- WHERE node = %(node)s AND NOT (name = ANY(%(names)s::text[]));
+ WHERE state <> 'stopped' AND node = %(node)s AND NOT (name = ANY(%(names)s::text[]));
 
 -- name: drop_service_route
 DELETE FROM service_routes WHERE job_id = %(job_id)s;
+
+-- name: stop_service_route
+-- its job's attempt ended: the route is kept as stopped (no upstream, no credential)
+UPDATE service_routes SET state = 'stopped', upstream = '', credential = '',
+    since = %(now)s, updated_at = %(now)s
+ WHERE job_id = %(job_id)s AND state <> 'stopped';
+
+-- name: drop_stopped_routes
+-- the stopped routes kept long enough
+DELETE FROM service_routes WHERE state = 'stopped' AND since < %(before)s;
 
 -- name: service_routes
 SELECT * FROM service_routes ORDER BY name;
