@@ -93,6 +93,12 @@ def check_params(params: dict[str, Any]) -> dict[str, Any]:
 # --- audio --------------------------------------------------------------------
 
 
+def why(exc: Exception, path: Path) -> str:
+    """libsndfile's message without the file's full path (the job's folders are the
+    broker's business): "Error opening 'x.wav': Format not recognised."."""
+    return str(exc).replace(str(path), path.name).strip()
+
+
 def load_audio(path: Path) -> tuple[Any, float, int]:
     """The audio as float32 mono at 16 kHz; its length in seconds; its own rate.
     The length is checked from the header before anything is decoded."""
@@ -102,7 +108,7 @@ def load_audio(path: Path) -> tuple[Any, float, int]:
     try:
         info = sf.info(str(path))
     except Exception as exc:  # libsndfile's own message: "Format not recognised" and the like
-        raise InputError(f"audio {path.name!r} is not readable audio: {exc}") from None
+        raise InputError(f"audio {path.name!r} is not readable audio: {why(exc, path)}") from None
     if info.samplerate <= 0 or info.frames <= 0:
         raise InputError(f"audio {path.name!r} holds no samples")
     seconds = info.frames / info.samplerate
@@ -114,7 +120,7 @@ def load_audio(path: Path) -> tuple[Any, float, int]:
     try:
         data, rate = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as exc:
-        raise InputError(f"audio {path.name!r} could not be decoded: {exc}") from None
+        raise InputError(f"audio {path.name!r} could not be decoded: {why(exc, path)}") from None
     if data.shape[0] == 0:
         raise InputError(f"audio {path.name!r} holds no samples")
     mono = data.mean(axis=1, dtype=np.float32)
@@ -130,13 +136,15 @@ def load_audio(path: Path) -> tuple[Any, float, int]:
 # --- engines ------------------------------------------------------------------
 
 
-def transcribe_pocketsphinx(audio: Any) -> str:
+def transcribe_pocketsphinx(audio: Any, timings: dict[str, float]) -> str:
     """pocketsphinx 5 with the US-English model of its wheel, the whole file as one utterance."""
     import numpy as np
     from pocketsphinx import Decoder
 
     pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+    start = time.monotonic()
     decoder = Decoder(samprate=RATE, loglevel="ERROR")
+    timings["model_load_s"] = time.monotonic() - start
     decoder.start_utt()
     decoder.process_raw(pcm, full_utt=True)
     decoder.end_utt()
@@ -149,7 +157,7 @@ def whisper_checkpoint(name: Any) -> Path:
     weights = os.environ.get("GPUWARDEN_WEIGHTS_DIR", "")
     if not weights:
         raise InputError(
-            "engine whisper needs a staged checkpoint: set [sandbox] weights_dir on the node "
+            "engine whisper needs a staged checkpoint: set the config key sandbox.weights_dir on the node "
             f"and put the .pt file there (whisper_model, default {DEFAULT_WHISPER_MODEL})"
         )
     if not isinstance(name, str) or not name:
@@ -163,12 +171,14 @@ def whisper_checkpoint(name: Any) -> Path:
     return path
 
 
-def transcribe_whisper(audio: Any, checkpoint: Path) -> str:
+def transcribe_whisper(audio: Any, checkpoint: Path, timings: dict[str, float]) -> str:
     """openai-whisper from a local checkpoint (load_model takes a path: nothing is
     downloaded), on the CPU (this is a cpu-lane type), greedy, English."""
     import whisper
 
+    start = time.monotonic()
     model = whisper.load_model(str(checkpoint), device="cpu")
+    timings["model_load_s"] = time.monotonic() - start
     result = model.transcribe(
         audio,
         language="en",
@@ -227,11 +237,12 @@ def main() -> int:
     except ImportError as exc:
         fail(1, f"the speech extra is not installed ({exc}): pip install 'gpuwarden[speech]'")
     loaded = time.monotonic()
+    timings: dict[str, float] = {}
     try:
         if checkpoint is not None:
-            transcript = transcribe_whisper(audio, checkpoint)
+            transcript = transcribe_whisper(audio, checkpoint, timings)
         else:
-            transcript = transcribe_pocketsphinx(audio)
+            transcript = transcribe_pocketsphinx(audio, timings)
     except ImportError as exc:
         fail(1, f"engine {p['engine']} is not installed ({exc})")
     except Exception as exc:
@@ -249,7 +260,9 @@ def main() -> int:
         "hypothesis": normalise(transcript),
         "audio_s": round(seconds, 3),
         "sample_rate": rate,
-        "decode_s": round(decoded - loaded, 3),
+        # the engine's model load, then the transcription itself
+        "model_load_s": round(timings.get("model_load_s", 0.0), 3),
+        "decode_s": round(decoded - loaded - timings.get("model_load_s", 0.0), 3),
         "total_s": round(time.monotonic() - started, 3),
         # ru_maxrss is in KiB on Linux
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
