@@ -337,10 +337,10 @@ def test_bad_params_fail_the_job(
 def test_missing_audio_is_refused_at_submission(extra: None, tmp_path: Path) -> None:
     missing = tmp_path / "missing.wav"
     assert not missing.exists()  # the fault is real
-    rc, out, result = run_once(tmp_path, None, "--audio", missing.name, "--text", GOFORWARD_TEXT)
+    rc, out, _ = run_once(tmp_path, None, "--audio", missing.name, "--text", GOFORWARD_TEXT)
     assert rc == 2, out
     assert "parameter 'audio' names input 'missing.wav', which is not among the job's inputs" in out
-    rc, out, result = run_once(tmp_path, None, "--text", GOFORWARD_TEXT)
+    rc, out, _ = run_once(tmp_path, None, "--text", GOFORWARD_TEXT)
     assert rc == 2, out
     assert "audio" in out and "required" in out, out
 
@@ -354,3 +354,86 @@ def test_whisper_without_staged_weights_fails_with_the_reason(extra: None, tmp_p
         result,
         "engine whisper needs a staged checkpoint: set the config key sandbox.weights_dir",
     )
+
+
+# --- the whisper engine, on a tiny random checkpoint ------------------------------
+
+
+@pytest.fixture(scope="module")
+def whisper_weights(extra: None, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A weights folder holding whisper/tiny_random.pt: a 7 MB openai-whisper
+    checkpoint of random weights (the real tokenizer assets ship in the wheel), saved
+    the way real checkpoints are. It transcribes gibberish, through the real code path."""
+    try:
+        import torch
+        from whisper.model import ModelDimensions, Whisper
+    except ImportError as exc:
+        skip_or_fail(f"{NOT_INSTALLED} (openai-whisper: {exc})")
+    weights = tmp_path_factory.mktemp("weights")
+    (weights / "whisper").mkdir()
+    dims = ModelDimensions(
+        n_mels=80,
+        n_audio_ctx=1500,
+        n_audio_state=32,
+        n_audio_head=2,
+        n_audio_layer=1,
+        n_vocab=51864,  # English-only vocabulary
+        n_text_ctx=448,
+        n_text_state=32,
+        n_text_head=2,
+        n_text_layer=1,
+    )
+    torch.manual_seed(0)
+    torch.save(
+        {"dims": dims.__dict__, "model_state_dict": Whisper(dims).state_dict()},
+        weights / "whisper" / "tiny_random.pt",
+    )
+    weights.chmod(0o755)
+    return weights
+
+
+def test_whisper_checkpoint_from_the_weights_folder(whisper_weights: Path, tmp_path: Path) -> None:
+    """engine whisper loads the staged checkpoint (never a download) in bubblewrap,
+    where the weights folder is mounted read-only, and scores what it heard."""
+    wav = goforward_wav(tmp_path)
+    rc, out, result = run_once(
+        tmp_path,
+        wav,
+        "--text",
+        GOFORWARD_TEXT,
+        "--engine",
+        "whisper",
+        "--whisper_model",
+        "whisper/tiny_random.pt",
+        runtime="bubblewrap",
+        config=f'[sandbox]\nweights_dir = "{whisper_weights}"\n',
+    )
+    result = assert_done(rc, out, result)
+    print(f"\nwhisper tiny random: wer {result['wer']}, transcript {result['transcript'][:80]!r}")
+    assert result["engine"] == "whisper"
+    assert result["whisper_model"] == "whisper/tiny_random.pt"
+    assert isinstance(result["transcript"], str)
+    assert result["pass"] is (result["wer"] <= 0.35)
+    assert result["model_load_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("name", "reason"),
+    [
+        ("../outside.pt", "whisper_model must be a path inside the weights folder"),
+        ("/etc/passwd", "whisper_model must be a path inside the weights folder"),
+        ("whisper/base.en.pt", "whisper_model 'whisper/base.en.pt' is not a file in the weights"),
+    ],
+)
+def test_whisper_model_must_be_a_file_in_the_weights_folder(
+    check: ModuleType,
+    whisper_weights: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    reason: str,
+) -> None:
+    monkeypatch.setenv("GPUWARDEN_WEIGHTS_DIR", str(whisper_weights))
+    assert not (whisper_weights / name).is_file() or name.startswith("/")
+    with pytest.raises(check.InputError, match=re.escape(reason)):
+        check.whisper_checkpoint(name)
+    assert check.whisper_checkpoint("whisper/tiny_random.pt").is_file()

@@ -157,8 +157,9 @@ def whisper_checkpoint(name: Any) -> Path:
     weights = os.environ.get("GPUWARDEN_WEIGHTS_DIR", "")
     if not weights:
         raise InputError(
-            "engine whisper needs a staged checkpoint: set the config key sandbox.weights_dir on the node "
-            f"and put the .pt file there (whisper_model, default {DEFAULT_WHISPER_MODEL})"
+            "engine whisper needs a staged checkpoint: set the config key "
+            "sandbox.weights_dir on the node and put the .pt file there"
+            f" (whisper_model, default {DEFAULT_WHISPER_MODEL})"
         )
     if not isinstance(name, str) or not name:
         raise InputError("whisper_model is empty")
