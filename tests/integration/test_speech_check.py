@@ -303,10 +303,10 @@ def test_too_long_audio_fails_before_decoding(extra: None, tmp_path: Path) -> No
     import soundfile as sf
 
     long = tmp_path / "long.wav"
-    sf.write(long, np.zeros(1000 * 601, dtype=np.int16), 1000)  # 601 s at 1 kHz: 1.2 MB
-    assert sf.info(long).duration > 600  # the fault is real
+    sf.write(long, np.zeros(1000 * 301, dtype=np.int16), 1000)  # 301 s at 1 kHz: 0.6 MB
+    assert sf.info(long).duration > 300  # the fault is real
     rc, out, result = run_once(tmp_path, long, "--text", GOFORWARD_TEXT)
-    assert_failed(rc, out, result, "audio 'long.wav' is 601 s long, more than the limit of 600 s")
+    assert_failed(rc, out, result, "audio 'long.wav' is 301 s long, more than the limit of 300 s")
 
 
 @pytest.mark.parametrize(
