@@ -213,6 +213,22 @@ def test_audio_is_resampled_to_16k_mono(check: ModuleType, tmp_path: Path) -> No
     assert float(np.sqrt(np.mean(audio**2))) == pytest.approx(0.3 / np.sqrt(2), rel=0.02)
 
 
+def test_empty_and_non_finite_audio_are_refused(check: ModuleType, tmp_path: Path) -> None:
+    import numpy as np
+    import soundfile as sf
+
+    empty = tmp_path / "empty.wav"
+    sf.write(empty, np.zeros(0, dtype=np.int16), 16000)
+    assert sf.info(empty).frames == 0  # the fault is real
+    with pytest.raises(check.InputError, match=re.escape("audio 'empty.wav' holds no samples")):
+        check.load_audio(empty)
+    nan = tmp_path / "nan.wav"
+    sf.write(nan, np.full(1600, np.nan, dtype=np.float32), 16000, subtype="FLOAT")
+    assert np.isnan(sf.read(nan)[0]).all()  # the fault is real
+    with pytest.raises(check.InputError, match="holds samples that are not finite numbers"):
+        check.load_audio(nan)
+
+
 # --- through the broker --------------------------------------------------------------
 
 
