@@ -453,3 +453,137 @@ def test_whisper_model_must_be_a_file_in_the_weights_folder(
     with pytest.raises(check.InputError, match=re.escape(reason)):
         check.whisper_checkpoint(name)
     assert check.whisper_checkpoint("whisper/tiny_random.pt").is_file()
+
+
+# --- after a synthesis job: the `after` dependency ---------------------------------
+
+
+@pytest.fixture
+def broker(extra: None, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A broker (``gpuwarden serve``, simulated GPU, bubblewrap with host jobs
+    allowed) on a state folder of its own; its config and the folder for results."""
+    need_tool("bwrap")
+    cfg = tmp_path / "gpuwarden.toml"
+    cfg.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        'container_runtime = "bubblewrap"\nallow_host_jobs = true\n'
+        f'module_paths = ["{MODULES}"]\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")}
+    with (tmp_path / "serve.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwarden", "--config", str(cfg), "--mock-gpu", "serve"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        gw(cfg, "status", "--wait", "60")
+        yield cfg, tmp_path / "results"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def gw(cfg: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuwarden", "--config", str(cfg), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={k: v for k, v in os.environ.items() if not k.startswith("GPUWARDEN_")},
+    )
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def show(cfg: Path, job: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(gw(cfg, "show", job, "--json").stdout)
+    return doc
+
+
+def test_a_check_waits_for_the_job_it_names_in_after(
+    broker: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The README's chain: a check submitted with ``--after afterok:PRODUCER`` is
+    held until the producer is done, then runs. echo.echo stands in for
+    speech.voxcpm2 (another module); the file checked is given at submission,
+    since no job's output can become another's input (README)."""
+    cfg, results = broker
+    wav = goforward_wav(tmp_path)
+    gw(cfg, "submit", "echo.echo", "--id", "tts-1", "--text", "stand-in", "--sleep_s", "3")
+    r = gw(
+        cfg,
+        "submit",
+        "speech.check",
+        "--id",
+        "tts-1-check",
+        "--after",
+        "afterok:tts-1",
+        "--input",
+        str(wav),
+        "--audio",
+        wav.name,
+        "--text",
+        GOFORWARD_TEXT,
+        "--wait",
+        "--results-dir",
+        str(results),
+    )
+    record = json.loads((results / "result.json").read_text())
+    assert record["pass"] is True and record["wer"] == 0.0, r.stdout
+    producer, checker = show(cfg, "tts-1"), show(cfg, "tts-1-check")
+    assert producer["state"] == "done" and checker["state"] == "done"
+    assert checker["after"] == ["afterok:tts-1"]
+    # it started only once the producer had ended
+    ended = producer["attempts_detail"][-1]["ended_at"]
+    assert checker["attempts_detail"][0]["started_at"] >= ended
+
+
+def test_a_check_after_a_failed_producer_fails_without_running(
+    broker: tuple[Path, Path], tmp_path: Path
+) -> None:
+    cfg, _ = broker
+    wav = goforward_wav(tmp_path)
+    gw(
+        cfg,
+        "submit",
+        "echo.echo",
+        "--id",
+        "tts-2",
+        "--text",
+        "x",
+        "--exit_code",
+        "3",
+        "--wait",
+        check=False,
+    )
+    assert show(cfg, "tts-2")["state"] == "failed"  # the fault is real
+    r = gw(
+        cfg,
+        "submit",
+        "speech.check",
+        "--id",
+        "tts-2-check",
+        "--after",
+        "afterok:tts-2",
+        "--input",
+        str(wav),
+        "--audio",
+        wav.name,
+        "--text",
+        GOFORWARD_TEXT,
+        "--wait",
+        check=False,
+    )
+    checker = show(cfg, "tts-2-check")
+    assert checker["state"] == "failed", r.stdout + r.stderr
+    assert checker["reason"] == "dependency afterok:tts-2 can never hold: tts-2 failed"
+    assert checker["attempts_detail"] == []  # it never ran
