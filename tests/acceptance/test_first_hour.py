@@ -47,6 +47,15 @@ SHIPPED: dict[str, list[str]] = {
     "embed.minilm": ["--texts", '["a cat sits on the mat"]'],
     "probe.gpu": ["--cuda", "false"],
     "probe.sandbox": [],
+    # a recording from Debian's pocketsphinx-testdata (CI installs it)
+    "speech.check": [
+        "--input",
+        "/usr/share/pocketsphinx/test/data/cards/001.wav",
+        "--audio",
+        "001.wav",
+        "--text",
+        "ten of clubs",
+    ],
 }
 CONTAINER_AND_SERVE = sorted(t for t in SHIPPED if t != "echo.echo")
 
@@ -149,7 +158,7 @@ def test_types_without_a_config_marks_what_it_refuses_and_why() -> None:
     [containers] = [ln for ln in out.splitlines() if ln.startswith("REFUSED here: burn.custom")]
     assert containers == (
         "REFUSED here: burn.custom, burn.embed, burn.llm, burn.vision, burn.whisper, "
-        "echo.container, probe.gpu, probe.sandbox: each is a container type and "
+        "echo.container, probe.gpu, probe.sandbox, speech.check: each is a container type and "
         'container_runtime is "local" (no sandbox here): set container_runtime to podman, '
         "docker or bubblewrap, or set allow_unsandboxed_containers = true to run it as a "
         "plain host process"
@@ -327,7 +336,12 @@ def assert_ran(type_name: str, r: subprocess.CompletedProcess[str]) -> None:
     if r.returncode == 0:
         assert re.search(r"status\s+done", r.stdout), r.stdout
         return
-    # the one type that needs more than Python: the embed extra (a real model)
+    # the types that need more than Python: the embed extra (a real model) and the
+    # speech extra (offline ASR)
+    if type_name == "speech.check":
+        assert os.environ.get("GPUWARDEN_REQUIRE_SPEECH") != "1", r.stdout + r.stderr
+        assert "the speech extra is not installed" in r.stdout, r.stdout + r.stderr
+        return
     assert type_name == "embed.minilm", r.stdout + r.stderr
     assert os.environ.get("GPUWARDEN_REQUIRE_EMBED") != "1", r.stdout + r.stderr
     assert "the embed extra is not installed" in r.stdout, r.stdout + r.stderr
