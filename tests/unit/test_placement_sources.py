@@ -73,8 +73,10 @@ def test_never_placeable_says_no_node_runs_jobs_from_commits_of_the_repository()
 def test_a_node_whose_launch_rules_refuse_containers_never_takes_one() -> None:
     local = node("l", RUNS, LaunchRules(Runtime.LOCAL))
     assert offers_for(local, [src_job()], [], now=100) == []
-    why = never_placeable(src_job(), [local], sources=False)
+    why = never_placeable(src_job(), [local])
     assert why is not None and "container" in why
+    # not at submission: it waits for a node that runs it
+    assert never_placeable(src_job(), [local], sources=False) is None
 
 
 def test_a_plain_job_is_judged_as_before() -> None:

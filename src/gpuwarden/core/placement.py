@@ -231,8 +231,9 @@ def type_refusal(job: Offerable, node: NodeView, *, sources: bool = True) -> str
     (``has no module for m.t``, ``refuses container types (its runtime is local)``),
     or None when it does. The types it says it runs decide; its modules and launch
     rules say why not (and decide alone before it has said, from its enrolment).
-    A job from a commit is judged by what the node says of jobs from commits
-    (``sources``: False leaves that out, for a submission) and its launch rules."""
+    A job from a commit is judged by what the node says of jobs from commits and
+    its launch rules (``sources``: False leaves both out, for a submission: they
+    are a config edit away, and such a job waits for a node that runs it)."""
     if job.source_repo is not None:
         return _source_refusal(job, node, sources=sources)
     if node.types is not None and job.type in node.types:
@@ -258,7 +259,9 @@ def _ability_refusal(job: Offerable, node: NodeView) -> str | None:
 
 def _source_refusal(job: Offerable, node: NodeView, *, sources: bool) -> str | None:
     """:func:`type_refusal` of a job from a commit of ``job.source_repo``."""
-    if sources and (why := _ability_refusal(job, node)) is not None:
+    if not sources:
+        return None  # at submission: it waits for a node that runs it (explain says)
+    if (why := _ability_refusal(job, node)) is not None:
         return why
     lane = Lane.CPU if job.runtime else job.lane
     if node.rules is not None and (why := node.rules.node_refusal(job.launch, lane)):
@@ -340,8 +343,9 @@ def never_placeable(
     """Why no known node could ever take ``job`` (for a refusal at submission and
     for ``explain``), or None when one could. With no node known yet there is
     nothing to judge by: None (the job waits for one). ``sources``: False leaves
-    out what the nodes say of jobs from commits (a submission: a node's ``[sources]
-    allow`` is a config edit away, so such a job waits for one). A job from a commit
+    out whether the nodes run jobs from commits (their runtime, launch rules and
+    ``[sources] allow``: a config edit away, so such a job waits for one; its
+    constraints and GPUs still count). A job from a commit
     that no node runs jobs from commits of is ``no node runs jobs from commits of
     REPO``, then each node's reason."""
     if not nodes:
