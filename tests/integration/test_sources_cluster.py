@@ -20,6 +20,7 @@ from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.api.routers.nodes import install_coordinator
 from gpuwarden.app import coordinator_source_cache
+from gpuwarden.client import Client, RequestRefused
 from gpuwarden.cluster.coordinator_client import source_ability
 from gpuwarden.config import Config
 from gpuwarden.core.launchrules import LaunchRules
@@ -28,7 +29,9 @@ from gpuwarden.core.sources import JobSource
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore
-from tests.integration.test_est_s import MODULES
+from gpuwarden.store.sqlite import SqliteStore
+from tests.integration.test_est_s import MODULES, _run
+from tests.integration.test_job_gpus import _node
 from tests.sourcerepo import MODULE_TOML, make_repo
 
 ADMIN = Principal(token_id="local", name="tester", role=Role.OWNER)
@@ -146,6 +149,14 @@ def test_a_coordinator_takes_a_job_from_a_commit(coord: Coord, repo: tuple[str, 
     assert stored.params == {"steps": 3}
     # it read module.toml only: the commit's tree is in its cache, no image anywhere
     assert (coord.config.state_dir / "sources" / "trees" / commit / "module.toml").is_file()
+    # the Python client alike
+    token = coord.tokens["submitter"]
+    with Client("http://testserver", token, http=TestClient(coord.app)) as client:
+        again = client.submit("mymod.train", source_repo=url, source_commit=commit)
+        assert again["type"] == f"mymod.train@{commit}" and again["source"] == job["source"]
+        with pytest.raises(RequestRefused, match="is not allowed on this coordinator"):
+            client.submit("mymod.train", source={"repo": "https://h.org/m", "commit": commit})
+    assert len(coord.store.list_jobs()) == 2
 
 
 @pytest.mark.parametrize(
@@ -278,3 +289,45 @@ def test_an_agent_reports_what_it_runs_of_commits() -> None:
     assert source_ability(registry).to_json() == {"runs": True, "allow": ["file:///srv/*"]}
     Cache.refusal = "its container_runtime is local"
     assert source_ability(registry).to_json() == {"runs": False, "allow": ["file:///srv/*"]}
+
+
+def test_submit_and_explain_on_a_coordinators_store(
+    tmp_path: Path,
+    repo: tuple[str, str],
+    capsys: pytest.CaptureFixture[str],
+    clean_env: dict[str, str],
+) -> None:
+    """``gpuwarden submit`` on a coordinator's own store (SQLite with an enrolled
+    node): the coordinator's [sources] allow judges the URL, its runtime (local)
+    does not count; nothing is stored on a refusal; ``explain`` says why it waits."""
+    url, commit = repo
+    state = tmp_path / "coord"
+    config = tmp_path / "coordinator.toml"
+    paths = ", ".join(f'"{m}"' for m in MODULES)
+    config.write_text(
+        f'state_dir = "{state}"\nmodule_paths = [{paths}]\ncontainer_runtime = "local"\n'
+        f'[sources]\nallow = ["file://{tmp_path}/repos/*"]\n'
+    )
+    store = SqliteStore(state / "gpuwarden.db")
+    try:
+        _node(store, "one", 1)  # a coordinator's store; its node says nothing of commits
+    finally:
+        store.close()
+    base = ["--config", str(config), "submit", "mymod.train", "--source-repo"]
+    code, _, err = _run(capsys, *base, url, "--source-commit", commit, "--id", "c1", "--steps", "2")
+    assert code == 0, err
+    elsewhere = f"file://{tmp_path}/other/mymod"
+    code, _, err = _run(capsys, *base, elsewhere, "--source-commit", commit, "--id", "c2")
+    assert code == 2 and "is not allowed on this coordinator" in err, err
+    code, _, err = _run(capsys, *base, url, "--source-commit", "v1.0", "--id", "c3")
+    assert code == 2 and "branches and tags are refused" in err, err
+    store = SqliteStore(state / "gpuwarden.db")
+    try:
+        [job] = store.list_jobs()
+        assert job.id == "c1" and job.type == f"mymod.train@{commit}"
+        assert job.source == JobSource(url, commit) and job.params == {"steps": 2}
+    finally:
+        store.close()
+    code, out, err = _run(capsys, "--config", str(config), "explain", "c1")
+    assert code == 0, err
+    assert f"no node runs jobs from commits of {url}" in out, out
