@@ -224,6 +224,9 @@ def test_only_a_node_that_runs_the_repository_is_offered_the_job(
     assert "other: does not run jobs from commits of" in text
     assert "old: runs no jobs from commits (it did not report" in text
     coord.enrol("srcnode", {"runs": True, "allow": [f"file://{tmp_path}/repos/*"]})
+    nodes = {n["name"]: n for n in coord.get("/v1/nodes").json()}
+    assert nodes["srcnode"]["sources"] == {"runs": True, "allow": [f"file://{tmp_path}/repos/*"]}
+    assert nodes["hostile"]["sources"] is None and nodes["old"]["sources"] is None
     [payload] = coord.claim("srcnode")
     assert payload["id"] == job_id and payload["type"] == f"mymod.train@{commit}"
     assert payload["source"] == {"repo": url, "commit": commit}
