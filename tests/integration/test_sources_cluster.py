@@ -10,6 +10,8 @@ the end event with the node. No container runtime is needed: nothing runs here
 
 from __future__ import annotations
 
+import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,13 @@ from gpuwarden.api.routers.nodes import install_coordinator
 from gpuwarden.app import coordinator_source_cache
 from gpuwarden.client import Client, RequestRefused
 from gpuwarden.cluster.coordinator_client import source_ability
+from gpuwarden.cluster.queues import QueueWatcher
 from gpuwarden.config import Config
 from gpuwarden.core.launchrules import LaunchRules
-from gpuwarden.core.model import GIB, Role
+from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.sources import JobSource
+from gpuwarden.intake.bundlewrite import write_bundle
+from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore
@@ -334,3 +339,36 @@ def test_submit_and_explain_on_a_coordinators_store(
     code, out, err = _run(capsys, "--config", str(config), "explain", "c1")
     assert code == 0, err
     assert f"no node runs jobs from commits of {url}" in out, out
+
+
+def test_a_coordinators_queue_root_takes_a_job_from_a_commit(
+    tmp_path: Path, repo: tuple[str, str]
+) -> None:
+    """A bundle naming a commit, read by a coordinator's queue root: taken under its
+    own [sources] allow (its runtime local); one outside it is refused, stored not."""
+    url, commit = repo
+    store = SqliteStore(tmp_path / "coord.db")
+    try:
+        coord = Coord(tmp_path, store, [f"file://{tmp_path}/repos/*"])
+        root = QueueRoot.open(tmp_path / "queue", create=True)
+        watcher = QueueWatcher(store, coord.registry, coord.config, [root])
+        good = JobSpec("qs1", "mymod.train", {"steps": 4}, source=JobSource(url, commit))
+        bad = JobSpec("qs2", "mymod.train", source=JobSource("file:///elsewhere/m", commit))
+        write_bundle(root.inbox, [good], now=1.0)
+        write_bundle(root.inbox, [bad], now=1.0)
+        deadline = time.monotonic() + 60
+        while not list(root.failed.glob("*.zip")) or store.get_job("qs1") is None:
+            assert time.monotonic() < deadline, "the bundles were never read"
+            watcher.once()
+            time.sleep(0.05)
+        watcher.stop()
+        job = store.get_job("qs1")
+        assert job is not None and job.type == f"mymod.train@{commit}"
+        assert job.source == JobSource(url, commit) and job.params == {"steps": 4}
+        assert store.get_job("qs2") is None
+        [refused] = root.failed.glob("*.zip")
+        with zipfile.ZipFile(refused) as zf:
+            text = "".join(zf.read(n).decode() for n in zf.namelist() if n.endswith(".json"))
+        assert "is not allowed on this coordinator" in text, text
+    finally:
+        store.close()
