@@ -250,6 +250,9 @@ def test_4_the_build_log_reads_through_the_coordinator(sources: Sources) -> None
     assert "RUN echo built-into-image" in got.stdout, got.stdout
     got = s.c.gw("logs", second, "--stream", "build", "--url", s.c.urls[0])
     assert got.returncode == 0 and "reused" in got.stdout, got.stdout + got.stderr
+    # on the coordinator's own store (no --url) too
+    here = s.c.gw("logs", first, "--stream", "build", config=s.c.tmp / "coordinator.toml")
+    assert here.returncode == 0 and "RUN echo built-into-image" in here.stdout, here.stderr
     # the coordinator's own copy, not the agent's file: it is under its state dir
     copies = list((s.c.tmp / "coordinator" / "logs" / first).glob("attempt-*/build.log"))
     assert copies and "built-into-image" in copies[0].read_text()
