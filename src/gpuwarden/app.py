@@ -301,6 +301,20 @@ def source_cache(config: Config) -> SourceCache:
     )
 
 
+def coordinator_source_cache(config: Config) -> SourceCache:
+    """Where a coordinator fetches the commits jobs name (``<state>/sources``), under
+    its own ``[sources] allow``: it reads their ``module.toml`` (each type's lane,
+    launch mode, footprint and parameters) and builds nothing, so its own
+    ``container_runtime`` does not count (SPEC.md, "Jobs from a pinned commit",
+    "Across hosts")."""
+    return SourceCache(
+        config.state_dir / "sources",
+        tuple(config.sources.allow),
+        timeout_s=config.sources.fetch_timeout_s,
+        who="coordinator",
+    )
+
+
 def _queue_roots(config: Config, extra: list[Path]) -> list[QueueRoot]:
     """The config's queue roots and ``extra`` ones, opened (made, if the config says so)."""
     roots = [

@@ -435,7 +435,12 @@ def fingerprint(src: Path) -> str:
 
 
 class SourceReader(Protocol):
-    """What fetches a job's source and reads its module (``intake/sources.py``)."""
+    """What fetches a job's source and reads its module (``intake/sources.py``):
+    ``allow``, the host's ``[sources] allow``; ``refusal``, why it runs no job
+    from a commit at all (None: it may)."""
+
+    allow: tuple[str, ...]
+    refusal: str | None
 
     def module(self, source: JobSource) -> Module:
         """The module of ``source``'s commit, fetched if it is not cached; raise

@@ -18,7 +18,6 @@ from fastapi.testclient import TestClient
 from gpuwarden import client as c
 from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import issue_token
-from gpuwarden.api.routers.nodes import install_coordinator
 from gpuwarden.app import source_cache
 from gpuwarden.cli import common
 from gpuwarden.cluster import coordinator as co
@@ -215,7 +214,8 @@ def test_a_coordinator_sends_the_source_to_its_agent(
     store: Store, tmp_path: Path, repo: tuple[str, str]
 ) -> None:
     """On both stores: the source is stored with the job and goes in the payload a
-    node is sent when it claims it; the agent reads it back into its JobSpec."""
+    node that runs jobs from commits of its repository is sent when it claims it;
+    the agent reads it back into its JobSpec."""
     assert isinstance(store, ClusterStore)
     url, commit = repo
     registry = Registry.load(MODULES)
@@ -228,6 +228,10 @@ def test_a_coordinator_sends_the_source_to_its_agent(
     source = JobSource(url, commit)
     stored_type = registry.from_source(source, "mymod.train").name
     _node(store, "one", 1)
+    record = store.get_node("one")
+    assert record is not None  # it says it runs jobs from commits of this repository
+    sources = {"runs": True, "allow": ["file:///*"]}
+    store.touch_node("one", {**record.report, "sources": sources}, 0.5)
     store.submit([JobSpec("s", stored_type, {}, source=source)], now=1.0)
     job = store.get_job("s")
     assert job is not None and job.source == source
@@ -238,36 +242,6 @@ def test_a_coordinator_sends_the_source_to_its_agent(
     assert payload["type"] == stored_type
     assert payload_source(payload["source"]) == source
     assert payload_source({"repo": url, "commit": "main"}) is None
-
-
-def test_a_coordinator_refuses_a_source_at_submission(
-    api: tuple[SqliteStore, TestClient, str],
-    tmp_path: Path,
-    repo: tuple[str, str],
-    capsys: pytest.CaptureFixture[str],
-    clean_env: dict[str, str],
-) -> None:
-    """Not yet across hosts at submission (SPEC.md, "Jobs from a pinned commit",
-    Not yet): the coordinator's API and ``submit`` on its store say so."""
-    _, tc, token = api
-    url, commit = repo
-    install_coordinator(tc.app)  # type: ignore[arg-type]
-    with (
-        c.Client("http://testserver", token, http=TestClient(tc.app)) as client,
-        pytest.raises(c.RequestRefused, match="a coordinator does not take jobs from"),
-    ):
-        client.submit("mymod.train", source_repo=url, source_commit=commit)
-    config = _config(tmp_path, allow=f'"file://{tmp_path}/*"')
-    here = SqliteStore(tmp_path / "state" / "gpuwarden.db")
-    try:
-        _node(here, "one", 1)
-    finally:
-        here.close()
-    code, _, err = _run(
-        capsys, "--config", str(config), "submit", "mymod.train",
-        "--source-repo", url, "--source-commit", commit,
-    )  # fmt: skip
-    assert code == 2 and "a coordinator does not take jobs from a repository yet" in err
 
 
 def test_the_api_never_echoes_a_password_in_a_source(

@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden.api.auth import INVITE_TTL_S, issue_token
-from gpuwarden.app import open_store
+from gpuwarden.app import coordinator_source_cache, open_store
 from gpuwarden.cli.common import (
     Commands,
     StopSignals,
@@ -292,6 +292,8 @@ def _serve_coordinator(
         # the coordinator runs nothing: each agent's own launch rules decide what its
         # node runs, and placement and submission judge by what the agents report
         registry = Registry.load(config.module_paths, LaunchRules.unchecked())
+        # jobs from a commit: their module.toml read under its own [sources] allow
+        registry.sources = coordinator_source_cache(config)
         api = ApiThread(
             store,
             registry,

@@ -13,7 +13,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden.app import make_probe, open_store
+from gpuwarden.app import coordinator_source_cache, make_probe, open_store
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
@@ -372,6 +372,9 @@ def _explain_here(args: argparse.Namespace) -> list[str]:
     try:
         job = _get_job(store, args.job)
         registry = Registry.load(config.module_paths, config.launch_rules)
+        # a job from a commit: its module.toml read from the cache (nothing built),
+        # under [sources] allow, for what placement would say of it
+        registry.sources = coordinator_source_cache(config)
         return report.explain(
             job,
             store,

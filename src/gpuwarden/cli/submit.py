@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden import safefs
-from gpuwarden.app import source_cache
+from gpuwarden.app import coordinator_source_cache, source_cache
 from gpuwarden.cli.common import (
     Commands,
     Progress,
@@ -44,7 +44,7 @@ from gpuwarden.core.model import GIB, JobSpec, JobType, Lane, gpu_count
 from gpuwarden.core.params import coerce_text
 from gpuwarden.core.policy import never_fits
 from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
-from gpuwarden.core.sources import COORDINATOR_REFUSAL, JobSource, check_source
+from gpuwarden.core.sources import JobSource, check_source
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
 from gpuwarden.intake import bundle as bundles
@@ -478,10 +478,10 @@ def _submit_here(args: argparse.Namespace) -> int:
         # nodes' own launch rules decide (checked below), not this host's config
         coordinated = bool(config.database) or _has_nodes(store)
         rules = LaunchRules.unchecked() if coordinated else config.launch_rules
-        if coordinated and job_source(args) is not None:
-            raise ValidationError(COORDINATOR_REFUSAL)
         registry = Registry.load(config.module_paths, rules)
-        registry.sources = source_cache(config)
+        # a coordinator reads a commit's module.toml under its own [sources] allow
+        # and builds nothing: its agents build and run it (SPEC.md section 20)
+        registry.sources = coordinator_source_cache(config) if coordinated else source_cache(config)
         spec = job_spec(registry, args)
         _refuse_if_it_never_fits(spec, registry, store, config.broker.cpu_slots)
         _refuse_if_no_node_ever_could(spec, registry, store)

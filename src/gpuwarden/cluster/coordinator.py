@@ -94,6 +94,15 @@ CLAIM_PAGE = 64
 CLAIM_SCAN = 1000
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Image:
+    """The image an attempt of a job from a pinned commit ran in, as its node said:
+    its id (None: none was built) and whether it was reused."""
+
+    id: str | None
+    reused: bool | None
+
+
 class LeaseRefused(UserError):
     """A node reported on a job it holds no live lease for: the report is refused."""
 
@@ -124,12 +133,15 @@ def submission_refusal(
         attempts=0,
         constraints=spec.constraints,
         gpus=spec.gpus,
+        source=spec.source,
     )
     footprints = {t: f.bytes for t, f in store.footprints().items()}
     off = offerable(draft, registry, footprints)
     if off is None:
         return None
-    return placement.never_placeable(off, views)
+    # a job from a commit waits for a node that runs jobs from commits of its
+    # repository: a node's [sources] allow is a config edit away (explain says why)
+    return placement.never_placeable(off, views, sources=False)
 
 
 def type_refusal(store: ClusterStore, registry: Registry, jobtype: JobType) -> str | None:
@@ -534,6 +546,7 @@ def finish(
     lease: Lease | None = None,
     held_bytes: int | None = None,
     half_life_s: float = DEFAULT_HALF_LIFE_S,
+    image: Image | None = None,
 ) -> dict[str, Any]:
     """The node's attempt of the leased job ended in ``state`` (``queued``: the
     node retries it itself, and keeps the lease; with ``release``, the node gives
@@ -543,7 +556,8 @@ def finish(
     it is read and checked here). ``held_bytes``: the VRAM the node says the
     attempt held; its owner is charged that (at most all the node's GPUs) times
     the attempt's run time as recorded here, once the end is recorded (fair
-    share, with ``half_life_s``)."""
+    share, with ``half_life_s``). ``image``: a job from a commit's (its end event
+    records it with the node, beside the repository and commit)."""
     if state not in END_STATES:
         raise UserError(
             f"an attempt ends in one of {', '.join(sorted(s.value for s in END_STATES))}, "
@@ -575,25 +589,43 @@ def finish(
             stdout=stdout,
             stderr=stderr,
             result=body,
+            detail=_image_detail(node_name, image),
         )
     except TransitionError as exc:
         raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
     store.stop_service_route(job_id, now)  # a service's attempt ended: kept as stopped
     if held_bytes and half_life_s > 0:
         charge(store, node_name, job, lease.attempt, held_bytes, now=now, half_life_s=half_life_s)
+    return _keep_or_drop(store, node_name, job, lease, release=release, now=now)
+
+
+def _keep_or_drop(
+    store: ClusterStore, node_name: str, job: Job, lease: Lease, *, release: bool, now: float
+) -> dict[str, Any]:
+    """After an attempt's end: a job the node retries keeps its lease, unless it gives
+    it back, it ran under a diagnostic grant, or it was cancelled meanwhile."""
     kept = False
-    if job.state is JobState.QUEUED and _diagnostic(store, node_name, job_id, lease.attempt):
+    assert lease.attempt is not None
+    if job.state is JobState.QUEUED and _diagnostic(store, node_name, job.id, lease.attempt):
         release = True  # a diagnostic attempt: never retried on that node
     if job.state is JobState.QUEUED and job.cancel_requested:
-        store.drop_lease(job_id, lease_id=lease_id)
+        store.drop_lease(job.id, lease_id=lease.lease_id)
         job = store.transition(
-            job_id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
+            job.id, JobState.CANCELLED, now=now, reason="cancelled before it ran again"
         )
     elif job.state is JobState.QUEUED and not release:
-        kept = store.mark_lease_started(job_id, None, lease_id=lease_id)
+        kept = store.mark_lease_started(job.id, None, lease_id=lease.lease_id)
     else:
-        store.drop_lease(job_id, lease_id=lease_id)
+        store.drop_lease(job.id, lease_id=lease.lease_id)
     return {"state": job.state.value, "lease_kept": kept}
+
+
+def _image_detail(node_name: str, image: Image | None) -> dict[str, Any] | None:
+    """What the end event of a job from a commit adds to its source: the node and
+    the image (SPEC.md section 20, "Events")."""
+    if image is None:
+        return None
+    return {"node": node_name, "image_id": image.id, "image_reused": image.reused}
 
 
 def _result_body(

@@ -23,6 +23,7 @@ from urllib.parse import quote
 import httpx
 
 from gpuwarden import __version__, safefs
+from gpuwarden.core.sources import SourceAbility
 from gpuwarden.errors import GpuwardenError, UserError
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.registry import Registry
@@ -276,6 +277,15 @@ class Credential:
             raise UserError(f"node credential {path} cannot be read: {exc}") from None
 
 
+def source_ability(registry: Registry) -> SourceAbility:
+    """Whether this node runs jobs from commits (its runtime builds images: podman
+    or docker) and its ``[sources] allow``, as its enrolment and reports say."""
+    reader = registry.sources
+    if reader is None:
+        return SourceAbility(runs=False)
+    return SourceAbility(runs=reader.refusal is None, allow=tuple(reader.allow))
+
+
 def capabilities(
     probe: GpuProbe, registry: Registry, *, container_runtime: str, labels: dict[str, str]
 ) -> dict[str, Any]:
@@ -304,6 +314,7 @@ def capabilities(
         "cuda": next((r.extra.get("cuda", "") for r in readings if r.extra.get("cuda")), ""),
         "container_runtime": container_runtime,
         "launch_rules": registry.rules.to_json(),
+        "sources": source_ability(registry).to_json(),
         "labels": labels,
         "types": sorted(registry.types),
     }

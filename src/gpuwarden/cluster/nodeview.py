@@ -12,16 +12,19 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from gpuwarden.core.launchrules import LaunchRules
-from gpuwarden.core.model import Job, Lane, gpu_count
+from gpuwarden.core.model import Job, JobType, Lane, gpu_count
 from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL, Victim
 from gpuwarden.core.service import SERVICE_NAME
 from gpuwarden.core.serviceroute import STATES, ServiceRoute
+from gpuwarden.core.sources import reported_ability, split_type
+from gpuwarden.errors import ValidationError
 from gpuwarden.registry import Registry
 from gpuwarden.store.cluster import Claimable, ClusterStore, Lease, NodeRecord, NodeState
 
@@ -190,6 +193,7 @@ def node_view(
     )
     labels = rep.get("labels") or record.capabilities.get("labels") or {}
     rules = rep.get("launch_rules", record.capabilities.get("launch_rules"))
+    sources = rep.get("sources", record.capabilities.get("sources"))
     return NodeView(
         name=record.name,
         gpus=gpus,
@@ -202,6 +206,7 @@ def node_view(
         modules=_names(rep.get("modules")),
         rules=LaunchRules.from_json(rules),
         victims=_victims(rep.get("victims"), record),
+        sources=reported_ability(sources),
     )
 
 
@@ -253,7 +258,7 @@ def offerable(
 ) -> Offerable | None:
     """Placement's view of a queued job; None when its type is not known here.
     ``usage``: its owner's fair-share use now."""
-    jobtype = registry.types.get(job.type)
+    jobtype = known_type(registry, job)
     if jobtype is None:
         return None
     need = footprint_of(registry, footprints, job.type, job.vram_bytes)
@@ -271,7 +276,40 @@ def offerable(
         runtime=jobtype.runtime is not None,
         gpus=gpu_count(jobtype, job.gpus),
         usage=usage,
+        source_repo=None if job.source is None else job.source.repo,
     )
+
+
+#: commits whose module could not be read here lately: (repo, commit, type) to
+#: when it was tried (monotonic); tried again after :data:`UNREADABLE_S`
+_unreadable: dict[tuple[str, str, str], float] = {}
+UNREADABLE_S = 300.0
+_MAX_UNREADABLE = 1024
+
+
+def known_type(registry: Registry, job: Job | Claimable) -> JobType | None:
+    """The job's type as this registry knows it. A job from a commit whose type
+    (``m.t@<commit>``) it does not know yet (another process took it, or this one
+    restarted) has its commit's ``module.toml`` read again, from the source cache
+    (fetched if it is not there); None when that fails (tried again after
+    :data:`UNREADABLE_S`) or the type is not known."""
+    jobtype = registry.types.get(job.type)
+    if jobtype is not None or job.source is None or registry.sources is None:
+        return jobtype
+    name, commit = split_type(job.type)
+    if commit != job.source.commit:
+        return None
+    key = (job.source.repo, commit, name)
+    tried = _unreadable.get(key)
+    if tried is not None and time.monotonic() - tried < UNREADABLE_S:
+        return None
+    try:
+        return registry.from_source(job.source, name)
+    except ValidationError:
+        if len(_unreadable) >= _MAX_UNREADABLE:
+            _unreadable.clear()
+        _unreadable[key] = time.monotonic()
+        return None
 
 
 def footprint_of(

@@ -31,6 +31,7 @@ from gpuwarden.core import placement
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S
 from gpuwarden.core.model import Job, Lane, format_bytes
 from gpuwarden.core.placement import NodeView, Offerable
+from gpuwarden.core.sources import reported_ability
 from gpuwarden.core.states import JobState
 from gpuwarden.node.explain import explain_job, latest_status, view_from_status
 from gpuwarden.registry import Registry
@@ -115,8 +116,17 @@ def node_json(
         "max_jobs": rep.get("max_jobs"),
         "labels": rep.get("labels", record.capabilities.get("labels", {})),
         "capabilities": record.capabilities,
+        # jobs from a pinned commit: as placement reads the node's report (None: none)
+        "sources": _sources_json(rep.get("sources", record.capabilities.get("sources"))),
         "grant": grant_json(grants[record.name]) if grants and record.name in grants else None,
     }
+
+
+def _sources_json(raw: Any) -> dict[str, Any] | None:
+    """A node's ``sources`` as placement reads it (None: it runs no job from a commit,
+    or said it in a shape not taken)."""
+    ability = reported_ability(raw)
+    return None if ability is None else ability.to_json()
 
 
 def grant_json(grant: Grant) -> dict[str, Any]:

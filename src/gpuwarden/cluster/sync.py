@@ -22,6 +22,7 @@ from gpuwarden.cluster.coordinator_client import (
     CoordinatorError,
     CredentialRefused,
     Refused,
+    source_ability,
 )
 from gpuwarden.cluster.held import Held, held_rows, save_held
 from gpuwarden.cluster.logship import LogShipper
@@ -258,6 +259,8 @@ class Agent:
             "types": sorted(t.name for t in b.registry.types.values() if b.runs(t)),
             "modules": sorted(b.registry.types),
             "launch_rules": b.rules.to_json(),
+            # whether it runs jobs from commits, and of which repositories
+            "sources": source_ability(b.registry).to_json(),
             "probe": st.probe,
             "probe_error": st.probe_error,
             "heartbeat_every_s": self.heartbeat_every_s,
@@ -547,6 +550,12 @@ class Agent:
             "stdout": attempt.stdout if attempt is not None else "",
             "stderr": attempt.stderr if attempt is not None else "",
         }
+        if job is not None and job.source is not None and "image_reused" in ev.detail:
+            # a job from a commit: the image it ran in (its end event says so there too)
+            body["image"] = {
+                "id": ev.detail.get("image_id") or None,
+                "reused": ev.detail.get("image_reused"),
+            }
         held = self.broker.fair.take_end(h.local_id, number) if isinstance(number, int) else None
         if held and self._held_ok:  # what it held here: the coordinator charges its owner
             body["held_bytes"] = held

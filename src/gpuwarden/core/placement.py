@@ -22,6 +22,7 @@ from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.ledger import Holding
 from gpuwarden.core.model import GIB, Lane, LaunchMode, format_bytes
 from gpuwarden.core.preempt import Choice, Need, Victim, choose
+from gpuwarden.core.sources import SourceAbility
 
 __all__ = [
     "CONSTRAINT_KEYS",
@@ -182,6 +183,9 @@ class NodeView:
     #: its running jobs of preemptible types (``job_id`` the coordinator's id,
     #: ``since`` on the coordinator's clock), with what each holds
     victims: tuple[Victim, ...] = ()
+    #: whether it runs jobs from commits, and of which repositories (None: it did
+    #: not say, or said it in a shape not taken: it runs none)
+    sources: SourceAbility | None = None
 
     @property
     def slots(self) -> int:
@@ -212,6 +216,9 @@ class Offerable:
     #: its owner's fair-share use in GiB-hours (``core.fairshare``): at equal
     #: priority, the job of the owner who used least is offered first
     usage: float = 0.0
+    #: a job from a pinned commit: its repository (its type, ``m.t@<commit>``, is
+    #: no node's module; a node that runs jobs from commits of it may take it)
+    source_repo: str | None = None
 
     @property
     def rank(self) -> tuple[int, float, int]:
@@ -219,11 +226,16 @@ class Offerable:
         return claim_rank(self.priority, self.usage, self.seq)
 
 
-def type_refusal(job: Offerable, node: NodeView) -> str | None:
+def type_refusal(job: Offerable, node: NodeView, *, sources: bool = True) -> str | None:
     """Why ``node`` does not run jobs of ``job``'s type, as a phrase about the node
     (``has no module for m.t``, ``refuses container types (its runtime is local)``),
     or None when it does. The types it says it runs decide; its modules and launch
-    rules say why not (and decide alone before it has said, from its enrolment)."""
+    rules say why not (and decide alone before it has said, from its enrolment).
+    A job from a commit is judged by what the node says of jobs from commits and
+    its launch rules (``sources``: False leaves both out, for a submission: they
+    are a config edit away, and such a job waits for a node that runs it)."""
+    if job.source_repo is not None:
+        return _source_refusal(job, node, sources=sources)
     if node.types is not None and job.type in node.types:
         return None
     if node.modules is not None and job.type not in node.modules:
@@ -236,10 +248,31 @@ def type_refusal(job: Offerable, node: NodeView) -> str | None:
     return None
 
 
-def refusal(job: Offerable, node: NodeView) -> str | None:
+def _ability_refusal(job: Offerable, node: NodeView) -> str | None:
+    """Why ``node`` runs no job from a commit of ``job.source_repo``, by what it
+    reported of jobs from commits, or None when it does."""
+    assert job.source_repo is not None
+    if node.sources is None:
+        return "runs no jobs from commits (it did not report that it does)"
+    return node.sources.refusal(job.source_repo)
+
+
+def _source_refusal(job: Offerable, node: NodeView, *, sources: bool) -> str | None:
+    """:func:`type_refusal` of a job from a commit of ``job.source_repo``."""
+    if not sources:
+        return None  # at submission: it waits for a node that runs it (explain says)
+    if (why := _ability_refusal(job, node)) is not None:
+        return why
+    lane = Lane.CPU if job.runtime else job.lane
+    if node.rules is not None and (why := node.rules.node_refusal(job.launch, lane)):
+        return why
+    return None
+
+
+def refusal(job: Offerable, node: NodeView, *, sources: bool = True) -> str | None:
     """Why ``node`` can never take ``job`` as it is now (its types and launch rules,
-    then the job's constraints), or None."""
-    return type_refusal(job, node) or job.constraints.refusal(node)
+    then the job's constraints), or None. ``sources``: as :func:`type_refusal`."""
+    return type_refusal(job, node, sources=sources) or job.constraints.refusal(node)
 
 
 def offers_for(
@@ -304,15 +337,27 @@ def _big_enough(job: Offerable, node: NodeView) -> int:
     return sum(g.usable_bytes >= job.vram_bytes for g in job.constraints.gpus(node))
 
 
-def never_placeable(job: Offerable, nodes: Sequence[NodeView]) -> str | None:
+def never_placeable(
+    job: Offerable, nodes: Sequence[NodeView], *, sources: bool = True
+) -> str | None:
     """Why no known node could ever take ``job`` (for a refusal at submission and
     for ``explain``), or None when one could. With no node known yet there is
-    nothing to judge by: None (the job waits for one)."""
+    nothing to judge by: None (the job waits for one). ``sources``: False leaves
+    out whether the nodes run jobs from commits (their runtime, launch rules and
+    ``[sources] allow``: a config edit away, so such a job waits for one; its
+    constraints and GPUs still count). A job from a commit
+    that no node runs jobs from commits of is ``no node runs jobs from commits of
+    REPO``, then each node's reason."""
     if not nodes:
         return None
+    if job.source_repo is not None and sources:
+        whys = [(n.name, _ability_refusal(job, n)) for n in nodes]
+        if all(why is not None for _, why in whys):
+            each = "; ".join(f"{name}: {why}" for name, why in whys)
+            return f"no node runs jobs from commits of {job.source_repo}: {each}"
     reasons = []
     for node in nodes:
-        why = refusal(job, node)
+        why = refusal(job, node, sources=sources)
         if why is None and job.lane is Lane.VRAM:
             biggest = max((g.usable_bytes for g in job.constraints.gpus(node)), default=0)
             if biggest < job.vram_bytes:

@@ -18,16 +18,16 @@ SCHEMES = ("https", "ssh", "file")
 MAX_URL = 1024
 #: what joins a type's name to the commit it comes from in a job's stored type
 TYPE_SEP = "@"
-#: why a coordinator refuses a job from a commit (SPEC.md, "Jobs from a pinned
-#: commit", Not yet)
-COORDINATOR_REFUSAL = (
-    "a coordinator does not take jobs from a repository yet (source): submit it to a "
-    "node's own API, CLI or queue root"
-)
-ALLOW_HINT = (
-    "add a glob that matches it to the node's [sources] allow, for example allow = "
-    '["https://git.example.org/team/*"]'
-)
+#: the most globs of ``[sources] allow`` a node's report may list (more: it runs none)
+MAX_ALLOW = 64
+
+
+def allow_hint(who: str = "node") -> str:
+    """What to do about a URL that ``who``'s ``[sources] allow`` does not match."""
+    return (
+        f"add a glob that matches it to the {who}'s [sources] allow, for example allow = "
+        '["https://git.example.org/team/*"]'
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,11 +61,12 @@ def check_commit(commit: object) -> str:
     )
 
 
-def check_repo(repo: object, allow: Sequence[str] | None) -> str:
+def check_repo(repo: object, allow: Sequence[str] | None, *, who: str = "node") -> str:
     """A repository URL this node may fetch from, or :class:`ValueError` saying
     why not: https, ssh or file, no credentials, matched by a glob of ``allow``
-    (None: the URL's form only, where no node's ``allow`` is at hand: a bundle's
-    manifest, a client, a coordinator)."""
+    (None: the URL's form only, where no ``allow`` is at hand: a bundle's manifest,
+    a client, a claim's payload). ``who``: whose ``allow`` it is, as the refusal
+    names it (``node``, ``coordinator``)."""
     if not isinstance(repo, str):
         raise ValueError(f"source repo must be a string, got {type(repo).__name__}")
     if not repo or len(repo) > MAX_URL or any(c.isspace() or ord(c) < 32 for c in repo):
@@ -92,13 +93,13 @@ def check_repo(repo: object, allow: Sequence[str] | None) -> str:
         return repo
     if not allow:
         raise ValueError(
-            f"source repo {repo!r}: this node accepts no jobs from repositories ([sources] "
-            f"allow is empty); {ALLOW_HINT}"
+            f"source repo {repo!r}: this {who} accepts no jobs from repositories ([sources] "
+            f"allow is empty); {allow_hint(who)}"
         )
-    if not any(fnmatch.fnmatchcase(repo, glob) for glob in allow):
+    if not allows(allow, repo):
         raise ValueError(
-            f"source repo {repo!r} is not allowed on this node (allowed: "
-            f"{', '.join(allow)}); {ALLOW_HINT}"
+            f"source repo {repo!r} is not allowed on this {who} (allowed: "
+            f"{', '.join(allow)}); {allow_hint(who)}"
         )
     return repo
 
@@ -136,6 +137,61 @@ def check_allow(globs: Sequence[str]) -> tuple[str, ...]:
         if not any(g.startswith(f"{s}://") for s in SCHEMES):
             raise ValueError(f"[sources] allow: {g!r} must start with https://, ssh:// or file://")
     return tuple(globs)
+
+
+def allows(allow: Sequence[str], repo: str) -> bool:
+    """Whether a glob of ``allow`` matches ``repo``."""
+    return any(fnmatch.fnmatchcase(repo, glob) for glob in allow)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceAbility:
+    """Whether a node runs jobs from commits, as its report says (``sources``): its
+    runtime builds images (podman or docker) and which repositories its
+    ``[sources] allow`` lets it fetch from."""
+
+    runs: bool
+    allow: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {"runs": self.runs, "allow": list(self.allow)}
+
+    def refusal(self, repo: str) -> str | None:
+        """Why the node does not run a job from a commit of ``repo``, as a phrase
+        about the node, or None when it does."""
+        if not self.runs:
+            return "runs no jobs from commits (its container_runtime is not podman or docker)"
+        if not self.allow:
+            return "runs no jobs from commits of any repository (its [sources] allow is empty)"
+        if not allows(self.allow, repo):
+            return (
+                f"does not run jobs from commits of {repo} (its [sources] allow: "
+                f"{', '.join(self.allow)})"
+            )
+        return None
+
+
+def reported_ability(raw: object) -> SourceAbility | None:
+    """A node's reported ``sources`` (``{"runs": bool, "allow": [glob, ...]}``),
+    taken as hostile: anything not of that shape (a wrong type, more than
+    :data:`MAX_ALLOW` globs, a glob that is not text of at most :data:`MAX_URL`
+    characters without control characters naming a scheme of :data:`SCHEMES`) is
+    None: the node runs no job from a commit."""
+    if not isinstance(raw, Mapping):
+        return None
+    runs, allow = raw.get("runs"), raw.get("allow")
+    if not isinstance(runs, bool) or not isinstance(allow, list) or len(allow) > MAX_ALLOW:
+        return None
+    globs: list[str] = []
+    for g in allow:
+        if not isinstance(g, str) or not 0 < len(g) <= MAX_URL:
+            return None
+        if any(ord(c) < 32 or ord(c) == 127 for c in g):
+            return None
+        if not any(g.startswith(f"{s}://") for s in SCHEMES):
+            return None
+        globs.append(g)
+    return SourceAbility(runs=runs, allow=tuple(globs))
 
 
 def _shown(repo: str) -> str:

@@ -38,8 +38,10 @@ _CHUNK = 1 << 20
 
 class SourceCache:
     """Fetches and exports commits under ``root`` (``<state>/sources``) and reads
-    their modules; ``allow`` is the node's ``[sources] allow``; ``refusal``, where
-    set, is why this node runs no source at all (no podman or docker here)."""
+    their modules; ``allow`` is the host's ``[sources] allow``; ``refusal``, where
+    set, is why this node runs no source at all (no podman or docker here);
+    ``who``: what the host is, as refusals name it (a coordinator fetches a
+    commit's ``module.toml`` to learn its types and builds nothing)."""
 
     def __init__(
         self,
@@ -49,8 +51,10 @@ class SourceCache:
         refusal: str | None = None,
         timeout_s: float = 120.0,
         git: str = "git",
+        who: str = "node",
     ) -> None:
         self.root = root
+        self.who = who
         self.allow = allow
         self.refusal = refusal
         self.timeout_s = timeout_s
@@ -62,7 +66,7 @@ class SourceCache:
         cache); :class:`ValidationError` saying why not."""
         try:
             check_commit(source.commit)
-            check_repo(source.repo, self.allow)
+            check_repo(source.repo, self.allow, who=self.who)
         except ValueError as exc:
             raise ValidationError(str(exc)) from None
         if self.refusal is not None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from gpuwarden.core.model import Attempt, Job
 from gpuwarden.core.serviceroute import ServiceRoute
+from gpuwarden.core.sources import JobSource
 from gpuwarden.store.base import AuditRow, Store
 
 
@@ -102,6 +103,8 @@ class Claimable:
     gpus: int | None = None
     #: the id of the API token that submitted it (None: the CLI on the host, a bundle)
     owner: str | None = None
+    #: a job from a pinned commit: its repository and commit (None: a module's type)
+    source: JobSource | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -269,6 +269,11 @@ def claimable(row: Row, decode: Decode) -> Claimable:
         input_dir=row["input_dir"],
         gpus=row["gpus"],
         owner=row["owner"],
+        source=(
+            JobSource(row["source_repo"], row["source_commit"])
+            if row["source_commit"] is not None
+            else None
+        ),
     )
 
 

@@ -40,13 +40,12 @@ from gpuwarden.api.models import (
     WaitOut,
 )
 from gpuwarden.api.redact import Redactor
-from gpuwarden.api.routers.nodes import is_coordinator
 from gpuwarden.cluster import coordinator, report
 from gpuwarden.core import policy
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.fairshare import hide_owners
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType, gpu_count
-from gpuwarden.core.sources import COORDINATOR_REFUSAL, JobSource
+from gpuwarden.core.sources import JobSource
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.intake.jobs import JOB_ID, new_job_id, prepare
@@ -205,8 +204,6 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
         raise HttpError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
     source = None if body.source is None else body.source.spec()
-    if source is not None and is_coordinator(request):
-        raise ValidationError(COORDINATOR_REFUSAL)
     jobtype = _body_type(ctx, body, source)
     _refuse_file_inputs(jobtype, body)
     vram = math.ceil(body.vram_gib * GIB) if body.vram_gib is not None else None

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import files
@@ -151,6 +151,14 @@ class StartIn(_Body):
 MAX_HELD_BYTES = 2**50
 
 
+class ImageIn(_Body):
+    """The image an attempt of a job from a pinned commit ran in (SPEC.md section
+    20, "Events"): its id (null when none was built) and whether it was reused."""
+
+    id: Annotated[str, Field(pattern=r"^(sha256:)?[0-9a-f]{12,64}$")] | None = None
+    reused: StrictBool | None = None
+
+
 class FinishIn(_Body):
     lease_id: Annotated[str, Field(min_length=1, max_length=64)]
     state: JobState
@@ -167,6 +175,11 @@ class FinishIn(_Body):
         default=None,
         description="the VRAM the attempt held on the node (fair share: its owner is "
         "charged this, at most all the node's GPUs, times its run time)",
+    )
+    image: ImageIn | None = Field(
+        default=None,
+        description="a job from a pinned commit: the image its attempt ran in (its end "
+        "event records it with the node)",
     )
 
     @field_validator("result", mode="after")
@@ -422,6 +435,7 @@ def _finish(ctx: ApiContext, name: str, job_id: str, body: FinishIn) -> dict[str
         lease=lease,
         held_bytes=body.held_bytes,
         half_life_s=ctx.config.broker.fair_share_half_life_s,
+        image=None if body.image is None else co.Image(body.image.id, body.image.reused),
     )
 
 

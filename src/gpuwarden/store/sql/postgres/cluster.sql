@@ -75,7 +75,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > %(now)s GROUP BY node;
 
 -- name: claimable_jobs_after
 -- the next page of claimable_jobs: the jobs after (after_priority, after_seq) in its order
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner, j.source_repo, j.source_commit,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
@@ -87,7 +87,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
  LIMIT %(limit)s;
 
 -- name: claimable_jobs
-SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner,
+SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner, j.source_repo, j.source_commit,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
@@ -170,7 +170,7 @@ SELECT owner FROM o WHERE owner IS NOT NULL;
 -- name: claimable_jobs_of_owner
 -- claimable_jobs of one owner ('' for local), in its order (jobs_queued_owner)
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus,
-       j.owner, j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
+       j.owner, j.source_repo, j.source_commit, j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
    AND NOT j.cancel_requested AND NOT j.held
@@ -185,7 +185,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
 -- condition with OR would let the planner read all of the owner's queued jobs and sort)
 SELECT * FROM (
     SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
-               j.gpus, j.owner, j.constraints,
+               j.gpus, j.owner, j.source_repo, j.source_commit, j.constraints,
                CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
       FROM jobs j
      WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
@@ -199,7 +199,7 @@ SELECT * FROM (
 UNION ALL
 SELECT * FROM (
     SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts,
-               j.gpus, j.owner, j.constraints,
+               j.gpus, j.owner, j.source_repo, j.source_commit, j.constraints,
                CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
       FROM jobs j
      WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
