@@ -282,7 +282,8 @@ def test_a_missing_file_is_named_before_anything_loads(job: ModuleType, weights:
 
 
 def test_no_weights_dir_or_no_such_model_says_what_to_stage(job: ModuleType, weights: Path) -> None:
-    with pytest.raises(job.JobError, match=r"no weights dir: .*\[sandbox\] weights_dir"):
+    no_dir = r"no weights dir: .* no weights_dir in its sandbox section"
+    with pytest.raises(job.JobError, match=no_dir):
         job.find_model_dir(GOOD, env={})
     with pytest.raises(job.JobError, match="no model folder 'other' in the weights dir") as caught:
         job.find_model_dir("other", env={"GPUWARDEN_WEIGHTS_DIR": str(weights)})

@@ -178,9 +178,9 @@ def find_model_dir(model: str, env: dict[str, str] | None = None) -> Path:
     weights = environ.get("GPUWARDEN_WEIGHTS_DIR", "")
     if not weights:
         raise JobError(
-            "no weights dir: this node's config sets no [sandbox] weights_dir; stage "
-            f"Stable Audio Open 1.0 in <weights_dir>/{DEFAULT_MODEL}/ (diffusers layout) "
-            "and set weights_dir (see the audiogen module's README.md)"
+            "no weights dir: this node's config has no weights_dir in its sandbox "
+            f"section; stage Stable Audio Open 1.0 in <weights_dir>/{DEFAULT_MODEL}/ "
+            "(diffusers layout) and set weights_dir (see the audiogen module's README.md)"
         )
     root = Path(weights)
     candidate = root / model
