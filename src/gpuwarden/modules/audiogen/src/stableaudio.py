@@ -188,11 +188,13 @@ def find_model_dir(model: str, env: dict[str, str] | None = None) -> Path:
         return candidate
     if model == DEFAULT_MODEL and (root / "model_index.json").is_file():
         return root
+    try:
+        held = sorted(p.name for p in root.iterdir())
+    except OSError as exc:
+        raise JobError(f"the weights dir {root} cannot be read: {exc}") from None
     raise JobError(
         f"no model folder {model!r} in the weights dir {root} "
-        f"(it holds: {', '.join(sorted(p.name for p in root.iterdir())[:20]) or 'nothing'})"
-        if root.is_dir()
-        else f"the weights dir {root} is not a readable folder"
+        f"(it holds: {', '.join(held[:20]) or 'nothing'})"
     )
 
 
