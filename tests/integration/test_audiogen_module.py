@@ -306,7 +306,13 @@ def test_the_libraries_load_a_missing_key_silently_so_the_job_checks(
     pipe = StableAudioPipeline.from_pretrained(
         str(weights / NO_KEY), local_files_only=True, use_safetensors=True
     )
-    assert pipe.transformer.proj_out.weight.shape  # loaded, with something in its place
+    import torch
+    from safetensors.torch import load_file
+
+    # loaded without a word, with something else in the weight's place
+    saved = load_file(str(weights / GOOD / DROPPED_FILE))[DROPPED_KEY]
+    assert pipe.transformer.proj_out.weight.shape == saved.shape
+    assert not torch.equal(pipe.transformer.proj_out.weight.detach(), saved)
     with pytest.raises(job.JobError) as caught:
         job.load(job.check_layout(weights / NO_KEY), device="cpu")
     message = str(caught.value)
