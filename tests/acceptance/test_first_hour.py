@@ -36,6 +36,7 @@ GW = [sys.executable, "-m", "gpuwarden"]
 
 #: every shipped type, with parameters that make it quick
 SHIPPED: dict[str, list[str]] = {
+    "audiogen.stableaudio": ["--prompt", "rain", "--seconds", "1", "--steps", "2"],
     "burn.custom": ["--seconds", "0"],
     "burn.embed": ["--seconds", "0"],
     "burn.llm": ["--seconds", "0"],
@@ -155,10 +156,11 @@ def test_types_without_a_config_marks_what_it_refuses_and_why() -> None:
     assert "Write `text` to the output file `output`; print it on stdout." in out
     assert re.search(r"│ echo\.echo\s+│ cpu, host\s+│ -\s+│ host process\s+│ built-in", out)
     assert re.search(r"│ burn\.llm\s+│ vram, container\s+│ 14\.0 GiB\s+│ REFUSED\s+│ built-in", out)
-    [containers] = [ln for ln in out.splitlines() if ln.startswith("REFUSED here: burn.custom")]
+    [containers] = [ln for ln in out.splitlines() if ln.startswith("REFUSED here: audiogen.")]
     assert containers == (
-        "REFUSED here: burn.custom, burn.embed, burn.llm, burn.vision, burn.whisper, "
-        "echo.container, probe.gpu, probe.sandbox, speech.check: each is a container type and "
+        "REFUSED here: audiogen.stableaudio, burn.custom, burn.embed, burn.llm, burn.vision, "
+        "burn.whisper, echo.container, probe.gpu, probe.sandbox, speech.check: each is a "
+        "container type and "
         'container_runtime is "local" (no sandbox here): set container_runtime to podman, '
         "docker or bubblewrap, or set allow_unsandboxed_containers = true to run it as a "
         "plain host process"
@@ -335,6 +337,11 @@ def assert_ran(type_name: str, r: subprocess.CompletedProcess[str]) -> None:
     assert "refused" not in r.stderr, r.stderr
     if r.returncode == 0:
         assert re.search(r"status\s+done", r.stdout), r.stdout
+        return
+    # audiogen needs model weights staged in a weights dir, which local.toml has not
+    if type_name == "audiogen.stableaudio":
+        assert re.search(r"status\s+failed", r.stdout), r.stdout + r.stderr
+        assert re.search(r"no\s+weights\s+dir:\s+this\s+node", r.stdout), r.stdout + r.stderr
         return
     # the types that need more than Python: the embed extra (a real model) and the
     # speech extra (offline ASR)

@@ -115,7 +115,7 @@ def test_the_wheel_in_a_fresh_venv_runs_run_once_and_demo_from_an_empty_folder(
     sh([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, REPO], cwd=tmp_path)
     [wheel] = dist.glob("gpuwarden-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("burn", "echo", "embed", "probe", "speech"):
+    for module in ("audiogen", "burn", "echo", "embed", "probe", "speech"):
         assert f"gpuwarden/modules/{module}/module.toml" in names, module
     assert "gpuwarden/modules/echo/src/echo.py" in names
     for page in ("index.html", "app.js", "app.css"):  # the dashboard, served offline
