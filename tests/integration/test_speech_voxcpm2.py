@@ -213,6 +213,8 @@ def weights(voxcpm: ModuleType) -> Iterator[Path]:
     start = time.monotonic()
     build_tiny_voxcpm2(root / "VoxCPM2")
     TIMES["build_s"] = time.monotonic() - start
+    for f in (root / "VoxCPM2").iterdir():  # safetensors writes mode 600; staging makes 644
+        f.chmod(0o644)
     print(f"built the tiny VoxCPM2 in {TIMES['build_s']:.2f} s")
     try:
         yield root
@@ -562,3 +564,147 @@ def test_a_voxcpm1_folder_is_refused(worker: ModuleType, weights: Path, tmp_path
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(worker.voxload.WeightsError, match="architecture 'voxcpm', not 'voxcpm2'"):
         worker.voxload.load(folder, "cpu")
+
+
+# --- through the broker: a warm server sandboxed in bubblewrap ----------------------------------
+
+
+def broker_config(tmp: Path, weights_dir: Path) -> Any:
+    from gpuwarden.config import Config
+
+    return Config.model_validate(
+        {
+            "state_dir": tmp / "state",
+            "node_name": "speechnode",
+            "gpu": "sim",
+            "sim_gpu": {"count": 1, "vram_gib": 24, "release_delay_s": 0},
+            "broker": {"poll_interval_s": 0.05, "kill_grace_s": 2},
+            "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
+            "warm": {"idle_grace_s": 600, "stop_grace_s": 1},
+            "container_runtime": "bubblewrap",
+            "sandbox": {"weights_dir": str(weights_dir)},
+        }
+    )
+
+
+def submit_speech(node: Any, job_id: str, inputs: Path | None, **params: Any) -> None:
+    from gpuwarden.core.model import JobSpec
+    from gpuwarden.intake.jobs import prepare
+    from gpuwarden.store.base import Submission
+
+    names = tuple(p.name for p in inputs.iterdir()) if inputs is not None else ()
+    spec = prepare(
+        node.broker.registry,
+        JobSpec(id=job_id, type="speech.voxcpm2", params={**QUICK, **params}, inputs=names),
+    )
+    origin = Submission(input_dir=str(inputs) if inputs is not None else None)
+    node.store.submit([spec], now=time.time(), origin=origin)
+
+
+def wait_ended(node: Any, *ids: str, timeout: float) -> None:
+    from tests.brokerkit import run_until
+
+    def ended() -> bool:
+        return all((j := node.store.get_job(i)) is not None and j.state.terminal for i in ids)
+
+    run_until(node, ended, timeout=timeout)
+
+
+def server_events(node: Any, kind: str) -> list[Any]:
+    return [e for e in node.store.events(limit=100_000) if e.kind == kind]
+
+
+def job_inputs(tmp: Path, name: str, *files: Path) -> Path:
+    folder = tmp / "inputs" / name
+    folder.mkdir(parents=True)
+    folder.chmod(0o755)
+    for f in files:
+        shutil.copy(f, folder / f.name)
+        (folder / f.name).chmod(0o644)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def node_tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="gw-vox-node-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_jobs_through_the_broker_in_bubblewrap_share_one_server_and_its_prompt_cache(
+    voxcpm: ModuleType, weights: Path, voices: Path, node_tmp: Path
+) -> None:
+    """Three jobs on one warm server in bubblewrap, the weights read-only under
+    /gpuwarden/weights: two in the same voice (the second hits the prompt cache)
+    and one without its reference (a clear job error; the server goes on)."""
+    from gpuwarden.app import open_node
+    from gpuwarden.core.states import JobState
+    from tests.conftest import need_tool
+
+    need_tool("bwrap")
+    ref = job_inputs(node_tmp, "ref", voices / "ref.wav")
+    with open_node(broker_config(node_tmp, weights), mock_gpu=True) as node:
+        node.broker.recover()
+        try:
+            start = time.monotonic()
+            submit_speech(
+                node, "s1", ref, text="Good morning.", reference="ref.wav", reference_text=REF_TEXT
+            )
+            wait_ended(node, "s1", timeout=600)
+            first_s = time.monotonic() - start
+            start = time.monotonic()
+            submit_speech(
+                node, "s2", ref, text="Good evening.", reference="ref.wav", reference_text=REF_TEXT
+            )
+            wait_ended(node, "s2", timeout=300)
+            second_s = time.monotonic() - start
+            submit_speech(node, "s3", None, text="No voice given.")
+            wait_ended(node, "s3", timeout=300)
+            jobs = {i: node.store.get_job(i) for i in ("s1", "s2", "s3")}
+            print(f"through the broker: first job {first_s:.1f} s, second {second_s:.1f} s")
+            for i in ("s1", "s2"):
+                j = jobs[i]
+                assert j is not None and j.state is JobState.DONE, (i, j and j.reason)
+            records = []
+            for i in ("s1", "s2"):
+                out = Path(jobs[i].result["output_dir"])  # type: ignore[union-attr]
+                assert_speech(out / "speech.wav", 1, QUICK["max_steps"])
+                records.append(json.loads((out / "result.json").read_text()))
+            assert [r["prompt_cache"]["hit"] for r in records] == [False, True]
+            assert records[0]["model_dir"] == "/gpuwarden/weights/VoxCPM2"  # the read-only mount
+            s3 = jobs["s3"]
+            assert s3 is not None and s3.state is JobState.FAILED, s3
+            assert "no reference recording" in s3.reason, s3.reason
+            # one server loaded the model once for all three jobs
+            assert len(server_events(node, "warm_server_loaded")) == 1
+        finally:
+            node.broker.shutdown(5)
+
+
+def test_a_wrong_weights_folder_fails_the_load_through_the_broker_naming_the_file(
+    voxcpm: ModuleType, weights: Path, voices: Path, node_tmp: Path
+) -> None:
+    from gpuwarden.app import open_node
+    from gpuwarden.core.states import JobState
+    from tests.conftest import need_tool
+
+    need_tool("bwrap")
+    broken = node_tmp / "broken-weights"
+    broken.mkdir()
+    broken.chmod(0o755)
+    copy_weights(weights, broken / "VoxCPM2")
+    (broken / "VoxCPM2" / "model.safetensors").unlink()
+    ref = job_inputs(node_tmp, "ref-broken", voices / "ref.wav")
+    with open_node(broker_config(node_tmp / "broken", broken), mock_gpu=True) as node:
+        node.broker.recover()
+        try:
+            submit_speech(node, "w1", ref, text="Hello.", reference="ref.wav")
+            wait_ended(node, "w1", timeout=300)
+            job = node.store.get_job("w1")
+            assert job is not None and job.state is not JobState.DONE, job
+            assert "missing model.safetensors (or pytorch_model.bin)" in job.reason, job.reason
+            assert "WeightsError" in job.reason, job.reason
+        finally:
+            node.broker.shutdown(5)

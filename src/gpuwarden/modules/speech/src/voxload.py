@@ -137,6 +137,18 @@ def check_folder(folder: Path) -> ModelFiles:
             f"the VoxCPM2 model folder {folder} is incomplete: missing {', '.join(missing)}; "
             f"stage every file of {UPSTREAM} (see the speech module's README.md)"
         )
+    model, vae = picked[MODEL_FILES], picked[VAE_FILES]
+    unreadable = [
+        p.name
+        for p in (folder / "config.json", *(folder / n for n in TOKENIZER_FILES), model, vae)
+        if not os.access(p, os.R_OK)
+    ]
+    if unreadable:  # safetensors says "No such file or directory" for these
+        raise WeightsError(
+            f"the VoxCPM2 model folder {folder} has files this worker (uid {os.getuid()}) "
+            f"cannot read: {', '.join(unreadable)}; make them readable, e.g. "
+            "chmod -R o+rX on the weights folder (safetensors writes its files mode 600)"
+        )
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -149,7 +161,6 @@ def check_folder(folder: Path) -> ModelFiles:
             f"{folder / 'config.json'} says architecture {arch!r}, not 'voxcpm2': "
             f"this type serves VoxCPM2 ({UPSTREAM}) only"
         )
-    model, vae = picked[MODEL_FILES], picked[VAE_FILES]
     return ModelFiles(folder, config, model, vae, model.stat().st_size + vae.stat().st_size)
 
 
