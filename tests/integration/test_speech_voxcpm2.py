@@ -350,7 +350,7 @@ def test_prompt_keys_differ_by_recording_and_transcript(worker: ModuleType) -> N
 
 
 def test_no_weights_dir_is_a_clear_load_failure(worker: ModuleType, tmp_path: Path) -> None:
-    with pytest.raises(worker.voxload.WeightsError, match=r"set \[sandbox\] weights_dir"):
+    with pytest.raises(worker.voxload.WeightsError, match=r"no model folder: set sandbox\.weights"):
         worker.find_model_dir("")
     with pytest.raises(worker.voxload.WeightsError, match="no VoxCPM2 model folder under"):
         worker.find_model_dir(str(tmp_path))

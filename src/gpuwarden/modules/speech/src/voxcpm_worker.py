@@ -86,9 +86,10 @@ def find_model_dir(weights_dir: str) -> Path:
     ``openbmb/VoxCPM2/`` or the mount itself, the first that holds a config.json."""
     if not weights_dir:
         raise voxload.WeightsError(
-            "no model folder: set [sandbox] weights_dir in the broker's config to a folder "
-            f"holding VoxCPM2/ (the files of {voxload.UPSTREAM}; see the speech module's "
-            "README.md). It is mounted read-only at /gpuwarden/weights"
+            "no model folder: set sandbox.weights_dir in the broker's config (weights_dir "
+            f"in its sandbox table) to a folder holding VoxCPM2/ (the files of "
+            f"{voxload.UPSTREAM}; see the speech module's README.md). It is mounted "
+            "read-only at /gpuwarden/weights"
         )
     base = Path(weights_dir)
     candidates = [base / sub if sub else base for sub in WEIGHTS_SUBDIRS]
