@@ -557,6 +557,30 @@ def test_missing_and_unexpected_keys_fail_the_load_naming_them(
         worker.voxload.load(folder, "cpu")
 
 
+def test_the_upstream_pth_layout_loads_and_is_checked(
+    worker: ModuleType, weights: Path, tmp_path: Path
+) -> None:
+    """openbmb/VoxCPM2 ships audiovae.pth, not audiovae.safetensors; a checkpoint
+    may also be pytorch_model.bin. Both load, and their keys are checked too."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = copy_weights(weights, tmp_path / "VoxCPM2")
+    vae = load_file(str(folder / "audiovae.safetensors"))
+    torch.save({"state_dict": vae}, folder / "audiovae.pth")
+    torch.save(load_file(str(folder / "model.safetensors")), folder / "pytorch_model.bin")
+    (folder / "audiovae.safetensors").unlink()
+    (folder / "model.safetensors").unlink()
+    loaded = worker.voxload.load(folder, "cpu")
+    assert (loaded.files.model.name, loaded.files.vae.name) == ("pytorch_model.bin", "audiovae.pth")
+    assert loaded.sample_rate == RATE
+
+    del vae[next(iter(vae))]
+    torch.save({"state_dict": vae}, folder / "audiovae.pth")
+    with pytest.raises(worker.voxload.WeightsError, match=r"audiovae\.pth lacks 1 audio VAE keys"):
+        worker.voxload.load(folder, "cpu")
+
+
 def test_a_voxcpm1_folder_is_refused(worker: ModuleType, weights: Path, tmp_path: Path) -> None:
     folder = copy_weights(weights, tmp_path / "VoxCPM2")
     cfg = json.loads((folder / "config.json").read_text())
