@@ -545,7 +545,18 @@ def test_missing_and_unexpected_keys_fail_the_load_naming_them(
     assert f"model.safetensors lacks 1 model keys: {gone}" in text
     assert "model.safetensors has 1 unexpected keys: an_old_head.weight" in text
 
+    # a buffer the model sets from its config may be left out; a parameter may not
     vae = load_file(str(folder / "audiovae.safetensors"))
+    del vae["decoder.sr_bin_boundaries"]
+    save_file(vae, str(folder / "audiovae.safetensors"))
+    save_file(
+        load_file(str(weights / "VoxCPM2" / "model.safetensors")), str(folder / "model.safetensors")
+    )
+    loaded = worker.voxload.load(folder, "cpu")
+    assert loaded.notes == [
+        "the checkpoint leaves out 1 buffers set from the config: "
+        "audio_vae.decoder.sr_bin_boundaries"
+    ]
     save_file(dict(list(vae.items())[:3]), str(folder / "audiovae.safetensors"))
     save_file(
         load_file(str(weights / "VoxCPM2" / "model.safetensors")), str(folder / "model.safetensors")

@@ -142,6 +142,8 @@ def load(ctx: Any) -> Speaker:
         f"{torch.get_num_threads()} CPU threads)",
         flush=True,
     )
+    for note in loaded.notes:
+        print(f"note: {note}", flush=True)
     return speaker
 
 

@@ -188,17 +188,27 @@ def _some(keys: set[str]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
-def check_keys(tts_model: Any, files: ModelFiles) -> None:
+def check_keys(tts_model: Any, files: ModelFiles) -> list[str]:
     """Compare the checkpoint's keys with the model's, as ``from_local`` does not
-    (``strict=False``): any missing or unexpected key fails the load, named."""
+    (``strict=False``): a missing parameter or an unexpected key fails the load,
+    named. A missing *buffer* does not: the model sets its buffers itself from
+    config.json (the VAE's ``sr_bin_boundaries``), so a checkpoint may leave them
+    out; it is returned as a note."""
     expected = {k for k in tts_model.state_dict() if "lora_" not in k}
+    params = {k for k, _ in tts_model.named_parameters()}
     model_keys = checkpoint_keys(files.model)
     vae_keys = {f"audio_vae.{k}" for k in checkpoint_keys(files.vae)}
     given = model_keys | vae_keys
-    missing = expected - given
+    missing = (expected - given) & params
     unexpected = given - expected
+    notes = []
+    if buffers := (expected - given) - params:
+        notes.append(
+            f"the checkpoint leaves out {len(buffers)} buffers set from the config: "
+            f"{_some(buffers)}"
+        )
     if not missing and not unexpected:
-        return
+        return notes
     parts = []
     for name, path, is_vae in (
         ("model", files.model, False),
@@ -255,7 +265,7 @@ def load(folder: Path, device: str) -> Loaded:
     )
     if type(tts.tts_model).__name__ != "VoxCPM2Model":  # pragma: no cover - checked above
         raise WeightsError(f"{folder} loaded as {type(tts.tts_model).__name__}, not VoxCPM2Model")
-    check_keys(tts.tts_model, files)
+    notes = check_keys(tts.tts_model, files)
     params = list(tts.tts_model.parameters())
     return Loaded(
         tts=tts,
@@ -266,4 +276,5 @@ def load(folder: Path, device: str) -> Loaded:
         load_s=time.monotonic() - start,
         params=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
+        notes=notes,
     )
