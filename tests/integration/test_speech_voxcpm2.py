@@ -95,18 +95,23 @@ def worker() -> Iterator[ModuleType]:
 
 
 @pytest.fixture(scope="module")
-def voxcpm(worker: ModuleType) -> ModuleType:
+def voxcpm(worker: ModuleType) -> Iterator[ModuleType]:
     """voxcpm, imported the way the worker imports it (with the torchaudio
-    placeholder where torchaudio is missing)."""
+    placeholder where torchaudio is missing). The placeholder is taken out of
+    sys.modules afterwards, so the tests after these see no torchaudio, as before."""
     for name in ("torch", "transformers", "librosa", "soundfile", "safetensors"):
         if importlib.util.find_spec(name) is None:
             skip_or_fail(f"{NOT_INSTALLED} ({name} is missing)")
     voxload = sys.modules["voxload"]
     try:
-        module, _ = voxload.import_voxcpm()
-    except RuntimeError as exc:
-        skip_or_fail(str(exc))
-    return module
+        try:
+            module, _ = voxload.import_voxcpm()
+        except RuntimeError as exc:
+            skip_or_fail(str(exc))
+        yield module
+    finally:
+        if isinstance(sys.modules.get("torchaudio"), voxload._MissingTorchaudio):
+            del sys.modules["torchaudio"]
 
 
 # --- the tiny model and the recordings ------------------------------------------------------
