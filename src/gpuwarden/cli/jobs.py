@@ -180,8 +180,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     table = Table("job", "state", "type", "attempts", "age", "reason")
     for r in rows:
         table.add_row(
-            r["id"], _state_cell(r), r["type"], str(r["attempts"]), age(r["submitted_at"]),
-            r["reason"],
+            escape(r["id"]), _state_cell(r), escape(r["type"]), str(r["attempts"]),
+            age(r["submitted_at"]), escape(r["reason"]),
         )  # fmt: skip
     out.print(table if rows else "no jobs")
     return 0
@@ -232,7 +232,7 @@ def _show_here(args: argparse.Namespace) -> int:
         return 0
     out.print(f"[bold]{job.id}[/]  {job.type}  [bold]{job.state.value}[/]  priority {job.priority}")
     if job.reason:
-        out.print(f"reason: {job.reason}")
+        out.print(f"reason: {job.reason}", markup=False)
     if (line := _service_line(data)) is not None:
         out.print(line, markup=False)
     if job.after:
@@ -249,7 +249,7 @@ def _show_here(args: argparse.Namespace) -> int:
             ran,
             "-" if a.exit_code is None else str(a.exit_code),
             a.outcome or "-",
-            a.reason,
+            escape(a.reason),
         )
     out.print(table)
     _logs_hint(job.id, len(attempts))
@@ -262,8 +262,9 @@ def _events_table(events: list[Event]) -> Table:
     for e in events:
         change = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else ""
         ev.add_row(
-            time.strftime("%H:%M:%S", time.localtime(e.ts)), e.kind, change, json.dumps(e.detail)
-        )
+            time.strftime("%H:%M:%S", time.localtime(e.ts)), e.kind, change,
+            escape(json.dumps(e.detail)),
+        )  # fmt: skip
     return ev
 
 
@@ -294,8 +295,8 @@ def _show_http(args: argparse.Namespace, client: Client) -> int:
             age(a["started_at"]) + " ago",
             ran,
             "-" if a.get("exit_code") is None else str(a["exit_code"]),
-            a.get("outcome") or "-",
-            a.get("reason", ""),
+            escape(a.get("outcome") or "-"),
+            escape(a.get("reason", "")),
         )
     out.print(table)
     _logs_hint(data["id"], len(data.get("attempts_detail", [])))
@@ -304,8 +305,9 @@ def _show_http(args: argparse.Namespace, client: Client) -> int:
         rest = {k: v for k, v in e.items() if k not in ("ts", "event", "job", "from", "to")}
         change = f"{e.get('from') or ''} -> {e['to']}" if e.get("to") else ""
         ev.add_row(
-            time.strftime("%H:%M:%S", time.localtime(e["ts"])), e["event"], change, json.dumps(rest)
-        )
+            time.strftime("%H:%M:%S", time.localtime(e["ts"])), escape(e["event"]), change,
+            escape(json.dumps(rest)),
+        )  # fmt: skip
     out.print(ev)
     return 0
 

@@ -405,9 +405,9 @@ def print_result(
     colour = "green" if result["status"] == "done" else "red"
     grid.add_row("job", result["id"])
     grid.add_row("status", f"[{colour}]{result['status']}[/]")
-    grid.add_row("message", result.get("message") or result.get("reason") or "")
+    grid.add_row("message", escape(result.get("message") or result.get("reason") or ""))
     if result.get("status") != "done" and result.get("reason"):
-        grid.add_row("reason", result["reason"])
+        grid.add_row("reason", escape(result["reason"]))
     grid.add_row("attempts", str(result.get("attempts")))
     for entry in result.get("refused") or []:
         grid.add_row("refused", escape(f"{entry['path']} ({entry['kind']}): {entry['why']}"))
