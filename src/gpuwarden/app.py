@@ -147,6 +147,9 @@ def node_settings(config: Config) -> NodeSettings:
         ram_floor_bytes=math.ceil(b.ram_floor_gib * GIB),
         gpu_lock=config.gpu_lock,
         service_address=config.cluster.service_address,
+        model_dirs={
+            name: m.model_dir for name, m in config.modules.items() if m.model_dir is not None
+        },
     )
 
 
@@ -254,7 +257,9 @@ def open_node(
     lock.acquire()
     try:
         config.check_sandbox()
+        config.check_modules()
         registry = Registry.load(config.module_paths, config.launch_rules)
+        _warn_unknown_modules(config, registry)
         registry.sources = source_cache(config)
         # first: a damaged store stops the start before any queue root is touched
         store = open_store(config, check=True)
@@ -288,6 +293,17 @@ def open_node(
         yield node
     finally:
         node.close()
+
+
+def _warn_unknown_modules(config: Config, registry: Registry) -> None:
+    """A ``[modules.<name>]`` table of a module this node did not load is kept (the
+    module may be installed later) and logged: a misspelt name is seen at start."""
+    for name in sorted(set(config.modules) - set(registry.modules)):
+        log.warning(
+            "[modules.%s] names no module this node loaded (loaded: %s): its settings reach no job",
+            name,
+            ", ".join(sorted(registry.modules)) or "none",
+        )
 
 
 def source_cache(config: Config) -> SourceCache:

@@ -13,7 +13,7 @@ import re
 import socket
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +27,7 @@ from gpuwarden.core.sources import check_allow
 from gpuwarden.errors import ConfigError
 from gpuwarden.gpu.lockfile import GpuLockError, LockTemplate
 from gpuwarden.launch.detect import detect_runtime
+from gpuwarden.registry import MODULE_NAME
 
 CONFIG_ENV = "GPUWARDEN_CONFIG"
 STATE_DIR_ENV = "GPUWARDEN_STATE_DIR"
@@ -234,6 +235,16 @@ class SandboxSettings(_Section):
     python: str = "python3"
 
 
+class ModuleSettings(_Section):
+    """``[modules.<name>]``: what the broker gives every job and warm server of the
+    types of one module (SPEC.md, "[modules.<name>]"); a table per module."""
+
+    #: a folder staged for the module (its model): mounted read-only at
+    #: /gpuwarden/model in a sandbox, ``GPUWARDEN_MODEL_DIR`` in the job's
+    #: environment; jobs of other modules never see it
+    model_dir: Path | None = None
+
+
 class RuntimeCall(_Section):
     """One HTTP call of a ``generic`` runtime (``[runtimes.busy]``, ``.release``)."""
 
@@ -315,6 +326,18 @@ class Config(_Section):
     runtimes: list[RuntimeSettings] = Field(default_factory=list)
     #: the GPU lock file's path template ("/run/gpuwarden/GPU-<uuid>.lock"), "": off
     gpu_lock: str = ""
+    #: ``[modules.<name>]``: per module settings (its model folder), by module name
+    modules: dict[str, ModuleSettings] = Field(default_factory=dict)
+
+    @pydantic.field_validator("modules")
+    @classmethod
+    def _module_names(cls, value: dict[str, ModuleSettings]) -> dict[str, ModuleSettings]:
+        if bad := sorted(n for n in value if not MODULE_NAME.fullmatch(n)):
+            raise ValueError(
+                f"[modules.<name>]: {', '.join(repr(n) for n in bad)} is not a module name "
+                "(a lower-case letter, then up to 63 lower-case letters, digits or _)"
+            )
+        return value
 
     @pydantic.field_validator("gpu_lock")
     @classmethod
@@ -425,6 +448,25 @@ class Config(_Section):
                 f"(`images/build.sh --pin` prints one), or set allow_unpinned_images = true"
             )
 
+    def check_modules(self) -> None:
+        """Raise :class:`ConfigError` when a ``[modules.<name>] model_dir`` is not a
+        folder (missing, a file, or not reachable): checked when a node starts."""
+        for name, settings in sorted(self.modules.items()):
+            folder = settings.model_dir
+            if folder is None:
+                continue
+            key = f"[modules.{name}] model_dir"
+            try:
+                if folder.is_dir():
+                    continue
+                what = "is not a folder" if folder.exists() else "does not exist"
+            except OSError as exc:
+                what = f"cannot be reached ({exc.strerror})"
+            raise ConfigError(
+                f"{key} {folder} {what}: stage the module's model there (a folder, "
+                f"readable by the sandbox's user), or remove the key"
+            )
+
     @property
     def sim_vram_bytes(self) -> int:
         return int(self.sim_gpu.vram_gib * GIB)
@@ -504,6 +546,13 @@ def load_config(path: Path | None, *, state_dir: Path | None = None, check: bool
     if config.sandbox.weights_dir is not None:
         weights = (base / config.sandbox.weights_dir).resolve()
         updates["sandbox"] = config.sandbox.model_copy(update={"weights_dir": weights})
+    if config.modules:
+        updates["modules"] = {
+            name: m
+            if m.model_dir is None
+            else m.model_copy(update={"model_dir": (base / m.model_dir).resolve()})
+            for name, m in config.modules.items()
+        }
     config = config.model_copy(update=updates)
     if check:
         config.check_sandbox()
@@ -532,15 +581,20 @@ def _explain(exc: pydantic.ValidationError, path: Path | None) -> str:
 
 def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = Config
+    keyed = False
     for part in loc:
-        if isinstance(part, int):  # an item of a list of sections (``[[runtimes]]``)
+        # an item of a list of sections (``[[runtimes]]``), or the key of a table
+        # of sections (``[modules.<name>]``)
+        if isinstance(part, int) or keyed:
+            keyed = False
             continue
         field = model.model_fields.get(str(part))
         annotation = field.annotation if field is not None else None
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             model = annotation
             continue
-        # a list of sections, or an optional one: the one section type it holds
+        keyed = get_origin(annotation) is dict
+        # a list or table of sections, or an optional one: the one section type it holds
         inner = [
             a for a in get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)
         ]

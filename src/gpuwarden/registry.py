@@ -51,7 +51,8 @@ from gpuwarden.core.service import parse_health
 from gpuwarden.core.sources import TYPE_SEP, JobSource, source_type
 from gpuwarden.errors import ModuleError, ValidationError
 
-_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+#: a module's name (and a type's, after the dot); also a ``[modules.<name>]`` table's key
+MODULE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 #: the modules that ship inside the package: found wherever gpuwarden is installed
 BUILTIN_DIR = Path(__file__).resolve().parent / "modules"
@@ -196,7 +197,7 @@ def parse_source_module(path: Path, source: JobSource) -> Module:
     toml_path = path / "module.toml"
     meta = _read_module_toml(toml_path)
     declared = meta.module.name
-    if not _NAME.fullmatch(declared):
+    if not MODULE_NAME.fullmatch(declared):
         raise ModuleError(
             f"{toml_path}: key 'module.name' must be lower-case letters, digits and _ "
             f"(got {declared!r})"
@@ -256,7 +257,7 @@ def _check_module_name(
             f"{toml_path}: key 'module.name' is {declared!r} but the folder is "
             f"{folder!r}; they must match"
         )
-    if not _NAME.fullmatch(declared):
+    if not MODULE_NAME.fullmatch(declared):
         raise ModuleError(
             f"{toml_path}: key 'module.name' must be lower-case letters, digits and _ "
             f"(got {declared!r})"
@@ -265,7 +266,7 @@ def _check_module_name(
 
 def _job_type(where: str, module: str, path: Path, tname: str, t: _TypeToml) -> JobType:
     """The job type ``[types.<tname>]`` declares, checked (``where`` names it)."""
-    if not _NAME.fullmatch(tname):
+    if not MODULE_NAME.fullmatch(tname):
         raise ModuleError(f"{where}: a type name must be lower-case letters, digits and _")
     if t.lane == "vram" and t.vram_gib <= 0:
         raise ModuleError(f"{where}: key 'vram_gib' must be > 0 on the vram lane")
@@ -402,7 +403,7 @@ def _check_runtime_type(where: str, t: _TypeToml) -> None:
 
 
 def _param(where: str, name: str, p: _ParamToml) -> ParamSpec:
-    if not _NAME.fullmatch(name):
+    if not MODULE_NAME.fullmatch(name):
         raise ModuleError(f"{where}: parameter name {name!r} must be lower-case letters, digits, _")
     spec = ParamSpec(
         name=name,
@@ -624,7 +625,7 @@ def _load_installed(found: dict[str, Module], first: _First) -> None:
             f"entry point {ep.name} = {ep.value!r} (group {ENTRY_POINT_GROUP}, "
             f"from {dist or 'an unknown distribution'})"
         )
-        if not _NAME.fullmatch(ep.name):
+        if not MODULE_NAME.fullmatch(ep.name):
             raise ModuleError(
                 f"{where}: the name must be the module's name: lower-case letters, digits and _"
             )

@@ -14,7 +14,7 @@ from gpuwarden.errors import ConfigError, UserError
 TOP_KEYS = (
     "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, api, broker, "
     "cluster, container_runtime, create_queue_roots, database, gpu, gpu_lock, limits, "
-    "module_paths, node_name, "
+    "module_paths, modules, node_name, "
     "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, sources, state_dir, vram, warm"
 )
 BROKER_KEYS = (
@@ -344,3 +344,49 @@ def test_a_bad_gpu_lock_is_a_config_error(tmp_path: Path, template: str, says: s
 def test_sources_allow_globs_must_name_a_scheme(tmp_path: Path) -> None:
     path = write(tmp_path / "gw.toml", "[sources]\nallow = ['git.example.org/*']\n")
     assert "must start with https://, ssh:// or file://" in config_error(path)
+
+
+# --- [modules.<name>] ---------------------------------------------------------------
+
+
+def test_a_modules_model_dir_resolves_against_the_file(tmp_path: Path) -> None:
+    (tmp_path / "models" / "sao").mkdir(parents=True)
+    cfg = write(
+        tmp_path / "gw.toml",
+        '[modules.audiogen]\nmodel_dir = "models/sao"\n'
+        '[modules.speech]\nmodel_dir = "/srv/voxcpm2"\n[modules.echo]\n',
+    )
+    config = load_config(cfg)
+    assert config.modules["audiogen"].model_dir == tmp_path / "models" / "sao"
+    assert config.modules["speech"].model_dir == Path("/srv/voxcpm2")
+    assert config.modules["echo"].model_dir is None  # an empty table: nothing given
+    assert load_config(None, state_dir=tmp_path).modules == {}
+    # the folders are checked when a node starts: audiogen's is there, speech's not
+    with pytest.raises(ConfigError, match=r"\[modules\.speech\] model_dir /srv/voxcpm2 does not"):
+        config.check_modules()
+
+
+def test_an_unknown_key_in_a_module_table_is_refused_naming_the_allowed(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "gw.toml", '[modules.speech]\nmodel_dirs = "m"\n')
+    text = config_error(cfg)
+    assert "unknown key 'modules.speech.model_dirs'; allowed keys here: model_dir" in text
+
+
+@pytest.mark.parametrize("name", ["Speech", "9lives", "a-b", "a.b"])
+def test_a_module_table_must_be_named_as_a_module(tmp_path: Path, name: str) -> None:
+    cfg = write(tmp_path / "gw.toml", f'[modules."{name}"]\nmodel_dir = "m"\n')
+    text = config_error(cfg)
+    assert "key 'modules'" in text and f"{name!r} is not a module name" in text
+
+
+def test_a_missing_model_dir_or_a_file_is_refused_naming_the_key(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    cfg = write(tmp_path / "gw.toml", '[modules.audiogen]\nmodel_dir = "nowhere"\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(cfg).check_modules()
+    assert str(info.value).startswith(
+        f"[modules.audiogen] model_dir {tmp_path / 'nowhere'} does not exist: stage"
+    )
+    cfg.write_text('[modules.audiogen]\nmodel_dir = "file"\n')
+    with pytest.raises(ConfigError, match=r"model_dir .*/file is not a folder"):
+        load_config(cfg).check_modules()

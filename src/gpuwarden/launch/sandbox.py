@@ -1082,8 +1082,10 @@ def mounts_for(
     weights_dir: str | None,
     scratch_bytes: int,
     extra: Sequence[Mount] = (),
+    model_dir: str | None = None,
 ) -> tuple[Mount, ...]:
-    """The mounts of one attempt, at the fixed places under ``/gpuwarden``."""
+    """The mounts of one attempt, at the fixed places under ``/gpuwarden``
+    (``model_dir``: its module's model folder, read-only at ``/gpuwarden/model``)."""
     mounts = [Mount(module_dir, str(INSIDE / "module"))]
     if input_dir is not None:
         mounts.append(Mount(input_dir, str(INSIDE / "input")))
@@ -1097,5 +1099,7 @@ def mounts_for(
         mounts.append(Mount(params_file, str(INSIDE / "params.json")))
     if weights_dir is not None:
         mounts.append(Mount(weights_dir, str(INSIDE / "weights")))
+    if model_dir is not None:
+        mounts.append(Mount(model_dir, str(INSIDE / "model")))
     mounts.extend(extra)
     return tuple(mounts)

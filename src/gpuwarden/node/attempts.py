@@ -123,11 +123,13 @@ def job_env(
     base: Mapping[str, str],
     weights_dir: Path | None,
     resume: bool = False,
+    model_dir: Path | None = None,
 ) -> dict[str, str]:
     """The environment a job starts with (SPEC.md section 7): ``base`` (see
     :func:`host_env`) and the ``GPUWARDEN_*`` variables that name its files;
-    ``GPUWARDEN_RESUME=1`` when it resumes (its output folder carried over from an
-    attempt that was checkpointed or preempted)."""
+    ``GPUWARDEN_MODEL_DIR`` when its module has a model folder
+    (``[modules.<name>] model_dir``); ``GPUWARDEN_RESUME=1`` when it resumes (its
+    output folder carried over from an attempt that was checkpointed or preempted)."""
     env = dict(base)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(
@@ -144,21 +146,30 @@ def job_env(
     )
     if weights_dir is not None:
         env["GPUWARDEN_WEIGHTS_DIR"] = str(weights_dir)
+    if model_dir is not None:
+        env["GPUWARDEN_MODEL_DIR"] = str(model_dir)
     if resume:
         env["GPUWARDEN_RESUME"] = "1"
     return env
 
 
 def server_env(
-    *, job_type: str, base: Mapping[str, str], weights_dir: Path | None
+    *,
+    job_type: str,
+    base: Mapping[str, str],
+    weights_dir: Path | None,
+    model_dir: Path | None = None,
 ) -> dict[str, str]:
     """The environment a warm server starts with: a server outlives its jobs, so
-    only its type is named; each job's files reach it over its socket."""
+    only its type is named (and its module's model folder, where it has one);
+    each job's files reach it over its socket."""
     env = dict(base)
     env["PYTHONUNBUFFERED"] = "1"
     env["GPUWARDEN_JOB_TYPE"] = job_type
     if weights_dir is not None:
         env["GPUWARDEN_WEIGHTS_DIR"] = str(weights_dir)
+    if model_dir is not None:
+        env["GPUWARDEN_MODEL_DIR"] = str(model_dir)
     return env
 
 
@@ -206,6 +217,12 @@ class Launching:
     def sandbox_for(self, jobtype: JobType) -> SandboxLauncher | None:
         """The sandbox attempts of ``jobtype`` run in, or None (a host process)."""
         return self.sandbox if self.rules.sandboxed(jobtype) else None
+
+    def model_dir(self, jobtype: JobType) -> Path | None:
+        """The model folder of ``jobtype``'s module (``[modules.<name>] model_dir``),
+        or None: only that module's types are given it. A type from a commit is
+        of a module of its own (``name@<commit>``) and gets none."""
+        return self.settings.model_dirs.get(jobtype.module)
 
     def sandbox_owner(self, jobtype: JobType) -> tuple[int, int] | None:
         """Who owns the folders a sandboxed attempt (or warm server) writes: the
@@ -285,6 +302,7 @@ class Launching:
             self.carry_outputs(run, layout, owner)
         input_dir, params = self.params(run)
         weights = self.settings.weights_dir
+        model = self.model_dir(jobtype)
         mounts: tuple[Mount, ...] = ()
         gpu_uuid: str | None = None
         if sandbox is not None:
@@ -299,6 +317,7 @@ class Launching:
                 weights_dir=str(weights) if weights is not None else None,
                 scratch_bytes=self.settings.scratch_bytes,
                 extra=gpu_mounts,
+                model_dir=str(model) if model is not None else None,
             )
             # the job reads its input parameters as paths it can open: where the
             # sandbox sees them
@@ -315,6 +334,7 @@ class Launching:
             base=host_env(self.probe.job_env(gpu)),
             weights_dir=weights,
             resume=run.resume_from is not None,
+            model_dir=model,
         )
         return LaunchRequest(
             job_id=job.id,
@@ -353,6 +373,7 @@ class Launching:
             job_type=jobtype.name,
             base=host_env(self.probe.job_env(gpu)),
             weights_dir=self.settings.weights_dir,
+            model_dir=self.model_dir(jobtype),
         )
         request = LaunchRequest(
             job_id=f"warm-{jobtype.name}",
@@ -381,7 +402,7 @@ class Launching:
         # its load scratch (a bind mount when [sandbox] scratch_mib = 0), the
         # sandbox's user's like an attempt's
         safefs.make_dir(log_dir / "scratch", owner=self.sandbox_owner(jobtype))
-        weights = self.settings.weights_dir
+        weights, model = self.settings.weights_dir, self.model_dir(jobtype)
         gpu_uuid, gpu_mounts = self.gpu_access(gpu)
         mounts = mounts_for(
             module_dir=jobtype.module_dir,
@@ -393,6 +414,7 @@ class Launching:
             weights_dir=str(weights) if weights is not None else None,
             scratch_bytes=self.settings.scratch_bytes,
             extra=(Mount(str(socket_path), str(INSIDE / "serve.sock"), writable=True), *gpu_mounts),
+            model_dir=str(model) if model is not None else None,
         )
         return dataclasses.replace(
             request, mounts=mounts, gpu_uuid=gpu_uuid, memory_bytes=jobtype.ram_bytes

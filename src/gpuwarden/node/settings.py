@@ -8,7 +8,8 @@ broker from values alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,3 +95,6 @@ class NodeSettings:
     gpu_lock: str = ""
     #: where the service forwarders listen (``[cluster] service_address``)
     service_address: str = "127.0.0.1"
+    #: module name -> its model folder (``[modules.<name>] model_dir``): given to the
+    #: jobs and warm servers of that module's types only
+    model_dirs: Mapping[str, Path] = field(default_factory=dict)
