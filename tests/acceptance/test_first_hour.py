@@ -339,10 +339,10 @@ def assert_ran(type_name: str, r: subprocess.CompletedProcess[str]) -> None:
     if r.returncode == 0:
         assert re.search(r"status\s+done", r.stdout), r.stdout
         return
-    # audiogen needs model weights staged in a weights dir, which local.toml has not
+    # audiogen needs its model staged (model_dir or a weights dir), which local.toml has not
     if type_name == "audiogen.stableaudio":
         assert re.search(r"status\s+failed", r.stdout), r.stdout + r.stderr
-        assert re.search(r"no\s+weights\s+dir:\s+this\s+node", r.stdout), r.stdout + r.stderr
+        assert re.search(r"no\s+model\s+folder:\s+this\s+node", r.stdout), r.stdout + r.stderr
         return
     if type_name == "speech.voxcpm2":  # its weights are staged by hand: none here
         assert "WeightsError: no model folder" in " ".join(r.stdout.split()), r.stdout + r.stderr

@@ -436,9 +436,12 @@ def test_whisper_checkpoint_from_the_weights_folder(whisper_weights: Path, tmp_p
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
-        ("../outside.pt", "whisper_model must be a path inside the weights folder"),
-        ("/etc/passwd", "whisper_model must be a path inside the weights folder"),
-        ("whisper/base.en.pt", "whisper_model 'whisper/base.en.pt' is not a file in the weights"),
+        ("../outside.pt", "whisper_model must be a path inside the model or weights folder"),
+        ("/etc/passwd", "whisper_model must be a path inside the model or weights folder"),
+        (
+            "whisper/base.en.pt",
+            "whisper_model 'whisper/base.en.pt' is not a file in the [sandbox] weights_dir folder",
+        ),
     ],
 )
 def test_whisper_model_must_be_a_file_in_the_weights_folder(
@@ -453,6 +456,27 @@ def test_whisper_model_must_be_a_file_in_the_weights_folder(
     with pytest.raises(check.InputError, match=re.escape(reason)):
         check.whisper_checkpoint(name)
     assert check.whisper_checkpoint("whisper/tiny_random.pt").is_file()
+
+
+def test_whisper_model_is_found_in_the_model_folder_first(
+    check: ModuleType, whisper_weights: Path, tmp_path: Path
+) -> None:
+    """[modules.speech] model_dir first, then [sandbox] weights_dir; a message that
+    names both when it is in neither, and both ways to stage when none is set."""
+    name = "whisper/tiny_random.pt"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    both = {"GPUWARDEN_MODEL_DIR": str(whisper_weights), "GPUWARDEN_WEIGHTS_DIR": str(empty)}
+    assert check.whisper_checkpoint(name, both) == whisper_weights / name
+    swapped = {"GPUWARDEN_MODEL_DIR": str(empty), "GPUWARDEN_WEIGHTS_DIR": str(whisper_weights)}
+    assert check.whisper_checkpoint(name, swapped) == whisper_weights / name
+    with pytest.raises(check.InputError) as caught:
+        check.whisper_checkpoint("nope.pt", both)
+    assert "not a file in the [modules.speech] model_dir folder nor in the [sandbox]" in str(
+        caught.value
+    )
+    with pytest.raises(check.InputError, match=r"\[modules\.speech\] model_dir, or of \[sandbox\]"):
+        check.whisper_checkpoint(name, {})
 
 
 # --- after a synthesis job: the `after` dependency ---------------------------------

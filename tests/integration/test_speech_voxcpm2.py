@@ -358,10 +358,22 @@ def test_prompt_keys_differ_by_recording_and_transcript(worker: ModuleType) -> N
 
 
 def test_no_weights_dir_is_a_clear_load_failure(worker: ModuleType, tmp_path: Path) -> None:
-    with pytest.raises(worker.voxload.WeightsError, match=r"no model folder: set sandbox\.weights"):
+    with pytest.raises(worker.voxload.WeightsError) as caught:
         worker.find_model_dir("")
-    with pytest.raises(worker.voxload.WeightsError, match="no VoxCPM2 model folder under"):
+    said = str(caught.value)  # both ways to stage it
+    assert "set [modules.speech] model_dir" in said and "[sandbox] weights_dir" in said
+    with pytest.raises(worker.voxload.WeightsError, match="no VoxCPM2 model folder in the weights"):
         worker.find_model_dir(str(tmp_path))
+    with pytest.raises(
+        worker.voxload.WeightsError, match="set as \\[modules\\.speech\\] model_dir"
+    ):
+        worker.find_model_dir(str(tmp_path))
+    # the module's own folder is the model itself (its check names what it lacks)
+    assert worker.find_model_dir("", str(tmp_path)) == tmp_path
+    assert worker.find_model_dir(str(tmp_path / "w"), str(tmp_path)) == tmp_path
+    (tmp_path / "VoxCPM2").mkdir()
+    (tmp_path / "VoxCPM2" / "config.json").write_text("{}")
+    assert worker.find_model_dir("", str(tmp_path)) == tmp_path / "VoxCPM2"
 
 
 # --- load and handle, in this process ----------------------------------------------------------

@@ -2,11 +2,13 @@
 
 A oneshot job (one process per attempt, SPEC.md section 7): it loads Stable Audio
 Open 1.0 with diffusers' ``StableAudioPipeline`` from a folder staged on disk (the
-node's ``[sandbox] weights_dir``, read-only; never the network), generates one
-clip and writes ``out/audio.wav`` (and ``out/audio.json``, what was made and how).
+node's ``[modules.audiogen] model_dir`` or ``[sandbox] weights_dir``, read-only;
+never the network), generates one clip and writes ``out/audio.wav`` (and
+``out/audio.json``, what was made and how).
 
-The model folder is ``$GPUWARDEN_WEIGHTS_DIR/<model>`` (``model`` parameter,
-default ``stable-audio-open-1.0``), in the diffusers layout (see README.md).
+The model folder is ``$GPUWARDEN_MODEL_DIR`` itself (or ``$GPUWARDEN_MODEL_DIR/<model>``),
+else ``$GPUWARDEN_WEIGHTS_DIR/<model>`` (``model`` parameter, default
+``stable-audio-open-1.0``), in the diffusers layout (see README.md).
 Before anything runs the loader checks what it loads: every file the layout
 needs, and every weight each model expects against the keys in its safetensors
 (diffusers and transformers load a checkpoint that lacks keys without failing:
@@ -172,29 +174,45 @@ class Layout:
 
 
 def find_model_dir(model: str, env: dict[str, str] | None = None) -> Path:
-    """``$GPUWARDEN_WEIGHTS_DIR/<model>``, or the weights dir itself when the model
-    is staged at its top (it holds ``model_index.json``)."""
+    """The model folder: the module's own (``$GPUWARDEN_MODEL_DIR``, the node's
+    ``[modules.audiogen] model_dir``) first, then ``$GPUWARDEN_WEIGHTS_DIR/<model>``
+    (``[sandbox] weights_dir``, or the weights dir itself when the model is staged
+    at its top: it holds ``model_index.json``).
+
+    The module's folder is the model itself for the default model; a folder
+    ``<model>`` inside it is taken for any model (several staged side by side)."""
     environ = os.environ if env is None else env
+    own = environ.get("GPUWARDEN_MODEL_DIR", "")
     weights = environ.get("GPUWARDEN_WEIGHTS_DIR", "")
-    if not weights:
+    if not own and not weights:
         raise JobError(
-            "no weights dir: this node's config has no weights_dir in its sandbox "
-            f"section; stage Stable Audio Open 1.0 in <weights_dir>/{DEFAULT_MODEL}/ "
-            "(diffusers layout) and set weights_dir (see the audiogen module's README.md)"
+            "no model folder: this node's config gives the audiogen module none. Stage "
+            "Stable Audio Open 1.0 (diffusers layout) in a folder and set [modules.audiogen] "
+            f"model_dir to it, or put it in <weights_dir>/{DEFAULT_MODEL}/ and set "
+            "[sandbox] weights_dir (see the audiogen module's README.md)"
         )
-    root = Path(weights)
-    candidate = root / model
-    if candidate.is_dir():
-        return candidate
-    if model == DEFAULT_MODEL and (root / "model_index.json").is_file():
-        return root
-    try:
-        held = sorted(p.name for p in root.iterdir())
-    except OSError as exc:
-        raise JobError(f"the weights dir {root} cannot be read: {exc}") from None
+    looked: list[str] = []
+    if own:
+        root = Path(own)
+        if (root / model).is_dir():
+            return root / model
+        if model == DEFAULT_MODEL:
+            return root  # the module's folder is the model: check_layout says what it lacks
+        looked.append(f"{root / model} ([modules.audiogen] model_dir)")
+    if weights:
+        root = Path(weights)
+        if (root / model).is_dir():
+            return root / model
+        if model == DEFAULT_MODEL and (root / "model_index.json").is_file():
+            return root
+        try:
+            held = sorted(p.name for p in root.iterdir())
+        except OSError as exc:
+            raise JobError(f"the weights dir {root} cannot be read: {exc}") from None
+        looked.append(f"the weights dir {root} (it holds: {', '.join(held[:20]) or 'nothing'})")
     raise JobError(
-        f"no model folder {model!r} in the weights dir {root} "
-        f"(it holds: {', '.join(held[:20]) or 'nothing'})"
+        f"no model folder {model!r}: looked in {' and in '.join(looked)}; stage it as "
+        f"<model_dir>/{model}/ or <weights_dir>/{model}/"
     )
 
 

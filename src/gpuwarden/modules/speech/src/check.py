@@ -13,6 +13,7 @@ and a one-line ``{"message": ...}`` to ``$GPUWARDEN_RESULT``.
 
 Engines: ``pocketsphinx`` (the default: its US-English model ships inside the
 PyPI wheel) and ``whisper`` (openai-whisper, from a checkpoint file staged under
+``$GPUWARDEN_MODEL_DIR`` (``[modules.speech] model_dir``) or
 ``$GPUWARDEN_WEIGHTS_DIR``; never downloaded).
 
 Exit codes: 0 the check ran (``pass`` says whether it passed: a check that
@@ -153,24 +154,38 @@ def transcribe_pocketsphinx(audio: Any, timings: dict[str, float]) -> str:
     return hyp.hypstr if hyp is not None else ""
 
 
-def whisper_checkpoint(name: Any) -> Path:
-    """The checkpoint file ``name`` under $GPUWARDEN_WEIGHTS_DIR, checked."""
-    weights = os.environ.get("GPUWARDEN_WEIGHTS_DIR", "")
-    if not weights:
+def whisper_checkpoint(name: Any, env: dict[str, str] | None = None) -> Path:
+    """The checkpoint file ``name``, a path inside the module's model folder
+    ($GPUWARDEN_MODEL_DIR, ``[modules.speech] model_dir``) or else the weights
+    folder ($GPUWARDEN_WEIGHTS_DIR, ``[sandbox] weights_dir``), checked."""
+    environ = os.environ if env is None else env
+    folders = [
+        (environ.get(var, ""), key)
+        for var, key in (
+            ("GPUWARDEN_MODEL_DIR", "[modules.speech] model_dir"),
+            ("GPUWARDEN_WEIGHTS_DIR", "[sandbox] weights_dir"),
+        )
+    ]
+    folders = [(folder, key) for folder, key in folders if folder]
+    if not folders:
         raise InputError(
-            "engine whisper needs a staged checkpoint: set the config key "
-            "sandbox.weights_dir on the node and put the .pt file there"
+            "engine whisper needs a staged checkpoint: put the .pt file in the folder of "
+            "the node's config key [modules.speech] model_dir, or of [sandbox] weights_dir"
             f" (whisper_model, default {DEFAULT_WHISPER_MODEL})"
         )
     if not isinstance(name, str) or not name:
         raise InputError("whisper_model is empty")
     rel = PurePosixPath(name)
     if rel.is_absolute() or any(part in ("", ".", "..") for part in rel.parts):
-        raise InputError(f"whisper_model must be a path inside the weights folder, got {name!r}")
-    path = Path(weights) / rel
-    if not path.is_file():
-        raise InputError(f"whisper_model {name!r} is not a file in the weights folder")
-    return path
+        raise InputError(
+            f"whisper_model must be a path inside the model or weights folder, got {name!r}"
+        )
+    for folder, _ in folders:
+        path = Path(folder) / rel
+        if path.is_file():
+            return path
+    where = " nor in ".join(f"the {key} folder" for _, key in folders)
+    raise InputError(f"whisper_model {name!r} is not a file in {where}")
 
 
 def transcribe_whisper(audio: Any, checkpoint: Path, timings: dict[str, float]) -> str:

@@ -1,7 +1,8 @@
 """speech.voxcpm2: text to speech with VoxCPM2, served warm.
 
 A serve worker (launch mode ``serve``, SPEC.md and :mod:`gpuwarden.server.worker`):
-``load`` runs once per worker and loads VoxCPM2 from a staged folder (never the
+``load`` runs once per worker and loads VoxCPM2 from a staged folder (the node's
+``[modules.speech] model_dir``, else under ``[sandbox] weights_dir``; never the
 network) and checks it (:mod:`voxload`); ``handle`` runs once per job and
 writes ``speech.wav`` (mono, at the model's rate: 48 kHz for VoxCPM2) and
 ``result.json`` to the job's output folder.
@@ -35,7 +36,8 @@ from typing import Any
 
 import voxload
 
-#: the weights folder's name under the weights mount (``[sandbox] weights_dir``)
+#: the model folder's name under the weights mount (``[sandbox] weights_dir``); the
+#: module's own folder (``[modules.speech] model_dir``) is the model itself
 WEIGHTS_SUBDIRS = ("VoxCPM2", "openbmb/VoxCPM2", "")
 #: the longest text of one job, in characters
 MAX_TEXT_CHARS = 5000
@@ -81,28 +83,39 @@ class Speaker:
 # --- the model folder, the device and the load ---------------------------------
 
 
-def find_model_dir(weights_dir: str) -> Path:
-    """The VoxCPM2 folder under the weights mount: ``VoxCPM2/``,
-    ``openbmb/VoxCPM2/`` or the mount itself, the first that holds a config.json."""
-    if not weights_dir:
+def find_model_dir(weights_dir: str, model_dir: str = "") -> Path:
+    """The VoxCPM2 folder: the module's own folder (``$GPUWARDEN_MODEL_DIR``, the
+    node's ``[modules.speech] model_dir``) when it is set, that folder itself or its
+    ``VoxCPM2/``; else under the weights mount (``[sandbox] weights_dir``):
+    ``VoxCPM2/``, ``openbmb/VoxCPM2/`` or the mount itself. The first that holds
+    a config.json."""
+    if not model_dir and not weights_dir:
         raise voxload.WeightsError(
-            "no model folder: set sandbox.weights_dir in the broker's config (weights_dir "
-            f"in its sandbox table) to a folder holding VoxCPM2/ (the files of "
-            f"{voxload.UPSTREAM}; see the speech module's README.md). It is mounted "
-            "read-only at /gpuwarden/weights"
+            "no model folder: stage the files of "
+            f"{voxload.UPSTREAM} in a folder and set [modules.speech] model_dir to it in "
+            "the broker's config (mounted read-only at /gpuwarden/model), or set "
+            "[sandbox] weights_dir to a folder holding VoxCPM2/ (mounted read-only at "
+            "/gpuwarden/weights); see the speech module's README.md"
         )
-    base = Path(weights_dir)
-    candidates = [base / sub if sub else base for sub in WEIGHTS_SUBDIRS]
+    if model_dir:
+        base, where = Path(model_dir), "the module's model folder ([modules.speech] model_dir)"
+        candidates = [base, base / "VoxCPM2"]
+    else:
+        base, where = Path(weights_dir), "the weights folder ([sandbox] weights_dir)"
+        candidates = [base / sub if sub else base for sub in WEIGHTS_SUBDIRS]
     for folder in candidates:
         if (folder / "config.json").is_file():
             return folder
+    if model_dir:  # the module's folder is the model: let the check name what is missing
+        return base
     for folder in candidates:  # a partial folder: let the check name what is missing
         if folder.is_dir() and folder != base:
             return folder
     raise voxload.WeightsError(
-        f"no VoxCPM2 model folder under the weights folder {base}: looked for "
+        f"no VoxCPM2 model folder in {where} {base}: looked for "
         f"{', '.join(str(c) for c in candidates)} (each with a config.json); stage the "
-        f"files of {voxload.UPSTREAM} as {base / 'VoxCPM2'} (see the speech module's README.md)"
+        f"files of {voxload.UPSTREAM} as {base / 'VoxCPM2'}, or in a folder of their own "
+        "set as [modules.speech] model_dir (see the speech module's README.md)"
     )
 
 
@@ -121,7 +134,9 @@ def load(ctx: Any) -> Speaker:
     os.environ.setdefault("HF_HOME", str(scratch / "hf"))
     os.environ.setdefault("NUMBA_CACHE_DIR", str(scratch / "numba"))
     os.environ.setdefault("MPLCONFIGDIR", str(scratch / "mpl"))
-    folder = find_model_dir(os.environ.get("GPUWARDEN_WEIGHTS_DIR", ""))
+    folder = find_model_dir(
+        os.environ.get("GPUWARDEN_WEIGHTS_DIR", ""), os.environ.get("GPUWARDEN_MODEL_DIR", "")
+    )
     voxload.check_folder(folder)  # a partial folder fails here, before seconds of imports
     try:
         import torch
