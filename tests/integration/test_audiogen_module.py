@@ -12,7 +12,9 @@ lacks a file, one a tensor in a safetensors file.
 The job's functions are called directly first (parameters, the layout and key
 checks, the token limit); then jobs run through a real node on the simulated GPU,
 as processes of the broker (``launch = "container"`` run unsandboxed, and once in
-bubblewrap), with the tiny model staged as the node's ``[sandbox] weights_dir``.
+bubblewrap), with the tiny model staged as the node's ``[sandbox] weights_dir``, and
+once as the module's own folder (``[modules.audiogen] model_dir``) with no weights
+dir, beside a job of another module that must not see it.
 
 Without the ``audiogen`` extra every test here skips, saying how to install it;
 with ``GPUWARDEN_REQUIRE_AUDIOGEN=1`` (set by .ci/run) it fails instead.
@@ -282,10 +284,13 @@ def test_a_missing_file_is_named_before_anything_loads(job: ModuleType, weights:
 
 
 def test_no_weights_dir_or_no_such_model_says_what_to_stage(job: ModuleType, weights: Path) -> None:
-    no_dir = r"no weights dir: .* no weights_dir in its sandbox section"
-    with pytest.raises(job.JobError, match=no_dir):
+    with pytest.raises(job.JobError) as caught:
         job.find_model_dir(GOOD, env={})
-    with pytest.raises(job.JobError, match="no model folder 'other' in the weights dir") as caught:
+    said = str(caught.value)  # both ways to stage it
+    assert said.startswith("no model folder: this node's config gives the audiogen module none")
+    assert "[modules.audiogen] model_dir" in said and "[sandbox] weights_dir" in said
+    looked = "no model folder 'other': looked in the weights"
+    with pytest.raises(job.JobError, match=looked) as caught:
         job.find_model_dir("other", env={"GPUWARDEN_WEIGHTS_DIR": str(weights)})
     assert GOOD in str(caught.value)  # it says what is there
     found = job.find_model_dir(GOOD, env={"GPUWARDEN_WEIGHTS_DIR": str(weights)})
@@ -294,6 +299,17 @@ def test_no_weights_dir_or_no_such_model_says_what_to_stage(job: ModuleType, wei
     assert job.find_model_dir(GOOD, env={"GPUWARDEN_WEIGHTS_DIR": str(weights / GOOD)}) == (
         weights / GOOD
     )
+    # the module's own folder (GPUWARDEN_MODEL_DIR) first: the model itself, or a
+    # folder of models; then the weights dir
+    own = {"GPUWARDEN_MODEL_DIR": str(weights / GOOD), "GPUWARDEN_WEIGHTS_DIR": str(weights)}
+    assert job.find_model_dir(GOOD, env=own) == weights / GOOD
+    assert job.find_model_dir(NO_KEY, env=own) == weights / NO_KEY  # from the weights dir
+    models = {"GPUWARDEN_MODEL_DIR": str(weights)}
+    assert job.find_model_dir(NO_FILE, env=models) == weights / NO_FILE
+    with pytest.raises(job.JobError) as caught:
+        job.find_model_dir("other", env={"GPUWARDEN_MODEL_DIR": str(weights / GOOD)})
+    assert "looked in " + str(weights / GOOD / "other") in str(caught.value)
+    assert "<model_dir>/other/ or <weights_dir>/other/" in str(caught.value)
 
 
 def test_the_libraries_load_a_missing_key_silently_so_the_job_checks(
@@ -356,12 +372,20 @@ def test_generate_writes_the_wav_in_process(job: ModuleType, loaded: Any, tmp_pa
 # --- jobs through a node on the simulated GPU ------------------------------------
 
 
-def make_config(tmp_path: Path, weights: Path, runtime: str) -> Config:
+def make_config(
+    tmp_path: Path, weights: Path, runtime: str, *, model_dir: Path | None = None
+) -> Config:
+    """A node on the simulated GPU: the tiny model in ``weights`` as the weights dir,
+    or with ``model_dir`` as the audiogen module's own folder and no weights dir."""
     top: dict[str, Any] = (
         {"container_runtime": "bubblewrap"}
         if runtime == "bubblewrap"
         else {"allow_unsandboxed_containers": True}
     )
+    if model_dir is None:
+        top["sandbox"] = {"weights_dir": str(weights)}
+    else:
+        top["modules"] = {"audiogen": {"model_dir": str(model_dir)}}
     return Config.model_validate(
         {
             "state_dir": tmp_path / "state",
@@ -371,7 +395,6 @@ def make_config(tmp_path: Path, weights: Path, runtime: str) -> Config:
             "sim_gpu": {"count": 1, "vram_gib": 24, "release_delay_s": 0},
             "broker": {"poll_interval_s": 0.02, "kill_grace_s": 1},
             "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
-            "sandbox": {"weights_dir": str(weights)},
             **top,
         }
     )
@@ -500,3 +523,46 @@ def test_a_job_in_bubblewrap_reads_the_mounted_weights(node: Node) -> None:
     run_until(node, lambda: ended(node, "sandboxed"), timeout=300)
     record = check_good_job(node, "sandboxed", 0.75)
     assert record["model_dir"] == "/gpuwarden/weights/stable-audio-open-1.0"
+
+
+@pytest.mark.parametrize("runtime", ["bubblewrap", "local"])
+def test_the_modules_own_model_dir_without_a_weights_dir(
+    tmp_path: Path, weights: Path, runtime: str
+) -> None:
+    """``[modules.audiogen] model_dir`` set to the tiny model and no weights dir: the
+    job reads it (read-only at /gpuwarden/model in bubblewrap, the host path
+    unsandboxed) and is done with the right WAV; a job of another module on the same
+    node (probe.sandbox, which lists its environment's names and its mounts) is
+    given neither the variable nor the mount."""
+    if runtime == "bubblewrap":
+        need_tool("bwrap")
+    config = make_config(tmp_path, weights, runtime, model_dir=weights / GOOD)
+    assert config.sandbox.weights_dir is None
+    with open_node(config, mock_gpu=True) as node:
+        node.broker.recover()
+        try:
+            submit(
+                node,
+                JobSpec(
+                    id="own",
+                    type="audiogen.stableaudio",
+                    params={"prompt": "rain on a tin roof", "seconds": 0.75, "steps": 2},
+                ),
+                JobSpec(id="other", type="probe.sandbox", params={}),
+            )
+            run_until(node, lambda: ended(node, "own", "other"), timeout=300)
+            record = check_good_job(node, "own", 0.75)
+            inside = "/gpuwarden/model" if runtime == "bubblewrap" else str(weights / GOOD)
+            assert record["model_dir"] == inside
+            other = node.store.get_job("other")
+            assert other is not None and other.state is JobState.DONE, explain(node, "other")
+            report = json.loads((out_dir(node, "other") / "report.json").read_text())
+            assert report["job_type"] == "probe.sandbox"
+            assert "GPUWARDEN_MODEL_DIR" not in report["env_keys"]
+            assert "GPUWARDEN_WEIGHTS_DIR" not in report["env_keys"]
+            if runtime == "bubblewrap":
+                targets = {m["target"] for m in report["mounts"]}
+                assert "/gpuwarden/module" in targets  # it does list the sandbox's mounts
+                assert not any(t.startswith("/gpuwarden/model") for t in targets)
+        finally:
+            node.broker.shutdown(2)
