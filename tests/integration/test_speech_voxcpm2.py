@@ -11,7 +11,8 @@ head is random too, so every job passes a small ``max_steps`` and
 
 First ``load`` and ``handle`` are called in this process; then jobs run through
 an in-process broker as a warm server sandboxed in bubblewrap, with the weights
-under ``[sandbox] weights_dir``. The first generate of a process takes seconds
+under ``[sandbox] weights_dir`` (and once as ``[modules.speech] model_dir``, with no
+weights dir). The first generate of a process takes seconds
 (one-time set-up in torch and librosa), so one server is shared by those jobs.
 
 Without the speech extra and voxcpm every test that needs them skips, saying how
@@ -624,9 +625,16 @@ def test_a_voxcpm1_folder_is_refused(worker: ModuleType, weights: Path, tmp_path
 # --- through the broker: a warm server sandboxed in bubblewrap ----------------------------------
 
 
-def broker_config(tmp: Path, weights_dir: Path) -> Any:
+def broker_config(tmp: Path, weights_dir: Path | None, *, model_dir: Path | None = None) -> Any:
+    """A node sandboxing in bubblewrap: the model under ``[sandbox] weights_dir``, or
+    as the speech module's own folder (``[modules.speech] model_dir``)."""
     from gpuwarden.config import Config
 
+    staged: dict[str, Any] = {}
+    if weights_dir is not None:
+        staged["sandbox"] = {"weights_dir": str(weights_dir)}
+    if model_dir is not None:
+        staged["modules"] = {"speech": {"model_dir": str(model_dir)}}
     return Config.model_validate(
         {
             "state_dir": tmp / "state",
@@ -637,7 +645,7 @@ def broker_config(tmp: Path, weights_dir: Path) -> Any:
             "vram": {"reserve_gib": 0, "reclaim_timeout_s": 5},
             "warm": {"idle_grace_s": 600, "stop_grace_s": 1},
             "container_runtime": "bubblewrap",
-            "sandbox": {"weights_dir": str(weights_dir)},
+            **staged,
         }
     )
 
@@ -761,5 +769,33 @@ def test_a_wrong_weights_folder_fails_the_load_through_the_broker_naming_the_fil
             assert job is not None and job.state is not JobState.DONE, job
             assert "missing model.safetensors (or pytorch_model.bin)" in job.reason, job.reason
             assert "WeightsError" in job.reason, job.reason
+        finally:
+            node.broker.shutdown(5)
+
+
+def test_the_modules_own_model_dir_without_a_weights_dir_in_bubblewrap(
+    voxcpm: ModuleType, weights: Path, voices: Path, node_tmp: Path
+) -> None:
+    """``[modules.speech] model_dir`` set to the VoxCPM2 folder itself and no weights
+    dir: the warm server loads it read-only from /gpuwarden/model and speaks."""
+    from gpuwarden.app import open_node
+    from gpuwarden.core.states import JobState
+    from tests.conftest import need_tool
+
+    need_tool("bwrap")
+    ref = job_inputs(node_tmp, "ref-own", voices / "ref.wav")
+    config = broker_config(node_tmp / "own", None, model_dir=weights / "VoxCPM2")
+    assert config.sandbox.weights_dir is None
+    with open_node(config, mock_gpu=True) as node:
+        node.broker.recover()
+        try:
+            submit_speech(node, "m1", ref, text="Good morning.", reference="ref.wav")
+            wait_ended(node, "m1", timeout=600)
+            job = node.store.get_job("m1")
+            assert job is not None and job.state is JobState.DONE, job and job.reason
+            out = Path(job.result["output_dir"])
+            assert_speech(out / "speech.wav", 1, QUICK["max_steps"])
+            record = json.loads((out / "result.json").read_text())
+            assert record["model_dir"] == "/gpuwarden/model"  # the module's read-only mount
         finally:
             node.broker.shutdown(5)
