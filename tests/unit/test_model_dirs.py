@@ -185,3 +185,27 @@ def test_unsandboxed_jobs_get_the_host_path_and_a_commits_module_gets_none(
     from_commit = dataclasses.replace(stableaudio, module="audiogen@" + "b" * 40)
     assert launch.model_dir(stableaudio) == models["audiogen"]
     assert launch.model_dir(from_commit) is None
+
+
+def test_a_node_does_not_start_while_a_model_dir_is_missing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """open_node (serve, agent, run-once) checks every model_dir before anything
+    runs; a table of a module it did not load is only logged."""
+    from gpuwarden.app import open_node
+    from gpuwarden.errors import ConfigError
+
+    def config(modules: dict[str, Any]) -> Config:
+        return Config.model_validate(
+            {"state_dir": tmp_path / "state", "gpu": "sim", "modules": modules}
+        )
+
+    missing = {"audiogen": {"model_dir": str(tmp_path / "nowhere")}}
+    refused = r"^\[modules\.audiogen\] model_dir .*nowhere does not"
+    with pytest.raises(ConfigError, match=refused), open_node(config(missing), mock_gpu=True):
+        pass
+    (tmp_path / "sao").mkdir()
+    fine = {"audiogen": {"model_dir": str(tmp_path / "sao")}, "audiogne": {}}
+    with open_node(config(fine), mock_gpu=True) as node:
+        assert node.broker.settings.model_dirs == {"audiogen": tmp_path / "sao"}
+    assert "[modules.audiogne] names no module this node loaded" in caplog.text
