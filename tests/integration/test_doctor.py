@@ -200,6 +200,25 @@ def test_unpinned_image_allowed_is_a_warning(tmp_path: Path) -> None:
     assert checks["image"]["status"] in ("WARN", "FAIL")
 
 
+def test_a_modules_model_dir_is_checked_with_the_weights(tmp_path: Path) -> None:
+    """[modules.<name>] model_dir: a missing one fails the weights check naming the
+    key (the node itself would refuse to start); a readable one is OK."""
+    (tmp_path / "sao").mkdir(mode=0o755)
+    body = (
+        'gpu = "sim"\n[modules.audiogen]\nmodel_dir = "sao"\n'
+        '[modules.speech]\nmodel_dir = "nowhere"\n'
+    )
+    rc, _, checks = doctor_json(write_config(tmp_path, body))
+    assert rc == 1
+    weights = checks["weights"]
+    assert weights["status"] == "FAIL"
+    assert f"[modules.audiogen] model_dir {tmp_path / 'sao'}: readable" in weights["detail"]
+    assert f"[modules.speech] model_dir {tmp_path / 'nowhere'} does not exist" in weights["detail"]
+    assert "fix [modules.speech] model_dir" in weights["fix"]
+    rc, _, checks = doctor_json(write_config(tmp_path, body.replace("nowhere", "sao")))
+    assert checks["weights"]["status"] == "OK", checks["weights"]
+
+
 # -- (c) queue roots -------------------------------------------------------------
 
 

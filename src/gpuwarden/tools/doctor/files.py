@@ -1,4 +1,4 @@
-"""What the config points at: the modules, the weights folder, the queue roots,
+"""What the config points at: the modules, the weights and model folders, the queue roots,
 the GPU lock file's folder (``gpu_lock``) and the sandbox image."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import os
 import stat
 from pathlib import Path
 
+from gpuwarden.config import Config
 from gpuwarden.core.launchrules import Runtime, image_is_pinned
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.gpu.lockfile import LockTemplate
@@ -67,33 +68,50 @@ def check_modules(host: Host) -> Check:
 
 
 def check_weights(host: Host) -> Check:
+    """The weights folder (``[sandbox] weights_dir``) and every module's model
+    folder (``[modules.<name>] model_dir``): there, folders, readable."""
     config = host.need_config()
-    weights = config.sandbox.weights_dir
-    if weights is None:
+    folders = [("weights_dir", "[sandbox] weights_dir", config.sandbox.weights_dir)]
+    folders += [
+        (f"[modules.{name}] model_dir", f"[modules.{name}] model_dir", m.model_dir)
+        for name, m in sorted(config.modules.items())
+    ]
+    checks = [_folder_check(config, what, key, path) for what, key, path in folders if path]
+    if not checks:
         return Check("weights", Status.OK, "none ([sandbox] weights_dir is not set)")
-    fix = f"create {weights} and put the model weights there, or fix [sandbox] weights_dir"
-    if not weights.exists():
-        return Check("weights", Status.FAIL, f"weights_dir {weights} does not exist", fix)
-    if not weights.is_dir():
-        return Check("weights", Status.FAIL, f"weights_dir {weights} is not a directory", fix)
+    worst = next(
+        (c for status in (Status.FAIL, Status.WARN) for c in checks if c.status is status),
+        checks[0],
+    )
+    detail = "; ".join(c.detail for c in checks)
+    return Check("weights", worst.status, detail, worst.fix)
+
+
+def _folder_check(config: Config, what: str, key: str, folder: Path) -> Check:
+    """One model folder, mounted read-only in the sandboxes that get it."""
+    fix = f"create {folder} and put the model weights there, or fix {key}"
+    if not folder.exists():
+        return Check("weights", Status.FAIL, f"{what} {folder} does not exist", fix)
+    if not folder.is_dir():
+        return Check("weights", Status.FAIL, f"{what} {folder} is not a directory", fix)
     try:
-        entries = sum(1 for _ in weights.iterdir())
-        st = weights.stat()
+        entries = sum(1 for _ in folder.iterdir())
+        st = folder.stat()
     except OSError as exc:
         return Check(
             "weights",
             Status.FAIL,
-            f"weights_dir {weights} cannot be read: {exc.strerror}",
+            f"{what} {folder} cannot be read: {exc.strerror}",
             f"make it readable by the broker's user (uid {os.geteuid()})",
         )
-    if not os.access(weights, os.R_OK | os.X_OK):
+    if not os.access(folder, os.R_OK | os.X_OK):
         return Check(
             "weights",
             Status.FAIL,
-            f"weights_dir {weights} is not readable by this user (uid {os.geteuid()})",
-            f"chmod a+rx {weights}, or run the broker as a user that can read it",
+            f"{what} {folder} is not readable by this user (uid {os.geteuid()})",
+            f"chmod a+rx {folder}, or run the broker as a user that can read it",
         )
-    found = f"weights_dir {weights}: readable, {entries} entries, mounted read-only"
+    found = f"{what} {folder}: readable, {entries} entries, mounted read-only"
     s = config.sandbox
     mode = st.st_mode
     sandbox_reads = (
@@ -107,7 +125,7 @@ def check_weights(host: Host) -> Check:
             Status.WARN,
             f"{found}, but its mode {oct(mode & 0o777)} may keep the sandbox's user "
             f"({s.uid}:{s.gid}) out",
-            f"chmod -R o+rX {weights}",
+            f"chmod -R o+rX {folder}",
         )
     return Check("weights", Status.OK, found)
 
