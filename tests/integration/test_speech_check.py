@@ -368,7 +368,8 @@ def test_whisper_without_staged_weights_fails_with_the_reason(extra: None, tmp_p
         rc,
         out,
         result,
-        "engine whisper needs a staged checkpoint: set the config key sandbox.weights_dir",
+        "engine whisper needs a staged checkpoint: put the .pt file in the folder of the "
+        "node's config key [modules.speech] model_dir, or of [sandbox] weights_dir",
     )
 
 
@@ -408,9 +409,18 @@ def whisper_weights(extra: None, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return weights
 
 
-def test_whisper_checkpoint_from_the_weights_folder(whisper_weights: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("key", ["weights_dir", "model_dir"])
+def test_whisper_checkpoint_from_the_weights_folder(
+    whisper_weights: Path, tmp_path: Path, key: str
+) -> None:
     """engine whisper loads the staged checkpoint (never a download) in bubblewrap,
-    where the weights folder is mounted read-only, and scores what it heard."""
+    where the weights folder ([sandbox] weights_dir) or the speech module's own
+    folder ([modules.speech] model_dir) is mounted read-only, and scores what it
+    heard."""
+    staged = {
+        "weights_dir": f'[sandbox]\nweights_dir = "{whisper_weights}"\n',
+        "model_dir": f'[modules.speech]\nmodel_dir = "{whisper_weights}"\n',
+    }[key]
     wav = goforward_wav(tmp_path)
     rc, out, result = run_once(
         tmp_path,
@@ -422,7 +432,7 @@ def test_whisper_checkpoint_from_the_weights_folder(whisper_weights: Path, tmp_p
         "--whisper_model",
         "whisper/tiny_random.pt",
         runtime="bubblewrap",
-        config=f'[sandbox]\nweights_dir = "{whisper_weights}"\n',
+        config=staged,
     )
     result = assert_done(rc, out, result)
     print(f"\nwhisper tiny random: wer {result['wer']}, transcript {result['transcript'][:80]!r}")
