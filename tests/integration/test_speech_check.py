@@ -369,7 +369,7 @@ def test_whisper_without_staged_weights_fails_with_the_reason(extra: None, tmp_p
         out,
         result,
         "engine whisper needs a staged checkpoint: put the .pt file in the folder of the "
-        "node's config key [modules.speech] model_dir, or of [sandbox] weights_dir",
+        "node's config key [modules.speech] model_dir, or of",
     )
 
 
