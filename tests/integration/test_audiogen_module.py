@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,6 +41,7 @@ from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from tests.brokerkit import run_until, submit
 from tests.conftest import need_tool
+from tests.modulekit import module_from_file, skip_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = REPO / "src" / "gpuwarden" / "modules"
@@ -62,13 +62,6 @@ WORDS = "a hammer hitting wooden surface rain dog barking music drum loop low qu
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def skip_or_fail(reason: str) -> None:
-    """Skip, or fail where the audiogen tests are required (CI)."""
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def extra() -> None:
     """The audiogen extra imports (once per module: importing it takes seconds)."""
@@ -76,26 +69,15 @@ def extra() -> None:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            skip_or_fail(f"{NOT_INSTALLED} ({name}: {exc})")
+            skip_or_fail(REQUIRE_ENV, f"{NOT_INSTALLED} ({name}: {exc})")
 
 
 @pytest.fixture(scope="module")
 def job(extra: None) -> Iterator[ModuleType]:
     """modules/audiogen/src/stableaudio.py, imported from its path as the broker never
     would. It sets Hugging Face variables at import; they are put back afterwards."""
-    saved = dict(os.environ)
-    name = "gpuwarden_test_audiogen_job"
-    spec = importlib.util.spec_from_file_location(name, JOB)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclasses need the module registered
-    try:
-        spec.loader.exec_module(module)
+    with module_from_file(JOB, "gpuwarden_test_audiogen_job") as module:
         yield module
-    finally:
-        sys.modules.pop(name, None)
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def build_tiny_pipeline(folder: Path) -> None:

@@ -33,6 +33,7 @@ import pytest
 from gpuwarden.server.protocol import Channel
 from gpuwarden.server.worker import JobContext, LoadContext
 from tests.conftest import need_tool
+from tests.modulekit import module_from_file, skip_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
 EMBED = REPO / "src" / "gpuwarden" / "modules" / "embed"
@@ -52,13 +53,6 @@ MESSAGE = re.compile(r"^embedded (\d+) texts? into 384 dimensions on (cpu|cuda) 
 pytestmark = pytest.mark.slow
 
 
-def skip_or_fail(reason: str) -> None:
-    """Skip, or fail where the embed tests are required (CI)."""
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def extra() -> None:
     """The embed extra imports (once per module: importing it takes seconds)."""
@@ -66,26 +60,15 @@ def extra() -> None:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            skip_or_fail(f"{NOT_INSTALLED} ({name}: {exc})")
+            skip_or_fail(REQUIRE_ENV, f"{NOT_INSTALLED} ({name}: {exc})")
 
 
 @pytest.fixture(scope="module")
 def worker(extra: None) -> Iterator[ModuleType]:
     """modules/embed/src/worker.py, imported from its path as the broker never would.
     It sets Hugging Face variables at import; they are put back afterwards."""
-    saved = dict(os.environ)
-    name = "gpuwarden_test_embed_worker"
-    spec = importlib.util.spec_from_file_location(name, WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # its dataclass needs the module registered
-    try:
-        spec.loader.exec_module(module)
+    with module_from_file(WORKER, "gpuwarden_test_embed_worker") as module:
         yield module
-    finally:
-        sys.modules.pop(name, None)
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")

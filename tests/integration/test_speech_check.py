@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import need_tool
+from tests.modulekit import module_from_file, skip_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
 MODULES = REPO / "src" / "gpuwarden" / "modules"
@@ -46,37 +47,22 @@ ESPEAK_TEXT = "The quick brown fox jumps over the lazy dog."
 pytestmark = pytest.mark.slow
 
 
-def skip_or_fail(reason: str) -> None:
-    """Skip, or fail where the speech tests are required (CI)."""
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def extra() -> None:
     for name in ("pocketsphinx", "jiwer", "soundfile", "soxr", "numpy"):
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            skip_or_fail(f"{NOT_INSTALLED} ({name}: {exc})")
+            skip_or_fail(REQUIRE_ENV, f"{NOT_INSTALLED} ({name}: {exc})")
     if not (TESTDATA / "goforward.raw").is_file():
-        skip_or_fail(NO_TESTDATA)
+        skip_or_fail(REQUIRE_ENV, NO_TESTDATA)
 
 
 @pytest.fixture(scope="module")
 def check(extra: None) -> Iterator[ModuleType]:
     """modules/speech/src/check.py, imported from its path (the broker never imports it)."""
-    name = "gpuwarden_test_speech_check"
-    spec = importlib.util.spec_from_file_location(name, CHECK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
+    with module_from_file(CHECK, "gpuwarden_test_speech_check") as module:
         yield module
-    finally:
-        sys.modules.pop(name, None)
 
 
 def goforward_wav(folder: Path) -> Path:
@@ -283,7 +269,7 @@ def test_espeak_speech_is_scored(extra: None, tmp_path: Path) -> None:
     """espeak-ng's synthetic voice: pocketsphinx does poorly on it, so the test
     reports the WER and checks the verdict agrees with it, not that it passes."""
     if shutil.which("espeak-ng") is None:
-        skip_or_fail("espeak-ng is not installed: apt-get install espeak-ng")
+        skip_or_fail(REQUIRE_ENV, "espeak-ng is not installed: apt-get install espeak-ng")
     wav = tmp_path / "espeak.wav"
     subprocess.run(
         ["espeak-ng", "-v", "en-us", "-s", "150", "-w", str(wav), ESPEAK_TEXT],
@@ -385,7 +371,7 @@ def whisper_weights(extra: None, tmp_path_factory: pytest.TempPathFactory) -> Pa
         import torch
         from whisper.model import ModelDimensions, Whisper
     except ImportError as exc:
-        skip_or_fail(f"{NOT_INSTALLED} (openai-whisper: {exc})")
+        skip_or_fail(REQUIRE_ENV, f"{NOT_INSTALLED} (openai-whisper: {exc})")
     weights = tmp_path_factory.mktemp("weights")
     (weights / "whisper").mkdir()
     dims = ModelDimensions(

@@ -40,6 +40,7 @@ from typing import Any
 import pytest
 
 from gpuwarden.server.worker import JobContext, LoadContext
+from tests.modulekit import skip_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
 SPEECH = REPO / "src" / "gpuwarden" / "modules" / "speech"
@@ -61,13 +62,6 @@ REF_TEXT = "Hello there, this is my voice."
 #: up: 45-75 s on a busy 2-core machine, past the suite's default of 120 s per test
 #: when the machine is busier still
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-def skip_or_fail(reason: str) -> None:
-    """Skip, or fail where the speech tests are required (CI)."""
-    if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def import_worker() -> ModuleType:
@@ -105,13 +99,13 @@ def voxcpm(worker: ModuleType) -> Iterator[ModuleType]:
     sys.modules afterwards, so the tests after these see no torchaudio, as before."""
     for name in ("torch", "transformers", "librosa", "soundfile", "safetensors"):
         if importlib.util.find_spec(name) is None:
-            skip_or_fail(f"{NOT_INSTALLED} ({name} is missing)")
+            skip_or_fail(REQUIRE_ENV, f"{NOT_INSTALLED} ({name} is missing)")
     voxload = sys.modules["voxload"]
     try:
         try:
             module, _ = voxload.import_voxcpm()
         except RuntimeError as exc:
-            skip_or_fail(str(exc))
+            skip_or_fail(REQUIRE_ENV, str(exc))
         yield module
     finally:
         if isinstance(sys.modules.get("torchaudio"), voxload._MissingTorchaudio):
@@ -233,7 +227,7 @@ def weights(voxcpm: ModuleType) -> Iterator[Path]:
 
 def espeak(path: Path, text: str, *, speed: int = 150) -> Path:
     if shutil.which("espeak-ng") is None:
-        skip_or_fail("espeak-ng is not installed (apt-get install espeak-ng)")
+        skip_or_fail(REQUIRE_ENV, "espeak-ng is not installed (apt-get install espeak-ng)")
     subprocess.run(
         ["espeak-ng", "-v", "en-us", "-s", str(speed), "-w", str(path), text],
         check=True,
