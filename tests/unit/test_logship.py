@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden.cluster import logcopy
-from gpuwarden.cluster.logship import BURST_CHUNKS, FINAL_CHUNKS, LogShipper
+from gpuwarden.cluster.logship import BURST_CHUNKS, BURST_S, FINAL_CHUNKS, LogShipper
 
 
 class FakeCoordinator:
@@ -98,11 +98,33 @@ def test_a_fast_stream_goes_in_bursts_of_full_chunks(tmp_path: Path) -> None:
     ship, coord, clock, folder = _setup(tmp_path)
     data = bytes(range(256)) * (logcopy.MAX_CHUNK * (BURST_CHUNKS + 2) // 256) + b"tail"
     (folder / "stdout.log").write_bytes(data)
+    ship.begin()  # a sync
     ship.ship("J", "L", "j", 1)  # one burst: BURST_CHUNKS full chunks, no more
     assert [c[2] for c in coord.calls] == [logcopy.MAX_CHUNK] * BURST_CHUNKS
     ship.ship("J", "L", "j", 1)  # the same second: nothing
     assert len(coord.calls) == BURST_CHUNKS
     clock.t += 1
+    ship.begin()
     ship.ship("J", "L", "j", 1)  # the rest: two full chunks, then the short tail ends it
     assert [c[2] for c in coord.calls[BURST_CHUNKS:]] == [logcopy.MAX_CHUNK] * 2 + [4]
     assert coord.copy("stdout") == data
+
+
+def test_one_sync_spends_its_burst_budget_once_for_all_streams(tmp_path: Path) -> None:
+    ship, coord, clock, folder = _setup(tmp_path)
+    full = b"x" * (logcopy.MAX_CHUNK * 4)
+    for stream in ("stdout", "stderr", "build"):
+        (folder / f"{stream}.log").write_bytes(full)
+    sent = coord.send_log
+
+    def slow(*args: Any) -> int:
+        clock.t += BURST_S / 2  # each request takes half the sync's budget
+        return sent(*args)
+
+    coord.send_log = slow  # type: ignore[method-assign]
+    ship.begin()
+    ship.ship("J", "L", "j", 1)
+    by_stream = [c[0] for c in coord.calls]
+    # stdout: its first chunk, one more within the budget; then the budget is spent:
+    # stderr and build send their first chunk each, no more
+    assert by_stream == ["stdout", "stdout", "stderr", "build"], by_stream

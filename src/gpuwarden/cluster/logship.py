@@ -4,10 +4,12 @@ After each sync, for each job held here whose attempt runs (and whose reports th
 coordinator has all had, so its attempt is the one running here), the new bytes
 of ``stdout.log``, ``stderr.log`` and ``build.log`` in the attempt's folder go up,
 at most :data:`~gpuwarden.cluster.logcopy.MAX_CHUNK` a request, each with its
-offset: every :data:`EVERY_S` seconds a stream sends while it has full chunks to
-send, up to :data:`BURST_CHUNKS` of them and :data:`BURST_S` seconds (the sync
-runs on the node's loop), so a stream that writes fast is sent at up to 512 KiB
-a second, one that writes a line now and then in one small request (SPEC.md,
+offset: every :data:`EVERY_S` seconds a stream sends one chunk, and more while
+it has full chunks to send, up to :data:`BURST_CHUNKS` of them, while the sync's
+:data:`BURST_S` seconds for extra chunks last (one budget for all streams of all
+jobs: the sync runs on the node's loop). So a stream that writes fast is sent at
+up to 512 KiB a second, one that writes a line now and then in one small request
+(SPEC.md,
 section 16, "Streams while a job runs"). The files are the job's: opened through
 :func:`gpuwarden.safefs.open_file` (no link, no FIFO, a regular file only).
 """
@@ -30,7 +32,8 @@ log = logging.getLogger("gpuwarden.agent")
 EVERY_S = 1.0
 #: the most chunks of one stream in one burst (8 x 64 KiB: 512 KiB a second)
 BURST_CHUNKS = 8
-#: a burst stops after this long, whatever is left (the loop waits meanwhile)
+#: the time one sync may spend on chunks past each stream's first, all streams
+#: together (the node's loop waits meanwhile)
 BURST_S = 0.1
 #: the most chunks of a stream sent at an attempt's end, before its finish
 FINAL_CHUNKS = 16
@@ -56,6 +59,12 @@ class LogShipper:
     jobs_dir: Path
     monotonic: Callable[[], float]
     sent: dict[tuple[str, int, str], _Sent] = field(default_factory=dict)
+    #: until when this sync may send chunks past each stream's first (monotonic)
+    burst_until: float = -1e18
+
+    def begin(self) -> None:
+        """A sync's shipping starts: its :data:`BURST_S` for extra chunks."""
+        self.burst_until = self.monotonic() + BURST_S
 
     def ship(
         self, job_id: str, lease_id: str, local_id: str, attempt: int, *, final: bool = False
@@ -80,13 +89,12 @@ class LogShipper:
         self, job_id: str, lease_id: str, local_id: str, which: tuple[int, str], state: _Sent
     ) -> None:
         """Chunks of one stream while each is full (more is waiting), up to
-        :data:`BURST_CHUNKS` and :data:`BURST_S`."""
-        began = self.monotonic()
+        :data:`BURST_CHUNKS`; past the first, only within the sync's budget."""
         for _ in range(BURST_CHUNKS):
             before = state.offset
             if not self._send_one(job_id, lease_id, local_id, which, state):
                 return
-            if state.offset - before < MAX_CHUNK or self.monotonic() - began >= BURST_S:
+            if state.offset - before < MAX_CHUNK or self.monotonic() >= self.burst_until:
                 return
 
     def _send_one(

@@ -677,6 +677,7 @@ class Agent:
         """Send the new bytes of each running attempt's streams, and the last bytes
         of an attempt whose finish is about to go. A job with a start report not yet
         answered waits: its attempt there may not be the one running here."""
+        self.logs.begin()
         first: dict[int, _Report] = {}
         for pending in self._outbox:
             first.setdefault(id(pending.held), pending)
