@@ -17,6 +17,7 @@ from psycopg import sql
 
 from gpuwarden.store.base import Store
 from gpuwarden.store.sqlite import SqliteStore
+from tests import supervisors
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = REPO / "src" / "gpuwarden" / "modules"
@@ -27,6 +28,15 @@ STORE_BACKENDS = ["sqlite", "postgres"]
 PG_URL = os.environ.get("GPUWARDEN_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 #: set by .ci/run: PostgreSQL runs there, so its tests must run
 REQUIRE_POSTGRES = os.environ.get("GPUWARDEN_REQUIRE_POSTGRES") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _no_orphaned_supervisors() -> Iterator[None]:
+    """After each test: stop the attempts a stopped broker left to their
+    supervisors (a routine stop leaves them running), so that none runs into
+    the next test."""
+    yield
+    supervisors.stop_orphans()
 
 
 @pytest.fixture(scope="session")

@@ -133,6 +133,7 @@ def node_settings(config: Config) -> NodeSettings:
         poll_interval_s=b.poll_interval_s,
         cpu_slots=b.cpu_slots,
         shutdown_grace_s=b.shutdown_grace_s,
+        on_stop=b.on_stop,
         kill_grace_s=b.kill_grace_s,
         status_interval_s=b.status_interval_s,
         clip_chars=b.clip_chars,

@@ -58,6 +58,10 @@ class BrokerSettings(_Section):
     poll_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.1
     cpu_slots: Annotated[int, Field(ge=1, le=1024)] = 4
     shutdown_grace_s: Annotated[float, Field(ge=0, le=3600)] = 20.0
+    #: what a routine stop (SIGTERM, ``systemctl stop``) does with running jobs:
+    #: "leave" them running under their supervisors (the next broker takes them
+    #: back), or "stop-jobs": give them ``shutdown_grace_s``, then stop them
+    on_stop: Literal["leave", "stop-jobs"] = "leave"
     kill_grace_s: Annotated[float, Field(ge=0, le=600)] = 5.0
     status_interval_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     clip_chars: Annotated[int, Field(ge=256, le=10_000_000)] = 16384

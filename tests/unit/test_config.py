@@ -18,7 +18,7 @@ TOP_KEYS = (
     "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, sources, state_dir, vram, warm"
 )
 BROKER_KEYS = (
-    "clip_chars, cpu_slots, fair_share_half_life_s, kill_grace_s, max_interruptions, "
+    "clip_chars, cpu_slots, fair_share_half_life_s, kill_grace_s, max_interruptions, on_stop, "
     "poll_interval_s, ram_floor_gib, shutdown_grace_s, status_interval_s"
 )
 

@@ -26,7 +26,6 @@ from gpuwarden.api.auth import INVITE_TTL_S, issue_token
 from gpuwarden.app import coordinator_source_cache, open_store
 from gpuwarden.cli.common import (
     Commands,
-    StopSignals,
     add_remote_options,
     config_of,
     err,
@@ -35,6 +34,8 @@ from gpuwarden.cli.common import (
     local_or_http,
     out,
     parse_address,
+    stop_signals,
+    with_stop_jobs,
 )
 from gpuwarden.cli.httpserver import ApiThread, listen
 from gpuwarden.client import Client
@@ -147,6 +148,13 @@ def _add_agent(sub: Commands) -> None:
     sp.add_argument("--labels", metavar="K=V,...", help="labels for job constraints")
     sp.add_argument("--max-jobs", type=int, help="the most jobs held at once (default 4)")
     sp.add_argument("--log", type=Path, help="append JSON events to this file (default stdout)")
+    sp.add_argument(
+        "--stop-jobs",
+        action="store_true",
+        help='stop the running jobs when stopped (as [broker] on_stop = "stop-jobs"); by '
+        "default a stop leaves them running under their supervisors, and an agent started "
+        "again within their lease takes them back",
+    )
     _local_flags(sp)
     sp.set_defaults(func=cmd_agent)
 
@@ -442,7 +450,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     token = enrolment_token(
         enroll=args.enroll, enroll_file=args.enroll_file, environ=os.environ, stdin=sys.stdin
     )
-    config = config_of(args)
+    config = with_stop_jobs(config_of(args), args.stop_jobs)
     if args.max_jobs is not None and args.max_jobs < 1:
         raise UserError("--max-jobs must be at least 1")
     if token is not None and args.credential:
@@ -451,7 +459,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             "enrol, or run with a credential"
         )
     events = EventLog(args.log) if args.log else EventLog(stream=sys.stdout)
-    signals = StopSignals(config.broker.shutdown_grace_s)
+    signals = stop_signals(config)
     signals.install()
     try:
         return run_agent(

@@ -310,13 +310,16 @@ def parse_address(text: str) -> tuple[str, int]:
 
 class StopSignals:
     """SIGTERM and SIGINT for a command that runs jobs (``serve``, ``agent``): the
-    first stops taking new jobs and gives the running ones the config's grace, a
-    second stops them now. Each broker given to :meth:`add` is woken at once."""
+    first stops taking new jobs and, with ``leave``, leaves the running ones to
+    their supervisors (the next start takes them back), else gives them the
+    config's grace; a second stops them now. Each broker given to :meth:`add` is
+    woken at once."""
 
-    def __init__(self, grace_s: float) -> None:
+    def __init__(self, grace_s: float, *, leave: bool = False) -> None:
         self.stop = threading.Event()
         self.force = threading.Event()
         self._grace_s = grace_s
+        self._leave = leave
         self._brokers: list[Any] = []
 
     def add(self, broker: Any) -> None:
@@ -336,12 +339,33 @@ class StopSignals:
         if self.stop.is_set():
             self.force.set()
             _say_now("second signal: stopping running jobs now")
+        elif self._leave:
+            self.stop.set()
+            _say_now(
+                "stopping: no new jobs; running jobs go on under their supervisors and the "
+                "next start takes them back (signal again to stop them now)"
+            )
         else:
             self.stop.set()
             _say_now(
                 f"stopping: no new jobs; running jobs get up to "
                 f"{self._grace_s:g} s (signal again to stop them now)"
             )
+
+
+def stop_signals(config: Config) -> StopSignals:
+    """The :class:`StopSignals` of a broker run with ``config``."""
+    b = config.broker
+    return StopSignals(b.shutdown_grace_s, leave=b.on_stop == "leave")
+
+
+def with_stop_jobs(config: Config, stop_jobs: bool) -> Config:
+    """``config`` with ``[broker] on_stop = "stop-jobs"`` when ``stop_jobs`` (the
+    ``--stop-jobs`` option of ``serve`` and ``agent``)."""
+    if not stop_jobs:
+        return config
+    broker = config.broker.model_copy(update={"on_stop": "stop-jobs"})
+    return config.model_copy(update={"broker": broker})
 
 
 def _say_now(line: str) -> None:

@@ -26,7 +26,6 @@ from gpuwarden.app import open_node, open_store
 from gpuwarden.cli.common import (
     Commands,
     Progress,
-    StopSignals,
     add_remote_options,
     config_of,
     err,
@@ -35,6 +34,8 @@ from gpuwarden.cli.common import (
     out,
     parse_address,
     progress_text,
+    stop_signals,
+    with_stop_jobs,
 )
 from gpuwarden.cli.gpulock import add_lock
 from gpuwarden.cli.httpserver import ApiThread
@@ -78,6 +79,13 @@ def _add_serve(sub: Commands) -> None:
         "--api",
         metavar="HOST:PORT",
         help="also serve the HTTP API there, e.g. 127.0.0.1:8765 (port 0: any free port)",
+    )
+    sp.add_argument(
+        "--stop-jobs",
+        action="store_true",
+        help='stop the running jobs when stopped (as [broker] on_stop = "stop-jobs"); by '
+        "default a stop leaves them running under their supervisors and the next start takes "
+        "them back",
     )
     sp.set_defaults(func=cmd_serve)
 
@@ -194,7 +202,7 @@ def _drive(broker: Any, job_id: str) -> Job:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    config = config_of(args)
+    config = with_stop_jobs(config_of(args), args.stop_jobs)
     # a log file keeps a cursor in the state directory: a restart writes the events
     # the last run had not written yet, none twice (SPEC.md section 9, "Event log")
     events = (
@@ -202,7 +210,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.log
         else EventLog(stream=sys.stdout)
     )
-    signals = StopSignals(config.broker.shutdown_grace_s)
+    signals = stop_signals(config)
     roots = [q.resolve() for q in args.queues]
     address = parse_address(args.api) if args.api else None
     with open_node(config, mock_gpu=args.mock_gpu, events=events, extra_roots=roots) as node:

@@ -84,6 +84,9 @@ class AttemptFacts:
     launch_error: str | None = None
     worker_error: str | None = None
     interrupted: bool = False
+    #: why it was interrupted, when not by the broker's own end (its supervisor
+    #: died; its lease ran out and its supervisor stopped it), or None
+    interrupted_why: str | None = None
     missing_outputs: tuple[str, ...] = ()
     timeout_s: float = 0.0
     stderr_tail: str = ""
@@ -266,7 +269,10 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
     if f.launch_error is not None:
         return Outcome.LAUNCH_ERROR, f"launch error: {f.launch_error}"
     if f.interrupted:
-        return Outcome.INTERRUPTED, "the broker stopped unexpectedly while the job ran"
+        return (
+            Outcome.INTERRUPTED,
+            f.interrupted_why or "the broker stopped unexpectedly while the job ran",
+        )
     if f.gpu_fault is not None:
         return Outcome.GPU_FAULT, f"its GPU reported a fault ({f.gpu_fault}); it was stopped"
     if f.app_error is not None:

@@ -172,6 +172,14 @@ class LaunchResult:
     #: was built before (None: the launcher's own image)
     image_id: str | None = None
     image_reused: bool | None = None
+    #: the attempt's supervisor stopped the job because its lease passed without
+    #: renewal (its agent is gone: self-fencing)
+    fenced: bool = False
+    #: the attempt's supervisor died before the job ended (no exit record): the
+    #: job was stopped, and the attempt is interrupted (infrastructure)
+    supervisor_lost: str | None = None
+    #: the signals the supervisor passed on to the job (``SIGUSR1``...)
+    signals: tuple[str, ...] = ()
 
 
 class Launcher(Protocol):

@@ -35,6 +35,8 @@ reaping it is its parent's (or init's) job.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -45,13 +47,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import psutil
 
 from gpuwarden import safefs
 from gpuwarden.core.clip import join_clipped
-from gpuwarden.launch import enter, reaper
+from gpuwarden.launch import enter, reaper, supervisor
 from gpuwarden.launch.base import (
     ATTEMPT_ENV,
     LaunchRequest,
@@ -88,6 +90,9 @@ SNAPSHOT_MAX_S = 1.0
 RESCAN_S = 0.2
 #: longest wait, after SIGKILL, for every process to be confirmed gone
 KILL_CONFIRM_S = 10.0
+#: the broker stops an attempt itself only this long after its supervisor should
+#: have (its timeout and grace): a backstop for a supervisor that hangs
+BACKSTOP_MARGIN_S = 10.0
 
 _ProcSet = set[psutil.Process]
 
@@ -430,21 +435,53 @@ class _Cap(NamedTuple):
     limit_bytes: int
 
 
+def backstop_s(req: LaunchRequest) -> float:
+    """When the broker stops an attempt that its supervisor has not stopped at
+    its timeout (inf: no timeout)."""
+    t = req.timeout_s
+    if not (math.isfinite(t) and t > 0):
+        return math.inf
+    return t + req.kill_grace_s + BACKSTOP_MARGIN_S
+
+
+def supervised_argv(req: LaunchRequest, argv: Iterable[str]) -> list[str]:
+    """``argv`` under the attempt's supervisor (:mod:`gpuwarden.launch.supervisor`):
+    it enforces the timeout, the lease and a stop's grace even with no broker."""
+    timeout = req.timeout_s if math.isfinite(req.timeout_s) and req.timeout_s > 0 else math.inf
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        str(Path(supervisor.__file__).resolve()),
+        supervisor.folder_of(req.attempt_dir),
+        repr(timeout),
+        repr(float(req.kill_grace_s)),
+        req.marker,
+        "--",
+        *argv,
+    ]
+
+
 def _spawn(req: LaunchRequest, cap: _Cap | None = None) -> subprocess.Popen[bytes]:
-    """Start the attempt's main process in a session of its own, with exactly the
-    request's environment and the attempt's marker, its output to the log files;
-    with ``cap``, through the starter that puts it in the cap's cgroup first."""
+    """Start the attempt's supervisor in a session of its own, with exactly the
+    request's environment (the supervisor adds the attempt's marker to the
+    job's), its output to the log files; the supervisor starts the job, with
+    ``cap`` through the starter that puts it in the cap's cgroup first."""
     attempt_dir = Path(req.attempt_dir)
     env = dict(req.env)
-    env[ATTEMPT_ENV] = req.marker
-    argv = list(req.argv) if cap is None else starter_argv([cap.path], req.argv)
+    env.pop(ATTEMPT_ENV, None)
+    inner = list(req.argv) if cap is None else starter_argv([cap.path], req.argv)
+    folder = Path(supervisor.folder_of(req.attempt_dir))
+    folder.mkdir(mode=0o700, exist_ok=True)
+    for name in (supervisor.STARTED, supervisor.EXIT):
+        (folder / name).unlink(missing_ok=True)
     with (
         (attempt_dir / "stdout.log").open("wb") as out_f,
         (attempt_dir / "stderr.log").open("wb") as err_f,
         _live_lock,
     ):
         proc = subprocess.Popen(
-            argv,
+            supervised_argv(req, inner),
             cwd=req.cwd,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -455,6 +492,12 @@ def _spawn(req: LaunchRequest, cap: _Cap | None = None) -> subprocess.Popen[byte
         )
         _live_mains.add(proc.pid)
         return proc
+
+
+def live_mains() -> frozenset[int]:
+    """The main processes this process started and has not reaped."""
+    with _live_lock:
+        return frozenset(_live_mains)
 
 
 def reap_adopted() -> None:
@@ -485,6 +528,109 @@ def _reap_main(proc: subprocess.Popen[bytes]) -> int:
     return code
 
 
+class SupervisorRecord(NamedTuple):
+    """What an attempt's supervisor wrote in ``exit.json`` as it ended."""
+
+    exit_code: int | None
+    timed_out: bool
+    stopped: bool
+    fenced: bool
+    launch_error: str | None
+    #: the signals it passed on to the job (``SIGUSR1``...), in order
+    signals: tuple[str, ...]
+    started_at: float
+    ended_at: float
+    max_rss_kib: int
+
+
+def _record_json(path: str) -> dict[str, Any] | None:
+    raw = supervisor.read_small(path)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and data.get("v") == 1 else None
+
+
+def _typed(data: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    """``data[key]`` if it is of ``kind`` (a bool is no number here), else ``default``."""
+    value = data.get(key, default)
+    if isinstance(value, bool) != (kind is bool):
+        return default
+    return value if isinstance(value, kind) else default
+
+
+def recorded_end(attempt_dir: str) -> SupervisorRecord | None:
+    """The exit record of the attempt in ``attempt_dir``'s supervisor, or None (it
+    has not ended, or the file is missing, a link, too large or not a record:
+    the file is the broker's, but a job may have reached it, so nothing in it is
+    trusted beyond its types)."""
+    data = _record_json(str(Path(supervisor.folder_of(attempt_dir), supervisor.EXIT)))
+    if data is None:
+        return None
+    code = _typed(data, "exit_code", int, None)
+    signals = _typed(data, "signals", list, [])
+    error = _typed(data, "launch_error", str, None)
+    return SupervisorRecord(
+        exit_code=code,
+        timed_out=_typed(data, "timed_out", bool, False),
+        stopped=_typed(data, "stopped", bool, False),
+        fenced=_typed(data, "fenced", bool, False),
+        launch_error=None if error is None else error[:2000],
+        signals=tuple(str(x)[:16] for x in signals[:64] if isinstance(x, str)),
+        started_at=float(_typed(data, "started_at", (int, float), 0.0)),
+        ended_at=float(_typed(data, "ended_at", (int, float), 0.0)),
+        max_rss_kib=_typed(data, "max_rss_kib", int, 0),
+    )
+
+
+class LiveSupervisor(NamedTuple):
+    """A running supervisor, as its ``started.json`` and ``/proc`` agree."""
+
+    pid: int
+    marker: str
+
+
+def live_supervisor(attempt_dir: str, marker: str) -> LiveSupervisor | None:
+    """The supervisor of the attempt in ``attempt_dir`` if it still runs: the
+    process its ``started.json`` names has the same start time and boot id (a
+    reused pid does not), its command line carries ``marker``, and it has not
+    written its exit record. None otherwise."""
+    data = _record_json(str(Path(supervisor.folder_of(attempt_dir), supervisor.STARTED)))
+    if data is None or data.get("marker") != marker:
+        return None
+    pid, ticks = _typed(data, "pid", int, 0), _typed(data, "start_ticks", int, None)
+    if pid <= 1 or ticks is None or data.get("boot_id") != supervisor.boot_id():
+        return None
+    if supervisor.start_ticks(pid) != ticks:
+        return None
+    cmdline = supervisor.read_small(f"/proc/{pid}/cmdline", 1 << 20) or b""
+    args = cmdline.split(b"\0")
+    if marker.encode() not in args or not any(a.endswith(b"/supervisor.py") for a in args):
+        return None
+    st = reaper.stat(pid)
+    if st is None or st[0] in "ZX":
+        return None
+    return LiveSupervisor(pid, marker)
+
+
+def _with_record(req: LaunchRequest, ending: _Ending) -> tuple[_Ending, SupervisorRecord | None]:
+    """``ending`` as the supervisor's exit record tells it: the job's own exit
+    code (the supervisor's is its copy), and a timeout or a fence it enforced."""
+    record = recorded_end(req.attempt_dir)
+    if record is None:
+        return ending, None
+    return (
+        ending._replace(
+            exit_code=record.exit_code,
+            timed_out=ending.timed_out or record.timed_out,
+        ),
+        record,
+    )
+
+
 def _result(
     req: LaunchRequest, pid: int, started_at: float, ending: _Ending, cap: _Cap | None = None
 ) -> LaunchResult:
@@ -493,7 +639,11 @@ def _result(
     attempt_dir = Path(req.attempt_dir)
     stderr = read_clipped(attempt_dir / "stderr.log", req.clip_chars)
     oom_killed: bool | None = None
-    launch_error: str | None = None
+    ending, record = _with_record(req, ending)
+    launch_error = None if record is None else record.launch_error
+    lost: str | None = None
+    if record is None and not (ending.stopped or ending.timed_out):
+        lost = f"its supervisor (PID {pid}) ended, {_how(ending.exit_code)}, before the job did"
     if cap is not None:
         kills, left = cap.cgroups.finish(cap.path)
         oom_killed = kills > 0
@@ -517,7 +667,7 @@ def _result(
         exit_code=ending.exit_code,
         started_at=started_at,
         ended_at=time.time(),
-        pid=pid,
+        pid=None if record is not None and record.launch_error is not None else pid,
         timed_out=ending.timed_out,
         stopped=ending.stopped,
         stdout=read_clipped(attempt_dir / "stdout.log", req.clip_chars),
@@ -527,7 +677,20 @@ def _result(
         launch_error=launch_error,
         oom_killed=oom_killed,
         ram_cap_bytes=0 if cap is None else cap.limit_bytes,
+        fenced=record is not None and record.fenced,
+        supervisor_lost=lost,
+        signals=() if record is None else record.signals,
     )
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "its status unknown"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"with code {code}"
 
 
 class _Ending(NamedTuple):
@@ -679,7 +842,7 @@ class HostLauncher:
         tree = _Tree(proc.pid, req.marker)
         timed_out = stopped = False
         try:
-            timed_out, stopped = self._watch(proc, tree, req.timeout_s, stop)
+            timed_out, stopped = self._watch(proc, tree, backstop_s(req), stop)
         finally:
             # whatever happened above, the attempt's processes must not outlive it
             def collect() -> _ProcSet:
@@ -767,7 +930,7 @@ class _Watching:
         self.cap = cap
         self.tree = _Tree(proc.pid, req.marker)
         start = time.monotonic()
-        t = req.timeout_s
+        t = backstop_s(req)
         self.deadline = start + t if math.isfinite(t) and t > 0 else None
         self.interval = SNAPSHOT_FIRST_S
         self.next_snapshot = start + SNAPSHOT_FIRST_S
@@ -946,7 +1109,18 @@ class _Adopted:
                 self.cleanup()
             except Exception:  # the end is posted whatever happens
                 log.exception("cleaning up after adopted attempt %s failed", self.req.marker)
+        record = recorded_end(self.req.attempt_dir)
+        if record is not None and not stopped:
+            result = recorded_result(self.req, self.pid, record)
+            self.ended.post(
+                dataclasses.replace(result, reaped=tuple(reaped), survivors=tuple(survivors))
+            )
+            return
         attempt_dir = Path(self.req.attempt_dir)
+        lost = (
+            f"its supervisor (PID {self.pid}) ended before the job did "
+            "(adopted from an earlier run)"
+        )
         self.ended.post(
             LaunchResult(
                 job_id=self.req.job_id,
@@ -960,8 +1134,27 @@ class _Adopted:
                 stderr=read_clipped(attempt_dir / "stderr.log", self.req.clip_chars),
                 reaped=tuple(reaped),
                 survivors=tuple(survivors),
-                worker_error=None
-                if stopped
-                else "its process ended (adopted from an earlier run: its exit status is unknown)",
+                supervisor_lost=None if stopped else lost,
             )
         )
+
+
+def recorded_result(req: LaunchRequest, pid: int | None, record: SupervisorRecord) -> LaunchResult:
+    """The result of an attempt whose end its supervisor recorded (``exit.json``),
+    read by a broker that did not start it: as if it had seen the end itself."""
+    attempt_dir = Path(req.attempt_dir)
+    return LaunchResult(
+        job_id=req.job_id,
+        attempt=req.attempt,
+        exit_code=None if record.launch_error is not None else record.exit_code,
+        started_at=record.started_at,
+        ended_at=record.ended_at,
+        pid=pid,
+        timed_out=record.timed_out,
+        stopped=record.stopped,
+        launch_error=record.launch_error,
+        stdout=read_clipped(attempt_dir / "stdout.log", req.clip_chars),
+        stderr=read_clipped(attempt_dir / "stderr.log", req.clip_chars),
+        fenced=record.fenced,
+        signals=record.signals,
+    )

@@ -344,7 +344,32 @@ class Broker:
             if not stop.is_set():
                 self.idle(self.settings.poll_interval_s)
         forced = force is not None and force.is_set()
-        self.shutdown(0.0 if forced else self.settings.shutdown_grace_s, force=force)
+        if self.settings.on_stop == "leave" and not forced:
+            self.leave()
+        else:
+            self.shutdown(0.0 if forced else self.settings.shutdown_grace_s, force=force)
+
+    def leave(self) -> None:
+        """A routine stop (``[broker] on_stop = "leave"``): stop intake and planning
+        and leave every supervised attempt running under its supervisor; the next
+        broker of this instance takes them back (:mod:`gpuwarden.node.adoption`).
+        Jobs on a warm server are not supervised: they and the warm servers are
+        stopped as by :meth:`shutdown`."""
+        self.accepting = False
+        served = [run for run in self.attempts if run.server is not None]
+        left = len(self.attempts) - len(served)
+        self.emit("broker_stopping", running=len(self.attempts), leaving=left, grace_s=0.0)
+        for run in served:
+            run.stop_reason = "shutdown"
+            run.stop.set()
+            if run.server is not None and run.server.state is not ServerState.STOPPING:
+                self.warm.stop(run.server, "the broker is shutting down")
+        for run in served:
+            if run.thread is not None:
+                run.thread.join()
+        self._stop_servers()
+        self.emit("broker_stopped", left_running=left)
+        self._publish(self.clock(), force=True, stopped=True)
 
     def shutdown(self, grace_s: float, *, force: threading.Event | None = None) -> None:
         """Stop intake, give running attempts ``grace_s`` to finish, then stop them
@@ -369,6 +394,13 @@ class Broker:
         for run in self.attempts:
             if run.thread is not None:
                 run.thread.join()
+        self._stop_servers()
+        self.emit("broker_stopped")
+        self._publish(self.clock(), force=True, stopped=True)
+
+    def _stop_servers(self) -> None:
+        """The end of a stop: warm servers, services' forwarders, managed runtimes,
+        and the bundles whose jobs ended."""
         self.warm.stop_all("the broker is shutting down")
         # a real wait, whatever the loop's clock says: processes take real time to go
         deadline = time.monotonic() + 60
@@ -380,8 +412,6 @@ class Broker:
         self.services.close()
         self.runtimes.stop()
         self._finish_bundles(self.clock(), force=True)
-        self.emit("broker_stopped")
-        self._publish(self.clock(), force=True, stopped=True)
 
     # -- recovery -----------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """What a broker does at its start with the attempts an earlier run left.
 
 An earlier run of this node (the same instance: node name and state directory)
-may have died with attempts running. A running service that still answers is
-adopted first (``adopt``: :mod:`gpuwarden.node.adoption`): it goes on as this
-broker's (its processes, its container or its cgroups are left alone). Every
-other process it left (attempts, warm servers) is stopped, found by its
-instance marker, never by a bare PID; its containers are removed.
+may have stopped or died with attempts running. Each is taken back first
+(``adopt``: :mod:`gpuwarden.node.adoption`): one whose supervisor still runs
+goes on as this broker's (its processes, its container or its cgroups are left
+alone); one whose supervisor recorded its end is judged from that record. Every
+other process it left (attempts with neither, warm servers) is stopped, found by
+its instance marker, never by a bare PID; its containers are removed, and the
+attempt ends
 interrupted, judged by :func:`gpuwarden.core.classify.classify` (an interruption
 spends no retry, up to the type's limit), and the memory it held counts in the
 ledger until the probe shows it free (the reclaim gate).
@@ -21,6 +23,7 @@ from gpuwarden.errors import TransitionError
 from gpuwarden.launch.base import attempt_marker, attempt_name_of
 from gpuwarden.launch.host import find_attempt_processes, find_instance_processes, stop_processes
 from gpuwarden.launch.sandbox import SandboxLauncher
+from gpuwarden.node.adoption import Taken
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints
 from gpuwarden.node.runner import AttemptRunner
@@ -47,7 +50,7 @@ class Recovery:
         launching: Launching,
         emit: Emit,
         on_error: OnError,
-        adopt: Callable[[Job, float], str | None] | None = None,
+        adopt: Callable[[Job, float], Taken | None] | None = None,
     ) -> None:
         self.instance = instance
         self.kill_grace_s = kill_grace_s
@@ -60,7 +63,7 @@ class Recovery:
         self.launching = launching
         self.emit = emit
         self.on_error = on_error
-        #: takes back a running attempt (its marker), or None: it is stopped
+        #: takes back a running attempt, or None: it is stopped
         self.adopt = adopt
 
     def run(self, now: float) -> None:
@@ -68,17 +71,18 @@ class Recovery:
         process and container, end each other attempt the store shows running,
         then judge the held jobs again (their dependencies)."""
         running = self.store.running_jobs()
-        adopted: dict[str, str] = {}
+        adopted: dict[str, Taken] = {}
         for job in running:
-            if self.adopt is not None and (marker := self.adopt(job, now)) is not None:
-                adopted[job.id] = marker
-        leftovers = find_instance_processes(self.instance, but=adopted.values())
+            if self.adopt is not None and (taken := self.adopt(job, now)) is not None:
+                adopted[job.id] = taken
+        live = {j: t.marker for j, t in adopted.items() if t.live}
+        leftovers = find_instance_processes(self.instance, but=live.values())
         reaped_all, survivors_all = stop_processes(leftovers, self.kill_grace_s)
         if leftovers:
             self.emit("leftovers_stopped", reaped=reaped_all, survivors=survivors_all)
         if self.sandbox is not None:
             keep = [
-                attempt_name_of(self.instance, j.id, j.attempts) for j in running if j.id in adopted
+                attempt_name_of(self.instance, j.id, j.attempts) for j in running if j.id in live
             ]
             removed = self.sandbox.remove_leftovers(self.instance, but=keep)
             if removed:

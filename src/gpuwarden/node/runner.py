@@ -442,6 +442,8 @@ class AttemptRunner:
         facts = AttemptFacts(
             exit_code=result.exit_code,
             worker_error=result.worker_error,
+            interrupted=result.fenced or result.supervisor_lost is not None,
+            interrupted_why=_interrupted_why(result),
             cuda_oom=run.attempt.gpu_uuid is not None and is_cuda_oom(result.stderr),
             gpu_alone=self.vram.alone(holder),
             gpu_fault=run.fault if run.stop_reason == "gpu_fault" else None,
@@ -450,7 +452,7 @@ class AttemptRunner:
             stopped=result.stopped,
             cancel_requested=run.stop_reason == "cancel",
             shutting_down=run.stop_reason == "shutdown",
-            preempted_for=run.preempting_for,
+            preempted_for=run.preempting_for or _asked_before(run, result),
             service_unhealthy=run.fault if run.stop_reason == "service_unhealthy" else None,
             stopped_by=run.fault if run.stop_reason == "service_stop" else None,
             checkpoint_signal=run.jobtype.checkpoint_signal,
@@ -620,6 +622,27 @@ class AttemptRunner:
     def _touch_bundle(self, run: RunningAttempt) -> None:
         if run.job.bundle and run.job.queue_root:
             self.touch(run.job.queue_root, run.job.bundle)
+
+
+def _asked_before(run: RunningAttempt, result: LaunchResult) -> str | None:
+    """An adopted attempt's preemption: its supervisor passed on its checkpoint
+    signal, asked by the broker that started it (this one does not know for whom)."""
+    if run.jobtype.checkpoint_signal and run.jobtype.checkpoint_signal in result.signals:
+        return "the job it was preempted for (asked before the broker restarted)"
+    return None
+
+
+def _interrupted_why(result: LaunchResult) -> str | None:
+    """Why an attempt ended interrupted though the broker did not stop: its
+    supervisor died, or fenced it (no outcome of the job's own)."""
+    if result.supervisor_lost is not None:
+        return f"{result.supervisor_lost}; the job was stopped"
+    if result.fenced:
+        return (
+            "its lease ran out without renewal (its agent was gone or cut off), so its "
+            "supervisor stopped the job at the lease's end (self-fencing)"
+        )
+    return None
 
 
 def _free_server(run: RunningAttempt, result: LaunchResult, now: float) -> None:

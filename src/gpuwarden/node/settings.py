@@ -95,6 +95,10 @@ class NodeSettings:
     gpu_lock: str = ""
     #: where the service forwarders listen (``[cluster] service_address``)
     service_address: str = "127.0.0.1"
+    #: what a routine stop does with running attempts (``[broker] on_stop``):
+    #: "leave" them to their supervisors, or "stop-jobs" (the default here, for a
+    #: broker made in code; the config's default is "leave")
+    on_stop: str = "stop-jobs"
     #: module name -> its model folder (``[modules.<name>] model_dir``): given to the
     #: jobs and warm servers of that module's types only
     model_dirs: Mapping[str, Path] = field(default_factory=dict)
