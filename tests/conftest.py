@@ -31,12 +31,13 @@ REQUIRE_POSTGRES = os.environ.get("GPUWARDEN_REQUIRE_POSTGRES") == "1"
 
 
 @pytest.fixture(autouse=True)
-def _no_orphaned_supervisors() -> Iterator[None]:
-    """After each test: stop the attempts a stopped broker left to their
-    supervisors (a routine stop leaves them running), so that none runs into
-    the next test."""
+def _no_orphaned_supervisors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """After each test: stop the attempts a stopped broker of this test run left
+    to their supervisors (a routine stop leaves them running), so that none runs
+    into the next test. Only under this run's temporary folder: never another
+    run's, nor a real broker's."""
     yield
-    supervisors.stop_orphans()
+    supervisors.stop_orphans(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="session")

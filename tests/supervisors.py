@@ -43,14 +43,17 @@ def _ppid(pid: int) -> int | None:
     return int(stat[stat.rindex(b")") + 2 :].split()[1])
 
 
-def orphans() -> list[int]:
-    """The supervisors whose broker is gone: their parent is init, or this test
-    process without having started them (they came to it as its subreaper)."""
+def orphans(under: Path) -> list[int]:
+    """The supervisors of attempts under ``under`` (a test run's own folders: never
+    another run's, nor a real broker's) whose broker is gone: their parent is
+    init, or this test process without having started them (they came to it as
+    its subreaper)."""
     me = os.getpid()
+    prefix = os.fsencode(str(under).rstrip("/") + "/")
     return [
         pid
-        for pid in supervisors()
-        if _ppid(pid) in (1, me) and pid not in host.live_mains()
+        for pid, args in supervisors().items()
+        if args[4].startswith(prefix) and _ppid(pid) in (1, me) and pid not in host.live_mains()
     ]
 
 
@@ -78,9 +81,10 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
 
 
-def stop_orphans() -> list[int]:
-    """Stop the supervisors whose broker is gone; their pids."""
-    found = orphans()
+def stop_orphans(under: Path) -> list[int]:
+    """Stop the supervisors of attempts under ``under`` whose broker is gone;
+    their pids."""
+    found = orphans(under)
     if found:
         stop(found)
     return found

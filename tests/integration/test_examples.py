@@ -90,6 +90,16 @@ def test_a_unit_starts_a_command_that_exists_with_flags_that_exist(path: Path) -
     assert keys["Install.WantedBy"] == ["multi-user.target"]
 
 
+@pytest.mark.parametrize("name", ["serve", "agent"])
+def test_a_stop_of_a_unit_that_runs_jobs_kills_no_job(name: str) -> None:
+    # every job runs under its own supervisor in the unit's cgroup: only the broker
+    # may be signalled (KillMode=process), or `systemctl restart` stops every job
+    keys = unit(EXAMPLES / "systemd" / f"gpuwarden-{name}.service")
+    assert keys["Service.KillMode"] == ["process"]
+    config = load_config(EXAMPLES / ("local.toml" if name == "serve" else "agent.toml"))
+    assert config.broker.on_stop == "leave"
+
+
 def test_the_agent_unit_takes_its_enrolment_token_from_a_file_only() -> None:
     keys = unit(EXAMPLES / "systemd" / "gpuwarden-agent.service")
     [env_file] = keys["Service.EnvironmentFile"]
