@@ -75,7 +75,7 @@ _RECORD_MAX = 65536
 # -- records (no json module) --------------------------------------------------
 
 
-def _json(value: object) -> str:
+def to_json(value: object) -> str:
     """``value`` (None, bool, int, float, str, list, dict of those) as JSON."""
     if value is None:
         return "null"
@@ -104,9 +104,9 @@ def _json(value: object) -> str:
                 out.append(ch)
         return '"' + "".join(out) + '"'
     if isinstance(value, list | tuple):
-        return "[" + ",".join(_json(v) for v in value) + "]"
+        return "[" + ",".join(to_json(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ",".join(_json(str(k)) + ":" + _json(v) for k, v in value.items()) + "}"
+        return "{" + ",".join(to_json(str(k)) + ":" + to_json(v) for k, v in value.items()) + "}"
     raise TypeError(type(value).__name__)
 
 
@@ -291,7 +291,7 @@ def _record_exit(run: _Run, started_at: float, **extra: object) -> None:
         "max_rss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
         **extra,
     }
-    write_atomic(os.path.join(run.folder, EXIT), _json(record) + "\n")
+    write_atomic(os.path.join(run.folder, EXIT), to_json(record) + "\n")
 
 
 def main(args: list[str]) -> int:
@@ -310,7 +310,7 @@ def main(args: list[str]) -> int:
     me = os.getpid()
     write_atomic(
         os.path.join(folder, STARTED),
-        _json(
+        to_json(
             {
                 "v": 1,
                 "pid": me,
