@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.acceptance.test_chaos import Rig
-from tests.acceptance.test_cli import GW, env, run, wait_for
+from tests.acceptance.test_cli import GW, env, run, wait_for, write_config
+from tests.conftest import need_tool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -251,3 +252,50 @@ def test_a_checkpoint_taken_while_no_broker_runs_is_honoured(rig: Rig, tmp_path:
     outcomes = [a["outcome"] for a in attempts(rig, "pre")]
     assert outcomes == ["checkpointed", "succeeded"], attempts(rig, "pre")
     assert [w for w, *_ in lines(ledger)] == ["start", "checkpoint", "start", "done"]
+
+
+@pytest.fixture(params=["bubblewrap", "podman"])
+def boxed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Rig]:
+    """A node whose container types run in bubblewrap or podman."""
+    runtime: str = request.param
+    if runtime == "bubblewrap":
+        need_tool("bwrap")
+        extra = 'container_runtime = "bubblewrap"\n'
+    else:
+        base = request.getfixturevalue("podman_base_image")
+        inspect = ["podman", "image", "inspect", "--format", "{{.Id}}", base]
+        image = subprocess.run(inspect, capture_output=True, text=True, check=True).stdout.strip()
+        extra = f'container_runtime = "podman"\nsandbox_image = "{image}"\n'
+    r = Rig(tmp_path)
+    r.config = write_config(tmp_path, grace=5, extra=extra)
+    yield r
+    r.cleanup()
+
+
+def boxed_lines(rig: Rig, jid: str) -> list[str]:
+    """What the sandboxed job wrote, over all its attempts (each in its own
+    output folder, which the broker never writes)."""
+    found = []
+    for ledger in sorted((rig.state / "jobs" / jid).glob("attempt-*/out/ledger")):
+        found += [ln.split()[0] for ln in ledger.read_text().splitlines()]
+    return found
+
+
+def test_sigkill_while_sandboxed_jobs_run_then_restart_adopts_them(boxed: Rig) -> None:
+    rig = boxed
+    first = rig.serve()
+    first.wait_started()
+    r = run(
+        "--config", rig.config, "submit", "testmods.ledger_box", "--id", "box",
+        "--seconds", "90", "--until", "release",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: boxed_lines(rig, "box") == ["start"], "the sandboxed job to start", 90)
+    assert first.kill() == -signal.SIGKILL  # the fault
+    second = rig.serve()
+    second.wait_started()
+    assert [e["job"] for e in second.events("attempt_adopted")] == ["box"], second.events()
+    (rig.state / "jobs" / "box" / "attempt-1" / "out" / "release").touch()
+    assert settle(rig, ["box"]) == {"box": "done"}
+    assert boxed_lines(rig, "box") == ["start", "done"]  # once, in the first attempt
+    assert [a["outcome"] for a in attempts(rig, "box")] == ["succeeded"]
