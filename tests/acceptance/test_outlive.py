@@ -299,3 +299,32 @@ def test_sigkill_while_sandboxed_jobs_run_then_restart_adopts_them(boxed: Rig) -
     assert settle(rig, ["box"]) == {"box": "done"}
     assert boxed_lines(rig, "box") == ["start", "done"]  # once, in the first attempt
     assert [a["outcome"] for a in attempts(rig, "box")] == ["succeeded"]
+
+
+def test_a_multi_gpu_job_s_holding_is_back_before_anything_is_planned(
+    tmp_path: Path,
+) -> None:
+    rig = Rig(tmp_path)
+    rig.config.write_text(rig.config.read_text().replace("[sim_gpu]\n", "[sim_gpu]\ncount = 2\n"))
+    ledger, release = tmp_path / "ledger", tmp_path / "release"
+    try:
+        first = rig.serve()
+        first.wait_started()
+        submit(rig, "p1", ledger, 90, kind="ledger_pair", until=str(release))
+        started(rig, ledger, ["p1"])
+        assert first.kill() == -signal.SIGKILL  # the fault
+        submit(rig, "p2", ledger, 90, kind="ledger_pair", until=str(release))  # while down
+        second = rig.serve()
+        second.wait_started()
+        assert [e["job"] for e in second.events("attempt_adopted")] == ["p1"]
+        # p1 holds both GPUs again: p2 must wait, however long we look
+        time.sleep(2)
+        assert count(ledger, "start") == Counter(["p1"])
+        why = run("--config", rig.config, "explain", "p2")
+        assert "p1" in why.stdout, why.stdout
+        release.touch()
+        assert settle(rig, ["p1", "p2"]) == {"p1": "done", "p2": "done"}
+        assert count(ledger, "start") == Counter(["p1", "p2"])
+        assert count(ledger, "done") == Counter(["p1", "p2"])
+    finally:
+        rig.cleanup()
