@@ -17,28 +17,17 @@ attempt the store shows running, before anything is planned):
 - leaves every other attempt to be stopped and ended interrupted (the store's
   running attempt with neither a live supervisor nor a record).
 
-Services are taken back the same way, and only if they answer their health check:
-
-A broker that restarts (``serve`` or an agent, killed or stopped) while services
-it started still run takes each back instead of stopping it
-(:class:`Adoption`, asked by :class:`gpuwarden.node.recovery.Recovery` before it
-stops what was left): the attempt the store shows running is a service's; its
-main process (the PID the store recorded) still runs and carries the attempt's
-marker; it answers its health check now. Then it gets a forwarder and a health
-thread again (:meth:`gpuwarden.node.services.Services.adopt`), its memory is held
-on the ledger again, and the reaper watches its process
-(:func:`gpuwarden.launch.host.watch_adopted`): the same attempt goes on, no new
-one starts, no second process. Anything else is stopped and ends interrupted,
-as before.
-
-A sandboxed service is adopted too: under bubblewrap its main process is the
-PID the store recorded (bubblewrap's, whose tree holds the sandbox's network
-namespace), under podman or docker the main process of the attempt's container,
-found by its name and its labels
-(:meth:`gpuwarden.launch.sandbox.SandboxLauncher.adoptable_pid`); it must carry
-the attempt's marker all the same. Its end removes its container or its cgroups
-(:meth:`~gpuwarden.launch.sandbox.SandboxLauncher.release_adopted`). Its output
-folder's size is no longer watched (only the run that started it watched it).
+A service is taken back the same way, and only if it also answers its health
+check now: then it gets a forwarder and a health thread again
+(:meth:`gpuwarden.node.services.Services.adopt`). Its main process is the PID the
+store recorded (its supervisor's, checked as above), or under podman or docker
+the main process of the attempt's container, found by its name and its labels
+(:meth:`gpuwarden.launch.sandbox.SandboxLauncher.adoptable_pid`), which carries
+the attempt's marker. A sandboxed attempt's end removes its container or its
+cgroups (:meth:`~gpuwarden.launch.sandbox.SandboxLauncher.release_adopted`); its
+output folder's size is no longer watched (only the run that started it did).
+Warm servers' jobs are not taken back here (a warm server is not an attempt's
+supervisor).
 """
 
 from __future__ import annotations
