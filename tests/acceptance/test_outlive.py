@@ -136,18 +136,18 @@ def test_sigkill_while_jobs_run_then_restart_adopts_them(rig: Rig, tmp_path: Pat
 def test_jobs_that_end_while_no_broker_runs_are_judged_from_their_record(
     rig: Rig, tmp_path: Path
 ) -> None:
-    ledger = tmp_path / "ledger"
+    ledger, release = tmp_path / "ledger", tmp_path / "release"
     first = rig.serve()
     first.wait_started()
-    submit(rig, "ok", ledger, 1.5)
+    submit(rig, "ok", ledger, 90, until=str(release))
     r = run(
         "--config", rig.config, "submit", "testmods.ledger", "--id", "bad",
-        "--ledger", ledger, "--seconds", "1.5", "--exit_code", "3",
+        "--ledger", ledger, "--seconds", "90", "--exit_code", "3", "--until", release,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     started(rig, ledger, ["ok", "bad"])
     assert first.kill() == -signal.SIGKILL
-    # both end while no broker runs
+    release.touch()  # both end while no broker runs
     wait_for(lambda: set(count(ledger, "done")) == {"ok", "bad"}, "the jobs to end", 30)
     assert states(rig) == {"ok": "running", "bad": "running"}  # nobody saw them end
     second = rig.serve()
@@ -328,3 +328,22 @@ def test_a_multi_gpu_job_s_holding_is_back_before_anything_is_planned(
         assert count(ledger, "done") == Counter(["p1", "p2"])
     finally:
         rig.cleanup()
+
+
+def test_a_kill_right_after_the_launch_before_its_pid_is_stored(rig: Rig, tmp_path: Path) -> None:
+    ledger, release = tmp_path / "ledger", tmp_path / "release"
+    first = rig.serve(fault="after_launch@1")  # SIGKILL right after the process runs
+    first.wait_started()
+    submit(rig, "fast", ledger, 90, until=str(release))
+    assert first.wait_dead(30) == -signal.SIGKILL  # the fault
+    with contextlib.closing(rig.db()) as db:
+        [(pid,)] = db.execute("SELECT pid FROM attempts WHERE job_id = 'fast'").fetchall()
+    assert pid is None  # the store never heard of its process
+    started(rig, ledger, ["fast"])  # but it runs, under its supervisor
+    second = rig.serve()
+    second.wait_started()
+    assert [e["job"] for e in second.events("attempt_adopted")] == ["fast"], second.events()
+    release.touch()
+    assert settle(rig, ["fast"]) == {"fast": "done"}
+    assert count(ledger, "start") == Counter(["fast"])
+    assert [a["outcome"] for a in attempts(rig, "fast")] == ["succeeded"]

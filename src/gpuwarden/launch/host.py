@@ -184,10 +184,24 @@ def _carries_marker(proc: psutil.Process, marker: str) -> bool:
 
 
 def _marker_of(proc: psutil.Process) -> str | None:
+    """The attempt marker of ``proc``: in its environment (a job's process), or
+    the one an attempt's supervisor was given on its command line (it does not
+    carry it itself)."""
     try:
-        return proc.environ().get(ATTEMPT_ENV)
+        marker = proc.environ().get(ATTEMPT_ENV)
+        if marker is not None:
+            return marker
+        return supervised_marker(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
         return None
+
+
+def supervised_marker(cmdline: list[str]) -> str | None:
+    """The attempt marker in an attempt supervisor's command line (as
+    :func:`supervised_argv` makes it), or None: not a supervisor's."""
+    if len(cmdline) > 8 and cmdline[3].endswith("/supervisor.py") and cmdline[8] == "--":
+        return cmdline[7]
+    return None
 
 
 def find_instance_processes(instance: str, *, but: Iterable[str] = ()) -> list[psutil.Process]:

@@ -97,8 +97,10 @@ class Adoption:
         if sandbox is None and not isinstance(self.launcher, HostLauncher):
             return None
         found = [a for a in self.store.attempts(job.id) if a.number == job.attempts]
-        if not found or found[0].pid is None or found[0].ended_at is not None:
+        if not found or found[0].ended_at is not None:
             return None
+        # the store may not have its pid yet (the broker died right after the
+        # launch): its supervisor's own records say whether it ran
         attempt = found[0]
         attempt_dir = self.launching.attempt_dir(job.id, attempt.number)
         marker = attempt_marker(self.instance, job.id, attempt.number)
@@ -108,6 +110,8 @@ class Adoption:
             return self._service(run, sandbox, live, now)
         cleanup = self._cleanup(sandbox, job.id, attempt.number)
         if live is not None:
+            if attempt.pid is None:
+                self.store.set_attempt_pid(job.id, attempt.number, live.pid)
             self._hold(run, live.pid, now)
             run.thread = watch_adopted(
                 self._request(run), live.pid, run.stop, self.mailbox.post, cleanup
@@ -142,8 +146,9 @@ class Adoption:
     ) -> Taken | None:
         """A service: taken back only if it still runs and answers its health check."""
         job, attempt = run.job, run.attempt
-        recorded = attempt.pid
-        assert recorded is not None
+        recorded = attempt.pid if attempt.pid is not None else live.pid if live else None
+        if recorded is None:
+            return None
         pid: int | None = recorded
         if sandbox is not None and sandbox.runtime.needs_image:
             pid = sandbox.adoptable_pid(self.instance, job.id, attempt.number, recorded)
@@ -166,7 +171,7 @@ class Adoption:
         """Hold the attempt's memory on the ledger again, and make it this broker's."""
         run.pid = pid
         gpu = run.attempt.gpu_uuid
-        if gpu is not None:
+        if gpu is not None and pid is not None:  # no pid: it ended before one was stored
             self.vram.start(
                 run.holder,
                 gpu,
@@ -176,8 +181,7 @@ class Adoption:
                 coresident=run.jobtype.coresident,
                 now=now,
             )
-            if pid is not None:
-                self.vram.set_pid(run.holder, pid)
+            self.vram.set_pid(run.holder, pid)
         self.attempts.by_job[run.job.id] = run
 
     def _request(self, run: RunningAttempt) -> LaunchRequest:
