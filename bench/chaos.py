@@ -366,13 +366,17 @@ def ledger_job(
 
 
 def draw_job(rng: random.Random, jid: str, ledger: Path) -> JobSpec:
-    """Short (0.05-0.4 s, 45 %), long (1-3 s, 30 %), failing (exit 1, 3 or 7 after
-    0.05-1 s, 10 %) or on the simulated GPU (``ledger_gpu``, 4 GiB, 0.2-1.5 s, 15 %)."""
+    """Short (0.05-0.4 s, 40 %), long (1-3 s, 25 %), longer (4-8 s, 10 %: they often
+    outlive a kill and the next start, and are adopted live), failing (exit 1, 3 or 7
+    after 0.05-1 s, 10 %) or on the simulated GPU (``ledger_gpu``, 4 GiB, 0.2-1.5 s,
+    15 %)."""
     x = rng.random()
-    if x < 0.45:
+    if x < 0.40:
         return ledger_job(jid, ledger, round(rng.uniform(0.05, 0.4), 2))
-    if x < 0.75:
+    if x < 0.65:
         return ledger_job(jid, ledger, round(rng.uniform(1.0, 3.0), 2))
+    if x < 0.75:
+        return ledger_job(jid, ledger, round(rng.uniform(4.0, 8.0), 2))
     if x < 0.85:
         code = rng.choice((1, 3, 7))
         return ledger_job(jid, ledger, round(rng.uniform(0.05, 1.0), 2), exit_code=code)
@@ -510,6 +514,28 @@ def leftovers(node: Node) -> list[str]:
     return out
 
 
+def evidence(node: Node, jid: str) -> str:
+    """What the store and the supervisors' records say of ``jid``'s attempts: for a
+    job that started or completed twice, where the broker went wrong."""
+    with contextlib.closing(node.db()) as db:
+        rows = db.execute(
+            "SELECT number, outcome, pid, exit_code FROM attempts WHERE job_id = ? ORDER BY number",
+            (jid,),
+        ).fetchall()
+    out = []
+    for r in rows:
+        sup = node.state / "jobs" / jid / f"attempt-{r['number']}" / "supervisor"
+        record = "no supervisor"
+        if (sup / "exit.json").is_file():
+            record = f"exit record {json.loads((sup / 'exit.json').read_text())['exit_code']}"
+        elif (sup / "started.json").is_file():
+            record = "started, no exit record"
+        out.append(
+            f"#{r['number']} {r['outcome']} (store pid {r['pid']}, exit {r['exit_code']}; {record})"
+        )
+    return "attempts " + ", ".join(out)
+
+
 @dataclass
 class Judged:
     """The ledger's verdict on the accepted jobs (the headline)."""
@@ -533,9 +559,9 @@ def judge(node: Node, a: Audit) -> Judged:
         starts = [f"attempt {att} pid {pid}" for w, att, pid in mine if w == "start"]
         state = a.final.get(jid)
         if len(dones) > 1:
-            j.completed_twice.append(f"{jid}: done by {dones} (state {state})")
+            j.completed_twice.append(f"{jid}: done by {dones}; {evidence(node, jid)}")
         if len(starts) > 1:
-            j.started_twice.append(f"{jid}: started by {starts} (state {state})")
+            j.started_twice.append(f"{jid}: started by {starts}; {evidence(node, jid)}")
         if not dones:
             j.no_done.append(f"{jid}: no 'done' line (state {state}, starts {starts})")
         want = "done" if node.exit_codes[jid] == 0 else "failed"
@@ -650,8 +676,8 @@ def show_round(name: str, rd: Round) -> None:
     shown = "-" if rd.to_running is None else f"{rd.to_running[0]:.2f}"
     say(
         f"  {name:>5}  {rd.ended_down:5d} {rd.adopted:5d} {rd.recovered:5d}  "
-        f"{rd.kill:48.48s} {rd.code!s:>4} {rd.alive_s:7.2f} {rd.running:5d} "
-        f"{rd.down_s:6.2f} {shown:>7}"
+        f"{rd.kill:48.48s} {'-' if rd.code is None else rd.code:>4} {rd.alive_s:7.2f} "
+        f"{rd.running:5d} {rd.down_s:6.2f} {shown:>7}"
     )
 
 
