@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import pytest
 from tests.acceptance.test_chaos import Rig
 from tests.acceptance.test_cli import run, wait_for, write_config
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
 
 TYPE = "testmods.warm_counted"
 
@@ -174,7 +175,7 @@ def test_a_job_in_flight_when_the_broker_dies_is_retried_on_the_same_server(
 ) -> None:
     pid = first_job_then(rig)
     first = rig.brokers[0]
-    submit(rig, "long", sleep_s=4)
+    submit(rig, "long", sleep_s=8)
     wait_for(lambda: job(rig, "long")[0] == "running", "the long job to run")
     assert first.kill() == -signal.SIGKILL  # the fault: killed mid-job
     assert job(rig, "long") == ("running", 1)
@@ -187,3 +188,23 @@ def test_a_job_in_flight_when_the_broker_dies_is_retried_on_the_same_server(
     assert served_by(rig, "long") == pid
     assert loads(rig) == [pid], "the model was loaded again"
     assert second.events("warm_server_adopted")
+
+
+def test_a_server_that_does_not_come_back_is_stopped(rig: Rig) -> None:
+    pid = first_job_then(rig)
+    assert rig.brokers[0].kill() == -signal.SIGKILL
+    os.kill(pid, signal.SIGSTOP)  # the fault: it can no longer answer
+    try:
+        assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "T"
+        second = rig.serve()
+        second.wait_started()
+        assert second.events("warm_server_adopting")  # its record and process checked out
+        # given its type's timeout_s + 30 s to come back, then stopped
+        wait_for(lambda: bool(second.events("warm_server_stopped")), "the server stopped", 150)
+        (stopped,) = second.events("warm_server_stopped")
+        assert "did not come back" in str(stopped["reason"]), stopped
+        wait_for(lambda: not alive(pid), "its process gone")
+        assert not records(rig) and not second.events("warm_server_adopted")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
