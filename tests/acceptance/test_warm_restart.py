@@ -195,7 +195,7 @@ def test_a_server_that_does_not_come_back_is_stopped(rig: Rig) -> None:
     assert rig.brokers[0].kill() == -signal.SIGKILL
     os.kill(pid, signal.SIGSTOP)  # the fault: it can no longer answer
     try:
-        assert Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "T"
+        wait_for(lambda: Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "T", "stopped")
         second = rig.serve()
         second.wait_started()
         assert second.events("warm_server_adopting")  # its record and process checked out
