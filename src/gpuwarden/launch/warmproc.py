@@ -56,6 +56,7 @@ import os
 import select
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -66,6 +67,8 @@ from typing import Any, Literal
 
 from gpuwarden.errors import GpuwardenError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult
+from gpuwarden.launch.host import Ended, watch_adopted
+from gpuwarden.launch.reaper import carries
 from gpuwarden.server.protocol import (
     Channel,
     PeerClosed,
@@ -245,7 +248,9 @@ class WarmProcess:
         self._epoch = epoch
         self._stop_wait_s = stop_wait_s
 
-        self._thread: threading.Thread | None = None
+        #: what runs or watches the process: the launcher's thread, or (attach) the
+        #: reaper's watch of an adopted one
+        self._thread: threading.Thread | Ended | None = None
         self._launch_result: LaunchResult | None = None
         self._pid: int | None = None
         self._pid_known = threading.Event()
@@ -265,6 +270,8 @@ class WarmProcess:
         self._io_lock = threading.Lock()
         self._stop_result: LaunchResult | None = None
         self._stop_reason: str | None = None
+        #: set by :meth:`attach`: only a process carrying this marker may connect
+        self._peer_marker: str | None = None
 
     # -- properties -----------------------------------------------------------
 
@@ -386,6 +393,91 @@ class WarmProcess:
         )
         return report
 
+    # -- a worker an earlier broker left ------------------------------------------
+
+    def attach(self, pid: int, wait_s: float) -> LoadReport:
+        """Take over a loaded worker an earlier broker of this node started and left
+        running; blocks. ``pid`` is its supervisor (the caller verified it by its
+        start time, boot id and marker: never a bare pid), watched from now on by
+        the reaper. Listens on the worker's socket path again and waits up to
+        ``wait_s`` for it to connect (only a process carrying the worker's marker
+        is accepted) and say ``hello`` and ``ready`` with ``"resumed": true``:
+        nothing is loaded again. On any failure the worker is stopped (every
+        process with its marker, confirmed gone) and a :class:`ServeError` is
+        raised. Called once, instead of :meth:`start`."""
+        if self._thread is not None or self._stop_result is not None:
+            raise RuntimeError("WarmProcess.attach() may be called once, instead of start()")
+        self._pid = pid
+        self._pid_known.set()
+        self._peer_marker = self._req.marker
+        self._thread = watch_adopted(self._req, pid, self._kill, self._adopted_end)
+        deadline = time.monotonic() + wait_s
+        try:
+            self._listener = self._listen()
+        except OSError as exc:
+            reason = f"cannot listen on the serve socket {self._socket_path}: {exc}"
+            raise ServeError(reason, kind="start", launch_result=self.stop(reason)) from exc
+        try:
+            self._accept(deadline, wait_s)
+            hello = self._receive(deadline, lambda: self._load_timeout("come back", wait_s))
+            self._expect_own(hello, "hello")
+            msg = self._receive(deadline, lambda: self._load_timeout("say ready", wait_s))
+            self._expect_own(msg, "ready")
+            if msg.get("resumed") is not True:
+                raise ProtocolError("the worker loaded its model again instead of resuming")
+            self._ready_seen = True
+            load_s = field(msg, "load_s", float)
+            device_bytes = optional_field(msg, "device_bytes", int)
+            if load_s < 0 or (device_bytes is not None and device_bytes < 0):
+                raise ProtocolError("the 'ready' message has a negative load_s or device_bytes")
+        except ProtocolError as exc:
+            raise self._fail(_Failure("protocol", f"protocol error: {exc.message}")) from None
+        except PeerClosed:
+            raise self._fail(
+                _Failure("crashed", "the serve worker closed the connection", with_exit=True)
+            ) from None
+        except _Failure as failure:
+            raise self._fail(failure) from None
+        self._loaded = True
+        log.info("serve worker epoch %d (supervisor pid %d) taken over", self._epoch, pid)
+        return LoadReport(load_s, device_bytes, pid)
+
+    def _adopted_end(self, result: LaunchResult) -> None:
+        self._launch_result = result
+
+    def leave(self, reason: str) -> None:
+        """Let go of the worker and leave its processes running (a routine stop of
+        the broker): the connection is closed without ``stop``, so a worker
+        started with a wait (``GPUWARDEN_SERVE_WAIT_S``) keeps its model and
+        waits for the next broker. Waits in other threads give up; nothing is
+        killed. The object is not used again."""
+        with self._stop_lock:
+            if self._stop_result is not None:
+                return
+            self._stop_reason = reason
+            self._stopping.set()
+            with self._io_lock:
+                if self._channel is not None:
+                    self._channel.close()
+                self._close_listener()
+
+    def _peer_ok(self, conn: socket.socket) -> bool:
+        """Whether the process that connected may (:meth:`attach`: it carries the
+        worker's marker, as the kernel names it; any other is turned away)."""
+        if self._peer_marker is None:
+            return True
+        try:
+            raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return False
+        peer = struct.unpack("3i", raw)[0]
+        if peer > 0 and carries(peer, self._peer_marker):
+            return True
+        log.warning(
+            "serve worker epoch %d: turned away a connection from pid %d", self._epoch, peer
+        )
+        return False
+
     def _listen(self) -> socket.socket:
         path = self._socket_path
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
@@ -464,6 +556,9 @@ class WarmProcess:
                 try:
                     conn, _ = listener.accept()
                 except (BlockingIOError, InterruptedError):
+                    continue
+                if not self._peer_ok(conn):
+                    conn.close()
                     continue
                 self._close_listener()
                 self._channel = Channel(conn)

@@ -97,6 +97,7 @@ from gpuwarden.node.status import (
 )
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warm import WarmServers
+from gpuwarden.node.warmkeep import adopt_left, leave_idle
 from gpuwarden.node.warmpool import ServerState
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus, Store
@@ -356,6 +357,7 @@ class Broker:
         Jobs on a warm server are not supervised: they and the warm servers are
         stopped as by :meth:`shutdown`."""
         self.accepting = False
+        leave_idle(self.warm)  # idle warm servers wait for the next broker (node/warmkeep.py)
         served = [run for run in self.attempts if run.server is not None]
         left = len(self.attempts) - len(served)
         self.emit("broker_stopping", running=len(self.attempts), leaving=left, grace_s=0.0)
@@ -422,6 +424,10 @@ class Broker:
         before (:meth:`gpuwarden.node.gpus.GpuWatch.restore`)."""
         now = self.clock()
         self.gpus.restore()
+        # warm servers an earlier run left, taken over first (node/warmkeep.py)
+        warm_kept = adopt_left(
+            self.warm, self.registry.types, instance=self.instance, emit=self.emit, now=now
+        )
         Recovery(
             instance=self.instance,
             kill_grace_s=self.settings.kill_grace_s,
@@ -434,6 +440,7 @@ class Broker:
             launching=self.launching,
             emit=self.emit,
             on_error=self.record_error,
+            keep=warm_kept,
             adopt=Adoption(
                 instance=self.instance,
                 store=self.store,

@@ -15,7 +15,7 @@ ledger until the probe shows it free (the reclaim gate).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from gpuwarden.core.classify import AttemptFacts, classify, interruptions_before
 from gpuwarden.core.model import Job, JobType
@@ -51,6 +51,7 @@ class Recovery:
         emit: Emit,
         on_error: OnError,
         adopt: Callable[[Job, float], Taken | None] | None = None,
+        keep: Iterable[str] = (),
     ) -> None:
         self.instance = instance
         self.kill_grace_s = kill_grace_s
@@ -65,6 +66,8 @@ class Recovery:
         self.on_error = on_error
         #: takes back a running attempt, or None: it is stopped
         self.adopt = adopt
+        #: markers of processes taken over already (warm servers: node/warmkeep.py)
+        self.keep = tuple(keep)
 
     def run(self, now: float) -> None:
         """Adopt the running services that still answer; stop every other leftover
@@ -76,7 +79,7 @@ class Recovery:
             if self.adopt is not None and (taken := self.adopt(job, now)) is not None:
                 adopted[job.id] = taken
         live = {j: t.marker for j, t in adopted.items() if t.live}
-        leftovers = find_instance_processes(self.instance, but=live.values())
+        leftovers = find_instance_processes(self.instance, but=[*live.values(), *self.keep])
         reaped_all, survivors_all = stop_processes(leftovers, self.kill_grace_s)
         if leftovers:
             self.emit("leftovers_stopped", reaped=reaped_all, survivors=survivors_all)

@@ -10,14 +10,26 @@ that thread has ended), which drives a :class:`WarmProcess` and only posts
 messages (the job's :class:`LaunchResult`, :class:`ServerNote` and
 :class:`ExchangeNote`) back to the loop's mailbox.
 Which server exists, and in what state, is :mod:`gpuwarden.node.warmpool`'s.
+
+A loaded server outlives its broker (:meth:`WarmServers.leave_idle` at a routine
+stop; a killed broker leaves it too): it keeps a record
+(:mod:`gpuwarden.node.warmrecord`) and waits for the next broker on its socket
+path, which is stable for a node and state directory (:meth:`WarmServers.socket_dir`);
+the next broker takes it over (:meth:`WarmServers.adopt`, asked by
+:func:`gpuwarden.node.warmkeep.adopt_left` before anything is planned).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
+import math
+import os
 import queue
+import stat
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +42,7 @@ from gpuwarden.core.ledger import HoldState
 from gpuwarden.core.model import Job, JobType
 from gpuwarden.core.queueindex import QueueIndex
 from gpuwarden.core.states import JobState
+from gpuwarden.launch import supervisor
 from gpuwarden.launch.base import INSIDE, LaunchResult
 from gpuwarden.launch.sandbox import output_limit_reason
 from gpuwarden.launch.warmproc import (
@@ -39,7 +52,7 @@ from gpuwarden.launch.warmproc import (
     WarmProcess,
     placement_check,
 )
-from gpuwarden.node import attemptfs
+from gpuwarden.node import attemptfs, warmrecord
 from gpuwarden.node.attemptfs import ExchangeError, ExchangeSlot
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.measured import Footprints
@@ -49,10 +62,31 @@ from gpuwarden.node.settings import NodeSettings
 from gpuwarden.node.status import WarmStatus
 from gpuwarden.node.vram import VramBook
 from gpuwarden.node.warmpool import ServerState, WarmPool, WarmServer
+from gpuwarden.node.warmrecord import ServerRecord
+from gpuwarden.server.worker import WAIT_ENV
 from gpuwarden.store.base import Store
 
 #: the broker's log: its lines keep one name, whichever of its modules writes them
 log = logging.getLogger("gpuwarden.node.loop")
+
+#: how long a server whose broker went away waits for the next one (seconds);
+#: the broker's own ``GPUWARDEN_SERVE_WAIT_S`` sets another
+SERVE_WAIT_S = 300.0
+#: the least time an adopted server is given to come back (it may be finishing
+#: the job it ran when its broker went away: up to its type's timeout)
+COME_BACK_S = 30.0
+#: the most
+COME_BACK_MAX_S = 3600.0
+
+
+def serve_wait_s() -> float:
+    """How long a left server waits for a new broker: ``GPUWARDEN_SERVE_WAIT_S``
+    of the broker's environment when it is a number >= 0, else :data:`SERVE_WAIT_S`."""
+    try:
+        wait = float(os.environ.get(WAIT_ENV, SERVE_WAIT_S))
+    except ValueError:
+        return SERVE_WAIT_S
+    return wait if math.isfinite(wait) and wait >= 0 else SERVE_WAIT_S
 
 
 class Handoff:
@@ -162,6 +196,8 @@ class WarmServers:
         self.pool = WarmPool()
         #: made on the first server's start (:meth:`socket_dir`)
         self._socket_dir: Path | None = None
+        #: the sockets' folder is the node's stable one: servers may outlive the broker
+        self.stable_sockets = False
         #: per server (its ledger holder), how jobs are handed to its thread
         self._handoffs: dict[str, Handoff] = {}
         self._remover = SlotRemover(self._slot_not_removed)
@@ -317,13 +353,29 @@ class WarmServers:
             )
 
     def socket_dir(self) -> Path:
-        """Where this broker's servers' sockets live: short, since a unix socket's
-        path is limited to 107 bytes (a state directory's may be longer). Made
-        fresh, once, with a random name (``mkdtemp``: mode 0700, created
-        atomically), so nothing another user planted in /tmp is ever used."""
+        """Where this node's servers' sockets live: short, since a unix socket's
+        path is limited to 107 bytes (a state directory's may be longer), and the
+        same for every run of this node and state directory, so that a server a
+        broker left finds the next one there: ``<tmp>/gpuwarden-<hash>``, made
+        with mode 0700. When that name is anything but a folder of this user's that
+        no one else may write to (someone else made it first), a fresh folder with
+        a random name (``mkdtemp``) is used instead, and no server is left running."""
         if self._socket_dir is None:
-            prefix = f"gpuwarden-{self.launching.instance[-10:]}-"
-            self._socket_dir = Path(tempfile.mkdtemp(prefix=prefix))
+            digest = hashlib.sha256(self.launching.instance.encode()).hexdigest()[:16]
+            stable = Path(tempfile.gettempdir()) / f"gpuwarden-{digest}"
+            with contextlib.suppress(FileExistsError):
+                stable.mkdir(mode=0o700)
+            st = os.lstat(stable)
+            if (
+                stat.S_ISDIR(st.st_mode)
+                and st.st_uid == os.geteuid()
+                and not st.st_mode & (stat.S_IRWXG | stat.S_IRWXO)
+            ):
+                self._socket_dir, self.stable_sockets = stable, True
+            else:
+                log.warning("%s is not this broker's own: warm servers die with it", stable)
+                prefix = f"gpuwarden-{self.launching.instance[-10:]}-"
+                self._socket_dir = Path(tempfile.mkdtemp(prefix=prefix))
         return self._socket_dir
 
     def close(self) -> None:
@@ -344,6 +396,10 @@ class WarmServers:
         safefs.make_dir(log_dir / "exchange", mode=attemptfs.EXCHANGE_MODE)
         socket_path = self.socket_dir() / f"{epoch}.sock"
         launcher, request = self.launching.server_request(jobtype, gpu, epoch, log_dir, socket_path)
+        if not request.mounts and self.stable_sockets:
+            # it may outlive this broker: it waits this long for the next one
+            env = {**request.env, WAIT_ENV: repr(serve_wait_s())}
+            request = dataclasses.replace(request, env=env)
         worker = WarmProcess(
             launcher, request, socket_path, epoch, stop_wait_s=self.settings.stop_grace_s
         )
@@ -376,20 +432,171 @@ class WarmServers:
         self.emit("warm_server_starting", type=jobtype.name, gpu=gpu, epoch=epoch)
         return server
 
+    # -- across a restart of the broker ------------------------------------------------
+
+    def _keep(self, server: WarmServer, report: LoadReport) -> None:
+        """A server just loaded: write its record for the next broker, if it may
+        outlive this one (unsandboxed, with a wait, its socket in the node's stable
+        folder); a server whose record cannot be written dies with its broker."""
+        request = server.worker.request
+        if WAIT_ENV not in request.env or server.pid is None:
+            return
+        ticks = supervisor.start_ticks(server.pid)
+        if ticks is None:
+            return
+        record = ServerRecord(
+            type=server.type.name,
+            epoch=server.epoch,
+            gpu=server.gpu,
+            marker=request.marker,
+            pid=server.pid,
+            start_ticks=ticks,
+            boot_id=supervisor.boot_id(),
+            socket=str(server.worker.socket_path),
+            footprint_bytes=server.footprint,
+            load_s=max(report.load_s, 0.0),
+            device_bytes=report.device_bytes,
+            jobs_served=server.jobs_served,
+        )
+        try:
+            warmrecord.write(self.settings.state_dir, record)
+        except (OSError, safefs.UnsafePathError) as exc:
+            log.warning("warm server %s: no record for the next broker: %s", server.holder, exc)
+            return
+        server.kept = True
+
+    def leave_idle(self) -> list[WarmServer]:
+        """A routine stop of the broker: let go of every idle server that has a
+        record (:meth:`_keep`), leaving it running with its model loaded: its
+        connection is closed without ``stop``, and it waits for the next broker
+        (``GPUWARDEN_SERVE_WAIT_S``). They leave the pool; the others (busy,
+        loading, without a record) are stopped as before. Returns those left."""
+        left: list[WarmServer] = []
+        for server in self.pool:
+            if server.state is not ServerState.IDLE or not server.kept:
+                continue
+            server.worker.leave("left running for the next broker")
+            self.pool.remove(server)
+            handoff = self._handoffs.pop(server.holder, None)
+            if handoff is not None:
+                handoff.put(None)  # its thread ends; nothing is stopped
+            self.emit(
+                "warm_server_left",
+                type=server.type.name,
+                gpu=server.gpu,
+                epoch=server.epoch,
+                pid=server.pid,
+                jobs_served=server.jobs_served,
+            )
+            left.append(server)
+        return left
+
+    def adopt(self, record: ServerRecord, jobtype: JobType, now: float) -> WarmServer:
+        """Take over the server an earlier broker left (``record``, verified by the
+        caller). It joins the pool as ``loading`` (its type's jobs wait; it is
+        never evicted meanwhile) with its ledger holding restored, and its own
+        thread waits for it to come back (:meth:`_adopted_loop`): then it is idle
+        with its model still loaded; one that does not come back is stopped.
+        Raises ValueError when its type has a server already."""
+        log_dir = self.settings.state_dir / "warm" / f"{jobtype.name}-{record.epoch}"
+        socket_path = self.socket_dir() / f"{record.epoch}.sock"
+        launcher, request = self.launching.server_request(
+            jobtype, record.gpu, record.epoch, log_dir, socket_path
+        )
+        worker = WarmProcess(
+            launcher, request, socket_path, record.epoch, stop_wait_s=self.settings.stop_grace_s
+        )
+        grace = jobtype.idle_grace_s
+        server = WarmServer(
+            type=jobtype,
+            gpu=record.gpu,
+            epoch=record.epoch,
+            worker=worker,
+            footprint=self.footprints.of(jobtype),
+            idle_grace_s=grace if grace is not None else self.settings.idle_grace_s,
+            started_at=now,
+            load_s=record.load_s,
+            pid=record.pid,
+            jobs_served=record.jobs_served,
+            kept=True,
+        )
+        self.pool.add(server)
+        self.pool.taken(record.epoch)
+        self.vram.start(
+            server.holder,
+            server.gpu,
+            type_name=jobtype.name,
+            job_id=None,
+            nbytes=server.footprint,
+            coresident=jobtype.coresident,
+            now=now,
+            state=HoldState.WARM,
+        )
+        self.vram.set_pid(server.holder, record.pid)
+        handoff = self._handoffs[server.holder] = Handoff()
+        wait = min(max(COME_BACK_S, jobtype.timeout_s + COME_BACK_S), COME_BACK_MAX_S)
+        handoff.thread = threading.Thread(
+            target=self._adopted_loop,
+            args=(server, handoff, wait),
+            name=f"serve-{server.holder}",
+            daemon=True,
+        )
+        self.emit(
+            "warm_server_adopting", type=jobtype.name, gpu=server.gpu, epoch=record.epoch,
+            pid=record.pid,
+        )  # fmt: skip
+        handoff.thread.start()
+        return server
+
+    def _adopted_loop(self, server: WarmServer, handoff: Handoff, wait_s: float) -> None:
+        """An adopted server's thread: wait up to ``wait_s`` for it to come back,
+        then serve the jobs handed to it as any server's thread does."""
+        try:
+            report = server.worker.attach(server.pid or 0, wait_s)
+        except Exception as exc:
+            why = exc.message if isinstance(exc, ServeError) else f"internal error: {exc!r}"
+            if not isinstance(exc, ServeError):
+                log.exception("taking over %s failed", server.holder)
+                with contextlib.suppress(Exception):
+                    server.worker.stop(why)
+            self._note(server, "gone", reason=f"it did not come back: {why}")
+            for left in handoff.close():
+                self._drive(server, left, load=False)  # each fails as the server is gone
+            return
+        self._note(server, "adopted", report=report)
+        self._serve_loop(server, None, handoff)
+
+    def _adopted(self, server: WarmServer, report: LoadReport, now: float) -> None:
+        """The loop: an adopted server came back, its model loaded: idle from now."""
+        if server.state is ServerState.LOADING:
+            server.state = ServerState.IDLE
+            server.idle_since = now
+        self.emit(
+            "warm_server_adopted",
+            type=server.type.name,
+            gpu=server.gpu,
+            epoch=server.epoch,
+            pid=server.pid,
+            load_s=round(report.load_s, 3),
+            jobs_served=server.jobs_served,
+        )
+
     # -- the worker threads ------------------------------------------------------------
 
     def load_and_serve(self, server: WarmServer, run: RunningAttempt) -> None:
         """Worker thread: start the server's process, wait for its model, serve the job."""
         self._drive(server, run, load=True)
 
-    def _serve_loop(self, server: WarmServer, run: RunningAttempt, handoff: Handoff) -> None:
+    def _serve_loop(self, server: WarmServer, run: RunningAttempt | None, handoff: Handoff) -> None:
         """The server's thread: load it and serve ``run``, then each job handed to
         it in turn, until it is stopped or gone (or handed ``None``: stopped while
         idle). Jobs handed to it after that are served (and fail) here too, and
         the handoff is closed so that no later one waits for this thread."""
         next_run: RunningAttempt | None = run
-        load = True
+        load = run is not None  # None: an adopted server, loaded already
         try:
+            if next_run is None:
+                next_run = handoff.get()
             while next_run is not None:
                 self._drive(server, next_run, load=load)
                 load = False
@@ -661,6 +868,7 @@ class WarmServers:
             server.load_s = note.report.load_s
             if server.state is ServerState.LOADING:
                 server.state = ServerState.BUSY  # its first job runs now
+            self._keep(server, note.report)
             self.emit(
                 "warm_server_loaded",
                 type=note.type,
@@ -669,7 +877,11 @@ class WarmServers:
                 load_s=round(note.report.load_s, 3),
                 device_bytes=note.report.device_bytes,
             )
+        elif note.what == "adopted" and note.report is not None:
+            self._adopted(server, note.report, now)
         elif note.what == "gone":
+            if server.kept:
+                warmrecord.remove(self.settings.state_dir, f"{server.epoch}.json")
             self.pool.remove(server)
             self._handoffs.pop(server.holder, None)
             measured = self.vram.end(server.holder, now)

@@ -49,6 +49,8 @@ class WarmServer:
     jobs_served: int = 0
     priority: int = 0
     stop_reason: str = ""
+    #: a record for the next broker is on disk (:mod:`gpuwarden.node.warmrecord`)
+    kept: bool = False
 
     @property
     def holder(self) -> str:
@@ -101,9 +103,18 @@ class WarmPool:
         # are names, not times: they start from the host's wall clock, never from
         # the loop's clock, which a test may set back or hold still
         self._epochs = itertools.count(time.time_ns() // 1_000_000)
+        self._floor = 0
 
     def next_epoch(self) -> int:
-        return next(self._epochs)
+        epoch = next(self._epochs)
+        if epoch <= self._floor:  # an adopted server's epoch (a clock set back)
+            self._epochs = itertools.count(self._floor + 1)
+            epoch = next(self._epochs)
+        return epoch
+
+    def taken(self, epoch: int) -> None:
+        """An adopted server has ``epoch``: no new server gets it, or one below."""
+        self._floor = max(self._floor, epoch)
 
     def add(self, server: WarmServer) -> None:
         if server.type.name in self.by_type:

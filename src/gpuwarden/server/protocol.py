@@ -18,6 +18,14 @@ usual job environment (section 7) with its GPU in ``CUDA_VISIBLE_DEVICES``.
 The worker connects once. The broker accepts one connection, then closes the
 listening socket and removes its file; nobody else can connect.
 
+A worker started with ``GPUWARDEN_SERVE_WAIT_S`` above 0 outlives a broker that
+goes away without ``stop`` (end of file): it connects to the same path again
+until a new broker listens there, or that many seconds pass (then it exits 0).
+The new broker accepts only a process carrying the worker's marker
+(``SO_PEERCRED``); the worker says ``hello`` and ``ready`` again, each with
+``"resumed": true``, the ``ready`` with its first load's ``load_s`` and
+``device_bytes``, and loads nothing.
+
 Framing
 -------
 Both directions carry frames. A frame is a 4-byte big-endian unsigned length

@@ -27,6 +27,15 @@ traceback printed to stderr, and the worker goes on with the next job. The
 worker exits with status 0 on ``stop`` or when the broker closes the
 connection, and with status 1 when the load fails or the broker sends garbage.
 
+A broker that goes away without ``stop`` (it was stopped routinely, or killed)
+leaves a worker started with ``GPUWARDEN_SERVE_WAIT_S`` above 0 running: it
+keeps its model and connects to the same socket path again, once every
+:data:`RECONNECT_POLL_S`, until a new broker listens there (then it says
+``hello`` and ``ready`` again, ``"resumed": true``, without loading anything)
+or that many seconds pass (then it exits with status 0, so nothing is left
+behind). A job's result it could not send is dropped: the new broker has
+already ended that attempt as interrupted and runs the job again.
+
 ``SystemExit`` and ``KeyboardInterrupt`` raised in ``load`` or ``handle`` are not
 caught: the worker exits and the broker retries the job as an infrastructure
 failure. The protocol is documented in :mod:`gpuwarden.server.protocol`.
@@ -56,6 +65,7 @@ __all__ = [
     "MAX_TEXT",
     "SCRATCH_ENV",
     "SOCKET_ENV",
+    "WAIT_ENV",
     "JobContext",
     "LoadContext",
     "run_worker",
@@ -66,6 +76,13 @@ __all__ = [
 SOCKET_ENV = "GPUWARDEN_SERVE_SOCKET"
 #: the worker's epoch (a decimal integer)
 EPOCH_ENV = "GPUWARDEN_SERVE_EPOCH"
+#: how long a worker whose broker went away (no ``stop``) waits for a new one, in
+#: seconds; unset or 0: it exits at once
+WAIT_ENV = "GPUWARDEN_SERVE_WAIT_S"
+#: how often a waiting worker tries the socket again
+RECONNECT_POLL_S = 0.1
+#: the longest wait a worker takes from :data:`WAIT_ENV` (a day)
+MAX_WAIT_S = 86400.0
 #: the worker's own scratch folder (for the load); a temporary folder when unset
 SCRATCH_ENV = "GPUWARDEN_SCRATCH_DIR"
 
@@ -144,9 +161,9 @@ def run_worker(
         sock.close()
         _note(f"cannot connect to the broker at {path}: {exc}")
         return 1
-    channel = Channel(sock)
+    link = _Link(Channel(sock), path, _wait_s(env))
     try:
-        return _run(channel, epoch, env, load=load, handle=handle, device_bytes=device_bytes)
+        return _run(link, epoch, env, load=load, handle=handle, device_bytes=device_bytes)
     except PeerClosed:
         _note("the broker closed the connection")
         return 0
@@ -154,13 +171,54 @@ def run_worker(
         _note(f"protocol error: {exc.message}")
         return 1
     finally:
-        channel.close()
+        link.channel.close()
         sys.stdout.flush()
         sys.stderr.flush()
 
 
+def _wait_s(env: Mapping[str, str]) -> float:
+    """:data:`WAIT_ENV` as seconds (0 when unset or not a number >= 0)."""
+    try:
+        wait = float(env.get(WAIT_ENV, "0") or "0")
+    except ValueError:
+        return 0.0
+    return min(wait, MAX_WAIT_S) if wait > 0 else 0.0
+
+
+class _Link:
+    """The connection to the broker, which a worker with a wait (:data:`WAIT_ENV`)
+    makes again after its broker went away."""
+
+    def __init__(self, channel: Channel, path: str, wait_s: float) -> None:
+        self.channel = channel
+        self.path = path
+        self.wait_s = wait_s
+
+    def reconnect(self) -> bool:
+        """The broker is gone: connect to the same path again, until a new broker
+        listens there (True) or :attr:`wait_s` passes (False)."""
+        self.channel.close()
+        if self.wait_s <= 0:
+            return False
+        _note(f"the broker went away; waiting up to {self.wait_s:g} s for a new one")
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                time.sleep(RECONNECT_POLL_S)
+                continue
+            self.channel = Channel(sock)
+            _note("connected to a new broker")
+            return True
+        _note(f"no new broker within {self.wait_s:g} s: exiting")
+        return False
+
+
 def _run(
-    channel: Channel,
+    link: _Link,
     epoch: int,
     env: Mapping[str, str],
     *,
@@ -168,13 +226,13 @@ def _run(
     handle: Callable[[M, JobContext], str | None],
     device_bytes: Callable[[M], int | None] | None,
 ) -> int:
-    channel.send({"type": "hello", "epoch": epoch, "pid": os.getpid()})
+    link.channel.send({"type": "hello", "epoch": epoch, "pid": os.getpid()})
 
     own_scratch = not env.get(SCRATCH_ENV)
     scratch = env.get(SCRATCH_ENV) or tempfile.mkdtemp(prefix="gpuwarden-serve-")
     try:
         return _serve_with(
-            channel, epoch, env, Path(scratch), load=load, handle=handle, device_bytes=device_bytes
+            link, epoch, env, Path(scratch), load=load, handle=handle, device_bytes=device_bytes
         )
     finally:
         if own_scratch:  # a folder of its own making: nothing else removes it
@@ -182,7 +240,7 @@ def _run(
 
 
 def _serve_with(
-    channel: Channel,
+    link: _Link,
     epoch: int,
     env: Mapping[str, str],
     scratch: Path,
@@ -191,7 +249,8 @@ def _serve_with(
     handle: Callable[[M, JobContext], str | None],
     device_bytes: Callable[[M], int | None] | None,
 ) -> int:
-    """Load the model, then take jobs until told to stop."""
+    """Load the model, then take jobs until told to stop (or the broker is gone
+    and no new one comes)."""
     ctx = LoadContext(gpu=env.get("CUDA_VISIBLE_DEVICES", ""), scratch_dir=scratch, epoch=epoch)
     start = time.monotonic()
     try:
@@ -204,11 +263,31 @@ def _serve_with(
             raise TypeError(f"device_bytes returned {nbytes!r}, not an integer >= 0 or None")
     except Exception as exc:
         traceback.print_exc()
-        channel.send({"type": "load_failed", "epoch": epoch, "error": _describe(exc)})
+        link.channel.send({"type": "load_failed", "epoch": epoch, "error": _describe(exc)})
         return 1
-    channel.send({"type": "ready", "epoch": epoch, "load_s": load_s, "device_bytes": nbytes})
+    ready = {"type": "ready", "epoch": epoch, "load_s": load_s, "device_bytes": nbytes}
+    link.channel.send(ready)
     _flush()
+    while True:
+        try:
+            return _jobs(link.channel, epoch, model, handle)
+        except PeerClosed:
+            if not link.reconnect():
+                return 0
+        # a new broker: the same worker, its model still loaded
+        try:
+            link.channel.send(
+                {"type": "hello", "epoch": epoch, "pid": os.getpid(), "resumed": True}
+            )
+            link.channel.send({**ready, "resumed": True})
+        except PeerClosed:
+            continue  # gone again: wait again (the loop's next recv says so)
 
+
+def _jobs(
+    channel: Channel, epoch: int, model: M, handle: Callable[[M, JobContext], str | None]
+) -> int:
+    """Run the jobs the broker sends, one at a time, until ``stop`` (0)."""
     while True:
         msg = channel.recv(None)
         if msg["epoch"] != epoch:

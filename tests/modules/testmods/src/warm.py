@@ -14,6 +14,7 @@ FOOTPRINT_GIB = {
     "testmods.pinned": 6,
     "testmods.halfway": 6,
     "testmods.slowload": 2,
+    "testmods.warm_counted": 4,
 }
 #: seconds each type's load takes
 LOAD_S = {"testmods.slowload": 5.0}
@@ -22,6 +23,10 @@ ON_DEVICE = {"testmods.halfway": 0.6}
 
 
 def load(ctx):
+    if os.environ["GPUWARDEN_JOB_TYPE"] == "testmods.warm_counted":
+        # each load, one line in the module's model folder: outside the broker's reach
+        with open(os.path.join(os.environ["GPUWARDEN_MODEL_DIR"], "loads"), "a") as f:
+            f.write(f"load {os.getpid()}\n")
     gpu = simclient.attach()
     gib = FOOTPRINT_GIB[os.environ["GPUWARDEN_JOB_TYPE"]]
     time.sleep(LOAD_S.get(os.environ["GPUWARDEN_JOB_TYPE"], 0.3))
