@@ -256,7 +256,7 @@ def test_loads_once_and_serves_jobs_one_at_a_time(make_worker: MakeWorker, tmp_p
         assert result.ok and result.error is None and result.stale_dropped == []
         assert result.message is not None
         said = json.loads(result.message)
-        assert said["pid"] == report.pid
+        assert said["pid"] == served_by(report)
         assert said["jobs"] == n  # the same model object: loaded once
         assert said["gpu"] == GPU
         assert said["attempt"] == n and said["job"] == f"job-{n}"
@@ -264,7 +264,7 @@ def test_loads_once_and_serves_jobs_one_at_a_time(make_worker: MakeWorker, tmp_p
         assert said["scratch_dir"] == str(tmp_path / f"job-{n}" / "scratch")
         assert (tmp_path / f"job-{n}" / "out" / "out.txt").read_text() == str(n * 10)
     loads = Path(worker.request.env["LOAD_LOG"]).read_text().split()
-    assert loads == [str(report.pid)]
+    assert loads == [str(served_by(report))]
     # the load's scratch folder defaults to the worker's attempt directory
     assert said["scratch"] == str(Path(worker.request.attempt_dir) / "scratch")
     assert worker.request.env["GPUWARDEN_SERVE_EPOCH"] == "7"
@@ -292,8 +292,14 @@ def test_handle_exception_is_the_jobs_failure_and_the_worker_goes_on(
 
     ok = run(worker, tmp_path, 2, x=1)
     assert ok.ok and ok.message is not None
-    assert json.loads(ok.message)["pid"] == report.pid
+    assert json.loads(ok.message)["pid"] == served_by(report)
     assert json.loads(ok.message)["jobs"] == 2
+
+
+def served_by(report: LoadReport) -> int:
+    """The worker's own process: the one child of its supervisor (``report.pid``)."""
+    [child] = psutil.Process(report.pid).children()
+    return child.pid
 
 
 # ---------------------------------------------------------------------------
@@ -542,7 +548,7 @@ def test_a_worker_that_dies_while_idle_is_not_alive(
 ) -> None:
     worker = make_worker()
     report = worker.start(10.0)
-    psutil.Process(report.pid).kill()
+    psutil.Process(served_by(report)).kill()  # the worker, not its supervisor
     deadline = time.monotonic() + 5
     while worker.alive() and time.monotonic() < deadline:
         time.sleep(0.02)

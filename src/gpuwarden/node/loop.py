@@ -354,8 +354,9 @@ class Broker:
         """A routine stop (``[broker] on_stop = "leave"``): stop intake and planning
         and leave every supervised attempt running under its supervisor; the next
         broker of this instance takes them back (:mod:`gpuwarden.node.adoption`).
-        Jobs on a warm server are not supervised: they and the warm servers are
-        stopped as by :meth:`shutdown`."""
+        An idle warm server is let go with its model loaded, to wait for the next
+        broker (:mod:`gpuwarden.node.warmkeep`); jobs on a warm server are not
+        supervised: they and their servers are stopped as by :meth:`shutdown`."""
         self.accepting = False
         leave_idle(self.warm)  # idle warm servers wait for the next broker (node/warmkeep.py)
         served = [run for run in self.attempts if run.server is not None]
