@@ -46,9 +46,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
-def write_config(
-    tmp: Path, *, grace: float = 20, extra: str = "", on_stop: str = "leave"
-) -> Path:
+def write_config(tmp: Path, *, grace: float = 20, extra: str = "", on_stop: str = "leave") -> Path:
     cfg = tmp / "gpuwarden.toml"
     cfg.write_text(
         f"""
