@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import signal
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from gpuwarden.core.model import JobSpec
+from tests import supervisors
 from tests.acceptance.test_chaos import Rig, Serve, echo, finish
 from tests.acceptance.test_cli import wait_for
 
@@ -120,6 +122,13 @@ def test_two_broker_deaths_while_jobs_run_quarantine_none_of_them(rig: Rig) -> N
         wait_for(running_again, f"every job running (attempt {death})")
         time.sleep(0.5)
         assert b.kill() == -signal.SIGKILL
+        # the jobs' supervisors die too, as with the host going down: nothing is
+        # left to take the attempts back, so each is interrupted
+        ours = os.fsencode(str(rig.tmp) + "/")
+        killed = [p for p, args in supervisors.supervisors().items() if args[4].startswith(ours)]
+        assert len(killed) == len(jobs)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
         with contextlib.closing(rig.db()) as db:
             running = [r[0] for r in db.execute("SELECT id FROM jobs WHERE state = 'running'")]
         assert sorted(running) == sorted(j.id for j in jobs)  # died while they ran
