@@ -23,6 +23,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.gpu.select import SIM_STATE_FILE
 from gpuwarden.intake import bundlewrite
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
+from gpuwarden.node import attemptfs
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
 
@@ -359,3 +360,27 @@ def test_without_the_store_the_files_latch_holds(
     assert node.broker.gpus.restore()
     assert "Xid 48 (latched since" in node.broker.vram.faults[gpu]
     assert list(node.broker.gpus.latches) == [gpu]
+
+
+def test_a_failure_while_the_nodes_disk_is_full_is_retried_as_the_hosts(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's disk is measured when an attempt ends (``statvfs``, injected
+    here): a failure then is the host's (``host_fault``, retried); the same
+    failure on a disk with room is the job's own."""
+    full: list[str] = []
+
+    def measured(path: object) -> str | None:
+        if state(node, "fills") is JobState.RUNNING and not full:
+            full.append(str(path))
+            return f"the node's disk under {path} is full (1.0 MiB free of 512 MiB)"
+        return None
+
+    monkeypatch.setattr(attemptfs, "disk_full", measured)
+    submit(node, JobSpec(id="fills", type="echo.echo", params={"text": "x", "exit_code": 4}))
+    run_until(node, lambda: state(node, "fills").terminal, timeout=60)
+    assert full and "attempt-1" in full[0]  # the disk was full when attempt 1 ended
+    first, second = node.store.attempts("fills")[:2]
+    assert first.outcome == "host_fault" and "not the job's" in str(first.reason)
+    assert second.outcome == "job_failed"  # the disk had room again: its own failure
+    assert state(node, "fills") is JobState.FAILED

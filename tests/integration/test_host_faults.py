@@ -24,6 +24,7 @@ from gpuwarden.intake import bundlewrite
 from gpuwarden.intake.manifest import BundleLimits
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
+from gpuwarden.node import attemptfs
 from gpuwarden.registry import Registry
 from gpuwarden.store.sqlite import SqliteStore
 from tests.conftest import MODULES
@@ -292,3 +293,15 @@ def test_disk_full_reads_statvfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(os, "statvfs", lambda _p: Full())
     said = disk_full(tmp_path)
     assert said is not None and "is full" in said and str(tmp_path) in said
+
+
+def test_a_job_whose_write_into_its_attempt_folder_failed_for_space_names_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attemptfs, "disk_full", lambda _p: None)  # room now: freed since
+    attempt = tmp_path / "jobs" / "j" / "attempt-1"
+    said = f"OSError: [Errno 28] No space left on device: '{attempt}/out/big.bin'"
+    assert attemptfs.host_disk_full(attempt, said) is not None
+    elsewhere = "OSError: [Errno 28] No space left on device: '/dev/shm/scratch'"
+    assert attemptfs.host_disk_full(attempt, elsewhere) is None  # its own scratch space
+    assert attemptfs.host_disk_full(attempt, f"wrote {attempt}/out/ok.bin") is None
