@@ -238,8 +238,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             if api is not None:
                 api.stop()
+            _flush_events(b)
     events.close()
     return 0
+
+
+def _flush_events(broker: Broker) -> None:
+    """The stop's last events reach the event log, also when the stop failed."""
+    try:
+        broker.flush_events()
+    except Exception as exc:  # the store may be what failed: say so, and exit
+        err.print(f"[yellow]warning:[/] the event log misses the last events: {exc}")
 
 
 class _ApiServer:
