@@ -27,6 +27,7 @@ from gpuwarden.cli.common import (
     Commands,
     Progress,
     add_remote_options,
+    checked_store,
     config_of,
     err,
     existing_store,
@@ -383,7 +384,7 @@ def _profiles_here(config: Config, registry: Registry) -> dict[str, dict[str, An
     no broker has made one yet (``types`` works on a fresh machine)."""
     if not config.database and not config.db_path.exists():
         return {}
-    store = open_store(config)
+    store = checked_store(config, writes=False)
     try:
         return type_profiles(store, registry.types.values())
     finally:
