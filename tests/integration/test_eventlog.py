@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from gpuwarden.app import open_node
+from gpuwarden.config import Config
 from gpuwarden.core.model import Event
 from gpuwarden.eventlog import CURSOR_FILE, EventLog
 from gpuwarden.store.sqlite import SqliteStore
+from tests.conftest import MODULES
 
 
 @pytest.fixture
@@ -211,3 +214,38 @@ def test_a_store_that_lost_commits_does_not_silence_the_log(tmp_path: Path) -> N
         assert events[0].id == 1
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("how", ["leave", "shutdown", "flush"])
+def test_a_stops_last_events_reach_the_log_however_many_came_at_once(
+    tmp_path: Path, how: str
+) -> None:
+    """A burst of events just before a stop (more than a tick writes) and the stop's
+    own: all in the file, in order, ending with ``broker_stopped``, before exit."""
+    config = Config.model_validate(
+        {
+            "state_dir": tmp_path / "state",
+            "gpu": "sim",
+            "module_paths": [MODULES],
+            "broker": {"poll_interval_s": 0.02},
+        }
+    )
+    log = open_log(tmp_path)
+    with open_node(config, mock_gpu=True, events=log) as node:
+        node.broker.recover()
+        node.broker.tick()
+        for i in range(2500):  # two and a half pages, after the last tick
+            node.store.add_event(Event(ts=float(i), kind="test_event", detail={"n": i}))
+        if how == "leave":
+            node.broker.leave()
+        elif how == "shutdown":
+            node.broker.shutdown(0)
+        else:  # serve's last word, whatever the stop did (cli/node.py)
+            node.broker.emit("broker_stopped")
+            node.broker.flush_events()
+        last = node.store.last_event_id()
+    log.close()
+    lines = [json.loads(ln) for ln in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert sum(1 for ln in lines if ln["event"] == "test_event") == 2500
+    assert lines[-1]["event"] == "broker_stopped" and lines[-1]["id"] == last
+    assert [ln["id"] for ln in lines] == sorted({ln["id"] for ln in lines})  # once each

@@ -23,6 +23,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.gpu.select import SIM_STATE_FILE
 from gpuwarden.intake import bundlewrite
 from gpuwarden.launch.base import ATTEMPT_ENV, attempt_marker
+from gpuwarden.node import attemptfs
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
 
@@ -219,8 +220,9 @@ def test_a_restart_rebuilds_the_ledger_of_an_interrupted_attempt(tmp_path: Path)
 def test_a_result_that_can_never_be_written_gives_its_input_to_failed(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # not a fault of the host (a full or read-only disk waits: test_host_faults.py)
     def broken(dest: Path, name: str, results: list) -> Path:  # type: ignore[type-arg]
-        raise OSError(28, "No space left on device")
+        raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(bundlewrite, "write_result_bundle", broken)
     root = node.broker.roots[0]
@@ -228,7 +230,7 @@ def test_a_result_that_can_never_be_written_gives_its_input_to_failed(
         root.inbox, [JobSpec(id="nowhere", type="echo.echo", params={"text": "x"})], now=time.time()
     )
     run_until(node, (root.failed / f"{path.name}.reason.txt").exists, timeout=20)
-    assert "No space left on device" in (root.failed / f"{path.name}.reason.txt").read_text()
+    assert "Permission denied" in (root.failed / f"{path.name}.reason.txt").read_text()
     assert (root.failed / f"{path.name}.input").exists()
     assert list(root.processing.iterdir()) == []
     assert "bundle_unwritable" in kinds(node)
@@ -358,3 +360,27 @@ def test_without_the_store_the_files_latch_holds(
     assert node.broker.gpus.restore()
     assert "Xid 48 (latched since" in node.broker.vram.faults[gpu]
     assert list(node.broker.gpus.latches) == [gpu]
+
+
+def test_a_failure_while_the_nodes_disk_is_full_is_retried_as_the_hosts(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node's disk is measured when an attempt ends (``statvfs``, injected
+    here): a failure then is the host's (``host_fault``, retried); the same
+    failure on a disk with room is the job's own."""
+    full: list[str] = []
+
+    def measured(path: object) -> str | None:
+        if state(node, "fills") is JobState.RUNNING and not full:
+            full.append(str(path))
+            return f"the node's disk under {path} is full (1.0 MiB free of 512 MiB)"
+        return None
+
+    monkeypatch.setattr(attemptfs, "disk_full", measured)
+    submit(node, JobSpec(id="fills", type="echo.echo", params={"text": "x", "exit_code": 4}))
+    run_until(node, lambda: state(node, "fills").terminal, timeout=60)
+    assert full and "attempt-1" in full[0]  # the disk was full when attempt 1 ended
+    first, second = node.store.attempts("fills")[:2]
+    assert first.outcome == "host_fault" and "not the job's" in str(first.reason)
+    assert second.outcome == "job_failed"  # the disk had room again: its own failure
+    assert state(node, "fills") is JobState.FAILED

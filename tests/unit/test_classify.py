@@ -34,6 +34,7 @@ def test_infrastructure_outcomes() -> None:
                 Outcome.KILLED,
                 Outcome.CUDA_OOM_SHARED,
                 Outcome.SERVICE_UNHEALTHY,
+                Outcome.HOST_FAULT,
             }
         )
         == INFRASTRUCTURE
@@ -423,3 +424,25 @@ def test_a_stopped_service_is_done_and_an_unhealthy_one_is_retried_then_quaranti
     assert first.outcome is Outcome.SERVICE_UNHEALTHY and first.target is JobState.QUEUED
     last = classify(sick, attempt=2, max_retries=1)
     assert last.target is JobState.QUARANTINED and last.reason.startswith(why)
+
+
+FULL = "the node's disk under /state/jobs/j/attempt-1 is full (3.0 MiB free of 900 MiB)"
+
+
+def test_a_failure_while_the_nodes_disk_is_full_is_the_hosts_and_is_retried() -> None:
+    failed = classify(AttemptFacts(exit_code=1, host_disk_full=FULL), attempt=1, max_retries=2)
+    assert failed.outcome is Outcome.HOST_FAULT and failed.target is JobState.QUEUED
+    assert FULL in failed.reason and "not the job's" in failed.reason
+    assert failed.reason.endswith("retrying (1/2)")
+    missing = AttemptFacts(exit_code=0, missing_outputs=("a.wav",), host_disk_full=FULL)
+    verdict = classify(missing, attempt=3, max_retries=2)
+    assert verdict.outcome is Outcome.HOST_FAULT and verdict.target is JobState.QUARANTINED
+    # the same failures on a disk with room are the job's own
+    assert classify(AttemptFacts(exit_code=1), attempt=1, max_retries=2).outcome is (
+        Outcome.JOB_FAILED
+    )
+    # success stays success, and a RAM cap's kill stays the job's, whatever the disk
+    done = classify(AttemptFacts(exit_code=0, host_disk_full=FULL), attempt=1, max_retries=2)
+    assert done.outcome is Outcome.SUCCEEDED
+    capped = AttemptFacts(exit_code=-9, oom_killed=True, ram_cap_bytes=2**30, host_disk_full=FULL)
+    assert classify(capped, attempt=1, max_retries=2).outcome is Outcome.RAM_CAP_EXCEEDED

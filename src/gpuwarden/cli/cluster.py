@@ -23,10 +23,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden.api.auth import INVITE_TTL_S, issue_token
-from gpuwarden.app import coordinator_source_cache, open_store
+from gpuwarden.app import coordinator_source_cache
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
+    checked_store,
     config_of,
     err,
     existing_store,
@@ -361,7 +362,7 @@ def _coordinator_store(db: str | None, config: Config) -> tuple[Store, str]:
     if db:
         path = Path(db).expanduser().resolve()
         return SqliteStore(path), str(path)
-    return open_store(config), config.database or str(config.db_path)
+    return checked_store(config, writes=True), config.database or str(config.db_path)
 
 
 def _say_listening(

@@ -34,6 +34,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import GpuwardenError, UserError
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
+from gpuwarden.store.sqlite import DamagedDatabaseError
 
 URL_ENV = "GPUWARDEN_URL"
 TOKEN_ENV = "GPUWARDEN_TOKEN"  # noqa: S105 - the name of a variable
@@ -217,9 +218,13 @@ def config_of(args: argparse.Namespace) -> Config:
     return load_config(args.config, state_dir=args.state_dir)
 
 
-def existing_store(args: argparse.Namespace, config: Config | None = None) -> Store:
+def existing_store(
+    args: argparse.Namespace, config: Config | None = None, *, writes: bool = True
+) -> Store:
     """The store of a state directory a broker has used; never creates one: a
-    mistyped ``--state-dir`` is refused, not made into a new, empty store."""
+    mistyped ``--state-dir`` is refused, not made into a new, empty store. A
+    damaged one is refused to a command that ``writes``, said to one that reads
+    (:func:`checked_store`)."""
     config = config or config_of(args)
     if not config.database and not config.db_path.exists():
         raise UserError(
@@ -227,7 +232,24 @@ def existing_store(args: argparse.Namespace, config: Config | None = None) -> St
             f"{STATE_DIR_ENV}; `gpuwarden serve` creates a state directory when it first "
             "starts there"
         )
-    return open_store(config)
+    return checked_store(config, writes=writes)
+
+
+def checked_store(config: Config, *, writes: bool) -> Store:
+    """The config's store, its SQLite file checked whole first (``PRAGMA
+    quick_check``, as ``serve`` does): a damaged one is refused to every command
+    that ``writes``, with the line ``serve`` says (DamagedDatabaseError, exit 2);
+    a reader is told on stderr that it is damaged and reads what it can (a
+    damaged page it meets is that same line)."""
+    if config.database:
+        return open_store(config)  # PostgreSQL checks its own pages
+    try:
+        return open_store(config, check=True)
+    except DamagedDatabaseError as exc:
+        if writes:
+            raise
+        err.print(f"[bold yellow]warning:[/] {escape(exc.message)}", markup=True)
+        return open_store(config)
 
 
 def local_actor() -> Principal:

@@ -91,7 +91,7 @@ def _start(args: argparse.Namespace) -> int | None:
 
 
 def _events_here(args: argparse.Namespace) -> None:
-    store = existing_store(args)
+    store = existing_store(args, writes=False)
     try:
         if args.job is not None and store.get_job(args.job) is None:
             raise UserError(f"no job with id {args.job!r} (see `gpuwarden jobs`)")

@@ -13,11 +13,12 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden.app import coordinator_source_cache, make_probe, open_store
+from gpuwarden.app import coordinator_source_cache, make_probe
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
     age,
+    checked_store,
     config_of,
     existing_store,
     local_or_http,
@@ -189,7 +190,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
 
 def _jobs_here(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = config_of(args)
-    store = existing_store(args, config)
+    store = existing_store(args, config, writes=False)
     try:
         states = frozenset(JobState(s) for s in args.state) if args.state else None
         jobs = store.list_jobs(states=states, limit=args.limit)
@@ -214,7 +215,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _show_here(args: argparse.Namespace) -> int:
     config = config_of(args)
-    store = existing_store(args, config)
+    store = existing_store(args, config, writes=False)
     try:
         job = _get_job(store, args.job)
         attempts = store.attempts(job.id)
@@ -370,7 +371,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def _explain_here(args: argparse.Namespace) -> list[str]:
     config = config_of(args)
-    store = existing_store(args)
+    store = existing_store(args, writes=False)
     try:
         job = _get_job(store, args.job)
         registry = Registry.load(config.module_paths, config.launch_rules)
@@ -403,7 +404,9 @@ def cmd_preview(args: argparse.Namespace) -> int:
         # what `submit` would answer, before any GPU's room matters
         out.print(f"{jobtype.name} {refused}", markup=False)
         return 0
-    store = open_store(config) if config.database or config.db_path.exists() else None
+    store = (
+        checked_store(config, writes=False) if config.database or config.db_path.exists() else None
+    )
     try:
         status = explain.latest_status(store, time.time()) if store else None
         if status is not None:

@@ -136,7 +136,7 @@ def _pick(job_id: str, numbers: list[int], wanted: int | None) -> int:
 
 def _logs_here(args: argparse.Namespace, stream: str) -> int:
     config = config_of(args)
-    store = existing_store(args, config)
+    store = existing_store(args, config, writes=False)
     try:
         job = store.get_job(args.job)
         if job is None:

@@ -27,6 +27,7 @@ from gpuwarden.cli.common import (
     Commands,
     Progress,
     add_remote_options,
+    checked_store,
     config_of,
     err,
     existing_store,
@@ -238,8 +239,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         finally:
             if api is not None:
                 api.stop()
+            _flush_events(b)
     events.close()
     return 0
+
+
+def _flush_events(broker: Broker) -> None:
+    """The stop's last events reach the event log, also when the stop failed."""
+    try:
+        broker.flush_events()
+    except Exception as exc:  # the store may be what failed: say so, and exit
+        err.print(f"[yellow]warning:[/] the event log misses the last events: {exc}")
 
 
 class _ApiServer:
@@ -374,7 +384,7 @@ def _profiles_here(config: Config, registry: Registry) -> dict[str, dict[str, An
     no broker has made one yet (``types`` works on a fresh machine)."""
     if not config.database and not config.db_path.exists():
         return {}
-    store = open_store(config)
+    store = checked_store(config, writes=False)
     try:
         return type_profiles(store, registry.types.values())
     finally:

@@ -93,7 +93,7 @@ def cmd_runtimes(args: argparse.Namespace) -> int:
 def _device(args: argparse.Namespace) -> tuple[tuple[GpuStatus, ...] | None, str]:
     """The GPUs with their processes, as the running broker last read them."""
     try:
-        store = existing_store(args)
+        store = existing_store(args, writes=False)
     except UserError:
         return None, "unknown: no broker has run on this state directory"
     try:

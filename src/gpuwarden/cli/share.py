@@ -12,8 +12,14 @@ from typing import Any
 
 from rich.table import Table
 
-from gpuwarden.app import open_store
-from gpuwarden.cli.common import Commands, add_remote_options, config_of, local_or_http, out
+from gpuwarden.cli.common import (
+    Commands,
+    add_remote_options,
+    checked_store,
+    config_of,
+    local_or_http,
+    out,
+)
 from gpuwarden.client import Client
 from gpuwarden.node.fairuse import LOCAL_NAME, share_report
 
@@ -48,7 +54,7 @@ def _share_here(args: argparse.Namespace) -> int:
     half_life = config.broker.fair_share_half_life_s
     if not config.database and not config.db_path.exists():
         return _report(args, [], half_life)  # no broker has run here yet
-    store = open_store(config)
+    store = checked_store(config, writes=False)
     try:
 
         def name_of(owner: str) -> str:

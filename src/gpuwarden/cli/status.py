@@ -14,11 +14,11 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden.app import open_store
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
     age,
+    checked_store,
     config_of,
     err,
     local_or_http,
@@ -103,7 +103,7 @@ def _gather_here(args: argparse.Namespace) -> _Gathered | None:
     config = config_of(args)
     if not config.database and not config.db_path.exists():
         return None
-    store = open_store(config)
+    store = checked_store(config, writes=False)
     try:
         statuses = store.node_statuses()
         counts = store.count_by_state()

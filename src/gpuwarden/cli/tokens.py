@@ -17,12 +17,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden.api.auth import TOKEN_NAME, issue_token
-from gpuwarden.app import open_store
 from gpuwarden.cli.common import (
     URL_ENV,
     Commands,
     add_remote_options,
     age,
+    checked_store,
     config_of,
     err,
     existing_store,
@@ -138,7 +138,7 @@ def _create_here(args: argparse.Namespace) -> _Made:
             f"; it is in a new store in {config.state_dir}: start `gpuwarden serve` "
             "with this state directory for the API to know it"
         )
-    store = open_store(config)  # the first token may come before the first `serve`
+    store = checked_store(config, writes=True)  # the first token may come before the first `serve`
     try:
         record, token = issue_token(
             store,
@@ -210,7 +210,7 @@ def cmd_token_list(args: argparse.Namespace) -> int:
 
 
 def _token_rows_here(args: argparse.Namespace) -> list[dict[str, Any]]:
-    store = existing_store(args)
+    store = existing_store(args, writes=False)
     try:
         tokens = store.list_tokens()
     finally:
@@ -287,7 +287,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def _audit_rows_here(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The audit rows as the API shows them (``GET /v1/audit``)."""
-    store = existing_store(args)
+    store = existing_store(args, writes=False)
     try:
         found = store.audit_rows(after_id=args.after, limit=args.limit)
     finally:

@@ -27,10 +27,10 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
-from gpuwarden.app import open_store
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
+    checked_store,
     config_of,
     local_or_http,
     wait_note,
@@ -179,7 +179,7 @@ class _LocalSource:
         if self._store is None:
             if not config.database and not config.db_path.exists():
                 return TopSnapshot(where=where, now=now, no_state=True)
-            self._store = open_store(config)
+            self._store = checked_store(config, writes=False)
         if time.monotonic() - self._estimated_at >= ESTIMATES_EVERY_S:
             self._estimates = estimates(self._store)
             self._estimated_at = time.monotonic()

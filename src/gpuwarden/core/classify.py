@@ -46,6 +46,9 @@ class Outcome(StrEnum):
     #: a service did not become healthy, or stayed unhealthy, past its
     #: ``health_grace_s``: stopped, retried, then quarantined (infrastructure)
     SERVICE_UNHEALTHY = "service_unhealthy"
+    #: it failed (exited non-zero, or without its outputs) while the node's own
+    #: disk (its state and attempt folders) was full: the host's fault, retried
+    HOST_FAULT = "host_fault"
 
 
 INFRASTRUCTURE = frozenset(
@@ -57,6 +60,7 @@ INFRASTRUCTURE = frozenset(
         Outcome.KILLED,
         Outcome.CUDA_OOM_SHARED,
         Outcome.SERVICE_UNHEALTHY,
+        Outcome.HOST_FAULT,
     }
 )
 
@@ -114,6 +118,10 @@ class AttemptFacts:
     service_unhealthy: str | None = None
     #: a service stopped by ``gpuwarden stop``: who asked, or None
     stopped_by: str | None = None
+    #: the node's own disk (its state and attempt folders) was full when the
+    #: attempt ended, as the node measured it (``statvfs``), said for a person; None
+    #: when it was not. A failure then is the host's, not the job's
+    host_disk_full: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +273,46 @@ def _ram_cap_reason(cap_bytes: int, exit_code: int | None) -> str:
     )
 
 
+def _failed(f: AttemptFacts) -> tuple[Outcome, str]:
+    """The outcome of an attempt that exited non-zero (not stopped, not timed out)."""
+    tail = f": {f.stderr_tail}" if f.stderr_tail else ""
+    if f.ram_cap_bytes > 0 and f.oom_killed:
+        return Outcome.RAM_CAP_EXCEEDED, _ram_cap_reason(f.ram_cap_bytes, f.exit_code)
+    if f.host_disk_full is not None:
+        return (
+            Outcome.HOST_FAULT,
+            f"the job exited with code {f.exit_code} while {f.host_disk_full}: "
+            f"the host's fault, not the job's{tail}",
+        )
+    if f.cuda_oom and f.gpu_alone:
+        return (
+            Outcome.CUDA_OOM,
+            "CUDA out of memory with the GPU to itself: its footprint is too small "
+            f"(raised for the next jobs){tail}",
+        )
+    if f.cuda_oom:
+        return Outcome.CUDA_OOM_SHARED, f"CUDA out of memory beside another job{tail}"
+    if f.exit_code in (-9, 137):
+        if f.oom_killed:
+            return (
+                Outcome.KILLED,
+                "killed for memory: the container runtime recorded an OOM kill "
+                "(exit 137; raise the type's ram_gib or [sandbox] memory_gib)",
+            )
+        if f.oom_killed is False:
+            return (
+                Outcome.KILLED,
+                "killed by SIGKILL from outside gpuwarden (exit 137; the container "
+                "runtime recorded no OOM kill)",
+            )
+        return (
+            Outcome.KILLED,
+            "killed by SIGKILL from outside gpuwarden (the kernel's out-of-memory "
+            "killer, or someone else)",
+        )
+    return Outcome.JOB_FAILED, f"the job exited with code {f.exit_code}{tail}"
+
+
 def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
     if f.launch_error is not None:
         return Outcome.LAUNCH_ERROR, f"launch error: {f.launch_error}"
@@ -305,36 +353,13 @@ def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
             f"timed out after {f.timeout_s:g} s; its processes were stopped and confirmed gone",
         )
     if f.exit_code != 0:
-        tail = f": {f.stderr_tail}" if f.stderr_tail else ""
-        if f.ram_cap_bytes > 0 and f.oom_killed:
-            return Outcome.RAM_CAP_EXCEEDED, _ram_cap_reason(f.ram_cap_bytes, f.exit_code)
-        if f.cuda_oom and f.gpu_alone:
-            return (
-                Outcome.CUDA_OOM,
-                "CUDA out of memory with the GPU to itself: its footprint is too small "
-                f"(raised for the next jobs){tail}",
-            )
-        if f.cuda_oom:
-            return Outcome.CUDA_OOM_SHARED, f"CUDA out of memory beside another job{tail}"
-        if f.exit_code in (-9, 137):
-            if f.oom_killed:
-                return (
-                    Outcome.KILLED,
-                    "killed for memory: the container runtime recorded an OOM kill "
-                    "(exit 137; raise the type's ram_gib or [sandbox] memory_gib)",
-                )
-            if f.oom_killed is False:
-                return (
-                    Outcome.KILLED,
-                    "killed by SIGKILL from outside gpuwarden (exit 137; the container "
-                    "runtime recorded no OOM kill)",
-                )
-            return (
-                Outcome.KILLED,
-                "killed by SIGKILL from outside gpuwarden (the kernel's out-of-memory "
-                "killer, or someone else)",
-            )
-        return Outcome.JOB_FAILED, f"the job exited with code {f.exit_code}{tail}"
+        return _failed(f)
+    if f.missing_outputs and f.host_disk_full is not None:
+        return (
+            Outcome.HOST_FAULT,
+            f"the job did not write the output(s) asked for ({', '.join(f.missing_outputs)}) "
+            f"while {f.host_disk_full}: the host's fault, not the job's",
+        )
     if f.missing_outputs:
         return (
             Outcome.MISSING_OUTPUT,

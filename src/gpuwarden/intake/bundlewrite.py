@@ -41,6 +41,7 @@ from gpuwarden.intake.manifest import (
 
 __all__ = [
     "write_bundle",
+    "write_new_file",
     "write_result_bundle",
 ]
 
@@ -120,14 +121,14 @@ def _publish(tmp: Path, final: Path) -> None:
     tmp.unlink()
 
 
-def _write_zip_atomically(
-    dest_dir: Path, name: str, fill: Callable[[zipfile.ZipFile], None]
-) -> Path:
-    """Write a zip to a fresh temporary file ``dest_dir/.gw-<random>.tmp``, fsync
+def _write_atomically(dest_dir: Path, name: str, fill: Callable[[IO[bytes]], None]) -> Path:
+    """Write a file to a fresh temporary file ``dest_dir/.gw-<random>.tmp``, fsync
     it, then give it the name ``name``. Readers never see ``name`` until the file
     is complete, and a file already called ``name`` is never replaced: that
-    raises FileExistsError and leaves nothing behind. The temporary name never
-    passes NAME_MAX, however long ``name`` is."""
+    raises FileExistsError and leaves nothing behind. When anything fails (a
+    full or read-only disk) the temporary file is removed: no empty or partial
+    file is left. The temporary name never passes NAME_MAX, however long
+    ``name`` is."""
     final = dest_dir / name
     if os.path.lexists(final):
         raise FileExistsError(errno.EEXIST, "a file of that name is already there", str(final))
@@ -136,8 +137,7 @@ def _write_zip_atomically(
     fd = os.open(tmp, flags, FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
-            with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as zf:
-                fill(zf)
+            fill(f)
             f.flush()
             os.fsync(f.fileno())
         _publish(tmp, final)
@@ -147,6 +147,31 @@ def _write_zip_atomically(
         raise
     _fsync_dir(dest_dir)
     return final
+
+
+def _write_zip_atomically(
+    dest_dir: Path, name: str, fill: Callable[[zipfile.ZipFile], None]
+) -> Path:
+    """A zip written as :func:`_write_atomically` writes a file."""
+
+    def zipped(f: IO[bytes]) -> None:
+        with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            fill(zf)
+
+    return _write_atomically(dest_dir, name, zipped)
+
+
+def _write_all(f: IO[bytes], data: bytes) -> None:
+    f.write(data)
+
+
+def write_new_file(dest_dir: Path, name: str, data: bytes) -> Path:
+    """Write ``data`` as the new file ``dest_dir/name`` whole or not at all (a
+    temporary file, fsynced, then given the name; FileExistsError when the name is
+    taken). A broker's own small files in a queue root are written with this."""
+    if "/" in name or "\0" in name or name.startswith(".") or not name:
+        raise ValueError(f"file name {name!r} must be a plain, non-hidden file name")
+    return _write_atomically(Path(dest_dir), name, lambda f: _write_all(f, data))
 
 
 def write_bundle(

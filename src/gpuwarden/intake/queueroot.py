@@ -23,6 +23,7 @@ no bundle name ends in either. The broker's temporary files are
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -152,15 +153,15 @@ def _check_writable(root: Path, folder: Path, how_to_create: str) -> None:
         raise QueueRootError(f"queue root {root}: folder {folder} is not writable; {hint}")
     probe = folder / f".probe-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, b"probe")
-        finally:
-            os.close(fd)
+        # an empty file: a full disk is writable (its bundles wait for space), a
+        # read-only one or one without permission is not
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         probe.unlink()
     except OSError as exc:
         with contextlib.suppress(OSError):
             probe.unlink()
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return
         raise QueueRootError(
             f"queue root {root}: folder {folder} is not writable ({exc.strerror}); {hint}"
         ) from None

@@ -31,6 +31,7 @@ folder, its record, its name in ``processing/``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import tempfile
@@ -46,6 +47,7 @@ from gpuwarden import faults, safefs
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import BundleError, GpuwardenError, TransitionError, UserError
+from gpuwarden.hostfaults import Backoff, Waiting, host_fault
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake import bundlewrite
 from gpuwarden.intake.jobs import prepare
@@ -73,13 +75,17 @@ from gpuwarden.store.base import (
 
 __all__ = ["EXTRACT_WORKERS", "OUTPUTS_NOTE", "QueueIntake", "result_json"]
 
+log = logging.getLogger("gpuwarden.intake")
+
 #: every open bundle is looked at this often (the owner's own changes are seen at once)
 FULL_BUNDLE_SCAN_S = 2.0
 
 #: a result bundle that cannot be written this many times gives its input to failed/
+#: (a fault of the host, a full or read-only disk, never counts: it waits, section 3)
 RESULT_TRIES = 3
 
-#: a bundle that fails to be read for reasons not its own is refused after this many tries
+#: a bundle that fails to be read for reasons not its own is refused after this many
+#: tries (a fault of the host, or a store that is unavailable for now, never counts)
 INTAKE_TRIES = 3
 
 #: bundles extracted at once, each on a thread of its own beside the loop
@@ -97,6 +103,8 @@ Emit = Callable[..., None]
 OnError = Callable[[str, Exception], None]
 Check = Callable[[list[JobSpec]], None]
 Writer = Callable[[Path, str, list[tuple[dict[str, Any], Path | None]]], Path]
+#: (queue root, bundle name)
+Key = tuple[str, str]
 
 
 def _shown(path: Path | str) -> str:
@@ -280,6 +288,14 @@ class QueueIntake:
         self._extractors = _Extractors(EXTRACT_WORKERS, wake)
         #: bundles handed to the extractors and not picked up yet
         self._in_flight: dict[tuple[str, str], _Task] = {}
+        #: bundles (and queue roots, name "") waiting for the host (a full, read-only
+        #: or failing disk; a store unavailable for now) before they are tried again
+        self._waits: Backoff[Key] = Backoff()
+        #: of those, the ones waiting in processing/ (claimed): begun again when due
+        self._held: dict[Key, tuple[QueueRoot, Path]] = {}
+        #: results waiting for the host, and those written whose record is not yet
+        self._result_waits: Backoff[Key] = Backoff()
+        self._results_written: dict[Key, Path] = {}
 
     def touch(self, queue_root: str, bundle: str) -> None:
         """A job of this bundle changed: look at the bundle on the next finish."""
@@ -340,7 +356,7 @@ class QueueIntake:
             seen: set[str] = set()
             for arrival in root.in_processing():
                 seen.add(arrival.name)
-                if (str(root.path), arrival.name) in self._in_flight:
+                if (key := (str(root.path), arrival.name)) in self._in_flight or key in self._held:
                     continue
                 try:
                     self._recover_one(root, arrival, now)
@@ -457,12 +473,15 @@ class QueueIntake:
         time; the rest wait in ``inbox/``); pick up the extractions that ended.
         Returns how many bundles were decided."""
         count = self._collect(now)
-        handed, finished = 0, self._extractors.finished
+        finished = self._extractors.finished
+        handed = self._begin_held(now)
         for root in self.roots if roots is None else roots:
-            for arrival in root.arrivals():
+            for arrival in self._arrivals(root, now):
                 extract = arrival.kind == "file" and is_utf8(arrival.name)
                 if extract and len(self._in_flight) >= EXTRACT_WORKERS:
                     continue  # waits in inbox/ for a free thread
+                if self._waits.waits((str(root.path), arrival.name), now):
+                    continue  # it waits for the host
                 try:
                     step = self._take(root, arrival, now)
                 except Exception as exc:  # one entry must never abort the pass
@@ -484,7 +503,112 @@ class QueueIntake:
             return "decided"
         except FileNotFoundError:
             return "gone"  # another reader took it
+        except OSError as exc:
+            why = host_fault(exc)
+            if why is None:
+                raise
+            self._wait_for_host((str(root.path), arrival.name), why, now, "claiming it")
+            return "waiting"  # it stays in inbox/
         return self._begin(root, claimed, arrival.kind, now)
+
+    # -- waiting for the host --------------------------------------------------
+
+    def _transient(self, exc: BaseException) -> str | None:
+        """What ``exc`` waits for when it is a fault of the host (a full, read-only or
+        failing disk) or a store that is unavailable for now; None otherwise."""
+        why = host_fault(exc)
+        if why is None and isinstance(exc, Exception) and self.store.unavailable(exc):
+            why = f"the store to be available again: {exc}"
+        return why
+
+    def _arrivals(self, root: QueueRoot, now: float) -> list[Arrival]:
+        """``inbox/``'s bundles; none while the queue root waits for the host."""
+        key = (str(root.path), "")
+        if self._waits.waits(key, now):
+            return []
+        try:
+            found = root.arrivals()
+        except OSError as exc:
+            why = host_fault(exc)
+            if why is None:
+                raise
+            self._wait_for_host(key, why, now, "listing inbox/")
+            return []
+        self._waited(key, now)
+        return found
+
+    def _wait_for_host(self, key: Key, why: str, now: float, where: str) -> None:
+        """``key`` (a bundle, or a queue root with the name "") waits for the host:
+        it is tried again after a wait that doubles each time (1 s to 60 s), never
+        refused for it. Logged and said as a ``bundle_waiting`` event."""
+        waiting = self._waits.hold(key, now, why)
+        self._say_waiting(key, "bundle_waiting", where, waiting)
+
+    def _say_waiting(self, key: Key, kind: str, where: str, waiting: Waiting) -> None:
+        why, wait_s, tries = waiting.why, waiting.wait_s, waiting.tries
+        root, name = key
+        log.warning(
+            "%s %s: waits for %s (%s, try %d); tried again in %g s",
+            "bundle" if name else "queue root",
+            shown_name(name) if name else root,
+            why,
+            where,
+            tries,
+            wait_s,
+        )
+        try:  # the store may be what the host's fault stops
+            self.emit(
+                kind,
+                queue_root=root,
+                bundle=record_name(name) if name else None,
+                where=where,
+                waits_for=why,
+                retry_in_s=wait_s,
+                tries=tries,
+            )
+        except Exception as exc:
+            log.warning("the %s event could not be written either: %s", kind, exc)
+
+    def _waited(self, key: Key, now: float) -> None:
+        """``key`` went through: if it had waited for the host, say for how long."""
+        waited = self._waits.clear(key)
+        if waited is None:
+            return
+        root, name = key
+        with contextlib.suppress(Exception):
+            self.emit(
+                "bundle_wait_over",
+                queue_root=root,
+                bundle=record_name(name) if name else None,
+                waited_s=round(now - waited.since, 3),
+                tries=waited.tries,
+            )
+
+    def _hold_claimed(self, root: QueueRoot, path: Path, why: str, now: float, where: str) -> None:
+        """A claimed bundle met a fault of the host: it waits in ``processing/`` and is
+        begun again (extracted, checked) when its wait is over."""
+        key = (str(root.path), path.name)
+        self._held[key] = (root, path)
+        self._wait_for_host(key, why, now, where)
+
+    def _begin_held(self, now: float) -> int:
+        """Begin again the bundles of ``processing/`` whose wait for the host is
+        over; returns how many went to the extractors."""
+        handed = 0
+        for key in self._waits.due(now):
+            if key not in self._held or len(self._in_flight) >= EXTRACT_WORKERS:
+                continue
+            root, path = self._held.pop(key)
+            if not os.path.lexists(path):
+                self._waits.clear(key)  # gone meanwhile (an operator moved it)
+                continue
+            try:
+                handed += self._begin(root, path, "file", now) == "extracting"
+            except Exception as exc:
+                self._hold_claimed(
+                    root, path, self._transient(exc) or str(exc), now, "beginning it again"
+                )
+        return handed
 
     def _begin(self, root: QueueRoot, path: Path, kind: str, now: float) -> str:
         """A claimed entry of ``processing/``: refuse it, hold it, or extract it."""
@@ -532,7 +656,12 @@ class QueueIntake:
                 if outcome.refusal is not None:
                     self._refuse(task.root, task.path, (), outcome.refusal, now)
                 elif outcome.error is not None:
-                    self._read_failed(task.root, task.path, (), outcome.error, now)
+                    why = self._transient(outcome.error)
+                    if why is None:
+                        self._read_failed(task.root, task.path, (), outcome.error, now)
+                    else:
+                        self._remove_staging(task.staging)  # what it wrote, freed at once
+                        self._hold_claimed(task.root, task.path, why, now, "extracting it")
                 else:
                     self._accept(task, outcome.specs, now)
             except Exception as exc:
@@ -564,9 +693,14 @@ class QueueIntake:
             self._refuse(root, path, specs, exc.message, now)
         except Exception as exc:
             self._remove_staging(staging)
-            self._read_failed(root, path, specs, exc, now)
+            why = self._transient(exc)
+            if why is None:
+                self._read_failed(root, path, specs, exc, now)
+            else:
+                self._hold_claimed(root, path, why, now, "submitting its jobs")
         else:
             self._intake_failures.pop(task.key, None)
+            self._waited(task.key, now)
             self.emit("bundle_accepted", bundle=path.name, jobs=[s.id for s in specs])
 
     def _read_failed(
@@ -599,16 +733,30 @@ class QueueIntake:
         *,
         duplicate: bool = False,
     ) -> None:
-        """:meth:`_reject`, and when even that fails (the disk), say so: the bundle
-        stays where it is and is looked at again at the next start."""
+        """:meth:`_reject`, and when even that fails, say so: the bundle stays where
+        it is. For a fault of the host it is tried again when its wait is over;
+        otherwise it is looked at again at the next start."""
+        key = (str(root.path), path.name)
+        # a claim's duplicate is refused from inbox/ while its namesake is in processing/
+        claimed = path.parent == root.processing
         try:
             self._reject(root, path, specs, reason, now, duplicate=duplicate)
         except Exception as exc:
-            self.on_error(
-                f"refusing bundle {shown_name(path.name)} (it stays in "
-                f"{path.parent.name}/ until the next start)",
-                exc,
-            )
+            why = self._transient(exc)
+            if why is not None and claimed:
+                self._hold_claimed(root, path, why, now, "refusing it")
+            elif why is not None:
+                self._wait_for_host(key, why, now, "refusing it")
+            else:
+                self.on_error(
+                    f"refusing bundle {shown_name(path.name)} (it stays in "
+                    f"{path.parent.name}/ until the next start)",
+                    exc,
+                )
+        else:
+            if claimed:
+                self._held.pop(key, None)
+                self._waited(key, now)
 
     def _reject(
         self,
@@ -720,7 +868,7 @@ class QueueIntake:
         self._touched.clear()
         for rec in candidates:
             root = by_path.get(rec.queue_root)
-            if root is None:
+            if root is None or self._result_waits.waits((rec.queue_root, rec.name), now):
                 continue
             if self.store.terminal_count(rec.job_ids) < len(rec.job_ids):
                 continue  # one count per look, not a read of every job
@@ -730,6 +878,12 @@ class QueueIntake:
             try:  # one bundle that cannot be written must not hold up the others
                 self._write_result(root, rec, [j for j in jobs if j is not None], now)
             except Exception as exc:
+                if (why := self._transient(exc)) is not None:
+                    # the host's fault: it waits, tried again with backoff, never given up
+                    key = (rec.queue_root, rec.name)
+                    waiting = self._result_waits.hold(key, now, why)
+                    self._say_waiting(key, "result_waiting", "writing its result", waiting)
+                    continue
                 tries = self._result_failures.get(rec.name, 0) + 1
                 self._result_failures[rec.name] = tries
                 self.on_error(f"writing the result of bundle {rec.name} (try {tries})", exc)
@@ -784,7 +938,13 @@ class QueueIntake:
             if any("outputs_on" in body for body, _ in results)
             else bundlewrite.write_result_bundle
         )
-        path = self._write_unique(write, dest, rec.name, results, bundle=rec.name, now=now)
+        key = (rec.queue_root, rec.name)
+        # written on an earlier try whose record failed (the store was unavailable):
+        # recorded now, never written twice
+        path = self._results_written.get(key) or self._write_unique(
+            write, dest, rec.name, results, bundle=rec.name, now=now
+        )
+        self._results_written[key] = path
         faults.point("after_result_write")
         self.store.finish_bundle(
             rec.queue_root,
@@ -793,24 +953,31 @@ class QueueIntake:
             outcome="done" if all_done else "failed",
             result_path=str(path),
         )
+        del self._results_written[key]
         faults.point("after_bundle_finish")
         root.remove_from_processing(rec.name)
         self._remove_staging(self.staging_for(root, rec.name))
         self.emit("bundle_finished", bundle=rec.name, result=str(path))
+        if (waited := self._result_waits.clear(key)) is not None:
+            self.emit(
+                "result_wait_over",
+                queue_root=rec.queue_root,
+                bundle=rec.name,
+                waited_s=round(now - waited.since, 3),
+                tries=waited.tries,
+            )
 
 
 def _write_new_text(folder: Path, name: str, text: str) -> Path:
-    """Write ``folder/name`` fresh; when that name is taken, ``-<6 hex>`` is added."""
+    """Write ``folder/name`` fresh and whole (a temporary file given the name once
+    written: never an empty or partial file, nothing left when it fails); when that
+    name is taken, ``-<6 hex>`` is added."""
     path = folder / name
     for _ in range(10):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            return bundlewrite.write_new_file(folder, path.name, text.encode("utf-8"))
         except FileExistsError:
             path = folder / f"{name}-{os.urandom(3).hex()}"
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        return path
     raise FileExistsError(f"{folder}: no free name for {name}")
 
 

@@ -11,6 +11,9 @@ them is hostile and is only ever touched through :mod:`gpuwarden.safefs`:
   the caller logs that.
 - :func:`read_message` reads a job's ``message.json`` bounded, never following a
   link and never blocking on a FIFO; a file it refuses is noted, not read.
+- :func:`host_disk_full` says whether the node's own disk under an attempt's
+  folder was full when it ended (``statvfs``), or its stderr says a write into
+  that folder failed with ENOSPC: a failure then is the host's, not the job's.
 - :func:`list_outputs` lists an output folder without following links or
   recursing; what is not a regular file or a folder is listed as refused.
 - :class:`ExchangeSlot` is one job's folder in a warm server's exchange folder,
@@ -32,6 +35,7 @@ from typing import Any
 
 from gpuwarden import safefs
 from gpuwarden.errors import GpuwardenError
+from gpuwarden.hostfaults import disk_full
 from gpuwarden.safefs import UnsafePathError
 
 __all__ = [
@@ -163,6 +167,22 @@ def read_message(attempt_dir: Path) -> Message:
         if parsed.get("message") is not None:
             return Message(str(parsed["message"])[:MESSAGE_CHARS], tuple(notes))
     return Message(None, tuple(notes))
+
+
+#: what a process's stderr says when a write failed for want of space
+_ENOSPC_MARKERS = ("No space left on device", "ENOSPC", "Disk quota exceeded")
+
+
+def host_disk_full(attempt_dir: Path, stderr: str) -> str | None:
+    """The node's disk under ``attempt_dir`` (its state disk) is full now, or the
+    job's stderr says a write into its attempt folder failed for want of space:
+    said for a person (a fact for :mod:`gpuwarden.core.classify`); else None."""
+    full = disk_full(attempt_dir)
+    if full is not None:
+        return full
+    if str(attempt_dir) in stderr and any(m in stderr for m in _ENOSPC_MARKERS):
+        return f"its write into its attempt folder {attempt_dir} failed: no space left"
+    return None
 
 
 def list_outputs(attempt_dir: Path) -> safefs.Listing:

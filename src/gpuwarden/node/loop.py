@@ -113,6 +113,11 @@ _STATUS_WAITING_MAX = 1000
 #: status is written at most this often, even while things change
 _MIN_STATUS_GAP_S = 0.25
 
+#: events written to the event log per page (a tick writes one page), and at most
+#: how many pages a stop writes before it exits (the store's whole backlog)
+_EVENT_PAGE = 1000
+_FLUSH_PAGES = 10_000
+
 #: while idle, how often the queue roots' ``inbox/`` folders are looked at (one
 #: ``stat`` each: a bundle renamed in changes the folder's mtime), so that a bundle
 #: dropped on an idle broker does not wait for the poll interval
@@ -847,11 +852,24 @@ class Broker:
 
     # -- status and events --------------------------------------------------
 
-    def _publish(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
-        batch = self.store.events(after_id=self._event_cursor)
-        if batch:
+    def flush_events(self) -> None:
+        """Write every event the store has after the event log's cursor, page after
+        page: a stop's last events reach the log before the process exits, however
+        many came at once (a tick writes one page)."""
+        self._write_events(pages=_FLUSH_PAGES)
+
+    def _write_events(self, pages: int = 1) -> None:
+        for _ in range(pages):
+            batch = self.store.events(after_id=self._event_cursor, limit=_EVENT_PAGE)
+            if not batch:
+                return
             self.events.write_events(batch)  # the log's cursor moves past them too
             self._event_cursor = batch[-1].id or self._event_cursor
+            if len(batch) < _EVENT_PAGE:
+                return
+
+    def _publish(self, now: float, *, force: bool = False, stopped: bool = False) -> None:
+        self._write_events(pages=_FLUSH_PAGES if stopped else 1)
         since = now - self._last_status
         due = since >= self.settings.status_interval_s
         if not (force or due or (self._status_dirty and since >= _MIN_STATUS_GAP_S)):

@@ -463,6 +463,7 @@ class AttemptRunner:
             missing_outputs=attemptfs.missing_outputs(run.job.outputs, listing),
             timeout_s=run.jobtype.timeout_s,
             stderr_tail=stderr_tail,
+            host_disk_full=attemptfs.host_disk_full(run.attempt_dir, result.stderr),
         )
         number, max_retries = run.attempt.number, run.jobtype.max_retries
         most = self.max_interruptions(run.jobtype)

@@ -256,7 +256,12 @@ class SqliteStore(SqlClusterStore[sqlite3.Connection]):
     @contextlib.contextmanager
     def _connection(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            yield self._db
+            try:
+                yield self._db
+            except sqlite3.DatabaseError as exc:
+                if _damaged(exc):  # a reader meets a damaged page: one clear line
+                    raise DamagedDatabaseError(self.path, str(exc)) from None
+                raise
 
     def migrate(self) -> list[int]:
         """Apply the migrations not applied yet; return the versions applied."""
