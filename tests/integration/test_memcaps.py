@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gpuwarden.core.launchrules import Runtime
@@ -211,7 +212,10 @@ def test_a_host_job_past_its_cap_is_killed_by_the_kernel(
     assert memory.limit(path) == CAP
     assert memory.swap_limit(path) in (None, 0, CAP)  # v1: memory+swap equal; v2: swap 0
     assert job_pid in memory.processes(path)
-    assert pids[0] == job_pid  # the starter executed the job: the pid stayed
+    # the pid the broker got is the attempt's supervisor, outside the cap; the
+    # starter it ran executed the job: its child's pid stayed the job's
+    assert pids[0] not in memory.processes(path)
+    assert psutil.Process(job_pid).ppid() == pids[0]
     (folder / "go").write_text("")
     ended = result()
     assert ended.launch_error is None
