@@ -22,6 +22,7 @@ app with a route that has none).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -86,9 +87,12 @@ from gpuwarden.api.session import (
 )
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
+from gpuwarden.errors import StoreUnavailable
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
+
+log = logging.getLogger(__name__)
 
 #: every router of the API, one per concern; the gate guards the routes of these
 ROUTERS: tuple[APIRouter, ...] = (
@@ -236,6 +240,10 @@ class Gate:
             principal, session = await run_in_threadpool(
                 partial(identify, service=service), self.ctx, headers, client
             )
+        except StoreUnavailable as exc:  # the token could not be read: try again later
+            log.warning("%s: answered 503, %s", scope.get("path"), exc.detail or exc.message)
+            await send_error(send, 503, exc.message, errors.unavailable_headers(exc))
+            return
         except AuthFailed as exc:
             # failed authentication counts against the client's address
             wait = self.limiter.take(f"addr:{client}")
