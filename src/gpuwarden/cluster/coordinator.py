@@ -737,12 +737,12 @@ def heartbeat(
     }
     # per held job, the seconds its lease has left (its grace not counted): the agent
     # tells each job's supervisor when to stop it on its own (self-fencing)
-    if left := {
-        i: round(max(0.0, lease.expires_at - timing.fence_grace_s - now), 3)
-        for i, lease in mine.items()
-        if i in set(held) - stopping and lease.live(now)
-    }:
-        answer["leases"] = left
+    if held:
+        answer["leases"] = {
+            i: round(max(0.0, lease.expires_at - timing.fence_grace_s - now), 3)
+            for i, lease in mine.items()
+            if i in set(held) - stopping and lease.live(now)
+        }
     if record.state is NodeState.DRAINING and (grant := store.open_grant(node_name)):
         answer["grant"] = grant.job_id  # a draining node claims for this job alone
     if registry is not None:
