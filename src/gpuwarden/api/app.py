@@ -22,7 +22,6 @@ app with a route that has none).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -91,8 +90,6 @@ from gpuwarden.errors import StoreUnavailable
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
-
-log = logging.getLogger(__name__)
 
 #: every router of the API, one per concern; the gate guards the routes of these
 ROUTERS: tuple[APIRouter, ...] = (
@@ -241,9 +238,7 @@ class Gate:
                 partial(identify, service=service), self.ctx, headers, client
             )
         except StoreUnavailable as exc:  # the token could not be read: try again later
-            log.warning("%s: answered 503, %s", scope.get("path"), exc.detail or exc.message)
-            await send_error(send, 503, exc.message, errors.unavailable_headers(exc))
-            return
+            return await errors.send_unavailable(send, exc, str(scope.get("path")))
         except AuthFailed as exc:
             # failed authentication counts against the client's address
             wait = self.limiter.take(f"addr:{client}")

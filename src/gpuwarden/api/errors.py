@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gpuwarden.api.limits import Send, send_error
 from gpuwarden.errors import GpuwardenError, StoreUnavailable, UnknownJobError, UserError
 from gpuwarden.store.base import (
     DuplicateJobError,
@@ -61,6 +62,13 @@ def unavailable_headers(exc: StoreUnavailable) -> dict[str, str]:
     """The headers of a 503 for a store that cannot be reached now: ``Retry-After``
     (whole seconds, at least 1)."""
     return {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+
+
+async def send_unavailable(send: Send, exc: StoreUnavailable, path: str) -> None:
+    """Answer a request the store could not be read for (outside the routes: the
+    gate's token check) with 503 and ``Retry-After``."""
+    log.warning("%s: answered 503, %s", path, exc.detail or exc.message)
+    await send_error(send, 503, exc.message, unavailable_headers(exc))
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
