@@ -184,6 +184,38 @@ def test_start_and_finish_are_fenced(s: ClusterStore, registry: Registry) -> Non
         )  # fmt: skip
 
 
+def test_a_report_repeated_after_the_coordinator_died_midway_is_taken(
+    s: ClusterStore, registry: Registry
+) -> None:
+    """A start or finish is two writes (the attempt, then the lease): a coordinator
+    killed between them leaves the first; the node's repeated report completes it
+    instead of being refused (which would cost the job a second run)."""
+    enrol(s, "n1", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)
+    [payload] = co.claim(s, registry, "n1", nv.node_view(s.get_node("n1")), 2.0, lease_s=10.0)  # type: ignore[arg-type]
+    lid = payload["lease_id"]
+    s.start_attempt("a", node="n1", gpu_uuid=None, now=3.0)  # then the coordinator died
+    lease = s.lease_of("a")
+    assert lease is not None and not lease.started
+    assert co.start(s, "n1", "a", lease_id=lid, gpu_uuid=None, now=4.0) == {"attempt": 1}
+    lease = s.lease_of("a")
+    assert lease is not None and lease.started and lease.attempt == 1
+    s.finish_attempt(  # its end recorded; then the coordinator died again
+        "a", 1, target=JobState.DONE, now=5.0, outcome="succeeded", reason="done"
+    )
+    got = co.finish(
+        s, registry, "n1", "a", lease_id=lid, state=JobState.DONE, outcome="succeeded",
+        reason="done", now=6.0,
+    )  # fmt: skip
+    assert got == {"state": "done", "lease_kept": False}
+    assert s.lease_of("a") is None and len(s.attempts("a")) == 1
+    with pytest.raises(LeaseRefused, match="superseded"):  # from then on: refused
+        co.finish(
+            s, registry, "n1", "a", lease_id=lid, state=JobState.DONE, outcome="succeeded",
+            reason="done", now=7.0,
+        )  # fmt: skip
+
+
 def test_a_local_retry_keeps_the_lease_until_max_retries(
     s: ClusterStore, registry: Registry
 ) -> None:

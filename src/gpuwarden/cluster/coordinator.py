@@ -465,6 +465,11 @@ def start(
     lease = _held_lease(store, node_name, job_id, lease_id, now)
     if lease.started and lease.attempt is not None:
         return {"attempt": lease.attempt}
+    if (begun := _begun_here(store, node_name, job_id)) is not None:
+        # the attempt was recorded but not the lease's start (the coordinator died
+        # between the two): the repeated report finds it
+        store.mark_lease_started(job_id, begun, lease_id=lease_id)
+        return {"attempt": begun}
     starter = _starter(store, node_name, job_id)
     for tries in range(_START_TRIES):
         try:
@@ -479,6 +484,19 @@ def start(
             time.sleep(0.01 * (tries + 1))
     store.mark_lease_started(job_id, attempt.number, lease_id=lease_id)
     return {"attempt": attempt.number}
+
+
+def _begun_here(store: ClusterStore, node_name: str, job_id: str) -> int | None:
+    """The number of the job's attempt running on ``node_name`` when it is running
+    there (its lease is that node's: no other attempt of it can be open)."""
+    job = store.get_job(job_id)
+    if job is None or job.state is not JobState.RUNNING:
+        return None
+    attempts = store.attempts(job_id)
+    last = attempts[-1] if attempts else None
+    if last is None or last.node != node_name or last.ended_at is not None:
+        return None
+    return last.number
 
 
 def _starter(store: ClusterStore, node_name: str, job_id: str) -> Callable[..., Any]:
@@ -607,11 +625,25 @@ def finish(
             detail=_image_detail(node_name, image),
         )
     except TransitionError as exc:
-        raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
+        repeat = _ended_alike(store, job_id, lease.attempt, outcome)
+        if repeat is None:
+            raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
+        # the same end again (its answer was lost, or the coordinator died before it
+        # dealt with the lease): what is left of it is done now
+        return _keep_or_drop(store, node_name, repeat, lease, release=release, now=now)
     store.stop_service_route(job_id, now)  # a service's attempt ended: kept as stopped
     if held_bytes and half_life_s > 0:
         charge(store, node_name, job, lease.attempt, held_bytes, now=now, half_life_s=half_life_s)
     return _keep_or_drop(store, node_name, job, lease, release=release, now=now)
+
+
+def _ended_alike(store: ClusterStore, job_id: str, number: int, outcome: str) -> Job | None:
+    """The job when its attempt ``number`` has ended already with ``outcome`` (a
+    finish report repeated), else None."""
+    ended = next((a for a in store.attempts(job_id) if a.number == number), None)
+    if ended is None or ended.ended_at is None or ended.outcome != outcome:
+        return None
+    return store.get_job(job_id)
 
 
 def _keep_or_drop(
