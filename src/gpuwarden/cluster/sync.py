@@ -463,8 +463,8 @@ class Agent:
             if run is None or h.until is None or h.lost:
                 continue
             mark = (run.attempt.number, h.until)
-            if self._fenced.get(h.local_id) == mark:
-                continue
+            if self._fenced.get(h.local_id) == mark or not run.attempt_dir.is_dir():
+                continue  # told already, or its folder is not laid out yet
             try:
                 write_lease(str(run.attempt_dir), h.until)
             except OSError as exc:
