@@ -152,6 +152,22 @@ def test_a_restarted_agent_reports_an_end_it_had_not_read(rig: Rig) -> None:
     rig.until("the outbox emptied", lambda: kept(rig) == [])
 
 
+def test_a_restarted_agent_reports_a_start_and_end_it_never_read(rig: Rig) -> None:
+    rig.store.submit([gpu_job("o7", 0.3)], now=time.time())
+    rig.until("o7 leased here", lambda: "o7" in rig.agent.held)
+    deadline = time.monotonic() + 60
+    while local_state(rig, "o7") is not JobState.DONE:  # the agent "died" at once
+        assert time.monotonic() < deadline, "o7 did not end"
+        rig.node.broker.tick()
+        time.sleep(0.02)
+    assert rig.job("o7").state is JobState.QUEUED  # its start was never reported
+    assert kept(rig) == []
+    restart(rig)
+    rig.until("o7 done there", lambda: rig.job("o7").state is JobState.DONE)
+    [attempt] = rig.store.attempts("o7")
+    assert attempt.outcome == "succeeded" and attempt.node == "a"
+
+
 def test_a_report_refused_for_good_is_dropped_with_an_event(rig: Rig) -> None:
     rig.store.submit([gpu_job("o5", 0.3)], now=time.time())
     rig.until("o5 running there", lambda: rig.job("o5").state is JobState.RUNNING)

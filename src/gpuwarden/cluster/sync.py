@@ -82,6 +82,12 @@ def _unknown_held(r: _Report, got: Refused) -> bool:
     )
 
 
+def _after_its_start(r: _Report, batch: list[_Report]) -> bool:
+    """Whether ``r`` is a finish whose job's start is in ``batch`` (not sent yet): its
+    outputs are uploaded before the batch goes, and an upload needs the start."""
+    return r.kind == "finish" and any(b.kind == "start" and b.held is r.held for b in batch)
+
+
 def _service_name(value: Any) -> str | None:
     """A leased service's name in URLs, as the coordinator sent it (None: its id)."""
     return value if isinstance(value, str) and SERVICE_NAME.fullmatch(value) else None
@@ -139,6 +145,9 @@ class Agent:
         self.box = outbox
         kept = outbox.cursor() if outbox is not None else None
         self._cursor = kept if kept is not None else self.store.last_event_id()
+        if outbox is not None and kept is None:
+            # from here on: a restart reads again every event it had not made reports of
+            outbox.save_cursor(self._cursor)
         #: this host's clock, as the supervisors read their lease files
         self.wall = wall
         #: (local id) -> (attempt, lease end) last written to its supervisor's lease file
@@ -658,8 +667,8 @@ class Agent:
     def _on_transition(self, h: Held, ev: Event) -> None:
         to, frm = ev.to_state, ev.from_state
         if to == JobState.RUNNING.value:
-            if h.lost:
-                return  # stopped here before it started: nothing to report
+            # (a lost job is cancelled here before it can start: a start of one is
+            # from before, read again after a restart, and its end needs it)
             self._queue(_Report("start", h, {"gpu": ev.detail.get("gpu")}))
             return
         if frm == JobState.RUNNING.value:
@@ -672,9 +681,6 @@ class Agent:
             return
         if frm == JobState.QUEUED.value and to == JobState.FAILED.value:
             # refused here before it ran (its type is gone, the launch rules say no)
-            if h.lost:
-                h.ended = True
-                return
             self._queue(_Report("start", h, {"gpu": None}))
             body = {
                 "state": to,
@@ -745,6 +751,8 @@ class Agent:
         while self._outbox:
             batch = [self._outbox.popleft()]
             while self._batched and self._outbox and len(batch) < REPORT_BATCH:
+                if _after_its_start(self._outbox[0], batch):
+                    break  # its outputs go up once its start is taken: the next batch
                 batch.append(self._outbox.popleft())
             try:
                 answers = self._deliver(batch)
