@@ -184,6 +184,37 @@ def test_start_and_finish_are_fenced(s: ClusterStore, registry: Registry) -> Non
         )  # fmt: skip
 
 
+def test_a_silent_nodes_job_goes_elsewhere_only_after_the_lease_and_its_grace(
+    s: ClusterStore, registry: Registry
+) -> None:
+    fenced = Timing(lease_s=10.0, offline_after_s=20.0, fence_grace_s=5.0)
+    enrol(s, "n1", 24)
+    enrol(s, "n2", 24)
+    s.submit([gpu_job("a", 1), gpu_job("b", 1)], now=1.0)
+    view = nv.node_view(s.get_node("n1"))  # type: ignore[arg-type]
+    got = co.claim(s, registry, "n1", view, 2.0, lease_s=10.0, timing=fenced)
+    assert sorted(p["id"] for p in got) == ["a", "b"]
+    assert {p["expires_at"] for p in got} == {12.0}  # what the node is told
+    lease = {p["id"]: p["lease_id"] for p in got}
+    co.start(s, "n1", "a", lease_id=lease["a"], gpu_uuid=None, now=3.0)
+    answer = co.heartbeat(s, "n1", {}, 4.0, 10.0, held=["a", "b"], timing=fenced)
+    assert answer["leases"] == {"a": 10.0, "b": 10.0}  # the node's lease, not the grace
+    # n1 goes silent: its lease ends at 14, its supervisors stop its jobs; until 19
+    # nobody else may have them
+    other = nv.node_view(s.get_node("n2"))  # type: ignore[arg-type]
+    assert co.claim(s, registry, "n2", other, 18.0, lease_s=10.0, timing=fenced) == []
+    assert co.sweep(s, 18.0, 60.0, registry=registry, timing=fenced)["interrupted"] == 0
+    assert s.get_job("a").state is JobState.RUNNING  # type: ignore[union-attr]
+    done = co.sweep(s, 19.5, 60.0, registry=registry, timing=fenced)
+    assert done["interrupted"] == 1 and done["dropped"] == 1
+    [attempt] = s.attempts("a")
+    assert attempt.reason.startswith(
+        "its node n1 stopped renewing its lease at 1970-01-01 00:00:04 UTC"
+    ), attempt.reason
+    got = co.claim(s, registry, "n2", other, 20.0, lease_s=10.0, timing=fenced)
+    assert sorted(p["id"] for p in got) == ["a", "b"]
+
+
 def test_a_report_repeated_after_the_coordinator_died_midway_is_taken(
     s: ClusterStore, registry: Registry
 ) -> None:
