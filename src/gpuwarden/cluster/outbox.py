@@ -81,7 +81,9 @@ class Outbox:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._next = max((s.seq for s in self.load()), default=0) + 1
+        # past every report file's number, read or not (one left damaged stays as it is)
+        numbers = (p.name.removesuffix(_SUFFIX) for p in folder.iterdir())
+        self._next = max((int(n) for n in numbers if n.isdigit()), default=0) + 1
 
     def _path(self, seq: int) -> Path:
         return self.folder / f"{seq:012d}{_SUFFIX}"

@@ -69,6 +69,8 @@ class _Report:
     attempt: int | None = None
     #: its number in the durable outbox (None: not kept there)
     seq: int | None = None
+    #: how many of its outputs the outbox's copy says went up already
+    kept_uploads: int = 0
 
 
 def _unknown_held(r: _Report, got: Refused) -> bool:
@@ -237,6 +239,7 @@ class Agent:
             r = _Report(saved.kind, h, saved.body, attempt=saved.attempt, seq=saved.seq)
             r.uploaded = set(saved.uploaded)
             r.not_uploaded = list(saved.not_uploaded)
+            r.kept_uploads = len(r.uploaded)
             self._outbox.append(r)
             log.info("job %s: its %s report is sent again after a restart", h.job_id, r.kind)
 
@@ -656,6 +659,7 @@ class Agent:
                 r.seq = self.box.put(saved)
             else:
                 self.box.update(saved)
+            r.kept_uploads = len(r.uploaded)
         except (OSError, TypeError, ValueError) as exc:
             log.error("job %s: its %s report could not be kept: %s", r.held.job_id, r.kind, exc)
 
@@ -759,7 +763,8 @@ class Agent:
             except CoordinatorError as exc:
                 self._outbox.extendleft(reversed(batch))
                 for r in batch:
-                    self._keep(r)  # what went up already is not sent again
+                    if len(r.uploaded) != r.kept_uploads:
+                        self._keep(r)  # what went up already is not sent again
                 self._send_after = self.monotonic() + self._send_wait
                 self._warn(
                     f"{len(batch)} report(s) not delivered, kept and sent again in "
