@@ -156,7 +156,7 @@ def test_three_coordinator_kills_under_four_clients_lose_and_repeat_nothing(
         # each kill lands while jobs run and more are being submitted
         wait_for(
             f"jobs running before kill {k + 1}",
-            lambda k=k: progress.count() >= (6, 18, 30)[k] and running_count(c) > 0,
+            lambda k=k: progress.count() >= (5, 12, 20)[k] and running_count(c) > 0,
             timeout=180,
         )
         running = running_count(c)
@@ -253,7 +253,7 @@ def test_postgresql_unreachable_answers_503_with_retry_after_then_recovers(
         try:
             wait_for("the CLI to wait", lambda: b"503" in err_path.read_bytes(), timeout=90)
             assert cli.poll() is None  # still waiting, not failed
-            seen += [http.get("/v1/jobs") for _ in range(3)]
+            seen.append(http.get("/v1/jobs"))
             proxy.restore()
             out, _ = cli.communicate(timeout=180)
         finally:
@@ -262,7 +262,8 @@ def test_postgresql_unreachable_answers_503_with_retry_after_then_recovers(
         assert cli.returncode == 0, err_path.read_text()
         assert b"p-cli" in out
         assert "the store is unreachable (PostgreSQL)" in err_path.read_text()
-        wait_for("the API back", lambda: http.get("/v1/jobs").status_code == 200, timeout=60)
+        # (the store's pool connects again with a backoff of its own: up to a minute)
+        wait_for("the API back", lambda: http.get("/v1/jobs").status_code == 200, timeout=150)
     codes = Counter(r.status_code for r in seen)
     assert codes[503] >= 2 and set(codes) <= {200, 503}, codes  # never a 500
     ids = ["p0", "p1", "p2", "p-cli"]
