@@ -14,9 +14,15 @@ The rules:
   reported, chosen by :func:`gpuwarden.core.placement.offers_for`. What it is
   offered is leased to it for ``lease_s`` seconds.
 * Every report about a leased job (:func:`start`, :func:`finish`) names the lease
-  id; it is refused (:class:`LeaseRefused`) unless the lease is live and is still
-  that node's. The store's guarded updates make the rest exact: an attempt can
-  be finished once, by its node or by the sweep, never both.
+  id; it is refused (:class:`LeaseRefused`) unless the lease is still that
+  node's, and a start unless it is live too (a finish is taken from a lapsed
+  lease that nothing replaced: no later attempt has started). The store's
+  guarded updates make the rest exact: an attempt can be finished once, by its
+  node or by the sweep, never both; a start or finish repeated after a
+  coordinator died between its two writes completes it.
+* A lease is kept in the store for ``[cluster] fence_grace_s`` past the end the
+  node is told (:meth:`Timing.held_until`): a silent node's supervisors stop its
+  jobs at the lease's end, before another node may have them.
 * :func:`heartbeat` renews the leases of the jobs the node says it holds, and
   answers which of them it must stop: the ones whose lease it lost, and the ones
   a client cancelled.
@@ -29,12 +35,14 @@ The rules:
   goes to it), and every heartbeat answers ``preempts`` for the node to signal
   until its report of the attempt's end clears the mark. A node that never
   reacts loses the lease, and the sweep takes the job back as for any node.
-* :func:`sweep` (one coordinator at a time, under the store's maintenance lock):
-  an expired lease of a job that never started is dropped, and the job is
-  offered again; an expired lease of a running job ends its attempt as an
-  infrastructure failure, so the job is queued again (or quarantined past its
-  type's ``max_retries``) and placement prefers another node for it. A node not
-  heard from for ``offline_after_s`` is marked offline.
+* :func:`sweep` (one coordinator at a time, under the store's maintenance lock;
+  a coordinator that starts first gives every lease a full period,
+  :class:`gpuwarden.cluster.sweeper.Sweeper`): an expired lease of a job that
+  never started is dropped, and the job is offered again; an expired lease of a
+  running job ends its attempt as an infrastructure failure (the reason says
+  what the coordinator knows: :func:`lapse_reason`), so the job is queued again
+  (or quarantined past its type's ``max_retries``) and placement prefers another
+  node for it. A node not heard from for ``offline_after_s`` is marked offline.
 """
 
 from __future__ import annotations
