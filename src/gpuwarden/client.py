@@ -40,6 +40,11 @@ EVENTS_READ_TIMEOUT_S = 45.0
 FIRST_RECONNECT_S = 0.25
 MAX_RECONNECT_S = 5.0
 
+#: how long a request answered 503 (the server's store unreachable) is tried again,
+#: each time after the server's ``Retry-After`` (at most :data:`MAX_RETRY_AFTER_S`)
+RETRY_UNAVAILABLE_S = 120.0
+MAX_RETRY_AFTER_S = 30.0
+
 #: the states after which a job never changes again
 TERMINAL = frozenset({"done", "failed", "cancelled", "quarantined"})
 
@@ -92,6 +97,15 @@ class ServerError(ApiError):
     """5xx: the server failed."""
 
 
+class Unavailable(ServerError):
+    """503: the server cannot serve the request now (its store is unreachable);
+    ``retry_after`` says how long to wait (seconds)."""
+
+    def __init__(self, message: str, status: int = 503, retry_after: float = 1.0) -> None:
+        super().__init__(message, status)
+        self.retry_after = retry_after
+
+
 class Unreachable(ApiError):
     """No answer: the server cannot be reached, or it did not answer in time."""
 
@@ -117,11 +131,21 @@ class Client:
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
         http: httpx.Client | None = None,
+        retry_unavailable_s: float = RETRY_UNAVAILABLE_S,
+        on_wait: Callable[[str], None] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """``http``: an httpx client to send with instead of a new one (a test's
-        ``fastapi.testclient.TestClient``); the token header is set on it."""
+        ``fastapi.testclient.TestClient``); the token header is set on it.
+        ``retry_unavailable_s``: how long a request answered 503 is sent again,
+        each time after the answer's ``Retry-After`` (0: never; then
+        :class:`Unavailable` is raised at once); ``on_wait`` is told each wait
+        (the CLI prints it)."""
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.retry_unavailable_s = retry_unavailable_s
+        self.on_wait = on_wait
+        self._sleep = sleep
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         if http is not None:
             http.headers.update(headers)
@@ -143,6 +167,26 @@ class Client:
     # -- plumbing -----------------------------------------------------------
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """Send one request; one answered 503 (the server's store is unreachable:
+        nothing was done) is sent again after its ``Retry-After``, for up to
+        :attr:`retry_unavailable_s` seconds."""
+        deadline = time.monotonic() + self.retry_unavailable_s
+        while True:
+            try:
+                return self._request_once(method, path, **kw)
+            except Unavailable as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                wait = min(max(0.1, exc.retry_after), MAX_RETRY_AFTER_S, left)
+                if self.on_wait is not None:
+                    self.on_wait(
+                        f"{self.url} answered 503: {exc.message}; trying again in "
+                        f"{wait:.0f} s (for up to {left:.0f} s more)"
+                    )
+                self._sleep(wait)
+
+    def _request_once(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             response = self._http.request(method, path, **kw)
         except httpx.TimeoutException as exc:
@@ -641,11 +685,13 @@ def _error(response: httpx.Response) -> ApiError:
     status = response.status_code
     if not message:
         message = f"HTTP {status} {response.reason_phrase}: {response.text[:200]}"
-    if status == 429:
+    if status in (429, 503):
         try:
             wait = float(response.headers.get("Retry-After", "1"))
         except ValueError:
             wait = 1.0
+        if status == 503:
+            return Unavailable(f"the server cannot serve it now (503): {message}", status, wait)
         return RateLimited(message, status, retry_after=wait)
     if status in _BY_STATUS:
         return _BY_STATUS[status](message, status)

@@ -161,6 +161,10 @@ class ClusterSettings(_Section):
 
     #: seconds a lease lasts unless the agent's heartbeat renews it
     lease_s: Annotated[float, Field(gt=0, le=3600)] = 90.0
+    #: coordinator: seconds after a lease's end before its job may go to another
+    #: node (a silent agent's supervisors stop its jobs at the lease's end: signal,
+    #: the job's stop grace, kill); keep it above the job types' stop grace
+    fence_grace_s: Annotated[float, Field(ge=0, le=3600)] = 15.0
     #: an agent not heard from for this long is offline
     offline_after_s: Annotated[float, Field(gt=0, le=86400)] = 120.0
     #: a job whose model is warm on another node waits this long for that node

@@ -51,6 +51,20 @@ class StateDirLockedError(UserError):
     """Another broker already owns this state directory."""
 
 
+class StoreUnavailable(GpuwardenError):
+    """The store cannot be reached now (its database server is down, restarting or
+    unreachable): the same request may succeed later."""
+
+    def __init__(
+        self, message: str | None = None, *, retry_after_s: float = 2.0, detail: str = ""
+    ) -> None:
+        super().__init__(message)
+        #: how long a client should wait before it tries again (seconds)
+        self.retry_after_s = retry_after_s
+        #: what the server's log is told (where the store is, the driver's words)
+        self.detail = detail
+
+
 class TransitionError(GpuwardenError):
     """A job state change that the transition table forbids, or that lost a race."""
 

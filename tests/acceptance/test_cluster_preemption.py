@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,16 @@ def running_cluster(
     agents: dict[str, dict[str, Any]],
     lease_s: float = LEASE_S,
     agent_config: dict[str, Any] | None = None,
+    cluster_config: dict[str, Any] | None = None,
+    database_via: Callable[[str], str] | None = None,
 ) -> Iterator[Cluster]:
     """A coordinator on a fresh PostgreSQL database (leases of ``lease_s``) and one
     agent per entry of ``agents`` (its name: its ``[sim_gpu]`` settings; each
     agent's config has ``agent_config``'s keys too), each a process of its own;
-    yielded once every agent has reported its GPUs, stopped and dropped after."""
+    yielded once every agent has reported its GPUs, stopped and dropped after.
+    ``cluster_config``: more keys of the coordinator's ``[cluster]``;
+    ``database_via``: the URL the coordinator reaches the database by, from the
+    database's own (a forwarder a test can cut)."""
     dbname = f"gw_{tmp.name[:20]}_{uuid.uuid4().hex[:12]}".lower()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
@@ -62,10 +67,15 @@ def running_cluster(
         tmp / "coordinator.toml",
         {
             "state_dir": str(tmp / "coordinator"),
-            "database": db_url,
+            "database": database_via(db_url) if database_via is not None else db_url,
             "module_paths": modules,
             "api": {"rate_per_s": 10_000, "burst": 10_000},
-            "cluster": {"lease_s": lease_s, "offline_after_s": 12, "sweep_every_s": 0.5},
+            "cluster": {
+                "lease_s": lease_s,
+                "offline_after_s": 12,
+                "sweep_every_s": 0.5,
+                **(cluster_config or {}),
+            },
         },
     )
     c = Cluster(tmp=tmp, db_url=db_url, env=env, urls=[], owner="")

@@ -25,6 +25,7 @@ from gpuwarden.app import Node, open_node
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.coordinator_client import Coordinator, CredentialRefused, enroll
 from gpuwarden.cluster.enrolment import ENROLL_ENV, enrolment_token
+from gpuwarden.cluster.outbox import OUTBOX_DIR, Outbox
 from gpuwarden.cluster.sync import Agent
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec, Role
@@ -143,6 +144,7 @@ def make_rig(tmp_path: Path, modules: list[Path] = MODULES, **api: Any) -> Itera
             labels={},
             claim_every_s=0.05,
             monotonic=mono,
+            outbox=Outbox(tmp_path / "agent" / OUTBOX_DIR),
         )
         node.broker.tick()  # the first status: the GPU is observed
         try:
@@ -253,7 +255,7 @@ def test_the_agent_reports_its_gpu_room(rig: Rig) -> None:
     assert "testmods.gpu" in node.report["types"] and node.report["accepting"]
 
 
-def test_the_watchdog_stops_held_jobs_and_they_are_never_reported(rig: Rig) -> None:
+def test_the_watchdog_stops_held_jobs_and_gives_them_back_saying_why(rig: Rig) -> None:
     rig.store.submit([gpu_job("g1", 20)], now=time.time())
     rig.until("g1 running", lambda: rig.job("g1").state is JobState.RUNNING)
     rig.switch.down = True
@@ -265,19 +267,18 @@ def test_the_watchdog_stops_held_jobs_and_they_are_never_reported(rig: Rig) -> N
     )
     assert rig.node.store.get_job("g1").state is JobState.CANCELLED  # type: ignore[union-attr]
     lost = [e for e in rig.node.store.events(job_id="g1") if e.kind == "lease_lost"]
-    assert lost and "no answer from the coordinator" in lost[0].detail["reason"]
+    assert lost and "the coordinator did not answer" in lost[0].detail["reason"]
+    assert rig.job("g1").state is JobState.RUNNING  # the coordinator heard nothing yet
     rig.switch.down = False
-    for _ in range(20):
-        rig.step()
-    # the coordinator heard nothing of its end: the attempt is still running there
-    assert rig.job("g1").state is JobState.RUNNING
-    assert not [a for a in rig.store.audit_rows() if a.action == "node.finish"]
-    # the lease is not renewed (the agent no longer holds it): the sweep takes it back
-    lease = rig.store.lease_of("g1")
-    assert lease is not None
-    co.sweep(rig.store, lease.expires_at + 0.1, 8.0)
+    rig.until("its end reported", lambda: rig.job("g1").state is not JobState.RUNNING)
+    # given back, not cancelled: the reason is the node's own, and it is offered again
     job = rig.job("g1")
-    assert job.state is JobState.QUEUED and rig.store.lost_nodes("g1") == ["a"]
+    assert job.state is JobState.QUEUED
+    [attempt] = rig.store.attempts("g1")
+    assert attempt.outcome == "interrupted"
+    assert "its node a stopped it: the coordinator did not answer" in attempt.reason
+    assert rig.store.lease_of("g1") is None
+    assert rig.agent.box is not None and rig.agent.box.load() == []  # answered: gone
 
 
 def test_a_stopping_agent_gives_its_running_jobs_back(rig: Rig) -> None:

@@ -114,6 +114,19 @@ def test_renew_only_live_leases_of_the_node(store: Store) -> None:
     assert [lease.job_id for lease in s.leases("n2")] == ["c"]
 
 
+def test_extend_leases_gives_every_lease_at_least_until_then(store: Store) -> None:
+    s = cs(store)
+    submit(s, "a", "b", "c")
+    s.lease_jobs("n1", ["a"], lease_id="L1", expires_at=10.0, now=1.0)  # lapses at 10
+    s.lease_jobs("n2", ["b"], lease_id="L2", expires_at=30.0, now=1.0)
+    s.lease_jobs("n2", ["c"], lease_id="L3", expires_at=80.0, now=1.0)
+    assert s.extend_leases(50.0) == 2
+    got = {lease.job_id: (lease.lease_id, lease.expires_at) for lease in s.leases()}
+    assert got == {"a": ("L1", 50.0), "b": ("L2", 50.0), "c": ("L3", 80.0)}
+    assert s.expired_leases(40.0) == []  # none swept for the time before
+    assert s.renew_leases("n1", 60.0, now=40.0) == 1  # a lapsed one is live again
+
+
 def test_a_lease_marked_for_preemption_is_not_renewed(store: Store) -> None:
     s = cs(store)
     submit(s, "a", "b")

@@ -165,11 +165,6 @@ def test_start_and_finish_are_fenced(s: ClusterStore, registry: Registry) -> Non
     assert co.start(s, "n1", "a", lease_id=lease_id, gpu_uuid="GPU-0", now=3.0) == {"attempt": 1}
     # a repeated start (the first answer was lost) gets the same attempt
     assert co.start(s, "n1", "a", lease_id=lease_id, gpu_uuid="GPU-0", now=3.5) == {"attempt": 1}
-    with pytest.raises(LeaseRefused, match="expired"):
-        co.finish(
-            s, registry, "n1", "a", lease_id=lease_id, state=JobState.DONE,
-            outcome="succeeded", reason="done", now=12.5,
-        )  # fmt: skip
     s.renew_leases("n1", 30.0, now=11.0)
     got = co.finish(
         s, registry, "n1", "a", lease_id=lease_id, state=JobState.DONE, outcome="succeeded",
@@ -186,6 +181,69 @@ def test_start_and_finish_are_fenced(s: ClusterStore, registry: Registry) -> Non
         co.finish(
             s, registry, "n1", "a", lease_id=lease_id, state=JobState.DONE,
             outcome="succeeded", reason="done", now=13.5,
+        )  # fmt: skip
+
+
+def test_a_silent_nodes_job_goes_elsewhere_only_after_the_lease_and_its_grace(
+    s: ClusterStore, registry: Registry
+) -> None:
+    fenced = Timing(lease_s=10.0, offline_after_s=20.0, fence_grace_s=5.0)
+    enrol(s, "n1", 24)
+    enrol(s, "n2", 24)
+    s.submit([gpu_job("a", 1), gpu_job("b", 1)], now=1.0)
+    view = nv.node_view(s.get_node("n1"))  # type: ignore[arg-type]
+    got = co.claim(s, registry, "n1", view, 2.0, lease_s=10.0, timing=fenced)
+    assert sorted(p["id"] for p in got) == ["a", "b"]
+    assert {p["expires_at"] for p in got} == {12.0}  # what the node is told
+    lease = {p["id"]: p["lease_id"] for p in got}
+    co.start(s, "n1", "a", lease_id=lease["a"], gpu_uuid=None, now=3.0)
+    answer = co.heartbeat(s, "n1", {}, 4.0, 10.0, held=["a", "b"], timing=fenced)
+    assert answer["leases"] == {"a": 10.0, "b": 10.0}  # the node's lease, not the grace
+    # n1 goes silent: its lease ends at 14, its supervisors stop its jobs; until 19
+    # nobody else may have them
+    other = nv.node_view(s.get_node("n2"))  # type: ignore[arg-type]
+    assert co.claim(s, registry, "n2", other, 18.0, lease_s=10.0, timing=fenced) == []
+    assert co.sweep(s, 18.0, 60.0, registry=registry, timing=fenced)["interrupted"] == 0
+    assert s.get_job("a").state is JobState.RUNNING  # type: ignore[union-attr]
+    done = co.sweep(s, 19.5, 60.0, registry=registry, timing=fenced)
+    assert done["interrupted"] == 1 and done["dropped"] == 1
+    [attempt] = s.attempts("a")
+    assert attempt.reason.startswith(
+        "its node n1 stopped renewing its lease at 1970-01-01 00:00:04 UTC"
+    ), attempt.reason
+    got = co.claim(s, registry, "n2", other, 20.0, lease_s=10.0, timing=fenced)
+    assert sorted(p["id"] for p in got) == ["a", "b"]
+
+
+def test_a_report_repeated_after_the_coordinator_died_midway_is_taken(
+    s: ClusterStore, registry: Registry
+) -> None:
+    """A start or finish is two writes (the attempt, then the lease): a coordinator
+    killed between them leaves the first; the node's repeated report completes it
+    instead of being refused (which would cost the job a second run)."""
+    enrol(s, "n1", 24)
+    s.submit([gpu_job("a", 1)], now=1.0)
+    [payload] = co.claim(s, registry, "n1", nv.node_view(s.get_node("n1")), 2.0, lease_s=10.0)  # type: ignore[arg-type]
+    lid = payload["lease_id"]
+    s.start_attempt("a", node="n1", gpu_uuid=None, now=3.0)  # then the coordinator died
+    lease = s.lease_of("a")
+    assert lease is not None and not lease.started
+    assert co.start(s, "n1", "a", lease_id=lid, gpu_uuid=None, now=4.0) == {"attempt": 1}
+    lease = s.lease_of("a")
+    assert lease is not None and lease.started and lease.attempt == 1
+    s.finish_attempt(  # its end recorded; then the coordinator died again
+        "a", 1, target=JobState.DONE, now=5.0, outcome="succeeded", reason="done"
+    )
+    got = co.finish(
+        s, registry, "n1", "a", lease_id=lid, state=JobState.DONE, outcome="succeeded",
+        reason="done", now=6.0,
+    )  # fmt: skip
+    assert got == {"state": "done", "lease_kept": False}
+    assert s.lease_of("a") is None and len(s.attempts("a")) == 1
+    with pytest.raises(LeaseRefused, match="superseded"):  # from then on: refused
+        co.finish(
+            s, registry, "n1", "a", lease_id=lid, state=JobState.DONE, outcome="succeeded",
+            reason="done", now=7.0,
         )  # fmt: skip
 
 
@@ -252,7 +310,8 @@ def test_sweep_requeues_unstarted_and_interrupts_started(
     assert b is not None and b.state is JobState.QUEUED and b.attempts == 1
     [attempt] = s.attempts("b")
     assert attempt.outcome == "interrupted"
-    assert attempt.reason.startswith("its node n1 stopped renewing its lease; retrying (1/1)")
+    assert attempt.reason.startswith("its node n1 stopped renewing its lease")
+    assert attempt.reason.endswith("; retrying (1/1)")
     assert s.lost_nodes("b") == ["n1"] and s.leases() == []
     # the late report of n1 is refused: the attempt was ended by the sweep
     with pytest.raises(LeaseRefused):

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from gpuwarden.api.app import create_app
 from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.api.routers.nodes import install_coordinator, install_sweeper
+from gpuwarden.cluster import coordinator as co
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, JobSpec, Role
 from gpuwarden.core.states import JobState
@@ -403,19 +404,29 @@ def test_a_leased_job_with_staged_inputs_is_offered_and_its_inputs_fetched(
     assert get("a", "sub/data.txt").status_code == 404
 
 
-def test_a_late_report_after_the_lease_expired_is_refused(env: Env) -> None:
+def test_a_late_finish_is_taken_until_a_later_attempt_supersedes_it(env: Env) -> None:
     env.enrol("a")
     env.enrol("b")
-    env.store.submit([gpu_job("j", 1)], now=env.clock.t)
-    [job] = env.post("/v1/node/claim", "a", {"report": report(24)}).json()["jobs"]
-    env.post("/v1/node/jobs/j/start", "a", {"lease_id": job["lease_id"]})
-    env.clock.t += 11  # past the lease: no heartbeat came
-    r = env.post(
-        "/v1/node/jobs/j/finish",
-        "a",
-        {"lease_id": job["lease_id"], "state": "done", "outcome": "succeeded"},
-    )
-    assert r.status_code == 409 and "expired" in r.json()["error"]
+    env.store.submit([gpu_job("j", 1), gpu_job("k", 1)], now=env.clock.t)
+    lease: dict[str, str] = {}
+    for job_id in ("j", "k"):  # one claim each (the report says one slot)
+        [job] = env.post("/v1/node/claim", "a", {"report": report(24)}).json()["jobs"]
+        assert job["id"] == job_id
+        lease[job_id] = job["lease_id"]
+        r = env.post(f"/v1/node/jobs/{job_id}/start", "a", {"lease_id": lease[job_id]})
+        assert r.status_code == 200, r.text
+    # past the lease and its grace (10 + 15 s): no heartbeat came, no sweep yet
+    env.clock.t += 40
+    assert not env.store.lease_of("j").live(env.clock.t)  # type: ignore[union-attr]
+    end = {"state": "done", "outcome": "succeeded"}
+    r = env.post("/v1/node/jobs/j/finish", "a", {"lease_id": lease["j"], **end})
+    assert r.status_code == 200, r.text  # nothing replaced the lease: its end is taken
+    assert env.store.get_job("j").state is JobState.DONE  # type: ignore[union-attr]
+    # the sweep takes k back (another attempt may start now): its late end is refused
+    assert co.sweep(env.store, env.clock.t, 20.0, registry=env.registry)["interrupted"] == 1
+    r = env.post("/v1/node/jobs/k/finish", "a", {"lease_id": lease["k"], **end})
+    assert r.status_code == 409 and "superseded" in r.json()["error"], r.text
+    assert env.store.get_job("k").state is JobState.QUEUED  # type: ignore[union-attr]
 
 
 def test_drain_stops_new_work(env: Env) -> None:
@@ -564,13 +575,22 @@ def test_the_sweeper_runs_in_the_apps_lifespan(env: Env) -> None:
     env.post("/v1/node/claim", "a", {"report": report(24)})
     install_sweeper(env.app)
     install_sweeper(env.app)  # once only
-    env.clock.t += 11
+    env.clock.t += 40  # the lease and its grace (10 + 15 s) lapsed while no coordinator ran
+    sweeper = env.app.state.gw_sweeper
     with TestClient(env.app):
-        deadline = time.monotonic() + 10
+        # the coordinator that starts gives the lease a full period: swept, not taken
+        assert sweeper.started_at == env.clock.t
+        deadline = time.monotonic() + 30
+        while not sweeper.last.get("leader"):
+            assert time.monotonic() < deadline, "the sweeper did not sweep"
+            time.sleep(0.05)
+        lease = env.store.lease_of("j")
+        assert lease is not None and lease.expires_at == env.clock.t + 25
+        env.clock.t += 26  # the full period and the grace have passed
         while env.store.lease_of("j") is not None:
             assert time.monotonic() < deadline, "the sweeper did not sweep"
             time.sleep(0.05)
-    assert env.app.state.gw_sweeper.leader
+    assert sweeper.leader
 
 
 def test_explain_says_why_no_node_took_a_job(env: Env) -> None:

@@ -86,6 +86,7 @@ from gpuwarden.api.session import (
 )
 from gpuwarden.config import Config
 from gpuwarden.core.model import MIB
+from gpuwarden.errors import StoreUnavailable
 from gpuwarden.node.jobends import JobEnds
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
@@ -236,6 +237,8 @@ class Gate:
             principal, session = await run_in_threadpool(
                 partial(identify, service=service), self.ctx, headers, client
             )
+        except StoreUnavailable as exc:  # the token could not be read: try again later
+            return await errors.send_unavailable(send, exc, str(scope.get("path")))
         except AuthFailed as exc:
             # failed authentication counts against the client's address
             wait = self.limiter.take(f"addr:{client}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import typing
 from typing import Any
 
@@ -16,7 +17,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gpuwarden.errors import GpuwardenError, UnknownJobError, UserError
+from gpuwarden.api.limits import Send, send_error
+from gpuwarden.errors import GpuwardenError, StoreUnavailable, UnknownJobError, UserError
 from gpuwarden.store.base import (
     DuplicateJobError,
     DuplicateTokenError,
@@ -54,6 +56,19 @@ def status_of(exc: UserError) -> int:
     if isinstance(exc, IdempotencyConflict):
         return 422
     return 422
+
+
+def unavailable_headers(exc: StoreUnavailable) -> dict[str, str]:
+    """The headers of a 503 for a store that cannot be reached now: ``Retry-After``
+    (whole seconds, at least 1)."""
+    return {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))}
+
+
+async def send_unavailable(send: Send, exc: StoreUnavailable, path: str) -> None:
+    """Answer a request the store could not be read for (outside the routes: the
+    gate's token check) with 503 and ``Retry-After``."""
+    log.warning("%s: answered 503, %s", path, exc.detail or exc.message)
+    await send_error(send, 503, exc.message, unavailable_headers(exc))
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Any:
@@ -129,6 +144,14 @@ def install(app: FastAPI) -> None:
         status = status_of(exc)
         await audit_refusal(request, status, exc.message)
         return error_response(status, exc.message)
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> Any:
+        # no audit row: the store that would keep it is the one that is unreachable
+        log.warning(
+            "%s %s: answered 503, %s", request.method, request.url.path, exc.detail or exc.message
+        )
+        return error_response(503, exc.message, unavailable_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:

@@ -267,7 +267,12 @@ def remote(args: argparse.Namespace) -> Client | None:
         return None
     if not str(args.url).startswith(("http://", "https://")):
         raise UserError(f"--url {args.url!r}: give the API's address, e.g. http://HOST:8765")
-    return Client(args.url, read_token(args.token_file))
+    return Client(args.url, read_token(args.token_file), on_wait=say_waiting)
+
+
+def say_waiting(text: str) -> None:
+    """What a client waits for (a server whose store is unreachable), on stderr."""
+    err.print(f"{time.strftime('%H:%M:%S')} {printable(text)}", markup=False, highlight=False)
 
 
 def local_or_http(

@@ -15,12 +15,18 @@ the coordinator's leases into that local store:
   /v1/node/jobs/{id}/inputs/{name}``) into ``<state_dir>/inputs/<local id>/``.
 * reports: the local store's events after a cursor become ``start`` and
   ``finish`` reports (state, outcome, reason, exit code, result, output), each
-  naming its lease; a report the coordinator refuses is dropped, and a job
-  whose start is refused is stopped here.
+  naming its lease, kept in a durable outbox (:mod:`gpuwarden.cluster.outbox`)
+  until the coordinator answers: one it cannot be reached for (or that fails
+  there, 5xx) is sent again with a backoff, also after a restart; a report the
+  coordinator refuses (4xx: its attempt was superseded) is dropped with a
+  ``report_dropped`` event, and a job whose start is refused is stopped here.
 * the lease watchdog: when the last heartbeat that got an answer is older than
-  ``lease_s`` less a margin, every held job is stopped here (reason "lost its
-  lease") and is never reported: by then the coordinator may have given it to
-  another node.
+  ``lease_s`` less a margin, every held job still running or waiting here is
+  stopped (its end reported as given back, saying why); a finished one's report
+  waits in the outbox.
+* self-fencing: each running attempt's supervisor is told its lease's end
+  (:func:`gpuwarden.launch.supervisor.write_lease`) when it starts and at every
+  renewal; a supervisor whose lease passes stops its job on its own.
 
 At start, what an earlier run of the agent left: the broker's recovery adopts
 the services that still run and answer (:mod:`gpuwarden.node.adoption`); those
@@ -55,6 +61,7 @@ from gpuwarden.cluster.coordinator_client import (
 )
 from gpuwarden.cluster.enrolment import token_id
 from gpuwarden.cluster.held import HELD_FILE, Held, load_held
+from gpuwarden.cluster.outbox import OUTBOX_DIR, Outbox
 from gpuwarden.cluster.sync import Agent
 from gpuwarden.config import Config
 from gpuwarden.core.model import Event
@@ -126,7 +133,8 @@ def run_agent(
             on_broker(broker)
         broker.recover()
         held_path = local.state_dir / HELD_FILE
-        adopted = _clear_leftovers(broker, load_held(held_path, cred.node))
+        saved = load_held(held_path, cred.node)
+        adopted = _clear_leftovers(broker, saved)
         client = Coordinator(cred.coordinator, cred.token)
         agent = Agent(
             broker,
@@ -137,8 +145,10 @@ def run_agent(
             labels=labels,
             claim_every_s=local.cluster.claim_every_s,
             held_file=held_path,
+            outbox=Outbox(local.state_dir / OUTBOX_DIR),
         )
-        agent.resume(adopted)
+        kept = {h.job_id for h in adopted}
+        agent.resume(adopted, [h for h in saved if h.job_id not in kept])
         say(
             f"gpuwarden {__version__} agent for node {cred.node} (PID {os.getpid()})\n"
             f"  coordinator {cred.coordinator}\n"

@@ -14,9 +14,15 @@ The rules:
   reported, chosen by :func:`gpuwarden.core.placement.offers_for`. What it is
   offered is leased to it for ``lease_s`` seconds.
 * Every report about a leased job (:func:`start`, :func:`finish`) names the lease
-  id; it is refused (:class:`LeaseRefused`) unless the lease is live and is still
-  that node's. The store's guarded updates make the rest exact: an attempt can
-  be finished once, by its node or by the sweep, never both.
+  id; it is refused (:class:`LeaseRefused`) unless the lease is still that
+  node's, and a start unless it is live too (a finish is taken from a lapsed
+  lease that nothing replaced: no later attempt has started). The store's
+  guarded updates make the rest exact: an attempt can be finished once, by its
+  node or by the sweep, never both; a start or finish repeated after a
+  coordinator died between its two writes completes it.
+* A lease is kept in the store for ``[cluster] fence_grace_s`` past the end the
+  node is told (:meth:`Timing.held_until`): a silent node's supervisors stop its
+  jobs at the lease's end, before another node may have them.
 * :func:`heartbeat` renews the leases of the jobs the node says it holds, and
   answers which of them it must stop: the ones whose lease it lost, and the ones
   a client cancelled.
@@ -29,12 +35,14 @@ The rules:
   goes to it), and every heartbeat answers ``preempts`` for the node to signal
   until its report of the attempt's end clears the mark. A node that never
   reacts loses the lease, and the sweep takes the job back as for any node.
-* :func:`sweep` (one coordinator at a time, under the store's maintenance lock):
-  an expired lease of a job that never started is dropped, and the job is
-  offered again; an expired lease of a running job ends its attempt as an
-  infrastructure failure, so the job is queued again (or quarantined past its
-  type's ``max_retries``) and placement prefers another node for it. A node not
-  heard from for ``offline_after_s`` is marked offline.
+* :func:`sweep` (one coordinator at a time, under the store's maintenance lock;
+  a coordinator that starts first gives every lease a full period,
+  :class:`gpuwarden.cluster.sweeper.Sweeper`): an expired lease of a job that
+  never started is dropped, and the job is offered again; an expired lease of a
+  running job ends its attempt as an infrastructure failure (the reason says
+  what the coordinator knows: :func:`lapse_reason`), so the job is queued again
+  (or quarantined past its type's ``max_retries``) and placement prefers another
+  node for it. A node not heard from for ``offline_after_s`` is marked offline.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ from typing import Any
 from gpuwarden.cluster.claimorder import ClaimQueue, owners_use
 from gpuwarden.cluster.nodeview import (
     Timing,
+    heard_s_ago,
+    heartbeat_window_s,
     held_by,
     is_fresh,
     judged_view,
@@ -318,9 +328,9 @@ def claim(
     if not ids:
         return []
     lease_id = secrets.token_hex(8)
-    expires_at = now + lease_s
-    got = store.lease_jobs(node_name, ids, lease_id=lease_id, expires_at=expires_at, now=now)
-    return _payloads(store, got, lease_id, expires_at)
+    held = timing.held_until(now, lease_s)
+    got = store.lease_jobs(node_name, ids, lease_id=lease_id, expires_at=held, now=now)
+    return _payloads(store, got, lease_id, now + lease_s)
 
 
 def _granted_claim(
@@ -351,9 +361,9 @@ def _granted_claim(
     if not placement.offers_for(view, [off], [], now=now, affinity_wait_s=timing.affinity_wait_s):
         return []
     lease_id = secrets.token_hex(8)
-    expires_at = now + lease_s
-    got = store.lease_jobs(record.name, [job.id], lease_id=lease_id, expires_at=expires_at, now=now)
-    return _payloads(store, got, lease_id, expires_at)
+    held = timing.held_until(now, lease_s)
+    got = store.lease_jobs(record.name, [job.id], lease_id=lease_id, expires_at=held, now=now)
+    return _payloads(store, got, lease_id, now + lease_s)
 
 
 def _payloads(
@@ -388,15 +398,27 @@ def _payloads(
 
 
 def _held_lease(
-    store: ClusterStore, node_name: str, job_id: str, lease_id: str, now: float
+    store: ClusterStore,
+    node_name: str,
+    job_id: str,
+    lease_id: str,
+    now: float,
+    *,
+    lapsed_ok: bool = False,
 ) -> Lease:
+    """The node's lease ``lease_id`` on the job, or :class:`LeaseRefused`. With
+    ``lapsed_ok`` (an attempt's end and its outputs) a lease past its expiry is
+    taken while it is still there: nothing replaced it (a claim replaces a lapsed
+    lease, the sweep removes it when it ends the attempt), so no later attempt of
+    the job has started."""
     lease = store.lease_of(job_id)
     if lease is None or lease.node != node_name or lease.lease_id != lease_id:
         raise LeaseRefused(
-            f"job {job_id} is not leased to node {node_name} under lease {lease_id} (its lease "
-            "expired and went elsewhere, or the job ended): the report is refused"
+            f"job {job_id} is not leased to node {node_name} under lease {lease_id} any more "
+            "(the attempt was superseded: its lease expired and the job was taken back, or "
+            "the job ended): the report is refused"
         )
-    if not lease.live(now):
+    if not lease.live(now) and not lapsed_ok:
         raise LeaseRefused(
             f"the lease of node {node_name} on job {job_id} expired "
             f"{now - lease.expires_at:.1f} s ago: the report is refused"
@@ -417,8 +439,9 @@ def check_upload(
 def upload_lease(
     store: ClusterStore, node_name: str, job_id: str, *, lease_id: str, now: float
 ) -> Lease:
-    """:func:`check_upload`, answering with the lease itself (for :func:`finish`)."""
-    lease = _held_lease(store, node_name, job_id, lease_id, now)
+    """:func:`check_upload`, answering with the lease itself (for :func:`finish`).
+    A lapsed lease still there is taken (:func:`_held_lease`)."""
+    lease = _held_lease(store, node_name, job_id, lease_id, now, lapsed_ok=True)
     if not lease.started or lease.attempt is None:
         raise LeaseRefused(f"job {job_id} was never reported started by node {node_name}")
     return lease
@@ -450,6 +473,11 @@ def start(
     lease = _held_lease(store, node_name, job_id, lease_id, now)
     if lease.started and lease.attempt is not None:
         return {"attempt": lease.attempt}
+    if (begun := _begun_here(store, node_name, job_id)) is not None:
+        # the attempt was recorded but not the lease's start (the coordinator died
+        # between the two): the repeated report finds it
+        store.mark_lease_started(job_id, begun, lease_id=lease_id)
+        return {"attempt": begun}
     starter = _starter(store, node_name, job_id)
     for tries in range(_START_TRIES):
         try:
@@ -464,6 +492,19 @@ def start(
             time.sleep(0.01 * (tries + 1))
     store.mark_lease_started(job_id, attempt.number, lease_id=lease_id)
     return {"attempt": attempt.number}
+
+
+def _begun_here(store: ClusterStore, node_name: str, job_id: str) -> int | None:
+    """The number of the job's attempt running on ``node_name`` when it is running
+    there (its lease is that node's: no other attempt of it can be open)."""
+    job = store.get_job(job_id)
+    if job is None or job.state is not JobState.RUNNING:
+        return None
+    attempts = store.attempts(job_id)
+    last = attempts[-1] if attempts else None
+    if last is None or last.node != node_name or last.ended_at is not None:
+        return None
+    return last.number
 
 
 def _starter(store: ClusterStore, node_name: str, job_id: str) -> Callable[..., Any]:
@@ -592,11 +633,25 @@ def finish(
             detail=_image_detail(node_name, image),
         )
     except TransitionError as exc:
-        raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
+        repeat = _ended_alike(store, job_id, lease.attempt, outcome)
+        if repeat is None:
+            raise LeaseRefused(f"the end of job {job_id} is refused: {exc.message}") from None
+        # the same end again (its answer was lost, or the coordinator died before it
+        # dealt with the lease): what is left of it is done now
+        return _keep_or_drop(store, node_name, repeat, lease, release=release, now=now)
     store.stop_service_route(job_id, now)  # a service's attempt ended: kept as stopped
     if held_bytes and half_life_s > 0:
         charge(store, node_name, job, lease.attempt, held_bytes, now=now, half_life_s=half_life_s)
     return _keep_or_drop(store, node_name, job, lease, release=release, now=now)
+
+
+def _ended_alike(store: ClusterStore, job_id: str, number: int, outcome: str) -> Job | None:
+    """The job when its attempt ``number`` has ended already with ``outcome`` (a
+    finish report repeated), else None."""
+    ended = next((a for a in store.attempts(job_id) if a.number == number), None)
+    if ended is None or ended.ended_at is None or ended.outcome != outcome:
+        return None
+    return store.get_job(job_id)
 
 
 def _keep_or_drop(
@@ -694,7 +749,8 @@ def heartbeat(
     if record.state is NodeState.REVOKED:
         return {"state": record.state.value, "lease_s": lease_s, "renewed": 0, "cancels": []}
     held = list(dict.fromkeys(held))
-    renewed = store.renew_leases(node_name, now + lease_s, now=now, job_ids=held)
+    timing = timing or Timing(lease_s=lease_s)
+    renewed = store.renew_leases(node_name, timing.held_until(now, lease_s), now=now, job_ids=held)
     mine = {lease.job_id: lease for lease in store.leases(node_name)}
     record_routes(store, node_name, report, now, leases=mine, peer=peer)
     cancels: list[dict[str, Any]] = []
@@ -712,18 +768,25 @@ def heartbeat(
             store.drop_lease(job_id, lease_id=lease.lease_id)
         elif job.cancel_requested:
             cancels.append({"id": job_id, "reason": "cancelled by a client", "lost": False})
+    stopping = {c["id"] for c in cancels}
     answer: dict[str, Any] = {
         "state": record.state.value,
         "lease_s": lease_s,
         "renewed": renewed,
         "cancels": cancels,
     }
+    # per held job, the seconds its lease has left (its grace not counted): the agent
+    # tells each job's supervisor when to stop it on its own (self-fencing)
+    if held:
+        answer["leases"] = {
+            i: round(max(0.0, lease.expires_at - timing.fence_grace_s - now), 3)
+            for i, lease in mine.items()
+            if i in set(held) - stopping and lease.live(now)
+        }
     if record.state is NodeState.DRAINING and (grant := store.open_grant(node_name)):
         answer["grant"] = grant.job_id  # a draining node claims for this job alone
     if registry is not None:
-        stopping = {c["id"] for c in cancels}
         live = {i: lease for i, lease in mine.items() if lease.live(now) and i not in stopping}
-        timing = timing or Timing(lease_s=lease_s)
         jobs = preempt(store, registry, record, live, now, timing=timing, inputs_here=inputs_here)
         if asks := preempts_of(record, store.leases(node_name), now, held):
             answer["preempts"] = asks
@@ -779,9 +842,7 @@ def preempt(
     others = _others(store, record.name, counts, now, timing)
     payloads: list[dict[str, Any]] = []
     for chosen in placement.preemptions_for(view, queued, others, now=now):
-        payloads += _carry_out(
-            store, record.name, chosen, mine=mine, now=now, lease_s=timing.lease_s
-        )
+        payloads += _carry_out(store, record.name, chosen, mine=mine, now=now, timing=timing)
     return payloads
 
 
@@ -792,13 +853,13 @@ def _carry_out(
     *,
     mine: Mapping[str, Lease],
     now: float,
-    lease_s: float,
+    timing: Timing,
 ) -> list[dict[str, Any]]:
     """Lease the waiting job to the node, then mark its victims' leases."""
     lease_id = secrets.token_hex(8)
-    expires_at = now + lease_s
+    lease_s = timing.lease_s
     got = store.lease_jobs(
-        node, [chosen.for_job], lease_id=lease_id, expires_at=expires_at, now=now
+        node, [chosen.for_job], lease_id=lease_id, expires_at=timing.held_until(now), now=now
     )
     if not got:
         return []  # another node took it meanwhile: nothing is asked
@@ -811,7 +872,7 @@ def _carry_out(
             lease_id=lease.lease_id,
             for_job=chosen.for_job,
             now=now,
-            expires_at=now + v.grace_s + lease_s,
+            expires_at=timing.held_until(now, v.grace_s + lease_s),
         ):
             continue
         reason = (
@@ -835,7 +896,7 @@ def _carry_out(
                 },
             )
         )
-    return _payloads(store, got, lease_id, expires_at)
+    return _payloads(store, got, lease_id, now + lease_s)
 
 
 def preempts_of(
@@ -968,23 +1029,66 @@ def _reclaim(
     return ended
 
 
+def _at(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
+def lapse_reason(
+    store: ClusterStore,
+    lease: Lease,
+    now: float,
+    timing: Timing | None,
+    started_at: float | None,
+) -> str:
+    """Why the sweep takes back the job of an expired lease, from what the coordinator
+    knows: when the lease was last given or renewed (``timing``: the lease and grace
+    it was given with; None: not said), when the node was last heard from, and
+    whether this coordinator started after that (``started_at``: the gap may then be
+    its own: it was down, or the node could not reach it)."""
+    why = f"its node {lease.node} stopped renewing its lease"
+    renewed = None
+    if timing is not None:
+        renewed = lease.expires_at - timing.lease_s - timing.fence_grace_s
+        why += f" at {_at(renewed)}"
+    record = store.get_node(lease.node)
+    if record is None or heard_s_ago(record, now) > heartbeat_window_s(record):
+        heard = "never" if record is None or record.last_seen is None else _at(record.last_seen)
+        why += (
+            f" and has not been heard from since (last heard: {heard}): the node, its agent "
+            "or the network to it is down"
+        )
+    else:
+        why += (
+            " though it still sends heartbeats: it no longer holds the job (its agent "
+            "restarted, or stopped the job when it could not reach the coordinator)"
+        )
+    if started_at is not None and renewed is not None and renewed <= started_at + 1.0:
+        why += (
+            f"; the coordinator started at {_at(started_at)} (it was down or unreachable "
+            "before) and gave the lease a full period after that"
+        )
+    return why
+
+
 def sweep(
     store: ClusterStore,
     now: float,
     offline_after_s: float = 120.0,
     *,
     registry: Registry | None = None,
+    timing: Timing | None = None,
+    started_at: float | None = None,
 ) -> dict[str, Any]:
     """One maintenance pass, if this process holds the maintenance lock (else
     ``{"leader": False}``): expired leases, jobs cancelled while queued, stale
-    agents. Returns what it did."""
+    agents. Returns what it did. ``started_at``: when this coordinator started
+    (the reason of a job taken back says whether the lease lapsed across it)."""
     if not store.try_maintenance_lock():
         return {"leader": False}
     dropped = interrupted = offline = cancelled = 0
     for lease in store.expired_leases(now):
-        if _reclaim(
-            store, registry, lease, now, f"its node {lease.node} stopped renewing its lease"
-        ):
+        why = lapse_reason(store, lease, now, timing, started_at)
+        if _reclaim(store, registry, lease, now, why):
             interrupted += 1
         else:
             dropped += 1

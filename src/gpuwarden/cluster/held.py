@@ -40,6 +40,10 @@ class Held:
     #: the coordinator asked it to yield to this job, and its broker was asked:
     #: never again until the attempt's end is reported (a later attempt is not asked)
     asked_for: str | None = None
+    #: why it was lost (its end, if it ends here, is reported with this reason)
+    lost_reason: str = ""
+    #: the lease's end by this host's wall clock (what its supervisor is told)
+    until: float | None = None
 
 
 def held_rows(held: Iterable[Held]) -> tuple[tuple[str, str, str], ...]:

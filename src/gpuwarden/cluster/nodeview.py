@@ -36,6 +36,15 @@ class Timing:
     lease_s: float = 90.0
     offline_after_s: float = 120.0
     affinity_wait_s: float = 30.0
+    #: after a lease's end, how long the coordinator waits before another node may
+    #: have its job (``[cluster] fence_grace_s``): the time a silent agent's
+    #: supervisors take to stop their jobs on their own (self-fencing)
+    fence_grace_s: float = 0.0
+
+    def held_until(self, now: float, lease_s: float | None = None) -> float:
+        """The expiry the store keeps for a lease given or renewed at ``now``: the
+        lease the node is told (``lease_s``, default :attr:`lease_s`) and the grace."""
+        return now + (self.lease_s if lease_s is None else lease_s) + self.fence_grace_s
 
 
 def heartbeat_every_s(lease_s: float) -> float:

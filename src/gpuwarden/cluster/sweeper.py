@@ -19,6 +19,7 @@ from typing import Any
 
 from gpuwarden.cluster import logcopy
 from gpuwarden.cluster.coordinator import sweep
+from gpuwarden.cluster.nodeview import Timing
 from gpuwarden.config import ClusterSettings
 from gpuwarden.registry import Registry
 from gpuwarden.store.cluster import ClusterStore
@@ -54,10 +55,19 @@ class Sweeper:
         self._thread: threading.Thread | None = None
         self.last: dict[str, Any] = {}
         self.leader = False
+        #: when this coordinator started: every lease then got a full period
+        self.started_at: float | None = None
+        self.timing = Timing(
+            lease_s=settings.lease_s,
+            offline_after_s=settings.offline_after_s,
+            affinity_wait_s=settings.affinity_wait_s,
+            fence_grace_s=settings.fence_grace_s,
+        )
 
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
+        self.give_full_period()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="gpuwarden-sweeper", daemon=True)
         self._thread.start()
@@ -72,12 +82,32 @@ class Sweeper:
         except Exception:  # the store may be closed already
             log.debug("releasing the maintenance lock failed", exc_info=True)
 
+    def give_full_period(self) -> None:
+        """A coordinator that starts gives every lease a full period (and the grace)
+        from now: no lease is swept for the time no coordinator ran or could be
+        reached. Tried again by each sweep until the store takes it."""
+        now = self.clock()
+        try:
+            n = self.store.extend_leases(self.timing.held_until(now))
+        except Exception:  # the store may be unreachable now: the next sweep tries
+            log.warning("could not give the leases a full period yet", exc_info=True)
+            return
+        self.started_at = now
+        if n:
+            log.info("gave %d lease(s) a full period from the coordinator's start", n)
+
     def once(self) -> dict[str, Any]:
+        if self.started_at is None:
+            self.give_full_period()
+            if self.started_at is None:
+                return {"leader": False}
         got = sweep(
             self.store,
             self.clock(),
             self.settings.offline_after_s,
             registry=self.registry,
+            timing=self.timing,
+            started_at=self.started_at,
         )
         if bool(got.get("leader")) != self.leader:
             self.leader = bool(got.get("leader"))

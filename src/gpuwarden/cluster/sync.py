@@ -27,6 +27,7 @@ from gpuwarden.cluster.coordinator_client import (
 from gpuwarden.cluster.held import Held, held_rows, save_held
 from gpuwarden.cluster.logship import LogShipper
 from gpuwarden.cluster.nodeview import heartbeat_every_s
+from gpuwarden.cluster.outbox import Outbox, Saved
 from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
 from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNAL, SIGNALS, Preempt
@@ -36,6 +37,7 @@ from gpuwarden.core.sources import JobSource, check_source
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError
 from gpuwarden.intake.jobs import JOB_ID
+from gpuwarden.launch.supervisor import write_lease
 from gpuwarden.node.loop import Broker
 from gpuwarden.node.warmpool import ServerState
 from gpuwarden.store.base import DIRECT, DuplicateJobError, Store, Submission
@@ -47,6 +49,11 @@ _SHUTDOWN_OUTCOMES = frozenset({"shutdown"})
 
 #: the most reports sent in one request (``POST /v1/node/reports``)
 REPORT_BATCH = 64
+
+#: reports the coordinator could not be reached for are sent again after this many
+#: seconds, doubled after each failure up to :data:`RETRY_MAX_S`
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 10.0
 
 
 @dataclass
@@ -60,6 +67,10 @@ class _Report:
     not_uploaded: list[dict[str, str]] = field(default_factory=list)
     #: a finish: the local attempt it ends (its streams' last bytes go up first)
     attempt: int | None = None
+    #: its number in the durable outbox (None: not kept there)
+    seq: int | None = None
+    #: how many of its outputs the outbox's copy says went up already
+    kept_uploads: int = 0
 
 
 def _unknown_held(r: _Report, got: Refused) -> bool:
@@ -71,6 +82,12 @@ def _unknown_held(r: _Report, got: Refused) -> bool:
         and got.status == 422
         and "held_bytes" in got.message
     )
+
+
+def _after_its_start(r: _Report, batch: list[_Report]) -> bool:
+    """Whether ``r`` is a finish whose job's start is in ``batch`` (not sent yet): its
+    outputs are uploaded before the batch goes, and an upload needs the start."""
+    return r.kind == "finish" and any(b.kind == "start" and b.held is r.held for b in batch)
 
 
 def _service_name(value: Any) -> str | None:
@@ -106,6 +123,8 @@ class Agent:
         claim_every_s: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
         held_file: Path | None = None,
+        outbox: Outbox | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.broker = broker
         self.store: Store = broker.store
@@ -124,7 +143,19 @@ class Agent:
         self.held_file = held_file
         self._kept: tuple[tuple[str, str, str], ...] | None = None
         self._outbox: deque[_Report] = deque()
-        self._cursor = self.store.last_event_id()
+        #: where the reports are kept until answered (:mod:`gpuwarden.cluster.outbox`)
+        self.box = outbox
+        kept = outbox.cursor() if outbox is not None else None
+        self._cursor = kept if kept is not None else self.store.last_event_id()
+        if outbox is not None and kept is None:
+            # from here on: a restart reads again every event it had not made reports of
+            outbox.save_cursor(self._cursor)
+        #: this host's clock, as the supervisors read their lease files
+        self.wall = wall
+        #: (local id) -> (attempt, lease end) last written to its supervisor's lease file
+        self._fenced: dict[str, tuple[int, float]] = {}
+        self._send_after = -1e9
+        self._send_wait = RETRY_FIRST_S
         self._last_ok = monotonic()
         self._last_beat = -1e9
         self._last_claim = -1e9
@@ -166,17 +197,51 @@ class Agent:
         if self._may_claim():
             self._claim()
         self._keep_held()
+        self._fence()
 
-    def resume(self, saved: list[Held]) -> None:
+    def resume(self, saved: list[Held], others: list[Held] | None = None) -> None:
         """Hold again the jobs an earlier run of this agent held whose attempts the
         broker adopted (they run on, started): the next heartbeat renews their
-        leases (the same ids), or its answer says they were lost."""
+        leases (the same ids), or its answer says they were lost. ``others``: the
+        rest of what it held (their attempts ended, or were stopped, while no agent
+        ran): not held any more, but the end of each is still reported. Then the
+        reports the earlier run kept and got no answer for go again, first."""
         for h in saved:
             h.started = True
             self.held[h.job_id] = h
             self._by_local[h.local_id] = h.job_id
             log.info("job %s: adopted after a restart; holding lease %s", h.job_id, h.lease_id)
+        for h in others or ():
+            if h.job_id in self.held:
+                continue
+            h.started = True
+            h.lost = True
+            h.lost_reason = f"its node {self.node}'s agent restarted and the attempt was gone"
+            self.held[h.job_id] = h
+            self._by_local[h.local_id] = h.job_id
+        self._reload()
         self._keep_held()
+
+    def _reload(self) -> None:
+        """The reports the outbox kept (an earlier run got no answer for them), back
+        in order at the head of the queue, each with the job it is about."""
+        if self.box is None:
+            return
+        for saved in self.box.load():
+            h = self.held.get(saved.job_id)
+            if h is None or h.lease_id != saved.lease_id:
+                # not held any more (or under another lease): its report still goes
+                h = Held(saved.job_id, saved.local_id, saved.lease_id, started=True)
+                h.lost = True
+                h.lost_reason = "an earlier run of this agent held it"
+                self.held.setdefault(saved.job_id, h)
+                self._by_local.setdefault(saved.local_id, saved.job_id)
+            r = _Report(saved.kind, h, saved.body, attempt=saved.attempt, seq=saved.seq)
+            r.uploaded = set(saved.uploaded)
+            r.not_uploaded = list(saved.not_uploaded)
+            r.kept_uploads = len(r.uploaded)
+            self._outbox.append(r)
+            log.info("job %s: its %s report is sent again after a restart", h.job_id, r.kind)
 
     def _keep_held(self) -> None:
         """Write the held leases to :attr:`held_file` when they changed."""
@@ -191,25 +256,37 @@ class Agent:
         self._kept = rows
 
     def holding(self) -> list[str]:
-        """The ids the coordinator should keep leased to this node."""
+        """The ids the coordinator should keep leased to this node: the jobs not lost
+        (one that ended here is held until its end is reported)."""
         return [h.job_id for h in self.held.values() if not h.lost]
 
     def _busy(self) -> int:
         return len([h for h in self.held.values() if not h.ended])
 
     def _watchdog(self) -> None:
-        """No answered heartbeat for too long: the leases may be gone; stop it all."""
+        """No answered heartbeat for too long: the leases may be gone; stop every job
+        still running or waiting here (a finished one's report waits in the outbox)."""
         silent = self.monotonic() - self._last_ok
         if silent <= self.stop_after_s:
             return
         for h in self.held.values():
             if not h.lost and not h.ended:
-                self._lose(h, f"lost its lease: no answer from the coordinator for {silent:.0f} s")
+                self._lose(
+                    h,
+                    f"its node {self.node} stopped it: the coordinator did not answer for "
+                    f"{silent:.0f} s, so its lease may have ended",
+                )
 
     def _lose(self, h: Held, reason: str) -> None:
-        """Stop the job here and never report it."""
+        """Stop the job here: its lease is gone or may be. Its reports still go (each
+        is fenced by its lease id: refused if another attempt superseded it), and an
+        end it has here is reported with ``reason`` and given back."""
         h.lost = True
-        self._outbox = deque(r for r in self._outbox if r.held is not h)
+        h.lost_reason = reason
+        for r in self._outbox:
+            if r.held is h and r.kind == "finish" and r.body.get("state") == JobState.QUEUED.value:
+                r.body["release"] = True  # its retry will not run here: offered again
+                self._keep(r)
         job = self.store.get_job(h.local_id)
         now = self.broker.clock()
         self.store.add_event(
@@ -329,6 +406,7 @@ class Agent:
 
     def _heartbeat(self) -> None:
         sent = self.monotonic()
+        sent_wall = self.wall()
         self._last_beat = sent
         try:
             # only a heartbeat carries the services' routes (with their credentials)
@@ -341,6 +419,7 @@ class Agent:
             self._warn(f"heartbeat refused: {exc.message}")
             return
         self._last_ok = sent
+        self._renewed(answer, sent_wall)
         # the coordinator holds each service's current credential now: one a lease
         # old is replaced (the forwarder takes the one before it until the next beat)
         now = self.broker.clock()
@@ -352,7 +431,7 @@ class Agent:
         if lease_s != self.lease_s:
             self.set_lease(lease_s)
         for job in answer.get("jobs", []):  # leased for the room a preemption makes
-            self._take(job)
+            self._take(job, until=sent_wall + lease_s)
         for ask in answer.get("preempts", []):
             self._preempt(ask)
         for cancel in answer.get("cancels", []):
@@ -368,6 +447,44 @@ class Agent:
                     with contextlib.suppress(UserError):
                         self.store.request_cancel(h.local_id, now=self.broker.clock())
                         log.info("job %s: %s; stopping it", h.job_id, reason)
+
+    def _renewed(self, answer: dict[str, Any], sent_wall: float) -> None:
+        """The lease ends a heartbeat's answer gives the held jobs, by this host's
+        clock: from when the heartbeat was sent (so never later than the
+        coordinator's end), each job's time left (``leases``), or the lease length
+        for every held job from a coordinator that does not say."""
+        left = answer.get("leases")
+        lease_s = float(answer.get("lease_s", self.lease_s))
+        for h in self.held.values():
+            if h.lost:
+                continue
+            if not isinstance(left, dict):
+                h.until = sent_wall + lease_s
+            elif isinstance(got := left.get(h.job_id), int | float):
+                h.until = sent_wall + float(got)
+
+    def _fence(self) -> None:
+        """Tell the supervisor of each running attempt held here its lease's end
+        (``supervisor/lease`` in the attempt's folder): a supervisor whose lease
+        passes unrenewed stops its job on its own, so a job of an agent that died
+        never runs beside its retry elsewhere. Written when the attempt starts and
+        each time the lease is renewed."""
+        running = self.broker.attempts.by_job
+        for h in self.held.values():
+            run = running.get(h.local_id)
+            if run is None or h.until is None or h.lost:
+                continue
+            mark = (run.attempt.number, h.until)
+            if self._fenced.get(h.local_id) == mark or not run.attempt_dir.is_dir():
+                continue  # told already, or its folder is not laid out yet
+            try:
+                write_lease(str(run.attempt_dir), h.until)
+            except OSError as exc:
+                self._warn(f"job {h.job_id}: its lease file could not be written: {exc}")
+                continue
+            self._fenced[h.local_id] = mark
+        for local in [x for x in self._fenced if x not in running]:
+            del self._fenced[local]
 
     def _preempt(self, ask: dict[str, Any]) -> None:
         """The coordinator chose a job held here to yield to a waiting one (sent at
@@ -427,6 +544,7 @@ class Agent:
         self._last_claim = self.monotonic()
         self._claim_now = False
         want = self.max_jobs - self._busy()
+        sent_wall = self.wall()
         try:
             answer = self.coordinator.claim(self.report(), want, self.holding())
         except (CoordinatorError, Refused) as exc:
@@ -434,12 +552,13 @@ class Agent:
             return
         self._take_state(str(answer.get("state", "active")))
         jobs = answer.get("jobs", [])
+        lease_s = float(answer.get("lease_s", self.lease_s))
         for job in jobs:
-            self._take(job)
+            self._take(job, until=sent_wall + lease_s)
         if want > 0 and len(jobs) >= want:
             self._claim_now = True  # there may be more: ask again once there is room
 
-    def _take(self, payload: dict[str, Any]) -> None:
+    def _take(self, payload: dict[str, Any], until: float | None = None) -> None:
         """Put a leased job into the local queue."""
         job_id = str(payload["id"])
         local_id = job_id
@@ -483,6 +602,7 @@ class Agent:
             log.error("leased job %s could not be queued here: %s", job_id, exc)
             return
         h = Held(job_id=job_id, local_id=local_id, lease_id=str(payload["lease_id"]))
+        h.until = until if until is not None else self.wall() + self.lease_s
         self.held[job_id] = h
         self._by_local[local_id] = job_id
         self._keep_held()
@@ -491,43 +611,88 @@ class Agent:
     # -- reports ----------------------------------------------------------------
 
     def _collect(self) -> None:
-        """Turn new local events of held jobs into reports, in order."""
+        """Turn new local events of held jobs into reports, in order (a lost job's
+        too: its end goes, fenced by its lease). The outbox keeps the reports, then
+        the cursor."""
+        made = len(self._outbox)
+        start = self._cursor
         while True:
             events = self.store.events(after_id=self._cursor, limit=1000)
             if not events:
-                return
+                break
             for ev in events:
                 self._cursor = ev.id or self._cursor
                 if ev.kind != "transition" or ev.job_id not in self._by_local:
                     continue
                 h = self.held.get(self._by_local[ev.job_id])
-                if h is None or h.lost:
+                if h is None:
                     continue
                 self._on_transition(h, ev)
+        if self.box is not None and self._cursor != start and len(self._outbox) != made:
+            try:
+                self.box.save_cursor(self._cursor)
+            except OSError as exc:  # the reports are kept: made again at worst
+                self._warn(f"the outbox cursor could not be written: {exc}")
+
+    def _queue(self, r: _Report) -> None:
+        """Queue a report to send, kept in the outbox first."""
+        self._keep(r)
+        self._outbox.append(r)
+
+    def _keep(self, r: _Report) -> None:
+        """Write ``r`` to the outbox (again, when it is there already)."""
+        if self.box is None:
+            return
+        saved = Saved(
+            seq=r.seq or 0,
+            kind=r.kind,
+            job_id=r.held.job_id,
+            local_id=r.held.local_id,
+            lease_id=r.held.lease_id,
+            body=r.body,
+            attempt=r.attempt,
+            uploaded=sorted(r.uploaded),
+            not_uploaded=r.not_uploaded,
+        )
+        try:
+            if r.seq is None:
+                r.seq = self.box.put(saved)
+            else:
+                self.box.update(saved)
+            r.kept_uploads = len(r.uploaded)
+        except (OSError, TypeError, ValueError) as exc:
+            log.error("job %s: its %s report could not be kept: %s", r.held.job_id, r.kind, exc)
+
+    def _answered_for_good(self, r: _Report) -> None:
+        """The coordinator answered ``r`` (took it or refused it for good): it goes."""
+        if self.box is not None and r.seq is not None:
+            self.box.done(r.seq)
 
     def _on_transition(self, h: Held, ev: Event) -> None:
         to, frm = ev.to_state, ev.from_state
         if to == JobState.RUNNING.value:
-            self._outbox.append(_Report("start", h, {"gpu": ev.detail.get("gpu")}))
+            # (a lost job is cancelled here before it can start: a start of one is
+            # from before, read again after a restart, and its end needs it)
+            self._queue(_Report("start", h, {"gpu": ev.detail.get("gpu")}))
             return
         if frm == JobState.RUNNING.value:
             number = ev.detail.get("attempt")
             attempt = number if isinstance(number, int) else None
-            self._outbox.append(_Report("finish", h, self._finish_body(h, ev), attempt=attempt))
-            if to != JobState.QUEUED.value:
+            self._queue(_Report("finish", h, self._finish_body(h, ev), attempt=attempt))
+            if to != JobState.QUEUED.value or h.lost:
                 h.ended = True
             self._claim_now = True
             return
         if frm == JobState.QUEUED.value and to == JobState.FAILED.value:
             # refused here before it ran (its type is gone, the launch rules say no)
-            self._outbox.append(_Report("start", h, {"gpu": None}))
+            self._queue(_Report("start", h, {"gpu": None}))
             body = {
                 "state": to,
                 "outcome": "launch_error",
                 "reason": str(ev.detail.get("reason", "")),
                 "result": {"message": str(ev.detail.get("reason", ""))},
             }
-            self._outbox.append(_Report("finish", h, body))
+            self._queue(_Report("finish", h, body))
             h.ended = True
             self._claim_now = True
         elif to in (JobState.CANCELLED.value, JobState.FAILED.value):
@@ -567,26 +732,49 @@ class Agent:
                 reason=f"its node {self.node} shut down while it ran",
                 release=True,
             )
+        elif h.lost and state in (JobState.CANCELLED.value, JobState.QUEUED.value):
+            # stopped here because its lease was lost (or may be): not the job's end,
+            # nor a retry here; given back, saying why
+            body.update(
+                state=JobState.QUEUED.value,
+                outcome="interrupted",
+                reason=h.lost_reason or reason,
+                release=True,
+            )
         return body
 
     def _send(self) -> None:
         """Send the reports in order: several in one request (``POST
-        /v1/node/reports``) where the coordinator has it, else one request each."""
+        /v1/node/reports``) where the coordinator has it, else one request each.
+        One the coordinator could not be reached for, or failed (5xx: its store may
+        be unreachable), stays first in line and goes again after a backoff
+        (:data:`RETRY_FIRST_S` doubling to :data:`RETRY_MAX_S`); it stays in the
+        outbox until answered."""
+        if self._outbox and self.monotonic() < self._send_after:
+            return
         while self._outbox:
-            if self.monotonic() - self._last_ok > self.stop_after_s:
-                self._watchdog()  # too late to report anything held
-                return
             batch = [self._outbox.popleft()]
             while self._batched and self._outbox and len(batch) < REPORT_BATCH:
+                if _after_its_start(self._outbox[0], batch):
+                    break  # its outputs go up once its start is taken: the next batch
                 batch.append(self._outbox.popleft())
             try:
                 answers = self._deliver(batch)
             except CoordinatorError as exc:
                 self._outbox.extendleft(reversed(batch))
-                self._warn(f"report failed, will retry: {exc.message}")
+                for r in batch:
+                    if len(r.uploaded) != r.kept_uploads:
+                        self._keep(r)  # what went up already is not sent again
+                self._send_after = self.monotonic() + self._send_wait
+                self._warn(
+                    f"{len(batch)} report(s) not delivered, kept and sent again in "
+                    f"{self._send_wait:g} s: {exc.message}"
+                )
+                self._send_wait = min(RETRY_MAX_S, self._send_wait * 2)
                 return
+            self._send_wait = RETRY_FIRST_S
             for r, got in zip(batch, answers, strict=True):
-                if got is not None and not r.held.lost:
+                if got is not None:
                     self._answered(r, got)
 
     def _deliver(self, batch: list[_Report]) -> list[dict[str, Any] | Refused | None]:
@@ -646,15 +834,21 @@ class Agent:
             return exc
 
     def _answered(self, r: _Report, got: dict[str, Any] | Refused) -> None:
-        """What the coordinator said of one report."""
+        """What the coordinator said of one report. A refusal (4xx) is final: the
+        coordinator says the report can never be taken (its attempt was superseded,
+        the job ended); it is dropped, and an event says so."""
         if isinstance(got, Refused) and _unknown_held(r, got):
             # a coordinator that does not know the field (an older one): again without
             self._held_ok = False
             r.body.pop("held_bytes")
+            self._keep(r)
             self._outbox.appendleft(r)
             return
+        self._answered_for_good(r)
         if isinstance(got, Refused):
-            log.warning("job %s: %s report refused: %s", r.held.job_id, r.kind, got.message)
+            self._dropped(r, got)
+            if r.held.lost:
+                return
             if r.kind == "start":
                 self._lose(r.held, f"its start was refused: {got.message}")
                 return
@@ -664,6 +858,8 @@ class Agent:
                 # a retry here the coordinator does not know of: it must not run
                 self._lose(r.held, f"its report was refused: {got.message}")
             return
+        if r.held.lost:
+            return  # stopped here already: nothing more to do
         if r.kind == "start":
             r.held.started = True
             return
@@ -672,6 +868,25 @@ class Agent:
             # the coordinator ended it (quarantined past its retries, cancelled)
             r.held.ended = True
             self._lose(r.held, f"the coordinator ended it ({got.get('state')})")
+
+    def _dropped(self, r: _Report, got: Refused) -> None:
+        """Say that the coordinator refused ``r`` for good, and that it was dropped."""
+        log.warning(
+            "job %s: %s report refused for good (%s), dropped: %s",
+            r.held.job_id, r.kind, got.status, got.message,
+        )  # fmt: skip
+        detail = {"report": r.kind, "status": got.status, "reason": got.message}
+        if r.attempt is not None:
+            detail["attempt"] = r.attempt
+        with contextlib.suppress(Exception):  # the event is a courtesy; the log has it
+            self.store.add_event(
+                Event(
+                    ts=self.broker.clock(),
+                    kind="report_dropped",
+                    job_id=r.held.local_id,
+                    detail=detail,
+                )
+            )
 
     def _ship_logs(self) -> None:
         """Send the new bytes of each running attempt's streams, and the last bytes
@@ -716,10 +931,13 @@ class Agent:
             if not h.lost:
                 self._lose(h, reason)
         self._outbox.clear()
+        if self.box is not None:
+            self.box.clear()
 
     def final_reports(self) -> None:
         """After the broker stopped: report what ended (one try each)."""
         self.stopping = True
+        self._send_after = -1e9
         with contextlib.suppress(CredentialRefused):
             self._collect()
             self._send()

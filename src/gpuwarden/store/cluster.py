@@ -252,6 +252,12 @@ class ClusterStore(Store):
         to ``expires_at``; an expired lease is never brought back. Return how many."""
 
     @abc.abstractmethod
+    def extend_leases(self, expires_at: float) -> int:
+        """Move the expiry of every lease that ends before ``expires_at`` to
+        ``expires_at`` (a coordinator that just started gives each lease a full
+        period: none is swept for the time no coordinator ran). Return how many."""
+
+    @abc.abstractmethod
     def leases(self, node: str | None = None) -> list[Lease]:
         """Every lease (of ``node``), live or expired, oldest first."""
 

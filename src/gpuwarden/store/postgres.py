@@ -59,7 +59,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from gpuwarden.core.model import Event, Job, JobSpec
-from gpuwarden.errors import ConfigError
+from gpuwarden.errors import ConfigError, StoreUnavailable
 from gpuwarden.store.base import DuplicateJobError, Submission
 from gpuwarden.store.postgres_cluster import MaintenanceLock
 from gpuwarden.store.queries import load_dialect, load_migrations
@@ -79,6 +79,11 @@ _SUBMIT_TRIES = 3
 #: handed out; one used more recently is not (a check per checkout was a round trip
 #: for every store call, the most frequent statement under load)
 IDLE_CHECK_S = 2.0
+#: seconds a store call waits for a pooled connection (the server unreachable: the
+#: call fails as :class:`StoreUnavailable` after this, not after psycopg's 30 s)
+POOL_WAIT_S = 10.0
+#: what a client is told to wait before it tries again while the server is unreachable
+RETRY_AFTER_S = 2.0
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
@@ -128,6 +133,7 @@ class PostgresStore(SqlClusterStore[Conn]):
             configure=self._configure,
             check=self._check,
             name="gpuwarden-store",
+            timeout=POOL_WAIT_S,
         )
         try:
             self._pool.open(wait=True, timeout=POOL_OPEN_TIMEOUT_S)
@@ -206,7 +212,7 @@ class PostgresStore(SqlClusterStore[Conn]):
 
     @contextlib.contextmanager
     def _write(self) -> Iterator[Conn]:
-        with self._pool.connection() as conn:
+        with self._reachable(), self._pool.connection() as conn:
             try:
                 with conn.transaction():
                     yield conn
@@ -215,11 +221,29 @@ class PostgresStore(SqlClusterStore[Conn]):
 
     @contextlib.contextmanager
     def _connection(self) -> Iterator[Conn]:
-        with self._pool.connection() as conn:
+        with self._reachable(), self._pool.connection() as conn:
             try:
                 yield conn
             finally:
                 self._used[conn] = time.monotonic()
+
+    @contextlib.contextmanager
+    def _reachable(self) -> Iterator[None]:
+        """Raise a lost or refused connection, or no pooled connection in time, as
+        :class:`StoreUnavailable` (what the API answers with 503): nothing above the
+        store knows psycopg. A deadlock or a serialization abort stays itself (the
+        store's own retries catch it)."""
+        try:
+            yield
+        except pg_errors.TransactionRollback:
+            raise
+        except (psycopg.OperationalError, PoolTimeout) as exc:
+            why = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise StoreUnavailable(
+                f"the store is unreachable (PostgreSQL): retry in {RETRY_AFTER_S:.0f} s",
+                retry_after_s=RETRY_AFTER_S,
+                detail=f"PostgreSQL at {self._shown}: {why}",
+            ) from exc
 
     def migrate(self) -> list[int]:
         """Apply the migrations not applied yet; return the versions applied.
@@ -260,7 +284,7 @@ class PostgresStore(SqlClusterStore[Conn]):
     def unavailable(self, exc: BaseException) -> bool:
         # connection lost or refused, server shutting down, serialization and
         # deadlock aborts (psycopg's OperationalError family); no pooled connection
-        return isinstance(exc, psycopg.OperationalError | PoolTimeout)
+        return isinstance(exc, psycopg.OperationalError | PoolTimeout | StoreUnavailable)
 
     def close(self) -> None:
         self._pool.close()

@@ -273,6 +273,9 @@ class SqlClusterStore(SqlRecordStore[C], ClusterStore):
             {"node": node, "expires_at": expires_at, "now": now, "ids": self._ids(list(job_ids))},
         )
 
+    def extend_leases(self, expires_at: float) -> int:
+        return self._write_one("extend_leases", {"expires_at": expires_at})
+
     def leases(self, node: str | None = None) -> list[Lease]:
         found = (
             self._read("leases_all") if node is None else self._read("leases_of_node", node=node)

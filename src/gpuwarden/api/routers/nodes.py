@@ -223,7 +223,10 @@ def cluster_store(ctx: ApiContext) -> ClusterStore:
 def timing(ctx: ApiContext) -> Timing:
     c = ctx.config.cluster
     return Timing(
-        lease_s=c.lease_s, offline_after_s=c.offline_after_s, affinity_wait_s=c.affinity_wait_s
+        lease_s=c.lease_s,
+        offline_after_s=c.offline_after_s,
+        affinity_wait_s=c.affinity_wait_s,
+        fence_grace_s=c.fence_grace_s,
     )
 
 

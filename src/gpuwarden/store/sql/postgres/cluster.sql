@@ -105,6 +105,10 @@ UPDATE leases SET expires_at = %(expires_at)s
  WHERE node = %(node)s AND expires_at > %(now)s AND preempt_for IS NULL
    AND job_id = ANY(%(ids)s::text[]);
 
+-- name: extend_leases
+-- a coordinator that just started: every lease lasts at least until expires_at
+UPDATE leases SET expires_at = %(expires_at)s WHERE expires_at < %(expires_at)s;
+
 -- name: leases_all
 SELECT * FROM leases ORDER BY leased_at, job_id;
 

@@ -76,6 +76,10 @@ UPDATE leases SET expires_at = :expires_at
  WHERE node = :node AND expires_at > :now AND preempt_for IS NULL
    AND job_id IN (SELECT value FROM json_each(:ids));
 
+-- name: extend_leases
+-- a coordinator that just started: every lease lasts at least until expires_at
+UPDATE leases SET expires_at = :expires_at WHERE expires_at < :expires_at;
+
 -- name: leases_all
 SELECT * FROM leases ORDER BY leased_at, job_id;
 
