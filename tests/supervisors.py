@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -82,9 +83,22 @@ def _alive(pid: int) -> bool:
 
 
 def stop_orphans(under: Path) -> list[int]:
-    """Stop the supervisors of attempts under ``under`` whose broker is gone;
+    """Stop the supervisors of attempts under ``under`` whose broker is gone, and
+    remove the containers they ran (a container outlives its podman client);
     their pids."""
     found = orphans(under)
     if found:
+        names = [n for args in map(supervisors().get, found) if args and (n := container(args))]
         stop(found)
+        for name in names:
+            subprocess.run(["podman", "rm", "--force", name], capture_output=True, check=False)
     return found
+
+
+def container(args: list[bytes]) -> str | None:
+    """The container a supervisor's command runs (``podman run --name NAME``), if any."""
+    if b"--name" in args and any(a.endswith((b"/podman", b"podman")) for a in args):
+        at = args.index(b"--name")
+        if at + 1 < len(args):
+            return os.fsdecode(args[at + 1])
+    return None
