@@ -40,6 +40,18 @@ def _no_orphaned_supervisors(tmp_path_factory: pytest.TempPathFactory) -> Iterat
     supervisors.stop_orphans(tmp_path_factory.getbasetemp())
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_orphaned_supervisors_of_the_module(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    """The same after a module's own fixtures are torn down (an autouse fixture
+    is set up first, so torn down last): a module-scoped cluster's agents,
+    stopped with SIGTERM, leave their services running, which would hold their
+    ports into the next module."""
+    yield
+    supervisors.stop_orphans(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture(scope="session")
 def pg_url() -> str:
     """The test server's URL; skips (fails where GPUWARDEN_REQUIRE_POSTGRES=1) when it
