@@ -22,6 +22,7 @@ import pytest
 
 from tests.acceptance.test_cluster import Cluster, _events, wait_for
 from tests.acceptance.test_cluster_preemption import running_cluster
+from tests.acceptance.test_outlive import alive, lines
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,24 +38,6 @@ def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         pg_url, tmp, agents, lease_s=LEASE_S, cluster_config={"fence_grace_s": FENCE_GRACE_S}
     ) as c:
         yield c
-
-
-def lines(ledger: Path) -> list[tuple[str, str, str, int]]:
-    if not ledger.exists():
-        return []
-    out = []
-    for line in ledger.read_text().splitlines():
-        what, job, attempt, pid = line.split()
-        out.append((what, job, attempt, int(pid)))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(") ", 1)[1][0] not in "ZX"
 
 
 def holder(c: Cluster, job_id: str) -> str | None:

@@ -243,3 +243,14 @@ def _finite(value: object) -> object:
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
     return value
+
+
+def test_a_supervisor_folder_that_is_a_link_is_not_read(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "exit.json").write_text('{"v": 1, "exit_code": 0}')
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    (attempt / "supervisor").symlink_to(elsewhere)  # the attack, planted first
+    assert (attempt / "supervisor" / "exit.json").read_text().startswith("{")
+    assert recorded_end(str(attempt)) is None

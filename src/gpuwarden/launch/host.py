@@ -557,13 +557,18 @@ class SupervisorRecord(NamedTuple):
     max_rss_kib: int
 
 
-def _record_json(path: str) -> dict[str, Any] | None:
-    raw = supervisor.read_small(path)
-    if raw is None:
-        return None
+#: the most a supervisor's record may hold
+_RECORD_MAX = 65536
+
+
+def _record_json(attempt_dir: str, name: str) -> dict[str, Any] | None:
+    """A supervisor's record ``name`` in the attempt's folder, read through
+    :mod:`gpuwarden.safefs` (no link below the attempt's folder, a regular file,
+    bounded), or None."""
     try:
+        raw = safefs.read_bytes(Path(supervisor.FOLDER, name), _RECORD_MAX, under=attempt_dir)
         data = json.loads(raw)
-    except ValueError:
+    except (OSError, safefs.UnsafePathError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("v") == 1 else None
 
@@ -581,7 +586,7 @@ def recorded_end(attempt_dir: str) -> SupervisorRecord | None:
     has not ended, or the file is missing, a link, too large or not a record:
     the file is the broker's, but a job may have reached it, so nothing in it is
     trusted beyond its types)."""
-    data = _record_json(str(Path(supervisor.folder_of(attempt_dir), supervisor.EXIT)))
+    data = _record_json(attempt_dir, supervisor.EXIT)
     if data is None:
         return None
     code = _typed(data, "exit_code", int, None)
@@ -612,7 +617,7 @@ def live_supervisor(attempt_dir: str, marker: str) -> LiveSupervisor | None:
     process its ``started.json`` names has the same start time and boot id (a
     reused pid does not), its command line carries ``marker``, and it has not
     written its exit record. None otherwise."""
-    data = _record_json(str(Path(supervisor.folder_of(attempt_dir), supervisor.STARTED)))
+    data = _record_json(attempt_dir, supervisor.STARTED)
     if data is None or data.get("marker") != marker:
         return None
     pid, ticks = _typed(data, "pid", int, 0), _typed(data, "start_ticks", int, None)

@@ -59,7 +59,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -167,6 +167,15 @@ class JobReport:
     error: str | None
     #: messages dropped while waiting (stale epoch or attempt), for the caller to log
     stale_dropped: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+def _ready_numbers(msg: Mapping[str, Any]) -> tuple[float, int | None]:
+    """The load time and device bytes of a ``ready`` message, checked."""
+    load_s = field(msg, "load_s", float)
+    device_bytes = optional_field(msg, "device_bytes", int)
+    if load_s < 0 or (device_bytes is not None and device_bytes < 0):
+        raise ProtocolError("the 'ready' message has a negative load_s or device_bytes")
+    return load_s, device_bytes
 
 
 def placement_check(report: LoadReport, expected_bytes: int | None) -> str | None:
@@ -352,7 +361,7 @@ class WarmProcess:
             daemon=True,
         )
         self._thread.start()
-        try:
+        with self._failing():
             self._accept(deadline, load_timeout_s)
             hello = self._receive(deadline, lambda: self._load_timeout("say hello", load_timeout_s))
             self._expect_own(hello, "hello")
@@ -365,24 +374,13 @@ class WarmProcess:
                     "load_failed", f"the model failed to load: {field(msg, 'error', str)}"
                 )
             self._ready_seen = True
-            load_s = field(msg, "load_s", float)
-            device_bytes = optional_field(msg, "device_bytes", int)
-            if load_s < 0 or (device_bytes is not None and device_bytes < 0):
-                raise ProtocolError("the 'ready' message has a negative load_s or device_bytes")
+            load_s, device_bytes = _ready_numbers(msg)
             # the launcher reports the pid right after the start: at once, in practice
             self._pid_known.wait(1.0)
             report = LoadReport(load_s, device_bytes, self._pid or hello_pid)
             refused = placement_check(report, expected_device_bytes)
             if refused is not None:
                 raise _Failure("placement", refused)
-        except ProtocolError as exc:
-            raise self._fail(_Failure("protocol", f"protocol error: {exc.message}")) from None
-        except PeerClosed:
-            raise self._fail(
-                _Failure("crashed", "the serve worker closed the connection", with_exit=True)
-            ) from None
-        except _Failure as failure:
-            raise self._fail(failure) from None
         self._loaded = True
         log.info(
             "serve worker epoch %d (pid %d) loaded in %.2f s, %s bytes on the device",
@@ -392,6 +390,21 @@ class WarmProcess:
             report.device_bytes,
         )
         return report
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """A start or a take-over: any failure stops the worker and is raised as a
+        :class:`ServeError` (protocol error, the worker gone, or what it said)."""
+        try:
+            yield
+        except ProtocolError as exc:
+            raise self._fail(_Failure("protocol", f"protocol error: {exc.message}")) from None
+        except PeerClosed:
+            raise self._fail(
+                _Failure("crashed", "the serve worker closed the connection", with_exit=True)
+            ) from None
+        except _Failure as failure:
+            raise self._fail(failure) from None
 
     # -- a worker an earlier broker left ------------------------------------------
 
@@ -417,7 +430,7 @@ class WarmProcess:
         except OSError as exc:
             reason = f"cannot listen on the serve socket {self._socket_path}: {exc}"
             raise ServeError(reason, kind="start", launch_result=self.stop(reason)) from exc
-        try:
+        with self._failing():
             self._accept(deadline, wait_s)
             hello = self._receive(deadline, lambda: self._load_timeout("come back", wait_s))
             self._expect_own(hello, "hello")
@@ -426,18 +439,7 @@ class WarmProcess:
             if msg.get("resumed") is not True:
                 raise ProtocolError("the worker loaded its model again instead of resuming")
             self._ready_seen = True
-            load_s = field(msg, "load_s", float)
-            device_bytes = optional_field(msg, "device_bytes", int)
-            if load_s < 0 or (device_bytes is not None and device_bytes < 0):
-                raise ProtocolError("the 'ready' message has a negative load_s or device_bytes")
-        except ProtocolError as exc:
-            raise self._fail(_Failure("protocol", f"protocol error: {exc.message}")) from None
-        except PeerClosed:
-            raise self._fail(
-                _Failure("crashed", "the serve worker closed the connection", with_exit=True)
-            ) from None
-        except _Failure as failure:
-            raise self._fail(failure) from None
+            load_s, device_bytes = _ready_numbers(msg)
         self._loaded = True
         log.info("serve worker epoch %d (supervisor pid %d) taken over", self._epoch, pid)
         return LoadReport(load_s, device_bytes, pid)
