@@ -243,6 +243,25 @@ class SandboxSettings(_Section):
     python: str = "python3"
 
 
+class CommandSettings(_Section):
+    """``[commands]``: who may run a command job (SPEC.md, "Command jobs")."""
+
+    #: local users (names or uids) whose commands this node runs on the host, as
+    #: themselves; empty: root and the owner of the state directory
+    users: list[str] = Field(default_factory=list)
+    #: local groups whose members may too
+    groups: list[str] = Field(default_factory=list)
+    #: API roles whose tokens may submit command jobs over HTTP, through a bundle
+    #: or to a cluster's agents: those run only sandboxed; empty: none
+    roles: list[Literal["owner", "operator", "submitter"]] = Field(default_factory=list)
+    #: bundles dropped in a queue root may hold command jobs (sandboxed)
+    bundles: bool = False
+    #: the node's local socket (``gpuwarden run`` as any allowed user); empty: the
+    #: state directory's ``gpuwarden.sock`` (the state directory must then be
+    #: searchable by those users)
+    socket: Path | None = None
+
+
 class ModuleSettings(_Section):
     """``[modules.<name>]``: what the broker gives every job and warm server of the
     types of one module (SPEC.md, "[modules.<name>]"); a table per module."""
@@ -330,6 +349,7 @@ class Config(_Section):
     #: with a real runtime: run host types too (unsandboxed)
     allow_host_jobs: bool = False
     sandbox: SandboxSettings = SandboxSettings()
+    commands: CommandSettings = CommandSettings()
     #: the managed runtimes (issue 15: registered, not yet driven by the broker)
     runtimes: list[RuntimeSettings] = Field(default_factory=list)
     #: the GPU lock file's path template ("/run/gpuwarden/GPU-<uuid>.lock"), "": off

@@ -35,6 +35,7 @@ from typing import Annotated, Any, Literal, Protocol
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpuwarden.core import command
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import (
     GIB,
@@ -449,6 +450,50 @@ class SourceReader(Protocol):
         ...
 
 
+def command_job_type(type_name: str) -> JobType:
+    """The type of a command job (``command:NAME[options]``, SPEC.md "Command
+    jobs"): no module; its command is the job's own. :class:`ValueError` when
+    ``type_name`` is not a valid command type."""
+    _name, options = command.parse_type(type_name)
+    return JobType(
+        name=type_name,
+        module="command",
+        module_dir="",  # none: nothing of a module is mounted in its sandbox
+        lane=Lane.VRAM,
+        launch=LaunchMode.CONTAINER if options.sandbox else LaunchMode.HOST,
+        command=(),
+        coresident=options.share,
+        timeout_s=options.timeout_s or command.DEFAULT_TIMEOUT_S,
+        preemptible=options.preempt is not None,
+        checkpoint_signal=options.preempt or DEFAULT_SIGNAL,
+        description="a command job (gpuwarden run / submit -- CMD)",
+    )
+
+
+class _Types(dict[str, JobType]):
+    """The types by name; a command job's type (``command:...``) is made the
+    first time it is asked for, so that every reader of a job's type finds it."""
+
+    def __missing__(self, key: str) -> JobType:
+        if not command.is_command_type(key):
+            raise KeyError(key)
+        try:
+            jobtype = command_job_type(key)
+        except ValueError:
+            raise KeyError(key) from None
+        self[key] = jobtype
+        return jobtype
+
+    def get(self, key: str, default: JobType | None = None) -> JobType | None:  # type: ignore[override]
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.get(key) is not None
+
+
 class Registry:
     """Every job type of every module found, and the node's launch rules: which
     of them may run here (checked at submission)."""
@@ -463,7 +508,7 @@ class Registry:
         passed_over: tuple[str, ...] = (),
     ) -> None:
         self.modules = {m.name: m for m in modules}
-        self.types = {t.name: t for m in modules for t in m.types}
+        self.types = _Types((t.name, t) for m in modules for t in m.types)
         self.rules = rules or LaunchRules()
         #: modules not used because one of the same name came first, in words
         self.passed_over = passed_over
@@ -501,6 +546,11 @@ class Registry:
         return cls(list(found.values()), rules, tuple(passed))
 
     def get(self, name: str) -> JobType:
+        if command.is_command_type(name):
+            try:
+                return command_job_type(name)
+            except ValueError as exc:
+                raise ValidationError(str(exc)) from None
         try:
             return self.types[name]
         except KeyError:

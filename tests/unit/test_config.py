@@ -13,7 +13,7 @@ from gpuwarden.errors import ConfigError, UserError
 
 TOP_KEYS = (
     "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, api, broker, "
-    "cluster, container_runtime, create_queue_roots, database, gpu, gpu_lock, limits, "
+    "cluster, commands, container_runtime, create_queue_roots, database, gpu, gpu_lock, limits, "
     "module_paths, modules, node_name, "
     "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, sources, state_dir, vram, warm"
 )

@@ -11,6 +11,7 @@ never a traceback.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from gpuwarden.cli import (
     jobs,
     logs,
     node,
+    run,
     runtimes,
     share,
     status,
@@ -41,6 +43,7 @@ __all__ = ["build_parser", "main"]
 
 #: the commands in the order ``--help`` lists them (and argparse's "choose from")
 COMMANDS = (
+    "run",
     "run-once",
     "serve",
     "submit",
@@ -70,6 +73,7 @@ COMMANDS = (
 #: each command with what adds its parser, from the module of its group
 _PARSERS = {
     **node.PARSERS,
+    **run.PARSERS,
     **submit.PARSERS,
     **status.PARSERS,
     **top.PARSERS,
@@ -101,9 +105,14 @@ def build_parser() -> Parser:
     return p
 
 
+#: the commands that take a command line after ``--`` (SPEC.md, "Command jobs")
+_TAKE_COMMAND = ("run", "submit")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args, extra = _parse(parser, words)
     args.extra = extra
     command = command_parser(parser, args)
     args.options = command.option_names
@@ -118,3 +127,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     return run_command(args)
+
+
+def _parse(parser: Parser, words: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The options, and for ``run`` and ``submit`` the command after the first
+    ``--`` (``args.command_argv``: the words after it are the command's own)."""
+    if "--" in words:
+        cut = words.index("--")
+        args, extra = parser.parse_known_args(words[:cut])
+        if args.command in _TAKE_COMMAND:
+            args.command_argv = words[cut + 1 :]
+            return args, extra
+    args, extra = parser.parse_known_args(words)
+    args.command_argv = None
+    return args, extra

@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gpuwarden import __version__, safefs
+from gpuwarden.api import localsock
 from gpuwarden.app import open_node, open_store
 from gpuwarden.cli.common import (
     Commands,
@@ -219,6 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signals.install()
         b = node.broker
         api = _ApiServer(config, b, *address) if address else None
+        local = _LocalServer(config, b)
         try:
             err.print(
                 f"gpuwarden {__version__} serving on node {config.node_name} "
@@ -227,7 +229,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 f"  gpu probe   {node.probe.kind}\n"
                 f"  job types   {', '.join(sorted(b.registry.types)) or 'none'}\n"
                 f"  queue roots {', '.join(str(r.path) for r in b.roots) or 'none'}\n"
-                f"  api         {api.http.url if api else 'none (serve --api HOST:PORT)'}"
+                f"  api         {api.http.url if api else 'none (serve --api HOST:PORT)'}\n"
+                f"  commands    {local.server.path} (gpuwarden run -- CMD)"
             )
             if api is not None and not api.http.loopback:
                 err.print(
@@ -237,6 +240,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             b.recover()
             b.run(signals.stop, force=signals.force)
         finally:
+            local.stop()
             if api is not None:
                 api.stop()
             _flush_events(b)
@@ -276,6 +280,27 @@ class _ApiServer:
 
     def stop(self) -> None:
         self.http.stop()
+        self.store.close()
+
+
+class _LocalServer:
+    """The local socket beside the broker (``gpuwarden run``), over a store
+    connection of its own."""
+
+    def __init__(self, config: Config, broker: Broker) -> None:
+        self.store = open_store(config)
+        session = localsock.LocalSession(self.store, broker.registry, config)
+        try:
+            self.server = localsock.LocalServer(localsock.socket_path(config), session).start()
+        except OSError as exc:
+            self.store.close()
+            raise UserError(
+                f"cannot listen on {localsock.socket_path(config)}: {exc.strerror or exc}; set "
+                "[commands] socket to a path this node may create"
+            ) from None
+
+    def stop(self) -> None:
+        self.server.close()
         self.store.close()
 
 

@@ -36,6 +36,7 @@ from gpuwarden.cli.common import (
     wait_here,
     wait_note,
 )
+from gpuwarden.cli.run import add_command_options, submit_command
 from gpuwarden.client import Client
 from gpuwarden.cluster import coordinator
 from gpuwarden.config import load_config
@@ -46,6 +47,7 @@ from gpuwarden.core.policy import never_fits
 from gpuwarden.core.ramadmit import RAM_KEYS, RamNeed, check_ram_gib
 from gpuwarden.core.sources import JobSource, check_source
 from gpuwarden.core.states import JobState
+from gpuwarden.core.units import parse_bytes, parse_duration
 from gpuwarden.errors import GpuwardenError, UserError, ValidationError
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake.bundlewrite import write_bundle
@@ -107,9 +109,10 @@ def job_source(args: argparse.Namespace) -> JobSource | None:
         raise ValidationError(str(exc)) from None
 
 
-def add_job_options(sp: argparse.ArgumentParser) -> None:
-    """The job of ``submit`` and ``run-once``: its type, parameters and needs."""
-    sp.add_argument("type", help="job type, module.type (see `gpuwarden types`)")
+def add_job_options(sp: argparse.ArgumentParser, *, or_command: bool = False) -> None:
+    """The job of ``submit`` and ``run-once``: its type, parameters and needs
+    (``or_command``: or a command after ``--`` instead of a type)."""
+    _add_type(sp, or_command=or_command)
     sp.add_argument("--id", dest="job_id", help="job id (default: generated)")
     sp.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
     sp.add_argument("--vram-gib", type=float, help="VRAM footprint for this job (vram lane)")
@@ -185,6 +188,18 @@ def add_job_options(sp: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_type(sp: argparse.ArgumentParser, *, or_command: bool) -> None:
+    if not or_command:
+        sp.add_argument("type", help="job type, module.type (see `gpuwarden types`)")
+        return
+    sp.add_argument(
+        "type",
+        nargs="?",
+        help="job type, module.type (see `gpuwarden types`); or none, and a command after "
+        "--: gpuwarden submit --vram 10G -- python3 train.py",
+    )
+
+
 def _add_submit(sub: Commands) -> None:
     sp = sub.add_parser(
         "submit",
@@ -193,7 +208,8 @@ def _add_submit(sub: Commands) -> None:
         "inbox/ (the broker picks it up); without, insert it into the store.",
         allow_abbrev=False,
     )
-    add_job_options(sp)
+    add_job_options(sp, or_command=True)
+    add_command_options(sp, with_job_options=False)
     sp.add_argument(
         "--after",
         action="append",
@@ -358,10 +374,12 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
         inputs=tuple(p.name for p in args.inputs),
         outputs=tuple(args.outputs),
         priority=args.priority,
-        vram_bytes=int(args.vram_gib * GIB) if args.vram_gib is not None else None,
+        vram_bytes=_sized(
+            args, "vram", int(args.vram_gib * GIB) if args.vram_gib is not None else None
+        ),
         constraints=parse_constraints(args.constraints),
         after=tuple(getattr(args, "after", ())),
-        est_s=args.est_s,
+        est_s=_timed(args, "est", args.est_s),
         gpus=args.gpus,
         ram=ram_need(args),
         service=getattr(args, "service", None),
@@ -371,7 +389,39 @@ def job_spec(registry: Registry, args: argparse.Namespace) -> JobSpec:
     return prepare(registry, spec)
 
 
+def _sized(args: argparse.Namespace, key: str, old: int | None) -> int | None:
+    """``--vram 10G`` (``--ram``): human units, over the older ``--vram-gib``."""
+    text = getattr(args, key, None)
+    if text is None:
+        return old
+    try:
+        return parse_bytes(text, f"--{key}")
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
+
+
+def _timed(args: argparse.Namespace, key: str, old: float | None) -> float | None:
+    """``--est 10m``: human units, over the older ``--est-s``."""
+    text = getattr(args, key, None)
+    if text is None:
+        return old
+    try:
+        return parse_duration(text, f"--{key}")
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
+
+
 def ram_need(args: argparse.Namespace) -> RamNeed:
+    """``--ram-gib`` (or ``--ram 4G``), ``--ram-floor-gib`` and ``--ram-start-min-gib``
+    in bytes."""
+    if getattr(args, "ram", None) is not None and getattr(args, "ram_gib", None) is None:
+        cap = _sized(args, "ram", None) or 0
+        floor_min = ram_need_gib(args)
+        return RamNeed(cap, floor_min.floor_bytes, floor_min.start_min_bytes)
+    return ram_need_gib(args)
+
+
+def ram_need_gib(args: argparse.Namespace) -> RamNeed:
     """``--ram-gib``, ``--ram-floor-gib`` and ``--ram-start-min-gib`` in bytes."""
     values = []
     for key in RAM_KEYS:
@@ -465,7 +515,32 @@ def copy_outputs(src: Path, dest: Path) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    if getattr(args, "command_argv", None) is not None:
+        if args.type is not None:
+            raise ValidationError(f"give a job type ({args.type}) or a command after --, not both")
+        return submit_command(args)
+    if args.type is None:
+        raise ValidationError(
+            "give a job type (gpuwarden types lists them) or a command after --, e.g. "
+            "gpuwarden submit --vram 10G -- python3 train.py"
+        )
+    _refuse_command_only(args)
     return local_or_http(args, _submit_here, _submit_http)
+
+
+#: the options only a command job takes (a type's job has them from its module.toml)
+COMMAND_ONLY = ("name", "env", "export_env", "share_gpu", "preemptible", "array", "timeout")
+
+
+def _refuse_command_only(args: argparse.Namespace) -> None:
+    for key in COMMAND_ONLY:
+        value = getattr(args, key, None)
+        if value not in (None, False, []):
+            option = "--" + key.replace("_", "-")
+            raise ValidationError(
+                f"{option} is for a command job (gpuwarden submit {option} ... -- CMD); a "
+                f"job of type {args.type} takes its {option.lstrip('-')} from its module.toml"
+            )
 
 
 def _submit_here(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from gpuwarden.core.command import is_command_type
 from gpuwarden.core.model import JobType, Lane, LaunchMode
 
 __all__ = ["LaunchRules", "Runtime", "image_is_pinned", "process_lane", "widening_refusal"]
@@ -123,6 +124,10 @@ class LaunchRules:
     def refusal(self, jobtype: JobType) -> str | None:
         """Why ``jobtype`` may not run on this node (what to change), or None."""
         name, launch = jobtype.name, jobtype.launch
+        if is_command_type(name) and launch is LaunchMode.HOST:
+            # a host command runs as the user who submitted it, not as root: who may
+            # is ``[commands]``'s to say (SPEC.md, "Command jobs"), not these rules'
+            return None
         rule = self._refused(launch, process_lane(jobtype))
         if rule == "vram_host":
             return (

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Self
 
+from gpuwarden.core.command import CommandSpec
 from gpuwarden.core.ramadmit import NO_RAM, RamNeed
 from gpuwarden.core.sources import JobSource
 from gpuwarden.core.states import JobState
@@ -139,6 +140,9 @@ class JobSpec:
     #: the repository and commit its module comes from (None: a module the node
     #: has); its ``type`` is then ``<type>@<commit>`` once prepared
     source: JobSource | None = None
+    #: a command job's command (``type`` is then ``command:NAME``; SPEC.md,
+    #: "Command jobs"); None: a job of a module's type
+    command: CommandSpec | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +187,8 @@ class Job:
     stop_requested_by: str | None = None
     #: the repository and commit its module comes from (None: a module the node has)
     source: JobSource | None = None
+    #: a command job's command (None: a job of a module's type)
+    command: CommandSpec | None = None
 
     @property
     def service_name(self) -> str:

@@ -7,6 +7,7 @@ import secrets
 from dataclasses import replace
 from pathlib import PurePosixPath
 
+from gpuwarden.core import command
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.model import JobSpec, JobType, Lane, LaunchMode, check_gpus
 from gpuwarden.core.params import validate_params
@@ -95,6 +96,7 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
     _check_gpus(spec, jobtype)
     _check_ram(spec, jobtype)
     _check_service(spec, jobtype)
+    spec = _check_command(spec, jobtype)
     return replace(
         spec,
         params=params,
@@ -177,6 +179,41 @@ def _check_ram(spec: JobSpec, jobtype: JobType) -> None:
             "ram_gib (module.toml). Leave ram_gib out, or use ram_floor_gib / "
             "ram_start_min_gib"
         )
+
+
+def _check_command(spec: JobSpec, jobtype: JobType) -> JobSpec:
+    """A command job's command (SPEC.md, "Command jobs"): there exactly when its type
+    is ``command:...``; a host command's with its user (set by the submission path
+    from the kernel's word, never by the client), a sandboxed one's without."""
+    cmd = spec.command
+    if not command.is_command_type(jobtype.name):
+        if cmd is not None:
+            raise ValidationError(
+                f"job {spec.id}: a command was given, but {jobtype.name} is a module's type; "
+                "give either a type or a command"
+            )
+        return spec
+    if cmd is None:
+        raise ValidationError(
+            f"job {spec.id}: {jobtype.name} is a command job's type: give its command "
+            "(gpuwarden submit -- CMD ...)"
+        )
+    sandboxed = jobtype.launch is not LaunchMode.HOST
+    if sandboxed != (cmd.uid is None):
+        raise ValidationError(
+            f"job {spec.id}: a host command runs as the user who submitted it, a sandboxed "
+            "one as the sandbox's user; this one's user does not match its type"
+        )
+    if spec.params or (spec.inputs and not sandboxed):
+        raise ValidationError(
+            f"job {spec.id}: a command job takes no parameters (and a host command no "
+            "inputs: it reads its own files): pass them on its command line"
+        )
+    try:
+        argv, env, cwd = command.check_command(cmd.argv, cmd.env, cmd.cwd, sandboxed=sandboxed)
+    except ValueError as exc:
+        raise ValidationError(f"job {spec.id}: {exc}") from None
+    return replace(spec, command=replace(cmd, argv=argv, env=env, cwd=cwd))
 
 
 def _check_service(spec: JobSpec, jobtype: JobType) -> None:

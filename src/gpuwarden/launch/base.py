@@ -63,6 +63,16 @@ class ImageBuild:
 
 
 @dataclass(frozen=True, slots=True)
+class RunAs:
+    """The user a host command job runs as (SPEC.md, "Command jobs"): its uid, gid
+    and supplementary groups, as the kernel told them when it was submitted."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchRequest:
     job_id: str
     attempt: int
@@ -101,6 +111,10 @@ class LaunchRequest:
     #: a service's attempt: it may outlive the broker (a restarted broker adopts
     #: it), so bubblewrap runs it without ``--die-with-parent``
     outlives_broker: bool = False
+    #: a host command job of a user other than root: the starter drops to this
+    #: user, then enters ``cwd`` as that user (the check at start that its working
+    #: directory is there and its to enter), then runs ``argv``
+    run_as: RunAs | None = None
 
     @property
     def marker(self) -> str:

@@ -2,6 +2,8 @@
 
     python -I -S enter.py [--stage SRC]... [--cgroup DIR]... [--rlimit NAME=N]...
                           [--seccomp FILE] [--user UID:GID] -- bwrap ARGS...
+    python -I -S enter.py [--cgroup DIR]... --user UID:GID [--groups G,...]
+                          --chdir DIR -- JOB ARGS...   (a user's command job)
     python -I -S enter.py --cgroup DIR... -- JOB ARGS...     (a host job with a RAM cap)
 
 A broker that runs as root must not start bubblewrap as root: the sandbox's
@@ -22,8 +24,10 @@ started it), and no process limit binds root. So the launcher runs this script
 3. joins each ``--cgroup`` (the sandbox's pids cgroup; the attempt's memory
    cgroup, :mod:`gpuwarden.launch.memcaps`: cgroup v1 has one hierarchy per
    controller), sets the rlimits;
-4. with ``--user``: drops every supplementary group, then the gid, then the
-   uid (real, effective, saved), and checks that none of root is left;
+4. with ``--user``: sets the supplementary groups (``--groups``, none
+   without), then the gid, then the uid (real, effective, saved), and checks
+   that none of root is left; with ``--chdir``, enters that folder as the user
+   (a host command job's working directory, checked at its start);
 5. executes the command (bubblewrap, with ``--seccomp FD`` added when a filter
    is given; or a host job's own command) with this process's environment:
    its pid stays the attempt's main pid, and everything it starts is in the
@@ -91,6 +95,8 @@ def parse(argv: list[str]) -> dict[str, object]:
         "rlimits": [],
         "seccomp": None,
         "user": None,
+        "groups": [],
+        "chdir": None,
         "command": [],
     }
     i = 0
@@ -120,6 +126,10 @@ def parse(argv: list[str]) -> dict[str, object]:
         elif arg == "--user":
             uid, _, gid = value.partition(":")
             opts["user"] = (int(uid), int(gid))
+        elif arg == "--groups":
+            opts["groups"] = [int(g) for g in value.split(",") if g]
+        elif arg == "--chdir":
+            opts["chdir"] = value
         else:
             raise Failure(f"unknown option {arg}")
         i += 2
@@ -162,14 +172,16 @@ def _stage(sources: list[str]) -> None:
         os.close(fd)
 
 
-def _drop(uid: int, gid: int) -> None:
-    os.setgroups([])
+def _drop(uid: int, gid: int, groups: list[int]) -> None:
+    if uid == 0:
+        raise Failure("--user 0: the starter drops root, it never runs a command as root")
+    os.setgroups(groups)
     os.setresgid(gid, gid, gid)
     os.setresuid(uid, uid, uid)
     if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid):
         raise Failure(f"could not become {uid}:{gid}")
-    if os.getgroups():
-        raise Failure("supplementary groups are left after setgroups([])")
+    if sorted(set(os.getgroups()) - {gid}) != sorted(set(groups) - {gid}):
+        raise Failure(f"supplementary groups {os.getgroups()} are not the ones asked: {groups}")
     try:
         os.setresuid(0, 0, 0)
     except PermissionError:
@@ -219,8 +231,17 @@ def run(argv: list[str]) -> None:
         args[1:1] = ["--seccomp", str(filter_fd)]
     program = _which(args[0])
     if user is not None:
-        assert isinstance(user, tuple)
-        _drop(*user)
+        groups = opts["groups"]
+        assert isinstance(user, tuple) and isinstance(groups, list)
+        uid, gid = user
+        _drop(uid, gid, groups)
+    chdir = opts["chdir"]
+    if chdir is not None:
+        # as the user: the check at start that the folder is there and theirs to enter
+        try:
+            os.chdir(str(chdir))
+        except OSError as exc:
+            raise Failure(f"cannot enter the working directory {chdir}: {exc.strerror}") from None
     # nothing may be imported from here on: the interpreter's files may be
     # under a folder the sandbox's user cannot search (/root)
     try:

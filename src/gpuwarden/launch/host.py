@@ -59,6 +59,7 @@ from gpuwarden.launch.base import (
     LaunchRequest,
     LaunchResult,
     MemoryCapSupport,
+    RunAs,
     attempt_name,
 )
 from gpuwarden.launch.memcaps import (
@@ -433,11 +434,22 @@ def _not_started(
     )
 
 
-def starter_argv(cgroups: Iterable[Path], argv: Iterable[str]) -> list[str]:
-    """The root-side starter that joins ``cgroups`` and then executes ``argv``."""
+def starter_argv(
+    cgroups: Iterable[Path],
+    argv: Iterable[str],
+    run_as: RunAs | None = None,
+    cwd: str = "",
+) -> list[str]:
+    """The root-side starter that joins ``cgroups``, drops to ``run_as`` (then
+    enters ``cwd`` as that user) and then executes ``argv``."""
     args = [sys.executable, "-I", "-S", str(Path(enter.__file__).resolve())]
     for path in cgroups:
         args += ["--cgroup", str(path)]
+    if run_as is not None:
+        args += ["--user", f"{run_as.uid}:{run_as.gid}"]
+        if run_as.groups:
+            args += ["--groups", ",".join(str(g) for g in run_as.groups)]
+        args += ["--chdir", cwd]
     return [*args, "--", *argv]
 
 
@@ -484,7 +496,12 @@ def _spawn(req: LaunchRequest, cap: _Cap | None = None) -> subprocess.Popen[byte
     attempt_dir = Path(req.attempt_dir)
     env = dict(req.env)
     env.pop(ATTEMPT_ENV, None)
-    inner = list(req.argv) if cap is None else starter_argv([cap.path], req.argv)
+    run_as = req.run_as if req.run_as is not None and req.run_as.uid != 0 else None
+    if cap is None and run_as is None:
+        inner = list(req.argv)
+    else:
+        cgroups = [] if cap is None else [cap.path]
+        inner = starter_argv(cgroups, req.argv, run_as, req.cwd)
     folder = Path(supervisor.folder_of(req.attempt_dir))
     folder.mkdir(mode=0o700, exist_ok=True)
     for name in (supervisor.STARTED, supervisor.EXIT):
@@ -496,7 +513,8 @@ def _spawn(req: LaunchRequest, cap: _Cap | None = None) -> subprocess.Popen[byte
     ):
         proc = subprocess.Popen(
             supervised_argv(req, inner),
-            cwd=req.cwd,
+            # a user's command enters its folder as that user (the starter's --chdir)
+            cwd="/" if run_as is not None else req.cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=out_f,

@@ -1085,8 +1085,9 @@ def mounts_for(
     model_dir: str | None = None,
 ) -> tuple[Mount, ...]:
     """The mounts of one attempt, at the fixed places under ``/gpuwarden``
-    (``model_dir``: its module's model folder, read-only at ``/gpuwarden/model``)."""
-    mounts = [Mount(module_dir, str(INSIDE / "module"))]
+    (``model_dir``: its module's model folder, read-only at ``/gpuwarden/model``;
+    ``module_dir`` "": a command job's, which has no module folder)."""
+    mounts = [Mount(module_dir, str(INSIDE / "module"))] if module_dir else []
     if input_dir is not None:
         mounts.append(Mount(input_dir, str(INSIDE / "input")))
     mounts.append(Mount(output_dir, str(INSIDE / "output"), writable=True, job_owned=True))

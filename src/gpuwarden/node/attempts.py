@@ -22,12 +22,15 @@ import json
 import logging
 import math
 import os
+import pwd
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpuwarden import safefs
+from gpuwarden.core import command
+from gpuwarden.core.command import CommandSpec
 from gpuwarden.core.model import Job, JobType
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.gpu.sim import SimProbe
@@ -38,6 +41,7 @@ from gpuwarden.launch.base import (
     LaunchRequest,
     LaunchResult,
     Mount,
+    RunAs,
     inside_path,
 )
 from gpuwarden.launch.host import HostLauncher
@@ -185,6 +189,39 @@ def job_params(job: Job, jobtype: JobType, input_dir: Path) -> dict[str, Any]:
 def _is_input(jobtype: JobType, name: str) -> bool:
     spec = jobtype.param(name)
     return spec is not None and spec.type.value == "input"
+
+
+def command_launch(
+    cmd: CommandSpec, layout: AttemptLayout, env: Mapping[str, str], sandboxed: bool
+) -> tuple[tuple[str, ...], str, dict[str, str], RunAs | None]:
+    """A command job's argv, folder, environment and user (SPEC.md, "Command
+    jobs"). ``env`` is the environment a module's job would get: a sandboxed
+    command keeps it (its files are the sandbox's, as a bundle job's are) and
+    runs in its output folder; a host command gets a clean one (a login's
+    variables for its user, what its submitter passed, the GPU the plan gave
+    it, its job id and attempt) and runs as its user in its own folder."""
+    index = {} if cmd.array_index is None else {"GPUWARDEN_ARRAY_INDEX": str(cmd.array_index)}
+    if sandboxed or cmd.uid is None:
+        return cmd.argv, str(layout.out), {**env, **cmd.env, **index}, None
+    try:
+        entry = pwd.getpwuid(cmd.uid)
+        home, name = entry.pw_dir, entry.pw_name
+    except KeyError:  # a user with no passwd entry (a container's numeric uid)
+        home, name = "/", str(cmd.uid)
+    ours = {k: v for k, v in env.items() if not k.startswith("GPUWARDEN_") and k not in PASS_ENV}
+    contract = {k: env[k] for k in COMMAND_ENV if k in env}
+    full = {**command.base_env(home, name), **cmd.env, **ours, **contract, **index}
+    gid = cmd.gid if cmd.gid is not None else cmd.uid
+    return cmd.argv, cmd.cwd, full, RunAs(cmd.uid, gid, cmd.groups)
+
+
+#: what a host command is told of its job (its files are its own: no folders)
+COMMAND_ENV = (
+    "GPUWARDEN_JOB_ID",
+    "GPUWARDEN_JOB_TYPE",
+    "GPUWARDEN_ATTEMPT_NUMBER",
+    "GPUWARDEN_SIM_GPU",
+)
 
 
 # -- launching on this node ----------------------------------------------------------
@@ -336,11 +373,16 @@ class Launching:
             resume=run.resume_from is not None,
             model_dir=model,
         )
+        argv = self.registry.argv(jobtype, sandbox.python if sandbox else None)
+        cwd, run_as = jobtype.module_dir, None
+        if job.command is not None:
+            argv, cwd, env, run_as = command_launch(job.command, layout, env, sandbox is not None)
         return LaunchRequest(
             job_id=job.id,
             attempt=run.attempt.number,
-            argv=self.registry.argv(jobtype, sandbox.python if sandbox else None),
-            cwd=jobtype.module_dir,
+            argv=argv,
+            cwd=cwd,
+            run_as=run_as,
             env=env,
             attempt_dir=str(run.attempt_dir),
             timeout_s=jobtype.timeout_s,
@@ -435,7 +477,7 @@ class Launching:
         and what its warm server's exchange folder refused."""
         jobtype = self.registry.types.get(job.type)
         extra: dict[str, Any] = dict(fields)
-        if jobtype is not None:
+        if jobtype is not None and not command.is_command_type(jobtype.name):
             extra["module_fingerprint"] = self.registry.module_of(jobtype).fingerprint
         if run is not None and result is not None:
             extra["output_dir"] = str(run.attempt_dir / "out")

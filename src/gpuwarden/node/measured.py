@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden.core import footprint, profile
+from gpuwarden.core.command import profile_key
 from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import JobType
 from gpuwarden.core.policy import GpuView
@@ -41,7 +42,9 @@ class Footprints:
     def of(self, jobtype: JobType, override: int | None = None) -> int:
         """The footprint a job is admitted with: its own or its type's declaration,
         raised to the type's measured peak (never lowered by it)."""
-        return footprint.effective(jobtype.vram_bytes, override, self.measured.get(jobtype.name, 0))
+        return footprint.effective(
+            jobtype.vram_bytes, override, self.measured.get(profile_key(jobtype.name), 0)
+        )
 
     def measure(
         self,
@@ -59,14 +62,14 @@ class Footprints:
         new = footprint.raised(
             peak,
             admitted=self.of(jobtype, override),
-            measured=self.measured.get(jobtype.name, 0),
+            measured=self.measured.get(profile_key(jobtype.name), 0),
             step=self.step_bytes,
             gpus=gpus,
         )
         if new is not None and self.store.raise_footprint(
-            jobtype.name, new, now=now, job_id=source
+            profile_key(jobtype.name), new, now=now, job_id=source
         ):
-            self.measured[jobtype.name] = new
+            self.measured[profile_key(jobtype.name)] = new
 
     def out_of_memory(
         self,
@@ -96,7 +99,10 @@ class RunTimes:
             self.note(type_name, seconds)
 
     def note(self, type_name: str, seconds: float) -> None:
-        self._times.setdefault(type_name, deque(maxlen=RUN_TIME_WINDOW)).append(seconds)
+        # a command job's run times are kept under its name, whatever its options
+        self._times.setdefault(profile_key(type_name), deque(maxlen=RUN_TIME_WINDOW)).append(
+            seconds
+        )
 
     def estimate(self, type_name: str) -> float | None:
         """The longest of the type's latest runs: what backfilling plans with."""
@@ -104,7 +110,7 @@ class RunTimes:
 
     def times(self, type_name: str) -> list[float]:
         """The type's latest run times, oldest first."""
-        return list(self._times.get(type_name, ()))
+        return list(self._times.get(profile_key(type_name), ()))
 
     def expected_s(self, type_name: str, est_s: float | None) -> float | None:
         """How long a job of the type that declared ``est_s`` is expected to run:

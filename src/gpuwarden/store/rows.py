@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from gpuwarden.core.command import CommandSpec
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec, Role
 from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.serviceroute import ServiceRoute
@@ -50,6 +51,7 @@ def spec_hash(spec: JobSpec) -> str:
             **({"service": spec.service} if spec.service is not None else {}),
             **({"share": list(spec.share)} if spec.share else {}),
             **({"source": spec.source.to_json()} if spec.source is not None else {}),
+            **({"command": spec.command.to_json()} if spec.command is not None else {}),
         },
         sort_keys=True,
     )
@@ -92,7 +94,14 @@ def job(row: Row, decode: Decode) -> Job:
             if row["source_commit"] is not None
             else None
         ),
+        command=command(row, decode),
     )
+
+
+def command(row: Row, decode: Decode) -> CommandSpec | None:
+    """A command job's command (migration 0019; None: a job of a module's type)."""
+    body = row["command"]
+    return None if body is None else CommandSpec.from_json(decode(body))
 
 
 def source_detail(job: Job) -> dict[str, str]:

@@ -256,6 +256,9 @@ class SqlStore(Store, Generic[C]):
                     self._run(conn, "set_job_gpus", {"id": spec.id, "gpus": spec.gpus})
                 self._set_service(conn, spec)  # likewise (0016)
                 self._set_source(conn, spec)  # likewise (0018)
+                if spec.command is not None:  # likewise (0019)
+                    body = {"id": spec.id, "command": self._json(spec.command.to_json())}
+                    self._run(conn, "set_job_command", body)
                 if spec.ram.asks:  # likewise (0015)
                     ram = spec.ram
                     self._run(

@@ -341,3 +341,6 @@ SELECT id, node, gpu_uuid, xid, reason, latched_at, cleared_at, cleared_by, clea
 
 -- name: set_job_source
 UPDATE jobs SET source_repo = %(repo)s, source_commit = %(commit)s WHERE id = %(id)s;
+
+-- name: set_job_command
+UPDATE jobs SET command = %(command)s WHERE id = %(id)s;

@@ -310,3 +310,6 @@ SELECT id, node, gpu_uuid, xid, reason, latched_at, cleared_at, cleared_by, clea
 
 -- name: set_job_source
 UPDATE jobs SET source_repo = :repo, source_commit = :commit WHERE id = :id;
+
+-- name: set_job_command
+UPDATE jobs SET command = :command WHERE id = :id;

@@ -1,0 +1,378 @@
+"""``gpuwarden run -- CMD`` and ``gpuwarden submit -- CMD``: any command is a job
+(SPEC.md, "Command jobs").
+
+``run`` queues the command, says why it waits while it waits, streams its
+stdout and stderr as it runs, and exits with its exit status; Ctrl-C cancels
+it. ``submit`` queues it and prints its id. Both reach the broker through its
+local socket (:mod:`gpuwarden.api.localsock`), where the kernel tells the
+broker who submits; with no broker listening, a user who may write the store
+(root, the state directory's owner) queues it there directly and it runs when
+a broker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from gpuwarden.api import localsock
+from gpuwarden.cli.common import (
+    Commands,
+    Progress,
+    config_of,
+    err,
+    existing_store,
+    out,
+    progress_text,
+)
+from gpuwarden.config import Config
+from gpuwarden.core import command
+from gpuwarden.core.units import parse_bytes, parse_duration
+from gpuwarden.errors import UserError, ValidationError
+from gpuwarden.registry import Registry
+
+#: the exit status of a ``run`` whose job was cancelled by Ctrl-C (as a shell's)
+CANCELLED_STATUS = 130
+#: what a job that failed without an exit status of its own exits ``run`` with
+FAILED_STATUS = 1
+
+OnMessage = Callable[[dict[str, Any]], None]
+
+
+def add_command_options(sp: argparse.ArgumentParser, *, with_job_options: bool) -> None:
+    """The options of a command job, in human units. ``with_job_options``: also
+    those ``submit`` already has for every job (``--id``, ``--priority``, ...)."""
+    if with_job_options:
+        sp.add_argument("--id", dest="job_id", help="job id (default: NAME-<random>)")
+        sp.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
+        sp.add_argument("--gpus", type=int, metavar="N", help="GPUs of one node it holds at once")
+        sp.add_argument(
+            "--after", action="append", default=[], metavar="KIND:ID",
+            help="a job this one waits for: afterok:ID, afternotok:ID, afterany:ID (repeatable)",
+        )  # fmt: skip
+    sp.add_argument("--vram", metavar="SIZE", help="its VRAM footprint on each GPU: 10G, 512M")
+    sp.add_argument("--ram", metavar="SIZE", help="its RAM cap, enforced by the kernel: 4G")
+    sp.add_argument("--est", metavar="TIME", help="how long it is expected to run: 10m, 2h")
+    sp.add_argument("--timeout", metavar="TIME", help="stop it after this long: 30m, 2h")
+    sp.add_argument(
+        "--name", help="what its measured peaks are kept under (default: the program's name)"
+    )
+    sp.add_argument(
+        "--env", action="append", default=[], metavar="K=V",
+        help="set an environment variable for the command (repeatable); it starts clean",
+    )  # fmt: skip
+    sp.add_argument(
+        "--export-env", nargs="?", const="ALL", metavar="NAMES",
+        help="pass this shell's environment: all of it, or the comma-separated NAMES",
+    )  # fmt: skip
+    sp.add_argument(
+        "--share-gpu", action="store_true",
+        help="it may share its GPU with other co-resident jobs (default: a GPU to itself)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--preemptible", nargs="?", const="SIGUSR1", metavar="SIGNAL",
+        help="it may be asked to checkpoint (SIGNAL, default SIGUSR1; exit 6) and yield",
+    )  # fmt: skip
+    sp.add_argument(
+        "--array", metavar="SPEC",
+        help="one job per index (GPUWARDEN_ARRAY_INDEX): 0-99, 1,3,5; %%4: at most 4 at once",
+    )  # fmt: skip
+
+
+def _add_run(sub: Commands) -> None:
+    sp = sub.add_parser(
+        "run",
+        help="run a command as a job and stream its output (like srun)",
+        description="Queue CMD as a job, say why it waits, stream its output as it runs, "
+        "and exit with its exit status. Ctrl-C cancels it. Example: "
+        "gpuwarden run --vram 10G -- python3 train.py",
+        allow_abbrev=False,
+    )
+    add_command_options(sp, with_job_options=True)
+    sp.set_defaults(func=cmd_run)
+
+
+#: the commands of this module, each with what adds its parser
+PARSERS = {"run": _add_run}
+
+
+# -- the request -----------------------------------------------------------------
+
+
+def command_request(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """The local socket's submit request for ``argv`` and the options."""
+    try:
+        body: dict[str, Any] = {
+            "op": "submit",
+            "argv": argv,
+            "cwd": str(Path.cwd()),
+            "env": _env(args),
+            "name": args.name,
+            "id": args.job_id,
+            "priority": args.priority,
+            "gpus": args.gpus,
+            "after": list(args.after),
+            "vram_bytes": None if args.vram is None else parse_bytes(args.vram, "--vram"),
+            "ram_bytes": None if args.ram is None else parse_bytes(args.ram, "--ram"),
+            "est_s": None if args.est is None else parse_duration(args.est, "--est"),
+            "timeout_s": None
+            if args.timeout is None
+            else parse_duration(args.timeout, "--timeout"),
+            "share": args.share_gpu,
+            "preempt": _signal(args.preemptible),
+            "array": None if args.array is None else parse_array(args.array),
+        }
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
+    if body["vram_bytes"] is None and getattr(args, "vram_gib", None) is not None:
+        body["vram_bytes"] = int(args.vram_gib * (1 << 30))
+    if body["est_s"] is None and getattr(args, "est_s", None) is not None:
+        body["est_s"] = args.est_s
+    return body
+
+
+def _env(args: argparse.Namespace) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if args.export_env is not None:
+        names = None if args.export_env == "ALL" else set(args.export_env.split(","))
+        env.update(
+            (k, v)
+            for k, v in os.environ.items()
+            if (names is None or k in names)
+            and k not in command.RESERVED_ENV
+            and not k.startswith(command.RESERVED_ENV_PREFIX)
+        )
+    for item in args.env:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValidationError(f"--env {item!r}: write it as NAME=VALUE")
+        env[key] = value
+    return env
+
+
+def _signal(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+    if name not in command.SIGNALS:
+        raise ValueError(f"--preemptible={value}: one of {', '.join(command.SIGNALS)}")
+    return name
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_array(spec: str) -> dict[str, Any]:
+    """``0-99``, ``1,3,5``, ``0-9,20`` with an optional ``%N`` (at most N at once)."""
+    text, pct, limit_text = spec.partition("%")
+    indices: list[int] = []
+    for part in text.split(","):
+        match = _RANGE.match(part.strip())
+        if match is None:
+            raise ValueError(f"--array {spec}: write it as 0-99, 1,3,5 or 0-99%4")
+        low = int(match.group(1))
+        high = int(match.group(2)) if match.group(2) is not None else low
+        if high < low or high - low >= localsock.MAX_ARRAY:
+            raise ValueError(f"--array {spec}: {part} is not a range from low to high")
+        indices.extend(range(low, high + 1))
+    limit = 0
+    if pct:
+        if not limit_text.isdigit() or int(limit_text) < 1:
+            raise ValueError(f"--array {spec}: after % give how many may run at once, e.g. %4")
+        limit = int(limit_text)
+    if len(set(indices)) != len(indices) or len(indices) > localsock.MAX_ARRAY:
+        raise ValueError(f"--array {spec}: at most {localsock.MAX_ARRAY} distinct indices")
+    return {"indices": indices, "limit": limit}
+
+
+# -- the way to the broker ----------------------------------------------------------
+
+
+class Link:
+    """The broker's local socket, or (no broker listening) the store itself."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.config: Config = config_of(args)
+        self.path = localsock.socket_path(self.config)
+        self.session: localsock.LocalSession | None = None
+        self.user = localsock.local_user(os.getuid(), os.getgid())
+        if not self._listening():
+            self.session = self._here()
+
+    def _listening(self) -> bool:
+        try:
+            with self._connect():
+                return True
+        except OSError:
+            return False
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with localsock.addressable(self.path) as address:
+                sock.connect(address)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _here(self) -> localsock.LocalSession:
+        try:
+            store = existing_store(self.args, self.config)
+        except UserError as exc:
+            raise UserError(
+                f"no broker listens on {self.path} and the store cannot be used here "
+                f"({exc.message}): start one with `gpuwarden serve`, or ask its operator"
+            ) from None
+        registry = Registry.load(self.config.module_paths, self.config.launch_rules)
+        err.print(
+            f"[yellow]note:[/] no broker listens on {self.path}: the job is queued in the "
+            f"store of {self.config.state_dir} and runs when one starts (`gpuwarden serve`)"
+        )
+        return localsock.LocalSession(store, registry, self.config)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.store.close()
+
+    def request(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The answers to ``body``, one message at a time; an error message raises."""
+        if self.session is not None:
+            yield from self._in_process(body)
+            return
+        with self._connect() as sock, sock.makefile("rb") as answers:
+            sock.sendall(json.dumps(body).encode() + b"\n")
+            for line in answers:
+                message = json.loads(line)
+                if "error" in message:
+                    raise UserError(str(message["error"]))
+                yield message
+
+    def _in_process(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        session = self.session
+        assert session is not None
+        if body["op"] == "submit":
+            yield {"ids": session.submit(body, self.user)}
+        elif body["op"] == "cancel":
+            yield {"state": session.cancel(body["id"], self.user).state.value}
+        else:
+            messages: list[dict[str, Any]] = []
+            session.follow(body["id"], self.user, messages.append)  # never blocks long:
+            yield from messages  # no broker runs here, so the job does not move
+
+
+# -- run and submit ----------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    argv = _argv(args)
+    body = command_request(args, argv)
+    link = Link(args)
+    try:
+        if link.session is not None:
+            raise UserError(
+                f"no broker listens on {link.path}: `gpuwarden run` needs one to run the "
+                "command now (start `gpuwarden serve`), or queue it with `gpuwarden submit -- CMD`"
+            )
+        ids = next(link.request(body))["ids"]
+        status = 0
+        for job_id in ids:
+            status = _worst(status, _run_one(link, job_id))
+        return status
+    finally:
+        link.close()
+
+
+def submit_command(args: argparse.Namespace) -> int:
+    """``gpuwarden submit [options] -- CMD``: queue it, print the ids."""
+    body = command_request(args, _argv(args))
+    link = Link(args)
+    try:
+        ids = next(link.request(body))["ids"]
+        for job_id in ids:
+            out.print(job_id, highlight=False)
+        if not getattr(args, "wait", False):
+            return 0
+        status = 0
+        for job_id in ids:
+            status = _worst(status, _run_one(link, job_id))
+        return status
+    finally:
+        link.close()
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    argv = list(getattr(args, "command_argv", None) or [])
+    if not argv:
+        raise ValidationError(
+            "give the command after --, e.g. gpuwarden run --vram 10G -- python3 train.py"
+        )
+    return argv
+
+
+def _worst(a: int, b: int) -> int:
+    return a if a != 0 else b
+
+
+def _run_one(link: Link, job_id: str) -> int:
+    """Follow one job to its end, its output to ours; Ctrl-C cancels it."""
+    shown = _Shown(job_id)
+    try:
+        for message in link.request({"op": "follow", "id": job_id}):
+            if "end" in message:
+                shown.close()
+                return _status(job_id, message["end"])
+            shown.show(message)
+    except KeyboardInterrupt:
+        shown.close()
+        err.print(f"cancelling job {job_id} (Ctrl-C)")
+        state = next(link.request({"op": "cancel", "id": job_id}))["state"]
+        err.print(f"job {job_id}: {state}" + (", stopping" if state == "running" else ""))
+        return CANCELLED_STATUS
+    finally:
+        shown.close()
+    raise UserError(f"the broker stopped answering about job {job_id}; see gpuwarden show {job_id}")
+
+
+class _Shown:
+    """What ``run`` shows: why the job waits (a spinner or a line on stderr), then
+    the command's own output, byte for byte."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.progress: Progress | None = Progress(f"job {job_id}: queued").__enter__()
+
+    def show(self, message: dict[str, Any]) -> None:
+        if "waiting" in message and self.progress is not None:
+            self.progress.update(progress_text(self.job_id, "queued", message["waiting"]))
+            return
+        for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            if name in message:
+                self.close()
+                stream.buffer.write(base64.b64decode(message[name]))
+                stream.buffer.flush()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(None, None, None)
+            self.progress = None
+
+
+def _status(job_id: str, end: dict[str, Any]) -> int:
+    """The job's exit status as ``run``'s: 0 done, its own exit code, else 1."""
+    if end["state"] == "done":
+        return 0
+    code = end.get("exit_code")
+    err.print(f"job {job_id} {end['state']}: {end.get('reason') or ''}", highlight=False)
+    if isinstance(code, int) and 0 < code < 256:
+        return code
+    return CANCELLED_STATUS if end["state"] == "cancelled" else FAILED_STATUS
