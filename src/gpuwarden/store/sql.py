@@ -248,29 +248,8 @@ class SqlStore(Store, Generic[C]):
                 [self._job_row(spec, origin, now=now, held=spec.id in verdicts) for spec in specs],
             )
             self._insert_deps(conn, specs)
-            # a column of its own (0008), written only for the jobs that declare it
             for spec in specs:
-                if spec.est_s is not None:
-                    self._run(conn, "set_job_est_s", {"id": spec.id, "est_s": spec.est_s})
-                if spec.gpus is not None:  # likewise (0010)
-                    self._run(conn, "set_job_gpus", {"id": spec.id, "gpus": spec.gpus})
-                self._set_service(conn, spec)  # likewise (0016)
-                self._set_source(conn, spec)  # likewise (0018)
-                if spec.command is not None:  # likewise (0019)
-                    body = {"id": spec.id, "command": self._json(spec.command.to_json())}
-                    self._run(conn, "set_job_command", body)
-                if spec.ram.asks:  # likewise (0015)
-                    ram = spec.ram
-                    self._run(
-                        conn,
-                        "set_job_ram",
-                        {
-                            "id": spec.id,
-                            "cap": ram.cap_bytes,
-                            "floor": ram.floor_bytes,
-                            "start_min": ram.start_min_bytes,
-                        },
-                    )
+                self._set_columns(conn, spec)
             # the events last: PostgreSQL's events lock is taken after every row lock
             for spec in specs:
                 detail: dict[str, Any] = {"type": spec.type}
@@ -756,6 +735,31 @@ class SqlStore(Store, Generic[C]):
             share = json.dumps(list(spec.share))
             self._run(
                 conn, "set_job_service", {"id": spec.id, "service": spec.service, "share": share}
+            )
+
+    def _set_columns(self, conn: C, spec: JobSpec) -> None:
+        """The keys with a column of their own (0008 on), written only for the jobs
+        that declare them."""
+        if spec.est_s is not None:
+            self._run(conn, "set_job_est_s", {"id": spec.id, "est_s": spec.est_s})
+        if spec.gpus is not None:  # likewise (0010)
+            self._run(conn, "set_job_gpus", {"id": spec.id, "gpus": spec.gpus})
+        self._set_service(conn, spec)  # likewise (0016)
+        self._set_source(conn, spec)  # likewise (0018)
+        if spec.command is not None:  # likewise (0019)
+            body = {"id": spec.id, "command": self._json(spec.command.to_json())}
+            self._run(conn, "set_job_command", body)
+        if spec.ram.asks:  # likewise (0015)
+            ram = spec.ram
+            self._run(
+                conn,
+                "set_job_ram",
+                {
+                    "id": spec.id,
+                    "cap": ram.cap_bytes,
+                    "floor": ram.floor_bytes,
+                    "start_min": ram.start_min_bytes,
+                },
             )
 
     def _set_source(self, conn: C, spec: JobSpec) -> None:
