@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from gpuwarden.core.model import Job, LaunchMode
@@ -75,7 +75,9 @@ class Adoption:
     instance: str
     store: Store
     registry: Registry
-    launcher: object
+    #: the node's launchers by launch mode: an attempt is taken back only where the
+    #: launcher of its mode (a service's: the container one) starts supervised ones
+    launchers: Mapping[LaunchMode, object]
     launching: Launching
     attempts: AttemptRunner
     services: Services
@@ -94,7 +96,8 @@ class Adoption:
         if jobtype is None or jobtype.launch is LaunchMode.SERVE:
             return None  # a warm server's job: its server is not an attempt's supervisor
         sandbox = self.launching.sandbox_for(jobtype)
-        if sandbox is None and not isinstance(self.launcher, HostLauncher):
+        mode = LaunchMode.CONTAINER if jobtype.launch is LaunchMode.SERVICE else jobtype.launch
+        if sandbox is None and not isinstance(self.launchers.get(mode), HostLauncher):
             return None
         found = [a for a in self.store.attempts(job.id) if a.number == job.attempts]
         if not found or found[0].ended_at is not None:

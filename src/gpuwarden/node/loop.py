@@ -451,7 +451,7 @@ class Broker:
                 instance=self.instance,
                 store=self.store,
                 registry=self.registry,
-                launcher=self.launchers.get(LaunchMode.CONTAINER),
+                launchers=self.launchers,
                 launching=self.launching,
                 attempts=self.attempts,
                 services=self.services,
