@@ -21,7 +21,6 @@ import sqlite3
 import subprocess
 import sysconfig
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +68,8 @@ def users() -> Iterator[tuple[User, User]]:
     if os.geteuid() != 0 or shutil.which("useradd") is None:
         _skip_or_fail("needs root and useradd to make the test's users")
     site = Path(sysconfig.get_paths()["purelib"])
-    if not SYSTEM_PYTHON.exists() or not _readable_by_all(REPO / "src") or not _readable_by_all(site):
+    readable = _readable_by_all(REPO / "src") and _readable_by_all(site)
+    if not SYSTEM_PYTHON.exists() or not readable:
         _skip_or_fail(
             f"the test's users run the CLI with {SYSTEM_PYTHON}, {REPO / 'src'} and {site}: "
             "each must be there and readable by every user"
@@ -329,4 +329,3 @@ def test_a_command_job_survives_a_broker_restart(users: tuple[User, User]) -> No
     finally:
         n.stop()
         shutil.rmtree(n.dir, ignore_errors=True)
-
