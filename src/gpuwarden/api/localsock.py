@@ -63,6 +63,9 @@ MAX_REQUEST = 4 << 20
 #: how often a follower asks again why a job waits, and polls its state
 NOTE_EVERY_S = 1.0
 POLL_S = 0.1
+#: the most connections served at once, and how long one may be idle
+MAX_CONNECTIONS = 64
+IDLE_S = 30.0
 #: the most jobs one ``--array`` makes
 MAX_ARRAY = 10_000
 
@@ -371,9 +374,23 @@ def _array(array: object) -> tuple[list[int], int]:
 
 class _Handler(socketserver.StreamRequestHandler):
     server: LocalServer
+    #: a client that sends no request, or stops reading what it is sent, for this
+    #: long is dropped (its thread is not held)
+    timeout = IDLE_S
 
     def handle(self) -> None:
         send = self._sender()
+        if not self.server.slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                self.rfile.readline(MAX_REQUEST + 1)  # read first: the client hears why
+                send({"error": f"the broker is busy: {MAX_CONNECTIONS} connections are open"})
+            return
+        try:
+            self._handle(send)
+        finally:
+            self.server.slots.release()
+
+    def _handle(self, send: Send) -> None:
         try:
             user = peer_user(self.connection)
             line = self.rfile.readline(MAX_REQUEST + 1)
@@ -386,7 +403,7 @@ class _Handler(socketserver.StreamRequestHandler):
             if not isinstance(body, dict):
                 raise ValidationError("the request is not a JSON object")
             self._answer(body, user, send)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             return
         except GpuwardenError as exc:
             with contextlib.suppress(OSError):
@@ -425,6 +442,7 @@ class LocalServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def __init__(self, path: Path, session: LocalSession) -> None:
         self.path = path
         self.session = session
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_socket():
             path.unlink()  # a socket left by a broker that died
