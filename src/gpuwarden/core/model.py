@@ -183,6 +183,12 @@ class Job:
     stop_requested_by: str | None = None
     #: the repository and commit its module comes from (None: a module the node has)
     source: JobSource | None = None
+    #: who holds it (``gpuwarden hold``; None: nobody): queued, but neither planned
+    #: nor offered until released. Apart from ``held``: neither releases the other
+    hold_by: str | None = None
+    #: its attempts before its last requeue (0: never requeued): its retries count
+    #: from the attempt after them (SPEC.md section 1, "Job control")
+    requeued_after: int = 0
 
     @property
     def service_name(self) -> str:

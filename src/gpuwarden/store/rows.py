@@ -92,6 +92,8 @@ def job(row: Row, decode: Decode) -> Job:
             if row["source_commit"] is not None
             else None
         ),
+        hold_by=row["hold_by"],
+        requeued_after=row["requeued_after"],
     )
 
 
