@@ -1,6 +1,6 @@
 """The ``gpuwarden`` command line: one small function per sub-command, one module
 per group of them (:mod:`.node`, :mod:`.submit`, :mod:`.status`, :mod:`.top`, :mod:`.jobs`,
-:mod:`.logs`, :mod:`.tokens`, :mod:`.cluster`, :mod:`.tools`), and what they share
+:mod:`.jobctl`, :mod:`.logs`, :mod:`.tokens`, :mod:`.cluster`, :mod:`.tools`), and what they share
 in :mod:`.common`: the global options, the config, the consoles, the choice
 between the local store and the HTTP API, and errors as exit statuses.
 
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from gpuwarden.cli import (
     cluster,
     events,
+    jobctl,
     jobs,
     logs,
     node,
@@ -52,6 +53,10 @@ COMMANDS = (
     "events",
     "cancel",
     "stop",
+    "hold",
+    "release",
+    "requeue",
+    "priority",
     "explain",
     "share",
     "preview",
@@ -74,6 +79,7 @@ _PARSERS = {
     **status.PARSERS,
     **top.PARSERS,
     **jobs.PARSERS,
+    **jobctl.PARSERS,
     **logs.PARSERS,
     **events.PARSERS,
     **tokens.PARSERS,
