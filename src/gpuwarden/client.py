@@ -307,6 +307,28 @@ class Client:
         job: dict[str, Any] = self.request_json("POST", f"/v1/jobs/{_seg(job_id)}/stop")
         return job
 
+    def hold(self, job_id: str) -> dict[str, Any]:
+        """Hold a queued job (SPEC.md section 1, "Job control")."""
+        job: dict[str, Any] = self.request_json("POST", f"/v1/jobs/{_seg(job_id)}/hold")
+        return job
+
+    def release(self, job_id: str) -> dict[str, Any]:
+        """Release a job a person holds."""
+        job: dict[str, Any] = self.request_json("POST", f"/v1/jobs/{_seg(job_id)}/release")
+        return job
+
+    def requeue(self, job_id: str) -> dict[str, Any]:
+        """Queue an ended job again, same id and spec."""
+        job: dict[str, Any] = self.request_json("POST", f"/v1/jobs/{_seg(job_id)}/requeue")
+        return job
+
+    def set_priority(self, job_id: str, priority: int) -> dict[str, Any]:
+        """Set a queued job's priority (a submitter may only lower its own)."""
+        job: dict[str, Any] = self.request_json(
+            "POST", f"/v1/jobs/{_seg(job_id)}/priority", json={"priority": priority}
+        )
+        return job
+
     def explain(self, job_id: str) -> Lines:
         lines: Lines = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}/explain")["lines"]
         return lines

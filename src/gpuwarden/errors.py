@@ -47,6 +47,10 @@ class UnknownJobError(UserError):
     """No job with that id."""
 
 
+class JobControlError(UserError):
+    """The job is not in a state where this can be done to it."""
+
+
 class StateDirLockedError(UserError):
     """Another broker already owns this state directory."""
 

@@ -167,6 +167,13 @@ CASES = [
     Case("POST", "/v1/jobs/{job}/cancel", frozenset(READERS), 200),
     # a queued job: past the role check, stop says there is nothing to stop
     Case("POST", "/v1/jobs/{job}/stop", frozenset(READERS), 409),
+    # job control (tests/integration/test_api_jobcontrol.py): a queued job is held,
+    # one not held has nothing to release (past the role check), a done job is
+    # requeued, and a lower priority is every reader's to set on its own job
+    Case("POST", "/v1/jobs/{job}/hold", frozenset(READERS), 200),
+    Case("POST", "/v1/jobs/{job}/release", frozenset(READERS), 409),
+    Case("POST", "/v1/jobs/{job}/requeue", frozenset(READERS), 200),
+    Case("POST", "/v1/jobs/{job}/priority", frozenset(READERS), 200, {"priority": -1}),
     Case("GET", "/v1/jobs/{job}/explain", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/result", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/outputs/out.txt", frozenset(READERS), 200),
@@ -206,7 +213,7 @@ def _url(a: Api, role: str, case: Case) -> str:
     path = case.path
     if "{job}" in path:
         job_id = f"own-{role}"
-        if "cancel" in path or "stop" in path:
+        if any(w in path for w in ("cancel", "stop", "hold", "release", "priority")):
             a.store.submit(
                 [JobSpec(id=job_id, type="echo.echo", params={"text": "x"})],
                 now=1.0,
@@ -253,6 +260,10 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "job.read": READERS,
         "job.cancel": READERS,
         "job.stop": READERS,
+        "job.hold": READERS,
+        "job.release": READERS,
+        "job.requeue": READERS,
+        "job.priority": READERS,  # a submitter may only lower (test_api_jobcontrol.py)
         "types.read": READERS,
         "status.read": READERS,
         "share.read": READERS,  # a submitter sees its own row (test_fair_share.py)

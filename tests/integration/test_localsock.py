@@ -68,9 +68,7 @@ def test_a_submit_stores_the_command_as_the_kernel_named_its_user(
     assert job.command.uid == 0  # the test runs as root: the peer the kernel names
 
 
-def test_a_uid_in_the_request_is_not_believed(
-    server: localsock.LocalServer, store: Store
-) -> None:
+def test_a_uid_in_the_request_is_not_believed(server: localsock.LocalServer, store: Store) -> None:
     body = submit_body(id="liar", uid=4242, gid=4242, user="mallory")
     [answer] = ask(server, json.dumps(body).encode() + b"\n")
     assert answer == {"ids": ["liar"]}
@@ -110,7 +108,7 @@ def test_an_oversized_request_is_refused(
 def test_a_client_that_sends_nothing_is_dropped(
     server: localsock.LocalServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(localsock._Handler, "timeout", 0.3)  # noqa: SLF001 - the test's knob
+    monkeypatch.setattr(localsock._Handler, "timeout", 0.3)
     with connect(server) as sock:
         started = time.monotonic()
         assert sock.recv(100) == b""  # the server closed it

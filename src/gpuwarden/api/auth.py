@@ -67,6 +67,12 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "job.read":      (ALL,  ALL,     OWN,      None, None),
     "job.cancel":    (ALL,  ALL,     OWN,      None, None),
     "job.stop":      (ALL,  ALL,     OWN,      None, None),
+    # job control (SPEC.md section 1, "Job control"); a submitter's priority may
+    # only go down (core/jobcontrol.py: may_raise_priority)
+    "job.hold":      (ALL,  ALL,     OWN,      None, None),
+    "job.release":   (ALL,  ALL,     OWN,      None, None),
+    "job.requeue":   (ALL,  ALL,     OWN,      None, None),
+    "job.priority":  (ALL,  ALL,     OWN,      None, None),
     "types.read":    (ALL,  ALL,     ALL,      None, None),
     "status.read":   (ALL,  ALL,     ALL,      None, None),
     "share.read":    (ALL,  ALL,     OWN,      None, None),
@@ -111,6 +117,7 @@ MUTATING = frozenset(
     | {"node.invite", "node.enroll", "node.heartbeat", "node.claim", "node.start"}
     | {"node.finish", "node.report", "node.upload", "node.drain", "node.resume", "node.revoke"}
     | {"node.diagnostic"}
+    | {"job.hold", "job.release", "job.requeue", "job.priority"}
     | {"gpu.clear", "session.create", "session.delete"}
 )
 #: actions that need no token (``session.create`` checks the token it is given itself)

@@ -207,8 +207,8 @@ def _queued(
     out = []
     for job in _visible_jobs(ctx, who, scope, JobState.QUEUED):
         reason = reasons.get(job.id) or (
-            explain.shown_reason(job, ctx.store)  # held: waits for its dependencies
-            if job.held
+            explain.shown_reason(job, ctx.store)  # held: by a person, or for its dependencies
+            if job.held or job.hold_by is not None
             else "no wait reason published for it yet (the broker names the first queued "
             f"jobs'); `gpuwarden explain {job.id}` works it out"
         )

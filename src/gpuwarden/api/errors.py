@@ -18,7 +18,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gpuwarden.api.limits import Send, send_error
-from gpuwarden.errors import GpuwardenError, StoreUnavailable, UnknownJobError, UserError
+from gpuwarden.errors import (
+    GpuwardenError,
+    JobControlError,
+    StoreUnavailable,
+    UnknownJobError,
+    UserError,
+)
 from gpuwarden.store.base import (
     DuplicateJobError,
     DuplicateTokenError,
@@ -51,7 +57,7 @@ def status_of(exc: UserError) -> int:
     """The HTTP status of a user's mistake raised below the API."""
     if isinstance(exc, UnknownJobError):
         return 404
-    if isinstance(exc, DuplicateJobError | DuplicateTokenError):
+    if isinstance(exc, DuplicateJobError | DuplicateTokenError | JobControlError):
         return 409
     if isinstance(exc, IdempotencyConflict):
         return 422

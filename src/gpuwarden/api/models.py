@@ -226,6 +226,8 @@ class JobOut(BaseModel):
     #: the jobs it waits for (``KIND:ID``), and whether it still waits for them
     after: list[str] = []
     held: bool = False
+    #: who holds it (`gpuwarden hold`; null: nobody): it waits until released
+    hold_by: str | None = None
     est_s: float | None = None
     gpus: int | None = None
     #: what it asks of the host's RAM, in bytes (null: nothing)
@@ -275,6 +277,7 @@ class JobOut(BaseModel):
             constraints=j.constraints,
             after=list(j.after),
             held=j.held,
+            hold_by=j.hold_by,
             est_s=j.est_s,
             gpus=j.gpus,
             ram_cap_bytes=j.ram.cap_bytes or None,
@@ -284,6 +287,20 @@ class JobOut(BaseModel):
             share=list(j.share),
             source=None if j.source is None else j.source.to_json(),
         )
+
+
+class PriorityIn(_Request):
+    """The body of ``POST /v1/jobs/{id}/priority`` (SPEC.md section 1, "Job control")."""
+
+    priority: Annotated[
+        int,
+        Field(
+            ge=-INT64 - 1,
+            le=INT64,
+            description="the job's new priority, an integer; a submitter may only lower "
+            "its own job's",
+        ),
+    ]
 
 
 class WaitOut(BaseModel):

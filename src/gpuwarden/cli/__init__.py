@@ -1,6 +1,6 @@
 """The ``gpuwarden`` command line: one small function per sub-command, one module
 per group of them (:mod:`.node`, :mod:`.submit`, :mod:`.status`, :mod:`.top`, :mod:`.jobs`,
-:mod:`.logs`, :mod:`.tokens`, :mod:`.cluster`, :mod:`.tools`), and what they share
+:mod:`.jobctl`, :mod:`.logs`, :mod:`.tokens`, :mod:`.cluster`, :mod:`.tools`), and what they share
 in :mod:`.common`: the global options, the config, the consoles, the choice
 between the local store and the HTTP API, and errors as exit statuses.
 
@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from gpuwarden.cli import (
     cluster,
     events,
+    jobctl,
     jobs,
     logs,
     node,
@@ -55,6 +56,10 @@ COMMANDS = (
     "events",
     "cancel",
     "stop",
+    "hold",
+    "release",
+    "requeue",
+    "priority",
     "explain",
     "share",
     "preview",
@@ -78,6 +83,7 @@ _PARSERS = {
     **status.PARSERS,
     **top.PARSERS,
     **jobs.PARSERS,
+    **jobctl.PARSERS,
     **logs.PARSERS,
     **events.PARSERS,
     **tokens.PARSERS,

@@ -114,6 +114,7 @@ def _job_json(j: Job) -> dict[str, Any]:
         "params": j.params,
         "after": list(j.after),
         "held": j.held,
+        "hold_by": j.hold_by,
     }
 
 

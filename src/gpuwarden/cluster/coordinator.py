@@ -68,7 +68,7 @@ from gpuwarden.cluster.nodeview import (
     offerable,
 )
 from gpuwarden.cluster.routes import record_routes, without_routes
-from gpuwarden.core import placement
+from gpuwarden.core import jobcontrol, placement
 from gpuwarden.core.classify import Outcome, retry_or_quarantine
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, gib_hours, reported_held
 from gpuwarden.core.model import Event, Job, JobSpec, JobType
@@ -349,7 +349,13 @@ def _granted_claim(
     if grant is None:
         return []
     job = store.get_job(grant.job_id)
-    if job is None or job.state is not JobState.QUEUED or job.cancel_requested or job.held:
+    if (
+        job is None
+        or job.state is not JobState.QUEUED
+        or job.cancel_requested
+        or job.held
+        or job.hold_by is not None
+    ):
         return []
     footprints = {t: f.bytes for t, f in store.footprints().items()}
     off = offerable(job, registry, footprints)
@@ -611,7 +617,9 @@ def finish(
         current = store.get_job(job_id)
         target, why = retry_or_quarantine(
             reason,
-            attempt=lease.attempt,
+            attempt=jobcontrol.attempt_in_round(
+                lease.attempt, current.requeued_after if current is not None else 0
+            ),
             max_retries=_max_retries(registry, current.type if current is not None else None),
             where=" on all nodes",
         )
@@ -1008,7 +1016,9 @@ def _reclaim(
                 target, reason = JobState.CANCELLED, f"{why}; it had been asked to stop"
             else:
                 target, reason = retry_or_quarantine(
-                    why, attempt=last.number, max_retries=_max_retries(registry, job.type)
+                    why,
+                    attempt=jobcontrol.attempt_in_round(last.number, job.requeued_after),
+                    max_retries=_max_retries(registry, job.type),
                 )
             try:
                 store.finish_attempt(

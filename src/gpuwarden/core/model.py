@@ -189,6 +189,12 @@ class Job:
     source: JobSource | None = None
     #: a command job's command (None: a job of a module's type)
     command: CommandSpec | None = None
+    #: who holds it (``gpuwarden hold``; None: nobody): queued, but neither planned
+    #: nor offered until released. Apart from ``held``: neither releases the other
+    hold_by: str | None = None
+    #: its attempts before its last requeue (0: never requeued): its retries count
+    #: from the attempt after them (SPEC.md section 1, "Job control")
+    requeued_after: int = 0
 
     @property
     def service_name(self) -> str:

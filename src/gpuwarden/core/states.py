@@ -40,6 +40,14 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 
 
+#: the one way back from an end, kept out of :data:`TRANSITIONS` so that no state
+#: change but a person's requeue (``Store.requeue``, SPEC.md section 1, "Job
+#: control") can take it: :func:`allowed` and :func:`check` never grant it, and a
+#: stale report that names ``queued`` for an ended job is still refused. Quarantine
+#: is not among the sources: infrastructure set that job aside.
+REQUEUE: frozenset[JobState] = frozenset({JobState.DONE, JobState.FAILED, JobState.CANCELLED})
+
+
 def sources(target: JobState) -> frozenset[JobState]:
     """The states from which a job may move to ``target``."""
     return TRANSITIONS[target]

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from gpuwarden.core import dependencies, footprint, policy, profile
+from gpuwarden.core import dependencies, footprint, jobcontrol, policy, profile
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, Usage, why_behind
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes, gpu_count
 from gpuwarden.core.ramadmit import UNSAMPLED, RamView
@@ -229,8 +229,11 @@ def describe(decision: policy.Decision) -> str:
 
 
 def shown_reason(job: Job, store: Store) -> str:
-    """The reason people are shown with a job: a held job's is why it waits
-    (``waits for job X (running)``, its dependency's state now), else the stored one."""
+    """The reason people are shown with a job: who holds it (a person's hold), a
+    held job's why it waits (``waits for job X (running)``, its dependency's state
+    now), else the stored one."""
+    if job.hold_by is not None:
+        return jobcontrol.held_line(job)
     if not job.held:
         return job.reason
     return dependencies.judge(store.dependencies(job.id)).reason or job.reason
@@ -334,8 +337,9 @@ def explain_job(
             lines.append(f"preempting {job.id} for {for_job}: it was asked to checkpoint and yield")
         lines += running(job) if running else []
         return lines
-    if job.held:  # not planned, nor offered, until its dependencies hold
-        lines += dependency_lines(job, store)
+    if job.hold_by is not None or job.held:  # not planned, nor offered, until released
+        lines += [jobcontrol.held_line(job)] if job.hold_by is not None else []  # by a person
+        lines += dependency_lines(job, store) if job.held else []  # when its dependencies hold
         return lines
     cluster = placement(job) if placement else []
     if cluster:  # several hosts: agents are offered jobs by the coordinator

@@ -9,7 +9,9 @@ an event written in the same transaction, so the events after the cursor name
 exactly the jobs that entered or left ``queued`` (a submission from the CLI, the API
 or an agent's sync, a retry, a cancel), or were released when their dependencies
 came to hold (``dependencies_held``: a job held for them is queued but never
-indexed, so the plan never looks at it). Those jobs are read again, and only they.
+indexed, so the plan never looks at it), or a person held, released or
+reprioritised them (``held``, ``released``, ``priority_changed``). Those jobs are
+read again, and only they.
 
 Where event ids could become visible out of order (PostgreSQL sequences commit
 in any order), a cheap count of the store's queued jobs is compared with the
@@ -44,6 +46,10 @@ _EVENTS_PER_TICK = 50_000
 _CHECK_EVERY_S = 5.0
 #: ids per ``queue_entries`` call
 _ID_BATCH = 900
+#: events of a queued job that change whether or how it is planned, though it stays
+#: queued: its dependencies came to hold; a person held or released it, or set its
+#: priority (SPEC.md section 1, "Job control")
+_REREAD = frozenset({"dependencies_held", "held", "released", "priority_changed"})
 
 #: a class of the index: job type, priority, the job's own footprint (or None), and
 #: the run time it declared as the planner rounds it (``core.profile.est_class``;
@@ -116,7 +122,7 @@ class QueueBook:
                 e.job_id
                 for e in batch
                 if e.job_id is not None
-                and ("queued" in (e.to_state, e.from_state) or e.kind == "dependencies_held")
+                and ("queued" in (e.to_state, e.from_state) or e.kind in _REREAD)
             )
             if len(batch) < _EVENT_BATCH:
                 break

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from gpuwarden.core import jobcontrol
 from gpuwarden.core.classify import AttemptFacts, classify, interruptions_before
 from gpuwarden.core.model import Job, JobType
 from gpuwarden.errors import TransitionError
@@ -113,10 +114,14 @@ class Recovery:
                 stopped=job.cancel_requested,
                 cancel_requested=job.cancel_requested,
             ),
-            attempt=job.attempts,
+            attempt=jobcontrol.attempt_in_round(job.attempts, job.requeued_after),
             max_retries=jobtype.max_retries if jobtype else 0,
             interruptions=interruptions_before(
-                a.outcome for a in attempts if a.number < job.attempts
+                jobcontrol.round_attempts(
+                    ((a.number, a.outcome) for a in attempts),
+                    job.requeued_after,
+                    before=job.attempts,
+                )
             ),
             # a type no longer registered could never run again: set it aside
             max_interruptions=self.attempts.max_interruptions(jobtype) if jobtype else 0,

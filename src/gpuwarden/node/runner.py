@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden import faults
-from gpuwarden.core import policy, ramadmit
+from gpuwarden.core import jobcontrol, policy, ramadmit
 from gpuwarden.core.classify import (
     INFRASTRUCTURE,
     AttemptFacts,
@@ -465,7 +465,9 @@ class AttemptRunner:
             stderr_tail=stderr_tail,
             host_disk_full=attemptfs.host_disk_full(run.attempt_dir, result.stderr),
         )
-        number, max_retries = run.attempt.number, run.jobtype.max_retries
+        # counted from its last requeue: the attempts before it spend no retry
+        number = jobcontrol.attempt_in_round(run.attempt.number, run.job.requeued_after)
+        max_retries = run.jobtype.max_retries
         most = self.max_interruptions(run.jobtype)
         verdict = classify(facts, attempt=number, max_retries=max_retries, max_interruptions=most)
         if (
@@ -473,7 +475,11 @@ class AttemptRunner:
         ) and number > 1:
             # earlier interruptions by the broker's own end spend no retry (rare:
             # the store is asked only for a retried infrastructure failure)
-            earlier = [a.outcome for a in self.store.attempts(run.job.id) if a.number < number]
+            earlier = jobcontrol.round_attempts(
+                ((a.number, a.outcome) for a in self.store.attempts(run.job.id)),
+                run.job.requeued_after,
+                before=run.attempt.number,
+            )
             verdict = classify(
                 facts,
                 attempt=number,

@@ -360,6 +360,36 @@ class Store(abc.ABC):
         ``gpuwarden stop``), naming who asked. Raise ``UserError`` for a job
         that is not running."""
 
+    # -- job control (SPEC.md section 1, "Job control"; the rules: core/jobcontrol.py)
+
+    @abc.abstractmethod
+    def hold(self, job_id: str, *, by: str, now: float) -> Job:
+        """Hold a queued job for ``by`` (event ``held``): it stays queued but is
+        neither planned nor claimed until :meth:`release`. Apart from the
+        dependencies' hold: neither releases the other. Raise ``JobControlError``
+        for a job that is not queued, is held already, or has a live lease."""
+
+    @abc.abstractmethod
+    def release(self, job_id: str, *, by: str, now: float) -> Job:
+        """End a person's hold (event ``released``). Raise ``JobControlError`` for a
+        job nobody holds."""
+
+    @abc.abstractmethod
+    def requeue(self, job_id: str, *, by: str, now: float) -> Job:
+        """Put an ended job (done, failed, cancelled) back in the queue, same id and
+        spec (event ``requeued``, from its end to queued, with what its end had
+        recorded). Its attempt numbers go on and its retries count afresh
+        (``requeued_after``); held for its dependencies if one waits again. Raise
+        ``JobControlError`` for a job that has not ended, or one that can never run
+        (a dependency that can never hold, staged input files)."""
+
+    @abc.abstractmethod
+    def set_priority(
+        self, job_id: str, priority: int, *, by: str, now: float, may_raise: bool = True
+    ) -> Job:
+        """Set a queued job's priority (event ``priority_changed``); above the current
+        one only where ``may_raise``. Raise ``JobControlError`` otherwise."""
+
     # -- events -------------------------------------------------------------
 
     @abc.abstractmethod

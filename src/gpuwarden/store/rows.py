@@ -95,6 +95,8 @@ def job(row: Row, decode: Decode) -> Job:
             else None
         ),
         command=command(row, decode),
+        hold_by=row["hold_by"],
+        requeued_after=row["requeued_after"],
     )
 
 

@@ -36,11 +36,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from gpuwarden.core import dependencies, states
+from gpuwarden.core import dependencies, jobcontrol, states
 from gpuwarden.core.dependencies import Dependency, DepKind, Standing, Verdict
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import TransitionError, UnknownJobError, UserError
+from gpuwarden.errors import JobControlError, TransitionError, UnknownJobError, UserError
 from gpuwarden.store import rows
 from gpuwarden.store.base import (
     DIRECT,
@@ -610,6 +610,8 @@ class SqlStore(Store, Generic[C]):
             raise TransitionError(f"job {job_id} has a cancel request; it will not start")
         if before.held:
             raise TransitionError(f"job {job_id} waits for its dependencies; it was not started")
+        if before.hold_by is not None:
+            raise TransitionError(f"job {job_id} is held by {before.hold_by}; it was not started")
         cur = self._run(conn, "start_job", {"id": job_id, "now": now})
         if cur.rowcount != 1:  # pragma: no cover - guarded above under the lock
             raise TransitionError(f"job {job_id} changed state before it could start")
@@ -781,6 +783,77 @@ class SqlStore(Store, Generic[C]):
                 self._event(
                     conn, Event(ts=now, kind="stop_requested", job_id=job_id, detail={"by": by})
                 )
+            job = self._job_in(conn, job_id)
+        self._submitted()
+        return job
+
+    # -- job control (SPEC.md section 1, "Job control") ---------------------------
+
+    def hold(self, job_id: str, *, by: str, now: float) -> Job:
+        with self._write() as conn:
+            job = self._job_in(conn, job_id, lock=True)
+            jobcontrol.check_hold(job)
+            leased = self._run(conn, "live_lease_node", {"id": job_id, "now": now}).fetchone()
+            if leased is not None:
+                raise JobControlError(
+                    f"job {job_id} is leased to node {leased['node']}, which may be starting "
+                    f"it: it cannot be held now (`gpuwarden cancel {job_id}` ends it)"
+                )
+            self._run(conn, "hold_job", {"id": job_id, "by": self._text(by), "now": now})
+            self._event(conn, Event(ts=now, kind="held", job_id=job_id, detail={"by": by}))
+            return self._job_in(conn, job_id)
+
+    def release(self, job_id: str, *, by: str, now: float) -> Job:
+        with self._write() as conn:
+            job = self._job_in(conn, job_id, lock=True)
+            jobcontrol.check_release(job)
+            self._run(conn, "release_hold", {"id": job_id, "now": now})
+            detail = {"by": by, "held_by": job.hold_by}
+            self._event(conn, Event(ts=now, kind="released", job_id=job_id, detail=detail))
+            job = self._job_in(conn, job_id)
+        self._submitted()
+        return job
+
+    def requeue(self, job_id: str, *, by: str, now: float) -> Job:
+        with self._write() as conn:
+            job = self._job_in(conn, job_id, lock=True)
+            jobcontrol.check_requeue(job)
+            verdict = dependencies.judge(self._dependencies_in(conn, job_id))
+            if verdict.standing is Standing.NEVER:
+                raise JobControlError(f"job {job_id} cannot run again: its {verdict.reason}")
+            held = verdict.standing is Standing.WAITING
+            params = {"id": job_id, "now": now, "reason": self._text(f"requeued by {by}")}
+            sources = self._ids(sorted(s.value for s in states.REQUEUE))
+            cur = self._run(conn, "requeue_job", {**params, "held": held, "sources": sources})
+            if cur.rowcount != 1:  # pragma: no cover - the row or write lock makes this a bug
+                raise TransitionError(f"job {job_id} changed state during its requeue")
+            # everything its end recorded on the job's row, kept here for good
+            ended = {"attempts": job.attempts, "reason": job.reason, "exit_code": job.exit_code}
+            detail = {"by": by, **ended, "result": job.result, "dependencies_wait": held}
+            self._event(
+                conn,
+                Event(
+                    ts=now,
+                    kind="requeued",
+                    job_id=job_id,
+                    from_state=job.state.value,
+                    to_state=JobState.QUEUED.value,
+                    detail=detail,
+                ),
+            )
+            job = self._job_in(conn, job_id)
+        self._submitted()
+        return job
+
+    def set_priority(
+        self, job_id: str, priority: int, *, by: str, now: float, may_raise: bool = True
+    ) -> Job:
+        with self._write() as conn:
+            job = self._job_in(conn, job_id, lock=True)
+            jobcontrol.check_priority(job, priority, may_raise=may_raise)
+            self._run(conn, "set_priority", {"id": job_id, "priority": priority, "now": now})
+            detail = {"by": by, "from": job.priority, "to": priority}
+            self._event(conn, Event(ts=now, kind="priority_changed", job_id=job_id, detail=detail))
             job = self._job_in(conn, job_id)
         self._submitted()
         return job

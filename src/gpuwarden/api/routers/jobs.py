@@ -1,4 +1,5 @@
-"""Clients' jobs: submit, list, read, cancel, explain, result, outputs.
+"""Clients' jobs: submit, list, read, cancel, job control (hold, release, requeue,
+priority), explain, result, outputs.
 
 A submitter sees only the jobs its own token submitted: another's job is a 404,
 as if it did not exist. Operators and owners see every job."""
@@ -36,12 +37,13 @@ from gpuwarden.api.models import (
     JobDetail,
     JobIn,
     JobOut,
+    PriorityIn,
     SubmitOut,
     WaitOut,
 )
 from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster import coordinator, report
-from gpuwarden.core import policy
+from gpuwarden.core import jobcontrol, policy
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.fairshare import hide_owners
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType, gpu_count
@@ -354,7 +356,7 @@ def list_jobs(
     services = servicestate.views(jobs, ctx.store, ctx.registry, ctx.clock())
     out = [JobOut.of(j).with_service(services.get(j.id)) for j in jobs]
     for o, j in zip(out, jobs, strict=True):
-        if j.held:  # why it waits, as it stands now
+        if j.held or j.hold_by is not None:  # why it waits, as it stands now
             o.reason = explain.shown_reason(j, ctx.store)
     return out
 
@@ -406,6 +408,68 @@ def stop_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access) 
         raise HttpError(409, f"job {job.id} is {job.state.value}, not running: nothing to stop")
     job = ctx.store.request_stop(job.id, by=who.name, now=ctx.clock())
     audit_ok(request, {"state": job.state.value}, target=job.id)
+    return JobOut.of(job)
+
+
+# -- job control (SPEC.md section 1, "Job control"; the rules: core/jobcontrol.py) ------
+
+
+@router.post("/v1/jobs/{job_id}/hold", response_model=JobOut, responses=_ERRORS)
+@action("job.hold")
+def hold_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access) -> JobOut:
+    """Hold a queued job: it stays queued, neither planned nor offered to a node, until
+    it is released."""
+    job = visible_job(ctx, who, access, job_id)
+    set_target(request, job.id)
+    job = ctx.store.hold(job.id, by=who.name, now=ctx.clock())
+    audit_ok(request, {"hold_by": job.hold_by}, target=job.id)
+    return JobOut.of(job)
+
+
+@router.post("/v1/jobs/{job_id}/release", response_model=JobOut, responses=_ERRORS)
+@action("job.release")
+def release_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access) -> JobOut:
+    """Release a job that a person holds (whoever held it)."""
+    job = visible_job(ctx, who, access, job_id)
+    set_target(request, job.id)
+    held_by = job.hold_by
+    job = ctx.store.release(job.id, by=who.name, now=ctx.clock())
+    audit_ok(request, {"held_by": held_by}, target=job.id)
+    return JobOut.of(job)
+
+
+@router.post("/v1/jobs/{job_id}/requeue", response_model=JobOut, responses=_ERRORS)
+@action("job.requeue")
+def requeue_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Access) -> JobOut:
+    """Queue an ended job (done, failed, cancelled) again: same id and spec, its
+    attempts numbered on, its retries counted afresh; its earlier run stays in its
+    attempts and its ``requeued`` event."""
+    job = visible_job(ctx, who, access, job_id)
+    set_target(request, job.id)
+    ended = job.state.value
+    job = ctx.store.requeue(job.id, by=who.name, now=ctx.clock())
+    audit_ok(request, {"from": ended, "attempts": job.attempts}, target=job.id)
+    return JobOut.of(job)
+
+
+@router.post("/v1/jobs/{job_id}/priority", response_model=JobOut, responses=_ERRORS)
+@action("job.priority")
+def set_job_priority(
+    job_id: str, body: PriorityIn, request: Request, *, ctx: Ctx, who: Who, access: Access
+) -> JobOut:
+    """Set a queued job's priority: owners and operators any value, a submitter only
+    lower than it is."""
+    job = visible_job(ctx, who, access, job_id)
+    set_target(request, job.id)
+    before = job.priority
+    job = ctx.store.set_priority(
+        job.id,
+        body.priority,
+        by=who.name,
+        now=ctx.clock(),
+        may_raise=jobcontrol.may_raise_priority(who.role),
+    )
+    audit_ok(request, {"from": before, "to": job.priority}, target=job.id)
     return JobOut.of(job)
 
 

@@ -36,7 +36,7 @@ RETURNING *;
 -- starting it, and that start must not find its row locked)
 SELECT j.id FROM jobs j
  WHERE j.id = ANY(%(ids)s::text[]) AND j.state = 'queued' AND NOT j.cancel_requested
-   AND NOT j.held
+   AND NOT j.held AND j.hold_by IS NULL
    AND NOT EXISTS (SELECT 1 FROM leases l
                     WHERE l.job_id = j.id AND l.expires_at > %(now)s)
  FOR UPDATE OF j SKIP LOCKED;
@@ -57,7 +57,7 @@ ON CONFLICT (job_id) DO UPDATE
 WITH free AS (
   SELECT j.id FROM jobs j
    WHERE j.id = ANY(%(ids)s::text[]) AND j.state = 'queued' AND NOT j.cancel_requested
-     AND NOT j.held
+     AND NOT j.held AND j.hold_by IS NULL
      AND NOT EXISTS (SELECT 1 FROM leases l
                       WHERE l.job_id = j.id AND l.expires_at > %(now)s)
    FOR UPDATE OF j SKIP LOCKED
@@ -78,7 +78,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > %(now)s GROUP BY node;
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner, j.source_repo, j.source_commit,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
- WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
+ WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held AND j.hold_by IS NULL
    AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
    AND (j.priority < %(after_priority)s
         OR (j.priority = %(after_priority)s AND j.seq > %(after_seq)s))
@@ -90,7 +90,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner, j.source_repo, j.source_commit,
        j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
- WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held
+ WHERE j.state = 'queued' AND NOT j.cancel_requested AND NOT j.held AND j.hold_by IS NULL
    AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
  ORDER BY j.priority DESC, j.seq
@@ -177,7 +177,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
        j.owner, j.source_repo, j.source_commit, j.constraints, CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
-   AND NOT j.cancel_requested AND NOT j.held
+   AND NOT j.cancel_requested AND NOT j.held AND j.hold_by IS NULL
    AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
  ORDER BY j.priority DESC, j.seq
@@ -193,7 +193,7 @@ SELECT * FROM (
                CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
       FROM jobs j
      WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
-           AND NOT j.cancel_requested AND NOT j.held
+           AND NOT j.cancel_requested AND NOT j.held AND j.hold_by IS NULL
            AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
            AND j.priority = %(after_priority)s AND j.seq > %(after_seq)s
            AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)
@@ -207,7 +207,7 @@ SELECT * FROM (
                CASE WHEN j.inputs = '[]'::jsonb THEN NULL ELSE j.input_dir END AS input_dir
       FROM jobs j
      WHERE j.state = 'queued' AND COALESCE(j.owner, '') = %(owner)s
-           AND NOT j.cancel_requested AND NOT j.held
+           AND NOT j.cancel_requested AND NOT j.held AND j.hold_by IS NULL
            AND (j.inputs = '[]'::jsonb OR j.input_dir IS NOT NULL)
            AND j.priority < %(after_priority)s
            AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > %(now)s)

@@ -47,20 +47,22 @@ SELECT count(*) AS n FROM jobs
  WHERE id = ANY(%(ids)s::text[]) AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
 -- name: queue_entries
--- the queued jobs that may be planned: not held for their dependencies
+-- the queued jobs that may be planned: not held for their dependencies, nor by a person
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
        ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
- WHERE state = 'queued' AND NOT held;
+ WHERE state = 'queued' AND NOT held AND hold_by IS NULL;
 
 -- name: queued_count
--- two index-only counts (a held job is always queued: every transition clears held)
+-- index-only counts (a held job is always queued: every transition clears held and
+-- hold_by); the last reads the few jobs a person holds
 SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
-     - (SELECT COUNT(*) FROM jobs WHERE held) AS n;
+     - (SELECT COUNT(*) FROM jobs WHERE held)
+     - (SELECT COUNT(*) FROM jobs WHERE hold_by IS NOT NULL AND NOT held) AS n;
 
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
        ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
- WHERE state = 'queued' AND NOT held AND id = ANY(%(ids)s::text[]);
+ WHERE state = 'queued' AND NOT held AND hold_by IS NULL AND id = ANY(%(ids)s::text[]);
 
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
@@ -75,12 +77,13 @@ UPDATE jobs
        exit_code = COALESCE(%(exit_code)s::bigint, exit_code),
        result = COALESCE(%(result)s::jsonb, result),
        cancel_requested = CASE WHEN %(target)s = 'queued' THEN cancel_requested ELSE FALSE END,
-       held = FALSE
+       held = FALSE, hold_by = NULL
  WHERE id = %(id)s AND state = ANY(%(sources)s::text[]);
 
 -- name: start_job
 UPDATE jobs SET state = 'running', updated_at = %(now)s, attempts = attempts + 1, reason = ''
- WHERE id = %(id)s AND state = 'queued' AND NOT cancel_requested AND NOT held;
+ WHERE id = %(id)s AND state = 'queued' AND NOT cancel_requested AND NOT held
+   AND hold_by IS NULL;
 
 -- name: insert_attempt
 INSERT INTO attempts (job_id, number, node, gpu_uuid, started_at)
@@ -344,3 +347,30 @@ UPDATE jobs SET source_repo = %(repo)s, source_commit = %(commit)s WHERE id = %(
 
 -- name: set_job_command
 UPDATE jobs SET command = %(command)s WHERE id = %(id)s;
+
+-- Job control (migration 0020; SPEC.md section 1, "Job control")
+
+-- name: hold_job
+UPDATE jobs SET hold_by = %(by)s, updated_at = %(now)s
+ WHERE id = %(id)s AND state = 'queued' AND hold_by IS NULL;
+
+-- name: release_hold
+UPDATE jobs SET hold_by = NULL, updated_at = %(now)s
+ WHERE id = %(id)s AND state = 'queued' AND hold_by IS NOT NULL;
+
+-- name: requeue_job
+-- back to the queue, same id and spec; what its end recorded is cleared here and kept
+-- in its `requeued` event; its retries count from the attempt after requeued_after
+UPDATE jobs
+   SET state = 'queued', updated_at = %(now)s, reason = %(reason)s, exit_code = NULL,
+       result = '{}'::jsonb, cancel_requested = FALSE, stop_requested_by = NULL,
+       held = %(held)s, hold_by = NULL, requeued_after = attempts
+ WHERE id = %(id)s AND state = ANY(%(sources)s::text[]);
+
+-- name: set_priority
+UPDATE jobs SET priority = %(priority)s, updated_at = %(now)s
+ WHERE id = %(id)s AND state = 'queued';
+
+-- name: live_lease_node
+-- the node a queued job is leased to, if its lease is live (a hold must wait for it)
+SELECT node FROM leases WHERE job_id = %(id)s AND expires_at > %(now)s;

@@ -32,7 +32,7 @@ UPDATE nodes
 -- the queued jobs asked for that have no live lease (a plain read: see queries.sql)
 SELECT j.id FROM jobs j LEFT JOIN leases l ON l.job_id = j.id
  WHERE j.id IN (SELECT value FROM json_each(:ids))
-   AND j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0
+   AND j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0 AND j.hold_by IS NULL
    AND (l.job_id IS NULL OR l.expires_at <= :now);
 
 -- name: put_lease
@@ -50,7 +50,7 @@ SELECT node, COUNT(*) AS n FROM leases WHERE expires_at > :now GROUP BY node;
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner, j.source_repo, j.source_commit,
        j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
- WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0
+ WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0 AND j.hold_by IS NULL
    AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
    AND (j.priority < :after_priority OR (j.priority = :after_priority AND j.seq > :after_seq))
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
@@ -61,7 +61,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
 SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts, j.gpus, j.owner, j.source_repo, j.source_commit,
        j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
- WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0
+ WHERE j.state = 'queued' AND j.cancel_requested = 0 AND j.held = 0 AND j.hold_by IS NULL
    AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
  ORDER BY j.priority DESC, j.seq
@@ -141,7 +141,7 @@ SELECT j.id, j.type, j.priority, j.seq, j.submitted_at, j.vram_bytes, j.attempts
        j.owner, j.source_repo, j.source_commit, j.constraints, CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
   FROM jobs j
  WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
-   AND j.cancel_requested = 0 AND j.held = 0
+   AND j.cancel_requested = 0 AND j.held = 0 AND j.hold_by IS NULL
    AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
    AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
  ORDER BY j.priority DESC, j.seq
@@ -157,7 +157,7 @@ SELECT * FROM (
                CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
       FROM jobs j
      WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
-           AND j.cancel_requested = 0 AND j.held = 0
+           AND j.cancel_requested = 0 AND j.held = 0 AND j.hold_by IS NULL
            AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
            AND j.priority = :after_priority AND j.seq > :after_seq
            AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)
@@ -171,7 +171,7 @@ SELECT * FROM (
                CASE WHEN j.inputs = '[]' THEN NULL ELSE j.input_dir END AS input_dir
       FROM jobs j
      WHERE j.state = 'queued' AND COALESCE(j.owner, '') = :owner
-           AND j.cancel_requested = 0 AND j.held = 0
+           AND j.cancel_requested = 0 AND j.held = 0 AND j.hold_by IS NULL
            AND (j.inputs = '[]' OR j.input_dir IS NOT NULL)
            AND j.priority < :after_priority
            AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.job_id = j.id AND l.expires_at > :now)

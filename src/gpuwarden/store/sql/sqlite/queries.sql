@@ -44,20 +44,23 @@ SELECT count(*) AS n FROM jobs
    AND state IN ('done', 'failed', 'cancelled', 'quarantined');
 
 -- name: queue_entries
--- the queued jobs that may be planned: not held for their dependencies
+-- the queued jobs that may be planned: not held for their dependencies, nor by a person
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
        ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
- WHERE state = 'queued' AND held = 0;
+ WHERE state = 'queued' AND held = 0 AND hold_by IS NULL;
 
 -- name: queued_count
--- two index-only counts (a held job is always queued: every transition clears held)
+-- index-only counts (a held job is always queued: every transition clears held and
+-- hold_by); the last reads the few jobs a person holds
 SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
-     - (SELECT COUNT(*) FROM jobs WHERE held = 1) AS n;
+     - (SELECT COUNT(*) FROM jobs WHERE held = 1)
+     - (SELECT COUNT(*) FROM jobs WHERE hold_by IS NOT NULL AND held = 0) AS n;
 
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
        ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
- WHERE state = 'queued' AND held = 0 AND id IN (SELECT value FROM json_each(:ids));
+ WHERE state = 'queued' AND held = 0 AND hold_by IS NULL
+   AND id IN (SELECT value FROM json_each(:ids));
 
 -- name: running_jobs
 SELECT * FROM jobs WHERE state = 'running' ORDER BY seq;
@@ -72,12 +75,12 @@ UPDATE jobs
        exit_code = COALESCE(:exit_code, exit_code),
        result = COALESCE(:result, result),
        cancel_requested = CASE WHEN :target = 'queued' THEN cancel_requested ELSE 0 END,
-       held = 0
+       held = 0, hold_by = NULL
  WHERE id = :id AND state IN (SELECT value FROM json_each(:sources));
 
 -- name: start_job
 UPDATE jobs SET state = 'running', updated_at = :now, attempts = attempts + 1, reason = ''
- WHERE id = :id AND state = 'queued' AND cancel_requested = 0 AND held = 0;
+ WHERE id = :id AND state = 'queued' AND cancel_requested = 0 AND held = 0 AND hold_by IS NULL;
 
 -- name: insert_attempt
 INSERT INTO attempts (job_id, number, node, gpu_uuid, started_at)
@@ -313,3 +316,29 @@ UPDATE jobs SET source_repo = :repo, source_commit = :commit WHERE id = :id;
 
 -- name: set_job_command
 UPDATE jobs SET command = :command WHERE id = :id;
+
+-- Job control (migration 0020; SPEC.md section 1, "Job control")
+
+-- name: hold_job
+UPDATE jobs SET hold_by = :by, updated_at = :now
+ WHERE id = :id AND state = 'queued' AND hold_by IS NULL;
+
+-- name: release_hold
+UPDATE jobs SET hold_by = NULL, updated_at = :now
+ WHERE id = :id AND state = 'queued' AND hold_by IS NOT NULL;
+
+-- name: requeue_job
+-- back to the queue, same id and spec; what its end recorded is cleared here and kept
+-- in its `requeued` event; its retries count from the attempt after requeued_after
+UPDATE jobs
+   SET state = 'queued', updated_at = :now, reason = :reason, exit_code = NULL,
+       result = '{}', cancel_requested = 0, stop_requested_by = NULL, held = :held,
+       hold_by = NULL, requeued_after = attempts
+ WHERE id = :id AND state IN (SELECT value FROM json_each(:sources));
+
+-- name: set_priority
+UPDATE jobs SET priority = :priority, updated_at = :now WHERE id = :id AND state = 'queued';
+
+-- name: live_lease_node
+-- the node a queued job is leased to, if its lease is live (a hold must wait for it)
+SELECT node FROM leases WHERE job_id = :id AND expires_at > :now;
