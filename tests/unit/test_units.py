@@ -39,7 +39,14 @@ def test_parse_bytes_wants_a_unit_and_more_than_zero() -> None:
 
 @pytest.mark.parametrize(
     ("text", "want"),
-    [("30m", 1800.0), ("2h", 7200.0), ("90s", 90.0), ("90", 90.0), ("1d", 86400.0), ("1.5h", 5400.0)],
+    [
+        ("30m", 1800.0),
+        ("2h", 7200.0),
+        ("90s", 90.0),
+        ("90", 90.0),
+        ("1d", 86400.0),
+        ("1.5h", 5400.0),
+    ],
 )
 def test_parse_duration(text: str, want: float) -> None:
     assert parse_duration(text) == want
@@ -47,7 +54,9 @@ def test_parse_duration(text: str, want: float) -> None:
 
 @pytest.mark.parametrize("text", ["10x", "m", "", "-5m", "5 minutes"])
 def test_parse_duration_refuses(text: str) -> None:
-    with pytest.raises(ValueError, match=r"--for .*write it as a number with s, m, h or d, e.g. 10m"):
+    with pytest.raises(
+        ValueError, match=r"--for .*write it as a number with s, m, h or d, e.g. 10m"
+    ):
         parse_duration(text)
 
 

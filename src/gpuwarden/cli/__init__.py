@@ -19,6 +19,7 @@ from gpuwarden.cli import (
     cluster,
     events,
     jobs,
+    lease,
     logs,
     node,
     runtimes,
@@ -44,6 +45,7 @@ COMMANDS = (
     "run-once",
     "serve",
     "submit",
+    "lease",
     "status",
     "top",
     "jobs",
@@ -71,6 +73,7 @@ COMMANDS = (
 _PARSERS = {
     **node.PARSERS,
     **submit.PARSERS,
+    **lease.PARSERS,
     **status.PARSERS,
     **top.PARSERS,
     **jobs.PARSERS,

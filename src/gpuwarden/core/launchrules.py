@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from gpuwarden.core.lease import is_lease
 from gpuwarden.core.model import JobType, Lane, LaunchMode
 
 __all__ = ["LaunchRules", "Runtime", "image_is_pinned", "process_lane", "widening_refusal"]
@@ -123,6 +124,8 @@ class LaunchRules:
     def refusal(self, jobtype: JobType) -> str | None:
         """Why ``jobtype`` may not run on this node (what to change), or None."""
         name, launch = jobtype.name, jobtype.launch
+        if is_lease(name):
+            return None  # a VRAM lease's holder runs no code on its GPU (core/lease.py)
         rule = self._refused(launch, process_lane(jobtype))
         if rule == "vram_host":
             return (

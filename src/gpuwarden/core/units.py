@@ -40,9 +40,7 @@ def parse_duration(text: str, *, option: str = "--for", example: str = "10m") ->
     number is seconds. Raise :class:`ValueError` naming ``option``."""
     m = _DURATION.fullmatch(text.strip())
     if m is None:
-        raise ValueError(
-            f"{option} {text}: write it as a number with s, m, h or d, e.g. {example}"
-        )
+        raise ValueError(f"{option} {text}: write it as a number with s, m, h or d, e.g. {example}")
     value = float(m.group(1)) * DURATION_UNITS[m.group(2) or "s"]
     if value <= 0 or not math.isfinite(value):
         raise ValueError(f"{option} {text}: must be more than 0, e.g. {example}")
