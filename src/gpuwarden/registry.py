@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gpuwarden.core import command
 from gpuwarden.core.launchrules import LaunchRules
+from gpuwarden.core.lease import LEASE_MODULE, lease_job_type
 from gpuwarden.core.model import (
     GIB,
     MAX_GPUS,
@@ -509,6 +510,7 @@ class Registry:
     ) -> None:
         self.modules = {m.name: m for m in modules}
         self.types = _Types((t.name, t) for m in modules for t in m.types)
+        self.add(lease_module())  # a VRAM lease's built-in type (core/lease.py)
         self.rules = rules or LaunchRules()
         #: modules not used because one of the same name came first, in words
         self.passed_over = passed_over
@@ -653,6 +655,18 @@ class Registry:
 
 
 _First = Callable[[str, Path, ModuleSource], bool]
+
+
+def lease_module() -> Module:
+    """The built-in module of VRAM leases: the ``lease`` type, no folder."""
+    return Module(
+        name=LEASE_MODULE,
+        path=Path("/"),
+        description="VRAM leases (built in)",
+        fingerprint="",
+        types=(lease_job_type(),),
+        source=ModuleSource(SourceKind.BUILTIN, "gpuwarden"),
+    )
 
 
 def _load_root(root: Path, found: dict[str, Module], first: _First) -> None:

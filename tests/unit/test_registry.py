@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwarden.core.lease import LEASE_MODULE, LEASE_TYPE
 from gpuwarden.core.model import GIB, JobType, Lane, LaunchMode, ParamSpec, ParamType
 from gpuwarden.errors import ModuleError, UserError, ValidationError
 from gpuwarden.registry import (
@@ -148,9 +149,7 @@ def test_get_unknown_type_lists_known_types(shipped: Registry) -> None:
 def test_get_on_an_empty_registry() -> None:
     with pytest.raises(ValidationError) as info:
         Registry([]).get("echo.echo")
-    assert str(info.value) == (
-        "unknown job type 'echo.echo'; known types: none (check module_paths)"
-    )
+    assert str(info.value) == ("unknown job type 'echo.echo'; known types: lease")
 
 
 def test_argv_replaces_python(shipped: Registry) -> None:
@@ -181,8 +180,9 @@ def test_argv_replaces_only_whole_python_arguments() -> None:
 def test_template_is_skipped_even_under_another_root(tmp_path: Path) -> None:
     shutil.copytree(MODULES / "_TEMPLATE", tmp_path / "_TEMPLATE")
     registry = only(tmp_path)
-    assert registry.modules == {}
-    assert registry.types == {}
+    # only the built-in lease type (core/lease.py)
+    assert list(registry.modules) == [LEASE_MODULE]
+    assert list(registry.types) == [LEASE_TYPE]
 
 
 def test_template_is_valid_when_copied_and_renamed(tmp_path: Path) -> None:
@@ -235,8 +235,8 @@ def test_load_skips_folders_without_module_toml_and_hidden_ones(tmp_path: Path) 
     (tmp_path / "stray.txt").write_text("not a module")
     make_module(tmp_path, "mine", head() + GOOD_TYPE)
     registry = only(tmp_path)
-    assert list(registry.modules) == ["mine"]
-    assert list(registry.types) == ["mine.run"]
+    assert list(registry.modules) == ["mine", LEASE_MODULE]
+    assert list(registry.types) == ["mine.run", LEASE_TYPE]
 
 
 def test_load_first_path_wins(tmp_path: Path) -> None:
@@ -264,11 +264,12 @@ def test_load_several_modules_and_types(tmp_path: Path) -> None:
         + '[types.gen]\nlane = "vram"\nvram_gib = 1.5\ncoresident = true\ncommand = ["x"]\n',
     )
     registry = only(tmp_path)
-    assert sorted(registry.types) == ["alpha.run", "beta.gen", "beta.run"]
+    assert sorted(registry.types) == ["alpha.run", "beta.gen", "beta.run", LEASE_TYPE]
     gen = registry.get("beta.gen")
     assert gen.vram_bytes == int(1.5 * GIB)
     assert gen.coresident is True
-    assert [d["type"] for d in registry.describe()] == ["alpha.run", "beta.gen", "beta.run"]
+    described = [d["type"] for d in registry.describe()]
+    assert described == ["alpha.run", "beta.gen", "beta.run", LEASE_TYPE]
 
 
 # --- parse_module errors: each names the file and the key -----------------------------

@@ -120,12 +120,12 @@ def command_request(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
             "priority": args.priority,
             "gpus": args.gpus,
             "after": list(args.after),
-            "vram_bytes": None if args.vram is None else parse_bytes(args.vram, "--vram"),
-            "ram_bytes": None if args.ram is None else parse_bytes(args.ram, "--ram"),
-            "est_s": None if args.est is None else parse_duration(args.est, "--est"),
+            "vram_bytes": None if args.vram is None else parse_bytes(args.vram, option="--vram"),
+            "ram_bytes": None if args.ram is None else parse_bytes(args.ram, option="--ram", example="4G"),
+            "est_s": None if args.est is None else parse_duration(args.est, option="--est"),
             "timeout_s": None
             if args.timeout is None
-            else parse_duration(args.timeout, "--timeout"),
+            else parse_duration(args.timeout, option="--timeout", example="2h"),
             "share": args.share_gpu,
             "preempt": _signal(args.preemptible),
             "array": None if args.array is None else parse_array(args.array),

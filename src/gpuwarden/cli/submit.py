@@ -395,7 +395,7 @@ def _sized(args: argparse.Namespace, key: str, old: int | None) -> int | None:
     if text is None:
         return old
     try:
-        return parse_bytes(text, f"--{key}")
+        return parse_bytes(text, option=f"--{key}")
     except ValueError as exc:
         raise ValidationError(str(exc)) from None
 
@@ -406,7 +406,7 @@ def _timed(args: argparse.Namespace, key: str, old: float | None) -> float | Non
     if text is None:
         return old
     try:
-        return parse_duration(text, f"--{key}")
+        return parse_duration(text, option=f"--{key}")
     except ValueError as exc:
         raise ValidationError(str(exc)) from None
 

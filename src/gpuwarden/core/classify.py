@@ -49,6 +49,9 @@ class Outcome(StrEnum):
     #: it failed (exited non-zero, or without its outputs) while the node's own
     #: disk (its state and attempt folders) was full: the host's fault, retried
     HOST_FAULT = "host_fault"
+    #: a VRAM lease whose holder stopped renewing it: its supervisor ended it at
+    #: its deadline (SPEC.md, "VRAM leases"); final, not retried
+    LEASE_EXPIRED = "lease_expired"
 
 
 INFRASTRUCTURE = frozenset(
@@ -122,6 +125,10 @@ class AttemptFacts:
     #: attempt ended, as the node measured it (``statvfs``), said for a person; None
     #: when it was not. A failure then is the host's, not the job's
     host_disk_full: str | None = None
+    #: a VRAM lease's end (its supervisor stopped its holder at the lease's
+    #: deadline): why, in words, and whether it expired (else its holder ended it)
+    lease_end: str | None = None
+    lease_expired: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +323,8 @@ def _failed(f: AttemptFacts) -> tuple[Outcome, str]:
 def _outcome(f: AttemptFacts) -> tuple[Outcome, str]:
     if f.launch_error is not None:
         return Outcome.LAUNCH_ERROR, f"launch error: {f.launch_error}"
+    if f.lease_end is not None:
+        return (Outcome.LEASE_EXPIRED if f.lease_expired else Outcome.SUCCEEDED), f.lease_end
     if f.interrupted:
         return (
             Outcome.INTERRUPTED,

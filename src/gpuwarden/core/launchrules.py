@@ -25,6 +25,7 @@ from enum import StrEnum
 from typing import Any
 
 from gpuwarden.core.command import is_command_type
+from gpuwarden.core.lease import is_lease
 from gpuwarden.core.model import JobType, Lane, LaunchMode
 
 __all__ = ["LaunchRules", "Runtime", "image_is_pinned", "process_lane", "widening_refusal"]
@@ -128,6 +129,8 @@ class LaunchRules:
             # a host command runs as the user who submitted it, not as root: who may
             # is ``[commands]``'s to say (SPEC.md, "Command jobs"), not these rules'
             return None
+        if is_lease(name):
+            return None  # a VRAM lease's holder runs no code on its GPU (core/lease.py)
         rule = self._refused(launch, process_lane(jobtype))
         if rule == "vram_host":
             return (

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuwarden.core import ramadmit
+from gpuwarden.core.lease import is_lease
 from gpuwarden.core.ledger import Holding, HoldState, compatible
 from gpuwarden.core.model import Lane, format_bytes, gpu_list
 from gpuwarden.core.preempt import Need, Preempt, Victim, choose, describe, preempts
@@ -1117,6 +1118,8 @@ def _paused_view(g: GpuView) -> GpuView:
 
 
 def _holder(h: Holding) -> str:
+    if is_lease(h.type) and h.state is HoldState.RUNNING:
+        return f"lease {h.job_id} of {format_bytes(h.bytes)}"
     who = f"{h.type} ({h.job_id})" if h.job_id else h.type
     if h.state is HoldState.RECLAIMING:
         return f"{who}, ended, its memory not yet shown free"

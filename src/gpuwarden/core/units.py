@@ -1,53 +1,51 @@
-"""Human units on the command line: ``10G`` of memory, ``10m`` of time. Pure."""
+"""Human units on the command line: sizes (``12G``, ``512M``) and durations
+(``30m``, ``2h``, ``90s``). Pure; each parser raises :class:`ValueError` with a
+message that names the option and shows how to write it."""
 
 from __future__ import annotations
 
 import math
 import re
 
-#: a binary multiple per suffix (``10G`` is 10 GiB, as ``nvidia-smi`` and Slurm mean it)
-BYTE_UNITS = {"": 1 << 30, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-#: seconds per suffix
-TIME_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+__all__ = ["DURATION_UNITS", "SIZE_UNITS", "parse_bytes", "parse_duration"]
 
-_BYTES = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
-_TIME = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*$")
+#: size suffixes (binary: ``G`` is GiB) and what each multiplies by
+SIZE_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+#: duration suffixes and their seconds
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
+_SIZE = re.compile(_NUMBER + r"\s*([KMGT])(?:i?B)?", re.IGNORECASE)
+_DURATION = re.compile(_NUMBER + r"\s*([smhd])?")
 
 
-def parse_bytes(text: str, option: str = "--vram") -> int:
-    """``10G``, ``512M``, ``1.5G``, ``24GiB`` or a bare number of GiB, in bytes;
-    :class:`ValueError` naming ``option`` and the form it takes."""
-    match = _BYTES.match(str(text))
-    if match is None:
+def parse_bytes(text: str, *, option: str = "--vram", example: str = "10G") -> int:
+    """``"12G"`` -> 12 GiB in bytes; ``"512M"``, ``"1.5G"``, ``"64K"``, ``"1T"``
+    (``GiB``/``GB`` are read as ``G``). A unit is required: a bare number is
+    ambiguous. Raise :class:`ValueError` naming ``option``."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
         raise ValueError(
-            f"{option} {text}: write it as a number with G or M, e.g. {option} 10G or "
-            f"{option} 512M (a bare number is GiB)"
+            f"{option} {text}: write it as a number with G or M, e.g. {example}"
+            + (" (a unit is needed: G for GiB, M for MiB)" if _is_number(text) else "")
         )
-    number, unit = float(match.group(1)), match.group(2).upper()
-    value = number * BYTE_UNITS[unit]
-    if not math.isfinite(value) or value > 1 << 60:
-        raise ValueError(f"{option} {text}: too large")
-    return int(value)
+    value = float(m.group(1)) * SIZE_UNITS[m.group(2).upper()]
+    if value <= 0 or not math.isfinite(value):
+        raise ValueError(f"{option} {text}: must be more than 0, e.g. {example}")
+    return math.ceil(value)
 
 
-def parse_duration(text: str, option: str = "--for") -> float:
-    """``90s``, ``10m``, ``2h``, ``1d`` or a bare number of seconds, in seconds;
-    :class:`ValueError` naming ``option`` and the form it takes."""
-    match = _TIME.match(str(text))
-    if match is None:
-        raise ValueError(
-            f"{option} {text}: write it as a number with s, m, h or d, e.g. {option} 10m "
-            f"or {option} 2h (a bare number is seconds)"
-        )
-    value = float(match.group(1)) * TIME_UNITS[match.group(2)]
-    if not math.isfinite(value) or value > 1e9:
-        raise ValueError(f"{option} {text}: too long")
+def parse_duration(text: str, *, option: str = "--for", example: str = "10m") -> float:
+    """``"30m"`` -> 1800.0; ``"2h"``, ``"90s"``, ``"1d"``, ``"1.5h"``; a bare
+    number is seconds. Raise :class:`ValueError` naming ``option``."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"{option} {text}: write it as a number with s, m, h or d, e.g. {example}")
+    value = float(m.group(1)) * DURATION_UNITS[m.group(2) or "s"]
+    if value <= 0 or not math.isfinite(value):
+        raise ValueError(f"{option} {text}: must be more than 0, e.g. {example}")
     return value
 
 
-def bytes_text(value: int) -> str:
-    """``10G``, ``512M``, ``1.5G``: the short form of a byte count."""
-    if value >= 1 << 30:
-        gib = value / (1 << 30)
-        return f"{gib:g}G" if round(gib, 2) == gib else f"{gib:.2f}G"
-    return f"{value / (1 << 20):g}M"
+def _is_number(text: str) -> bool:
+    return re.fullmatch(_NUMBER, text.strip()) is not None

@@ -66,6 +66,7 @@ from gpuwarden.node.gpulocks import GpuLocks, release
 from gpuwarden.node.gpus import GpuWatch
 from gpuwarden.node.hostram import effective_need
 from gpuwarden.node.jobends import JobEnds
+from gpuwarden.node.leases import attribute_lease_pids
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.preempting import Preemptions
 from gpuwarden.node.queue import ClassKey, PlanKey, QueueBook
@@ -773,6 +774,7 @@ class Broker:
 
     def _observe(self, now: float) -> None:
         """Read the probe (once per tick at most) and let the VRAM book take it in."""
+        attribute_lease_pids(self.attempts, self.vram)  # their memory is the lease's
         if self.gpus.observe(now):
             self._status_dirty = True
 

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +38,12 @@ from gpuwarden.core.classify import (
     interruptions_before,
     is_cuda_oom,
 )
+from gpuwarden.core.lease import is_lease, ttl_of
 from gpuwarden.core.model import Job, JobType, LaunchMode
 from gpuwarden.core.ramadmit import RamNeed, RamView
 from gpuwarden.errors import GpuwardenError, TransitionError
 from gpuwarden.launch.base import Launcher, LaunchRequest, LaunchResult, Starter
-from gpuwarden.node import attemptfs
+from gpuwarden.node import attemptfs, leases
 from gpuwarden.node.attempts import AttemptLayout, Launching
 from gpuwarden.node.gpulocks import release
 from gpuwarden.node.hostram import HostRam, RunningRam, effective_need, ram_view
@@ -271,6 +273,8 @@ class AttemptRunner:
             # a runtime job's own process is the runtime's client: it gets no GPU
             request = self.launching.request(run, None if run.runtime else gpu, now)
             request = dataclasses.replace(request, ram_cap_bytes=cap_for(run, launcher))
+            if is_lease(job.type):  # its deadline, before its supervisor looks (wall clock)
+                leases.grant(run.attempt_dir, ttl_of(job.params), time.time())
             if jobtype.launch is LaunchMode.SERVICE:  # it runs until stopped
                 env = {**request.env, SERVICE_PORT_ENV: str(jobtype.port)}
                 request = dataclasses.replace(
@@ -439,10 +443,13 @@ class AttemptRunner:
         stderr_tail = next(
             (ln.strip() for ln in reversed(result.stderr.splitlines()) if ln.strip()), ""
         )[:300]
+        lease_end, lease_expired = leases.end_of(run, result.fenced)
         facts = AttemptFacts(
             exit_code=result.exit_code,
             worker_error=result.worker_error,
-            interrupted=result.fenced or result.supervisor_lost is not None,
+            lease_end=lease_end,
+            lease_expired=lease_expired,
+            interrupted=(result.fenced and lease_end is None) or result.supervisor_lost is not None,
             interrupted_why=_interrupted_why(result),
             cuda_oom=run.attempt.gpu_uuid is not None and is_cuda_oom(result.stderr),
             gpu_alone=self.vram.alone(holder),
@@ -597,7 +604,8 @@ class AttemptRunner:
         if run.attempt.gpu_uuid is None:
             return
         m = self.vram.end(run.holder, now)
-        if m is not None and m.alone:
+        # a lease holds what its holder asked for, each its own: no type footprint
+        if m is not None and m.alone and not is_lease(run.job.type):
             self.footprints.measure(
                 run.jobtype,
                 m.peak_bytes,

@@ -33,6 +33,9 @@ class _Tracked:
     """What the book knows of one holder beyond its ledger entry."""
 
     main_pid: int | None = None
+    #: more processes whose trees are its own (a VRAM lease's app: its command,
+    #: the PIDs it registered)
+    roots: set[int] = field(default_factory=set)
     pids: set[int] = field(default_factory=set)
     peak_bytes: int = 0
     #: nothing else held memory on its GPU from its start on: its peak is its own
@@ -177,6 +180,14 @@ class VramBook:
                 t.main_pid = pid
                 t.pids.add(pid)
 
+    def add_roots(self, holder: str, pids: set[int]) -> None:
+        """Processes outside the attempt's tree whose memory (theirs and their
+        descendants') is the holding's from the next observation on (a VRAM
+        lease's app)."""
+        t = self._tracked.get(holder)
+        if t is not None:
+            t.roots |= pids
+
     def end(self, holder: str, now: float) -> Measurement | None:
         """The attempt's processes are gone: its holding waits for the probe to show
         its memory free (reclaiming). Returns what was measured while it ran (a
@@ -243,8 +254,10 @@ class VramBook:
             t = self._tracked.get(h.holder)
             if t is None:
                 continue
-            if h.state is not HoldState.RECLAIMING and t.main_pid is not None:
-                t.pids |= _tree(t.main_pid)
+            if h.state is not HoldState.RECLAIMING:
+                for root in (t.main_pid, *t.roots):
+                    if root is not None:
+                        t.pids |= _tree(root)
             ours |= t.pids
             used = sum(usage.get(pid, 0) for pid in t.pids)
             if h.state is not HoldState.RECLAIMING:
