@@ -120,8 +120,8 @@ def command_request(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
             "priority": args.priority,
             "gpus": args.gpus,
             "after": list(args.after),
-            "vram_bytes": None if args.vram is None else parse_bytes(args.vram, option="--vram"),
-            "ram_bytes": None if args.ram is None else parse_bytes(args.ram, option="--ram", example="4G"),
+            "vram_bytes": _size(args.vram, "--vram"),
+            "ram_bytes": _size(args.ram, "--ram"),
             "est_s": None if args.est is None else parse_duration(args.est, option="--est"),
             "timeout_s": None
             if args.timeout is None
@@ -137,6 +137,10 @@ def command_request(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
     if body["est_s"] is None and getattr(args, "est_s", None) is not None:
         body["est_s"] = args.est_s
     return body
+
+
+def _size(text: str | None, option: str) -> int | None:
+    return None if text is None else parse_bytes(text, option=option)
 
 
 def _env(args: argparse.Namespace) -> dict[str, str]:
