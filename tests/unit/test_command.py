@@ -3,6 +3,8 @@ name, the command's checks, who may run one, human units, ``--array``."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,8 +12,11 @@ from hypothesis import strategies as st
 from gpuwarden.cli.run import parse_array
 from gpuwarden.core import command
 from gpuwarden.core.command import CommandOptions, CommandSpec, LocalUser
+from gpuwarden.core.policy import GpuView
 from gpuwarden.core.units import parse_bytes, parse_duration
+from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.registry import Registry, command_job_type
+from gpuwarden.store.sqlite import SqliteStore
 
 GIB = 1 << 30
 
@@ -141,3 +146,26 @@ def test_array_specs() -> None:
     for bad in ("", "a-b", "3-1", "0-3%0", "0-3%x", "1,1", "0-100000"):
         with pytest.raises(ValueError):
             parse_array(bad)
+
+
+def test_what_a_command_measured_sizes_the_next_run_of_its_name(tmp_path: Path) -> None:
+    """Measured under ``command:NAME`` whatever the options: a run with
+    ``--share-gpu`` raises the footprint the next plain run is admitted with."""
+    store = SqliteStore(tmp_path / "s.db")
+    try:
+        footprints = Footprints(store, step_bytes=64 << 20)
+        registry = Registry.load([], builtin=False, installed=False)
+        shared = registry.types["command:train[share]"]
+        plain = registry.types["command:train"]
+        other = registry.types["command:eval"]
+        gpus = [GpuView("GPU-0", 24 * GIB)]
+        assert footprints.of(plain, 2 * GIB) == 2 * GIB
+        footprints.measure(shared, 5 * GIB, override=2 * GIB, source="a", gpus=gpus, now=1.0)
+        assert footprints.of(plain, 2 * GIB) == 5 * GIB  # sized by what train used
+        assert footprints.of(other, 2 * GIB) == 2 * GIB  # another name is not
+        # kept in the store: a restarted broker reads it back
+        assert Footprints(store, step_bytes=64 << 20).of(plain, None) == 5 * GIB
+        times = RunTimes([("command:train[share]", 30.0), ("command:train", 50.0)])
+        assert times.times("command:train[timeout=60]") == [50.0, 30.0]
+    finally:
+        store.close()
