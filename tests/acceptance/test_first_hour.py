@@ -466,13 +466,9 @@ def readme_block(heading: str) -> str:
     return section.split("```sh\n", 1)[1].split("```", 1)[0]
 
 
-@pytest.mark.slow
-def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
-    """The README's quick-start block, verbatim, in a folder with the examples and
-    a ``.venv/bin/gpuwarden`` that is this interpreter's CLI."""
-    block = readme_block("## Quick start: VRAM admission")
-    assert "submit burn.llm" in block and "explain vision" in block
-    cfg = local_copy(tmp_path)
+def run_block(block: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """A README block, verbatim, with ``bash -e`` in ``tmp_path`` (which holds the
+    examples), where ``.venv/bin/gpuwarden`` is this interpreter's CLI."""
     venv_bin = tmp_path / ".venv" / "bin"
     venv_bin.mkdir(parents=True)
     cli = venv_bin / "gpuwarden"
@@ -499,7 +495,17 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
+    """The README's quick-start block, verbatim, in a folder with the examples and
+    a ``.venv/bin/gpuwarden`` that is this interpreter's CLI."""
+    block = readme_block("## Quick start: VRAM admission")
+    assert "submit burn.llm" in block and "explain vision" in block
+    cfg = local_copy(tmp_path)
+    done = run_block(block, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "waiting up to 60 s for a broker" in done.stderr or "node local" in out
@@ -514,6 +520,23 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     assert vision["started_at"] >= llm["ended_at"]
     assert whisper["started_at"] >= vision["ended_at"]
     assert len(unsandboxed_lines(done.stderr)) == 1  # the broker said it once
+
+
+@pytest.mark.slow
+def test_the_readme_command_job_quick_start_runs_as_written(tmp_path: Path) -> None:
+    """The README's first section: a broker, then ``gpuwarden run`` and an array."""
+    block = readme_block("## Quick start: any command is a job")
+    assert "gpuwarden run --vram" in block and "--array" in block
+    cfg = local_copy(tmp_path)
+    done = run_block(block, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^hello from GPU-sim-\S+$", done.stdout, re.MULTILINE), done.stdout
+    ids = re.findall(r"^(sh-[0-9a-f]{8}_[0-3])$", done.stdout, re.MULTILINE)
+    assert len(ids) == 4, done.stdout
+    python = [j for j in json.loads(run("--config", cfg, "jobs", "--json").stdout)
+              if j["type"] == "command:python3"]  # fmt: skip
+    assert [j["state"] for j in python] == ["done"]
+    assert "Traceback" not in done.stderr
 
 
 def test_a_config_cannot_claim_what_auto_found_and_errors_list_auto(tmp_path: Path) -> None:
