@@ -16,9 +16,11 @@ import argparse
 import base64
 import json
 import os
+import queue
 import re
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -268,10 +270,23 @@ class Link:
             yield {"ids": session.submit(body, self.user)}
         elif body["op"] == "cancel":
             yield {"state": session.cancel(body["id"], self.user).state.value}
-        else:
-            messages: list[dict[str, Any]] = []
-            session.follow(body["id"], self.user, messages.append)  # never blocks long:
-            yield from messages  # no broker runs here, so the job does not move
+        else:  # follow: the session's messages as it sends them, from a thread
+            messages: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
+
+            def follow() -> None:
+                try:
+                    session.follow(body["id"], self.user, messages.put)
+                except BaseException as exc:  # handed to the reader, raised there
+                    messages.put(exc)
+
+            threading.Thread(target=follow, name="follow", daemon=True).start()
+            while True:
+                message = messages.get()
+                if isinstance(message, BaseException):
+                    raise message
+                yield message
+                if "end" in message:
+                    return
 
 
 # -- run and submit ----------------------------------------------------------------
