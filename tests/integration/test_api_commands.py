@@ -134,7 +134,8 @@ def test_a_node_without_a_sandbox_refuses_with_the_rule(tmp_path: Path) -> None:
         r = post(a, "owner", RUN)
         assert r.status_code == 422
         message = r.json()["error"]
-        assert "runs only in a sandbox" in message and 'container_runtime to "bubblewrap"' in message
+        assert "runs only in a sandbox" in message
+        assert 'container_runtime to "bubblewrap"' in message
         assert [j.type for j in a.store.list_jobs()] == ["echo.echo"]
     finally:
         a.store.close()
