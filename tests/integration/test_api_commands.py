@@ -148,6 +148,7 @@ def test_a_node_without_a_sandbox_refuses_with_the_rule(tmp_path: Path) -> None:
         {"command": []},
         {**RUN, "env": {"CUDA_VISIBLE_DEVICES": "1"}},
         {**RUN, "env": {"GPUWARDEN_JOB_ID": "x"}},
+        {**RUN, "env": {"LD_PRELOAD": "/tmp/x.so"}},
         {**RUN, "preempt": "SIGKILL"},
         {**RUN, "name": "../x"},
         {**RUN, "params": {"text": "x"}},
