@@ -219,6 +219,7 @@ def queue_intake(
             check=broker.check_fits,
             clock=broker.clock,
             wake=broker.wake,  # a finished extraction is taken at once, not next tick
+            commands=config.commands.bundles,
         )
 
     return build

@@ -18,7 +18,7 @@ import json
 import math
 import secrets
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -279,6 +279,46 @@ class Client:
             "POST", "/v1/jobs", json=body, headers=headers, **self._waiting(wait)
         )
         return job
+
+    def submit_command(
+        self,
+        argv: Sequence[str],
+        *,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        share_gpu: bool = False,
+        preempt: str | None = None,
+        timeout_s: float | None = None,
+        wait: float | None = None,
+        idempotency_key: str | None = None,
+        **job: Any,
+    ) -> dict[str, Any]:
+        """Submit a command job (SPEC.md, "Command jobs over HTTP, bundles and
+        agents"): ``argv`` runs sandboxed on the node, in its output folder (its
+        ``outputs`` are fetched as any job's), where the node's ``[commands] roles``
+        names this token's role. ``name``: what its measurements are kept under
+        (default: the program's name); ``env``: its environment variables;
+        ``share_gpu``: it may share a GPU with co-resident jobs; ``preempt``: the
+        signal it checkpoints on (it is then preemptible); ``timeout_s``. ``job``:
+        the keys every job has (``id``, ``priority``, ``vram_gib``, ``outputs``,
+        ``after``, ``est_s``, ``gpus``, ``ram_gib``, ``constraints``...), as the
+        JSON body has them."""
+        body: dict[str, Any] = {"command": list(argv), **job}
+        if name is not None:
+            body["name"] = name
+        if env:
+            body["env"] = dict(env)
+        if share_gpu:
+            body["share_gpu"] = True
+        if preempt is not None:
+            body["preempt"] = preempt
+        if timeout_s is not None:
+            body["timeout_s"] = timeout_s
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        answer: dict[str, Any] = self.request_json(
+            "POST", "/v1/jobs", json=body, headers=headers, **self._waiting(wait)
+        )
+        return answer
 
     def _waiting(self, wait: float | None) -> dict[str, Any]:
         """The query parameter and the longer read timeout of a request that waits."""

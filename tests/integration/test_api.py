@@ -595,8 +595,9 @@ def test_unknown_field_names_the_allowed_ones(api: Api) -> None:
     assert r.status_code == 422
     assert r.json()["error"] == (
         "unknown field 'inputs' in body "
-        "(allowed: after, constraints, est_s, gpus, id, outputs, params, priority, "
-        "ram_floor_gib, ram_gib, ram_start_min_gib, service, share, source, type, vram_gib)"
+        "(allowed: after, command, constraints, env, est_s, gpus, id, name, outputs, params, "
+        "preempt, priority, ram_floor_gib, ram_gib, ram_start_min_gib, service, share, "
+        "share_gpu, source, timeout_s, type, vram_gib)"
     )
     r = api.client.post("/v1/tokens", json={"name": "x", "role": "king"}, headers=api.h("owner"))
     assert r.status_code == 422 and "body.role" in r.json()["error"]

@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gpuwarden.core import command as commands
 from gpuwarden.core.faultlatch import CLEAR_REASON_MAX
 from gpuwarden.core.model import GIB, MAX_GPUS, Attempt, Event, Job, Role
 from gpuwarden.core.profile import MAX_EST_S
@@ -72,6 +73,11 @@ class SourceIn(_Request):
         return JobSource(repo=self.repo, commit=self.commit)
 
 
+#: what a host command has that a sandboxed one never does: a client that sends
+#: them over HTTP is refused, saying where host commands come from
+HOST_COMMAND_KEYS = frozenset({"uid", "gid", "groups", "cwd", "user"})
+
+
 class JobIn(_Request):
     """A job, with the fields of a bundle manifest's job (SPEC.md section 4), less
     ``inputs``: file inputs are not taken over HTTP yet."""
@@ -88,8 +94,34 @@ class JobIn(_Request):
     id: Annotated[str, Field(min_length=1, max_length=128)] | None = Field(
         default=None, description="1-128 letters, digits, '.', '_', '-' (default: generated)"
     )
-    type: Annotated[str, Field(min_length=1, max_length=200)] = Field(
-        description="module.type (GET /v1/types lists them)"
+    type: Annotated[str, Field(min_length=1, max_length=200)] | None = Field(
+        default=None, description="module.type (GET /v1/types lists them); or give command"
+    )
+    command: Annotated[list[str], Field(min_length=1, max_length=commands.MAX_ARGS)] | None = Field(
+        default=None,
+        description="instead of type: a command line, run sandboxed (bubblewrap or "
+        "podman) in its output folder where [commands] roles allows the token's role "
+        "(SPEC.md, Command jobs over HTTP, bundles and agents)",
+        examples=[["python3", "-c", "print('hi')"]],
+    )
+    name: str | None = Field(
+        default=None,
+        description="a command job's name: its measurements are kept under it (default: "
+        "the program's name)",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, description="a command job's environment variables"
+    )
+    share_gpu: bool = Field(
+        default=False, description="a command job may share its GPU with co-resident jobs"
+    )
+    preempt: str | None = Field(
+        default=None,
+        description="a command job is preemptible: the signal it is asked to checkpoint "
+        f"with ({', '.join(commands.SIGNALS)})",
+    )
+    timeout_s: Annotated[float, Field(gt=0, lt=1e9)] | None = Field(
+        default=None, description="a command job's timeout in seconds (default: a week)"
     )
     params: dict[str, Any] = Field(default_factory=dict)
     outputs: Annotated[list[Annotated[str, Field(max_length=1024)]], Field(max_length=1000)] = (
@@ -151,6 +183,26 @@ class JobIn(_Request):
         "commit's module.toml (SPEC.md, Jobs from a pinned commit)",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_host_command(cls, data: Any) -> Any:
+        """A host command (one that runs as a user of the node, in a folder of its)
+        never comes over HTTP: the user is the kernel's word on the local socket."""
+        if isinstance(data, dict) and (given := sorted(HOST_COMMAND_KEYS & data.keys())):
+            raise ValueError(
+                f"{', '.join(given)}: a command over HTTP runs sandboxed, in its output "
+                "folder, as the sandbox's user; a host command (as a user of the node, in "
+                "their folder) comes only through the node's local socket: `gpuwarden run "
+                "-- CMD` on the host"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _type_or_command(self) -> Self:
+        if (self.type is None) == (self.command is None):
+            raise ValueError("give a job type (type) or a command line (command), one of them")
+        return self
+
     def ram(self) -> RamNeed:
         """Its RAM keys in bytes (``gpuwarden.core.ramadmit``)."""
         values = (self.ram_gib, self.ram_floor_gib, self.ram_start_min_gib)
@@ -168,7 +220,19 @@ class JobIn(_Request):
         _check_json_value(value, "constraints")
         return value
 
-    @field_validator("id", "type", mode="after")
+    @field_validator("command", mode="after")
+    @classmethod
+    def _command_text(cls, value: list[str] | None) -> list[str] | None:
+        _check_json_value(value, "command")
+        return value
+
+    @field_validator("env", mode="after")
+    @classmethod
+    def _env_text(cls, value: dict[str, str]) -> dict[str, str]:
+        _check_json_value(value, "env")
+        return value
+
+    @field_validator("id", "type", "name", mode="after")
     @classmethod
     def _text(cls, value: str | None) -> str | None:
         if value is not None:

@@ -21,6 +21,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,18 @@ from gpuwarden.api import localsock
 from gpuwarden.cli.common import (
     Commands,
     Progress,
+    add_remote_options,
     config_of,
     err,
     existing_store,
     out,
     progress_text,
+    remote,
 )
+from gpuwarden.client import Client
 from gpuwarden.config import Config
 from gpuwarden.core import command
+from gpuwarden.core.states import JobState
 from gpuwarden.core.units import parse_bytes, parse_duration
 from gpuwarden.errors import UserError, ValidationError
 from gpuwarden.registry import Registry
@@ -99,6 +104,7 @@ def _add_run(sub: Commands) -> None:
         allow_abbrev=False,
     )
     add_command_options(sp, with_job_options=True)
+    add_remote_options(sp)
     sp.set_defaults(func=cmd_run)
 
 
@@ -289,15 +295,132 @@ class Link:
                     return
 
 
+class HttpLink:
+    """The HTTP API (``--url``): the same requests as :class:`Link`'s, answered by
+    the API. The command runs sandboxed there (SPEC.md, "Command jobs over HTTP,
+    bundles and agents"): no working directory, no local user; its ``--want``
+    files are fetched as any job's."""
+
+    def __init__(self, args: argparse.Namespace, client: Client) -> None:
+        self.args = args
+        self.client = client
+        self.path = client.url
+
+    def close(self) -> None:
+        self.client.close()
+
+    def request(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        if body["op"] == "submit":
+            yield {"ids": [self._submit(body)]}
+        elif body["op"] == "cancel":
+            yield {"state": self.client.cancel(body["id"])["state"]}
+        else:
+            yield from _HttpFollower(self.client, str(body["id"])).messages()
+
+    def _submit(self, body: dict[str, Any]) -> str:
+        if body.get("array") is not None:
+            raise UserError(
+                "--array is not sent over HTTP yet: submit each index, or run on the host"
+            )
+        gib = 1 << 30
+        job: dict[str, Any] = {
+            k: body[k] for k in ("id", "est_s", "gpus") if body.get(k) is not None
+        }
+        if body.get("vram_bytes") is not None:
+            job["vram_gib"] = body["vram_bytes"] / gib
+        if body.get("ram_bytes"):
+            job["ram_gib"] = body["ram_bytes"] / gib
+        made = self.client.submit_command(
+            body["argv"],
+            name=body.get("name"),
+            env=body.get("env") or {},
+            share_gpu=bool(body.get("share")),
+            preempt=body.get("preempt"),
+            timeout_s=body.get("timeout_s"),
+            priority=body.get("priority", 0),
+            after=list(body.get("after") or ()),
+            outputs=list(getattr(self.args, "outputs", None) or ()),
+            **job,
+        )
+        return str(made["id"])
+
+
+class _HttpFollower:
+    """``follow`` over HTTP: why the job waits (``explain``) while it is queued,
+    each attempt's stdout and stderr as the logs API sends them (``follow``), then
+    its end."""
+
+    def __init__(self, client: Client, job_id: str) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.note = ""
+        self.shown = 0  # the last attempt whose streams were read
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        while True:
+            job = self.client.get(self.job_id)
+            attempts = [a["number"] for a in job.get("attempts_detail") or []]
+            if attempts and attempts[-1] > self.shown:
+                self.shown = attempts[-1]
+                yield from self._streams(self.shown)
+                continue
+            if job["state"] in TERMINAL:
+                yield {"end": {k: job.get(k) for k in ("state", "exit_code", "reason")}}
+                return
+            if job["state"] == "queued":
+                lines = self.client.explain(self.job_id)
+                keep = [ln for ln in lines[1:] if not ln.startswith(("footprint ", "(as seen"))]
+                if (note := "; ".join(keep)) != self.note:
+                    self.note = note
+                    yield {"waiting": note}
+            time.sleep(HTTP_POLL_S)
+
+    def _streams(self, attempt: int) -> Iterator[dict[str, Any]]:
+        """Attempt ``attempt``'s two streams at once, until it has ended."""
+        got: queue.Queue[dict[str, Any] | BaseException | None] = queue.Queue()
+
+        def read(name: str) -> None:
+            try:
+                with self.client.logs(self.job_id, name, attempt=attempt, follow=True) as s:
+                    for chunk in s.chunks:
+                        got.put({name: base64.b64encode(chunk).decode()})
+            except BaseException as exc:  # handed to the reader, raised there
+                got.put(exc)
+            got.put(None)
+
+        for name in ("stdout", "stderr"):
+            threading.Thread(target=read, args=(name,), name=f"logs-{name}", daemon=True).start()
+        done = 0
+        while done < 2:
+            message = got.get()
+            if message is None:
+                done += 1
+            elif isinstance(message, BaseException):
+                raise message
+            else:
+                yield message
+
+
+#: the states a job ends in, and how often ``run --url`` asks about a job
+TERMINAL = frozenset(s.value for s in JobState if s.terminal)
+HTTP_POLL_S = 0.5
+
+
+def _link(args: argparse.Namespace) -> Link | HttpLink:
+    """The broker's local socket (or its store), or with ``--url`` its HTTP API."""
+    client = remote(args)
+    return Link(args) if client is None else HttpLink(args, client)
+
+
 # -- run and submit ----------------------------------------------------------------
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     argv = _argv(args)
     body = command_request(args, argv)
-    link = Link(args)
+    link = _link(args)
     try:
-        if link.session is not None:
+        if isinstance(link, Link) and link.session is not None:
             raise UserError(
                 f"no broker listens on {link.path}: `gpuwarden run` needs one to run the "
                 "command now (start `gpuwarden serve`), or queue it with `gpuwarden submit -- CMD`"
@@ -314,7 +437,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def submit_command(args: argparse.Namespace) -> int:
     """``gpuwarden submit [options] -- CMD``: queue it, print the ids."""
     body = command_request(args, _argv(args))
-    link = Link(args)
+    link = _link(args)
     try:
         ids = next(link.request(body))["ids"]
         for job_id in ids:
@@ -324,9 +447,19 @@ def submit_command(args: argparse.Namespace) -> int:
         status = 0
         for job_id in ids:
             status = _worst(status, _run_one(link, job_id))
+            if isinstance(link, HttpLink) and getattr(args, "results_dir", None):
+                _fetch_outputs(link.client, job_id, args.results_dir)
         return status
     finally:
         link.close()
+
+
+def _fetch_outputs(client: Client, job_id: str, dest: Path) -> None:
+    """A job's outputs from the API into ``dest`` (``--results-dir``)."""
+    result = client.result(job_id)
+    for rel in result.get("outputs", []):
+        client.download(job_id, rel, dest / rel)
+        err.print(f"job {job_id}: {dest / rel}", highlight=False)
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -342,7 +475,7 @@ def _worst(a: int, b: int) -> int:
     return a if a != 0 else b
 
 
-def _run_one(link: Link, job_id: str) -> int:
+def _run_one(link: Link | HttpLink, job_id: str) -> int:
     """Follow one job to its end, its output to ours; Ctrl-C cancels it."""
     shown = _Shown(job_id)
     try:

@@ -146,6 +146,7 @@ def run_agent(
             claim_every_s=local.cluster.claim_every_s,
             held_file=held_path,
             outbox=Outbox(local.state_dir / OUTBOX_DIR),
+            command_roles=local.commands.roles,
         )
         kept = {h.job_id for h in adopted}
         agent.resume(adopted, [h for h in saved if h.job_id not in kept])

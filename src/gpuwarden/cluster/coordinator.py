@@ -395,6 +395,8 @@ def _payloads(
             **({"service": job.service} if job.service else {}),
             # a job from a commit: the agent fetches and builds it as on one host
             **({"source": job.source.to_json()} if job.source is not None else {}),
+            # a (sandboxed) command job: its command, which the agent checks again
+            **({"command": job.command.to_json()} if job.command is not None else {}),
             "lease_id": lease_id,
             "expires_at": expires_at,
         }

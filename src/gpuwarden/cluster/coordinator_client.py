@@ -166,6 +166,9 @@ class Coordinator:
                         response.read()
                         _answer(response)
                     out = os.open(tmp, O_NEW, 0o600, dir_fd=parts_fd)
+                    # readable by a sandbox's user, as a bundle's input files are on
+                    # the host that took it (its folder is this node's own)
+                    os.fchmod(out, 0o644)
                     try:
                         for chunk in response.iter_bytes():
                             view = memoryview(chunk)

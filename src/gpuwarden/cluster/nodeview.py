@@ -19,7 +19,7 @@ from typing import Any, TypeGuard
 
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import Job, JobType, Lane, gpu_count
-from gpuwarden.core.placement import Constraints, GpuRoom, NodeView, Offerable
+from gpuwarden.core.placement import NO_COMMANDS, Constraints, GpuRoom, NodeView, Offerable
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_MIN_RUN_S, DEFAULT_SIGNAL, Victim
 from gpuwarden.core.service import SERVICE_NAME
 from gpuwarden.core.serviceroute import STATES, ServiceRoute
@@ -216,7 +216,18 @@ def node_view(
         rules=LaunchRules.from_json(rules),
         victims=_victims(rep.get("victims"), record),
         sources=reported_ability(sources),
+        commands=_commands(rep.get("commands")),
     )
+
+
+def _commands(raw: Any) -> str | None:
+    """What a node reported of command jobs: "" when it runs sandboxed ones, else
+    why not (in a few words, kept short); anything else: it did not say."""
+    if raw == "":
+        return None
+    if isinstance(raw, str):
+        return raw[:300]
+    return NO_COMMANDS
 
 
 def _victims(raw: Any, record: NodeRecord) -> tuple[Victim, ...]:

@@ -71,6 +71,7 @@ class QueueWatcher:
             clock=clock,
             remote_outputs=True,
             wake=self._wake.set,
+            commands=config.commands.bundles,
         )
         #: root path -> the open lock file of a root this process reads
         self._held: dict[str, int] = {}

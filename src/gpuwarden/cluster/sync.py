@@ -12,8 +12,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,9 @@ from gpuwarden.cluster.logship import LogShipper
 from gpuwarden.cluster.nodeview import heartbeat_every_s
 from gpuwarden.cluster.outbox import Outbox, Saved
 from gpuwarden.cluster.transfer import Outputs, fetch_inputs, upload_outputs
+from gpuwarden.core import command
+from gpuwarden.core.command import CommandSpec
+from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.model import Event, Job, JobSpec
 from gpuwarden.core.preempt import DEFAULT_GRACE_S, DEFAULT_SIGNAL, SIGNALS, Preempt
 from gpuwarden.core.ramadmit import RamNeed
@@ -108,6 +111,47 @@ def payload_source(value: Any) -> JobSource | None:
         return None
 
 
+def command_ability(roles: Sequence[str], rules: LaunchRules) -> str:
+    """What an agent reports of command jobs (placement's ``NodeView.commands``):
+    "" when it runs its coordinator's sandboxed command jobs (its own ``[commands]
+    roles`` names any role: it takes them at all; its launch rules sandbox them),
+    else why not, as a phrase about the node. Which roles may submit them is the
+    coordinator's ``[commands] roles``."""
+    if not roles:
+        return (
+            "runs no command jobs (its [commands] roles is empty: set roles in the "
+            "agent's config to take them)"
+        )
+    if rules.command_refusal() is not None:
+        return f"runs no command jobs (no sandbox: its container_runtime is {rules.runtime.value})"
+    return ""
+
+
+def payload_command(payload: dict[str, Any], ability: str) -> tuple[CommandSpec | None, str]:
+    """A leased job's command as the coordinator sent it, or why this agent refuses
+    it: only a sandboxed command (its type ``command:...[...,sandbox]``, no user of
+    this host) and only where this agent takes command jobs (``ability`` "")."""
+    type_name = str(payload.get("type", ""))
+    raw = payload.get("command")
+    if not command.is_command_type(type_name):
+        return None, "" if raw is None else "a command came with a module's type"
+    try:
+        _name, options = command.parse_type(type_name)
+        cmd = CommandSpec.from_json(raw) if isinstance(raw, dict) else None
+    except (KeyError, TypeError, ValueError) as exc:
+        return None, f"its command is not valid: {exc}"
+    if cmd is None:
+        return None, "a command job's type came without its command"
+    if not options.sandbox or cmd.uid is not None or cmd.cwd:
+        return None, (
+            "a host command never runs on an agent (only sandboxed command jobs do; a host "
+            "command runs on the host it was submitted on)"
+        )
+    if ability:
+        return None, f"this node {ability}"
+    return cmd, ""
+
+
 class Agent:
     """The sync step: run :meth:`sync` after each broker tick, in the loop's thread."""
 
@@ -125,6 +169,7 @@ class Agent:
         held_file: Path | None = None,
         outbox: Outbox | None = None,
         wall: Callable[[], float] = time.time,
+        command_roles: Sequence[str] = (),
     ) -> None:
         self.broker = broker
         self.store: Store = broker.store
@@ -132,6 +177,8 @@ class Agent:
         self.node = node
         self.max_jobs = max_jobs
         self.labels = dict(labels)
+        #: "" when it runs its coordinator's sandboxed command jobs, else why not
+        self.commands = command_ability(command_roles, broker.rules)
         self.claim_every_s = claim_every_s
         self.monotonic = monotonic
         self.state = "active"
@@ -338,6 +385,8 @@ class Agent:
             "launch_rules": b.rules.to_json(),
             # whether it runs jobs from commits, and of which repositories
             "sources": source_ability(b.registry).to_json(),
+            # whether it runs sandboxed command jobs ("": it does), else why not
+            "commands": self.commands,
             "probe": st.probe,
             "probe_error": st.probe_error,
             "heartbeat_every_s": self.heartbeat_every_s,
@@ -583,6 +632,8 @@ class Agent:
             service=_service_name(payload.get("service")),
             source=payload_source(payload.get("source")),
         )
+        cmd, refused = payload_command(payload, self.commands)
+        spec = replace(spec, command=cmd)
         origin = DIRECT
         if inputs:
             folder = fetch_inputs(
@@ -601,6 +652,10 @@ class Agent:
         except (DuplicateJobError, UserError) as exc:  # its lease lapses; it goes elsewhere
             log.error("leased job %s could not be queued here: %s", job_id, exc)
             return
+        if refused:  # it ends here, refused, before it can start; the coordinator is told
+            self.store.transition(
+                local_id, JobState.FAILED, now=self.broker.clock(), reason=f"refused: {refused}"
+            )
         h = Held(job_id=job_id, local_id=local_id, lease_id=str(payload["lease_id"]))
         h.until = until if until is not None else self.wall() + self.lease_s
         self.held[job_id] = h

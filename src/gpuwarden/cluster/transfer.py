@@ -41,6 +41,10 @@ class _Fd:
         os.close(self.fd)
 
 
+#: a fetched input folder's mode (its files are 0644)
+INPUT_DIR_MODE = 0o755
+
+
 def fetch_inputs(
     coordinator: Coordinator,
     state_dir: Path,
@@ -60,12 +64,14 @@ def fetch_inputs(
         top.mkdir(parents=True, exist_ok=True)
         parts.mkdir(mode=0o700, exist_ok=True)
         safefs.remove_tree(folder)  # a leftover of an earlier run: not this job's
-        safefs.make_dir(folder)
+        # readable by a sandbox's user (its input mount is read-only), as a bundle's
+        # input folder is on the host that took it
+        safefs.make_dir(folder, mode=INPUT_DIR_MODE)
         for name in inputs:
             rel = safe_relpath(name, "input")
             rel.encode("utf-8")  # UnicodeEncodeError: a name that is not UTF-8
             with contextlib.closing(
-                _Fd(safefs.make_dirs(rel.rpartition("/")[0], under=folder))
+                _Fd(safefs.make_dirs(rel.rpartition("/")[0], under=folder, mode=INPUT_DIR_MODE))
             ) as into:
                 coordinator.fetch(job_id, lease_id, rel, parts=parts, into=into.fd)
     except (CoordinatorError, Refused, UserError, OSError, UnicodeError) as exc:

@@ -40,6 +40,10 @@ MAX_TOTAL = 1 << 20
 #: every job, and the GPU the plan gave it
 RESERVED_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 RESERVED_ENV_PREFIX = "GPUWARDEN_"
+#: what a sandboxed command may not set either: names that change what the
+#: sandbox's runtime or its starter loads (the GPU devices a runtime hook
+#: exposes, the dynamic loader, Python's paths), as a module job's bundle may not
+SANDBOX_RESERVED_PREFIXES = ("LD_", "NVIDIA_", "CUDA_", "PYTHON", "PATH")
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +207,14 @@ def check_command(
     if not argv[0]:
         raise ValueError("the command's program is empty")
     env_ok = _check_env(env)
+    if sandboxed and (
+        named := sorted(k for k in env_ok if k.startswith(SANDBOX_RESERVED_PREFIXES))
+    ):
+        raise ValueError(
+            f"env {', '.join(named)}: a sandboxed command may not set variables that begin "
+            f"with {', '.join(SANDBOX_RESERVED_PREFIXES)} (they would change what the sandbox "
+            "loads); set them inside the command (sh -c 'export ...; ...')"
+        )
     total += sum(len(k) + len(v) for k, v in env_ok.items())
     if total > MAX_TOTAL:
         raise ValueError(f"the command and its environment are over {MAX_TOTAL} characters")

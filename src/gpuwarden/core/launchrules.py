@@ -129,6 +129,8 @@ class LaunchRules:
             # a host command runs as the user who submitted it, not as root: who may
             # is ``[commands]``'s to say (SPEC.md, "Command jobs"), not these rules'
             return None
+        if is_command_type(name):
+            return self.command_refusal()
         if is_lease(name):
             return None  # a VRAM lease's holder runs no code on its GPU (core/lease.py)
         rule = self._refused(launch, process_lane(jobtype))
@@ -159,6 +161,21 @@ class LaunchRules:
                 f"allow_host_jobs = true"
             )
         return None
+
+    def command_refusal(self) -> str | None:
+        """Why a sandboxed command job (one from HTTP, a bundle or a coordinator)
+        may not run here, or None. It runs only in a sandbox: on a node without one
+        ``allow_unsandboxed_containers`` does not make it a host process."""
+        if self.runtime is not Runtime.LOCAL:
+            return None
+        found = f' (container_runtime = "auto" found none: {self.auto})' if self.auto else ""
+        return (
+            "a command job from HTTP, a bundle or a coordinator runs only in a sandbox "
+            f"(bubblewrap or podman), and this node has none{found}: set container_runtime "
+            'to "bubblewrap" or "podman" in its config (allow_unsandboxed_containers does '
+            "not apply to command jobs); a host command comes only through the node's local "
+            "socket (`gpuwarden run -- CMD` on the host)"
+        )
 
     def _runtime_shown(self) -> str:
         if self.auto:

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwarden.core.command import is_command_type
 from gpuwarden.core.fairshare import claim_rank
 from gpuwarden.core.launchrules import LaunchRules
 from gpuwarden.core.ledger import Holding
@@ -161,6 +162,15 @@ class GpuRoom:
     usable_bytes: int
 
 
+#: why a node that did not report it runs command jobs is offered none
+NO_COMMANDS = "runs no command jobs (it did not report that it does)"
+#: why no node is offered a host command job (one of a host's local socket)
+NO_HOST_COMMANDS = (
+    "runs no host command jobs (a host command runs only on the host it was submitted "
+    "on, through that node's local socket)"
+)
+
+
 @dataclass(frozen=True, slots=True)
 class NodeView:
     name: str
@@ -186,6 +196,9 @@ class NodeView:
     #: whether it runs jobs from commits, and of which repositories (None: it did
     #: not say, or said it in a shape not taken: it runs none)
     sources: SourceAbility | None = None
+    #: whether it runs sandboxed command jobs: None when it does, else why not
+    #: (a phrase about the node; an agent that did not say runs none)
+    commands: str | None = NO_COMMANDS
 
     @property
     def slots(self) -> int:
@@ -236,6 +249,8 @@ def type_refusal(job: Offerable, node: NodeView, *, sources: bool = True) -> str
     are a config edit away, and such a job waits for a node that runs it)."""
     if job.source_repo is not None:
         return _source_refusal(job, node, sources=sources)
+    if is_command_type(job.type):  # no module has it: the node says if it runs them
+        return NO_HOST_COMMANDS if job.launch is LaunchMode.HOST else node.commands
     if node.types is not None and job.type in node.types:
         return None
     if node.modules is not None and job.type not in node.modules:

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwarden.core import command
+from gpuwarden.core.command import CommandSpec
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.launchrules import widening_refusal
 from gpuwarden.core.model import GIB, MIB, JobSpec, check_gpus, format_bytes
@@ -59,6 +61,9 @@ _DRIVE_RE = re.compile(r"[A-Za-z]:")
 
 
 _TOP_KEYS = ("version", "jobs")
+_COMMAND_KEYS = ("command", "name", "env", "share_gpu", "preempt", "timeout_s")
+#: what a host command has and a bundle's never does
+_HOST_COMMAND_KEYS = ("uid", "gid", "groups", "cwd", "user")
 _JOB_KEYS = (
     "id",
     "type",
@@ -75,6 +80,9 @@ _JOB_KEYS = (
     "service",
     "share",
     "source",
+    # a command job (SPEC.md, "Command jobs over HTTP, bundles and agents"): command
+    # instead of type, with its own options
+    *_COMMAND_KEYS,
 )
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -209,12 +217,11 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
     if not isinstance(raw, dict):
         raise BundleError(f"{at} must be an object, got {_json_type(raw)}")
     for key, value in raw.items():
+        if key == "env" and "command" in raw:
+            continue  # a command's own environment: checked as one (core/command.py)
         if isinstance(key, str) and (why := widening_refusal(key, value)) is not None:
             raise BundleError(f"{at}: {why}")
-    _check_keys(raw, _JOB_KEYS, f"{at}: ")
-    for key in ("id", "type"):
-        if key not in raw:
-            raise BundleError(f"{at}: missing required key {show(key)}")
+    _check_job_keys(raw, at)
 
     job_id = raw["id"]
     if not isinstance(job_id, str):
@@ -222,10 +229,10 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
     if not JOB_ID_RE.fullmatch(job_id):
         raise BundleError(f"{at}.id {show(job_id)} is not a valid job id ({JOB_ID_RULE})")
 
-    jtype = raw["type"]
+    jtype, cmd = _command(raw, at) if "command" in raw else (raw["type"], None)
     if not isinstance(jtype, str):
         raise BundleError(f"{at}.type must be a string, got {show(jtype)}")
-    if not _TYPE_RE.fullmatch(jtype):
+    if cmd is None and not _TYPE_RE.fullmatch(jtype):
         raise BundleError(f"{at}.type must look like 'module.type', got {show(jtype)}")
 
     params = raw.get("params", {})
@@ -273,7 +280,54 @@ def _job(raw: Any, i: int, where: str) -> JobSpec:
         service=_service(raw, at),
         share=_share(raw, at),
         source=_source(raw, at),
+        command=cmd,
     )
+
+
+def _check_job_keys(raw: dict[str, Any], at: str) -> None:
+    """A job's keys: the known ones, ``id``, and ``type`` or ``command`` (never the
+    keys of a host command)."""
+    if given := [k for k in _HOST_COMMAND_KEYS if k in raw]:
+        raise BundleError(
+            f"{at}: {', '.join(given)}: a bundle's command runs sandboxed, in its output "
+            "folder; a host command (as a user, in their folder) comes only through the "
+            "node's local socket (`gpuwarden run -- CMD` on the host)"
+        )
+    _check_keys(raw, _JOB_KEYS, f"{at}: ")
+    if "command" in raw and "type" in raw:
+        raise BundleError(f"{at}: give a type or a command, not both")
+    for key in ("id", "type"):
+        if key not in raw and not (key == "type" and "command" in raw):
+            raise BundleError(f"{at}: missing required key {show(key)}")
+    if "command" not in raw and (extra := [k for k in _COMMAND_KEYS if k in raw]):
+        raise BundleError(f"{at}: {', '.join(extra)} are for a command job (command: [...])")
+
+
+def _command(raw: dict[str, Any], at: str) -> tuple[str, CommandSpec]:
+    """A command job's type (``command:NAME[...,sandbox]``) and command: it runs
+    sandboxed, in its output folder, as the sandbox's user."""
+    preempt = raw.get("preempt")
+    timeout = raw.get("timeout_s")
+    try:
+        argv, env, _cwd = command.check_command(raw["command"], raw.get("env"), "", sandboxed=True)
+        name = raw.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"name must be a string, got {show(name)}")
+        if preempt is not None and preempt not in command.SIGNALS:
+            raise ValueError(f"preempt is one of {', '.join(command.SIGNALS)}, got {show(preempt)}")
+        if timeout is not None and (
+            not isinstance(timeout, int | float) or isinstance(timeout, bool)
+        ):
+            raise ValueError(f"timeout_s must be a number of seconds, got {show(timeout)}")
+        share = raw.get("share_gpu", False)
+        if not isinstance(share, bool):
+            raise ValueError(f"share_gpu must be true or false, got {show(share)}")
+        options = command.CommandOptions(share, preempt, timeout, sandbox=True)
+        type_name = command.type_name(name or command.default_name(argv), options)
+        command.parse_type(type_name)  # the timeout's range
+    except ValueError as exc:
+        raise BundleError(f"{at}: {exc}") from None
+    return type_name, CommandSpec(argv, "", env)
 
 
 def _service(raw: dict[str, Any], at: str) -> str | None:
@@ -446,5 +500,23 @@ def manifest_doc(jobs: Sequence[JobSpec]) -> dict[str, Any]:
         if job.source is not None:  # the type as its module.toml names it
             entry["type"] = split_type(job.type)[0]
             entry["source"] = job.source.to_json()
+        if job.command is not None:
+            entry.pop("type")
+            entry.update(_command_doc(job.type, job.command))
         out.append(entry)
     return {"version": MANIFEST_VERSION, "jobs": out}
+
+
+def _command_doc(type_name: str, cmd: CommandSpec) -> dict[str, Any]:
+    """A sandboxed command job's keys in a manifest (:func:`_command` reads them)."""
+    name, options = command.parse_type(type_name)
+    entry: dict[str, Any] = {"command": list(cmd.argv), "name": name}
+    if cmd.env:
+        entry["env"] = dict(cmd.env)
+    if options.share:
+        entry["share_gpu"] = True
+    if options.preempt is not None:
+        entry["preempt"] = options.preempt
+    if options.timeout_s is not None:
+        entry["timeout_s"] = options.timeout_s
+    return entry

@@ -46,7 +46,13 @@ from typing import Any
 from gpuwarden import faults, safefs
 from gpuwarden.core.model import Attempt, Event, Job, JobSpec
 from gpuwarden.core.states import JobState
-from gpuwarden.errors import BundleError, GpuwardenError, TransitionError, UserError
+from gpuwarden.errors import (
+    BundleError,
+    GpuwardenError,
+    TransitionError,
+    UserError,
+    ValidationError,
+)
 from gpuwarden.hostfaults import Backoff, Waiting, host_fault
 from gpuwarden.intake import bundle as bundles
 from gpuwarden.intake import bundlewrite
@@ -268,8 +274,11 @@ class QueueIntake:
         clock: Callable[[], float] = time.time,
         remote_outputs: bool = False,
         wake: Callable[[], None] | None = None,
+        commands: bool = False,
     ) -> None:
         self.store = store
+        #: ``[commands] bundles``: whether a bundle may hold command jobs (sandboxed)
+        self.commands = commands
         self.registry = registry
         self.limits = limits
         self.roots = list(roots)
@@ -672,7 +681,7 @@ class QueueIntake:
         """Validate the extracted bundle's jobs and accept them all, or none."""
         root, path, staging = task.root, task.path, task.staging
         try:
-            prepared = [prepare(self.registry, s) for s in specs]
+            prepared = [prepare(self.registry, self._command_allowed(s)) for s in specs]
             if self.check is not None:
                 self.check(prepared)
             self.store.submit(
@@ -702,6 +711,17 @@ class QueueIntake:
             self._intake_failures.pop(task.key, None)
             self._waited(task.key, now)
             self.emit("bundle_accepted", bundle=path.name, jobs=[s.id for s in specs])
+
+    def _command_allowed(self, spec: JobSpec) -> JobSpec:
+        """``spec``, unless it is a command job and ``[commands] bundles`` is off:
+        then :class:`ValidationError` naming the rule (the bundle is refused)."""
+        if spec.command is not None and not self.commands:
+            raise ValidationError(
+                f"job {spec.id}: this node takes no command jobs from bundles: "
+                "[commands] bundles = false in its config; its operator may set it to true "
+                "(they then run sandboxed), or give the job a module's type"
+            )
+        return spec
 
     def _read_failed(
         self, root: QueueRoot, path: Path, specs: tuple[JobSpec, ...], exc: Exception, now: float

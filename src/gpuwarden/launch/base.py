@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Protocol, runtime_checkable
@@ -115,6 +115,10 @@ class LaunchRequest:
     #: user, then enters ``cwd`` as that user (the check at start that its working
     #: directory is there and its to enter), then runs ``argv``
     run_as: RunAs | None = None
+    #: a sandboxed command job's own environment (checked at submission: no
+    #: ``GPUWARDEN_*``, no GPU variables): a sandbox passes it as it is, where it
+    #: passes only an allow-list of ``env``
+    command_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def marker(self) -> str:

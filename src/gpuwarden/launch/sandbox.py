@@ -198,7 +198,7 @@ def sandbox_env(req: LaunchRequest, *, pythonpath: str = LIB_INSIDE) -> dict[str
     """The job's environment inside the sandbox: ``GPUWARDEN_*`` and an allow-list
     from the request, host paths rewritten to where the sandbox sees them, plus a
     fixed PATH, HOME (the scratch folder), locale and PYTHONPATH."""
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(req.command_env)  # a command job's own (the fixed ones win)
     for key, value in req.env.items():
         if key.startswith("GPUWARDEN_") or key in _JOB_ENV:
             env[key] = inside_path(req.mounts, value)

@@ -393,6 +393,7 @@ class Launching:
             gpu_uuid=gpu_uuid,
             memory_bytes=jobtype.ram_bytes if sandbox is not None else 0,
             image_build=self.image_build(job, jobtype),
+            command_env=dict(job.command.env) if job.command and sandbox else {},
         )
 
     def image_build(self, job: Job, jobtype: JobType) -> ImageBuild | None:

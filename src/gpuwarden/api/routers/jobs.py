@@ -43,7 +43,8 @@ from gpuwarden.api.models import (
 )
 from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster import coordinator, report
-from gpuwarden.core import jobcontrol, policy
+from gpuwarden.core import command, jobcontrol, policy
+from gpuwarden.core.command import CommandOptions, CommandSpec
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.fairshare import hide_owners
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType, gpu_count
@@ -206,14 +207,17 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
         raise HttpError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
     source = None if body.source is None else body.source.spec()
-    jobtype = _body_type(ctx, body, source)
+    cmd = command_of(ctx, who, body)
+    jobtype = _body_type(ctx, body, source) if cmd is None else ctx.registry.get(cmd[0])
     _refuse_file_inputs(jobtype, body)
     vram = math.ceil(body.vram_gib * GIB) if body.vram_gib is not None else None
+    id_base = jobtype.name if cmd is None else cmd[1]
     spec = prepare(
         ctx.registry,
         JobSpec(
-            id=_job_id_for(who, access, body, jobtype.name),
-            type=jobtype.name if source is None else body.type,
+            id=_job_id_for(who, access, body, id_base),
+            type=jobtype.name if source is None else str(body.type),
+            command=None if cmd is None else cmd[2],
             params=dict(body.params),
             outputs=tuple(body.outputs),
             priority=body.priority,
@@ -252,7 +256,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             if body.id is not None or tries == 2:
                 raise
             # a generated id that is taken (32 random bits): another one
-            spec = replace(spec, id=_job_id_for(who, access, body, jobtype.name))
+            spec = replace(spec, id=_job_id_for(who, access, body, id_base))
             set_target(request, spec.id)
     detail: dict[str, Any] = {"type": job.type}
     if idempotency_key is not None:
@@ -284,9 +288,56 @@ def _visible_after(
     return tuple(out)
 
 
+def command_of(ctx: ApiContext, who: Principal, body: JobIn) -> tuple[str, str, CommandSpec] | None:
+    """A command job's type, name and command (SPEC.md, "Command jobs over HTTP,
+    bundles and agents"): always sandboxed, in its output folder, as the sandbox's
+    user; only for a token whose role ``[commands] roles`` names (403 otherwise,
+    naming the rule). None for a job of a module's type. A type ``command:...``
+    is refused: over HTTP a command is given as ``command``, and a host command
+    never comes this way."""
+    if body.command is None:
+        if body.type is not None and command.is_command_type(body.type):
+            raise ValidationError(
+                f"type {body.type!r} is a command job's type: over HTTP give the command "
+                'line as "command": [...] (it runs sandboxed); a host command comes only '
+                "through the node's local socket (`gpuwarden run -- CMD` on the host)"
+            )
+        return None
+    if body.source is not None:
+        raise ValidationError("a command job has no source: give a command or a type, not both")
+    roles = ctx.config.commands.roles
+    if who.role.value not in roles:
+        raise HttpError(
+            403,
+            f"this node runs no command jobs for the {who.role.value} role: [commands] roles "
+            f"= {list(roles)} in its config does not name it; its operator may add "
+            f'"{who.role.value}" there (command jobs then run sandboxed)',
+        )
+    try:
+        argv, env, _cwd = command.check_command(body.command, body.env, "", sandboxed=True)
+        name = command.check_name(body.name) if body.name else command.default_name(argv)
+        options = CommandOptions(
+            share=body.share_gpu,
+            preempt=_signal(body.preempt),
+            timeout_s=body.timeout_s,
+            sandbox=True,
+        )
+        type_name = command.type_name(name, options)
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
+    return type_name, name, CommandSpec(argv, "", env)
+
+
+def _signal(value: str | None) -> str | None:
+    if value is not None and value not in command.SIGNALS:
+        raise ValueError(f"preempt {value!r}: the signal is one of {', '.join(command.SIGNALS)}")
+    return value
+
+
 def _body_type(ctx: ApiContext, body: JobIn, source: JobSource | None) -> JobType:
     """The job's type: a module this broker has, or the type of the module at its
     source's commit (fetched now unless cached; SPEC.md, "Jobs from a pinned commit")."""
+    assert body.type is not None  # a job without one is a command (command_of)
     if source is None:
         return ctx.registry.get(body.type)
     try:
