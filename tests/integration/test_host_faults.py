@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from gpuwarden.core.command import CommandSpec
 from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
 from gpuwarden.hostfaults import Backoff, disk_full, host_fault
@@ -305,3 +307,25 @@ def test_a_job_whose_write_into_its_attempt_folder_failed_for_space_names_the_ho
     elsewhere = "OSError: [Errno 28] No space left on device: '/dev/shm/scratch'"
     assert attemptfs.host_disk_full(attempt, elsewhere) is None  # its own scratch space
     assert attemptfs.host_disk_full(attempt, f"wrote {attempt}/out/ok.bin") is None
+
+
+def test_a_command_bundle_is_refused_with_the_rule_where_bundles_may_not_hold_commands(
+    rig: Rig,
+) -> None:
+    """[commands] bundles = false (the default): a bundle holding a command job is
+    refused into failed/, its reason naming the rule; nothing is stored."""
+    assert rig.intake.commands is False  # the node's default: the refusal is the rule's
+    spec = JobSpec(
+        id="cmd-1",
+        type="command:echo[sandbox]",
+        command=CommandSpec(("echo", "hi")),
+    )
+    bundlewrite.write_bundle(rig.root.inbox, [spec], now=time.time())
+
+    def results() -> list[Path]:
+        return [p for p in files_in(rig.root.failed) if p.name.endswith(".zip")]
+
+    rig.until(lambda: bool(results()), T0, "the bundle refused")
+    with zipfile.ZipFile(results()[0]) as result:
+        assert "[commands] bundles = false" in result.read("cmd-1/result.json").decode()
+    assert rig.store.get_job("cmd-1") is None
