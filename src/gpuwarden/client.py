@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import httpx
 
+from gpuwarden.core.lease import ENDED_BY_HOLDER
 from gpuwarden.core.model import JobType, Lane, LaunchMode, ParamSpec, ParamType
 from gpuwarden.errors import GpuwardenError, UserError
 
@@ -357,6 +358,13 @@ class Client:
         lease: dict[str, Any] = self.request_json("GET", f"/v1/leases/{_seg(lease_id)}")
         return lease
 
+    def lease_wait(self, lease_id: str, wait: float) -> dict[str, Any]:
+        """The lease once granted or ended, or as it is after ``wait`` s (at most 60)."""
+        lease: dict[str, Any] = self.request_json(
+            "GET", f"/v1/leases/{_seg(lease_id)}", **self._waiting(wait)
+        )
+        return lease
+
     def leases(self) -> Rows:
         """The queued and granted leases this token may see."""
         rows: Rows = self.request_json("GET", "/v1/leases")
@@ -371,9 +379,14 @@ class Client:
         )
         return lease
 
-    def end_lease(self, lease_id: str) -> dict[str, Any]:
-        """End a lease (a queued one is cancelled)."""
-        lease: dict[str, Any] = self.request_json("DELETE", f"/v1/leases/{_seg(lease_id)}")
+    def end_lease(self, lease_id: str, *, reason: str | None = None) -> dict[str, Any]:
+        """End a lease (a queued one is cancelled); ``reason`` follows "ended by its
+        holder" in its end's reason."""
+        said = (reason or "").removeprefix(ENDED_BY_HOLDER).lstrip(": ")[:300]
+        params = {"reason": said} if said else {}
+        lease: dict[str, Any] = self.request_json(
+            "DELETE", f"/v1/leases/{_seg(lease_id)}", params=params
+        )
         return lease
 
     def lease_pids(self, lease_id: str, pids: Iterable[int]) -> dict[str, Any]:

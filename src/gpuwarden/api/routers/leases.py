@@ -14,7 +14,7 @@ import asyncio
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import waiting
@@ -28,7 +28,7 @@ from gpuwarden.api.routers.jobs import WaitParam, own_prefix, visible_job
 from gpuwarden.api.routers.nodes import is_coordinator
 from gpuwarden.cluster import report
 from gpuwarden.core.fairshare import hide_owners
-from gpuwarden.core.lease import is_lease
+from gpuwarden.core.lease import ENDED_BY_HOLDER, is_lease
 from gpuwarden.core.model import Job
 from gpuwarden.core.states import JobState
 from gpuwarden.intake.jobs import new_job_id
@@ -150,10 +150,18 @@ def list_leases(request: Request, ctx: Ctx, who: Who, access: Access) -> list[Le
 
 @router.get("/v1/leases/{lease_id}", response_model=LeaseOut, responses=_ERRORS)
 @action("lease.read")
-def get_lease(lease_id: str, request: Request, ctx: Ctx, who: Who, access: Access) -> LeaseOut:
-    """One lease: its state, GPU, deadline (``until``), PIDs; why it waits while queued."""
+async def get_lease(
+    lease_id: str, request: Request, *, ctx: Ctx, who: Who, access: Access, wait: WaitParam = None
+) -> LeaseOut:
+    """One lease: its state, GPU, deadline (``until``), PIDs; why it waits while
+    queued. With ``wait``, a lease not granted yet is waited for up to that many
+    seconds (as ``POST /v1/leases?wait=S``)."""
+    seconds = waiting.parse_wait(wait)
     desk = _desk(request, ctx)
-    return _out(ctx, desk, _lease(ctx, who, access, lease_id), who, access)
+    job = await run_in_threadpool(_lease, ctx, who, access, lease_id)
+    if seconds:
+        job = await _until_granted(ctx, desk, job, seconds)
+    return await run_in_threadpool(_out, ctx, desk, job, who, access)
 
 
 @router.post("/v1/leases/{lease_id}/renew", response_model=LeaseOut, responses=_ERRORS)
@@ -178,14 +186,24 @@ def renew_lease(
 
 @router.delete("/v1/leases/{lease_id}", response_model=LeaseOut, responses=_ERRORS)
 @action("lease.end")
-def end_lease(lease_id: str, request: Request, ctx: Ctx, who: Who, access: Access) -> LeaseOut:
+def end_lease(
+    lease_id: str,
+    request: Request,
+    *,
+    ctx: Ctx,
+    who: Who,
+    access: Access,
+    reason: Annotated[str | None, Query(max_length=300)] = None,
+) -> LeaseOut:
     """End a lease: a granted one is stopped by its supervisor within a second (it
-    ends ``done``, "ended by its holder"), one not granted yet is cancelled."""
+    ends ``done``, "ended by its holder", with ``reason`` after it when given), one
+    not granted yet is cancelled."""
     desk = _desk(request, ctx)
     job = _lease(ctx, who, access, lease_id)
     if job.state.terminal:
         raise HttpError(409, f"lease {job.id} has already ended ({job.state.value}: {job.reason})")
-    job = desk.end(job, f"ended by its holder (DELETE by {who.name})")
+    why = f"{ENDED_BY_HOLDER}: {reason}" if reason else f"{ENDED_BY_HOLDER} (DELETE by {who.name})"
+    job = desk.end(job, why)
     audit_ok(request, {"state": job.state.value}, target=job.id)
     return _out(ctx, desk, job, who, access)
 
