@@ -6,7 +6,9 @@ unknown UUID refused with the node's GPUs)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +26,7 @@ from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, Role
 from gpuwarden.store.sqlite import SqliteStore
+from tests.acceptance.test_cli import GW, env
 
 REPO = Path(__file__).resolve().parents[2]
 ADMIN = Principal(token_id="local", name="tester", role=Role.OWNER)
@@ -217,3 +220,39 @@ def test_the_client_asks_renews_and_ends_a_lease(served: Served) -> None:
         until(lambda: api.get_lease(lease["id"])["state"] == "done", "the end")
         with pytest.raises(c.Conflict):
             api.renew_lease(lease["id"])
+
+
+def test_metrics_and_status_show_a_granted_lease(served: Served, tmp_path: Path) -> None:
+    s = served
+    [gpu0, _] = s.gpus()
+    lease = s.ask("alice", vram_bytes=3 * GIB, gpu=gpu0, ttl_s=30).json()
+    assert lease["granted"], lease
+
+    def scraped() -> str:
+        text: str = s.http.get("/metrics", headers=s.h("op")).text
+        return text if 'state="granted"} 1.0' in text else ""
+
+    text = until(scraped, "the granted lease counted in /metrics")
+    series = f'gpuwarden_lease_vram_bytes{{gpu="{gpu0}",lease="{lease["id"]}"}} '
+    [value] = [ln.removeprefix(series) for ln in text.splitlines() if ln.startswith(series)]
+    assert float(value) == 3 * GIB, text
+    # `status` (text and --json) lists it, read from the state directory
+    cfg = tmp_path / "status.toml"
+    cfg.write_text(f'state_dir = "{s.config.state_dir}"\ngpu = "sim"\nmodule_paths = []\n')
+    r = subprocess.run(
+        [*GW, "--config", str(cfg), "status", "--json"],
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=60,
+    )
+    rows = json.loads(r.stdout)["leases"]
+    assert [(x["id"], x["gpu"], x["vram_bytes"], x["state"]) for x in rows] == [
+        (lease["id"], gpu0, 3 * GIB, "running")
+    ], r.stdout
+    assert rows[0]["until"] is not None
+    r = subprocess.run(
+        [*GW, "--config", str(cfg), "status"], capture_output=True, text=True, env=env(), timeout=60
+    )
+    line = next(ln for ln in r.stdout.splitlines() if lease["id"] in ln and "until" in ln)
+    assert gpu0 in line and "3.0 GiB" in line and "running" in line and "until " in line, r.stdout
