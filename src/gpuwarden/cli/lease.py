@@ -39,6 +39,7 @@ from gpuwarden.api.leasedesk import LeaseDesk
 from gpuwarden.app import make_probe
 from gpuwarden.cli.common import (
     Progress,
+    add_remote_options,
     config_of,
     err,
     existing_store,
@@ -88,6 +89,7 @@ def _add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default=24 * 3600.0,
         help="seconds to wait for the grant (default: a day)",
     )
+    add_remote_options(sp)
     sp.set_defaults(func=cmd_lease)
 
 
