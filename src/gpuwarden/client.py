@@ -26,6 +26,7 @@ from urllib.parse import quote
 
 import httpx
 
+from gpuwarden.core.lease import ENDED_BY_HOLDER
 from gpuwarden.core.model import JobType, Lane, LaunchMode, ParamSpec, ParamType
 from gpuwarden.errors import GpuwardenError, UserError
 
@@ -368,6 +369,72 @@ class Client:
             "POST", f"/v1/jobs/{_seg(job_id)}/priority", json={"priority": priority}
         )
         return job
+
+    # -- VRAM leases (SPEC.md section 11, "VRAM leases") ------------------------------
+
+    def lease(
+        self,
+        vram_bytes: int,
+        *,
+        gpu: str | None = None,
+        ttl_s: float = 60.0,
+        priority: int = 0,
+        holder: str | None = None,
+        wait: float | None = None,
+    ) -> dict[str, Any]:
+        """Ask for a lease; with ``wait`` (at most 60), the answer comes once it is
+        granted (``granted``, ``gpu``, ``until``), has ended, or after ``wait`` s."""
+        body: dict[str, Any] = {"vram_bytes": vram_bytes, "ttl_s": ttl_s, "priority": priority}
+        if gpu is not None:
+            body["gpu"] = gpu
+        if holder is not None:
+            body["holder"] = holder
+        lease: dict[str, Any] = self.request_json(
+            "POST", "/v1/leases", json=body, **self._waiting(wait)
+        )
+        return lease
+
+    def get_lease(self, lease_id: str) -> dict[str, Any]:
+        lease: dict[str, Any] = self.request_json("GET", f"/v1/leases/{_seg(lease_id)}")
+        return lease
+
+    def lease_wait(self, lease_id: str, wait: float) -> dict[str, Any]:
+        """The lease once granted or ended, or as it is after ``wait`` s (at most 60)."""
+        lease: dict[str, Any] = self.request_json(
+            "GET", f"/v1/leases/{_seg(lease_id)}", **self._waiting(wait)
+        )
+        return lease
+
+    def leases(self) -> Rows:
+        """The queued and granted leases this token may see."""
+        rows: Rows = self.request_json("GET", "/v1/leases")
+        return rows
+
+    def renew_lease(self, lease_id: str, ttl_s: float | None = None) -> dict[str, Any]:
+        """Move a granted lease's deadline to now + its ttl (409 before its grant, or
+        after its end)."""
+        body = None if ttl_s is None else {"ttl_s": ttl_s}
+        lease: dict[str, Any] = self.request_json(
+            "POST", f"/v1/leases/{_seg(lease_id)}/renew", json=body
+        )
+        return lease
+
+    def end_lease(self, lease_id: str, *, reason: str | None = None) -> dict[str, Any]:
+        """End a lease (a queued one is cancelled); ``reason`` follows "ended by its
+        holder" in its end's reason."""
+        said = (reason or "").removeprefix(ENDED_BY_HOLDER).lstrip(": ")[:300]
+        params = {"reason": said} if said else {}
+        lease: dict[str, Any] = self.request_json(
+            "DELETE", f"/v1/leases/{_seg(lease_id)}", params=params
+        )
+        return lease
+
+    def lease_pids(self, lease_id: str, pids: Iterable[int]) -> dict[str, Any]:
+        """Name processes of the node's host whose device memory is the lease's."""
+        lease: dict[str, Any] = self.request_json(
+            "POST", f"/v1/leases/{_seg(lease_id)}/pids", json={"pids": list(pids)}
+        )
+        return lease
 
     def explain(self, job_id: str) -> Lines:
         lines: Lines = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}/explain")["lines"]

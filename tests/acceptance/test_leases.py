@@ -172,3 +172,38 @@ def test_a_typed_job_waits_behind_a_lease_and_says_so(stack: Stack) -> None:
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_a_lease_over_http_runs_its_command_on_this_host_and_ends_with_it(
+    tmp_path: Path,
+) -> None:
+    """``lease --url`` through a real ``serve --api``: granted, renewed (the command
+    outlasts the 6 s ttl), the
+    command's status kept; a URL of another host is refused for a command."""
+    from tests.acceptance.test_cli import run, write_config
+    from tests.acceptance.test_cli_api import ApiBroker, run_env
+
+    config = write_config(tmp_path)
+    b = ApiBroker(config)
+    try:
+        made = run("--config", config, "token", "create", "me", "--role", "submitter", "--json")
+        token = __import__("json").loads(made.stdout)["token"]
+        r = run_env(
+            "--config", config, "lease", "--url", b.url, "--vram", "1G", "--ttl", "6s",
+            "--", "sh", "-c", 'sleep 8; echo "cvd=$CUDA_VISIBLE_DEVICES"; exit 3',
+            token=token,
+        )  # fmt: skip
+        assert r.returncode == 3, r.stdout + r.stderr
+        m = re.search(r"lease (\S+): granted on (GPU-\S+)", r.stdout)
+        assert m and f"cvd={m.group(2)}" in r.stdout, r.stdout
+        shown = run_env("show", "--url", b.url, m.group(1), "--json", token=token)
+        job = __import__("json").loads(shown.stdout)
+        assert job["state"] == "done", job
+        assert job["reason"] == "ended by its holder: its command exited with 3", job
+        r = run_env(
+            "lease", "--url", "http://gpu-box.invalid:8765", "--vram", "1G", "--", "true",
+            token=token,
+        )  # fmt: skip
+        assert r.returncode != 0 and "another host" in r.stderr, r.stderr
+    finally:
+        b.stop()

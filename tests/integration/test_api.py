@@ -152,6 +152,7 @@ class Case:
     def template(self) -> str:
         return (
             self.path.replace("{job}", "{job_id}")
+            .replace("{lease}", "{lease_id}")
             .replace("{token}", "{token_id}")
             .replace("out.txt", "{path}")
             .replace("logs/stdout", "logs/{stream}")
@@ -178,6 +179,14 @@ CASES = [
     Case("GET", "/v1/jobs/{job}/result", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/outputs/out.txt", frozenset(READERS), 200),
     Case("GET", "/v1/jobs/{job}/logs/stdout", frozenset(READERS), 200),
+    # VRAM leases (tests/integration/test_api_leases.py): a queued lease of the
+    # caller's is read, not renewed nor given pids (409: not granted yet), ended
+    Case("POST", "/v1/leases", frozenset(READERS), 201, {"vram_bytes": 1 << 30}),
+    Case("GET", "/v1/leases", frozenset(READERS), 200),
+    Case("GET", "/v1/leases/{lease}", frozenset(READERS), 200),
+    Case("POST", "/v1/leases/{lease}/renew", frozenset(READERS), 409),
+    Case("POST", "/v1/leases/{lease}/pids", frozenset(READERS), 409, {"pids": [1]}),
+    Case("DELETE", "/v1/leases/{lease}", frozenset(READERS), 200),
     Case("GET", "/v1/status", frozenset(READERS), 200),
     Case("GET", "/v1/types", frozenset(READERS), 200),
     Case("GET", "/v1/share", frozenset(READERS), 200),
@@ -222,6 +231,14 @@ def _url(a: Api, role: str, case: Case) -> str:
         else:
             done_job(a, role, job_id)
         path = path.replace("{job}", job_id)
+    if "{lease}" in path:
+        lease_id = f"lease-of-{role}"
+        a.store.submit(
+            [JobSpec(id=lease_id, type="lease", vram_bytes=1 << 30)],
+            now=1.0,
+            origin=Submission(owner=a.id_of(role)),
+        )
+        path = path.replace("{lease}", lease_id)
     if "{token}" in path:
         victim = a.token("victim", Role.SUBMITTER)
         path = path.replace("{token}", parse_token(victim)[0])  # type: ignore[index]
@@ -264,6 +281,13 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "job.release": READERS,
         "job.requeue": READERS,
         "job.priority": READERS,  # a submitter may only lower (test_api_jobcontrol.py)
+        # VRAM leases (tests/integration/test_api_leases.py)
+        "lease.create": READERS,
+        "lease.list": READERS,
+        "lease.read": READERS,
+        "lease.renew": READERS,
+        "lease.end": READERS,
+        "lease.pids": READERS,
         "types.read": READERS,
         "status.read": READERS,
         "share.read": READERS,  # a submitter sees its own row (test_fair_share.py)

@@ -285,7 +285,9 @@ def test_a_cpu_job_may_ask_for_a_node_and_labels(registry: Registry) -> None:
 @pytest.mark.parametrize(
     ("constraints", "message"),
     [
-        ({"gpu": "H100"}, "unknown constraint 'gpu' (allowed: min_gpu_vram_gib, gpu_model,"),
+        ({"gpus": "H100"}, "unknown constraint 'gpus' (allowed: min_gpu_vram_gib, gpu_model,"),
+        ({"gpu": "H100"}, "constraint gpu must be a GPU's UUID as `gpuwarden status` lists it"),
+        ({"gpu": 3}, "constraint gpu must be a GPU's UUID"),
         ({"min_gpu_vram_gib": "40"}, "constraint min_gpu_vram_gib must be a number, got '40'"),
         ({"min_gpu_vram_gib": True}, "constraint min_gpu_vram_gib must be a number"),
         ({"min_gpu_vram_gib": 0}, "constraint min_gpu_vram_gib must be > 0"),

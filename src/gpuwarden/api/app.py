@@ -63,6 +63,7 @@ from gpuwarden.api.routers import (
     events,
     gpus,
     jobs,
+    leases,
     logs,
     metrics,
     nodes,
@@ -94,6 +95,7 @@ from gpuwarden.store.base import Store
 #: every router of the API, one per concern; the gate guards the routes of these
 ROUTERS: tuple[APIRouter, ...] = (
     jobs.router,
+    leases.router,
     logs.router,
     admin.router,
     status.router,

@@ -73,6 +73,13 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "job.release":   (ALL,  ALL,     OWN,      None, None),
     "job.requeue":   (ALL,  ALL,     OWN,      None, None),
     "job.priority":  (ALL,  ALL,     OWN,      None, None),
+    # VRAM leases (SPEC.md section 11, "VRAM leases"): a submitter its own
+    "lease.create":  (ALL,  ALL,     OWN,      None, None),
+    "lease.list":    (ALL,  ALL,     OWN,      None, None),
+    "lease.read":    (ALL,  ALL,     OWN,      None, None),
+    "lease.renew":   (ALL,  ALL,     OWN,      None, None),
+    "lease.end":     (ALL,  ALL,     OWN,      None, None),
+    "lease.pids":    (ALL,  ALL,     OWN,      None, None),
     "types.read":    (ALL,  ALL,     ALL,      None, None),
     "status.read":   (ALL,  ALL,     ALL,      None, None),
     "share.read":    (ALL,  ALL,     OWN,      None, None),
@@ -118,6 +125,8 @@ MUTATING = frozenset(
     | {"node.finish", "node.report", "node.upload", "node.drain", "node.resume", "node.revoke"}
     | {"node.diagnostic"}
     | {"job.hold", "job.release", "job.requeue", "job.priority"}
+    # a lease's renewal is not audited: its holder renews every third of its ttl
+    | {"lease.create", "lease.end", "lease.pids"}
     | {"gpu.clear", "session.create", "session.delete"}
 )
 #: actions that need no token (``session.create`` checks the token it is given itself)

@@ -13,9 +13,20 @@ answered with JSON lines:
 * ``{"op": "follow", "id": ID}``: while it waits, ``{"waiting": "why"}``; while it
   runs, its output as ``{"stdout": BASE64}`` / ``{"stderr": BASE64}``; at its end
   ``{"end": {"state", "exit_code", "reason"}}``;
-* ``{"op": "cancel", "id": ID}``: ``{"state": ...}``.
+* ``{"op": "cancel", "id": ID}``: ``{"state": ...}``;
+* VRAM leases (SPEC.md, "VRAM leases"; the rules are :class:`~gpuwarden.api.leasedesk.LeaseDesk`'s):
+  ``{"op": "lease", "vram_bytes", "ttl_s", "gpu", "priority"}``: ``{"lease": INFO}``
+  (queued), ``{"waiting": "why"}`` while it waits, then ``{"granted": INFO}`` or,
+  when it ended ungranted, ``{"end": INFO}``; a client that hangs up before the
+  grant has the lease cancelled. ``{"op": "lease-renew", "id"}``: ``{"until": T}``;
+  ``{"op": "lease-end", "id", "reason"}``: ``{"state": ...}``;
+  ``{"op": "lease-pids", "id", "pids": [...]}`` (the user's own processes):
+  ``{"pids": [...]}``; ``{"op": "lease-show", "id"}``: ``{"lease": INFO}``;
+  ``{"op": "lease-list"}``: ``{"leases": [INFO, ...]}``.
 
-A user may follow and cancel only their own command jobs (root: any). What a
+A user may follow and cancel only their own command jobs (root: any), and
+renew, end, name PIDs of and see only their own leases (root: any); asking for
+a lease is gated by ``[commands]`` like a command. What a
 session does is :class:`LocalSession`, which ``gpuwarden run`` also uses in
 process when no broker listens and it may write the store itself.
 """
@@ -40,10 +51,12 @@ from pathlib import Path
 from typing import Any
 
 from gpuwarden import safefs
+from gpuwarden.api.leasedesk import LeaseDesk
 from gpuwarden.cluster import report
 from gpuwarden.config import Config
 from gpuwarden.core import command
 from gpuwarden.core.command import CommandOptions, CommandSpec, LocalUser
+from gpuwarden.core.lease import DEFAULT_TTL_S, ENDED_BY_HOLDER
 from gpuwarden.core.model import Job, JobSpec, gpu_count
 from gpuwarden.core.policy import never_fits
 from gpuwarden.core.ramadmit import RamNeed
@@ -70,6 +83,8 @@ IDLE_S = 30.0
 MAX_ARRAY = 10_000
 
 Send = Callable[[dict[str, Any]], None]
+#: the lease ops answered with one message (``lease`` itself follows the grant)
+LEASE_OPS = ("lease-renew", "lease-end", "lease-pids", "lease-show", "lease-list")
 
 
 def socket_path(config: Config) -> Path:
@@ -201,6 +216,87 @@ class LocalSession:
         job = self.own_job(job_id, user)
         follower = _Follower(self, job.id, send)
         follower.run()
+
+    # -- VRAM leases ---------------------------------------------------------------
+
+    def desk(self) -> LeaseDesk:
+        return LeaseDesk(self.store, self.registry, self.config)
+
+    def own_lease(self, lease_id: object, user: LocalUser) -> Job:
+        """The lease ``lease_id`` if it is ``user``'s (root: any)."""
+        job = None
+        with contextlib.suppress(GpuwardenError):
+            job = self.desk().lease(lease_id)
+        if job is None or (user.uid != 0 and job.owner != owner_of(user)):
+            raise UserError(f"no lease {str(lease_id)[:140]} of user {user.name} here")
+        return job
+
+    def lease(self, body: Mapping[str, Any], user: LocalUser, send: Send) -> None:
+        """Ask for a lease as ``user`` and follow it to its grant (or its end)."""
+        self.gate.check(user)
+        priority = _int(body.get("priority", 0), "--priority")
+        if priority > 0 and user.uid != 0:
+            raise ValidationError(
+                f"--priority {priority}: a local user other than root may only lower a "
+                "lease's priority (0 or less)"
+            )
+        desk = self.desk()
+        job = desk.ask(
+            body.get("vram_bytes"),
+            ttl_s=body.get("ttl_s", DEFAULT_TTL_S),
+            gpu=body.get("gpu"),
+            priority=priority,
+            owner=owner_of(user),
+            holder=user.name,
+        )
+        try:
+            send({"lease": desk.info(job)})
+            self._until_granted(desk, job, send)
+        except OSError:  # the client hung up before the grant: nobody holds it
+            desk.end(self.store.get_job(job.id) or job, f"{ENDED_BY_HOLDER} (it hung up)")
+            raise
+
+    def _until_granted(self, desk: LeaseDesk, job: Job, send: Send) -> None:
+        note, next_note = "", 0.0
+        while True:
+            now = self.store.get_job(job.id)
+            if now is None or now.state.terminal:
+                send({"end": desk.info(now or job)})
+                return
+            if desk.attempt_dir(now) is not None:
+                send({"granted": desk.info(now)})
+                return
+            if now.state is JobState.QUEUED and time.monotonic() >= next_note:
+                lines = report.explain(
+                    now, self.store, self.registry, self.config.broker.cpu_slots, time.time()
+                )
+                keep = "; ".join(
+                    ln for ln in lines[1:] if not ln.startswith(("footprint ", "(as seen by"))
+                )
+                if keep != note:
+                    note = keep
+                    send({"waiting": note})
+                next_note = time.monotonic() + NOTE_EVERY_S
+            time.sleep(POLL_S)
+
+    def lease_op(self, op: str, body: Mapping[str, Any], user: LocalUser) -> dict[str, Any]:
+        """``lease-renew``, ``lease-end``, ``lease-pids``, ``lease-show``, ``lease-list``."""
+        desk = self.desk()
+        if op == "lease-list":
+            every = user.uid == 0
+            return {
+                "leases": [desk.info(j) for j in desk.listed(owner_of(user), every_owner=every)]
+            }
+        job = self.own_lease(body.get("id"), user)
+        if op == "lease-renew":
+            return {"until": desk.renew(job)}
+        if op == "lease-end":
+            why = str(body.get("reason") or ENDED_BY_HOLDER)[:300]
+            why = why if why.startswith(ENDED_BY_HOLDER) else f"{ENDED_BY_HOLDER}: {why}"
+            return {"state": desk.end(job, why).state.value}
+        if op == "lease-pids":
+            return {"pids": desk.register_pids(job, body.get("pids"), uid=user.uid)}
+        return {"lease": desk.info(job)}
 
 
 class _Follower:
@@ -429,8 +525,14 @@ class _Handler(socketserver.StreamRequestHandler):
             session.follow(body.get("id"), user, send)
         elif op == "cancel":
             send({"state": session.cancel(body.get("id"), user).state.value})
+        elif op == "lease":
+            session.lease(body, user, send)
+        elif op in LEASE_OPS:
+            send(session.lease_op(str(op), body, user))
         else:
-            raise ValidationError(f"unknown op {op!r}: submit, follow or cancel")
+            raise ValidationError(
+                f"unknown op {op!r}: submit, follow, cancel, lease or {', '.join(LEASE_OPS)}"
+            )
 
 
 class LocalServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):

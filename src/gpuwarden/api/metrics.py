@@ -35,6 +35,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
 from gpuwarden.cluster.nodeview import heard_s_ago
+from gpuwarden.core.lease import LEASE_TYPE, is_lease
 from gpuwarden.core.model import MIB, Lane
 from gpuwarden.node.stats import Histogram, StatsSnapshot
 from gpuwarden.node.status import BrokerStatus
@@ -229,6 +230,7 @@ class GpuwardenCollector:
         yield from queue_families(nodes, self.registry, queued)
         yield from attempt_families(nodes)
         yield from footprint_families(self.store, self.registry)
+        yield from lease_families(nodes, self.store)
         yield from warm_families(nodes)
         yield from runtime_families(nodes)
         yield from node_families(nodes)
@@ -400,6 +402,23 @@ def footprint_families(store: Store, registry: Registry) -> Iterator[Metric]:
     for name, fp in sorted(store.footprints().items()):
         measured.add_metric([name], float(fp.bytes))
     yield measured
+
+
+def lease_families(nodes: Sequence[NodeSource], store: Store) -> Iterator[Metric]:
+    """VRAM leases (SPEC.md, "VRAM leases"): how many per node and state (queued,
+    granted), and each granted lease's size on its GPU."""
+    count = _gauge("gpuwarden_leases", "VRAM leases, by state.", ["node", "state"])
+    for n in nodes:
+        count.add_metric([n.node, "queued"], float(n.stats.queued.get(LEASE_TYPE, 0)))
+        count.add_metric([n.node, "granted"], float(n.running.get(LEASE_TYPE, 0)))
+    yield count
+    size = _gauge("gpuwarden_lease_vram_bytes", "A granted VRAM lease's size.", ["lease", "gpu"])
+    for job in store.running_jobs():
+        if is_lease(job.type):
+            attempts = store.attempts(job.id)
+            gpu = (attempts[-1].gpu_uuid if attempts else None) or ""
+            size.add_metric([job.id, gpu], float(job.vram_bytes or 0))
+    yield size
 
 
 def warm_families(nodes: Sequence[NodeSource]) -> Iterator[Metric]:

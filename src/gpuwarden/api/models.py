@@ -559,3 +559,63 @@ class Health(BaseModel):
 
 class ErrorOut(BaseModel):
     error: str
+
+
+# -- VRAM leases (SPEC.md section 11, "VRAM leases"; api/routers/leases.py) ----------
+
+
+class LeaseIn(_Request):
+    """The body of ``POST /v1/leases``."""
+
+    vram_bytes: Annotated[int, Field(gt=0, le=INT64, description="how much VRAM, in bytes")]
+    gpu: Annotated[
+        str | None,
+        Field(max_length=128, description="pin it to this GPU (its UUID); any GPU when absent"),
+    ] = None
+    ttl_s: Annotated[
+        float,
+        Field(description="seconds it lives without a renewal (5 to 86400; default 60)"),
+    ] = 60.0
+    priority: Annotated[int, Field(ge=-INT64 - 1, le=INT64)] = 0
+    holder: Annotated[
+        str | None,
+        Field(max_length=200, description="who holds it, in words (default: the token's name)"),
+    ] = None
+
+
+class RenewIn(_Request):
+    """The body of ``POST /v1/leases/{id}/renew`` (optional)."""
+
+    ttl_s: Annotated[
+        float | None, Field(description="this renewal's ttl (default: the lease's own)")
+    ] = None
+
+
+class PidsIn(_Request):
+    """The body of ``POST /v1/leases/{id}/pids``."""
+
+    pids: Annotated[
+        list[int],
+        Field(min_length=1, max_length=64, description="process ids on the node's host"),
+    ]
+
+
+class LeaseOut(BaseModel):
+    """A lease as the API shows it (SPEC.md section 11, "VRAM leases")."""
+
+    id: str
+    state: str
+    granted: bool
+    vram_bytes: int | None
+    ttl_s: float
+    holder: str
+    owner: str | None
+    submitted_at: float
+    gpu: str | None
+    pinned_gpu: str | None = None
+    granted_at: float | None
+    until: float | None
+    reason: str
+    pids: list[int] = []
+    #: why it waits, while it is queued (explain's words)
+    waiting: str | None = None

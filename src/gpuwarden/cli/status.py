@@ -7,6 +7,7 @@ node is well, else 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
+from gpuwarden.api.leasedesk import LeaseDesk
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
@@ -31,7 +33,9 @@ from gpuwarden.core.model import format_bytes
 from gpuwarden.core.policy import GpuView
 from gpuwarden.core.service import url_path
 from gpuwarden.core.states import JobState
+from gpuwarden.errors import GpuwardenError
 from gpuwarden.node.status import BrokerStatus
+from gpuwarden.registry import Registry
 from gpuwarden.store.base import NodeStatus
 from gpuwarden.store.cluster import ClusterStore
 
@@ -75,7 +79,38 @@ def cmd_status(args: argparse.Namespace) -> int:
     if gathered is None:
         err.print(f"no broker has run on state directory {config_of(args).state_dir}")
         return 1
-    return _report_status(args, *gathered)
+    return _report_status(args, *gathered, leases=_leases(args))
+
+
+def _leases(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The queued and granted leases (SPEC.md, "VRAM leases"), as ``GET /v1/leases``
+    gives them; none where they cannot be read."""
+    with contextlib.suppress(GpuwardenError, OSError):
+        return local_or_http(args, _leases_here, lambda _a, c: c.leases())
+    return []
+
+
+def _leases_here(args: argparse.Namespace) -> list[dict[str, Any]]:
+    config = config_of(args)
+    store = checked_store(config, writes=False)
+    try:
+        registry = Registry.load(config.module_paths, config.launch_rules)
+        desk = LeaseDesk(store, registry, config)
+        return [desk.info(j) for j in desk.listed()]
+    finally:
+        store.close()
+
+
+def _print_leases(leases: list[dict[str, Any]]) -> None:
+    out.print(f"leases: {len(leases)}" if leases else "leases: none", markup=False)
+    for x in leases:
+        until = x.get("until")
+        when = time.strftime("%H:%M:%S", time.localtime(until)) if until else "-"
+        out.print(
+            f"  {x['id']}  {x.get('holder') or x.get('owner') or '-'}  {x.get('gpu') or '-'}  "
+            f"{_maybe_bytes(x.get('vram_bytes'))}  {x['state']}  until {when}",
+            markup=False,
+        )
 
 
 def _gather_status(args: argparse.Namespace) -> _Gathered | None:
@@ -151,9 +186,12 @@ def _report_status(
     counts: dict[JobState, int],
     where: str,
     cluster: list[dict[str, Any]] | None = None,
+    *,
+    leases: list[dict[str, Any]] | None = None,
 ) -> int:
     """Print the status (or ``--json``); 0 when every node is well, else 1. With
-    ``cluster`` (a coordinator's enrolled nodes), those nodes are what counts."""
+    ``cluster`` (a coordinator's enrolled nodes), those nodes are what counts;
+    ``leases`` are shown beside the jobs."""
     if args.json:
         data: dict[str, Any] = {
             "nodes": [
@@ -164,6 +202,7 @@ def _report_status(
         }
         if cluster is not None:
             data["cluster"] = cluster
+        data["leases"] = leases or []
         out.print_json(json.dumps(data))
     healthy = bool(statuses)
     if cluster is not None:
@@ -189,6 +228,7 @@ def _report_status(
         out.print(
             "jobs: " + (", ".join(f"{k.value} {v}" for k, v in sorted(counts.items())) or "none")
         )
+        _print_leases(leases or [])
     return 0 if healthy else 1
 
 

@@ -41,9 +41,11 @@ __all__ = [
 ]
 
 #: the keys of a job's ``constraints`` object (SPEC.md section 4)
-CONSTRAINT_KEYS = ("min_gpu_vram_gib", "gpu_model", "labels", "node")
+CONSTRAINT_KEYS = ("min_gpu_vram_gib", "gpu_model", "labels", "node", "gpu")
 #: the constraints that only mean something for a job on the vram lane
-GPU_CONSTRAINTS = frozenset({"min_gpu_vram_gib", "gpu_model"})
+GPU_CONSTRAINTS = frozenset({"min_gpu_vram_gib", "gpu_model", "gpu"})
+#: a GPU's UUID as a ``gpu`` constraint names it (``lease --gpu UUID``)
+_GPU_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9._:/-]{1,124}$")
 _MAX_GIB = 1_048_576
 _MAX_TEXT = 200
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -87,6 +89,13 @@ def check_constraints(raw: Any) -> dict[str, Any]:
                     "'.', '_' or '-', starting with a letter or digit)"
                 )
             out[key] = value
+        elif key == "gpu":
+            if not isinstance(value, str) or not _GPU_UUID.fullmatch(value):
+                raise ValueError(
+                    "constraint gpu must be a GPU's UUID as `gpuwarden status` lists it "
+                    f"(GPU-... or MIG-...; a model name is gpu_model), got {_show(value)}"
+                )
+            out[key] = value
         else:  # labels
             if not isinstance(value, Mapping):
                 raise ValueError(f"constraint labels must be an object, got {_show(value)}")
@@ -109,6 +118,7 @@ class Constraints:
     gpu_model: str = ""  # a substring of the GPU's name, case-insensitive
     labels: Mapping[str, str] = field(default_factory=dict)
     node: str = ""  # this node only
+    gpu: str = ""  # this GPU only (its UUID)
 
     @classmethod
     def of(cls, raw: Mapping[str, Any] | None) -> Constraints:
@@ -121,6 +131,7 @@ class Constraints:
             gpu_model=str(raw.get("gpu_model", "")),
             labels={str(k): str(v) for k, v in dict(raw.get("labels") or {}).items()},
             node=str(raw.get("node", "")),
+            gpu=str(raw.get("gpu", "")),
         )
 
     def refusal(self, node: NodeView) -> str | None:
@@ -132,8 +143,8 @@ class Constraints:
                 return (
                     f"the job asks for label {key}={value} (the node has {node.labels or 'none'})"
                 )
-        if (self.min_gpu_vram_bytes or self.gpu_model) and not self.gpus(node):
-            want = []
+        if (self.min_gpu_vram_bytes or self.gpu_model or self.gpu) and not self.gpus(node):
+            want = [f"GPU {self.gpu}"] if self.gpu else []
             if self.min_gpu_vram_bytes:
                 want.append(f"at least {format_bytes(self.min_gpu_vram_bytes)} per GPU")
             if self.gpu_model:
@@ -147,7 +158,9 @@ class Constraints:
         return [
             g
             for g in node.gpus
-            if g.total_bytes >= self.min_gpu_vram_bytes and model in g.name.lower()
+            if g.total_bytes >= self.min_gpu_vram_bytes
+            and model in g.name.lower()
+            and (not self.gpu or g.uuid == self.gpu)
         ]
 
 

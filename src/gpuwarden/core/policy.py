@@ -77,6 +77,8 @@ class QueuedJob:
     gpus: int = 1
     #: what it asks of the host's RAM (:mod:`gpuwarden.core.ramadmit`)
     ram: RamNeed = NO_RAM
+    #: the one GPU it may run on (its ``gpu`` constraint, ``lease --gpu``); "": any
+    gpu: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +403,7 @@ def class_key(job: QueuedJob) -> Hashable:
         job.usage,
         job.gpus,
         job.ram,
+        job.gpu,
     )
 
 
@@ -501,6 +504,7 @@ def _as(proto: QueuedJob, member: Member) -> QueuedJob:
         usage,
         proto.gpus,
         proto.ram,
+        proto.gpu,
     )
 
 
@@ -608,13 +612,19 @@ class _Step:
             if not isinstance(runtime_decision, list):
                 return runtime_decision
             among = runtime_decision
+        if job.gpu:
+            pinned = self.pinned(job, among)
+            if not isinstance(pinned, list):
+                return pinned
+            among = pinned
         decision = self.place(job, among)
         if isinstance(decision, Start) and job.serve:
             self.warm.loading(job.type, decision.gpu_uuid or "")
         elif isinstance(decision, _Blocked) and not self.snapshot.vram_paused and job.gpus == 1:
             # (a multi-GPU job waits for GPUs to come free on their own: no eviction,
             # release or preemption frees several GPUs at once for it)
-            evicted = _evict_for(job, decision, self.gpus, self.warm)
+            room = self.gpus if among is None or not job.gpu else among  # a pin: only there
+            evicted = _evict_for(job, decision, room, self.warm)
             self.evictions += evicted
             asked: list[AskRuntime] = []
             if not evicted and self.snapshot.runtimes:
@@ -684,6 +694,19 @@ class _Step:
             return _Blocked(job, lambda: f"the runtime {rt.name}'s GPUs ({where}) are not here")
         return mine
 
+    def pinned(self, job: QueuedJob, among: list[_Gpu] | None) -> _Blocked | list[_Gpu]:
+        """A job pinned to one GPU (its ``gpu`` constraint) is placed only there; it
+        waits, saying so, where this node has no such GPU."""
+        pin = job.gpu
+        mine = [g for g in (self.gpus if among is None else among) if g.view.uuid == pin]
+        if not mine:
+            have = ", ".join(g.view.uuid for g in self.gpus) or "none"
+            return _Blocked(
+                job, lambda: f"it is pinned to GPU {pin} (--gpu), which this node has not "
+                f"(its GPUs: {have})"
+            )  # fmt: skip
+        return mine
+
     def place(self, job: QueuedJob, among: list[_Gpu] | None = None) -> Start | Refuse | _Blocked:
         """Start the job on the GPU of ``among`` (all of them: None) where it fits
         tightest, or say why it waits (holding a GPU back for it where one may be)."""
@@ -716,8 +739,10 @@ class _Step:
         # what each GPU held when the job was judged (holdings are only added to)
         seen = [(len(g.holdings), g.reserved_for if g is not reserved else None) for g in gpus]
 
+        pin = f"it is pinned to GPU {job.gpu} (--gpu) and " if job.gpu else ""
+
         def render() -> str:
-            return f"needs {format_bytes(need)} on one GPU; " + "; ".join(
+            return f"{pin}needs {format_bytes(need)} on one GPU; " + "; ".join(
                 _why_not(job, g, at) for g, at in zip(gpus, seen, strict=True)
             )
 

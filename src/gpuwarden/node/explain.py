@@ -170,6 +170,7 @@ def queued_entries(
                 usage=use.get(job.owner or "", 0.0),
                 ram=effective_need(jobtype, job.ram),
                 gpus=gpu_count(jobtype, job.gpus),
+                gpu=job.gpu,
             )
         )
     return out

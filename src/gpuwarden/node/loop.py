@@ -483,7 +483,7 @@ class Broker:
             return
         if self.queue.refresh(now):  # what was submitted since the index last looked
             self._status_dirty = True
-        if self.attempts.ram_gated(*(key[-2] for key in self.queue.classes())):
+        if self.attempts.ram_gated(*(key[5] for key in self.queue.classes())):
             return  # host RAM is judged by the planning pass (SPEC section 11, "Host RAM")
         paused = f"the GPU probe failed: {self.gpus.error}" if self.gpus.error else ""
         types = self.registry.types
@@ -551,7 +551,7 @@ class Broker:
         (the same but for their owners), with the footprint, estimate and warm server
         the node knows now, its head the first of them in queue order (fair share)."""
         key, (seq, head) = self.queue.head(keys, use) or (keys[0], (0, ""))
-        type_name, priority, own_bytes, est_s, own_gpus, ram, owner = key
+        type_name, priority, own_bytes, est_s, own_gpus, ram, pin, owner = key
         jobtype = self.registry.types[type_name]
         vram = jobtype.lane is Lane.VRAM
         job = policy.QueuedJob(
@@ -572,6 +572,7 @@ class Broker:
             usage=use.get(owner, 0.0),
             gpus=gpu_count(jobtype, own_gpus),
             ram=effective_need(jobtype, ram),
+            gpu=pin,
         )
         return policy.Lineup(key[:-1], job, self.queue.members(keys, use))
 

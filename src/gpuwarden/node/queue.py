@@ -55,13 +55,14 @@ _REREAD = frozenset({"dependencies_held", "held", "released", "priority_changed"
 #: the run time it declared as the planner rounds it (``core.profile.est_class``;
 #: None for a job that declares none, as most do: their classes are not split), the
 #: GPUs it asked for itself (None: its type's count), what it asks of the host's RAM
-#: (``core.ramadmit.RamNeed``; nothing, for most jobs), and its owner ("" for local,
+#: (``core.ramadmit.RamNeed``; nothing, for most jobs), the one GPU it is pinned to
+#: ("" for most; its ``gpu`` constraint), and its owner ("" for local,
 #: always last): fair share orders owners apart (``core.fairshare``)
-ClassKey = tuple[str, int, int | None, float | None, int | None, RamNeed, str]
+ClassKey = tuple[str, int, int | None, float | None, int | None, RamNeed, str, str]
 #: a class as the plan sees it: the index's classes but for their owner. The jobs
 #: of one need the same, whoever owns them, so a pass decides for each such class
 #: once; its owners' jobs are merged in queue order (:meth:`QueueBook.members`)
-PlanKey = tuple[str, int, int | None, float | None, int | None, RamNeed]
+PlanKey = tuple[str, int, int | None, float | None, int | None, RamNeed, str]
 
 
 class QueueBook:
@@ -152,6 +153,7 @@ class QueueBook:
                     est_class(e.est_s),
                     e.gpus,
                     e.ram,
+                    e.gpu,  # a job pinned to one GPU (``lease --gpu``) is a class apart
                     e.owner or "",
                 )
                 self.index.add(e.id, e.seq, key)

@@ -79,6 +79,8 @@ class QueueEntry:
     gpus: int | None = None
     #: what it asks of the host's RAM (``gpuwarden.core.ramadmit``)
     ram: RamNeed = NO_RAM
+    #: the one GPU it may run on (its ``gpu`` constraint); "": any
+    gpu: str = ""
 
 
 @dataclass(frozen=True, slots=True)

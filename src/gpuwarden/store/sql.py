@@ -468,6 +468,7 @@ class SqlStore(Store, Generic[C]):
                 owner=r["owner"],
                 gpus=None if r["gpus"] is None else int(r["gpus"]),
                 ram=rows.ram_need(r),
+                gpu=r["gpu_pin"] or "",
             )
             for r in found
         ]

@@ -46,7 +46,7 @@ SELECT count(*) AS n FROM jobs
 -- name: queue_entries
 -- the queued jobs that may be planned: not held for their dependencies, nor by a person
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
-       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
+       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes, json_extract(constraints, '$.gpu') AS gpu_pin FROM jobs
  WHERE state = 'queued' AND held = 0 AND hold_by IS NULL;
 
 -- name: queued_count
@@ -58,7 +58,7 @@ SELECT (SELECT COUNT(*) FROM jobs WHERE state = 'queued')
 
 -- name: queue_entries_of
 SELECT id, type, priority, seq, vram_bytes, cancel_requested, est_s, owner, gpus,
-       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes FROM jobs
+       ram_cap_bytes, ram_floor_bytes, ram_start_min_bytes, json_extract(constraints, '$.gpu') AS gpu_pin FROM jobs
  WHERE state = 'queued' AND held = 0 AND hold_by IS NULL
    AND id IN (SELECT value FROM json_each(:ids));
 
