@@ -821,7 +821,7 @@ class _Step:
         self.gpus = [_Gpu(_paused_view(g), list(g.holdings)) for g in snapshot.gpus]
         self.best = max((g.total_bytes - g.reserve_bytes for g in snapshot.gpus), default=None)
         self.reservations_left = snapshot.max_reservations
-        self._most_free: int | None = None
+        self._most_free: tuple[int, int] | None = None
         self.held_back = dict(snapshot.held_back)
         self.warm = _Warm(snapshot.warm)
         self.evictions = self.warm.expired(now, wanted)
@@ -839,11 +839,17 @@ class _Step:
             if snapshot.vram_paused or w.gpu_uuid in degraded
         }
 
-    def most_free(self) -> int:
-        """The most memory free on any GPU now (no job needing more fits one)."""
+    def most_free(self, coresident: bool) -> int:
+        """The most memory free now on any GPU a job may share (``coresident``: one
+        whose holders all share theirs), or on an empty one: no job that needs more
+        fits any GPU."""
         if self._most_free is None:
-            self._most_free = max((g.capacity - g.held for g in self.gpus), default=0)
-        return self._most_free
+            self._most_free = (
+                max((g.capacity - g.held for g in self.gpus if g.shared_only), default=-1),
+                max((g.capacity for g in self.gpus if not g.holdings), default=-1),
+            )
+        shared, empty = self._most_free
+        return max(shared, empty) if coresident else empty
 
     def decide(self, job: QueuedJob) -> Start | Refuse | _Blocked:
         """A job's decision: host RAM first (any lane), then its lane's rules. A
@@ -969,7 +975,7 @@ class _Step:
             return self.place_many(job, gpus)
         fitting = (
             [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
-            if need <= self.most_free()  # (else it fits no GPU: no need to ask each)
+            if need <= self.most_free(job.coresident)  # (else it fits no GPU here)
             else []
         )
         if fitting:
