@@ -8,7 +8,12 @@ their fair-share use; default 4: each owner is a class of its own) is put in a
 and :func:`gpuwarden.core.policy.plan_pass` is timed over it, ``--passes`` times
 (default 50) per size, on GPUs most of whose memory is held by running jobs (so a
 backlog stays, as in a busy node). Each pass builds its lineups from the index as
-the loop does. The sizes: 2,000 jobs on 8 GPUs and 100,000 on 64.
+the loop does (``Broker._lineup``: a lineup per class but for owner and own
+footprint, its shelves kept between passes, built once before the passes are
+timed). The sizes: 2,000 jobs on 8 GPUs and 100,000 on 64. Then the same over
+an ad-hoc backlog (``plan_adhoc``): command jobs (``gpuwarden run --vram ... --
+CMD``), each with its own footprint (GiB with one decimal, 0.5 to 79), four
+command types, the same priorities and owners: thousands of distinct sizes.
 
 Part 2 (a real broker): ``gpuwarden serve`` on a node without a GPU, with the
 bench's module, ``--rss-jobs`` (default 100,000) jobs submitted to its store in
@@ -20,10 +25,11 @@ Part 3 (the loop): the same backlog in an in-process broker (``Broker.tick()``),
 the cost of the first tick (it loads the queue index) and of a tick once
 nothing changes (``idle_tick``: ``queued``, ``load_ms``, ``p50_ms``, ``max_ms``).
 
-Targets: a pass <= 2 ms p99 at 2,000 x 8 and <= 20 ms p99 at 100,000 x 64; RSS
-<= 300 MiB with 100,000 queued. The last line of stdout is one JSON object:
-``{"plan": {"2000x8": {"p50_ms", "p99_ms"}, "100000x64": {...}}, "rss_mib",
-"idle_tick": {...}}``.
+Targets: a pass <= 2 ms p99 at 2,000 x 8 and <= 20 ms p99 at 100,000 x 64, for
+both backlogs; RSS <= 300 MiB with 100,000 queued. The last line of stdout is
+one JSON object: ``{"plan": {"2000x8": {"p50_ms", "p99_ms"}, "100000x64": {...}},
+"plan_adhoc": {the same keys}, "rss_mib", "idle_tick": {...}}`` (with
+``--smoke``, the sizes are 200x8 and 2000x16).
 
     .venv/bin/python bench/plan.py            # both parts (about a minute)
     .venv/bin/python bench/plan.py --no-rss   # part 1 only (no broker)
@@ -42,15 +48,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import GIB, Lane
-from gpuwarden.core.policy import GpuView, Lineup, QueuedJob, Snapshot, WarmView, plan_pass
+from gpuwarden.core.policy import (
+    GpuView,
+    QueuedJob,
+    SizedLineup,
+    Snapshot,
+    WarmView,
+    plan_pass,
+)
 from gpuwarden.core.queueindex import QueueIndex
-from gpuwarden.node.queue import owners_head, owners_members, settle_memory
+from gpuwarden.node.queue import Shelves, settle_memory
 
 SEED = 14
 GPU_GIB = 80
@@ -143,34 +158,42 @@ def gpus_busy(g: int, rng: random.Random) -> tuple[list[GpuView], list[WarmView]
     return views, warm
 
 
-def lineups(index: QueueIndex, warm: set[str], use: dict[str, float]) -> list[Lineup]:
-    """What the loop builds before each pass: one prototype job per class of the
-    plan (the index's classes but for their owner, merged in fair-share order)."""
+def lineups(shelves: Shelves[Any], warm: set[str], use: dict[str, float]) -> list[SizedLineup]:
+    """What the loop builds before each pass (``Broker._lineup``): one lineup per
+    class of the plan but for the owner and the job's own footprint, each owner's
+    classes a shelf of it, by footprint (``node.queue.Shelves``, kept between
+    passes as the loop keeps them)."""
     by_name = {t[0]: (t[0], t[1], t[2], t[3], t[4]) for t in TYPES}
     by_name.update((t[0], (t[0], 0, t[1], t[2], t[3])) for t in ADHOC_TYPES)
-    groups: dict[tuple[object, ...], list[tuple[object, ...]]] = {}
-    for key in index.classes():
-        groups.setdefault(key[:-1], []).append(key)
     out = []
-    for keys in groups.values():
-        key, (seq, head) = owners_head(index, keys, use) or (keys[0], (0, ""))
-        name, priority, own, owner = key  # type: ignore[misc]
+    for sized, owners in shelves.groups().items():
+        name, priority = sized
         _, gib, co, est, serve = by_name[name]
+
+        def size(own: int | None, gib: int = gib) -> int:
+            return max(gib * GIB, own or 0)
+
         job = QueuedJob(
-            head,
+            "",
             name,
             Lane.VRAM,
-            max(gib * GIB, own or 0),
+            0,
             priority,
-            seq,
+            0,
             coresident=co,
             warm=name in warm,
             expected_s=est,
             serve=serve,
-            owner=owner,
-            usage=use.get(owner, 0.0),
         )
-        out.append(Lineup(key[:-1], job, owners_members(index, keys, use)))
+        shelf_list = [shelves.shelf(sized, o, use.get(o, 0.0), size, gib) for o in owners]
+
+        def size_of(job_id: str, size: Callable[[int | None], int] = size) -> int:
+            key = shelves.index.key_of(job_id)
+            return 0 if key is None else size(key[2])
+
+        out.append(
+            SizedLineup(sized, job, shelf_list, lambda own, s=sized: (s[0], s[1], own), size_of)
+        )
     return out
 
 
@@ -196,18 +219,20 @@ def time_passes(
     settle_memory()  # as the broker does once it has read its queue in (node/queue.py)
     snapshot = Snapshot(queued=(), gpus=tuple(views), cpu_slots=4, warm=tuple(warm))
     warm_types = {w.type for w in warm}
+    shelves = Shelves(index)
+    lineups(shelves, warm_types, use)  # built once, as the loop's first tick builds them
     times = []
     decided = None
     for _ in range(passes):
         t0 = time.perf_counter()
-        decided = plan_pass(lineups(index, warm_types, use), snapshot, now=100.0)
+        decided = plan_pass(lineups(shelves, warm_types, use), snapshot, now=100.0)
         times.append((time.perf_counter() - t0) * 1000)
     assert decided is not None
     times.sort()
     p99 = times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]
     print(
         f"  {n:>7} jobs x {g:>2} GPUs: {len(index.classes()):>3} classes, "
-        f"{len(decided.starts)} starts, {len(decided.waits)} classes wait, "
+        f"{len(decided.starts)} starts, {len(decided.waits)} waits, "
         f"{len(decided.evictions)} evictions; pass p50 {statistics.median(times):.3f} ms, "
         f"p99 {p99:.3f} ms, max {times[-1]:.3f} ms"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwarden.core.queueindex import QueueIndex
+from gpuwarden.core.queueindex import NONE, MinTree, QueueIndex
 
 
 def test_members_come_in_arrival_order_and_removal_is_seen() -> None:
@@ -65,3 +65,27 @@ def test_the_index_matches_a_plain_model(ops: list[tuple[str, int, int, int]]) -
             assert list(q.members(k)) == want
             assert q.size(k) == len(want)
             assert q.head(k) == (want[0] if want else None)
+
+
+@settings(max_examples=200)
+@given(
+    seqs=st.lists(st.integers(0, 50), min_size=1, max_size=40),
+    sets=st.lists(st.tuples(st.integers(0, 39), st.integers(-1, 50)), max_size=10),
+    lo=st.integers(0, 40),
+    hi=st.integers(0, 40),
+)
+def test_min_tree_is_the_least_leaf_of_a_range(
+    seqs: list[int], sets: list[tuple[int, int]], lo: int, hi: int
+) -> None:
+    leaves = [(s, 0, pos) for pos, s in enumerate(seqs)]
+    tree = MinTree(leaves)
+    copy = tree.copy()
+    for pos, seq in sets:
+        if pos < len(leaves):
+            leaves[pos] = NONE if seq < 0 else (seq, 0, pos)
+            copy.set(pos, leaves[pos])
+    hi = min(hi, len(leaves))
+    lo = min(lo, hi)
+    assert copy.min_in(lo, hi) == min(leaves[lo:hi], default=NONE)
+    # the copy changed, the tree did not
+    assert tree.min_in(0, len(seqs)) == min((s, 0, p) for p, s in enumerate(seqs))

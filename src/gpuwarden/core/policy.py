@@ -39,6 +39,8 @@ carries out the decisions. The rules (DESIGN.md, "Admission rules"):
 from __future__ import annotations
 
 import heapq
+import itertools
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,6 +50,7 @@ from gpuwarden.core.lease import is_lease
 from gpuwarden.core.ledger import Holding, HoldState, compatible
 from gpuwarden.core.model import Lane, format_bytes, gpu_list
 from gpuwarden.core.preempt import Need, Preempt, Victim, choose, describe, preempts
+from gpuwarden.core.queueindex import NONE, Leaf, MinTree
 from gpuwarden.core.ramadmit import NO_RAM, UNSAMPLED, RamNeed, RamView
 
 
@@ -371,6 +374,67 @@ class ClassWait:
         return (self.key, self.job_id, self.reserved_gpu)
 
 
+@dataclass(frozen=True, slots=True)
+class Shelf:
+    """One owner's classes of a :class:`SizedLineup`, the same but for their jobs'
+    footprints: bucket ``pos`` holds the jobs whose own footprint is
+    ``idents[pos]`` (the same ident across owners is one class of the plan),
+    admitted with ``sizes[pos]``, ascending; ``tree`` has each bucket's head as
+    ``(seq, tie, pos)`` (:class:`gpuwarden.core.queueindex.MinTree`), kept by the
+    index between passes and copied by a pass that changes it."""
+
+    owner: str
+    usage: float
+    sizes: list[int]
+    idents: list[Hashable]
+    heads: list[str]
+    tree: MinTree
+    pos_of: dict[Hashable, int]
+    #: a bucket's members in queue order, its head first: ``(seq, id)``
+    members: Callable[[int], Iterable[tuple[int, str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class SizedLineup:
+    """Classes of queued jobs that differ only in their own footprint (command jobs,
+    each with its own ``--vram``), as one: ``job`` is what they all need but the
+    footprint (its id, seq, owner and size are each member's), ``shelves`` one per
+    owner. A pass decides for them exactly as for one :class:`Lineup` per footprint
+    (``key_of(ident)`` is that class's key), but once one of them waits with nothing
+    done for it (no GPU held back, nothing evicted, released or preempted), every
+    bigger one waits too for the rest of the pass, and is not looked at:
+    :class:`RangeWait` says why (``size_of`` gives a waiting job's footprint)."""
+
+    key: Hashable
+    job: QueuedJob
+    shelves: list[Shelf]
+    key_of: Callable[[Hashable], Hashable]
+    size_of: Callable[[str], int]
+
+
+class RangeWait(ClassWait):
+    """Why the jobs of a :class:`SizedLineup` that the pass did not look at wait:
+    each as the first job of a smaller size that waited for nothing (``ranges``:
+    ``(size, its blocked decision)``, the sizes falling), with its own footprint,
+    from the GPUs as that job was judged."""
+
+    __slots__ = ("proto", "ranges", "size_of")
+
+    def __init__(self, key: Hashable, proto: QueuedJob, size_of: Callable[[str], int]) -> None:
+        super().__init__(key, "", lambda: ("", ""))
+        self.proto = proto
+        self.size_of = size_of
+        self.ranges: list[tuple[int, _Blocked]] = []
+
+    def wait(self, job_id: str) -> Wait:
+        size = self.size_of(job_id)
+        blocked = next(b for at, b in self.ranges if size >= at)
+        return Wait(job_id, blocked.render(replace(self.proto, id=job_id, vram_bytes=size)))
+
+    def signature(self) -> tuple[Hashable, str, str | None]:
+        return (self.key, ",".join(str(at) for at, _ in self.ranges), None)
+
+
 @dataclass
 class Pass:
     """What one planning pass decided: warm servers to stop, jobs to start, jobs
@@ -419,27 +483,75 @@ def lineups_of(queued: Iterable[QueuedJob]) -> tuple[list[Lineup], dict[Hashable
     return lineups, groups
 
 
+def sized_key(job: QueuedJob) -> Hashable:
+    """The class of :func:`class_key` but for the footprint (a :class:`SizedLineup`)."""
+    return replace(job, id="", seq=0, vram_bytes=0)
+
+
+def sized_lineups_of(
+    queued: Iterable[QueuedJob],
+) -> tuple[list[SizedLineup], dict[Hashable, list[QueuedJob]]]:
+    """Group queued jobs into sized lineups (one per :func:`sized_key`), each of
+    the classes of :func:`lineups_of` a bucket, tied as there (first seen first)."""
+    lineups, groups = lineups_of(queued)
+    size = {j.id: j.vram_bytes for j in queued}
+    by_sized: dict[Hashable, list[tuple[int, int, Lineup]]] = {}
+    for n, lu in enumerate(lineups):
+        by_sized.setdefault(sized_key(lu.job), []).append((lu.job.vram_bytes, n, lu))
+    out = []
+    for key, buckets in by_sized.items():
+        buckets.sort(key=lambda b: (b[0], b[1]))
+        members = [list(b[2].members) for b in buckets]
+        proto = buckets[0][2].job
+        shelf = Shelf(
+            owner=proto.owner,
+            usage=proto.usage,
+            sizes=[b[0] for b in buckets],
+            idents=[b[0] for b in buckets],
+            heads=[m[0][1] for m in members],
+            tree=MinTree(
+                [
+                    (m[0][0], b[1], pos)
+                    for pos, (b, m) in enumerate(zip(buckets, members, strict=True))
+                ]
+            ),
+            pos_of={b[0]: pos for pos, b in enumerate(buckets)},
+            members=lambda pos, members=members: members[pos],  # type: ignore[misc]
+        )
+        keys: dict[Hashable, Hashable] = {b[0]: b[2].key for b in buckets}
+        out.append(SizedLineup(key, proto, [shelf], keys.__getitem__, size.__getitem__))
+    return out, groups
+
+
 def plan(snapshot: Snapshot, now: float) -> list[Decision]:
     """Decide, for every queued job, whether it starts now (and where), waits (and
     why), or is refused (and why): one decision per queued job, in queue order.
     :class:`Evict` decisions for idle warm servers come first. (The broker loop
     calls :func:`plan_pass` on the classes it keeps; this is the same pass, with
     every job's decision spelled out.)"""
-    lineups, groups = lineups_of(snapshot.queued)
+    lineups, groups = sized_lineups_of(snapshot.queued)
     done = plan_pass(lineups, snapshot, now)
     by_id: dict[str, Decision] = {d.job_id: d for d in done.starts}
     by_id.update((d.job_id, d) for d in done.refusals)
+    ranges: dict[Hashable, ClassWait] = {}
     for w in done.waits:
+        if isinstance(w, RangeWait):
+            ranges[w.key] = w
+            continue
         for job in groups[w.key]:
             by_id.setdefault(job.id, w.wait(job.id))
+    for job in snapshot.queued:  # those of the bigger sizes no pass looked at
+        if job.id not in by_id:
+            by_id[job.id] = ranges[sized_key(job)].wait(job.id)
     return [*done.evictions, *(by_id[j.id] for j in order(snapshot.queued))]
 
 
-def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass:
+def plan_pass(lineups: Iterable[Lineup | SizedLineup], snapshot: Snapshot, now: float) -> Pass:
     """One planning pass over classes of interchangeable jobs (``snapshot.queued``
     is not read). Jobs are taken in queue order across classes (:func:`order`);
     once a class's head cannot start, the rest of its class waits with it, so the
-    work is proportional to the classes and the jobs started, not to the queue."""
+    work is proportional to the classes and the jobs started, not to the queue
+    (and, for a :class:`SizedLineup`, to the sizes that waited for something)."""
     lineups = list(lineups)
     done = Pass()
     step = _Step(snapshot, now, {lu.job.type for lu in lineups})
@@ -448,30 +560,171 @@ def plan_pass(lineups: Iterable[Lineup], snapshot: Snapshot, now: float) -> Pass
     done.preemptions = step.preemptions
     if not snapshot.accepting:
         for lu in sorted(lineups, key=lambda lu: _rank(lu.job)):
-            done.waits.append(ClassWait.fixed(lu.key, lu.job.id, "the broker is shutting down"))
+            done.waits.append(_closed(lu))
         return done
-    heads: list[tuple[Rank, int, QueuedJob, Iterator[Member]]] = []
+    heads: list[_Head] = []
+    runs: list[_SizedRun] = []
     for n, lu in enumerate(lineups):
+        if isinstance(lu, SizedLineup):
+            run = _SizedRun(lu, n, step)
+            run.run_no = len(runs)
+            runs.append(run)
+            _push(heads, run.next())
+            continue
         members = iter(lu.members)
         first = next(members, None)
         if first is not None:
             head = _as(lu.job, first)
-            heads.append((_rank(head), n, head, members))
+            heads.append((_rank(head), n, n, head, members))
     heapq.heapify(heads)
     while heads:
-        _, n, job, members = heapq.heappop(heads)
+        _, _, n, job, where = heapq.heappop(heads)
+        if isinstance(where, tuple):
+            _push(heads, runs[where[0]].decide(job, where[1], where[2], done))
+            continue
         decision = step.decide(job)
         if isinstance(decision, Start):
             done.starts.append(decision)
-            if (following := next(members, None)) is not None:
+            if (following := next(where, None)) is not None:
                 job = _as(job, following)
-                heapq.heappush(heads, (_rank(job), n, job, members))
+                heapq.heappush(heads, (_rank(job), n, n, job, where))
         elif isinstance(decision, Refuse):  # every job of the class needs the same
             done.refusals.append(decision)
-            done.refusals.extend(Refuse(m[1], decision.reason) for m in members)
+            done.refusals.extend(Refuse(m[1], decision.reason) for m in where)
         else:
             done.waits.append(decision.class_wait(lineups[n].key))
+    done.waits += [run.range for run in runs if run.range.ranges]
     return done
+
+
+#: a class's next job in a pass: its rank, tie, lineup, the job, and its members
+#: to come (a :class:`Lineup`) or ``(run, shelf, bucket)`` (a :class:`SizedLineup`)
+_Head = tuple[Any, int, int, QueuedJob, Any]
+
+
+def _push(heads: list[_Head], head: _Head | None) -> None:
+    if head is not None:
+        heapq.heappush(heads, head)
+
+
+def _closed(lu: Lineup | SizedLineup) -> ClassWait:
+    """Why a lineup waits while the broker shuts down."""
+    why = "the broker is shutting down"
+    if isinstance(lu, Lineup):
+        return ClassWait.fixed(lu.key, lu.job.id, why)
+    wait = RangeWait(lu.key, lu.job, lu.size_of)
+    wait.ranges.append((0, _Blocked(lu.job, lambda _j: why)))
+    return wait
+
+
+class _SizedRun:
+    """A :class:`SizedLineup` during one pass: which of its sizes are still open
+    (below ``below``, or never admitted here: they are refused when reached, and
+    those whose class waits for something), and each bucket's head."""
+
+    def __init__(self, lu: SizedLineup, n: int, step: _Step) -> None:
+        self.lu, self.n, self.step = lu, n, step
+        self.run_no = 0
+        self.trees = [s.tree for s in lu.shelves]
+        self.copied = [False] * len(self.trees)
+        self.left: dict[tuple[int, int], Iterator[tuple[int, str]]] = {}
+        self.head: dict[tuple[int, int], tuple[int, str]] = {}
+        self.below = float("inf")
+        self.big = float("inf") if step.best is None else step.best  # bigger: refused
+        #: a bigger job waits too only where nothing was done for a smaller one, and
+        #: no victim is already preempting for one of them
+        self.prune = lu.job.gpus == 1 and not step.pending
+        self.range = RangeWait(lu.key, lu.job, lu.size_of)
+
+    def next(self) -> _Head | None:
+        """The open bucket whose head comes first (queue order), as a pass head."""
+        best: tuple[float, Leaf, int] | None = None
+        for i, s in enumerate(self.lu.shelves):
+            tree, count = self.trees[i], len(s.sizes)
+            if self.below > self.big:
+                leaf = tree.min_in(0, count)
+            else:
+                hi = bisect_left(s.sizes, self.below)
+                lo = bisect_right(s.sizes, self.big)
+                leaf = min(tree.min_in(0, hi), tree.min_in(lo, count))
+            if leaf is not NONE and leaf[2] >= 0 and (best is None or (s.usage, leaf) < best[:2]):
+                best = (s.usage, leaf, i)
+        if best is None:
+            return None
+        _, (seq, tie, pos), i = best
+        s = self.lu.shelves[i]
+        head = self.head.get((i, pos))
+        job_id = s.heads[pos] if head is None else head[1]
+        job = replace(
+            self.lu.job, id=job_id, seq=seq, vram_bytes=s.sizes[pos], owner=s.owner, usage=s.usage
+        )
+        return (_rank(job), tie, self.n, job, (self.run_no, i, pos))
+
+    def decide(self, job: QueuedJob, i: int, pos: int, done: Pass) -> _Head | None:
+        """Decide for the head of bucket ``pos`` of shelf ``i``; the next head."""
+        step = self.step
+        marks = (len(step.evictions), len(step.asks), len(step.preemptions))
+        decision = step.decide(job)
+        ident = self.lu.shelves[i].idents[pos]
+        if isinstance(decision, Start):
+            done.starts.append(decision)
+            self._advance(i, pos)
+        elif isinstance(decision, Refuse):
+            done.refusals.append(decision)
+            done.refusals.extend(Refuse(j, decision.reason) for j in self._rest(ident, job.id))
+            self._close(ident)
+        else:
+            done.waits.append(decision.class_wait(self.lu.key_of(ident)))
+            self._close(ident)
+            pure = decision.reserved is None and marks == (
+                len(step.evictions),
+                len(step.asks),
+                len(step.preemptions),
+            )
+            if pure and self.prune and job.vram_bytes <= self.big:
+                self.below = job.vram_bytes
+                self.range.ranges.append((job.vram_bytes, decision))
+        return self.next()
+
+    def _tree(self, i: int) -> MinTree:
+        if not self.copied[i]:
+            self.trees[i], self.copied[i] = self.trees[i].copy(), True
+        return self.trees[i]
+
+    def _advance(self, i: int, pos: int) -> None:
+        """The head of a bucket started: its next member heads it."""
+        rest = self.left.get((i, pos))
+        if rest is None:
+            rest = self.left[(i, pos)] = iter(self.lu.shelves[i].members(pos))
+            next(rest, None)  # the head
+        following = next(rest, None)
+        if following is None:
+            self._tree(i).set(pos, NONE)
+            return
+        self.head[(i, pos)] = following
+        self._tree(i).set(pos, (following[0], self._tree(i).t[self.trees[i].size + pos][1], pos))
+
+    def _close(self, ident: Hashable) -> None:
+        """Take the class ``ident`` (its buckets on every shelf) out of the pass."""
+        for i, s in enumerate(self.lu.shelves):
+            pos = s.pos_of.get(ident)
+            if pos is not None:
+                self._tree(i).set(pos, NONE)
+
+    def _rest(self, ident: Hashable, decided: str) -> list[str]:
+        """The jobs of the class ``ident`` not decided yet, but ``decided``."""
+        out = []
+        for i, s in enumerate(self.lu.shelves):
+            pos = s.pos_of.get(ident)
+            if pos is None or self.trees[i].t[self.trees[i].size + pos] is NONE:
+                continue
+            rest: Iterable[tuple[int, str]] | None = self.left.get((i, pos))
+            if rest is None:
+                rest = s.members(pos)
+            elif (head := self.head.get((i, pos))) is not None:
+                rest = itertools.chain([head], rest)
+            out += [m[1] for m in rest if m[1] != decided]
+        return out
 
 
 #: a job's place in the queue: priority, its owner's use, warm, arrival
@@ -542,15 +795,21 @@ class _Gpu:
 class _Blocked:
     """A job that cannot start now, its reason still to be written."""
 
-    def __init__(self, job: QueuedJob, render: Callable[[], str], reserved: str | None = None):
+    def __init__(
+        self,
+        job: QueuedJob,
+        render: Callable[[QueuedJob], str],
+        reserved: str | None = None,
+    ):
         self.job = job
+        #: the reason, for this job or (a pruned class) another of its class but size
         self.render = render
         self.reserved = reserved
         self.extra: list[str] = []  # sentences about the head only
 
     def class_wait(self, key: Hashable) -> ClassWait:
         def both() -> tuple[str, str]:
-            base = self.render()
+            base = self.render(self.job)
             return ". ".join([base, *self.extra]), base
 
         return ClassWait(key, self.job.id, both, self.reserved)
@@ -566,6 +825,7 @@ class _Step:
         self.gpus = [_Gpu(_paused_view(g), list(g.holdings)) for g in snapshot.gpus]
         self.best = max((g.total_bytes - g.reserve_bytes for g in snapshot.gpus), default=None)
         self.reservations_left = snapshot.max_reservations
+        self._most_free: tuple[int, int] | None = None
         self.held_back = dict(snapshot.held_back)
         self.warm = _Warm(snapshot.warm)
         self.evictions = self.warm.expired(now, wanted)
@@ -583,12 +843,24 @@ class _Step:
             if snapshot.vram_paused or w.gpu_uuid in degraded
         }
 
+    def most_free(self, coresident: bool) -> int:
+        """The most memory free now on any GPU a job may share (``coresident``: one
+        whose holders all share theirs), or on an empty one: no job that needs more
+        fits any GPU."""
+        if self._most_free is None:
+            self._most_free = (
+                max((g.capacity - g.held for g in self.gpus if g.shared_only), default=-1),
+                max((g.capacity for g in self.gpus if not g.holdings), default=-1),
+            )
+        shared, empty = self._most_free
+        return max(shared, empty) if coresident else empty
+
     def decide(self, job: QueuedJob) -> Start | Refuse | _Blocked:
         """A job's decision: host RAM first (any lane), then its lane's rules. A
         start takes its cap from the RAM left for the rest of the pass."""
         short = ramadmit.admit(self.ram, job.ram)
         if short is not None:
-            return _Blocked(job, lambda: short)
+            return _Blocked(job, lambda _j: short)
         decision = self.decide_lane(job)
         if isinstance(decision, Start):
             self.ram = self.ram.after_start(job.ram)
@@ -600,12 +872,12 @@ class _Step:
                 self.cpu_free -= 1
                 return Start(job.id, None)
             slots = self.snapshot.cpu_slots
-            return _Blocked(job, lambda: f"all {slots} cpu slots are in use")
+            return _Blocked(job, lambda _j: f"all {slots} cpu slots are in use")
         if job.serve and (served := self.warm.serve(job, self.paused.get(job.type, ""))):
             if isinstance(served, Start):
                 return served
             reason = served.reason
-            return _Blocked(job, lambda: reason)
+            return _Blocked(job, lambda _j: reason)
         among = None
         if job.runtime:
             runtime_decision = self.runtime_job(job)
@@ -676,7 +948,7 @@ class _Step:
             )
         if not rt.reachable or self.snapshot.vram_paused:
             why = self.snapshot.vram_paused or rt.why
-            return _Blocked(job, lambda: f"waits for the runtime {rt.name}: {why}")
+            return _Blocked(job, lambda _j: f"waits for the runtime {rt.name}: {why}")
         mine = [g for g in self.gpus if not rt.gpus or g.view.uuid in rt.gpus]
         if job.model in rt.models:
             held = [
@@ -691,7 +963,7 @@ class _Step:
                 return Start(job.id, g.view.uuid, warm=True)
         if not mine:
             where = ", ".join(rt.gpus)
-            return _Blocked(job, lambda: f"the runtime {rt.name}'s GPUs ({where}) are not here")
+            return _Blocked(job, lambda _j: f"the runtime {rt.name}'s GPUs ({where}) are not here")
         return mine
 
     def pinned(self, job: QueuedJob, among: list[_Gpu] | None) -> _Blocked | list[_Gpu]:
@@ -702,7 +974,7 @@ class _Step:
         if not mine:
             have = ", ".join(g.view.uuid for g in self.gpus) or "none"
             return _Blocked(
-                job, lambda: f"it is pinned to GPU {pin} (--gpu), which this node has not "
+                job, lambda _j: f"it is pinned to GPU {pin} (--gpu), which this node has not "
                 f"(its GPUs: {have})"
             )  # fmt: skip
         return mine
@@ -714,21 +986,26 @@ class _Step:
         gpus = self.gpus if among is None else among
         if snapshot.vram_paused:
             paused = snapshot.vram_paused
-            return _Blocked(job, lambda: f"VRAM admission is paused: {paused}")
+            return _Blocked(job, lambda _j: f"VRAM admission is paused: {paused}")
         need = job.vram_bytes
         if not gpus:
             return _Blocked(
-                job, lambda: f"needs {format_bytes(need)} on one GPU; this node has no GPU"
+                job, lambda j: f"needs {format_bytes(need)} on one GPU; this node has no GPU"
             )
         if self.best is not None and need > self.best:
             return Refuse(job.id, never_fits(need, snapshot.gpus) or "")
         if job.gpus > 1:
             return self.place_many(job, gpus)
-        fitting = [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
+        fitting = (
+            [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
+            if need <= self.most_free(job.coresident)  # (else it fits no GPU here)
+            else []
+        )
         if fitting:
             best, how = min(fitting, key=lambda gh: (gh[0].free - need, gh[0].view.uuid))
             backfill_for = how or None
             best.add(_started(job, f"{job.id}/next", now, backfill_for))
+            self._most_free = None
             return Start(job.id, best.view.uuid, backfill_for)
         reserved = None
         if self.reservations_left > 0:
@@ -739,11 +1016,10 @@ class _Step:
         # what each GPU held when the job was judged (holdings are only added to)
         seen = [(len(g.holdings), g.reserved_for if g is not reserved else None) for g in gpus]
 
-        pin = f"it is pinned to GPU {job.gpu} (--gpu) and " if job.gpu else ""
-
-        def render() -> str:
-            return f"{pin}needs {format_bytes(need)} on one GPU; " + "; ".join(
-                _why_not(job, g, at) for g, at in zip(gpus, seen, strict=True)
+        def render(j: QueuedJob) -> str:  # j: this job, or one of its size (a pruned class)
+            pin = f"it is pinned to GPU {j.gpu} (--gpu) and " if j.gpu else ""
+            return f"{pin}needs {format_bytes(j.vram_bytes)} on one GPU; " + "; ".join(
+                _why_not(j, g, at) for g, at in zip(gpus, seen, strict=True)
             )
 
         blocked = _Blocked(job, render, reserved.view.uuid if reserved else None)
@@ -764,6 +1040,7 @@ class _Step:
             chosen = sorted(fitting, key=lambda g: (g.free - need, g.view.uuid))[:n]
             for i, g in enumerate(chosen):
                 g.add(_started(job, f"{job.id}/next@{i}", now))
+            self._most_free = None
             return Start(job.id, ",".join(g.view.uuid for g in chosen))
         reserved: list[_Gpu] = []
         if self.reservations_left > 0:
@@ -773,7 +1050,7 @@ class _Step:
         could = {g.view.uuid for g in fitting}
         seen = [(len(g.holdings), g.reserved_for if g not in reserved else None) for g in gpus]
 
-        def render() -> str:
+        def render(_j: QueuedJob) -> str:
             each = [
                 f"{g.view.uuid} could take it" if g.view.uuid in could else _why_not(job, g, at)
                 for g, at in zip(gpus, seen, strict=True)

@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["QueueIndex"]
+__all__ = ["NONE", "Leaf", "MinTree", "QueueIndex"]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -53,6 +53,8 @@ class QueueIndex(Generic[K]):
         self._classes: dict[K, _Class] = {}
         self._key_of: dict[str, K] = {}
         self._seq_of: dict[str, int] = {}
+        #: classes whose jobs changed since the last :meth:`take_touched`
+        self._touched: set[K] = set()
 
     def __len__(self) -> int:
         return len(self._key_of)
@@ -74,6 +76,7 @@ class QueueIndex(Generic[K]):
             cls.heap = [e for e in cls.heap if e[1] != job_id]
             heapq.heapify(cls.heap)
         heapq.heappush(cls.heap, (seq, job_id))
+        self._touched.add(key)
         self._key_of[job_id] = key
         self._seq_of[job_id] = seq
 
@@ -83,6 +86,7 @@ class QueueIndex(Generic[K]):
         if key is None:
             return False
         del self._seq_of[job_id]
+        self._touched.add(key)
         cls = self._classes[key]
         cls.gone.add(job_id)
         cls.settle()
@@ -123,7 +127,70 @@ class QueueIndex(Generic[K]):
                 if child < len(heap):
                     heapq.heappush(frontier, (heap[child], child))
 
+    def take_touched(self) -> set[K]:
+        """The classes whose jobs changed since the last call (a clear touches all)."""
+        out, self._touched = self._touched, set()
+        return out
+
     def clear(self) -> None:
+        self._touched.update(self._classes)
         self._classes.clear()
         self._key_of.clear()
         self._seq_of.clear()
+
+
+#: a leaf of a :class:`MinTree`: ``(head seq, tie, position)``; an empty one is ``NONE``
+Leaf = tuple[int, int, int]
+NONE: Leaf = (1 << 62, 0, -1)
+
+
+class MinTree:
+    """The smallest leaf of any range of a fixed row of leaves (a segment tree):
+    ``min_in`` and ``set`` cost O(log n). A copy is one list copy, so a planning
+    pass changes a copy and leaves the one the index keeps as it was."""
+
+    __slots__ = ("size", "t")
+
+    def __init__(self, leaves: list[Leaf]) -> None:
+        size = 1
+        while size < len(leaves):
+            size *= 2
+        self.size = size
+        t = [NONE] * (2 * size)
+        t[size : size + len(leaves)] = leaves
+        for i in range(size - 1, 0, -1):
+            a, b = t[2 * i], t[2 * i + 1]
+            t[i] = a if a <= b else b
+        self.t = t
+
+    def copy(self) -> MinTree:
+        out = MinTree.__new__(MinTree)
+        out.size, out.t = self.size, list(self.t)
+        return out
+
+    def set(self, pos: int, leaf: Leaf) -> None:
+        t = self.t
+        i = pos + self.size
+        t[i] = leaf
+        i //= 2
+        while i:
+            a, b = t[2 * i], t[2 * i + 1]
+            t[i] = a if a <= b else b
+            i //= 2
+
+    def min_in(self, lo: int, hi: int) -> Leaf:
+        """The smallest leaf at positions ``lo`` to ``hi - 1`` (``NONE`` if none)."""
+        t = self.t
+        best = NONE
+        lo += self.size
+        hi += self.size
+        while lo < hi:
+            if lo & 1:
+                best = min(best, t[lo])
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                best = min(best, t[hi])
+            lo //= 2
+            hi //= 2
+        return best

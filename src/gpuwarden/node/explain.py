@@ -189,7 +189,7 @@ def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.De
         runtimes=view.runtimes,
         ram=view.ram,
     )
-    lineups, _ = policy.lineups_of(queued)
+    lineups, _ = policy.sized_lineups_of(queued)
     done = policy.plan_pass(lineups, snapshot, time.time())
     decided: list[policy.Start | policy.Refuse] = [*done.starts, *done.refusals]
     for d in decided:
@@ -198,6 +198,9 @@ def decide(view: View, queued: list[policy.QueuedJob], job_id: str) -> policy.De
     me = next(j for j in queued if j.id == job_id)
     for w in done.waits:
         if w.key == policy.class_key(me):
+            return w.wait(job_id)
+    for w in done.waits:  # a bigger size than one that waited: not looked at
+        if isinstance(w, policy.RangeWait) and w.key == policy.sized_key(me):
             return w.wait(job_id)
     raise AssertionError(f"plan gave no decision for {job_id}")  # pragma: no cover
 

@@ -32,9 +32,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from hashlib import sha256
-from typing import Any, cast
+from typing import Any
 
 from gpuwarden.core import policy
 from gpuwarden.core.gpulock import lock_mode
@@ -69,7 +69,7 @@ from gpuwarden.node.jobends import JobEnds
 from gpuwarden.node.leases import attribute_lease_pids
 from gpuwarden.node.measured import Footprints, RunTimes
 from gpuwarden.node.preempting import Preemptions
-from gpuwarden.node.queue import ClassKey, PlanKey, QueueBook
+from gpuwarden.node.queue import ClassKey, QueueBook, SizedKey
 from gpuwarden.node.recovery import Recovery
 from gpuwarden.node.runner import AttemptRunner, Recorded, cap_refusal
 from gpuwarden.node.running import (
@@ -168,7 +168,7 @@ class Broker:
         self._last_status = 0.0
         self._status_dirty = True  # something changed since the last status
         #: why each class of the queue waits, as the last pass left it, in queue order
-        self._waits: dict[PlanKey, policy.ClassWait] = {}
+        self._waits: dict[Hashable, policy.ClassWait] = {}
         #: each owner's fair-share use as the last pass read it
         self._use: dict[str, float] = {}
         #: the last event written to the event log: where the log's own cursor says
@@ -505,7 +505,10 @@ class Broker:
             self._status_dirty = True
         self._use = use = self.fair.table(now, self.attempts)
         lineups = (
-            [self._lineup(keys, use) for keys in self.queue.groups().values()]
+            [
+                self._lineup(sized, owners, use)
+                for sized, owners in self.queue.shelves.groups().items()
+            ]
             if self.accepting
             else []
         )
@@ -542,25 +545,38 @@ class Broker:
             elif self._start(job, self.registry.types[job.type], start, now):
                 index.remove(start.job_id)
         before = [w.signature() for w in self._waits.values()]
-        self._waits = {cast(PlanKey, w.key): w for w in done.waits}
+        self._waits = {w.key: w for w in done.waits}
         if [w.signature() for w in done.waits] != before:
             self._status_dirty = True
 
-    def _lineup(self, keys: list[ClassKey], use: Mapping[str, float]) -> policy.Lineup:
-        """One class as the planner sees it: the queue index's classes of ``keys``
-        (the same but for their owners), with the footprint, estimate and warm server
-        the node knows now, its head the first of them in queue order (fair share)."""
-        key, (seq, head) = self.queue.head(keys, use) or (keys[0], (0, ""))
-        type_name, priority, own_bytes, est_s, own_gpus, ram, pin, owner = key
+    def _lineup(
+        self,
+        sized: SizedKey,
+        owners: Mapping[str, Mapping[Any, ClassKey]],
+        use: Mapping[str, float],
+    ) -> policy.SizedLineup:
+        """One lineup as the planner sees it: the queue index's classes of ``sized``
+        (the same but for their owners and their jobs' own footprints), with the
+        footprint, estimate and warm server the node knows now."""
+        type_name, priority, est_s, own_gpus, ram, pin = sized
         jobtype = self.registry.types[type_name]
         vram = jobtype.lane is Lane.VRAM
+
+        def size(own: int | None) -> int:
+            return self.footprints.of(jobtype, own) if vram else 0
+
+        stamp = (size(None), size(1))  # what a measurement of the type changes
+        shelves = [
+            self.queue.shelves.shelf(sized, owner, use.get(owner, 0.0), size, stamp)
+            for owner in owners
+        ]
         job = policy.QueuedJob(
-            id=head,
+            id="",
             type=type_name,
             lane=jobtype.lane,
-            vram_bytes=self.footprints.of(jobtype, own_bytes) if vram else 0,
+            vram_bytes=0,
             priority=priority,
-            seq=seq,
+            seq=0,
             coresident=jobtype.coresident or jobtype.runtime is not None,
             # the type's measured estimate once it has one, else the class's est_s
             expected_s=self.run_times.expected_s(type_name, est_s),
@@ -568,13 +584,18 @@ class Broker:
             warm=self.warm.has(type_name),
             runtime=self._runtime_of(jobtype),
             model=jobtype.model or "",
-            owner=owner,
-            usage=use.get(owner, 0.0),
             gpus=gpu_count(jobtype, own_gpus),
             ram=effective_need(jobtype, ram),
             gpu=pin,
         )
-        return policy.Lineup(key[:-1], job, self.queue.members(keys, use))
+
+        def size_of(job_id: str) -> int:
+            key = self.queue.index.key_of(job_id)
+            return 0 if key is None else size(key[2])
+
+        return policy.SizedLineup(
+            sized, job, shelves, lambda own: (*sized[:2], own, *sized[2:]), size_of
+        )
 
     def _runtime_of(self, jobtype: JobType) -> str:
         """A runtime type's runtime, by its name here (or the word its type gave,
@@ -583,7 +604,7 @@ class Broker:
             return ""
         return self.runtimes.resolve(jobtype.runtime) or jobtype.runtime
 
-    def _snapshot(self, now: float, lineups: list[policy.Lineup]) -> policy.Snapshot:
+    def _snapshot(self, now: float, lineups: list[policy.SizedLineup]) -> policy.Snapshot:
         # host RAM is read only when some job (or the node's floor) asks for it
         ram = self.attempts.ram_view(
             self.attempts.host_ram.sample(now)
@@ -1002,7 +1023,10 @@ class Broker:
     def wait_reason(self, job_id: str) -> str | None:
         """Why a queued job waits, as the last pass saw it (None: it was not judged)."""
         key = self.queue.index.key_of(job_id)
-        waited = None if key is None else self._waits.get(key[:-1])
+        if key is None:
+            return None
+        # its class as the pass judged it, else its lineup's (a bigger size not looked at)
+        waited = self._waits.get(key[:-1]) or self._waits.get((*key[:2], *key[3:-1]))
         return None if waited is None else waited.wait(job_id).reason
 
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 import gc
 import heapq
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from dataclasses import replace
+from typing import Any, Generic, TypeVar, cast
 
-from gpuwarden.core.policy import Member
+from gpuwarden.core.policy import Member, Shelf
 from gpuwarden.core.profile import est_class
-from gpuwarden.core.queueindex import QueueIndex
+from gpuwarden.core.queueindex import MinTree, QueueIndex
 from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.sources import split_type
 from gpuwarden.core.states import JobState
@@ -63,6 +64,11 @@ ClassKey = tuple[str, int, int | None, float | None, int | None, RamNeed, str, s
 #: of one need the same, whoever owns them, so a pass decides for each such class
 #: once; its owners' jobs are merged in queue order (:meth:`QueueBook.members`)
 PlanKey = tuple[str, int, int | None, float | None, int | None, RamNeed, str]
+#: a lineup of the plan (:class:`gpuwarden.core.policy.SizedLineup`): the plan's
+#: classes but for the job's own footprint (command jobs each give their own), so
+#: a pass over 100,000 of them, each its own size, looks at a few lineups, not at
+#: thousands of classes
+SizedKey = tuple[str, int, float | None, int | None, RamNeed, str]
 
 
 class QueueBook:
@@ -73,6 +79,7 @@ class QueueBook:
         self.registry = registry
         self.clock = clock
         self.index: QueueIndex[ClassKey] = QueueIndex()
+        self.shelves: Shelves[ClassKey] = Shelves(self.index)
         self._cursor = 0
         self._checked_at = float("-inf")
         self._loaded = False
@@ -200,13 +207,20 @@ class QueueBook:
         return owners_members(self.index, keys, use)
 
     def first(
-        self, order: Iterable[PlanKey], limit: int, use: Mapping[str, float]
-    ) -> list[tuple[PlanKey, str]]:
-        """Up to ``limit`` queued jobs, plan class by class in ``order``: ``(class, id)``."""
+        self, order: Iterable[Hashable], limit: int, use: Mapping[str, float]
+    ) -> list[tuple[Hashable, str]]:
+        """Up to ``limit`` queued jobs, plan class by class in ``order``: ``(class, id)``.
+        A sized lineup's key (:data:`SizedKey`) stands for its classes not in ``order``."""
         groups = self.groups()
-        out: list[tuple[PlanKey, str]] = []
+        decided = set(order)
+        out: list[tuple[Hashable, str]] = []
         for key in order:
-            for member in self.members(groups.get(key, []), use):
+            if key in groups:
+                keys = groups[key]
+            else:  # a sized lineup: its classes that no pass looked at
+                plan_keys = self.shelves.plan_keys(cast(SizedKey, key))
+                keys = [k for pk in plan_keys if pk not in decided for k in groups.get(pk, [])]
+            for member in self.members(keys, use):
                 if len(out) >= limit:
                     return out
                 out.append((key, member[1]))
@@ -250,6 +264,78 @@ def owners_members(
         streams = [((seq, job_id, str(k[-1])) for seq, job_id in index.members(k)) for k in tied]
         for seq, job_id, owner in streams[0] if len(streams) == 1 else heapq.merge(*streams):
             yield (seq, job_id, owner, used)
+
+
+class Shelves(Generic[OK]):
+    """The index's classes grouped for sized lineups, kept between passes: for each
+    plan class but for the footprint (the key less its third field, the job's own
+    footprint, and its last, the owner), each owner's classes by footprint, and
+    their :class:`gpuwarden.core.policy.Shelf`, built again only when a class of
+    it changed (or its sizes did)."""
+
+    def __init__(self, index: QueueIndex[OK]) -> None:
+        self.index = index
+        self._groups: dict[Any, dict[str, dict[Any, OK]]] = {}
+        self._built: dict[tuple[Any, str], tuple[Any, Shelf]] = {}
+
+    def groups(self) -> dict[Any, dict[str, dict[Any, OK]]]:
+        """The lineups: sized key -> owner -> own footprint -> the index's class."""
+        for key in self.index.take_touched():
+            sized, owner = key[:2] + key[3:-1], key[-1]
+            classes = self._groups.setdefault(sized, {}).setdefault(owner, {})
+            head = self.index.head(key)
+            if head is not None:
+                if key[2] not in classes:
+                    self._built.pop((sized, owner), None)  # a new size: built again
+                classes[key[2]] = key
+                self._new_head(sized, owner, key[2], head)
+                continue
+            self._built.pop((sized, owner), None)
+            classes.pop(key[2], None)
+            if not classes:
+                del self._groups[sized][owner]
+                if not self._groups[sized]:
+                    del self._groups[sized]
+        return self._groups
+
+    def _new_head(self, sized: Any, owner: str, ident: Any, head: tuple[int, str]) -> None:
+        """A class's head changed (a job came or went): its shelf's leaf follows."""
+        built = self._built.get((sized, owner))
+        if built is not None:
+            shelf = built[1]
+            pos = shelf.pos_of[ident]
+            shelf.heads[pos] = head[1]
+            shelf.tree.set(pos, (head[0], 0, pos))
+
+    def plan_keys(self, sized: Any) -> list[Any]:
+        """The plan classes (the key less its owner) of a sized lineup."""
+        idents = {i for by in self.groups().get(sized, {}).values() for i in by}
+        return [(*sized[:2], i, *sized[2:]) for i in idents]
+
+    def shelf(
+        self, sized: Any, owner: str, usage: float, size: Callable[[Any], int], stamp: Any
+    ) -> Shelf:
+        """One owner's shelf of a sized lineup; ``size`` gives a class's footprint
+        (``stamp`` changes when it does: a measurement raised it)."""
+        groups = self.groups()  # first: what changed in the index
+        built = self._built.get((sized, owner))
+        if built is None or built[0] != stamp:
+            classes = groups[sized][owner]
+            idents = sorted(classes, key=lambda i: (size(i), i is None, i or 0))
+            keys = [classes[i] for i in idents]
+            heads = [self.index.head(k) or (0, "") for k in keys]
+            shelf = Shelf(
+                owner=owner,
+                usage=0.0,
+                sizes=[size(i) for i in idents],
+                idents=list(idents),
+                heads=[h[1] for h in heads],
+                tree=MinTree([(h[0], 0, pos) for pos, h in enumerate(heads)]),
+                pos_of={i: pos for pos, i in enumerate(idents)},
+                members=lambda pos, keys=keys: self.index.members(keys[pos]),  # type: ignore[misc]
+            )
+            built = self._built[(sized, owner)] = (stamp, shelf)
+        return replace(built[1], usage=usage)
 
 
 def settle_memory() -> None:
