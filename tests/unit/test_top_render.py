@@ -250,3 +250,21 @@ def test_cells_are_proportional_and_never_more_than_the_bar() -> None:
     assert all(c >= 1 for c in cells([1, 1, 1, 50], 100, 10))  # each part shows
     assert sum(cells([80, 80], 100, 20)) == 20  # more than the total: scaled down
     assert pack([], 80) == []
+
+
+def test_leases_are_shown_beside_the_jobs() -> None:
+    lease = {
+        "id": "lease-1b8e9fd3",
+        "holder": "user:alice",
+        "gpu": GPU_B,
+        "vram_bytes": 12 * GIB,
+        "state": "running",
+        "until": NOW + 1800,
+    }
+    queued = {"id": "lease-2", "owner": None, "vram_bytes": 4 * GIB, "state": "queued"}
+    text = _text(_snapshot(leases=(lease, queued)), 160)
+    row = next(ln for ln in text.splitlines() if "lease-1b8e9fd3" in ln)
+    assert "user:alice" in row and GPU_B in row and "12.0" in row and "30m00s left" in row
+    waiting = next(ln for ln in text.splitlines() if "lease-2" in ln)
+    assert "local" in waiting and "queued" in waiting and "4.0" in waiting
+    assert "holder" in text and "holder" not in _text(_snapshot(), 160)  # no leases: no table

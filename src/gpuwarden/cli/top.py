@@ -27,6 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.live import Live
 
+from gpuwarden.api.leasedesk import LeaseDesk
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
@@ -43,7 +44,7 @@ from gpuwarden.cli.topview import (
     TopSnapshot,
     render,
 )
-from gpuwarden.client import Client, RateLimited
+from gpuwarden.client import ApiError, Client, RateLimited
 from gpuwarden.cluster import report
 from gpuwarden.config import Config
 from gpuwarden.core.model import Job
@@ -187,7 +188,11 @@ class _LocalSource:
             self._store, where, now, offline_after_s=config.cluster.offline_after_s
         )
         reasons = self._reasons.of(snap.unexplained())
-        return dataclasses.replace(snap, expected_s=self._estimates, reasons=reasons)
+        if self._registry is None:
+            self._registry = Registry.load(self._config.module_paths, self._config.launch_rules)
+        desk = LeaseDesk(self._store, self._registry, self._config)
+        leases = tuple(desk.info(j) for j in desk.listed())
+        return dataclasses.replace(snap, expected_s=self._estimates, reasons=reasons, leases=leases)
 
     def _explain(self, job_id: str) -> list[str]:
         """``gpuwarden explain JOB``'s lines (the config's module paths and rules)."""
@@ -249,8 +254,12 @@ def snapshot_http(client: Client, now: float) -> TopSnapshot:
     queued.sort(key=lambda j: (order.get(j.id, len(order)), j.submitted_at))
     failed = tuple(_dict_row(r) for r in client.list(states=["failed"], limit=4 * FAILED_ROWS))
     cluster = data.get("cluster")
+    leases: list[dict[str, Any]] = []
+    with contextlib.suppress(ApiError):  # a token that may not list them
+        leases = list(client.leases())
     return TopSnapshot(
         where=client.url,
+        leases=tuple(leases),
         now=now,
         nodes=nodes,
         counts={str(k): int(v) for k, v in data.get("jobs", {}).items()},

@@ -100,6 +100,8 @@ class TopSnapshot:
     #: per job type, its run-time estimate in seconds (for the running jobs that hold
     #: no VRAM, whose expected end no holding publishes); empty where not known
     expected_s: dict[str, float] = field(default_factory=dict)
+    #: the queued and granted VRAM leases, as ``GET /v1/leases`` gives them
+    leases: tuple[dict[str, Any], ...] = ()
     #: no store in ``where`` yet (no broker has ever run there)
     no_state: bool = False
     #: why this frame could not be read (the API did not answer), or ""
@@ -465,6 +467,25 @@ def _grace(state: str, keep_warm: bool, v: Any, now: float) -> str:
     return span(left) if left > 0 else "over: evicted when idle or VRAM is needed"
 
 
+def leases_table(snap: TopSnapshot) -> Table | None:
+    """The VRAM leases beside the jobs: who holds room where, how much, until when."""
+    if not snap.leases:
+        return None
+    t = _table("lease", "holder", "gpu", "GiB", "state", "until")
+    for x in snap.leases:
+        until = x.get("until")
+        left = f"{span(float(until) - snap.now)} left" if until else "-"
+        t.add_row(
+            clean(x.get("id")),
+            clean(x.get("holder") or x.get("owner") or "local"),
+            clean(x.get("gpu") or x.get("pinned_gpu") or "-"),
+            gib(int(x.get("vram_bytes") or 0)),
+            clean(x.get("state")),
+            left,
+        )
+    return t
+
+
 def failures_table(snap: TopSnapshot) -> Table | None:
     if not snap.failures:
         return None
@@ -552,7 +573,13 @@ def render(snap: TopSnapshot, width: int, *, footer: str = "") -> RenderableType
     if snap.cluster is not None and not snap.cluster:
         parts.append(Text("no node is enrolled with this coordinator", style="yellow"))
     parts += [Text(""), running_table(snap, live, width)]
-    for table in (queued_table(snap), warm_table(live, snap.now, width), failures_table(snap)):
+    tables = (
+        leases_table(snap),
+        queued_table(snap),
+        warm_table(live, snap.now, width),
+        failures_table(snap),
+    )
+    for table in tables:
         if table is not None:
             parts += [Text(""), table]
     if footer:
