@@ -3,6 +3,8 @@ name, the command's checks, who may run one, human units, ``--array``."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,27 @@ def test_what_a_command_measured_sizes_the_next_run_of_its_name(tmp_path: Path) 
         assert times.times("command:train[timeout=60]") == [50.0, 30.0]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize(
+    ("words", "said"),
+    [
+        (["--queue", "/tmp/q"], "--queue is not taken by a command job"),
+        (["--want", "out.txt"], "--want is not taken by a command job on the host"),
+        (["--constraint", "node=a"], "--constraint is not taken by a command job"),
+        (["--epochs", "3"], "unexpected '--epochs' before --"),
+        (["--array", "0-3%0"], "after % give how many may run at once"),
+        (["--vram", "10X"], "--vram 10X: write it as a number with G or M"),
+        (["--env", "CUDA_VISIBLE_DEVICES=0"], "a command may not set it"),
+    ],
+)
+def test_submit_says_what_a_command_job_does_not_take(
+    words: list[str], said: str, tmp_path: Path
+) -> None:
+    """Said at once, before anything is asked of a broker (none runs here)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwarden", "--state-dir", str(tmp_path / "none"), "submit",
+         *words, "--", "true"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and said in " ".join(done.stderr.split()), done.stderr

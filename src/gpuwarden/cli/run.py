@@ -140,6 +140,10 @@ def command_request(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]
         }
     except ValueError as exc:
         raise ValidationError(str(exc)) from None
+    try:  # said here, before the broker is asked (it checks again)
+        command.check_command(argv, body["env"], body["cwd"], sandboxed=False)
+    except ValueError as exc:
+        raise ValidationError(str(exc)) from None
     if body["vram_bytes"] is None and getattr(args, "vram_gib", None) is not None:
         body["vram_bytes"] = int(args.vram_gib * (1 << 30))
     if body["est_s"] is None and getattr(args, "est_s", None) is not None:
@@ -437,6 +441,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def submit_command(args: argparse.Namespace) -> int:
     """``gpuwarden submit [options] -- CMD``: queue it, print the ids."""
     body = command_request(args, _argv(args))
+    _refuse_typed_only(args, remote=bool(getattr(args, "url", None)))
     link = _link(args)
     try:
         ids = next(link.request(body))["ids"]
@@ -452,6 +457,36 @@ def submit_command(args: argparse.Namespace) -> int:
         return status
     finally:
         link.close()
+
+
+#: ``submit``'s options a command job does not take: (option, attribute, over HTTP too)
+TYPED_ONLY = (
+    ("--queue", "queue", True),
+    ("--input", "inputs", True),
+    ("-p / --NAME VALUE", "kv", True),
+    ("--constraint", "constraints", True),
+    ("--service", "service", True),
+    ("--source-repo", "source_repo", True),
+    ("--want", "outputs", False),
+    ("--results-dir", "results_dir", False),
+)
+
+
+def _refuse_typed_only(args: argparse.Namespace, *, remote: bool) -> None:
+    """A typed job's option given with a command: said, not silently dropped (a
+    host command has no output folder: its files land where it writes them)."""
+    if getattr(args, "extra", None):
+        raise ValidationError(
+            f"unexpected {args.extra[0]!r} before --: `gpuwarden submit --help` lists a "
+            "command job's options; the command's own go after --"
+        )
+    for option, key, everywhere in TYPED_ONLY:
+        if getattr(args, key, None) and (everywhere or not remote):
+            where = "" if everywhere else " on the host (its files land where it writes them)"
+            raise ValidationError(
+                f"{option} is not taken by a command job{where}; give it to a typed job "
+                "(gpuwarden submit TYPE ...), or leave it out"
+            )
 
 
 def _fetch_outputs(client: Client, job_id: str, dest: Path) -> None:

@@ -516,6 +516,11 @@ def copy_outputs(src: Path, dest: Path) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     if getattr(args, "command_argv", None) is not None:
+        if args.extra:  # --NAME VALUE before --: VALUE was read as the type
+            raise ValidationError(
+                f"unexpected {args.extra[0]!r} before --: `gpuwarden submit --help` lists a "
+                "command job's options; the command's own go after --"
+            )
         if args.type is not None:
             raise ValidationError(f"give a job type ({args.type}) or a command after --, not both")
         return submit_command(args)
