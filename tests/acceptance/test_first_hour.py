@@ -174,8 +174,8 @@ def test_types_without_a_config_marks_what_it_refuses_and_why() -> None:
     assert doc["container_runtime"] == "local" and doc["container_runtime_auto"] is None
     assert doc["unsandboxed"] is None and doc["passed_over"] == []
     types = by_type(doc)
-    assert set(SHIPPED) == set(types)
-    assert {n for n, t in types.items() if t["runs_here"]} == {"echo.echo"}  # the key stays
+    assert set(SHIPPED) | {"lease"} == set(types)  # lease: the built-in type of VRAM leases
+    assert {n for n, t in types.items() if t["runs_here"]} == {"echo.echo", "lease"}
     llm = types["burn.llm"]
     assert llm["refused"].startswith("burn.llm is a container type and container_runtime is")
     assert llm["runs_as"] == "refused" and llm["vram_bytes"] == 14 * 2**30
@@ -236,7 +236,7 @@ def test_auto_without_bubblewrap_runs_unsandboxed_only_where_the_config_allows(
 
     # sandboxed.toml does not: what needs a sandbox is refused, with what auto found
     strict = by_type(types_json(SANDBOXED, PATH=path))
-    assert {n for n, t in strict.items() if t["runs_here"]} == {"echo.echo"}
+    assert {n for n, t in strict.items() if t["runs_here"]} == {"echo.echo", "lease"}
     assert strict["burn.llm"]["refused"] == (
         'burn.llm is a container type and container_runtime = "auto" found no sandbox '
         f"here: {missing}. Or set allow_unsandboxed_containers = true to run it as a plain "

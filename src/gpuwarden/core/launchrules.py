@@ -188,6 +188,8 @@ class LaunchRules:
         when it runs sandboxed, is refused, or nothing on the node is sandboxed."""
         if self.refusal(jobtype) is not None:
             return None
+        if is_lease(jobtype.name) or is_command_type(jobtype.name):
+            return None  # a lease's holder runs no job code; a host command runs as its user
         if self.runtime is Runtime.LOCAL and jobtype.launch is not LaunchMode.HOST:
             if self.auto:
                 return (
