@@ -106,6 +106,39 @@ def addressable(path: Path) -> Iterator[str]:
         os.close(fd)
 
 
+def connect(path: Path) -> socket.socket:
+    """A connection to the local socket at ``path`` (the client's side)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with addressable(path) as address:
+            sock.connect(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listening(path: Path) -> bool:
+    """True when a broker answers at ``path``."""
+    try:
+        with connect(path):
+            return True
+    except OSError:
+        return False
+
+
+def ask(path: Path, body: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The answers to one request, one message at a time (the client's side); an
+    error message raises :class:`UserError` with its words."""
+    with connect(path) as sock, sock.makefile("rb") as answers:
+        sock.sendall(json.dumps(body).encode() + b"\n")
+        for line in answers:
+            message = json.loads(line)
+            if "error" in message:
+                raise UserError(str(message["error"]))
+            yield message
+
+
 def local_user(uid: int, gid: int) -> LocalUser:
     """The user the kernel named, with their names from the user database (a uid
     with no entry keeps its number as its name, and only its primary group)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ipaddress
-import json
 import os
 import signal
 import socket
@@ -272,21 +271,11 @@ class _Socket:
 
     @staticmethod
     def listening(path: Any) -> bool:
-        try:
-            with _connect(path):
-                return True
-        except OSError:
-            return False
+        return localsock.listening(path)
 
     def request(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The answers to ``body``, one message at a time; an error message raises."""
-        with _connect(self.path) as sock, sock.makefile("rb") as answers:
-            sock.sendall(json.dumps(body).encode() + b"\n")
-            for line in answers:
-                message = json.loads(line)
-                if "error" in message:
-                    raise UserError(str(message["error"]))
-                yield message
+        yield from localsock.ask(self.path, body)
         raise UserError(f"the broker at {self.path} stopped answering")
 
     def one(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -331,17 +320,6 @@ class _Socket:
 
     def listed(self) -> list[Info]:
         return list(self.one({"op": "lease-list"})["leases"])
-
-
-def _connect(path: Any) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        with localsock.addressable(path) as address:
-            sock.connect(address)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class _Http:

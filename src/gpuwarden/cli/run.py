@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import os
 import queue
 import re
-import socket
 import sys
 import threading
 import time
@@ -221,25 +219,8 @@ class Link:
         self.path = localsock.socket_path(self.config)
         self.session: localsock.LocalSession | None = None
         self.user = localsock.local_user(os.getuid(), os.getgid())
-        if not self._listening():
+        if not localsock.listening(self.path):
             self.session = self._here()
-
-    def _listening(self) -> bool:
-        try:
-            with self._connect():
-                return True
-        except OSError:
-            return False
-
-    def _connect(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            with localsock.addressable(self.path) as address:
-                sock.connect(address)
-        except OSError:
-            sock.close()
-            raise
-        return sock
 
     def _here(self) -> localsock.LocalSession:
         try:
@@ -265,13 +246,7 @@ class Link:
         if self.session is not None:
             yield from self._in_process(body)
             return
-        with self._connect() as sock, sock.makefile("rb") as answers:
-            sock.sendall(json.dumps(body).encode() + b"\n")
-            for line in answers:
-                message = json.loads(line)
-                if "error" in message:
-                    raise UserError(str(message["error"]))
-                yield message
+        yield from localsock.ask(self.path, body)
 
     def _in_process(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         session = self.session
