@@ -3,6 +3,8 @@ same contract suite: SQLite in a temporary file, PostgreSQL in a fresh schema.""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -28,6 +30,17 @@ STORE_BACKENDS = ["sqlite", "postgres"]
 PG_URL = os.environ.get("GPUWARDEN_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 #: set by .ci/run: PostgreSQL runs there, so its tests must run
 REQUIRE_POSTGRES = os.environ.get("GPUWARDEN_REQUIRE_POSTGRES") == "1"
+
+
+UNIT = REPO / "tests" / "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test under tests/unit that is not slow ``fast``: ``pytest -m fast``
+    is the inner loop (pure and in-process tests)."""
+    for item in items:
+        if item.path.is_relative_to(UNIT) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(autouse=True)
@@ -134,37 +147,55 @@ BASE_IMAGE = "localhost/gpuwarden-test-base:latest"
 SANDBOX_TAG = "localhost/gpuwarden-sandbox:test"
 
 
+@contextlib.contextmanager
+def one_worker_at_a_time(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[None]:
+    """Hold a lock shared by every xdist worker of this run (a file in the folder
+    above the workers' own temporary folders): a session fixture that builds one
+    machine-wide thing, such as an image tag, builds it once at a time."""
+    lock = tmp_path_factory.getbasetemp().parent / f"{name}.lock"
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
-def podman_base_image() -> str:
+def podman_base_image(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A base image with python3, made without a registry (images/base-rootfs.sh:
     debootstrap, cached under ~/.cache/gpuwarden after the first run)."""
     need_tool("podman")
     need_tool("debootstrap")
-    done = subprocess.run(
-        [str(REPO / "images" / "base-rootfs.sh"), "--runtime", "podman", BASE_IMAGE],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
+    with one_worker_at_a_time(tmp_path_factory, "podman-base-image"):
+        done = subprocess.run(
+            [str(REPO / "images" / "base-rootfs.sh"), "--runtime", "podman", BASE_IMAGE],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     return BASE_IMAGE
 
 
 @pytest.fixture(scope="session")
-def podman_image(podman_base_image: str) -> str:
+def podman_image(podman_base_image: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     """The sandbox image with the echo and probe modules, built by images/build.sh
-    as an operator would, pinned by the id it prints."""
-    done = subprocess.run(
-        [
-            *(str(REPO / "images" / "build.sh"), "--runtime", "podman", "--only", "echo,probe"),
-            *("--base", podman_base_image, "--tag", SANDBOX_TAG, "--pin"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
+    as an operator would, pinned by the id it prints (each xdist worker builds it,
+    one at a time; the second build is podman's cache)."""
+    with one_worker_at_a_time(tmp_path_factory, "podman-sandbox-image"):
+        done = subprocess.run(
+            [
+                *(str(REPO / "images" / "build.sh"), "--runtime", "podman"),
+                *("--only", "echo,probe", "--base", podman_base_image),
+                *("--tag", SANDBOX_TAG, "--pin"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     pins = [ln for ln in done.stdout.splitlines() if ln.startswith("sandbox_image = ")]
     assert len(pins) == 1, done.stdout

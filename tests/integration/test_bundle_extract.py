@@ -326,7 +326,8 @@ def test_zip_bigger_than_limit(layout: dict[str, Path], refuse: Callable[..., Bu
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        (f"/tmp/gw-evil-{uuid.uuid4().hex}", r"absolute path"),
+        # a fresh name each run; its id is fixed (every xdist worker collects the same)
+        pytest.param(f"/tmp/gw-evil-{uuid.uuid4().hex}", r"absolute path", id="tmp-absolute"),
         ("/inputs/a.txt", r"absolute path"),
         ("C:\\evil.txt", r"absolute path"),
         ("C:evil.txt", r"absolute path"),

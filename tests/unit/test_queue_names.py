@@ -30,6 +30,8 @@ TAGS = [
     unique_tag("duplicate", NOW) + "-input",
     unique_tag("result", NOW),
 ]
+#: their test ids, the same in every xdist worker (a unique tag's random part is not)
+TAG_IDS = ["input", "reason", "duplicate", "duplicate-input", "result"]
 
 
 def fs_name(raw: bytes) -> str:
@@ -42,7 +44,7 @@ def bundle_of_length(n: int, fill: bytes = b"a") -> str:
 
 
 @pytest.mark.parametrize("length", [5, 200, 206, 207, 250, 251, 252, 253, 254, 255])
-@pytest.mark.parametrize("tag", TAGS)
+@pytest.mark.parametrize("tag", TAGS, ids=TAG_IDS)
 def test_a_name_of_any_length_gives_names_that_fit(length: int, tag: str) -> None:
     bundle = bundle_of_length(length)
     assert len(os.fsencode(bundle)) == length  # the name is as long as it says
