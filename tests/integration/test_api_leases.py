@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -224,18 +225,28 @@ def test_the_client_asks_renews_and_ends_a_lease(served: Served) -> None:
 
 def test_metrics_and_status_show_a_granted_lease(served: Served, tmp_path: Path) -> None:
     s = served
-    [gpu0, _] = s.gpus()
+    [gpu0, gpu1] = s.gpus()
     lease = s.ask("alice", vram_bytes=3 * GIB, gpu=gpu0, ttl_s=30).json()
     assert lease["granted"], lease
 
     def scraped() -> str:
         text: str = s.http.get("/metrics", headers=s.h("op")).text
-        return text if 'state="granted"} 1.0' in text else ""
+        granted = re.search(
+            r'^gpuwarden_vram_leases\{node="[^"]+",state="granted"\} 1.0$', text, re.M
+        )
+        return text if granted else ""
 
     text = until(scraped, "the granted lease counted in /metrics")
-    series = f'gpuwarden_lease_vram_bytes{{gpu="{gpu0}",lease="{lease["id"]}"}} '
-    [value] = [ln.removeprefix(series) for ln in text.splitlines() if ln.startswith(series)]
-    assert float(value) == 3 * GIB, text
+    held = {
+        m["gpu"]: float(m["v"])
+        for m in re.finditer(
+            r'^gpuwarden_vram_lease_held_bytes\{gpu="(?P<gpu>[^"]+)",node="[^"]+"\} (?P<v>\S+)$',
+            text,
+            re.M,
+        )
+    }
+    assert held == {gpu0: 3 * GIB, gpu1: 0.0}, text  # per GPU, no lease id in a label
+    assert lease["id"] not in text
     # `status` (text and --json) lists it, read from the state directory
     cfg = tmp_path / "status.toml"
     cfg.write_text(f'state_dir = "{s.config.state_dir}"\ngpu = "sim"\nmodule_paths = []\n')
@@ -256,3 +267,4 @@ def test_metrics_and_status_show_a_granted_lease(served: Served, tmp_path: Path)
     )
     line = next(ln for ln in r.stdout.splitlines() if lease["id"] in ln and "until" in ln)
     assert gpu0 in line and "3.0 GiB" in line and "running" in line and "until " in line, r.stdout
+    assert f"leases: 1 (1 granted, 0 waiting); held: {gpu0} 3.0 GiB" in r.stdout, r.stdout

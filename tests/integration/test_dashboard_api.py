@@ -19,6 +19,7 @@ from gpuwarden.core.ledger import Holding
 from gpuwarden.core.model import GIB, JobSpec
 from gpuwarden.core.policy import GpuView
 from gpuwarden.core.states import JobState
+from gpuwarden.node import leases
 from gpuwarden.store.base import AttemptSpan, NodeStatus, Store, Submission
 from tests.integration.test_api import Api, build, make_client
 
@@ -432,6 +433,43 @@ def test_warm_servers_show_the_grace_left(api: Api) -> None:
     idle, pinned = client.get("/v1/dashboard/overview").json()["nodes"][0]["warm"]
     assert idle["grace_left_s"] == 200.0 and idle["idle_grace_s"] == 300.0
     assert pinned["grace_left_s"] is None
+
+
+def test_overview_shows_vram_leases_beside_the_jobs(api: Api) -> None:
+    api.clock.t = time.time()
+    asked = {}
+    for who, size, pin in (("submitter", 3, "GPU-sim-a"), ("submitter2", 5, None)):
+        body = {"vram_bytes": size * GIB, "ttl_s": 30, "gpu": pin, "holder": f"{who}'s app"}
+        r = api.client.post("/v1/leases", json=body, headers=api.h(who))
+        assert r.status_code == 201, r.text
+        asked[who] = r.json()["id"]
+    mine, theirs = asked["submitter"], asked["submitter2"]
+    api.store.start_attempt(mine, node="n1", gpu_uuid="GPU-sim-a", now=api.clock.t - 10)
+    leases.grant(leases.attempt_dir_of(api.config.state_dir, mine, 1), 30.0, api.clock.t - 10)
+    held = (Holding(holder=f"{mine}/1", type="lease", bytes=3 * GIB, job_id=mine),)
+    publish(api, gpus=[gpu("GPU-sim-a", held)], waiting={theirs: "needs 5.0 GiB on one GPU"})
+
+    owner, _ = signed_in(api, "owner")
+    doc = owner.get("/v1/dashboard/overview").json()["leases"]
+    rows = {x["id"]: x for x in doc["rows"]}
+    assert set(rows) == {mine, theirs}
+    granted, waiting = rows[mine], rows[theirs]
+    assert (granted["state"], granted["gpu"], granted["vram_bytes"]) == (
+        "granted", "GPU-sim-a", 3 * GIB
+    )  # fmt: skip
+    assert granted["holder"] == "submitter's app" and granted["owner"] == "submitter"
+    assert 15.0 <= granted["ttl_left_s"] <= 20.0  # granted 10 s ago with a ttl of 30 s
+    assert granted["ttl_s"] == 30.0 and granted["pinned"]
+    assert granted["reason"] is None
+    assert (waiting["state"], waiting["gpu"], waiting["ttl_left_s"]) == ("waiting", None, None)
+    assert waiting["owner"] == "submitter2" and waiting["reason"] == "needs 5.0 GiB on one GPU"
+    assert doc["totals"] == {"granted": 1, "waiting": 1, "held_bytes": {"GPU-sim-a": 3 * GIB}}
+    assert owner.get("/v1/session").json()["can"]["lease.end"]
+
+    sub, _ = signed_in(api, "submitter")
+    doc = sub.get("/v1/dashboard/overview").json()["leases"]
+    assert [x["id"] for x in doc["rows"]] == [mine]
+    assert doc["totals"]["waiting"] == 0 and theirs not in str(doc)
 
 
 def test_in_a_cluster_the_overview_lists_the_nodes_and_an_operator_drains_one(api: Api) -> None:

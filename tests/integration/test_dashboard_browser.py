@@ -32,7 +32,7 @@ from gpuwarden.api.session import SESSION_COOKIE
 from gpuwarden.app import Node, open_node, open_store
 from gpuwarden.cli.httpserver import ApiThread
 from gpuwarden.config import Config
-from gpuwarden.core.model import Role
+from gpuwarden.core.model import GIB, Role
 from gpuwarden.store.base import Store
 from tests.conftest import MODULES
 
@@ -375,6 +375,29 @@ def test_cancel_a_job_from_the_page_and_see_it_end(driver: Any, served: Served) 
         "its row to leave the running list",
         lambda: not by_css(driver, f'li.job-running[data-job="{job_id}"]'),
     )
+
+
+def test_a_vram_lease_shows_in_its_own_section_and_ends_from_the_page(
+    driver: Any, served: Served
+) -> None:
+    sign_in(driver, served, "owner")
+    body = {"vram_bytes": 2 * GIB, "ttl_s": 60, "holder": "alice's notebook"}
+    with served.http("alice") as client:
+        r = client.post("/v1/leases", params={"wait": 20}, json=body, timeout=40)
+    assert r.status_code == 201 and r.json()["granted"], r.text
+    lease = r.json()
+    row = wait_for(
+        "the lease's row", lambda: by_css(driver, f'li.lease-granted[data-lease="{lease["id"]}"]')
+    )
+    text = row[0].text
+    assert lease["gpu"] in text and "2.0 GiB" in text, text
+    assert "alice's notebook (alice)" in text and "ttl runs out in" in text, text
+    assert "1 granted" in by_css(driver, "#leases-count")[0].text
+    button = f'button[data-action="end:{lease["id"]}"]'
+    assert click(driver, button) == "confirm end"
+    click(driver, button)
+    wait_for("the lease to end", lambda: served.job(lease["id"])["state"] == "done", 20)
+    wait_for("its row to go", lambda: not by_css(driver, f'li[data-lease="{lease["id"]}"]'))
 
 
 def test_screenshots_at_1600_and_390_px_without_horizontal_overflow(

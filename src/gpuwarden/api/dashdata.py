@@ -4,8 +4,9 @@ node's broker last published (``routers/dashboard.py`` serves them).
 :func:`overview` is read on every refresh of the page: the nodes' GPUs with their
 ledger holdings, degraded and fault reasons, warm servers, queued jobs with their
 published wait reasons, running jobs with their progress in time, recent
-failures, and in a cluster the enrolled nodes. :class:`Stats` is the heavier part
-(queue waits, GPU-hours by owner, footprints), computed at most once a minute.
+failures, the VRAM leases, and in a cluster the enrolled nodes. :class:`Stats` is
+the heavier part (queue waits, GPU-hours by owner, footprints), computed at most
+once a minute.
 
 A submitter sees only its own jobs: job ids of others are hidden in the nodes'
 documents (``api/redact.py``), and lists of jobs hold only its own.
@@ -23,6 +24,7 @@ from typing import Any
 
 from gpuwarden.api.auth import Principal, Scope, allowed
 from gpuwarden.api.context import ApiContext
+from gpuwarden.api.leasedesk import LeaseDesk, tally
 from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster.report import node_json
 from gpuwarden.core.model import Job, Lane
@@ -308,6 +310,49 @@ def _published(nodes: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, d
     return reasons, running
 
 
+def owner_name(ctx: ApiContext, owner: str | None) -> str:
+    """Who a job's ``owner`` is, as a person reads it: a token's name, a local
+    user (``user:NAME``), or the CLI and bundles on the host (None)."""
+    if owner is None:
+        return LOCAL_OWNER
+    token = None if owner.startswith("user:") else ctx.store.get_token(owner)
+    return token.name if token is not None else owner
+
+
+def _leases(
+    ctx: ApiContext, who: Principal, scope: Scope, reasons: dict[str, str], now: float
+) -> dict[str, Any]:
+    """The VRAM leases beside the jobs (SPEC.md, "VRAM leases"), read as ``top``,
+    ``status`` and ``GET /v1/leases`` read them (:class:`LeaseDesk`): a submitter's
+    own. Each with who holds it, where, how much, whether it is granted, and the
+    time left before its ttl runs out unrenewed; then their tally."""
+    desk = LeaseDesk(ctx.store, ctx.registry, ctx.config)
+    infos = [desk.info(j) for j in desk.listed(who.token_id, every_owner=scope is not Scope.OWN)]
+    rows = []
+    for x in infos:
+        until = _num(x.get("until"))
+        rows.append(
+            {
+                "id": x["id"],
+                "holder": x.get("holder") or "",
+                "owner": owner_name(ctx, x.get("owner")),
+                "gpu": x.get("gpu") or x.get("pinned_gpu"),
+                "pinned": x.get("pinned_gpu") is not None,
+                "vram_bytes": x.get("vram_bytes"),
+                "state": "granted" if x.get("granted") else "waiting",
+                "ttl_s": x.get("ttl_s"),
+                "until": until,
+                "ttl_left_s": None if until is None else round(max(0.0, until - now), 1),
+                "granted_at": x.get("granted_at"),
+                "waited_s": round(max(0.0, now - float(x["submitted_at"])), 1),
+                "reason": None if x.get("granted") else reasons.get(x["id"]),
+            }
+        )
+    got = tally(infos)
+    totals = {"granted": got.granted, "waiting": got.waiting, "held_bytes": got.held_bytes}
+    return {"rows": rows, "totals": totals}
+
+
 def _cluster(ctx: ApiContext, who: Principal, now: float) -> list[dict[str, Any]] | None:
     store = ctx.store
     if allowed(who.role, "node.list") is None or not isinstance(store, ClusterStore):
@@ -338,6 +383,7 @@ def overview(ctx: ApiContext, who: Principal, scope: Scope) -> dict[str, Any]:
         "queued": _queued(ctx, who, scope, reasons, now),
         "running": _running(ctx, who, scope, running, now),
         "failures": _failures(ctx, who, scope),
+        "leases": _leases(ctx, who, scope, reasons, now),
         "cluster": _cluster(ctx, who, now),
         "counts": {k.value: v for k, v in ctx.store.count_by_state().items()},
     }
@@ -437,8 +483,7 @@ class Stats:
 
         def name(owner: str | None) -> str:
             if owner not in names:
-                token = ctx.store.get_token(owner) if owner else None
-                names[owner] = LOCAL_OWNER if owner is None else token.name if token else owner
+                names[owner] = owner_name(ctx, owner)
             return names[owner]
 
         hours: dict[str, list[dict[str, Any]]] = {}

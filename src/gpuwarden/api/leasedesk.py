@@ -14,6 +14,8 @@ so it runs on the node's host, as the broker's user.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store, Submission
 
-__all__ = ["LIVE", "LeaseDesk", "pid_owner"]
+__all__ = ["LIVE", "LeaseDesk", "LeaseTally", "pid_owner", "tally"]
 
 #: the states of a lease that is asked for or held
 LIVE = frozenset({JobState.QUEUED, JobState.RUNNING})
@@ -47,6 +49,30 @@ def pid_owner(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+@dataclass(slots=True)
+class LeaseTally:
+    """The leases as ``status`` and the dashboard sum them up: how many are granted
+    and waiting, and what the granted ones hold on each GPU (bytes, by UUID)."""
+
+    granted: int = 0
+    waiting: int = 0
+    held_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def tally(infos: Iterable[Mapping[str, Any]]) -> LeaseTally:
+    """Sum up leases as :meth:`LeaseDesk.info` (``GET /v1/leases``) gives them."""
+    out = LeaseTally()
+    for x in infos:
+        if not x.get("granted"):
+            out.waiting += 1
+            continue
+        out.granted += 1
+        gpu = str(x.get("gpu") or "-")
+        size = x.get("vram_bytes")
+        out.held_bytes[gpu] = out.held_bytes.get(gpu, 0) + (size if isinstance(size, int) else 0)
+    return out
 
 
 class LeaseDesk:

@@ -36,6 +36,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from gpuwarden.cluster.nodeview import heard_s_ago
 from gpuwarden.core.lease import LEASE_TYPE, is_lease
+from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import MIB, Lane
 from gpuwarden.node.stats import Histogram, StatsSnapshot
 from gpuwarden.node.status import BrokerStatus
@@ -69,6 +70,8 @@ class GpuRow:
     fault: bool = False
     #: what each managed runtime holds here, by its name
     runtimes: tuple[tuple[str, int], ...] = ()
+    #: what granted VRAM leases hold here (their running holdings on the ledger)
+    lease_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -117,6 +120,7 @@ def from_status(row: NodeStatus, now: float) -> NodeSource:
                 degraded=bool(v and v.degraded) and g.uuid not in faults,
                 fault=g.uuid in faults,
                 runtimes=v.runtimes if v else (),
+                lease_bytes=lease_held_bytes(v.holdings) if v else 0,
             )
         )
     source = NodeSource(
@@ -131,6 +135,12 @@ def from_status(row: NodeStatus, now: float) -> NodeSource:
     for w in st.warm:
         source.warm[(w.type, w.state)] = source.warm.get((w.type, w.state), 0) + 1
     return source
+
+
+def lease_held_bytes(holdings: Iterable[Holding]) -> int:
+    """What granted VRAM leases hold among a GPU's ledger holdings (one that ended
+    and waits for the reclaim gate is no longer held by its lease)."""
+    return sum(h.bytes for h in holdings if is_lease(h.type) and h.state is HoldState.RUNNING)
 
 
 def from_record(record: NodeRecord, now: float, leases: int) -> NodeSource:
@@ -230,7 +240,7 @@ class GpuwardenCollector:
         yield from queue_families(nodes, self.registry, queued)
         yield from attempt_families(nodes)
         yield from footprint_families(self.store, self.registry)
-        yield from lease_families(nodes, self.store)
+        yield from lease_families(nodes)
         yield from warm_families(nodes)
         yield from runtime_families(nodes)
         yield from node_families(nodes)
@@ -404,21 +414,21 @@ def footprint_families(store: Store, registry: Registry) -> Iterator[Metric]:
     yield measured
 
 
-def lease_families(nodes: Sequence[NodeSource], store: Store) -> Iterator[Metric]:
-    """VRAM leases (SPEC.md, "VRAM leases"): how many per node and state (queued,
-    granted), and each granted lease's size on its GPU."""
-    count = _gauge("gpuwarden_leases", "VRAM leases, by state.", ["node", "state"])
+def lease_families(nodes: Sequence[NodeSource]) -> Iterator[Metric]:
+    """VRAM leases (SPEC.md, "VRAM leases"), from what each node published: how
+    many per node and state (``queued``: waiting for admission, ``granted``: held),
+    and what the granted ones hold on each GPU. No lease id: a series per lease
+    would be a series per job."""
+    count = _gauge("gpuwarden_vram_leases", "VRAM leases, by state.", ["node", "state"])
     for n in nodes:
         count.add_metric([n.node, "queued"], float(n.stats.queued.get(LEASE_TYPE, 0)))
         count.add_metric([n.node, "granted"], float(n.running.get(LEASE_TYPE, 0)))
     yield count
-    size = _gauge("gpuwarden_lease_vram_bytes", "A granted VRAM lease's size.", ["lease", "gpu"])
-    for job in store.running_jobs():
-        if is_lease(job.type):
-            attempts = store.attempts(job.id)
-            gpu = (attempts[-1].gpu_uuid if attempts else None) or ""
-            size.add_metric([job.id, gpu], float(job.vram_bytes or 0))
-    yield size
+    held = _gauge("gpuwarden_vram_lease_held_bytes", "VRAM the granted leases hold on a GPU.", GPU)
+    for n in nodes:
+        for g in n.gpus:
+            held.add_metric([n.node, g.uuid], float(g.lease_bytes))
+    yield held
 
 
 def warm_families(nodes: Sequence[NodeSource]) -> Iterator[Metric]:

@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -259,6 +259,28 @@ def local_actor() -> Principal:
     except (KeyError, OSError):
         user = f"uid {os.getuid()}"
     return local_principal(user)
+
+
+@contextlib.contextmanager
+def audited(store: Store, action: str, target: str) -> Iterator[dict[str, Any]]:
+    """Write the audit row of a change made on the local store, as the API writes a
+    request's (SPEC.md section 15, "Audit log"): the actor is this host's user
+    (:func:`local_actor`, role ``local``). The block fills in the detail it yields;
+    the row says ``ok``, or ``refused: WHY`` when the block raises a
+    :class:`GpuwardenError` (raised on). A refusal's row that cannot be written (the
+    store is down) is left out: the refusal is what the user is told."""
+    detail: dict[str, Any] = {}
+    actor = local_actor()
+    try:
+        yield detail
+    except GpuwardenError as exc:
+        row = actor.audit(
+            action, now=time.time(), target=target, outcome=f"refused: {exc}", detail=detail
+        )
+        with contextlib.suppress(GpuwardenError):
+            store.add_audit(row)
+        raise
+    store.add_audit(actor.audit(action, now=time.time(), target=target, detail=detail))
 
 
 def remote(args: argparse.Namespace) -> Client | None:

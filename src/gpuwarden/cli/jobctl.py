@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpuwarden.cli.common import Commands, add_remote_options, existing_store, local_or_http, out
+from gpuwarden.cli.common import (
+    Commands,
+    add_remote_options,
+    audited,
+    existing_store,
+    local_or_http,
+    out,
+)
 from gpuwarden.core import jobcontrol
 from gpuwarden.core.model import Job
 from gpuwarden.store.base import Store
@@ -59,13 +66,20 @@ def _who() -> str:
     return f"{getpass.getuser()} (on the host)"
 
 
-def _here(change: Callable[[Store, str], Job]) -> Callable[[argparse.Namespace], dict[str, Any]]:
-    """The command on the local store: ``change(store, job id)``, as the API answers."""
+#: a change on the local store: (store, the command's arguments, the audit row's
+#: detail to fill in) -> the job as it is after it
+Change = Callable[[Store, argparse.Namespace, dict[str, Any]], Job]
+
+
+def _here(action: str, change: Change) -> Callable[[argparse.Namespace], dict[str, Any]]:
+    """The command on the local store, audited as ``action`` like the API's route
+    (refusals too), answering as the API does."""
 
     def run(args: argparse.Namespace) -> dict[str, Any]:
         store = existing_store(args)
         try:
-            job = change(store, args.job)
+            with audited(store, action, args.job) as detail:
+                job = change(store, args, detail)
         finally:
             store.close()
         return {"id": job.id, "state": job.state.value, "priority": job.priority,
@@ -74,12 +88,38 @@ def _here(change: Callable[[Store, str], Job]) -> Callable[[argparse.Namespace],
     return run
 
 
+def _hold(store: Store, args: argparse.Namespace, detail: dict[str, Any]) -> Job:
+    job = store.hold(args.job, by=_who(), now=time.time())
+    detail["hold_by"] = job.hold_by
+    return job
+
+
+def _release(store: Store, args: argparse.Namespace, detail: dict[str, Any]) -> Job:
+    before = store.get_job(args.job)
+    detail["held_by"] = None if before is None else before.hold_by
+    return store.release(args.job, by=_who(), now=time.time())
+
+
+def _requeue(store: Store, args: argparse.Namespace, detail: dict[str, Any]) -> Job:
+    before = store.get_job(args.job)
+    if before is not None:
+        detail["from"] = before.state.value
+    job = store.requeue(args.job, by=_who(), now=time.time())
+    detail["attempts"] = job.attempts
+    return job
+
+
+def _set_priority(store: Store, args: argparse.Namespace, detail: dict[str, Any]) -> Job:
+    priority = jobcontrol.parse_priority(args.priority)
+    before = store.get_job(args.job)
+    if before is not None:
+        detail["from"] = before.priority
+    detail["to"] = priority
+    return store.set_priority(args.job, priority, by=_who(), now=time.time())
+
+
 def cmd_hold(args: argparse.Namespace) -> int:
-    job = local_or_http(
-        args,
-        _here(lambda store, i: store.hold(i, by=_who(), now=time.time())),
-        lambda a, client: client.hold(a.job),
-    )
+    job = local_or_http(args, _here("job.hold", _hold), lambda a, client: client.hold(a.job))
     out.print(f"{job['id']} is held by {job['hold_by']}: `gpuwarden release {job['id']}` lets "
               "it start", markup=False)  # fmt: skip
     return 0
@@ -87,9 +127,7 @@ def cmd_hold(args: argparse.Namespace) -> int:
 
 def cmd_release(args: argparse.Namespace) -> int:
     job = local_or_http(
-        args,
-        _here(lambda store, i: store.release(i, by=_who(), now=time.time())),
-        lambda a, client: client.release(a.job),
+        args, _here("job.release", _release), lambda a, client: client.release(a.job)
     )
     waits = " (it still waits for its dependencies)" if job.get("held") else ""
     out.print(f"{job['id']} is released: it is queued{waits}", markup=False)
@@ -98,9 +136,7 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 def cmd_requeue(args: argparse.Namespace) -> int:
     job = local_or_http(
-        args,
-        _here(lambda store, i: store.requeue(i, by=_who(), now=time.time())),
-        lambda a, client: client.requeue(a.job),
+        args, _here("job.requeue", _requeue), lambda a, client: client.requeue(a.job)
     )
     waits = " (it waits for its dependencies)" if job.get("held") else ""
     out.print(f"{job['id']} is queued again{waits}; its earlier attempts stay in "
@@ -109,11 +145,10 @@ def cmd_requeue(args: argparse.Namespace) -> int:
 
 
 def cmd_priority(args: argparse.Namespace) -> int:
-    priority = jobcontrol.parse_priority(args.priority)
     job = local_or_http(
         args,
-        _here(lambda store, i: store.set_priority(i, priority, by=_who(), now=time.time())),
-        lambda a, client: client.set_priority(a.job, priority),
+        _here("job.priority", _set_priority),
+        lambda a, client: client.set_priority(a.job, jobcontrol.parse_priority(a.priority)),
     )
     out.print(f"{job['id']} has priority {job['priority']}", markup=False)
     return 0

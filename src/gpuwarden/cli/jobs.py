@@ -18,6 +18,7 @@ from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
     age,
+    audited,
     checked_store,
     config_of,
     existing_store,
@@ -338,7 +339,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def _cancel_here(args: argparse.Namespace) -> tuple[str, str]:
     store = existing_store(args)
     try:
-        job = store.request_cancel(args.job, now=time.time())
+        with audited(store, "job.cancel", args.job) as detail:
+            job = store.request_cancel(args.job, now=time.time())
+            detail["state"] = job.state.value
     finally:
         store.close()
     return job.id, job.state.value
@@ -358,7 +361,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def _stop_here(args: argparse.Namespace) -> str:
     store = existing_store(args)
     try:
-        job = store.request_stop(args.job, by=f"{getpass.getuser()} (on the host)", now=time.time())
+        with audited(store, "job.stop", args.job) as detail:
+            job = store.request_stop(
+                args.job, by=f"{getpass.getuser()} (on the host)", now=time.time()
+            )
+            detail["state"] = job.state.value
     finally:
         store.close()
     return job.id

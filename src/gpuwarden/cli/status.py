@@ -15,7 +15,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden.api.leasedesk import LeaseDesk
+from gpuwarden.api.leasedesk import LeaseDesk, tally
 from gpuwarden.cli.common import (
     Commands,
     add_remote_options,
@@ -102,7 +102,16 @@ def _leases_here(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _print_leases(leases: list[dict[str, Any]]) -> None:
-    out.print(f"leases: {len(leases)}" if leases else "leases: none", markup=False)
+    if not leases:
+        out.print("leases: none", markup=False)
+        return
+    got = tally(leases)
+    held = ", ".join(f"{gpu} {_maybe_bytes(n)}" for gpu, n in sorted(got.held_bytes.items()))
+    out.print(
+        f"leases: {len(leases)} ({got.granted} granted, {got.waiting} waiting)"
+        + (f"; held: {held}" if held else ""),
+        markup=False,
+    )
     for x in leases:
         until = x.get("until")
         when = time.strftime("%H:%M:%S", time.localtime(until)) if until else "-"

@@ -301,6 +301,7 @@
     renderGpus(doc.nodes);
     renderRunning(doc.running);
     renderQueued(doc.queued);
+    renderLeases(doc.leases);
     renderWarm(doc.nodes);
     renderFailures(doc.failures);
     renderCluster(doc.cluster);
@@ -418,6 +419,35 @@
           el("span", { class: "grow mute" }, q.type + ", priority " + q.priority + ", waiting " + dur(q.waited_s)),
           cancelButton(q)),
         el("div", { class: "reason" }, q.reason)))));
+  }
+
+  function endLeaseButton(x) {
+    if (!can("lease.end") || !x.id) return null;
+    return actionButton("end:" + x.id, "end", "end lease " + x.id + ": its app loses the room", () =>
+      api("DELETE", "/v1/leases/" + encodeURIComponent(x.id)));
+  }
+
+  // VRAM leases (room on a GPU for an app that is not a job): who holds how much
+  // where, and how long before the ttl runs out unless its holder renews it
+  function renderLeases(doc) {
+    const rows = (doc && doc.rows) || [];
+    const t = (doc && doc.totals) || { granted: 0, waiting: 0, held_bytes: {} };
+    const held = Object.entries(t.held_bytes || {}).map(([g, b]) => g + " " + gib(b)).join(", ");
+    $("leases-count").textContent = rows.length
+      ? "(" + t.granted + " granted, " + t.waiting + " waiting" + (held ? "; held: " + held : "") + ")" : "";
+    if (!rows.length) { fill("leases", el("p", { class: "empty" }, "no VRAM lease")); return; }
+    fill("leases", el("ul", { class: "rows" }, rows.map((x) => {
+      const who = x.holder && x.holder !== x.owner ? x.holder + " (" + x.owner + ")" : x.owner || x.holder;
+      const where = x.gpu ? (x.state === "granted" ? " on " : " pinned to ") + x.gpu : "";
+      const left = x.state !== "granted" ? "waiting " + dur(x.waited_s) + (x.reason ? ": " + x.reason : "")
+        : x.ttl_left_s === null ? "granted"
+          : "ttl runs out in " + dur(x.ttl_left_s) + " unless renewed (ttl " + dur(x.ttl_s) + ")";
+      return el("li", { "data-lease": x.id, class: "lease lease-" + x.state },
+        el("div", { class: "row-head" }, el("span", { class: "id mono" }, x.id),
+          el("span", { class: "grow mute" }, gib(x.vram_bytes) + where + ", " + who),
+          el("span", { class: "lease-state" }, x.state), endLeaseButton(x)),
+        el("div", { class: "reason" }, left));
+    })));
   }
 
   function renderWarm(nodes) {

@@ -55,7 +55,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (401, 403, 413, 422, 429)
 }
 #: what the page may offer, by the action it calls
-_OFFERS = ("job.cancel", "node.list", "node.drain", "node.resume", "gpu.clear", "audit.read")
+_OFFERS = (
+    "job.cancel",
+    "lease.end",
+    "node.list",
+    "node.drain",
+    "node.resume",
+    "gpu.clear",
+    "audit.read",
+)
 
 
 def _token_of(request: Request, body: bytes) -> tuple[str, bool]:
