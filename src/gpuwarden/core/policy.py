@@ -46,6 +46,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpuwarden.core import ramadmit
+from gpuwarden.core.bestfit import FreeOrder
 from gpuwarden.core.lease import is_lease
 from gpuwarden.core.ledger import Holding, HoldState, compatible
 from gpuwarden.core.model import Lane, format_bytes, gpu_list
@@ -627,6 +628,11 @@ class _SizedRun:
         self.run_no = 0
         self.trees = [s.tree for s in lu.shelves]
         self.copied = [False] * len(self.trees)
+        #: each shelf's first open bucket (None: to be found again, its tree or the
+        #: open sizes changed)
+        self.firsts: list[Leaf | None] = [None] * len(self.trees)
+        #: the shelves by their owner's use: the first with an open bucket comes first
+        self.by_use = sorted(range(len(lu.shelves)), key=lambda i: lu.shelves[i].usage)
         self.left: dict[tuple[int, int], Iterator[tuple[int, str]]] = {}
         self.head: dict[tuple[int, int], tuple[int, str]] = {}
         self.below = float("inf")
@@ -639,14 +645,13 @@ class _SizedRun:
     def next(self) -> _Head | None:
         """The open bucket whose head comes first (queue order), as a pass head."""
         best: tuple[float, Leaf, int] | None = None
-        for i, s in enumerate(self.lu.shelves):
-            tree, count = self.trees[i], len(s.sizes)
-            if self.below > self.big:
-                leaf = tree.min_in(0, count)
-            else:
-                hi = bisect_left(s.sizes, self.below)
-                lo = bisect_right(s.sizes, self.big)
-                leaf = min(tree.min_in(0, hi), tree.min_in(lo, count))
+        for i in self.by_use:
+            s = self.lu.shelves[i]
+            if best is not None and s.usage > best[0]:
+                break  # (the owners who used more come after)
+            leaf = self.firsts[i]
+            if leaf is None:
+                leaf = self.firsts[i] = self._first(i)
             if leaf is not NONE and leaf[2] >= 0 and (best is None or (s.usage, leaf) < best[:2]):
                 best = (s.usage, leaf, i)
         if best is None:
@@ -655,10 +660,20 @@ class _SizedRun:
         s = self.lu.shelves[i]
         head = self.head.get((i, pos))
         job_id = s.heads[pos] if head is None else head[1]
-        job = replace(
-            self.lu.job, id=job_id, seq=seq, vram_bytes=s.sizes[pos], owner=s.owner, usage=s.usage
+        job = _member(
+            self.lu.job, job_id, seq, vram_bytes=s.sizes[pos], owner=s.owner, usage=s.usage
         )
         return (_rank(job), tie, self.n, job, (self.run_no, i, pos))
+
+    def _first(self, i: int) -> Leaf:
+        """Shelf ``i``'s open bucket whose head comes first."""
+        s, tree = self.lu.shelves[i], self.trees[i]
+        count = len(s.sizes)
+        if self.below > self.big:
+            return tree.min_in(0, count)
+        hi = bisect_left(s.sizes, self.below)
+        lo = bisect_right(s.sizes, self.big)
+        return min(tree.min_in(0, hi), tree.min_in(lo, count))
 
     def decide(self, job: QueuedJob, i: int, pos: int, done: Pass) -> _Head | None:
         """Decide for the head of bucket ``pos`` of shelf ``i``; the next head."""
@@ -683,10 +698,13 @@ class _SizedRun:
             )
             if pure and self.prune and job.vram_bytes <= self.big:
                 self.below = job.vram_bytes
+                self.firsts = [None] * len(self.trees)
                 self.range.ranges.append((job.vram_bytes, decision))
         return self.next()
 
     def _tree(self, i: int) -> MinTree:
+        """Shelf ``i``'s tree, to change (the pass's own copy)."""
+        self.firsts[i] = None
         if not self.copied[i]:
             self.trees[i], self.copied[i] = self.trees[i].copy(), True
         return self.trees[i]
@@ -740,11 +758,19 @@ def _as(proto: QueuedJob, member: Member) -> QueuedJob:
     if job_id == proto.id:
         return proto
     owner, usage = (member[2], member[3]) if len(member) == 4 else (proto.owner, proto.usage)
+    return _member(proto, job_id, seq, vram_bytes=proto.vram_bytes, owner=owner, usage=usage)
+
+
+def _member(
+    proto: QueuedJob, job_id: str, seq: int, *, vram_bytes: int, owner: str, usage: float
+) -> QueuedJob:
+    """A job of ``proto``'s class but for these (``dataclasses.replace`` without
+    its cost: a pass makes one per judgement)."""
     return QueuedJob(
         job_id,
         proto.type,
         proto.lane,
-        proto.vram_bytes,
+        vram_bytes,
         proto.priority,
         seq,
         proto.coresident,
@@ -761,9 +787,27 @@ def _as(proto: QueuedJob, member: Member) -> QueuedJob:
     )
 
 
-@dataclass
+class _Clock:
+    """A pass's count of the changes to its GPUs (a start's holding, a GPU held
+    back): a wait's reason is written later, from the GPUs as they were at its
+    stamp (:meth:`_Gpu.seen`), with no copy of every GPU per waiting job."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def tick(self) -> int:
+        self.n += 1
+        return self.n
+
+
+@dataclass(eq=False)
 class _Gpu:
-    """A GPU during one planning pass: its view plus the starts decided so far."""
+    """A GPU during one planning pass: its view plus the starts decided so far.
+    Holdings are only added to and ``reserved_for`` is set at most once, each
+    change stamped by the pass's clock; ``order`` (the pass's best-fit rows, if
+    any) is told of each change at position ``pos``."""
 
     view: GpuView
     holdings: list[Holding] = field(default_factory=list)
@@ -771,11 +815,22 @@ class _Gpu:
     capacity: int = 0
     held: int = 0
     shared_only: bool = True  # every holder co-resides
+    clock: _Clock = field(default_factory=_Clock)
+    order: FreeOrder | None = None
+    pos: int = 0
+    #: the clock's stamps of the holdings added in this pass, and of ``reserved_for``
+    added: list[int] = field(default_factory=list)
+    reserved_at: int = 0
+    base: int = 0  # holdings when the pass began
+    #: :func:`head_fits_at` for ``reserved_for``, and how many holdings it saw
+    fits_at: tuple[int, float | None] = (-1, None)
 
     def __post_init__(self) -> None:
         self.capacity = self.view.capacity
         self.held = sum(h.bytes for h in self.holdings)
         self.shared_only = all(h.coresident for h in self.holdings)
+        self.base = len(self.holdings)
+        self._reorder()
 
     @property
     def free(self) -> int:
@@ -785,11 +840,46 @@ class _Gpu:
         self.holdings.append(holding)
         self.held += holding.bytes
         self.shared_only = self.shared_only and holding.coresident
+        self.added.append(self.clock.tick())
+        self._reorder()
+
+    def hold_for(self, job: QueuedJob) -> None:
+        """Hold the GPU back for ``job``, unless it is held back for a job already."""
+        if self.reserved_for is None:
+            self.reserved_for = job
+            self.reserved_at = self.clock.tick()
+            if self.order is not None:
+                self.order.hold(self.pos)
+
+    def seen(self, at: int) -> tuple[int, QueuedJob | None]:
+        """How many holdings it had at the clock's stamp ``at``, and whom it was
+        held back for then."""
+        head = self.reserved_for if self.reserved_at <= at else None  # (None: never held)
+        return self.base + bisect_right(self.added, at), head
+
+    def head_fits_at(self, now: float) -> float | None:
+        """:func:`head_fits_at` of the job the GPU is held back for, here, as it is
+        now (worked out again only once a holding was added)."""
+        assert self.reserved_for is not None
+        if self.fits_at[0] != len(self.holdings):
+            at = head_fits_at(self.reserved_for, self.capacity, self.holdings, now)
+            self.fits_at = (len(self.holdings), at)
+        return self.fits_at[1]
 
     def fits(self, job: QueuedJob) -> bool:
         return (not self.holdings or (job.coresident and self.shared_only)) and (
             job.vram_bytes + self.held <= self.capacity
         )
+
+    def _reorder(self) -> None:
+        if self.order is None or self.reserved_for is not None or self.view.degraded:
+            return
+        if self.shared_only:
+            self.order.put(
+                self.pos, self.capacity - self.held, self.view.uuid, empty=not self.holdings
+            )
+        else:
+            self.order.drop(self.pos)
 
 
 class _Blocked:
@@ -822,12 +912,20 @@ class _Step:
         self.snapshot = snapshot
         self.now = now
         self.cpu_free = snapshot.cpu_slots - snapshot.running_cpu
-        self.gpus = [_Gpu(_paused_view(g), list(g.holdings)) for g in snapshot.gpus]
+        self.clock = _Clock()
+        self.order = FreeOrder()
+        self.gpus = [
+            _Gpu(_paused_view(g), list(g.holdings), clock=self.clock, order=self.order, pos=n)
+            for n, g in enumerate(snapshot.gpus)
+        ]
         self.best = max((g.total_bytes - g.reserve_bytes for g in snapshot.gpus), default=None)
         self.reservations_left = snapshot.max_reservations
         self._most_free: tuple[int, int] | None = None
         self.held_back = dict(snapshot.held_back)
         self.warm = _Warm(snapshot.warm)
+        #: the GPUs a warm server is on, in order: the only ones an eviction frees
+        self.warm_uuids = {w.gpu_uuid for w in snapshot.warm}
+        self.warm_gpus = [g for g in self.gpus if g.view.uuid in self.warm_uuids]
         self.evictions = self.warm.expired(now, wanted)
         self.runtimes = {r.name: r for r in snapshot.runtimes}
         self.asks: list[AskRuntime] = []
@@ -842,6 +940,12 @@ class _Step:
             for w in snapshot.warm
             if snapshot.vram_paused or w.gpu_uuid in degraded
         }
+
+    def with_warm(self, gpus: list[_Gpu]) -> list[_Gpu]:
+        """Those of ``gpus`` that a warm server is on, in their order."""
+        if gpus is self.gpus:
+            return self.warm_gpus
+        return [g for g in gpus if g.view.uuid in self.warm_uuids]
 
     def most_free(self, coresident: bool) -> int:
         """The most memory free now on any GPU a job may share (``coresident``: one
@@ -896,7 +1000,7 @@ class _Step:
             # (a multi-GPU job waits for GPUs to come free on their own: no eviction,
             # release or preemption frees several GPUs at once for it)
             room = self.gpus if among is None or not job.gpu else among  # a pin: only there
-            evicted = _evict_for(job, decision, room, self.warm)
+            evicted = _evict_for(job, decision, self.with_warm(room), self.warm)
             self.evictions += evicted
             asked: list[AskRuntime] = []
             if not evicted and self.snapshot.runtimes:
@@ -925,8 +1029,7 @@ class _Step:
         if choice is None:
             return
         g = gpus[choice.gpu_uuid]
-        if g.reserved_for is None:
-            g.reserved_for = job
+        g.hold_for(job)
         blocked.reserved = g.view.uuid
         blocked.extra.append(describe(choice, job.id))
         # (by job: a multi-GPU victim is listed once per GPU it holds)
@@ -996,36 +1099,57 @@ class _Step:
             return Refuse(job.id, never_fits(need, snapshot.gpus) or "")
         if job.gpus > 1:
             return self.place_many(job, gpus)
-        fitting = (
-            [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
-            if need <= self.most_free(job.coresident)  # (else it fits no GPU here)
-            else []
-        )
-        if fitting:
-            best, how = min(fitting, key=lambda gh: (gh[0].free - need, gh[0].view.uuid))
+        tightest = self.tightest(job, among)
+        if tightest is not None:
+            best, how = tightest
             backfill_for = how or None
             best.add(_started(job, f"{job.id}/next", now, backfill_for))
             self._most_free = None
             return Start(job.id, best.view.uuid, backfill_for)
+        at = self.clock.n  # the GPUs as the job was judged: their state at this stamp
         reserved = None
         if self.reservations_left > 0:
             reserved = _reserve(job, gpus, self.held_back.get(job.id))
             if reserved is not None:
                 self.reservations_left -= 1
 
-        # what each GPU held when the job was judged (holdings are only added to)
-        seen = [(len(g.holdings), g.reserved_for if g is not reserved else None) for g in gpus]
-
         def render(j: QueuedJob) -> str:  # j: this job, or one of its size (a pruned class)
             pin = f"it is pinned to GPU {j.gpu} (--gpu) and " if j.gpu else ""
             return f"{pin}needs {format_bytes(j.vram_bytes)} on one GPU; " + "; ".join(
-                _why_not(j, g, at) for g, at in zip(gpus, seen, strict=True)
+                _why_not(j, g, g.seen(at)) for g in gpus
             )
 
         blocked = _Blocked(job, render, reserved.view.uuid if reserved else None)
         if reserved is not None:
             blocked.extra.append(f"{reserved.view.uuid} is held back for it until it fits")
         return blocked
+
+    def tightest(self, job: QueuedJob, among: list[_Gpu] | None) -> tuple[_Gpu, str] | None:
+        """The GPU of ``among`` (all of them: None) where the job may start now and
+        fits tightest (the least memory left free, ties by UUID), and how it starts
+        there (:func:`_can_start`); None where it fits none. Over all the GPUs,
+        those nothing is held back for are one bisect of the best-fit rows
+        (:class:`gpuwarden.core.bestfit.FreeOrder`); only those held back are
+        judged one by one."""
+        need, now = job.vram_bytes, self.now
+        if among is None and need >= 0:
+            gpus = self.gpus
+            fitting = [
+                (gpus[p], how)
+                for p in self.order.held
+                if (how := _can_start(job, gpus[p], now)) is not None
+            ]
+            pos = self.order.tightest(need, job.coresident)
+            if pos is not None:
+                fitting.append((gpus[pos], ""))
+        elif need <= self.most_free(job.coresident):  # (else it fits no GPU here)
+            gpus = self.gpus if among is None else among
+            fitting = [(g, how) for g in gpus if (how := _can_start(job, g, now)) is not None]
+        else:
+            return None
+        if not fitting:
+            return None
+        return min(fitting, key=lambda gh: (gh[0].free - need, gh[0].view.uuid, gh[0].pos))
 
     def place_many(self, job: QueuedJob, gpus: list[_Gpu]) -> Start | Refuse | _Blocked:
         """A job on ``job.gpus`` GPUs: all at once or not at all, on those where it
@@ -1042,18 +1166,20 @@ class _Step:
                 g.add(_started(job, f"{job.id}/next@{i}", now))
             self._most_free = None
             return Start(job.id, ",".join(g.view.uuid for g in chosen))
+        at = self.clock.n  # the GPUs as the job was judged: their state at this stamp
         reserved: list[_Gpu] = []
         if self.reservations_left > 0:
             reserved = _reserve_many(job, gpus, self.held_back.get(job.id))
             if reserved:
                 self.reservations_left -= 1
         could = {g.view.uuid for g in fitting}
-        seen = [(len(g.holdings), g.reserved_for if g not in reserved else None) for g in gpus]
 
         def render(_j: QueuedJob) -> str:
             each = [
-                f"{g.view.uuid} could take it" if g.view.uuid in could else _why_not(job, g, at)
-                for g, at in zip(gpus, seen, strict=True)
+                f"{g.view.uuid} could take it"
+                if g.view.uuid in could
+                else _why_not(job, g, g.seen(at))
+                for g in gpus
             ]
             return (
                 f"needs {format_bytes(need)} on each of {n} GPUs at once, and {len(could)} "
@@ -1179,8 +1305,7 @@ def _evict_for(job: QueuedJob, blocked: _Blocked, gpus: list[_Gpu], warm: _Warm)
                         f", of higher priority ({job.priority} > {w.priority}), with no other room"
                     )
                 evictions.append(Evict(w.holder, w.type, w.gpu_uuid, why))
-            if g.reserved_for is None:
-                g.reserved_for = job
+            g.hold_for(job)
             blocked.extra.append(f"Evicting idle warm server(s) on {g.view.uuid}: {names}")
             blocked.reserved = g.view.uuid
             return evictions
@@ -1219,8 +1344,7 @@ def _ask_runtimes_for(
         blocked.extra += waiting_on
         return []
     back, g, askable = best
-    if g.reserved_for is None:
-        g.reserved_for = job
+    g.hold_for(job)
     blocked.reserved = g.view.uuid
     names = ", ".join(n for n, _ in askable)
     pending = all(runtimes[n].releasing for n, _ in askable)
@@ -1282,7 +1406,7 @@ def _fits_beside(job: QueuedJob, head: QueuedJob, g: _Gpu) -> bool:
 def _ends_before_head_fits(job: QueuedJob, head: QueuedJob, g: _Gpu, now: float) -> bool:
     if job.expected_s is None:
         return False
-    fits_at = head_fits_at(head, g.capacity, g.holdings, now)
+    fits_at = g.head_fits_at(now)
     return fits_at is not None and now + job.expected_s <= fits_at
 
 
@@ -1329,7 +1453,7 @@ def _reserve(job: QueuedJob, gpus: list[_Gpu], previous: str | None = None) -> _
             key=lambda g: (*fits_soonest_key(job, g.capacity, g.holdings), g.held, g.view.uuid),
         )
     )
-    chosen.reserved_for = job
+    chosen.hold_for(job)
     return chosen
 
 
@@ -1355,7 +1479,7 @@ def _reserve_many(job: QueuedJob, gpus: list[_Gpu], previous: str | None) -> lis
         ),
     )[: job.gpus]
     for g in chosen:
-        g.reserved_for = job
+        g.hold_for(job)
     return sorted(chosen, key=lambda g: g.view.uuid)
 
 

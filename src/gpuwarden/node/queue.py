@@ -335,7 +335,9 @@ class Shelves(Generic[OK]):
                 members=lambda pos, keys=keys: self.index.members(keys[pos]),  # type: ignore[misc]
             )
             built = self._built[(sized, owner)] = (stamp, shelf)
-        return replace(built[1], usage=usage)
+        if built[1].usage != usage:  # kept with the owner's use, as long as it lasts
+            built = self._built[(sized, owner)] = (stamp, replace(built[1], usage=usage))
+        return built[1]
 
 
 def settle_memory() -> None:
