@@ -32,6 +32,14 @@ PG_URL = os.environ.get("GPUWARDEN_TEST_PG_URL", "postgresql://postgres@127.0.0.
 REQUIRE_POSTGRES = os.environ.get("GPUWARDEN_REQUIRE_POSTGRES") == "1"
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: two workers per core, at most 8. Most of a test's time is spent
+    waiting on the processes it started (a broker, a job, a CLI call), so two per
+    core keep the cores busy; a file's tests stay on one worker (``--dist
+    loadfile``), its module fixtures set up once."""
+    return max(2, min(8, 2 * (os.cpu_count() or 1)))
+
+
 UNIT = REPO / "tests" / "unit"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -323,13 +324,16 @@ def test_status_wait_waits_for_a_broker_starting_in_the_background(tmp_path: Pat
         text=True,
         env=env(),
     )
-    time.sleep(0.5)  # it must already be waiting, with no state directory yet
+    # it says what it waits for before the broker starts: no state directory yet
+    assert waiting.stderr is not None
+    ready, _, _ = select.select([waiting.stderr], [], [], 60)
+    said = waiting.stderr.readline() if ready else ""
+    assert f"waiting up to 60 s for a broker to report on {tmp_path / 'state'}" in said
     assert waiting.poll() is None and not (tmp_path / "state").exists()
     b = Broker(cfg, tmp_path / "events.jsonl")
     try:
         stdout, stderr = waiting.communicate(timeout=60)
-        assert waiting.returncode == 0, stderr
-        assert f"waiting up to 60 s for a broker to report on {tmp_path / 'state'}" in stderr
+        assert waiting.returncode == 0, said + stderr
         assert "node accept" in stdout and "running" in stdout
     finally:
         b.stop(signal.SIGKILL)

@@ -92,15 +92,18 @@ def test_a_training_run_checkpoints_yields_and_resumes(broker: Broker) -> None:
     assert out_file(broker, "train", 2, "done.txt").read_text() == "200"
 
 
+@pytest.mark.timeout(240)  # a grace of 20 s, then its 45 s again from step 0
 def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     broker: Broker,
 ) -> None:
-    # 1200 steps of 15 ms: it runs well past its grace (10 s) ignoring the signal
-    submit(broker, "trainmods.stubborn", "--steps", "1200", "--step-s", "0.015", "--id", "stub")
+    # 3000 steps of 15 ms (45 s): it runs well past its grace (20 s) ignoring the signal
+    submit(
+        broker, "trainmods.stubborn_long", "--steps", "3000", "--step-s", "0.015", "--id", "stub"
+    )
     wait_for(lambda: running(broker, "stub"), "stub running")
     submit(broker, "trainmods.urgent", "--priority", "5", "--id", "urgent")
 
-    def says_so() -> bool:  # during its grace (10 s), status says who yields to whom
+    def says_so() -> bool:  # during its grace (20 s), status says who yields to whom
         node = status(broker)
         running = {r["job"]: r.get("preempting_for") for r in node["running"]}
         why = node["waiting"].get("urgent", "")
@@ -113,7 +116,7 @@ def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     assert "preempting stub for urgent" in said, said
     said = run("--config", broker.config, "explain", "urgent").stdout
     assert "Preempting stub for urgent" in said, said
-    wait_for(lambda: ended(broker, "stub", "urgent"), "both ended", timeout=60)
+    wait_for(lambda: ended(broker, "stub", "urgent"), "both ended", timeout=150)
 
     assert [e["job"] for e in broker.events("preemption_requested")] == ["stub"]
     assert [e["for_job"] for e in broker.events("preemption_grace_ended")] == ["urgent"]
@@ -130,4 +133,4 @@ def test_a_job_that_ignores_the_signal_is_stopped_and_requeued_as_preempted(
     log = out_file(broker, "stub", 2, "log.txt").read_text().splitlines()
     assert log[0] == "attempt 1: start at step 0 resume=0"
     assert "attempt 2: start at step 0 resume=1" in log
-    assert log[-1] == "attempt 2: finished at step 1200"
+    assert log[-1] == "attempt 2: finished at step 3000"

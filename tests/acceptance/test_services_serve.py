@@ -105,7 +105,8 @@ def submit(site: Site, delay_s: float) -> str:
 def test_a_service_is_shown_starting_then_healthy_reached_over_http_and_websocket_and_stopped(
     site: Site,
 ) -> None:
-    job_id = submit(site, delay_s=8)
+    # it listens after 20 s: time for three CLI calls and a request on a loaded machine
+    job_id = submit(site, delay_s=20)
     # starting: `show`, `jobs`, the API's JSON say so, with its URL path
     doc = poll(lambda: (d := site.job(job_id))["service_state"] == "starting" and d, "starting")
     assert doc["state"] == "running" and doc["service_url_path"] == f"/run/{NAME}/"
@@ -117,7 +118,7 @@ def test_a_service_is_shown_starting_then_healthy_reached_over_http_and_websocke
     r = site.get(f"/run/{NAME}/echo", site.alice, headers={"Accept": "application/json"})
     assert r.status_code == 503 and r.json()["state"] == "starting", r.text
     # healthy
-    poll(lambda: site.job(job_id)["service_state"] == "healthy", "healthy")
+    poll(lambda: site.job(job_id)["service_state"] == "healthy", "healthy", timeout=60)
     shown = site.gw("show", job_id, who=site.alice)
     assert re.search(r"service: healthy since .*; last passed its health check \d+s ago", shown)
     [row] = site.get("/v1/jobs", site.alice).json()
