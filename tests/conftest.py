@@ -3,6 +3,7 @@ same contract suite: SQLite in a temporary file, PostgreSQL in a fresh schema.""
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import fcntl
 import os
@@ -30,6 +31,16 @@ STORE_BACKENDS = ["sqlite", "postgres"]
 PG_URL = os.environ.get("GPUWARDEN_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 #: set by .ci/run: PostgreSQL runs there, so its tests must run
 REQUIRE_POSTGRES = os.environ.get("GPUWARDEN_REQUIRE_POSTGRES") == "1"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the package's bytecode once, before any test (in the controller, not in
+    each xdist worker). The tests start hundreds of ``python -m gpuwarden`` processes;
+    where PYTHONDONTWRITEBYTECODE is set (CI's machines set it) none of them writes
+    what it compiled, so each would compile every module again: 1.9 s of CPU for a
+    CLI call instead of 1.0 s."""
+    if not hasattr(session.config, "workerinput"):
+        compileall.compile_dir(REPO / "src" / "gpuwarden", quiet=1)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
