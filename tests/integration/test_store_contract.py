@@ -194,6 +194,21 @@ def test_list_and_count(store: Store) -> None:
     assert [j.id for j in store.running_jobs()] == ["a"]
 
 
+def test_live_jobs_of_type_are_every_queued_or_running_one_newest_first(store: Store) -> None:
+    """However many newer live jobs of other types there are (the leases a status,
+    the dashboard or GET /v1/leases lists were once looked for among the newest
+    1,000 live jobs, and missed behind them)."""
+    lease = {"type": "lease", "params": {}}
+    store.submit([JobSpec(id="l1", **lease), JobSpec(id="l2", **lease)], now=1.0)  # type: ignore[arg-type]
+    store.submit([spec(f"e{i}") for i in range(1200)], now=2.0)
+    store.submit([JobSpec(id="l3", **lease)], now=3.0)  # type: ignore[arg-type]
+    store.start_attempt("l2", node="n", gpu_uuid=None, now=4.0)
+    store.request_cancel("l3", now=5.0)
+    assert [j.id for j in store.live_jobs_of_type("lease")] == ["l2", "l1"]
+    assert len(store.live_jobs_of_type("echo.echo")) == 1200
+    assert store.live_jobs_of_type("nope") == []
+
+
 def test_events_cursor_and_free_events(store: Store) -> None:
     assert store.last_event_id() == 0
     store.submit([spec("a")], now=1.0)

@@ -167,7 +167,7 @@ class LeaseDesk:
 
     def listed(self, owner: str | None = None, *, every_owner: bool = True) -> list[Job]:
         """The queued and granted leases (``owner``'s only unless ``every_owner``)."""
-        jobs = [j for j in self.store.list_jobs(states=LIVE, limit=1000) if is_lease(j.type)]
+        jobs = self.store.live_jobs_of_type(LEASE_TYPE)
         return jobs if every_owner else [j for j in jobs if j.owner == owner]
 
     def attempt_dir(self, job: Job) -> Path | None:

@@ -267,6 +267,11 @@ class Store(abc.ABC):
         """Newest first; only the jobs of ``owner`` (a token id) when it is given."""
 
     @abc.abstractmethod
+    def live_jobs_of_type(self, type_name: str) -> list[Job]:
+        """Every queued or running job of one type, newest first (an index read,
+        however many other jobs are live): the VRAM leases."""
+
+    @abc.abstractmethod
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
         """Queued jobs, highest priority first, then arrival order."""
 

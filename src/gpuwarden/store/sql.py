@@ -443,6 +443,9 @@ class SqlStore(Store, Generic[C]):
             )
         return [self._job(r) for r in found]
 
+    def live_jobs_of_type(self, type_name: str) -> list[Job]:
+        return [self._job(r) for r in self._read("live_jobs_of_type", type=type_name)]
+
     def queued_jobs(self, *, limit: int = 1000) -> list[Job]:
         return [self._job(r) for r in self._read("queued_jobs", limit=limit)]
 

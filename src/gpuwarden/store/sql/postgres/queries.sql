@@ -39,6 +39,10 @@ SELECT * FROM jobs
  WHERE owner = %(owner)s AND state = ANY(%(states)s::text[])
  ORDER BY seq DESC LIMIT %(limit)s;
 
+-- name: live_jobs_of_type
+-- queued or running, newest first, by the index of 0021 (type, state, seq)
+SELECT * FROM jobs WHERE type = %(type)s AND state IN ('queued', 'running') ORDER BY seq DESC;
+
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT %(limit)s;
 

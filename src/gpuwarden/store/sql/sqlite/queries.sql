@@ -35,6 +35,10 @@ SELECT * FROM jobs ORDER BY seq DESC LIMIT :limit;
 SELECT * FROM jobs WHERE state IN (SELECT value FROM json_each(:states))
 ORDER BY seq DESC LIMIT :limit;
 
+-- name: live_jobs_of_type
+-- queued or running, newest first, by the index of 0021 (type, state, seq)
+SELECT * FROM jobs WHERE type = :type AND state IN ('queued', 'running') ORDER BY seq DESC;
+
 -- name: queued_jobs
 SELECT * FROM jobs WHERE state = 'queued' ORDER BY priority DESC, seq LIMIT :limit;
 
