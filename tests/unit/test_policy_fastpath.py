@@ -1,6 +1,7 @@
 """The pass's shortcuts decide exactly as the straightforward pass: best fit by
 bisect of the GPUs ordered by free memory (core/bestfit.py) instead of a scan of
-every GPU, evictions looked for only on GPUs with a warm server, the held-back
+every GPU, evictions looked for only on GPUs with a warm server (and not again
+for a job no easier to make room for than one no eviction helped), the held-back
 job's fit time kept until the GPU changes, a sized lineup's shelves looked at in
 their owners' order of use, and wait reasons written from the GPUs' stamps
 instead of a copy of every GPU per waiting job. Each is compared, on random small
@@ -20,15 +21,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuwarden.core import policy
-from gpuwarden.core.ledger import Holding
+from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import GIB, Lane
 from gpuwarden.core.policy import (
+    Evict,
     GpuView,
     QueuedJob,
     RangeWait,
     SizedLineup,
     Snapshot,
     Wait,
+    WarmView,
     plan,
     plan_pass,
 )
@@ -78,6 +81,11 @@ def plain() -> Iterator[None]:
             ),
         )
         mp.setattr(policy._SizedRun, "next", _scan_next)
+        mp.setattr(
+            policy._Step,
+            "evict_for",
+            lambda self, job, blocked, room: policy._evict_for(job, blocked, room, self.warm),
+        )
         yield
 
 
@@ -191,3 +199,29 @@ def test_member_is_replace() -> None:
     )
     made = policy._member(proto, "j", 9, vram_bytes=11, owner="x", usage=1.5)
     assert made == dataclasses.replace(proto, id="j", seq=9, vram_bytes=11, owner="x", usage=1.5)
+
+
+def test_an_eviction_that_failed_for_a_bigger_job_is_still_tried_for_a_smaller_one() -> None:
+    """The pass remembers a job no eviction made room for and skips the search for a
+    job no easier to place, never for an easier one: here the first (20 GiB, ahead
+    by priority) cannot fit beside the running 12 GiB even with the idle server
+    gone; the second (6 GiB) can, once the server goes."""
+    warm = Holding("warm:m:1", "m", 8 * GIB, True, HoldState.WARM)
+    running = Holding("run/1", "x", 12 * GIB, True, job_id="run")
+    snap = Snapshot(
+        queued=(
+            QueuedJob("big", "b", Lane.VRAM, 20 * GIB, 5, 0, coresident=True),
+            QueuedJob("small", "s", Lane.VRAM, 6 * GIB, 0, 1, coresident=True),
+        ),
+        gpus=(GpuView("G0", 24 * GIB, holdings=(warm, running)),),
+        warm=(WarmView("m", "G0", "warm:m:1", busy=False, idle_since=0.0, idle_grace_s=1e9),),
+        max_reservations=0,
+    )
+    decisions = plan(snap, NOW)
+    assert [d for d in decisions if isinstance(d, Evict)] == [
+        Evict("warm:m:1", "m", "G0", "its memory is needed by job small (6.0 GiB)")
+    ], decisions
+    with plain():
+        assert _decisions(snap) == [
+            (d.job_id, d.reason, d.reserved_gpu) if isinstance(d, Wait) else d for d in decisions
+        ]

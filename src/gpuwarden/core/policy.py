@@ -927,6 +927,9 @@ class _Step:
         self.warm_uuids = {w.gpu_uuid for w in snapshot.warm}
         self.warm_gpus = [g for g in self.gpus if g.view.uuid in self.warm_uuids]
         self.evictions = self.warm.expired(now, wanted)
+        #: (size, priority) of the jobs no eviction made room for on every GPU, by
+        #: whether they co-reside (:meth:`evict_for`)
+        self.no_eviction: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
         self.runtimes = {r.name: r for r in snapshot.runtimes}
         self.asks: list[AskRuntime] = []
         self.preemptions: list[Preempt] = []
@@ -940,6 +943,20 @@ class _Step:
             for w in snapshot.warm
             if snapshot.vram_paused or w.gpu_uuid in degraded
         }
+
+    def evict_for(self, job: QueuedJob, blocked: _Blocked, room: list[_Gpu]) -> list[Decision]:
+        """:func:`_evict_for` on the GPUs of ``room`` a warm server is on, unless an
+        earlier job of this pass, on every GPU, was no bigger, of no lower priority and
+        as co-resident, and no eviction made room for it: then none can for this
+        one. (Within a pass a GPU only gains holders, and idle servers are only
+        taken away, so what failed once fails for any job harder to place.)"""
+        failed = self.no_eviction[job.coresident] if room is self.gpus else None
+        if failed is not None and any(v <= job.vram_bytes and p >= job.priority for v, p in failed):
+            return []
+        evicted = _evict_for(job, blocked, self.with_warm(room), self.warm)
+        if failed is not None and not evicted:
+            failed.append((job.vram_bytes, job.priority))
+        return evicted
 
     def with_warm(self, gpus: list[_Gpu]) -> list[_Gpu]:
         """Those of ``gpus`` that a warm server is on, in their order."""
@@ -1000,7 +1017,7 @@ class _Step:
             # (a multi-GPU job waits for GPUs to come free on their own: no eviction,
             # release or preemption frees several GPUs at once for it)
             room = self.gpus if among is None or not job.gpu else among  # a pin: only there
-            evicted = _evict_for(job, decision, self.with_warm(room), self.warm)
+            evicted = self.evict_for(job, decision, room)
             self.evictions += evicted
             asked: list[AskRuntime] = []
             if not evicted and self.snapshot.runtimes:
