@@ -6,7 +6,9 @@ from __future__ import annotations
 import compileall
 import contextlib
 import fcntl
+import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,12 +56,39 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 UNIT = REPO / "tests" / "unit"
 
 
+#: the testmods service types listen on fixed ports (tests/modules/testmods/module.toml:
+#: web 18431, webgpu 18432, wsweb 18433, wsplain 18434)
+FIXED_PORTS = re.compile(rb"testmods\.(web|webgpu|wsweb|wsplain)\b|\b1843[1-4]\b")
+
+
+@functools.cache
+def starts_fixed_port_services(path: Path) -> bool:
+    """Whether a test file may start a service of a fixed port (it names one)."""
+    return FIXED_PORTS.search(path.read_bytes()) is not None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test under tests/unit that is not slow ``fast``: ``pytest -m fast``
     is the inner loop (pure and in-process tests)."""
     for item in items:
         if item.path.is_relative_to(UNIT) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fixed_ports_one_file_at_a_time(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """A file that starts services of fixed ports holds a lock of every xdist worker
+    from before its module's fixtures to after them (an autouse fixture is set up
+    first and torn down last): two such files at once would bind the same port.
+    (Not an xdist_group: ``--dist loadgroup`` groups by a node id suffix that
+    pytest 9.2's node ids no longer carry.)"""
+    if not starts_fixed_port_services(request.path):
+        yield
+        return
+    with one_worker_at_a_time(tmp_path_factory, "fixed-service-ports"):
+        yield
 
 
 @pytest.fixture(autouse=True)
