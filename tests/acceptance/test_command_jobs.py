@@ -252,6 +252,7 @@ def test_ctrl_c_during_run_cancels_the_job(node: Node, users: tuple[User, User])
     wait_for(
         lambda: subprocess.run(["pgrep", "-u", user.name, "sleep"], check=False).returncode == 1,
         "the user's sleep to end",
+        timeout=60,
     )
     assert ledger_lines(ledger) == [["start"]]
 
