@@ -23,7 +23,8 @@ from gpuwarden.store.sqlite import SqliteStore
 from tests.acceptance.test_cli import run, write_config
 from tests.acceptance.test_cli_api import ApiBroker, run_env
 
-pytestmark = pytest.mark.timeout(45)
+# a service that listens after 20 s, then HTTP, WebSocket and stop, beside other xdist workers
+pytestmark = pytest.mark.timeout(150)
 
 HOST = Principal(token_id="local", name="tester", role=Role.OWNER)
 
