@@ -37,7 +37,7 @@ REQUIRE_POSTGRES = os.environ.get("GPUWARDEN_REQUIRE_POSTGRES") == "1"
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the package's bytecode once, before any test (in the controller, not in
-    each xdist worker). The tests start hundreds of ``python -m gpuwarden`` processes;
+    each xdist worker). The tests start many ``python -m gpuwarden`` processes;
     where PYTHONDONTWRITEBYTECODE is set (CI's machines set it) none of them writes
     what it compiled, so each would compile every module again: 1.9 s of CPU for a
     CLI call instead of 1.0 s."""
