@@ -31,10 +31,8 @@ from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store, Submission
 
-__all__ = ["LIVE", "LeaseDesk", "LeaseTally", "pid_owner", "tally"]
+__all__ = ["LeaseDesk", "LeaseTally", "pid_owner", "tally"]
 
-#: the states of a lease that is asked for or held
-LIVE = frozenset({JobState.QUEUED, JobState.RUNNING})
 #: the most PIDs one request may name
 MAX_PIDS_PER_REQUEST = 64
 
