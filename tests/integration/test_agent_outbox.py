@@ -21,11 +21,15 @@ from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster.held import Held
 from gpuwarden.cluster.outbox import OUTBOX_DIR, Outbox
 from gpuwarden.cluster.sync import Agent
+from gpuwarden.core.model import JobSpec
 from gpuwarden.core.states import JobState
+from gpuwarden.intake.jobs import prepare
 from gpuwarden.launch.supervisor import read_lease
-from tests.integration.test_agent import Rig, gpu_job, make_rig
+from gpuwarden.registry import Registry
+from tests.integration.test_agent import MODULES, Rig, gpu_job, make_rig
 
 pytestmark = pytest.mark.timeout(180)
+DONE = JobState.DONE
 
 
 @pytest.fixture
@@ -193,6 +197,62 @@ def test_a_report_refused_for_good_is_dropped_with_an_event(rig: Rig) -> None:
     assert kept(rig) == []
     first = rig.store.attempts("o5")[0]  # the refused end changed nothing there
     assert first.outcome == "interrupted" and "stopped renewing" in first.reason
+
+
+def test_a_job_leased_again_after_it_ended_here_is_reported_not_run_again(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Its end came too late (the sweep took the job back first); the claim that
+    brings it back gets the end kept here, under the new lease: the job's own
+    ledger says it ran once."""
+    ledger = tmp_path / "o6.ledger"
+    registry = Registry.load(MODULES)
+    spec = JobSpec("o6", "testmods.ledger", {"ledger": str(ledger), "seconds": 0.3})
+    rig.store.submit([prepare(registry, spec)], now=time.time())
+    rig.until("o6 running there", lambda: rig.job("o6").state is JobState.RUNNING)
+    rig.switch.down = True
+    rig.until("o6 done here", lambda: local_state(rig, "o6") is JobState.DONE)
+    rig.step()
+    assert kept(rig) == ["finish"]
+    now = time.time()
+    rig.store.renew_leases("a", now - 1, now=now, job_ids=["o6"])
+    assert co.sweep(rig.store, time.time(), 60.0)["interrupted"] == 1  # taken back
+    assert rig.job("o6").state is JobState.QUEUED
+    rig.switch.down = False
+    rig.until("o6 done there", lambda: rig.job("o6").state is JobState.DONE)
+    assert ledger.read_text().count("done o6 ") == 1  # it ran once
+    assert rig.node.store.get_job("o6.2") is None  # no second copy here
+    [again] = [e for e in rig.node.store.events(job_id="o6") if e.kind == "end_reported_again"]
+    assert again.detail["lease_id"] != ""
+    first, second = rig.store.attempts("o6")
+    assert first.outcome == "interrupted" and "stopped renewing" in first.reason
+    assert second.outcome == "succeeded" and second.node == "a"
+    rig.until("the outbox emptied", lambda: kept(rig) == [])
+
+
+def test_a_leased_job_whose_id_is_another_ended_job_here_runs_as_a_copy(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Only this job's own ``done`` end is reported again: a job of that id here
+    with other parameters, or one that did not end ``done``, is not it; the
+    leased job runs, as a copy (``ID.2``)."""
+    ledger = tmp_path / "copies.ledger"
+    registry = Registry.load(MODULES)
+
+    def ledger_job(job_id: str, seconds: float) -> JobSpec:
+        params = {"ledger": str(ledger), "seconds": seconds}
+        return prepare(registry, JobSpec(job_id, "testmods.ledger", params))
+
+    rig.node.store.submit([ledger_job("o7", 0.1), ledger_job("o8", 0.1)], now=time.time())
+    rig.node.store.request_cancel("o8", now=time.time())  # o8 here: cancelled, never ran
+    rig.until("o7 done here", lambda: local_state(rig, "o7") is JobState.DONE)
+    assert local_state(rig, "o8") is JobState.CANCELLED
+    rig.store.submit([ledger_job("o7", 0.2), ledger_job("o8", 0.1)], now=time.time())
+    rig.until("o7, o8 done there", lambda: rig.job("o7").state is rig.job("o8").state is DONE)
+    lines = ledger.read_text()
+    assert lines.count("done o7 ") == 1 and lines.count("done o7.2 ") == 1
+    assert lines.count("done o8.2 ") == 1 and "done o8 " not in lines
+    assert not [e for e in rig.node.store.events() if e.kind == "end_reported_again"]
 
 
 def test_each_running_attempt_is_told_its_lease_end_and_each_renewal(rig: Rig) -> None:

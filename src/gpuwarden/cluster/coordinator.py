@@ -1076,8 +1076,9 @@ def lapse_reason(
         )
     if started_at is not None and renewed is not None and renewed <= started_at + 1.0:
         why += (
-            f"; the coordinator started at {_at(started_at)} (it was down or unreachable "
-            "before) and gave the lease a full period after that"
+            f"; the coordinator started, or reached its store again, at {_at(started_at)} "
+            "(it or its store was down or unreachable before) and gave the lease a full "
+            "period after that"
         )
     return why
 

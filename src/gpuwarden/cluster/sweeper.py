@@ -135,9 +135,27 @@ class Sweeper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.settings.sweep_every_s):
-            try:
-                self.once()
-                if self.clock() - self._pruned_at >= logcopy.PRUNE_EVERY_S:
-                    self.prune_logs()
-            except Exception:  # the sweeper must outlive a failing store call
+            self.tick()
+
+    def tick(self) -> None:
+        """One sweep, and the prune of stream copies when it is due. A failure is
+        logged, never raised: the thread outlives it."""
+        try:
+            self.once()
+            if self.clock() - self._pruned_at >= logcopy.PRUNE_EVERY_S:
+                self.prune_logs()
+        except Exception as exc:  # the sweeper must outlive a failing store call
+            if self.store.unavailable(exc):
+                self.store_lost(exc)
+            else:
                 log.exception("maintenance sweep failed")
+
+    def store_lost(self, exc: BaseException) -> None:
+        """The store could not be reached: once it can, every lease gets a full
+        period again (:meth:`give_full_period`), as after a start. An agent's
+        renewals and end reports were refused with 503s meanwhile, so no lease is
+        swept for the coordinator's own outage: a job that ended during it is not
+        taken back and run again."""
+        if self.started_at is not None:
+            log.warning("maintenance sweep: the store is unreachable (%s)", exc)
+        self.started_at = None

@@ -608,7 +608,8 @@ class Agent:
             self._claim_now = True  # there may be more: ask again once there is room
 
     def _take(self, payload: dict[str, Any], until: float | None = None) -> None:
-        """Put a leased job into the local queue."""
+        """Put a leased job into the local queue (a copy under a new local id when
+        its id is taken here by an earlier attempt that did not end ``done``)."""
         job_id = str(payload["id"])
         local_id = job_id
         n = 1
@@ -617,6 +618,8 @@ class Agent:
             local_id = f"{job_id}.{n}"
             if not JOB_ID.fullmatch(local_id):
                 local_id = f"{job_id[:100]}.{n}"
+        if n > 1 and self._report_again(payload, n, until):
+            return
         inputs = tuple(str(x) for x in payload.get("inputs") or ())
         spec = JobSpec(
             id=local_id,
@@ -662,6 +665,52 @@ class Agent:
         self._by_local[local_id] = job_id
         self._keep_held()
         self.broker.wake()
+
+    def _report_again(self, payload: dict[str, Any], copies: int, until: float | None) -> bool:
+        """A job leased again after its last copy here ended ``done``: the
+        coordinator never took that end (its report was refused after the lease
+        lapsed, in an outage of the coordinator's store, say). The end is reported
+        under the new lease instead of running the job again: nothing that
+        finished runs again. False when the last copy did not end ``done`` or is
+        not this job (another type or parameters): it runs."""
+        job_id = str(payload["id"])
+        local_id = job_id if copies == 2 else f"{job_id}.{copies - 1}"
+        if not JOB_ID.fullmatch(local_id):
+            local_id = f"{job_id[:100]}.{copies - 1}"
+        job = self.store.get_job(local_id)
+        if (
+            job is None
+            or job.state is not JobState.DONE
+            or job.type != str(payload["type"])
+            or dict(job.params) != dict(payload.get("params") or {})
+        ):
+            return False
+        moves = [e for e in self.store.events(job_id=local_id) if e.kind == "transition"]
+        began = next((e for e in reversed(moves) if e.to_state == JobState.RUNNING.value), None)
+        ended = next((e for e in reversed(moves) if e.to_state == JobState.DONE.value), None)
+        if began is None or ended is None:
+            return False
+        h = Held(job_id=job_id, local_id=local_id, lease_id=str(payload["lease_id"]))
+        h.until = until if until is not None else self.wall() + self.lease_s
+        self.held[job_id] = h
+        self._by_local[local_id] = job_id
+        self._keep_held()
+        self.store.add_event(
+            Event(
+                ts=self.broker.clock(),
+                kind="end_reported_again",
+                job_id=local_id,
+                detail={"lease_id": h.lease_id, "why": "leased again after it ended done here"},
+            )
+        )
+        log.warning(
+            "job %s was leased again after it ended done here: its end is reported "
+            "under the new lease; it does not run again",
+            job_id,
+        )
+        self._on_transition(h, began)
+        self._on_transition(h, ended)
+        return True
 
     # -- reports ----------------------------------------------------------------
 
