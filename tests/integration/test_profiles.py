@@ -112,9 +112,9 @@ def _done(node: Node, *ids: str) -> bool:
 def test_a_job_that_allocates_ram_has_its_peak_measured_and_shown_by_types(
     node: Node, tmp_path: Path, capsys: pytest.CaptureFixture[str], clean_env: dict[str, str]
 ) -> None:
-    submit(node, JobSpec("hog", "testmods.sleep", {"seconds": 0.6, "ram_mib": HOG_MIB}))
+    submit(node, JobSpec("hog", "testmods.roomy_sleep", {"seconds": 0.6, "ram_mib": HOG_MIB}))
     run_until(node, lambda: _done(node, "hog"))
-    submit(node, JobSpec("small", "testmods.sleep", {"seconds": 0.6}))
+    submit(node, JobSpec("small", "testmods.roomy_sleep", {"seconds": 0.6}))
     run_until(node, lambda: _done(node, "small"))
     [hog] = node.store.attempts("hog")
     [small] = node.store.attempts("small")
@@ -123,7 +123,7 @@ def test_a_job_that_allocates_ram_has_its_peak_measured_and_shown_by_types(
     assert HOG_MIB * MIB <= hog.ram_peak_bytes <= (HOG_MIB + 120) * MIB
     assert small.ram_peak_bytes < hog.ram_peak_bytes - (HOG_MIB - 20) * MIB
     # the type keeps the larger peak, named by the job that reached it
-    profile = node.store.type_profiles()["testmods.sleep"]
+    profile = node.store.type_profiles()["testmods.roomy_sleep"]
     assert (profile.ram_peak_bytes, profile.job_id) == (hog.ram_peak_bytes, "hog")
 
     config = tmp_path / "gpuwarden.toml"
@@ -133,7 +133,7 @@ def test_a_job_that_allocates_ram_has_its_peak_measured_and_shown_by_types(
     )
     assert cli.main(["--config", str(config), "types", "--json"]) == 0
     rows = {d["type"]: d for d in json.loads(capsys.readouterr().out)["types"]}
-    shown = rows["testmods.sleep"]["profile"]
+    shown = rows["testmods.roomy_sleep"]["profile"]
     assert shown["ram_peak_bytes"] == hog.ram_peak_bytes
     assert shown["vram_declared_bytes"] == 0 and shown["vram_measured_bytes"] is None
     wall = shown["wall"]
@@ -142,7 +142,7 @@ def test_a_job_that_allocates_ram_has_its_peak_measured_and_shown_by_types(
 
     assert cli.main(["--config", str(config), "types"]) == 0
     text = capsys.readouterr().out
-    line = next(ln for ln in text.splitlines() if "testmods.sleep" in ln)
+    line = next(ln for ln in text.splitlines() if "testmods.roomy_sleep" in ln)
     assert "RAM 1" in line and "MiB" in line  # the hog's 160-odd MiB
     assert "median" in text and "p90 (2 runs)" in text
 

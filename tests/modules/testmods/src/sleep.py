@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 params = json.loads(Path(os.environ["GPUWARDEN_PARAMS"]).read_text())
-if params["ignore_term"]:
+if params.get("ignore_term"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print(f"pid {os.getpid()}", flush=True)
 Path(os.environ["GPUWARDEN_OUTPUT_DIR"], "pid").write_text(str(os.getpid()))
