@@ -123,6 +123,17 @@ class SourceSettings(_Section):
         return list(check_allow(value))
 
 
+class PriorityLimits(_Section):
+    """``[api.max_priority]``: the highest priority each role may give a job or a
+    lease over the API (submit, ``POST /v1/leases``). Priority goes before fair
+    share, so a submitter's bound is what keeps one tenant from jumping every
+    other's queue; a job asking for more is refused, naming the bound."""
+
+    submitter: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] = 10
+    operator: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] = 2**63 - 1
+    owner: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] = 2**63 - 1
+
+
 class ApiSettings(_Section):
     """``[api]``: the HTTP API (``gpuwarden serve --api``)."""
 
@@ -141,6 +152,13 @@ class ApiSettings(_Section):
     rate_per_s: Annotated[float, Field(gt=0, le=1_000_000)] = 20.0
     #: requests a token may make at once before the rate applies
     burst: Annotated[int, Field(ge=1, le=1_000_000)] = 40
+    #: the highest priority each role may ask for (``[api.max_priority]``)
+    max_priority: PriorityLimits = Field(default_factory=PriorityLimits)
+    #: the addresses (or networks, CIDR) of reverse proxies in front of the API
+    #: whose ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed; from any
+    #: other peer, loopback included, they are ignored (the peer's address is the
+    #: client's: rate limits, sign-in throttling and sessions go by it)
+    trusted_proxies: Annotated[list[str], Field(max_length=64)] = Field(default_factory=list)
     #: GET /metrics answers without a token (Prometheus scrapes without one); off:
     #: it takes an owner's or operator's token (a scrape config's bearer token)
     metrics_public: bool = False
@@ -154,6 +172,19 @@ class ApiSettings(_Section):
             max_length=253, pattern=r"^$|^(?:[a-z0-9-]+|\{name\})(?:\.(?:[a-z0-9-]+|\{name\}))*$"
         ),
     ] = ""
+
+    @pydantic.field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"trusted_proxies: {item!r} is not an IP address or network "
+                    "(e.g. 10.0.0.5 or 10.0.0.0/24)"
+                ) from None
+        return value
 
 
 class ClusterSettings(_Section):

@@ -51,6 +51,10 @@ class JobControlError(UserError):
     """The job is not in a state where this can be done to it."""
 
 
+class NotAllowedError(UserError):
+    """The caller's role may not ask for this value (HTTP 403)."""
+
+
 class StateDirLockedError(UserError):
     """Another broker already owns this state directory."""
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gpuwarden.core.states import JobState
-from tests.integration.test_api import Api, build, submit
+from tests.integration.test_api import ECHO, Api, build, submit
 
 
 @pytest.fixture
@@ -114,3 +114,41 @@ def test_priority_of_an_ended_job_is_409(api: Api) -> None:
     assert r.status_code == 409 and "only a queued job's priority" in r.json()["error"]
     stored = api.store.get_job(job["id"])
     assert stored is not None and stored.state is JobState.CANCELLED
+
+
+def test_a_submitter_may_not_jump_the_queue_with_a_huge_priority(api: Api) -> None:
+    """Priority goes before fair share: a submitter's bound ([api.max_priority]
+    submitter, 10 by default) keeps one tenant from jumping every other's queue."""
+    huge = 2**63 - 1
+    r = api.client.post("/v1/jobs", json={**ECHO, "priority": huge}, headers=api.h("submitter"))
+    assert r.status_code == 403, r.text
+    assert r.json()["error"] == (
+        f"priority {huge} is above the highest a submitter may give a job "
+        "(10, [api.max_priority] submitter): ask for 10 or less, or ask an operator to "
+        "raise the job's priority"
+    )
+    assert api.store.list_jobs() == []  # nothing was queued
+    lease = {"vram_bytes": 1 << 30, "ttl_s": 60, "priority": 11}
+    r = api.client.post("/v1/leases", json=lease, headers=api.h("submitter"))
+    assert r.status_code == 403 and "give a lease (10," in r.json()["error"]
+    # at the bound it is taken; operators and owners are not bound by default
+    assert submit(api, "submitter", priority=10)["priority"] == 10
+    assert submit(api, "operator", priority=huge)["priority"] == huge
+    refused = [r for r in api.store.audit_rows() if r.outcome != "ok"]
+    assert [r.action for r in refused] == ["job.submit", "lease.create"]
+
+
+def test_an_operator_bound_holds_at_submit_and_when_raising(tmp_path: Path) -> None:
+    a = build(tmp_path, max_priority={"operator": 100, "submitter": 0})
+    try:
+        r = a.client.post("/v1/jobs", json={**ECHO, "priority": 101}, headers=a.h("operator"))
+        assert r.status_code == 403 and "(100, [api.max_priority] operator)" in r.json()["error"]
+        job = submit(a, "submitter", priority=0)
+        too_high = post(a, "operator", job["id"], "priority", {"priority": 101})
+        assert too_high.status_code == 403
+        assert post(a, "operator", job["id"], "priority", {"priority": 100}).status_code == 200
+        assert post(a, "owner", job["id"], "priority", {"priority": 10**6}).status_code == 200
+        stored = a.store.get_job(job["id"])
+        assert stored is not None and stored.priority == 10**6
+    finally:
+        a.store.close()

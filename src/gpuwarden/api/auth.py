@@ -20,8 +20,9 @@ import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gpuwarden.config import PriorityLimits
 from gpuwarden.core.model import Role
-from gpuwarden.errors import GpuwardenError
+from gpuwarden.errors import GpuwardenError, NotAllowedError
 from gpuwarden.store.base import AuditRow, Store, TokenRecord
 
 __all__ = [
@@ -174,6 +175,20 @@ class Principal:
             outcome=outcome,
             detail=dict(detail or {}),
         )
+
+
+def check_priority_bound(limits: PriorityLimits, who: Principal, priority: int, what: str) -> None:
+    """Refuse (:class:`NotAllowedError`, HTTP 403) a priority above the highest
+    ``who``'s role may ask for (``[api.max_priority]``); ``what``: "job" or
+    "lease", for the message."""
+    bound = getattr(limits, who.role.value, None)
+    if bound is None or priority <= bound:
+        return
+    raise NotAllowedError(
+        f"priority {priority} is above the highest a {who.role.value} may give a {what} "
+        f"({bound}, [api.max_priority] {who.role.value}): ask for {bound} or less, or ask "
+        "an operator to raise the job's priority",
+    )
 
 
 def hash_secret(secret: str) -> str:

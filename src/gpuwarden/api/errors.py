@@ -21,6 +21,7 @@ from gpuwarden.api.limits import Send, send_error
 from gpuwarden.errors import (
     GpuwardenError,
     JobControlError,
+    NotAllowedError,
     StoreUnavailable,
     UnknownJobError,
     UserError,
@@ -57,6 +58,8 @@ def status_of(exc: UserError) -> int:
     """The HTTP status of a user's mistake raised below the API."""
     if isinstance(exc, UnknownJobError):
         return 404
+    if isinstance(exc, NotAllowedError):
+        return 403
     if isinstance(exc, DuplicateJobError | DuplicateTokenError | JobControlError):
         return 409
     if isinstance(exc, IdempotencyConflict):

@@ -40,7 +40,10 @@ HOP_BY_HOP = frozenset(
 )
 #: headers of the client that the service never sees (the proxy sets its own X-Forwarded-*)
 DROPPED_PREFIXES = ("proxy-", "x-gpuwarden-", "x-forwarded-")
-DROPPED = frozenset({"authorization", "host", "forwarded"})
+DROPPED = frozenset(
+    # the client's own claims of its address: the proxy says it (X-Forwarded-For)
+    {"authorization", "host", "forwarded", "x-real-ip", "true-client-ip", "x-client-ip"}
+)
 #: the dashboard's cookies: never sent to a service, never set by one
 PRIVATE_COOKIES = frozenset({SESSION_COOKIE, CSRF_COOKIE, RUN_COOKIE})
 #: how long to wait for the service to take the connection, and for each read

@@ -80,6 +80,11 @@ class ApiThread:
                 ws="auto",
                 access_log=False,
                 timeout_keep_alive=30,
+                # X-Forwarded-For is believed from [api] trusted_proxies only (uvicorn
+                # would take it from 127.0.0.1 by default: any local process, or a
+                # service's forwarder, could then pose as any client)
+                proxy_headers=bool(config.api.trusted_proxies),
+                forwarded_allow_ips=list(config.api.trusted_proxies) or [],
             )
         )
         # event streams end when the server stops (it waits for open answers)

@@ -17,8 +17,9 @@ every :data:`POLL_S` for all streams of the app together, and each stream reads
 events (on a worker thread, :data:`eventfeed.BATCH` at a time) only when there
 are new ones. So an idle stream holds no thread and no store connection. At most
 :data:`MAX_PER_TOKEN` streams per token and :data:`MAX_STREAMS` in all (429 past
-that). A stream ends when its client goes away, and within :data:`POLL_S` of the
-server being told to stop (:func:`stop_when`)."""
+that), of which submitters' tokens never hold the last :data:`KEPT_FOR_STAFF`. A
+stream ends when its client goes away, and within :data:`POLL_S` of the server
+being told to stop (:func:`stop_when`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from gpuwarden.api.eventfeed import TYPE_NAME, BadCursor, EventFeed, EventFilter
 from gpuwarden.api.eventfeed import sse_block as block
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.api.routers.jobs import visible_job
+from gpuwarden.core.model import Role
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,9 @@ RETRY_MS = 2000
 #: streams one token may hold open at once, and one API process in all
 MAX_PER_TOKEN = 8
 MAX_STREAMS = 128
+#: of :data:`MAX_STREAMS`, the places submitters' tokens never take: many tenants
+#: holding every stream must not lock the owner and operators out of theirs
+KEPT_FOR_STAFF = 32
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (400, 401, 403, 404, 422, 429)
@@ -72,32 +77,38 @@ class Streams:
     def __init__(self) -> None:
         self.per_token: dict[str, int] = {}
         self.total = 0
+        #: of ``total``, the streams of submitters' tokens
+        self.tenants = 0
         self.latest = 0
         self._read_at = -POLL_S
         #: True once the server is stopping: every stream ends
         self.stopping: Callable[[], bool] = lambda: False
 
     # everything here runs on the app's event loop: no lock is needed
-    def take(self, token_id: str) -> str | None:
-        """Count one more stream for ``token_id``; why not, when it is over a limit."""
+    def take(self, token_id: str, *, tenant: bool) -> str | None:
+        """Count one more stream for ``token_id`` (``tenant``: a submitter's, kept
+        out of the last :data:`KEPT_FOR_STAFF` places); why not, when it is over a
+        limit."""
         if self.per_token.get(token_id, 0) >= MAX_PER_TOKEN:
             return (
                 f"this token has {MAX_PER_TOKEN} event streams open already: close one "
                 "(each browser tab or `gpuwarden events --follow` holds one)"
             )
-        if self.total >= MAX_STREAMS:
+        if self.total >= MAX_STREAMS or (tenant and self.tenants >= MAX_STREAMS - KEPT_FOR_STAFF):
             return f"{MAX_STREAMS} event streams are open already: try again later"
         self.per_token[token_id] = self.per_token.get(token_id, 0) + 1
         self.total += 1
+        self.tenants += tenant
         return None
 
-    def give(self, token_id: str) -> None:
+    def give(self, token_id: str, *, tenant: bool) -> None:
         left = self.per_token.get(token_id, 0) - 1
         if left > 0:
             self.per_token[token_id] = left
         else:
             self.per_token.pop(token_id, None)
         self.total -= 1
+        self.tenants -= tenant
 
     async def newest(self, ctx: ApiContext) -> int:
         """The newest event id, at most :data:`POLL_S` old."""
@@ -126,15 +137,16 @@ class _Slot:
     """One stream's place in :class:`Streams`, given back once: by the stream when it
     ends, or by the answer's background task when the stream never ran."""
 
-    def __init__(self, streams: Streams, token_id: str) -> None:
+    def __init__(self, streams: Streams, token_id: str, *, tenant: bool) -> None:
         self.streams = streams
         self.token_id = token_id
+        self.tenant = tenant
         self.held = True
 
     def give(self) -> None:
         if self.held:
             self.held = False
-            self.streams.give(self.token_id)
+            self.streams.give(self.token_id, tenant=self.tenant)
 
 
 def _cursor(last_event_id: str | None, after: str | None) -> int | None:
@@ -195,10 +207,11 @@ async def event_stream(
     # past the newest event: an id of another (or a reset) store, never seen here;
     # the stream goes on from now instead of waiting for ids that far on
     start = newest if start is None else min(start, newest)
-    refused = streams.take(who.token_id)
+    tenant = who.role not in (Role.OWNER, Role.OPERATOR)
+    refused = streams.take(who.token_id, tenant=tenant)
     if refused is not None:
         raise HttpError(429, refused, {"Retry-After": "5"})
-    slot = _Slot(streams, who.token_id)
+    slot = _Slot(streams, who.token_id, tenant=tenant)
     feed = EventFeed(ctx.store, flt, cursor=start)
     return StreamingResponse(
         _stream(ctx, feed, slot, follow=follow),

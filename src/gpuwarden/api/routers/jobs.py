@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import files, waiting
-from gpuwarden.api.auth import Principal, Scope
+from gpuwarden.api.auth import Principal, Scope, check_priority_bound
 from gpuwarden.api.context import (
     ApiContext,
     action,
@@ -206,6 +206,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
         set_target(request, body.id)
     if idempotency_key is not None and not _KEY.fullmatch(idempotency_key):
         raise HttpError(422, "the Idempotency-Key header must be 1 to 255 visible ASCII characters")
+    check_priority_bound(ctx.config.api.max_priority, who, body.priority, "job")
     source = None if body.source is None else body.source.spec()
     cmd = command_of(ctx, who, body)
     jobtype = _body_type(ctx, body, source) if cmd is None else ctx.registry.get(cmd[0])
@@ -508,11 +509,13 @@ def requeue_job(job_id: str, request: Request, ctx: Ctx, who: Who, access: Acces
 def set_job_priority(
     job_id: str, body: PriorityIn, request: Request, *, ctx: Ctx, who: Who, access: Access
 ) -> JobOut:
-    """Set a queued job's priority: owners and operators any value, a submitter only
-    lower than it is."""
+    """Set a queued job's priority: owners and operators up to their role's
+    ``[api.max_priority]``, a submitter only lower than it is."""
     job = visible_job(ctx, who, access, job_id)
     set_target(request, job.id)
     before = job.priority
+    if body.priority > before:
+        check_priority_bound(ctx.config.api.max_priority, who, body.priority, "job")
     job = ctx.store.set_priority(
         job.id,
         body.priority,

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import waiting
-from gpuwarden.api.auth import Principal, Scope
+from gpuwarden.api.auth import Principal, Scope, check_priority_bound
 from gpuwarden.api.context import ApiContext, action, audit_ok, get_ctx, get_principal, get_scope
 from gpuwarden.api.errors import HttpError
 from gpuwarden.api.leasedesk import LeaseDesk
@@ -97,6 +97,7 @@ async def create_lease(
 
 
 def _create(body: LeaseIn, request: Request, ctx: ApiContext, who: Principal, access: Scope) -> Job:
+    check_priority_bound(ctx.config.api.max_priority, who, body.priority, "lease")
     desk = _desk(request, ctx)
     job_id = new_job_id("lease")
     if access is Scope.OWN:

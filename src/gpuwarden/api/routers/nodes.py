@@ -78,8 +78,31 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+#: the most entries each list of a node's report or capabilities may have: a
+#: report is read by every placement, ``/metrics`` and the dashboard, so a forged
+#: one must not make them slow or large
+REPORT_CAPS = {
+    "gpus": 64,
+    "warm": 4096,
+    "warm_servers": 4096,
+    "running": 10_000,
+    "victims": 10_000,
+    "types": 10_000,
+    "modules": 10_000,
+    "labels": 256,
+}
+
+
+def _capped(value: dict[str, Any], where: str) -> None:
+    """Each list (or table) of REPORT_CAPS within its bound, naming it when not."""
+    for key, cap in REPORT_CAPS.items():
+        got = value.get(key)
+        if isinstance(got, list | dict) and len(got) > cap:
+            raise ValueError(f"{where}.{key} has {len(got)} entries: at most {cap} are taken")
+
+
 def _json_ok(value: Any, where: str, depth: int = 0) -> None:
-    """Finite numbers and encodable text all the way down, not too deep."""
+    """Finite numbers and encodable text without NUL all the way down, not too deep."""
     if depth > 16:
         raise ValueError(f"{where}: nested too deeply")
     if isinstance(value, float) and not math.isfinite(value):
@@ -89,6 +112,8 @@ def _json_ok(value: Any, where: str, depth: int = 0) -> None:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(f"{where}: text must be valid Unicode") from None
+        if "\x00" in value:  # no store keeps it (PostgreSQL refuses it in text)
+            raise ValueError(f"{where}: text must not contain NUL")
     elif isinstance(value, dict):
         for k, v in value.items():
             _json_ok(str(k), where, depth + 1)
@@ -114,11 +139,15 @@ class EnrollIn(_Body):
     @field_validator("capabilities", mode="after")
     @classmethod
     def _ok(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _capped(value, "capabilities")
         _json_ok(value, "capabilities")
         return value
 
 
-JobIds = Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=10_000)]
+JobIds = Annotated[
+    list[Annotated[str, Field(max_length=128, pattern=r"^[^\x00-\x1f\x7f]*$")]],
+    Field(max_length=10_000),
+]
 
 
 class HeartbeatIn(_Body):
@@ -132,6 +161,7 @@ class HeartbeatIn(_Body):
     @field_validator("report", mode="after")
     @classmethod
     def _ok(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _capped(value, "report")
         _json_ok(value, "report")
         return value
 
