@@ -17,6 +17,9 @@ command = ["python3", "src/train.py"]
 timeout_s = 60
 """
 
+#: a module with something to keep: a repository outside an allow list holds it
+SECRET_TOML = MODULE_TOML.replace("[module]\n", '[module]\ndescription = "TOP SECRET"\n')
+
 TRAIN = """\
 import os, pathlib
 out = pathlib.Path(os.environ["GPUWARDEN_OUTPUT_DIR"])
@@ -25,7 +28,7 @@ print("trained")
 """
 
 
-def git(repo: Path, *args: str) -> str:
+def git(repo: Path, *args: str, check: bool = True) -> str:
     env = {
         "GIT_AUTHOR_NAME": "t",
         "GIT_AUTHOR_EMAIL": "t@example.org",
@@ -35,7 +38,7 @@ def git(repo: Path, *args: str) -> str:
         "PATH": "/usr/bin:/bin",
     }
     done = subprocess.run(
-        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, check=True
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, env=env, check=check
     )
     return done.stdout.strip()
 

@@ -222,7 +222,7 @@ def test_a_coordinator_sends_the_source_to_its_agent(
     registry.sources = source_cache(
         Config.model_validate(
             {"state_dir": tmp_path / "c", "container_runtime": "podman",
-             "sources": {"allow": ["file:///*"]}}
+             "sources": {"allow": ["file:///**"]}}
         )
     )  # fmt: skip
     source = JobSource(url, commit)
@@ -230,7 +230,7 @@ def test_a_coordinator_sends_the_source_to_its_agent(
     _node(store, "one", 1)
     record = store.get_node("one")
     assert record is not None  # it says it runs jobs from commits of this repository
-    sources = {"runs": True, "allow": ["file:///*"]}
+    sources = {"runs": True, "allow": ["file:///**"]}
     store.touch_node("one", {**record.report, "sources": sources}, 0.5)
     store.submit([JobSpec("s", stored_type, {}, source=source)], now=1.0)
     job = store.get_job("s")

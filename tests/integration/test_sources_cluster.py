@@ -37,7 +37,7 @@ from gpuwarden.store.cluster import ClusterStore
 from gpuwarden.store.sqlite import SqliteStore
 from tests.integration.test_est_s import MODULES, _run
 from tests.integration.test_job_gpus import _node
-from tests.sourcerepo import MODULE_TOML, make_repo
+from tests.sourcerepo import MODULE_TOML, SECRET_TOML, git, make_repo
 
 ADMIN = Principal(token_id="local", name="tester", role=Role.OWNER)
 
@@ -372,3 +372,45 @@ def test_a_coordinators_queue_root_takes_a_job_from_a_commit(
         assert "is not allowed on this coordinator" in text, text
     finally:
         store.close()
+
+
+# ---- issue 30, item 1: the coordinator's allow list cannot be walked out of ----
+
+
+@pytest.mark.parametrize(
+    ("tail", "says"),
+    [
+        ("../private/secret", "'.' or '..' part"),
+        ("%2e%2e/private/secret", "an encoded '.'"),
+        ("mymod/../../private/secret", "'.' or '..' part"),
+        ("mymod%2f..%2f..%2fprivate%2fsecret", "an encoded '/'"),
+        ("link", "(through a link)"),
+    ],
+)
+def test_a_coordinator_cannot_be_led_out_of_its_allow_list(
+    coord: Coord, repo: tuple[str, str], tmp_path: Path, tail: str, says: str
+) -> None:
+    """`file:///…/repos/../private/secret` (and its encodings, and a link in the
+    allowed folder) matched `file:///…/repos/*` as text: the coordinator, as root,
+    fetched the private repository and its module's description reached every
+    submitter's `GET /v1/types`. Now a 422 that stores nothing and fetches nothing;
+    the next submission from the allowed folder is taken."""
+    url, commit = repo
+    secret = make_repo(tmp_path / "private" / "secret", files={"module.toml": SECRET_TOML})
+    (tmp_path / "repos" / "link").symlink_to(tmp_path / "private" / "secret")
+    r = _submit(coord, f"file://{tmp_path}/repos/{tail}", secret)
+    assert r.status_code == 422, r.text
+    assert says in r.text, r.text
+    assert coord.store.list_jobs() == []
+    sources = coord.config.state_dir / "sources"
+    assert not (sources / "trees" / secret).exists()
+    for bare in (sources / "repos").glob("*.git"):
+        assert not git(bare, "cat-file", "-t", secret, check=False), bare
+    for who in ("submitter", "owner"):
+        listed = coord.get("/v1/types", who)
+        assert listed.status_code == 200, listed.text
+        assert "TOP SECRET" not in listed.text and secret not in listed.text
+    # the next legitimate request works
+    r = _submit(coord, url, commit)
+    assert r.status_code == 201, r.text
+    assert [j.id for j in coord.store.list_jobs()] == [r.json()["id"]]

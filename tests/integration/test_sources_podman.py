@@ -17,7 +17,7 @@ from gpuwarden.core.model import JobSpec
 from gpuwarden.core.sources import JobSource
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
-from gpuwarden.launch.imagebuild import image_tag
+from gpuwarden.launch.imagebuild import BUILD_CAPS, image_tag
 from tests.brokerkit import run_until, submit
 from tests.sourcerepo import make_repo
 
@@ -95,6 +95,45 @@ def test_a_branch_and_a_url_outside_the_allow_list_are_refused(
             JobSpec(id="u", type="mymod.train", source=JobSource("file:///elsewhere/r", commit)),
         )
     assert n.store.get_job("b") is None and n.store.get_job("u") is None
+
+
+#: capability numbers (linux/capability.h) of the ones a build keeps
+_CAP_BITS = {"CHOWN": 0, "DAC_OVERRIDE": 1, "FOWNER": 3, "SETGID": 6, "SETUID": 7}
+
+
+def test_a_builds_run_steps_keep_only_a_few_capabilities(
+    node: tuple[Node, str, str], tmp_path: Path, podman_base_image: str
+) -> None:
+    """Issue 30, item 13: a commit's RUN steps run as the image's root, with every
+    capability dropped but BUILD_CAPS (podman's defaults add KILL, SETPCAP,
+    NET_BIND_SERVICE, SYS_CHROOT, SETFCAP); the usual steps (write, chown, chmod)
+    still work and the job runs in the image."""
+    n, _, _ = node
+    steps = (
+        f"FROM {podman_base_image}\n"
+        "RUN grep -E '^Cap(Eff|Bnd)' /proc/self/status\n"
+        "RUN mkdir /opt/app && chown 65534:65534 /opt/app && chmod 0750 /opt/app"
+        " && touch /opt/app/f && echo built-into-image > /opt/said\n"
+        "RUN chroot / true 2>/dev/null && echo chroot-allowed || echo chroot-refused\n"
+    )
+    commit = make_repo(tmp_path / "caps", files={"Containerfile": steps})
+    try:
+        source = JobSource(f"file://{tmp_path / 'caps'}", commit)
+        submit(n, JobSpec(id="caps-1", type="mymod.train", source=source))
+        run_until(n, lambda: _ended(n, "caps-1"), timeout=300)
+        job = n.store.get_job("caps-1")
+        attempt = n.config.state_dir / "jobs" / "caps-1" / "attempt-1"
+        log = (attempt / "build.log").read_text()
+        assert job is not None and job.state is JobState.DONE, (job and job.reason, log)
+        assert set(BUILD_CAPS) <= set(_CAP_BITS)
+        mask = sum(1 << _CAP_BITS[c] for c in BUILD_CAPS)
+        assert f"CapEff:\t{mask:016x}" in log and f"CapBnd:\t{mask:016x}" in log, log
+        assert "\nchroot-refused\n" in log and "\nchroot-allowed\n" not in log, log
+        assert (attempt / "out" / "said.txt").read_text().strip() == "built-into-image"
+    finally:
+        subprocess.run(
+            ["podman", "rmi", "--force", image_tag(commit)], capture_output=True, check=False
+        )
 
 
 def _ended(n: Node, job_id: str) -> bool:

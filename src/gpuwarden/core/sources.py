@@ -8,7 +8,7 @@ import fnmatch
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 #: a full commit id: 40 lower-case hex digits (SHA-1 object names)
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -20,13 +20,20 @@ MAX_URL = 1024
 TYPE_SEP = "@"
 #: the most globs of ``[sources] allow`` a node's report may list (more: it runs none)
 MAX_ALLOW = 64
+#: the host part of an https or ssh URL: ``[user@]host[:port]``, nothing encoded
+_NETLOC = re.compile(
+    r"^(?:[A-Za-z0-9._~-]+@)?(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*)|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$"
+)
+#: a percent-escape, or a ``%`` that starts none
+_ESCAPE = re.compile(r"%([0-9A-Fa-f]{2})?")
 
 
 def allow_hint(who: str = "node") -> str:
     """What to do about a URL that ``who``'s ``[sources] allow`` does not match."""
     return (
         f"add a glob that matches it to the {who}'s [sources] allow, for example allow = "
-        '["https://git.example.org/team/*"]'
+        '["https://git.example.org/team/*"] (a * stands for one part of the path, ** for '
+        "any number of parts)"
     )
 
 
@@ -75,7 +82,7 @@ def check_repo(repo: object, allow: Sequence[str] | None, *, who: str = "node") 
             "spaces or control characters"
         )
     parts = urlsplit(repo)
-    if parts.scheme not in SCHEMES or "://" not in repo:
+    if parts.scheme not in SCHEMES or not repo.startswith(f"{parts.scheme}://"):
         raise ValueError(
             f"source repo {repo!r}: the URL must start with https://, ssh:// or file:// "
             "(scp-like host:path and other schemes are refused)"
@@ -89,6 +96,7 @@ def check_repo(repo: object, allow: Sequence[str] | None, *, who: str = "node") 
         raise ValueError(f"source repo {repo!r} names no host")
     if parts.query or parts.fragment:
         raise ValueError(f"source repo {repo!r} must not have a query or a fragment")
+    _segments(repo, parts)
     if allow is None:
         return repo
     if not allow:
@@ -132,16 +140,122 @@ def split_type(stored: str) -> tuple[str, str | None]:
 
 
 def check_allow(globs: Sequence[str]) -> tuple[str, ...]:
-    """``[sources] allow``: globs that each name a scheme this node fetches with."""
+    """``[sources] allow``: globs that each name a scheme this node fetches with,
+    written plainly (no ``.`` or ``..`` part, no backslash, no host in a
+    ``file://`` glob): a glob is matched part by part (:func:`allows`)."""
     for g in globs:
         if not any(g.startswith(f"{s}://") for s in SCHEMES):
             raise ValueError(f"[sources] allow: {g!r} must start with https://, ssh:// or file://")
+        scheme, netloc, segments = _glob_parts(g)
+        if "\\" in g:
+            raise ValueError(f"[sources] allow: {g!r} holds a backslash; write paths with /")
+        if any(seg in (".", "..") for seg in segments):
+            raise ValueError(
+                f"[sources] allow: {g!r} holds a '.' or '..' part; name the folder plainly "
+                "(a repository URL with one is refused, so the glob would match none)"
+            )
+        if scheme == "file" and netloc:
+            raise ValueError(
+                f"[sources] allow: {g!r} names a host; a file:// glob names a folder of "
+                "this host: file:///path/*"
+            )
     return tuple(globs)
 
 
 def allows(allow: Sequence[str], repo: str) -> bool:
-    """Whether a glob of ``allow`` matches ``repo``."""
-    return any(fnmatch.fnmatchcase(repo, glob) for glob in allow)
+    """Whether a glob of ``allow`` matches ``repo``, part by part: the scheme
+    exactly, the host part (``[user@]host[:port]``) by :func:`fnmatch.fnmatchcase`,
+    then the path one ``/``-separated part at a time: ``*``, ``?`` and ``[...]``
+    within one part (they never match a ``/``), a part ``**`` for any number of
+    parts. A URL that breaks the rules of :func:`check_repo` (a ``..`` part, an
+    encoded ``/``) matches nothing."""
+    try:
+        parts = urlsplit(repo)
+        segments = _segments(repo, parts)
+    except ValueError:
+        return False
+    if not repo.startswith(f"{parts.scheme}://"):
+        return False
+    for glob in allow:
+        scheme, netloc, globbed = _glob_parts(glob)
+        if scheme != parts.scheme or not fnmatch.fnmatchcase(parts.netloc, netloc):
+            continue
+        if _match_parts(globbed, segments):
+            return True
+    return False
+
+
+def _segments(repo: str, parts: SplitResult) -> list[str]:
+    """The parts of ``repo``'s path, one trailing ``/`` left out, or
+    :class:`ValueError` saying why the URL cannot be matched part by part: a
+    ``.`` or ``..`` part, an empty one (``//``), a backslash, a percent-escape of
+    ``.``, ``/``, ``\\``, ``%`` or a control character (git decodes them: each
+    would hide a part from the allow list), a host part with more than a user,
+    host and port, a ``file://`` URL that names a host."""
+    if "\\" in repo:
+        raise ValueError(f"source repo {repo!r} holds a backslash; write the path with /")
+    if parts.scheme == "file":
+        if parts.netloc:
+            raise ValueError(
+                f"source repo {repo!r}: a file:// URL names a folder of this host, no other "
+                "host: file:///path/to/repo"
+            )
+    elif not _NETLOC.fullmatch(parts.netloc):
+        raise ValueError(
+            f"source repo {_shown(repo)!r}: its host part must be [user@]host[:port], with "
+            "nothing encoded"
+        )
+    for escape in _ESCAPE.finditer(parts.path):
+        code = escape.group(1)
+        if code is None:
+            raise ValueError(f"source repo {repo!r}: a % must start an escape of 2 hex digits")
+        char = chr(int(code, 16))
+        if char in "./\\%" or ord(char) < 32 or ord(char) == 127:
+            raise ValueError(
+                f"source repo {repo!r} holds {escape.group(0)!r} (an encoded {char!r}); give "
+                "the repository's path plainly: an encoded '.', '/' or '\\' is refused, so "
+                "that no '..' can lead out of the folders [sources] allow names"
+            )
+    if not parts.path.startswith("/") or parts.path == "/":
+        raise ValueError(f"source repo {repo!r} names no repository (its path is empty)")
+    segments = parts.path[1:].split("/")
+    if segments[-1] == "":
+        segments.pop()  # one trailing /
+    if any(seg in (".", "..") for seg in segments):
+        raise ValueError(
+            f"source repo {repo!r} holds a '.' or '..' part; give the repository's path "
+            "plainly (a '..' could lead out of the folders [sources] allow names)"
+        )
+    if "" in segments:
+        raise ValueError(f"source repo {repo!r} holds an empty part (//); give its path plainly")
+    return segments
+
+
+def _glob_parts(glob: str) -> tuple[str, str, list[str]]:
+    """A glob's scheme, host part and path parts (one trailing ``/`` left out)."""
+    scheme, _, rest = glob.partition("://")
+    netloc, slash, path = rest.partition("/")
+    segments = path.split("/") if slash else []
+    if segments and segments[-1] == "":
+        segments.pop()
+    return scheme, netloc, segments
+
+
+def _match_parts(globbed: Sequence[str], segments: Sequence[str]) -> bool:
+    """Whether the path parts ``segments`` match the glob's parts ``globbed``
+    (``**``: any number of parts, none too; anything else: one part, by
+    :func:`fnmatch.fnmatchcase`)."""
+    reached = {0}  # how many of ``segments`` the glob's parts so far can have matched
+    for g in globbed:
+        if g == "**":
+            reached = set(range(min(reached), len(segments) + 1))
+        else:
+            reached = {
+                i + 1 for i in reached if i < len(segments) and fnmatch.fnmatchcase(segments[i], g)
+            }
+        if not reached:
+            return False
+    return len(segments) in reached
 
 
 @dataclass(frozen=True, slots=True)

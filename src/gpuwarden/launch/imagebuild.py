@@ -5,6 +5,12 @@ The image of a commit is built once, by the node's podman or docker, from the
 nothing pulled (``FROM`` an image the node has), and tagged
 ``gpuwarden-src:<commit>``: a later job of the same commit finds the tag and
 reuses the image. The build's output is the attempt's ``build.log``.
+
+The ``RUN`` steps of a commit's ``Containerfile`` are code from the repository,
+run by the node's runtime as the image's user (root unless it says ``USER``): a
+podman build drops every capability but :data:`BUILD_CAPS`; ``docker build`` has
+no such option and runs them with docker's defaults (SPEC.md section 20, "Build
+and cache").
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ from gpuwarden.launch.base import ImageBuild
 BUILD_LOG = "build.log"
 #: the lines of a failed build's log that its launch error quotes
 _TAIL_LINES = 12
+#: the only capabilities the RUN steps of a podman build keep: to own, chown and
+#: chmod files and to change user (chown, useradd, ``USER``); not to chroot, kill
+#: outside their own uid, set file capabilities or change capability sets
+BUILD_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "SETGID", "SETUID")
 _locks: dict[str, threading.Lock] = {}
 _locks_lock = threading.Lock()
 
@@ -54,6 +64,8 @@ def image_for(
         argv = [executable, "build", "--network", "none"]
         if Path(executable).name != "docker":  # docker build pulls only when asked
             argv.append("--pull=never")
+            # docker build has no --cap-drop: its RUN steps keep docker's defaults
+            argv += ["--cap-drop=all", f"--cap-add={','.join(BUILD_CAPS)}"]
         argv += ["--file", str(Path(build.context) / "Containerfile"), "--tag", build.tag]
         argv += ["--label", f"gpuwarden.source.commit={build.tag.rpartition(':')[2]}"]
         argv.append(build.context)
