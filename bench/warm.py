@@ -61,7 +61,7 @@ preallocates its size; real use = declared), so several share the one
 
 Policies, each counting model loads over the same trace:
 
-- ``gpuwarden``: ``core.simulate.simulate`` with ``core.policy.plan``: warm
+- ``gpuwarden``: ``replay.simulate.simulate`` with ``core.policy.plan``: warm
   servers as the broker drives them (one per model, one job at a time; a job
   whose model has a server waits for it, or starts it when idle; others start a
   server where they fit, else the idle servers cheapest to reload are evicted for
@@ -226,7 +226,7 @@ def belady_loads(trace: Sequence[TraceJob], capacity: int, *, ordered: bool = Fa
 
 class FcfsLru:
     """First come first served, least-recently-used unloading, a fixed keep-alive
-    (one GPU). A planner for ``core.simulate``; see the module's docstring."""
+    (one GPU). A planner for ``replay.simulate``; see the module's docstring."""
 
     def __init__(self, keep_alive_s: float) -> None:
         self.keep_alive_s = keep_alive_s

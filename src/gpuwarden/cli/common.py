@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import getpass
 import os
+import re
 import signal
 import sys
 import threading
@@ -451,10 +452,15 @@ def printable(text: str) -> str:
     )
 
 
+#: a time in a progress line (``heard from 3 s ago``, ``for 12.5 s``): it changes
+#: every second, so a log gets a new line only when something else changes
+_TIMES = re.compile(r"\b\d+(?:\.\d+)? ?(?:ms|s|min|h)\b")
+
+
 class Progress:
     """What a command says while it waits for a job: on a terminal, a spinner with
     the job's state and why it waits; without one (piped, in a log), one line on
-    stderr, with the time, each time that changes."""
+    stderr, with the time, each time that changes (a time in it alone is no change)."""
 
     def __init__(self, first: str) -> None:
         self._spinner = err.status(printable(first), spinner="dots") if err.is_terminal else None
@@ -473,12 +479,14 @@ class Progress:
 
     def update(self, text: str) -> None:
         text = printable(text)
-        if text == self._said:
-            return
-        self._said = text
         if self._spinner is not None:
-            self._spinner.update(text)
-        else:
+            if text != self._said:
+                self._said = text
+                self._spinner.update(text)
+            return
+        gist = _TIMES.sub("…", text)
+        if gist != self._said:
+            self._said = gist
             err.print(f"{time.strftime('%H:%M:%S')} {text}", markup=False, highlight=False)
 
 
