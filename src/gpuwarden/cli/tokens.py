@@ -53,8 +53,12 @@ def _add_token(sub: Commands) -> None:
     tc.add_argument("--expires-days", type=float, help="it expires after this many days")
     tc.add_argument("--node", help="the node a node or enroll token is bound to")
     tc.add_argument(
-        "--save", type=Path, metavar="FILE", help="also write the token to FILE (mode 600)"
+        "--save",
+        type=Path,
+        metavar="FILE",
+        help="also write the token to FILE (mode 600); refused when FILE exists",
     )
+    tc.add_argument("--force", action="store_true", help="with --save: replace FILE when it exists")
     tc.add_argument("--json", action="store_true", help="print one JSON object")
     add_remote_options(tc)
     tc.set_defaults(func=cmd_token_create)
@@ -95,6 +99,12 @@ def cmd_token_create(args: argparse.Namespace) -> int:
         )
     if args.expires_days is not None and not 0 < args.expires_days <= 3660:
         raise UserError("--expires-days must be more than 0 and at most 3660")
+    if args.save is not None and not args.force and os.path.lexists(args.save.expanduser()):
+        # before the token is made: a refusal after would leave one nobody holds
+        raise UserError(
+            f"--save {args.save}: the file exists (it may hold another token, lost once "
+            "replaced): choose another file, or add --force to replace it"
+        )
     token_id, name, role, token, new_store = local_or_http(
         args,
         _create_here,
@@ -103,19 +113,20 @@ def cmd_token_create(args: argparse.Namespace) -> int:
         hint="the first token is made in the store, without --url "
         f"(unset {URL_ENV}): `gpuwarden token create NAME --role owner`",
     )
-    if args.save is not None:
-        _save_token(args.save.expanduser(), token)
+    unsaved = None if args.save is None else _save_token(args.save.expanduser(), token)
+    if unsaved is not None:  # made all the same: it is printed, never lost
+        err.print(f"error: {unsaved}", markup=False)
     if args.json:
         print(json.dumps({"id": token_id, "name": name, "role": role, "token": token}))
-        return 0
+        return 0 if unsaved is None else 1
     err.print(
         f"token {token_id} for {name} (role {role}); it is shown once, keep it secret"
-        + (f"; saved to {args.save}" if args.save else "")
+        + (f"; saved to {args.save}" if args.save and unsaved is None else "")
         + new_store,
         markup=False,
     )
     print(token)
-    return 0
+    return 0 if unsaved is None else 1
 
 
 def _create_http(args: argparse.Namespace, client: Client) -> _Made:
@@ -154,14 +165,23 @@ def _create_here(args: argparse.Namespace) -> _Made:
     return record.id, record.name, record.role.value, token, new_store
 
 
-def _save_token(path: Path, token: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _save_token(path: Path, token: str) -> str | None:
+    """Write the token to ``path`` (mode 600, never through a link: this may run
+    as root); why not, when it cannot."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        return (
+            f"--save {path}: the token could not be written there ({exc.strerror}); it "
+            "was made all the same: keep the one printed below"
+        )
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, (token + "\n").encode())
     finally:
         os.close(fd)
+    return None
 
 
 # -- token list, token revoke ---------------------------------------------------------
