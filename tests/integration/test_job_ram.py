@@ -9,6 +9,7 @@ launch error before its process runs (SPEC.md section 11, "Host RAM")."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,16 +18,19 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gpuwarden import client as c
+from gpuwarden.api.app import create_app
+from gpuwarden.api.auth import Principal, issue_token
 from gpuwarden.app import Node, open_node
 from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster import nodeview as nv
-from gpuwarden.core.model import GIB, JobSpec, LaunchMode
+from gpuwarden.core.model import GIB, JobSpec, LaunchMode, Role
 from gpuwarden.core.ramadmit import RamNeed
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import BundleError, ValidationError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake.manifest import manifest_doc, parse_manifest
 from gpuwarden.launch.host import HostLauncher
+from gpuwarden.node import explain
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore
@@ -167,6 +171,7 @@ def ram_node(tmp_path: Path) -> Iterator[tuple[Node, FakeMeminfo]]:
         meminfo = FakeMeminfo(8 * GIB)
         n.broker.attempts.host_ram.read = meminfo
         n.broker.attempts.host_ram.every_s = 0.0
+        n.broker.attempts.host_ram.total_bytes = 64 * GIB  # whatever this host has
         yield n, meminfo
 
 
@@ -280,3 +285,42 @@ def test_a_node_that_cannot_enforce_caps_refuses_a_job_that_asks_for_one(
     )
     assert node.store.attempts("capped") == []  # never started
     run_until(node, lambda: _state(node, "plain") is JobState.DONE)
+
+
+ADMIN = Principal(token_id="local", name="t", role=Role.OWNER)
+
+
+def test_a_ram_request_no_host_can_meet_is_refused_at_submission(
+    ram_node: tuple[Node, FakeMeminfo],
+) -> None:
+    """Issue 31: 30 GiB on a 23.5 GiB host waited for ever; it is refused as a
+    footprint no GPU holds is, on the broker and against its published status."""
+    node, _ = ram_node
+    too_big = _sleep("huge", start_min_bytes=65 * GIB)
+    with pytest.raises(ValidationError) as refused:
+        node.broker.check_fits([too_big])
+    assert str(refused.value) == (
+        "job huge (testmods.sleep) needs 65.00 GiB of RAM available to start "
+        "(ram_start_min_gib), and this host has 64.00 GiB of RAM in all: ask for less"
+    )
+    capped = _sleep("capped", cap_bytes=60 * GIB, floor_bytes=8 * GIB)
+    with pytest.raises(ValidationError, match=r"a RAM cap of 60\.00 GiB .* floor of 8\.00 GiB"):
+        node.broker.check_fits([capped])
+    node.broker.check_fits([_sleep("fits", cap_bytes=56 * GIB, floor_bytes=8 * GIB)])
+    # the published status says the same to a submit from another process
+    node.broker.tick()
+    status = explain.latest_status(node.store, time.time())
+    assert status is not None
+    view = explain.view_from_status(status, 1)
+    assert view.ram.total_bytes == 64 * GIB
+    jobtype = node.broker.registry.get("testmods.sleep")
+    assert explain.never_admitted(view.ram, jobtype, too_big.ram) is not None
+    assert explain.never_admitted(view.ram, jobtype, RamNeed(GIB)) is None
+    _, token = issue_token(node.store, name="s", role=Role.SUBMITTER, by=ADMIN, now=time.time())
+    http = TestClient(create_app(node.store, node.broker.registry, node.config))
+    body = {"type": "testmods.sleep", "ram_start_min_gib": 65}
+    r = http.post("/v1/jobs", json=body, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 422 and "this host has 64.00 GiB of RAM in all" in r.json()["error"]
+    body["ram_start_min_gib"] = 2
+    r = http.post("/v1/jobs", json=body, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 201, r.text

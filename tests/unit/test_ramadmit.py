@@ -7,7 +7,16 @@ from hypothesis import strategies as st
 
 from gpuwarden.core.model import Lane
 from gpuwarden.core.policy import QueuedJob, Snapshot, Start, plan
-from gpuwarden.core.ramadmit import GIB, NO_RAM, RamNeed, RamView, admit, floor_of, promised
+from gpuwarden.core.ramadmit import (
+    GIB,
+    NO_RAM,
+    RamNeed,
+    RamView,
+    admit,
+    floor_of,
+    never_admits,
+    promised,
+)
 
 _bytes = st.integers(min_value=0, max_value=512 * GIB)
 
@@ -95,3 +104,20 @@ def test_a_pass_never_admits_more_caps_than_the_memory_left(
     for d in plan(snapshot, 0.0):
         if not isinstance(d, Start):
             assert d.reason.startswith("host RAM: ")  # the only thing that holds a cpu job here
+
+
+@given(total=_bytes, node_floor=_bytes, cap=_bytes, floor=_bytes, start_min=_bytes, data=st.data())
+def test_a_need_never_admitted_is_refused_however_much_is_free(
+    total: int, node_floor: int, cap: int, floor: int, start_min: int, data: st.DataObject
+) -> None:
+    """What ``never_admits`` refuses at submission, ``admit`` refuses with any
+    amount of the host's RAM free and nothing running; what it takes, ``admit``
+    takes on the empty host."""
+    need = RamNeed(cap, floor, start_min)
+    why = never_admits(RamView(None, node_floor, total_bytes=total), need)
+    if why is None:
+        assert admit(RamView(total, node_floor), need) is None
+    else:
+        available = data.draw(st.integers(min_value=0, max_value=total))
+        assert admit(RamView(available, node_floor), need) is not None
+    assert never_admits(RamView(None, node_floor), need) is None  # total unknown: no check

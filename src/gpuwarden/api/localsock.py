@@ -218,6 +218,8 @@ class LocalSession:
             return
         view = explain.view_from_status(status, self.config.broker.cpu_slots)
         jobtype = self.registry.get(spec.type)
+        if (why := explain.never_admitted(view.ram, jobtype, spec.ram)) is not None:
+            raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
         need = explain.effective_footprint(jobtype, spec.vram_bytes, self.store)
         if (why := never_fits(need, view.gpus, gpu_count(jobtype, spec.gpus))) is not None:
             raise ValidationError(f"job {spec.id} ({spec.type}) {why}")

@@ -594,12 +594,16 @@ def _submit_here(args: argparse.Namespace) -> int:
 def _refuse_if_it_never_fits(
     spec: JobSpec, registry: Registry, store: Store, cpu_slots: int
 ) -> None:
-    """Against the GPUs the running broker last reported (when one runs)."""
+    """Against the GPUs and RAM the running broker last reported (when one runs)."""
     jobtype = registry.get(spec.type)
     status = explain.latest_status(store, time.time())
-    if jobtype.lane is not Lane.VRAM or status is None:
+    if status is None:
         return
     view = explain.view_from_status(status, cpu_slots)
+    if (why := explain.never_admitted(view.ram, jobtype, spec.ram)) is not None:
+        raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
+    if jobtype.lane is not Lane.VRAM:
+        return
     need = explain.effective_footprint(jobtype, spec.vram_bytes, store)
     if (why := never_fits(need, view.gpus, gpu_count(jobtype, spec.gpus))) is not None:
         raise ValidationError(f"job {spec.id} ({spec.type}) {why}")

@@ -35,6 +35,7 @@ __all__ = [
     "check_ram_gib",
     "floor_of",
     "gib_text",
+    "never_admits",
     "promised",
 ]
 
@@ -90,6 +91,8 @@ class RamView:
     node_floor_bytes: int = 0
     running_floors: tuple[int, ...] = ()
     promised_bytes: int = 0
+    #: the host's RAM in all (MemTotal; None: not known): what no job can pass
+    total_bytes: int | None = None
 
     @property
     def free_bytes(self) -> int | None:
@@ -104,6 +107,7 @@ class RamView:
             "node_floor_bytes": self.node_floor_bytes,
             "running_floors": list(self.running_floors),
             "promised_bytes": self.promised_bytes,
+            "total_bytes": self.total_bytes,
         }
 
     @classmethod
@@ -112,12 +116,13 @@ class RamView:
         if not isinstance(d, dict):
             return cls(None)
         try:
-            available = d.get("available_bytes")
+            available, total = d.get("available_bytes"), d.get("total_bytes")
             return cls(
                 None if available is None else int(available),
                 int(d.get("node_floor_bytes") or 0),
                 tuple(int(f) for f in d.get("running_floors") or ()),
                 int(d.get("promised_bytes") or 0),
+                None if total is None else int(total),
             )
         except (TypeError, ValueError):
             return cls(None)
@@ -173,6 +178,28 @@ def admit(view: RamView, need: RamNeed) -> str | None:
         return (
             f"host RAM: {gib_text(available)} available{promised_part}, a floor of "
             f"{gib_text(floor)} must stay free{' ' + cap if cap else ''}"
+        )
+    return None
+
+
+def never_admits(view: RamView, need: RamNeed) -> str | None:
+    """Why a job asking ``need`` can never start on the host of ``view``, however
+    much of its RAM is free (refused at submission, as a footprint no GPU holds
+    is); None when it may some day, or the host's RAM is not known."""
+    total = view.total_bytes
+    if total is None:
+        return None
+    host = f"this host has {gib_text(total)} of RAM in all"
+    if need.start_min_bytes > total:
+        return (
+            f"needs {gib_text(need.start_min_bytes)} of RAM available to start "
+            f"(ram_start_min_gib), and {host}: ask for less"
+        )
+    floor = max(view.node_floor_bytes, need.floor_bytes)
+    if need.cap_bytes + floor > total:
+        return (
+            f"asks for a RAM cap of {gib_text(need.cap_bytes)} (ram_gib) with a floor of "
+            f"{gib_text(floor)} that must stay free beside it, and {host}: ask for less"
         )
     return None
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from gpuwarden.core import dependencies, footprint, jobcontrol, policy, profile
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S, Usage, why_behind
 from gpuwarden.core.model import Job, JobType, Lane, LaunchMode, format_bytes, gpu_count
-from gpuwarden.core.ramadmit import UNSAMPLED, RamView
+from gpuwarden.core.ramadmit import UNSAMPLED, RamNeed, RamView, never_admits
 from gpuwarden.core.runtime import resolve_runtime
 from gpuwarden.gpu.base import GpuProbe
 from gpuwarden.node.hostram import effective_need
@@ -59,6 +59,12 @@ class View:
 def effective_footprint(jobtype: JobType, override: int | None, store: Store) -> int:
     measured = store.footprints().get(jobtype.name)
     return footprint.effective(jobtype.vram_bytes, override, measured.bytes if measured else 0)
+
+
+def never_admitted(ram: RamView, jobtype: JobType, need: RamNeed) -> str | None:
+    """Why a job of ``jobtype`` asking ``need`` can never start on the host whose
+    RAM ``ram`` published (its type's ``ram_gib`` counts as its cap), or None."""
+    return never_admits(ram, effective_need(jobtype, need))
 
 
 def latest_status(store: Store, now: float) -> NodeStatus | None:

@@ -18,7 +18,7 @@ import psutil
 from gpuwarden.core.model import JobType, LaunchMode
 from gpuwarden.core.ramadmit import RamNeed, RamView, promised
 
-__all__ = ["HostRam", "RunningRam", "effective_need", "mem_available", "ram_view"]
+__all__ = ["HostRam", "RunningRam", "effective_need", "mem_available", "mem_total", "ram_view"]
 
 #: how old the plan's sample may be
 SAMPLE_S = 0.25
@@ -36,10 +36,17 @@ class HostRam:
     """MemAvailable, sampled for the plan at most every ``every_s``; ``read`` is
     the source (the tests give one of their own)."""
 
-    def __init__(self, read: Callable[[], int] = mem_available, every_s: float = SAMPLE_S) -> None:
+    def __init__(
+        self,
+        read: Callable[[], int] = mem_available,
+        every_s: float = SAMPLE_S,
+        total: Callable[[], int] = mem_total,
+    ) -> None:
         self.read = read
         self.every_s = every_s
         self._last: tuple[float, int] | None = None
+        #: MemTotal, read once: what no job's RAM request may pass
+        self.total_bytes = total()
 
     def sample(self, now: float) -> int:
         if self._last is None or now - self._last[0] >= self.every_s or now < self._last[0]:
@@ -72,11 +79,17 @@ class RunningRam:
     used_bytes: int = 0
 
 
-def ram_view(available: int | None, node_floor: int, running: Iterable[RunningRam]) -> RamView:
+def ram_view(
+    available: int | None,
+    node_floor: int,
+    running: Iterable[RunningRam],
+    total: int | None = None,
+) -> RamView:
     running = list(running)
     return RamView(
         available,
         node_floor,
         tuple(r.need.floor_bytes for r in running if r.need.floor_bytes),
         promised((r.need.cap_bytes, r.used_bytes) for r in running),
+        total,
     )

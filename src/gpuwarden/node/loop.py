@@ -49,6 +49,7 @@ from gpuwarden.core.model import (
     gpu_list,
 )
 from gpuwarden.core.preempt import Preempt, Victim
+from gpuwarden.core.ramadmit import never_admits
 from gpuwarden.core.serviceroute import ServiceRoute
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
@@ -806,12 +807,16 @@ class Broker:
             self._status_dirty = True
 
     def check_fits(self, specs: list[JobSpec]) -> None:
-        """Refuse, at submission, a job whose footprint exceeds every GPU here, or
-        that asks for a RAM cap this node cannot enforce."""
+        """Refuse, at submission, a job whose footprint exceeds every GPU here, that
+        asks for more RAM than this host has, or for a RAM cap this node cannot
+        enforce."""
         self._observe(self.clock())
         views = self.vram.views()
+        ram = self.attempts.ram_view(None)
         for spec in specs:
             jobtype = self.registry.get(spec.type)
+            if (why := never_admits(ram, effective_need(jobtype, spec.ram))) is not None:
+                raise ValidationError(f"job {spec.id} ({spec.type}) {why}")
             launcher = self.launchers.get(jobtype.launch)
             if spec.ram.cap_bytes and launcher is not None and not launcher.memory_caps().enforced:
                 raise ValidationError(

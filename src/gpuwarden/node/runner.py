@@ -153,7 +153,7 @@ class AttemptRunner:
             for r in self.by_job.values()
             if r.job.id != but
         ]
-        return ram_view(available, self.ram_floor_bytes, running)
+        return ram_view(available, self.ram_floor_bytes, running, self.host_ram.total_bytes)
 
     def ram_gated(self, *needs: RamNeed) -> bool:
         """Whether jobs with ``needs`` are judged against host RAM at all: where one

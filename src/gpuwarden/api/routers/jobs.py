@@ -358,16 +358,21 @@ def _refuse_file_inputs(jobtype: JobType, body: JobIn) -> None:
 
 
 def _refuse_if_it_never_fits(ctx: ApiContext, spec: JobSpec, jobtype: JobType) -> None:
-    """Against the GPUs every live node last published (no check when none runs)."""
-    if jobtype.lane is not Lane.VRAM:
-        return
+    """Against the GPUs and RAM every live node last published (no check when none
+    runs)."""
     now = ctx.clock()
     live = [
-        BrokerStatus.from_json(s.payload)
+        st
         for s in ctx.store.node_statuses()
         if now - s.updated_at <= explain.FRESH_S
+        and not (st := BrokerStatus.from_json(s.payload)).stopped
     ]
-    nodes = [st.gpu_views() for st in live if not st.stopped]
+    rams = [explain.never_admitted(st.ram, jobtype, spec.ram) for st in live]
+    if rams and all(rams):
+        raise ValidationError(f"job {spec.id} ({spec.type}) {rams[0]}")
+    if jobtype.lane is not Lane.VRAM:
+        return
+    nodes = [st.gpu_views() for st in live]
     need = explain.effective_footprint(jobtype, spec.vram_bytes, ctx.store)
     count = gpu_count(jobtype, spec.gpus)
     if count > 1:  # its GPUs must all be on one node
