@@ -17,6 +17,7 @@ from gpuwarden.core.launchrules import Runtime
 from gpuwarden.core.model import Attempt, Job, JobType
 from gpuwarden.core.states import JobState
 from gpuwarden.launch.base import LaunchRequest
+from gpuwarden.launch.host import HostLauncher
 from gpuwarden.launch.sandbox import SandboxLauncher, sandbox_env
 from gpuwarden.node.attempts import Launching
 from gpuwarden.node.running import RunningAttempt
@@ -185,6 +186,13 @@ def test_unsandboxed_jobs_get_the_host_path_and_a_commits_module_gets_none(
     from_commit = dataclasses.replace(stableaudio, module="audiogen@" + "b" * 40)
     assert launch.model_dir(stableaudio) == models["audiogen"]
     assert launch.model_dir(from_commit) is None
+    # an unsandboxed warm server's load scratch is made for it, as a sandboxed
+    # one's is (issue 31: speech.voxcpm2 never loaded without a sandbox)
+    log_dir = tmp_path / "warm" / "speech.voxcpm2"
+    (log_dir / "exchange").mkdir(parents=True)
+    voxcpm = launch.registry.types["speech.voxcpm2"]
+    launcher, _ = launch.server_request(voxcpm, "", 1, log_dir, log_dir / "serve.sock")
+    assert isinstance(launcher, HostLauncher) and (log_dir / "scratch").is_dir()
 
 
 def test_a_node_does_not_start_while_a_model_dir_is_missing(

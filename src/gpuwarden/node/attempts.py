@@ -431,6 +431,9 @@ class Launching:
             instance=self.instance,
         )
         if sandbox is None:
+            # its load scratch (GPUWARDEN_SCRATCH_DIR), made as a sandboxed one's is:
+            # a worker that caches there (speech.voxcpm2's HF_HOME) finds it
+            safefs.make_dir(log_dir / "scratch", owner=None)
             return HostLauncher(), request
         return sandbox, self._sandboxed_server_request(request, gpu, socket_path, jobtype)
 
