@@ -193,6 +193,10 @@ def test_terminal_output_is_escaped() -> None:
         ("--jsno", ["--json", "--limit"], " (did you mean --json?)"),
         ("--colour", ["--text", "--output"], ""),
         ("-x", ["-p", "-v"], ""),  # one edit of two characters is no match
+        # another tool's word: the command that means it, not the nearest spelling
+        ("undrain", ["invite", "list", "drain", "resume", "revoke"], " (did you mean resume?)"),
+        ("uncordon", ["drain", "resume"], " (did you mean resume?)"),
+        ("undrain", ["drain", "list"], ""),  # no resume here: no misleading drain either
     ],
 )
 def test_did_you_mean(word: str, candidates: list[str], said: str) -> None:

@@ -89,12 +89,30 @@ class Parser(argparse.ArgumentParser):
         super().error(message)
 
 
+#: words people bring from other tools, and the command that does what they mean
+#: here: a near spelling would mislead (``undrain`` is one edit from ``drain``)
+SYNONYMS = {
+    "undrain": "resume",
+    "uncordon": "resume",
+    "cordon": "drain",
+    "unhold": "release",
+    "delete": "cancel",
+    "kill": "cancel",
+    "ps": "jobs",
+    "queue": "jobs",
+}
+
+
 def did_you_mean(word: str, candidates: Sequence[str]) -> str:
     """`` (did you mean X?)`` for the candidate closest to ``word``, or ``""``.
 
+    A word of another tool's (:data:`SYNONYMS`) names the command that means it
+    (nothing, where there is none: never its near spelling).
     Closest: the fewest edits, where swapping two neighbours is one edit (a typo
     like ``--wiat`` is one from ``--wait``, two from ``--want``), then difflib's
     ratio; a candidate more than 2 edits (or half the word) away is no match."""
+    if (meant := SYNONYMS.get(word)) is not None:
+        return f" (did you mean {meant}?)" if meant in candidates else ""
     best: tuple[int, float, str] | None = None
     for c in dict.fromkeys(candidates):
         d = edits(word, c)
