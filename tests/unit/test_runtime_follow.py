@@ -28,13 +28,15 @@ class Device:
     def __init__(self) -> None:
         self.bytes = 16 * GIB
         self.runtime_pids: dict[str, set[int]] = {}
+        #: gpuwarden's own jobs of each runtime, as the VRAM book holds them
+        self.jobs: dict[str, list[str]] = {}
 
     def views(self) -> tuple[GpuView, ...]:
         named = (("ollama", self.bytes),) if self.bytes else ()
         return (GpuView("G", 24 * GIB, runtimes=named),)
 
     def runtime_jobs(self) -> dict[str, list[str]]:
-        return {}
+        return self.jobs
 
 
 def book(timeout_s: float = 10.0) -> tuple[ManagedRuntimes, Device, list[tuple[str, Any]]]:
@@ -74,6 +76,21 @@ def test_released_once_the_device_shows_it_then_a_reload_in_the_handoff_is_repor
     assert kind == "runtime_reloaded_during_handoff"
     assert (detail["reloads"], detail["bytes"]) == (1, 16 * GIB)
     assert rts.statuses(110.0)[0]["reloads_during_handoff"] == 1
+
+
+def test_our_own_runtime_jobs_preload_in_the_handoff_is_no_reload() -> None:
+    """Issue 31: gpuwarden's preload for its own job of that runtime was counted
+    as a client pinning the model again."""
+    rts, device, events = book()
+    rts.ask(AskRuntime("ollama", "G", 16 * GIB, "j"), now=100.0)
+    device.bytes = 0
+    assert rts.follow(102.5)
+    assert events[-1][0] == "runtime_released"
+    device.jobs = {"ollama": ["chat-1"]}  # a runtime job of ours starts: its preload
+    device.bytes = 16 * GIB
+    rts.follow(104.0)
+    assert "runtime_reloaded_during_handoff" not in [k for k, _ in events]
+    assert rts.statuses(104.0)[0]["reloads_during_handoff"] == 0
 
 
 def test_a_reload_after_the_handoff_window_is_no_handoff() -> None:

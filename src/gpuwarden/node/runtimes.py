@@ -20,7 +20,8 @@ release is ``runtime_released`` (with ``after_s`` and the bytes back); past its
 ``release_timeout_s`` with nothing back it is ``runtime_release_ineffective``, the
 residual stays counted and it is not asked again until its memory changes. A
 runtime that takes memory back within ``HANDOFF_S`` of a release (a client that
-pins its model) is reported ``runtime_reloaded_during_handoff``. Nothing is ever
+pins its model) is reported ``runtime_reloaded_during_handoff``, unless a
+gpuwarden job of that runtime holds it then (its own preload). Nothing is ever
 killed.
 """
 
@@ -329,6 +330,7 @@ class ManagedRuntimes:
         """Compare what each runtime holds with its pending release (each tick, after
         the probe was read). True when something changed for status."""
         held = {(g.uuid, name): b for g in self.vram.views() for name, b in g.runtimes}
+        ours = self.vram.runtime_jobs()  # runtimes a gpuwarden job of theirs holds now
         changed = False
         for rt in self.runtimes.values():
             name = rt.spec.name
@@ -361,8 +363,8 @@ class ManagedRuntimes:
                     rt.ineffective, changed = None, True  # its memory moved: ask again later
             if rt.released is not None:
                 at, gpu = rt.released
-                if now - at > HANDOFF_S:
-                    rt.released = None
+                if now - at > HANDOFF_S or ours.get(name):
+                    rt.released = None  # over, or the reload is our own runtime job's
                 elif held.get((gpu, name), 0) > _TOLERANCE:
                     rt.reloads += 1
                     self.emit(
