@@ -30,6 +30,7 @@ from gpuwarden.core.states import JobState
 from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.status import GpuReport
 from gpuwarden.registry import Registry
+from gpuwarden.store.cluster import NodeState
 from gpuwarden.store.sqlite import SqliteStore
 from tests.brokerkit import run_until, submit
 from tests.conftest import MODULES
@@ -297,6 +298,12 @@ def test_a_coordinator_gives_each_node_as_its_agent_reported_it(tmp_path: Path) 
     served = parse(TestClient(app).get("/metrics").text)
     assert served[("gpuwarden_gpu_ledger_bytes", at)] == 8 * GIB
     assert served[("gpuwarden_node_leases", frozenset({("node", "n1")}))] == 0
+    # revoked: its GPUs and jobs go; its state stays (issue 31: its last figures stayed)
+    assert store.set_node_state("n1", NodeState.REVOKED, now=140.0)
+    gone = parse(scrape(store, registry, clock=lambda: 150.0, coordinator=True).decode())
+    assert ("gpuwarden_gpu_ledger_bytes", at) not in gone
+    assert gone.get(("gpuwarden_queue_depth", running), 0) == 0
+    assert gone[("gpuwarden_node_state", frozenset({("node", "n1"), ("state", "revoked")}))] == 1
     store.close()
 
 

@@ -230,6 +230,10 @@ class GpuwardenCollector:
                     mine.heartbeat_age_s = heard_s_ago(record, now)
                 else:
                     found[record.name] = from_record(record, now, live.get(record.name, 0))
+                if record.state is NodeState.REVOKED:
+                    # its last figures are no one's now: only its state is shown
+                    gone = found[record.name]
+                    gone.gpus, gone.running, gone.warm = [], {}, {}
             queued = store.queued_count()
         return [found[n] for n in sorted(found)], queued
 
