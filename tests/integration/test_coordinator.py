@@ -138,6 +138,34 @@ def test_draining_or_revoked_node_gets_nothing(s: ClusterStore, registry: Regist
         co.drain(s, "n", now=5.0)
 
 
+def test_a_drain_gives_back_the_jobs_leased_there_that_have_not_started(
+    s: ClusterStore, registry: Registry
+) -> None:
+    """Issue 31: a job leased before the drain started on the drained node 28 s
+    after it. Unstarted leases go back; a started job runs on; its late start is
+    refused (the agent then stops its copy)."""
+    enrol(s, "n", 80)
+    enrol(s, "m", 80)
+    s.submit([gpu_job("run", 1), gpu_job("wait", 1)], now=1.0)
+    assert claim(s, registry, "n", 2.0) == ["run", "wait"]
+    leases = {j: s.lease_of(j) for j in ("run", "wait")}
+    started = leases["run"]
+    assert started is not None
+    co.start(s, "n", "run", lease_id=started.lease_id, gpu_uuid=None, now=2.5)
+    co.drain(s, "n", now=3.0)
+    assert s.lease_of("wait") is None  # given back
+    assert s.lease_of("run") is not None  # running: it finishes there
+    [given] = [e for e in s.events(job_id="wait") if e.kind == "lease_given_back"]
+    assert given.detail["reason"] == "its node n was drained before it started there"
+    late = leases["wait"]
+    assert late is not None
+    with pytest.raises(LeaseRefused):  # the agent's start of it, if it comes, is refused
+        co.start(s, "n", "wait", lease_id=late.lease_id, gpu_uuid=None, now=3.5)
+    assert claim(s, registry, "m", 4.0) == ["wait"]  # another node takes it
+    co.drain(s, "n", now=5.0)  # again: nothing more to give back
+    assert s.lease_of("run") is not None
+
+
 def test_warm_affinity_leaves_a_job_for_the_warm_node(s: ClusterStore, registry: Registry) -> None:
     enrol(s, "cold", 24)
     enrol(s, "warm", 24, warm=("testmods.warm",))

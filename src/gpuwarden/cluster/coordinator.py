@@ -941,13 +941,29 @@ def preempts_of(
 
 
 def drain(store: ClusterStore, name: str, *, now: float) -> NodeRecord:
-    """No new work for the node; what it runs finishes."""
+    """No new work for the node; what it runs finishes. The jobs leased to it that
+    have not started there go back to the queue (event ``lease_given_back``), for
+    another node: its agent's start of one, if it comes, is refused and stopped."""
     record = store.get_node(name)
     if record is None:
         raise UnknownNode(f"no node named {name!r} (`gpuwarden node list`)")
     if record.state is NodeState.REVOKED:
         raise UserError(f"node {name} was revoked; enrol it again to use it")
     store.set_node_state(name, NodeState.DRAINING, now=now)
+    if record.state is not NodeState.DRAINING:  # once: a grant's lease comes later
+        for lease in store.leases(name):
+            if not lease.started and store.drop_lease(lease.job_id, lease_id=lease.lease_id):
+                store.add_event(
+                    Event(
+                        ts=now,
+                        kind="lease_given_back",
+                        job_id=lease.job_id,
+                        detail={
+                            "node": name,
+                            "reason": f"its node {name} was drained before it started there",
+                        },
+                    )
+                )
     got = store.get_node(name)
     assert got is not None
     return got
