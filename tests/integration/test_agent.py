@@ -304,6 +304,25 @@ def test_a_client_cancel_stops_the_job_here_and_its_end_is_reported(rig: Rig) ->
     assert attempt.outcome == "cancelled" and attempt.node == "a"
 
 
+def test_a_stop_on_the_coordinator_reaches_the_agent_and_the_job_ends_done(
+    rig: Rig,
+) -> None:
+    """Issue 31: `gpuwarden stop` on a coordinator never reached the agent (the
+    heartbeat carried only cancels); the service kept serving."""
+    rig.store.submit([gpu_job("g4", 60)], now=time.time())
+    rig.until("g4 running", lambda: rig.job("g4").state is JobState.RUNNING)
+    rig.store.request_stop("g4", by="alice", now=time.time())
+    rig.agent._last_beat = -1e9  # the next sync heartbeats
+    rig.until("g4 stopped here", lambda: rig.node.store.get_job("g4").stop_requested_by)
+    local = rig.node.store.get_job("g4")
+    assert local is not None and local.stop_requested_by == "alice"
+    rig.until("g4 ended there", lambda: rig.job("g4").state.terminal, timeout=60)
+    [attempt] = rig.store.attempts("g4")
+    assert rig.job("g4").state is JobState.DONE, attempt.reason
+    assert attempt.node == "a" and "alice" in attempt.reason
+    assert not rig.job("g4").cancel_requested
+
+
 def test_a_revoked_agent_is_told_so(rig: Rig) -> None:
     rig.step()
     co.revoke(rig.store, None, "a", now=time.time())

@@ -764,6 +764,7 @@ def heartbeat(
     mine = {lease.job_id: lease for lease in store.leases(node_name)}
     record_routes(store, node_name, report, now, leases=mine, peer=peer)
     cancels: list[dict[str, Any]] = []
+    stops: list[dict[str, Any]] = []
     for job_id in held:
         lease = mine.get(job_id)
         if lease is None or not lease.live(now):
@@ -778,6 +779,8 @@ def heartbeat(
             store.drop_lease(job_id, lease_id=lease.lease_id)
         elif job.cancel_requested:
             cancels.append({"id": job_id, "reason": "cancelled by a client", "lost": False})
+        elif job.stop_requested_by is not None:  # `gpuwarden stop`: it ends done there
+            stops.append({"id": job_id, "by": job.stop_requested_by})
     stopping = {c["id"] for c in cancels}
     answer: dict[str, Any] = {
         "state": record.state.value,
@@ -785,6 +788,8 @@ def heartbeat(
         "renewed": renewed,
         "cancels": cancels,
     }
+    if stops:  # a key of its own: an agent from before it ignores it (never a cancel)
+        answer["stops"] = stops
     # per held job, the seconds its lease has left (its grace not counted): the agent
     # tells each job's supervisor when to stop it on its own (self-fencing)
     if held:

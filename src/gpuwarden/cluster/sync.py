@@ -483,6 +483,8 @@ class Agent:
             self._take(job, until=sent_wall + lease_s)
         for ask in answer.get("preempts", []):
             self._preempt(ask)
+        for stop in answer.get("stops", []):
+            self._stop(stop)
         for cancel in answer.get("cancels", []):
             h = self.held.get(str(cancel.get("id")))
             if h is None or h.lost:
@@ -496,6 +498,22 @@ class Agent:
                     with contextlib.suppress(UserError):
                         self.store.request_cancel(h.local_id, now=self.broker.clock())
                         log.info("job %s: %s; stopping it", h.job_id, reason)
+
+    def _stop(self, stop: Any) -> None:
+        """``gpuwarden stop`` on the coordinator: the held job (a service) is stopped
+        here as done, as on one host (its broker passes it on once)."""
+        h = self.held.get(str(stop.get("id"))) if isinstance(stop, dict) else None
+        if h is None or h.lost:
+            return
+        job = self.store.get_job(h.local_id)
+        if job is None or job.state is not JobState.RUNNING or job.stop_requested_by is not None:
+            return
+        with contextlib.suppress(UserError):
+            self.store.request_stop(
+                h.local_id, by=str(stop.get("by") or "?"), now=self.broker.clock()
+            )
+            self.broker.wake()
+            log.info("job %s: stopped by %s on the coordinator", h.job_id, stop.get("by"))
 
     def _renewed(self, answer: dict[str, Any], sent_wall: float) -> None:
         """The lease ends a heartbeat's answer gives the held jobs, by this host's
