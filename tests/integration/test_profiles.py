@@ -233,9 +233,15 @@ def test_explain_says_what_a_declared_run_time_is_planned_with(store: Store) -> 
     ) in lines
     _ran(store, "g", "testmods.gpu", 7.0, MIB)
     lines = explain.explain_job(job, store, registry, None)
+    assert (  # issue 31: the job's longer word wins over its type's history
+        "declared run time 30 s (planned as 32 s): used for backfill, as it is longer than "
+        "testmods.gpu's measured run time, 7.0 s"
+    ) in lines
+    _ran(store, "g2", "testmods.gpu", 70.0, MIB)
+    lines = explain.explain_job(job, store, registry, None)
     assert (
-        "declared run time 30 s; testmods.gpu's measured run time, 7.0 s (the longest of "
-        "its latest runs), is used instead"
+        "declared run time 30 s; testmods.gpu's measured run time, 70.0 s (the longest of "
+        "its latest runs), is longer and is used instead"
     ) in lines
     plain = store.submit([JobSpec("p", "testmods.gpu")], now=2.0)[0]
     assert not any("run time" in ln for ln in explain.explain_job(plain, store, registry, None))

@@ -5,11 +5,10 @@ Each type keeps what its own runs showed: its peak VRAM (the measured footprint,
 trees were seen to use) and its wall times (its latest succeeded attempts). The
 planner plans backfill with a run-time estimate per job (:func:`expected_s`):
 
-- the type's estimate, the longest of its latest succeeded runs
-  (:func:`estimate`), once there is one: the measurement wins;
-- else the job's own ``est_s``, as its submitter declared it (rounded up a
-  little by :func:`est_class`, so that jobs declaring nearly the same time share a
-  class of the queue index);
+- the longer of the type's estimate, the longest of its latest succeeded runs
+  (:func:`estimate`), and the job's own ``est_s``, as its submitter declared it
+  (rounded up a little by :func:`est_class`, so that jobs declaring nearly the
+  same time share a class of the queue index); either alone when only it is known;
 - else none: the job never starts on a held-back GPU by being expected to end
   first.
 
@@ -65,10 +64,16 @@ def estimate(times: Sequence[float]) -> float | None:
 
 
 def expected_s(measured: float | None, declared: float | None) -> float | None:
-    """How long a job is expected to run: its type's measured estimate once there
-    is one (the measurement wins), else what the job declared (``est_s``, as
-    :func:`est_class` rounds it), else None (not known)."""
-    return measured if measured is not None else declared
+    """How long a job is expected to run: the longer of its type's measured
+    estimate and what the job declared (``est_s``, as :func:`est_class` rounds
+    it), either alone when the other is not known, else None. A job that says it
+    runs longer than its type has so far is believed (its parameters may make it
+    longer: a backfill planned on the type's history would run into the job it
+    must not delay); one that says less is not (it would be backfilled on a word
+    its type's runs do not bear out)."""
+    if measured is None or declared is None:
+        return measured if declared is None else declared
+    return max(measured, declared)
 
 
 def percentile(times: Sequence[float], q: float) -> float:

@@ -270,15 +270,21 @@ ClusterLines = Callable[[Job], list[str]]
 def estimate_line(type_name: str, est_s: float, store: Store) -> str:
     """What a job that declared ``est_s`` is planned with (section 11, "Profiles")."""
     measured = RunTimes(store.recent_run_times()).estimate(type_name)
+    planned = profile.est_class(est_s)
+    assert planned is not None  # est_s is a number: it has a class
     if measured is None:
-        planned = profile.est_class(est_s)
         return (
             f"declared run time {est_s:g} s (planned as {planned:g} s): used for backfill "
             f"until {type_name} has a measured run time"
         )
+    if planned >= measured:
+        return (
+            f"declared run time {est_s:g} s (planned as {planned:g} s): used for backfill, "
+            f"as it is longer than {type_name}'s measured run time, {measured:.1f} s"
+        )
     return (
         f"declared run time {est_s:g} s; {type_name}'s measured run time, {measured:.1f} s "
-        "(the longest of its latest runs), is used instead"
+        "(the longest of its latest runs), is longer and is used instead"
     )
 
 
