@@ -72,6 +72,7 @@ class _ParamToml(_Strict):
     default: str | int | float | bool | None = None
     description: str = ""
     choices: list[str | int | float | bool] = Field(default_factory=list)
+    sizes_vram: bool = False
 
 
 class _TypeToml(_Strict):
@@ -414,6 +415,7 @@ def _param(where: str, name: str, p: _ParamToml) -> ParamSpec:
         default=p.default,
         description=p.description,
         choices=tuple(p.choices),
+        sizes_vram=p.sizes_vram,
     )
     if p.required and p.default is not None:
         raise ModuleError(f"{where}.params.{name}: a required parameter cannot have a default")
@@ -646,6 +648,7 @@ class Registry:
                             "default": p.default,
                             "description": p.description,
                             **({"choices": list(p.choices)} if p.choices else {}),
+                            **({"sizes_vram": True} if p.sizes_vram else {}),
                         }
                         for p in t.params
                     ],

@@ -384,3 +384,30 @@ def test_a_failure_while_the_nodes_disk_is_full_is_retried_as_the_hosts(
     assert first.outcome == "host_fault" and "not the job's" in str(first.reason)
     assert second.outcome == "job_failed"  # the disk had room again: its own failure
     assert state(node, "fills") is JobState.FAILED
+
+
+def test_a_job_sized_by_its_own_parameters_moves_no_footprint_of_its_type(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31: ``burn.llm --gib 40`` took the type from 14 to 21 GiB for every
+    later job. A job that sets a ``sizes_vram`` parameter (or declares its own
+    footprint) is measured for itself; a job of the type's own size still raises
+    it."""
+    big = JobSpec(id="big", type="burn.custom", params={"gib": 20, "seconds": 0.1})
+    declared = JobSpec(id="own", type="testmods.gpu", params={"gib": 9}, vram_bytes=4 * GIB)
+    caplog.set_level("INFO", logger="gpuwarden.footprint")
+    submit(node, big, declared)
+    run_until(node, lambda: state(node, "big").terminal and state(node, "own").terminal)
+    assert state(node, "big") is JobState.DONE and state(node, "own") is JobState.DONE
+    # each was measured, alone on its GPU, past its type's footprint ...
+    said = {r.getMessage().split(" ")[1]: r.getMessage() for r in caplog.records}
+    assert set(said) == {"big", "own"}, said
+    assert "big of burn.custom peaked at 2147" in said["big"]  # 20 GiB
+    assert node.store.footprints() == {}  # ... and neither moved its type's
+    plain = JobSpec(id="plain", type="burn.custom", params={"seconds": 0.1, "ramp_s": 0.0})
+    over = JobSpec(id="over", type="testmods.gpu", params={"gib": 9, "seconds": 0.1})
+    submit(node, plain, over)
+    run_until(node, lambda: state(node, "plain").terminal and state(node, "over").terminal)
+    got = node.store.footprints()
+    assert set(got) == {"testmods.gpu"} and got["testmods.gpu"].bytes >= 9 * GIB
+    assert got["testmods.gpu"].job_id == "over"

@@ -56,6 +56,9 @@ class ParamSpec:
     default: Any = None
     description: str = ""
     choices: tuple[Any, ...] = ()
+    #: its value changes how much VRAM a job takes (``sizes_vram``): a job that
+    #: sets it to anything but the default is measured for itself, not its type
+    sizes_vram: bool = False
 
 
 @dataclass(frozen=True, slots=True)

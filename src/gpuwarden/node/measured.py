@@ -10,6 +10,7 @@ Owned by the broker loop: attempts and warm servers feed it as they end.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -19,15 +20,31 @@ from typing import Any
 from gpuwarden.core import footprint, profile
 from gpuwarden.core.command import profile_key
 from gpuwarden.core.launchrules import Runtime
-from gpuwarden.core.model import JobType
+from gpuwarden.core.model import Job, JobType
 from gpuwarden.core.policy import GpuView
 from gpuwarden.launch import reaper
 from gpuwarden.launch.base import Launcher
 from gpuwarden.launch.sandbox import SandboxLauncher
 from gpuwarden.store.base import Store
 
+log = logging.getLogger("gpuwarden.footprint")
+
 #: a type's run-time estimate looks at this many of its latest runs
 RUN_TIME_WINDOW = profile.RUN_TIME_WINDOW
+
+
+def sized_by_job(jobtype: JobType, job: Job) -> bool:
+    """Whether the job's footprint is its own, not its type's: it declared one
+    (``vram_gib``, a command job's ``--vram``), or set a parameter that sizes its
+    VRAM (``sizes_vram``) to anything but its default. Its measurement then moves
+    no footprint of its type (issue 31: ``burn.llm --gib 40`` raised the type's
+    footprint for everyone)."""
+    if job.vram_bytes is not None:
+        return True
+    return any(
+        p.sizes_vram and p.name in job.params and job.params[p.name] != p.default
+        for p in jobtype.params
+    )
 
 
 class Footprints:
@@ -55,10 +72,20 @@ class Footprints:
         source: str,
         gpus: Iterable[GpuView],
         now: float,
+        own: bool = False,
     ) -> None:
         """A job (``source``) of ``jobtype`` reached ``peak`` with its GPU to itself:
         raise the type's stored footprint to it if it beat what the job was
-        admitted with (``override``: the job's own declaration)."""
+        admitted with (``override``: the job's own declaration). Not for a job
+        whose footprint is its own (``own``, :func:`sized_by_job`): what it took
+        says nothing of the type's other jobs."""
+        if own:
+            log.info(
+                "job %s of %s peaked at %d bytes; its footprint is its own: the type's "
+                "stays as it is",
+                source, jobtype.name, peak,
+            )  # fmt: skip
+            return
         new = footprint.raised(
             peak,
             admitted=self.of(jobtype, override),
@@ -80,12 +107,13 @@ class Footprints:
         source: str,
         gpus: Iterable[GpuView],
         now: float,
+        own: bool = False,
     ) -> None:
         """A job ran out of memory with its GPU to itself: what it asked for is
         wrong; the next jobs of its type are admitted with half as much again as
-        it reached."""
+        it reached (unless its footprint was its own, ``own``)."""
         need = footprint.after_oom(self.of(jobtype, override), peak)
-        self.measure(jobtype, need, override=None, source=source, gpus=gpus, now=now)
+        self.measure(jobtype, need, override=None, source=source, gpus=gpus, now=now, own=own)
 
 
 class RunTimes:

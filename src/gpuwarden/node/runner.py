@@ -47,7 +47,7 @@ from gpuwarden.node import attemptfs, leases
 from gpuwarden.node.attempts import AttemptLayout, Launching
 from gpuwarden.node.gpulocks import release
 from gpuwarden.node.hostram import HostRam, RunningRam, effective_need, ram_view
-from gpuwarden.node.measured import Footprints, RamPeaks, RunTimes, tree_shows_ram
+from gpuwarden.node.measured import Footprints, RamPeaks, RunTimes, sized_by_job, tree_shows_ram
 from gpuwarden.node.running import Emit, ExchangeNote, Mailbox, OnError, RunningAttempt, Started
 from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.vram import VramBook
@@ -595,6 +595,7 @@ class AttemptRunner:
                 source=run.job.id,
                 gpus=self.vram.views(),
                 now=now,
+                own=sized_by_job(run.jobtype, run.job),
             )
 
     def _measure(self, run: RunningAttempt, now: float) -> None:
@@ -613,6 +614,7 @@ class AttemptRunner:
                 source=run.job.id,
                 gpus=self.vram.views(),
                 now=now,
+                own=sized_by_job(run.jobtype, run.job),
             )
 
     def _note_run_time(self, run: RunningAttempt, result: LaunchResult, verdict: Verdict) -> None:
