@@ -27,6 +27,7 @@ from gpuwarden.app import Node, open_node
 from gpuwarden.config import Config
 from gpuwarden.core.model import GIB, MIB, JobSpec, Role
 from gpuwarden.core.states import JobState
+from gpuwarden.gpu.base import GpuSensors
 from gpuwarden.node.stats import NodeStats
 from gpuwarden.node.status import GpuReport
 from gpuwarden.registry import Registry
@@ -332,3 +333,31 @@ def test_the_grafana_dashboard_parses_and_uses_only_exposed_series(tmp_path: Pat
     titles = " ".join(p["title"].lower() for p in board["panels"])
     for needed in ("ledger", "queue depth", "wait", "attempts"):
         assert needed in titles
+
+
+def test_gpu_utilisation_temperature_and_power_under_dcgm_names(tmp_path: Path) -> None:
+    """Issue 31: what GPUStack and DCGM users look for first. An agent's report
+    carries each GPU's sensors to the coordinator; a GPU that reports none has no
+    such series (never a made-up 0)."""
+    config = make_config(tmp_path)
+    store = SqliteStore(tmp_path / "gpuwarden.db")
+    registry = Registry.load(config.module_paths, config.launch_rules)
+    record, _ = issue_token(store, name="n1", role=Role.NODE, by=ADMIN, now=1.0)
+    hot = GpuReport("GPU-a", "sim", 24 * GIB, 4 * GIB, 23 * GIB, 6 * GIB, 8 * GIB, 0, GIB, "",
+                    sensors=GpuSensors(util_pct=87.0, temp_c=64.0, power_w=312.5))  # fmt: skip
+    quiet = GpuReport("GPU-b", "sim", 24 * GIB, 4 * GIB, 23 * GIB, 0, 0, 0, GIB, "")
+    report = {"gpus": [hot.to_json(), quiet.to_json()], "accepting": True}
+    assert report["gpus"][0]["sensors"] == {"util_pct": 87.0, "temp_c": 64.0, "power_w": 312.5}
+    store.upsert_node("n1", token_id=record.id, capabilities={}, now=100.0)
+    store.touch_node("n1", report, 100.0)
+    got = parse(scrape(store, registry, clock=lambda: 110.0, coordinator=True).decode())
+    at = frozenset(
+        {("gpu", "0"), ("UUID", "GPU-a"), ("device", "nvidia0"), ("modelName", "sim"),
+         ("Hostname", "n1")}
+    )  # fmt: skip
+    assert got[("DCGM_FI_DEV_GPU_UTIL", at)] == 87.0
+    assert got[("DCGM_FI_DEV_GPU_TEMP", at)] == 64.0
+    assert got[("DCGM_FI_DEV_POWER_USAGE", at)] == 312.5
+    b_series = [k for k in got if k[0].startswith("DCGM_FI_DEV_") and ("UUID", "GPU-b") in k[1]]
+    assert sorted(k[0] for k in b_series) == ["DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED"]
+    store.close()

@@ -15,7 +15,7 @@ import pytest
 from gpuwarden.core.model import GIB, MIB
 from gpuwarden.errors import ConfigError, GpuProbeError
 from gpuwarden.gpu import nvml as nvml_module
-from gpuwarden.gpu.base import NoGpuProbe, ProcessUsage
+from gpuwarden.gpu.base import GpuSensors, NoGpuProbe, ProcessUsage
 from gpuwarden.gpu.nvml import NvmlProbe
 from gpuwarden.gpu.select import SIM_STATE_FILE, open_probe
 from gpuwarden.gpu.sim import SimGpuConfig
@@ -83,6 +83,11 @@ def _fake_pynvml(*, fail_read: bool = False) -> Any:
             raise pynvml.NVMLError_GpuIsLost(pynvml.NVML_ERROR_GPU_IS_LOST)
         return 2
 
+    def get_power(h: int) -> int:
+        if h:
+            raise pynvml.NVMLError_NotSupported(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return 312_500  # milliwatts
+
     calls: list[str] = []
     fake = SimpleNamespace(
         NVMLError=pynvml.NVMLError,
@@ -101,6 +106,10 @@ def _fake_pynvml(*, fail_read: bool = False) -> Any:
             total=mem[h][0], used=mem[h][1], free=mem[h][0] - mem[h][1]
         ),
         nvmlDeviceGetComputeRunningProcesses=get_procs,
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=87 if h == 0 else 0, memory=40),
+        NVML_TEMPERATURE_GPU=pynvml.NVML_TEMPERATURE_GPU,
+        nvmlDeviceGetTemperature=lambda h, sensor: 64 + h,
+        nvmlDeviceGetPowerUsage=get_power,
         calls=calls,
     )
     return fake
@@ -118,6 +127,9 @@ def test_nvml_read_with_stand_in_bindings(monkeypatch: pytest.MonkeyPatch) -> No
     assert r0.processes == (ProcessUsage(100, 0), ProcessUsage(300, 13 * GIB))
     assert r1.uuid == "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd"
     assert r1.processes == ()
+    # the sensors: what each GPU reports; a field it does not is None, not an error
+    assert r0.sensors == GpuSensors(util_pct=87.0, temp_c=64.0, power_w=312.5)
+    assert r1.sensors == GpuSensors(util_pct=0.0, temp_c=65.0, power_w=None)
     assert probe.job_env(None) == {"CUDA_VISIBLE_DEVICES": ""}
     probe.close()
     probe.close()

@@ -29,6 +29,7 @@ from gpuwarden.api.redact import Redactor
 from gpuwarden.cluster.report import node_json
 from gpuwarden.core.model import Job, Lane
 from gpuwarden.core.states import JobState
+from gpuwarden.gpu.base import GpuSensors
 from gpuwarden.node import explain
 from gpuwarden.store.base import AttemptSpan
 from gpuwarden.store.cluster import ClusterStore, NodeState
@@ -83,7 +84,14 @@ def _gpu_doc(gpu: dict[str, Any], degraded: str, now: float) -> dict[str, Any]:
         "runtimes": gpu.get("runtimes") or [],
         "degraded": degraded,
         "fault": degraded.startswith(FAULT_PREFIX),
+        "sensors": _sensors(gpu.get("sensors")),
     }
+
+
+def _sensors(raw: Any) -> dict[str, float | None] | None:
+    """A GPU's published utilisation, temperature and power, checked (None: none)."""
+    got = GpuSensors.from_json(raw)
+    return None if got is None else got.to_json()
 
 
 def _warm_doc(payload: dict[str, Any]) -> list[dict[str, Any]]:

@@ -38,6 +38,7 @@ from gpuwarden.cluster.nodeview import heard_s_ago
 from gpuwarden.core.lease import LEASE_TYPE, is_lease
 from gpuwarden.core.ledger import Holding, HoldState
 from gpuwarden.core.model import MIB, Lane
+from gpuwarden.gpu.base import GpuSensors
 from gpuwarden.node.stats import Histogram, StatsSnapshot
 from gpuwarden.node.status import BrokerStatus
 from gpuwarden.registry import Registry
@@ -72,6 +73,8 @@ class GpuRow:
     runtimes: tuple[tuple[str, int], ...] = ()
     #: what granted VRAM leases hold here (their running holdings on the ledger)
     lease_bytes: int = 0
+    #: utilisation, temperature, power (None: not read)
+    sensors: GpuSensors | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +124,7 @@ def from_status(row: NodeStatus, now: float) -> NodeSource:
                 fault=g.uuid in faults,
                 runtimes=v.runtimes if v else (),
                 lease_bytes=lease_held_bytes(v.holdings) if v else 0,
+                sensors=g.sensors,
             )
         )
     source = NodeSource(
@@ -168,6 +172,7 @@ def from_record(record: NodeRecord, now: float, leases: int) -> NodeSource:
                 free_bytes=_int(g.get("free_bytes")),
                 degraded=bool(g.get("degraded")) and uuid not in faults,
                 fault=uuid in faults,
+                sensors=GpuSensors.from_json(g.get("sensors")),
             )
         )
     source = NodeSource(
@@ -335,13 +340,19 @@ def dcgm_families(nodes: Sequence[NodeSource]) -> Iterator[Metric]:
     labels = ["gpu", "UUID", "device", "modelName", "Hostname"]
     used = _gauge("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", labels)
     free = _gauge("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", labels)
+    util = _gauge("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", labels)
+    temp = _gauge("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C).", labels)
+    power = _gauge("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", labels)
     for n in nodes:
         for g in n.gpus:
             at = [str(g.index), g.uuid, f"nvidia{g.index}", g.name, n.node]
             used.add_metric(at, float(g.used_bytes // MIB))
             free.add_metric(at, float(max(0, g.total_bytes - g.used_bytes) // MIB))
-    yield used
-    yield free
+            s = g.sensors or GpuSensors()
+            for family, value in ((util, s.util_pct), (temp, s.temp_c), (power, s.power_w)):
+                if value is not None:  # a sensor the GPU does not have: no series
+                    family.add_metric(at, float(value))
+    yield from (used, free, util, temp, power)
 
 
 def queue_families(

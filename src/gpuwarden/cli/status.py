@@ -381,7 +381,10 @@ def _gpu_state(view: GpuView | None) -> str:
 
 def _print_gpus(st: BrokerStatus) -> None:
     """A broker's GPUs and, when any, what the ledger holds on each."""
-    gpus = Table("GPU", "name", "total", "used", "gpuwarden", "others", "reserve", "free", "state")
+    gpus = Table(
+        "GPU", "name", "total", "used", "gpuwarden", "others", "reserve", "free", "util/temp/power",
+        "state",
+    )  # fmt: skip
     holdings = Table("GPU", "job", "type", "VRAM", "shares", "state")
     for g in st.gpus:
         view = g.view
@@ -394,6 +397,7 @@ def _print_gpus(st: BrokerStatus) -> None:
             format_bytes(view.foreign_bytes if view else 0),
             format_bytes(view.reserve_bytes if view else 0),
             format_bytes(g.free_bytes),
+            (g.sensors.text() if g.sensors is not None else "") or "-",
             _gpu_state(view),
         )
         for h in view.holdings if view else ():

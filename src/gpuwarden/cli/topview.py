@@ -226,6 +226,8 @@ def gpu_block(g: GpuStatus, width: int) -> list[Text]:
     second bar, and a legend; sizes in GiB."""
     view = g.view
     title = Text(f"{clean(g.uuid)}  {clean(g.name)}  {gib(g.total_bytes)} GiB", style="bold")
+    if g.sensors is not None and (said := g.sensors.text()):
+        title.append(f"  {said}", style="none")
     if view is not None and view.degraded:
         fault = view.degraded.startswith("hardware fault")
         title.append("  FAULT" if fault else "  DEGRADED", style="bold red")

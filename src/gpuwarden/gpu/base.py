@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -12,6 +13,45 @@ class ProcessUsage:
 
     pid: int
     used_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSensors:
+    """A GPU's utilisation, temperature and power draw now, each None where the
+    device or its driver does not report it (DCGM's ``DCGM_FI_DEV_GPU_UTIL``,
+    ``DCGM_FI_DEV_GPU_TEMP``, ``DCGM_FI_DEV_POWER_USAGE``)."""
+
+    #: percent of the last sample period a kernel ran (NVML's utilization.gpu)
+    util_pct: float | None = None
+    #: degrees Celsius, the GPU's core
+    temp_c: float | None = None
+    #: watts drawn now
+    power_w: float | None = None
+
+    def to_json(self) -> dict[str, float | None]:
+        return {"util_pct": self.util_pct, "temp_c": self.temp_c, "power_w": self.power_w}
+
+    def text(self) -> str:
+        """``util 87 %  64 °C  312 W`` (what it reads; "" when nothing)."""
+        parts = [
+            f"util {self.util_pct:.0f} %" if self.util_pct is not None else "",
+            f"{self.temp_c:.0f} °C" if self.temp_c is not None else "",
+            f"{self.power_w:.0f} W" if self.power_w is not None else "",
+        ]
+        return "  ".join(p for p in parts if p)
+
+    @classmethod
+    def from_json(cls, d: object) -> GpuSensors | None:
+        """Read back a published one (None for anything that is not one)."""
+        if not isinstance(d, dict):
+            return None
+        return cls(*(_finite(d.get(k)) for k in ("util_pct", "temp_c", "power_w")))
+
+
+def _finite(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +69,8 @@ class GpuReading:
     #: Xid events the GPU reported, as (sequence number, Xid code); the numbers
     #: only grow, so a reader keeps the last it saw and acts on the newer ones
     xids: tuple[tuple[int, int], ...] = ()
+    #: what the GPU's sensors say now (None: not read, or the GPU does not say)
+    sensors: GpuSensors | None = None
 
     @property
     def free_bytes(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 import pynvml
 
 from gpuwarden.errors import GpuProbeError
-from gpuwarden.gpu.base import GpuReading, ProcessUsage
+from gpuwarden.gpu.base import GpuReading, GpuSensors, ProcessUsage
 
 _NO_DRIVER_HINT = (
     "Install the NVIDIA driver on this host, or start gpuwarden with --mock-gpu "
@@ -120,6 +120,7 @@ class NvmlProbe:
             processes=tuple(ProcessUsage(pid, n) for pid, n in sorted(by_pid.items())),
             index=index,
             driver=driver,
+            sensors=sensors(handle),
         )
 
     def job_env(self, gpu_uuid: str | None) -> dict[str, str]:
@@ -132,6 +133,26 @@ class NvmlProbe:
                 pynvml.nvmlShutdown()
             except pynvml.NVMLError as exc:
                 raise GpuProbeError(f"NVML did not shut down cleanly: {exc}") from exc
+
+
+def sensors(handle: Any) -> GpuSensors:
+    """Utilisation, temperature and power of one device; each None where this GPU
+    or driver does not report it (an NVML error of one field loses only it)."""
+
+    def one(read: Any, *args: Any) -> Any:
+        try:
+            return read(handle, *args)
+        except pynvml.NVMLError:  # this GPU does not report it (NotSupported, ...)
+            return None
+
+    util = one(pynvml.nvmlDeviceGetUtilizationRates)
+    temp = one(pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU)
+    milliwatts = one(pynvml.nvmlDeviceGetPowerUsage)
+    return GpuSensors(
+        util_pct=None if util is None else float(util.gpu),
+        temp_c=None if temp is None else float(temp),
+        power_w=None if milliwatts is None else milliwatts / 1000.0,
+    )
 
 
 #: the driver's control nodes every CUDA process opens, besides its GPU's own node

@@ -871,6 +871,7 @@ class Broker:
             used={r.uuid: r.used_bytes for r in self.gpus.readings},
             evictable=self.warm.evictable(),
             waiting=waiting,
+            sensors={r.uuid: r.sensors for r in self.gpus.readings if r.sensors is not None},
         )
 
     # -- results ------------------------------------------------------------
@@ -934,6 +935,7 @@ class Broker:
                     used_bytes=g.used_bytes,
                     processes=tuple(ProcessUse(p.pid, p.used_bytes) for p in g.processes),
                     view=views.get(g.uuid),
+                    sensors=g.sensors,
                 )
                 for g in self.gpus.readings
             ),

@@ -21,6 +21,7 @@ from typing import Any
 
 from gpuwarden.core.policy import GpuView, WarmView
 from gpuwarden.core.ramadmit import UNSAMPLED, RamView
+from gpuwarden.gpu.base import GpuSensors
 from gpuwarden.node.stats import StatsSnapshot
 
 
@@ -46,6 +47,8 @@ class GpuStatus:
     used_bytes: int = 0
     processes: tuple[ProcessUse, ...] = ()
     view: GpuView | None = None
+    #: utilisation, temperature, power (None: the probe does not read them)
+    sensors: GpuSensors | None = None
 
     @property
     def free_bytes(self) -> int:
@@ -59,6 +62,7 @@ class GpuStatus:
             "total_bytes": self.total_bytes,
             "used_bytes": self.used_bytes,
             "processes": [p.to_json() for p in self.processes],
+            "sensors": self.sensors.to_json() if self.sensors is not None else None,
         }
         if self.view is not None:
             out.update(self.view.to_json())
@@ -76,6 +80,7 @@ class GpuStatus:
                 ProcessUse(int(p["pid"]), int(p["used_bytes"])) for p in d.get("processes", [])
             ),
             view=GpuView.from_json(d) if "holdings" in d else None,
+            sensors=GpuSensors.from_json(d.get("sensors")),
         )
 
 
@@ -318,9 +323,11 @@ class GpuReport:
     foreign_bytes: int
     reserve_bytes: int
     degraded: str
+    sensors: GpuSensors | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "sensors": self.sensors.to_json() if self.sensors is not None else None,
             "uuid": self.uuid,
             "name": self.name,
             "total_bytes": self.total_bytes,
@@ -335,7 +342,12 @@ class GpuReport:
 
 
 def gpu_reports(
-    views: Sequence[GpuView], *, used: Mapping[str, int], evictable: set[str], waiting: int
+    views: Sequence[GpuView],
+    *,
+    used: Mapping[str, int],
+    evictable: set[str],
+    waiting: int,
+    sensors: Mapping[str, GpuSensors] | None = None,
 ) -> list[GpuReport]:
     """Per GPU, the room a new job could take: what its ledger lets a new job take,
     plus what the ``evictable`` holders (idle warm servers) would give back, never
@@ -363,6 +375,7 @@ def gpu_reports(
             foreign_bytes=v.foreign_bytes,
             reserve_bytes=v.reserve_bytes,
             degraded=v.degraded,
+            sensors=(sensors or {}).get(v.uuid),
         )
         for v in views
     ]

@@ -336,6 +336,14 @@
     fill("banners", banners);
   }
 
+  function sensorsText(s) {
+    const parts = [];
+    if (s.util_pct != null) parts.push("util " + Math.round(s.util_pct) + " %");
+    if (s.temp_c != null) parts.push(Math.round(s.temp_c) + " °C");
+    if (s.power_w != null) parts.push(Math.round(s.power_w) + " W");
+    return parts.join(" · ");
+  }
+
   function gpuBar(g) {
     const total = Number(g.total_bytes) || 0;
     const segs = [];
@@ -385,7 +393,8 @@
           el("div", { class: "gpu-title" }, el("strong", {}, g.name || "GPU"),
             el("span", { class: "mono mute" }, g.uuid),
             el("span", { class: "mute" }, "ledger " + gib(g.ledger_bytes) + " · device " + gib(g.used_bytes) +
-              " of " + gib(g.total_bytes) + " · free to admit " + gib(g.free_bytes))),
+              " of " + gib(g.total_bytes) + " · free to admit " + gib(g.free_bytes)),
+            g.sensors ? el("span", { class: "mute sensors" }, sensorsText(g.sensors)) : null),
           bar,
           holders.length ? el("ul", { class: "holders" }, holders) : el("div", { class: "empty" }, "nothing held")));
       }
