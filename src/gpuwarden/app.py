@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +149,7 @@ def node_settings(config: Config) -> NodeSettings:
         fair_share_half_life_s=b.fair_share_half_life_s,
         ram_floor_bytes=math.ceil(b.ram_floor_gib * GIB),
         gpu_lock=config.gpu_lock,
+        gpu_lock_group=config.gpu_lock_group,
         service_address=config.cluster.service_address,
         model_dirs={
             name: m.model_dir for name, m in config.modules.items() if m.model_dir is not None
@@ -157,21 +160,77 @@ def node_settings(config: Config) -> NodeSettings:
 #: the most a runtime's credential file may hold
 _TOKEN_MAX = 4096
 
+#: what a bearer token may hold: visible ASCII, no space (RFC 6750's b64token
+#: and the usual API keys); anything else is refused without being quoted
+_TOKEN_CHARS = re.compile(rb"[\x21-\x7e]+")
+
+
+def read_credential(path: Path, limit: int = _TOKEN_MAX) -> bytes:
+    """The bytes of a credential file (at most ``limit``), opened following no link
+    in any component of ``path`` (an absolute path, as the config leaves it): each
+    folder from ``/`` down is opened with ``O_NOFOLLOW`` below the one before it,
+    so whoever may write a folder on the way cannot point it elsewhere, now or
+    between a check and the read. The file must be a regular file with one link
+    (a hard link to another file, such as ``/etc/shadow``, is refused).
+
+    Raises :class:`safefs.UnsafePathError` (a link, not a file, a hard link, too
+    large) or ``OSError`` (missing, not readable); neither quotes the content."""
+    text = os.fspath(path)
+    if not text.startswith("/"):
+        raise safefs.UnsafePathError(text, "is not an absolute path")
+    fd = safefs.open_file(text.lstrip("/"), under="/")
+    try:
+        st = os.fstat(fd)
+        if st.st_nlink != 1:
+            raise safefs.UnsafePathError(
+                text, f"has {st.st_nlink} hard links; a credential file must have one"
+            )
+        chunks: list[bytes] = []
+        got = 0
+        while chunk := os.read(fd, limit + 1 - got):
+            chunks.append(chunk)
+            got += len(chunk)
+            if got > limit:
+                raise safefs.TooLargeError(text, f"is larger than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
 
 def runtime_token(runtime: RuntimeSettings) -> str | None:
     """The bearer token in a runtime's ``credential_file`` (None without one). A
-    file that cannot be read safely (missing, a link, too large) is a UserError
-    naming it."""
+    file that cannot be read safely (missing, a link anywhere on its path, a hard
+    link, too large) or that holds what no bearer token holds is a UserError
+    naming it, never quoting a byte of it."""
     if runtime.credential_file is None:
         return None
+    where = f"runtime {runtime.name}: its credential_file {runtime.credential_file}"
     try:
-        raw = safefs.read_bytes(runtime.credential_file, _TOKEN_MAX)
+        raw = read_credential(runtime.credential_file)
     except (OSError, GpuwardenError) as exc:
+        why = _why_unreadable(exc)
+        raise UserError(f"{where} cannot be read ({why}): fix the path or remove the key") from None
+    token = raw.strip()
+    if not token:
+        return None
+    if not _TOKEN_CHARS.fullmatch(token):
         raise UserError(
-            f"runtime {runtime.name}: its credential_file {runtime.credential_file} cannot "
-            f"be read ({exc}): fix the path or remove the key"
-        ) from None
-    return raw.decode("utf-8", "replace").strip() or None
+            f"{where} is not one bearer token (it holds {len(raw)} bytes with spaces, line "
+            "breaks, control or non-ASCII characters; its content is not shown): put the "
+            "token alone in the file"
+        )
+    return token.decode("ascii")
+
+
+def _why_unreadable(exc: BaseException) -> str:
+    """Why a credential file could not be read, in words that quote none of it: the
+    component refused and why, or the system's words for the error."""
+    if isinstance(exc, safefs.UnsafePathError):
+        shown = "/" + exc.path.lstrip("/")  # opened below "/": shown as "//..."
+        return f"{shown} {exc.why}"
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    return type(exc).__name__
 
 
 def runtime_spec(runtime: RuntimeSettings) -> RuntimeSpec:

@@ -25,7 +25,7 @@ from gpuwarden.core.model import GIB, MIB
 from gpuwarden.core.runtime import RuntimeKind
 from gpuwarden.core.sources import check_allow
 from gpuwarden.errors import ConfigError
-from gpuwarden.gpu.lockfile import GpuLockError, LockTemplate
+from gpuwarden.gpu.lockfile import GpuLockError, LockTemplate, check_group
 from gpuwarden.launch.detect import detect_runtime
 from gpuwarden.registry import MODULE_NAME
 
@@ -385,6 +385,9 @@ class Config(_Section):
     runtimes: list[RuntimeSettings] = Field(default_factory=list)
     #: the GPU lock file's path template ("/run/gpuwarden/GPU-<uuid>.lock"), "": off
     gpu_lock: str = ""
+    #: the group whose members may take a GPU's lock (lock files are 0660, this
+    #: group's); "": the broker's own (root's)
+    gpu_lock_group: str = ""
     #: ``[modules.<name>]``: per module settings (its model folder), by module name
     modules: dict[str, ModuleSettings] = Field(default_factory=dict)
 
@@ -406,6 +409,15 @@ class Config(_Section):
                 LockTemplate(value)
             except GpuLockError as exc:
                 raise ValueError(str(exc)) from None
+        return value
+
+    @pydantic.field_validator("gpu_lock_group")
+    @classmethod
+    def _lock_group(cls, value: str) -> str:
+        try:
+            check_group(value)
+        except GpuLockError as exc:
+            raise ValueError(str(exc)) from None
         return value
 
     @pydantic.field_validator("runtimes")
@@ -561,6 +573,14 @@ def default_module_paths() -> list[Path]:
     return [cwd_modules] if cwd_modules.is_dir() else []
 
 
+def absolute_path(base: Path, path: Path) -> Path:
+    """``path`` against ``base``, made absolute and normalised by its text alone
+    (``.`` and ``..`` dropped as written), following no link: for a path the broker
+    later opens following none (:func:`Path.resolve` would follow every link on it
+    at load, and the later no-follow open would see only where they led)."""
+    return Path(os.path.normpath(base / path))
+
+
 def load_config(path: Path | None, *, state_dir: Path | None = None, check: bool = True) -> Config:
     """Read and validate ``path`` (or the defaults when None). ``state_dir``, when
     given (``--state-dir``), wins over the file. ``check=False`` skips
@@ -596,10 +616,12 @@ def load_config(path: Path | None, *, state_dir: Path | None = None, check: bool
         updates["module_paths"] = default_module_paths()
     updates["queue_roots"] = [(base / p).resolve() for p in config.queue_roots]
     if config.runtimes:
+        # never resolved: the file is read following no link in any component
+        # (gpuwarden.app.runtime_token); resolving here would follow them all now
         updates["runtimes"] = [
             r
             if r.credential_file is None
-            else r.model_copy(update={"credential_file": (base / r.credential_file).resolve()})
+            else r.model_copy(update={"credential_file": absolute_path(base, r.credential_file)})
             for r in config.runtimes
         ]
     if config.sandbox.weights_dir is not None:

@@ -92,15 +92,16 @@ def test_an_outside_holder_keeps_a_job_waiting_until_it_lets_go(broker: Broker) 
         os.close(fd)
 
         submit(broker, "testmods.gpu", "--gib", "1", "--seconds", "0.2", "--id", "j1")
-        said = f"GPU locked by PID {holder.pid} ("
+        said = f"GPU locked by PID {holder.pid}"
         wait_for(lambda: said in explain(broker, "j1"), "the lock named in explain")
+        assert "python" not in explain(broker, "j1")  # never the holder's command line
         assert show(broker, "j1")["state"] == "queued"
         r = run("--config", broker.config, "status")
-        assert said in r.stdout, r.stdout
+        assert said in r.stdout and "python" not in r.stdout, r.stdout
         wait_for(lambda: broker.events("gpu_locked"), "gpu_locked")
         [locked] = broker.events("gpu_locked")
         assert locked["gpu"] == uuid and locked["pid"] == holder.pid
-        assert "python" in str(locked["cmd"])
+        assert "python" in str(locked["cmd"])  # the event (owners, operators) has it
     finally:
         assert holder.stdin is not None
         holder.stdin.write(b"\n")
@@ -110,6 +111,7 @@ def test_an_outside_holder_keeps_a_job_waiting_until_it_lets_go(broker: Broker) 
     assert show(broker, "j1")["attempts"] == 1
     assert [e["pid"] for e in broker.events("gpu_unlocked")] == [holder.pid]
     assert len(broker.events("gpu_locked")) == 1  # said once, not every tick
+    assert path.stat().st_mode & 0o777 == 0o660  # the broker's user and group may open it
 
 
 def test_gpu_lock_waits_for_a_running_job_then_runs_its_command(
@@ -137,7 +139,7 @@ def test_gpu_lock_waits_for_a_running_job_then_runs_its_command(
         wait_for(lambda: locker.pid in flock_pids(path, waiting=True), "a real flock wait")
         # the broker sees the waiter: nothing new starts on that GPU meanwhile
         submit(broker, "testmods.vramhold", "--gib", "1", "-p", "limit_s=5", "--id", "next")
-        wants = f"GPU wanted by PID {locker.pid} ("
+        wants = f"GPU wanted by PID {locker.pid}, which waits for its lock"
         wait_for(lambda: wants in explain(broker, "next"), "the waiter named in explain")
         assert show(broker, "next")["state"] == "queued"
         assert not stamp.exists()  # CMD has not run while the job runs

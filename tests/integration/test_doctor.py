@@ -466,3 +466,23 @@ def test_gpu_lock_off_then_its_folder_checked(tmp_path: Path) -> None:
     assert folder.is_symlink()  # the planted link is in place
     _, _, checks = doctor_json(cfg)
     assert checks["gpu-lock"]["status"] == "FAIL" and "symlink" in checks["gpu-lock"]["detail"]
+
+
+def test_gpu_lock_in_a_sticky_folder_or_of_an_unknown_group_fails(tmp_path: Path) -> None:
+    """Who may lock (issue 30, item 10): in a folder anyone may write, sticky or
+    not (as /run/lock), anyone could make the lock file first and keep the GPU."""
+    base = 'gpu = "sim"\nallow_unsandboxed_containers = true\n'
+    folder = tmp_path / "locks"
+    folder.mkdir()
+    folder.chmod(0o1777)
+    cfg = write_config(tmp_path, base + f'gpu_lock = "{folder}/GPU-<uuid>.lock"')
+    _, _, checks = doctor_json(cfg)
+    assert checks["gpu-lock"]["status"] == "FAIL", checks["gpu-lock"]
+    assert "may be written by others" in checks["gpu-lock"]["detail"]
+    folder.chmod(0o700)
+    _, _, checks = doctor_json(cfg)
+    assert checks["gpu-lock"]["status"] == "OK" and "who may lock" in checks["gpu-lock"]["detail"]
+    lock = f'gpu_lock = "{folder}/GPU-<uuid>.lock"\ngpu_lock_group = "no-such-group-here"'
+    _, _, checks = doctor_json(write_config(tmp_path, base + lock))
+    check = checks["gpu-lock"]
+    assert check["status"] == "FAIL" and "no such group" in check["detail"]

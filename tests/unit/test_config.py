@@ -13,8 +13,8 @@ from gpuwarden.errors import ConfigError, UserError
 
 TOP_KEYS = (
     "allow_host_jobs, allow_unpinned_images, allow_unsandboxed_containers, api, broker, "
-    "cluster, commands, container_runtime, create_queue_roots, database, gpu, gpu_lock, limits, "
-    "module_paths, modules, node_name, "
+    "cluster, commands, container_runtime, create_queue_roots, database, gpu, gpu_lock, "
+    "gpu_lock_group, limits, module_paths, modules, node_name, "
     "queue_roots, runtimes, sandbox, sandbox_image, sim_gpu, sources, state_dir, vram, warm"
 )
 BROKER_KEYS = (
@@ -339,6 +339,17 @@ def test_a_bad_gpu_lock_is_a_config_error(tmp_path: Path, template: str, says: s
     path = write(tmp_path / "gw.toml", f'gpu_lock = "{template}"\n')
     message = config_error(path)
     assert "gpu_lock" in message and says in message
+
+
+def test_gpu_lock_group_is_a_group_name_or_number(tmp_path: Path) -> None:
+    """Who may take a GPU's lock (issue 30, item 10): a group, checked when read."""
+    assert load_config(None, state_dir=tmp_path).gpu_lock_group == ""
+    for group in ("gpulock", "1234"):
+        path = write(tmp_path / "gw.toml", f'gpu_lock_group = "{group}"\n')
+        assert load_config(path).gpu_lock_group == group
+    path = write(tmp_path / "gw.toml", 'gpu_lock_group = "a b; rm"\n')
+    message = config_error(path)
+    assert "gpu_lock_group" in message and "not a group name or number" in message
 
 
 def test_sources_allow_globs_must_name_a_scheme(tmp_path: Path) -> None:

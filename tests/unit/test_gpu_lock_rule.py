@@ -17,7 +17,7 @@ from gpuwarden.core.policy import (
 )
 
 NOW = 1000.0
-LOCKED = "GPU locked by PID 4242 (python3 bench.py)"
+LOCKED = "GPU locked by PID 4242"
 
 
 def job(id_: str, gib: int, seq: int = 0, **kw: object) -> QueuedJob:
@@ -40,7 +40,7 @@ def test_the_other_gpus_still_take_jobs() -> None:
 
 
 def test_a_waiter_keeps_the_gpu_too_and_cpu_jobs_go_on() -> None:
-    wants = "GPU wanted by PID 77 (gpuwarden gpu lock), which waits for its lock"
+    wants = "GPU wanted by PID 77, which waits for its lock"
     running = Holding("x/1", "m.t", 2 * GIB, coresident=True, job_id="x")
     gpus = (GpuView("G0", 24 * GIB, holdings=(running,), locked=wants),)
     cpu = QueuedJob("c", "m.c", Lane.CPU, 0, 0, 1)

@@ -104,10 +104,10 @@ def test_a_stored_document_reads_back_the_same() -> None:
 
 def test_a_locked_gpu_reads_back_locked() -> None:
     """``gpu_lock``: a GPU a process outside the queue keeps says so in the status."""
-    locked = dataclasses.replace(VIEW, locked="GPU locked by PID 7 (bench)")
+    locked = dataclasses.replace(VIEW, locked="GPU locked by PID 7")
     st = dataclasses.replace(status(), gpus=(GpuStatus("G0", "sim", 24 * GIB, view=locked),))
     back = BrokerStatus.from_json(json.loads(json.dumps(st.to_json())))
-    assert back.gpu_views()[0].locked == "GPU locked by PID 7 (bench)"
+    assert back.gpu_views()[0].locked == "GPU locked by PID 7"
 
 
 def test_a_gpu_without_the_books_view_has_no_room() -> None:

@@ -73,9 +73,15 @@ def cmd_gpu_lock(args: argparse.Namespace) -> int:
         )
     uuid = _gpu_uuid(args.gpu, config, mock_gpu=bool(args.mock_gpu))
     try:
-        fd = open_lock(LockTemplate(config.gpu_lock), uuid)
+        fd = open_lock(LockTemplate(config.gpu_lock, config.gpu_lock_group), uuid)
     except GpuLockError as exc:
         raise UserError(f"the lock file of {uuid} cannot be used: {exc}") from None
+    except PermissionError:
+        who = f"members of group {config.gpu_lock_group}" if config.gpu_lock_group else "root"
+        raise UserError(
+            f"the lock file of {uuid} may not be opened by this user: only {who} may take "
+            "a GPU's lock (gpu_lock_group)"
+        ) from None
     try:
         _wait_for(fd, uuid)
         return _run(cmd)

@@ -6,16 +6,28 @@ outside the queue (``gpuwarden gpu lock UUID -- CMD``, a notebook that takes the
 same lock) holds it while it uses the GPU. Who holds a lock is read from
 ``/proc/locks`` (flock holders by device and inode) and ``/proc/PID/cmdline``.
 
-The folder is the broker's: made root-only when missing, and a lock file is
-opened with ``O_NOFOLLOW`` (never a link) and must be a regular file.
+Who may lock: a lock file is mode 0660 (:data:`LOCK_MODE`), the broker's user's
+and its group's: ``gpu_lock_group`` names that group (without one, the broker's
+own, root's), and only its members (and root) may open the file and take the
+``flock``. Anyone who may open a lock file, even to read, can keep a GPU from the
+queue with an ``flock``: so no one else may open one. The folder is the broker's:
+made when missing (0700, or 0750 with the group), and refused when someone
+other than the broker's user may write it (sticky or not: there anyone could
+make the lock file first) or it belongs to another user. A lock file is opened
+with ``O_NOFOLLOW`` (never a link), must be a regular file, and is given its
+mode and group by the broker when it is the broker's; one that belongs to
+another user is refused. A holder's command line is never part of a reason
+(:meth:`Holder.reason`): reasons are shown to every submitter; the
+``gpu_locked`` event, which only owners and operators read, carries it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
+import grp
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +35,12 @@ from pathlib import Path
 from gpuwarden.errors import GpuwardenError
 
 __all__ = [
+    "LOCK_MODE",
     "GpuLockError",
     "Holder",
     "LockTemplate",
+    "check_group",
+    "folder_problem",
     "holder_of",
     "holders_in",
     "lock_state",
@@ -37,19 +52,37 @@ __all__ = [
 
 _PLACEHOLDERS = ("<uuid>", "{uuid}")
 _O_LOCK = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
+#: a lock file's mode: its owner (the broker's user) and its group may open it
+LOCK_MODE = 0o660
+#: the lock folder's mode when the broker makes it: with a group, and without
+FOLDER_MODE_GROUP = 0o750
+FOLDER_MODE = 0o700
+#: a group: its name, or its number
+_GROUP = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?|[0-9]{1,10})$")
 
 
 class GpuLockError(GpuwardenError):
     """A ``gpu_lock`` template or lock file the broker may not use."""
 
 
+def check_group(group: str) -> None:
+    """Refuse a ``gpu_lock_group`` that is not a group's name or number (whether
+    the group exists is looked up when a lock file is opened)."""
+    if group and not _GROUP.fullmatch(group):
+        raise GpuLockError(f"gpu_lock_group {group!r}: not a group name or number")
+
+
 @dataclass(frozen=True, slots=True)
 class LockTemplate:
-    """A ``gpu_lock`` path template: absolute, with ``<uuid>`` or ``{uuid}`` in its name."""
+    """A ``gpu_lock`` path template: absolute, with ``<uuid>`` or ``{uuid}`` in its
+    name; and ``group`` (``gpu_lock_group``): the group that may lock ("": the
+    broker's own)."""
 
     template: str
+    group: str = ""
 
     def __post_init__(self) -> None:
+        check_group(self.group)
         t = self.template
         if not t.startswith("/"):
             raise GpuLockError(f"gpu_lock {t!r}: must be an absolute path")
@@ -64,6 +97,17 @@ class LockTemplate:
     @property
     def folder(self) -> Path:
         return Path(self.template.rpartition("/")[0] or "/")
+
+    def gid(self) -> int | None:
+        """The group's number (None: no group set); an unknown group is refused."""
+        if not self.group:
+            return None
+        if self.group.isdigit():
+            return int(self.group)
+        try:
+            return grp.getgrnam(self.group).gr_gid
+        except KeyError:
+            raise GpuLockError(f"gpu_lock_group {self.group!r}: no such group here") from None
 
     def path(self, uuid: str) -> Path:
         """The lock file of GPU ``uuid``; a UUID with ``/`` or a NUL is refused."""
@@ -83,18 +127,15 @@ class Holder:
     cmd: str
 
     def reason(self) -> str:
-        """The wait reason: ``GPU locked by PID N (cmd)``."""
-        return (
-            f"GPU locked by PID {self.pid} ({self.cmd})"
-            if self.cmd
-            else (f"GPU locked by PID {self.pid}")
-        )
+        """The wait reason: ``GPU locked by PID N``. Never the command line: wait
+        reasons reach every submitter (``explain``, ``status``, a job's reason);
+        the ``gpu_locked`` event carries it for owners and operators."""
+        return f"GPU locked by PID {self.pid}"
 
     def wants_reason(self) -> str:
         """The wait reason while this process waits for the lock (nothing new starts
-        on the GPU, so that it gets it once the jobs there end)."""
-        who = f"PID {self.pid} ({self.cmd})" if self.cmd else f"PID {self.pid}"
-        return f"GPU wanted by {who}, which waits for its lock"
+        on the GPU, so that it gets it once the jobs there end); no command line."""
+        return f"GPU wanted by PID {self.pid}, which waits for its lock"
 
 
 def _flock_pids(proc_locks: str, dev: int, ino: int, *, waiting: bool) -> list[int]:
@@ -172,31 +213,70 @@ def holder_of(fd: int) -> Holder | None:
     return lock_state(fd, text)[0] if text else None
 
 
-def _folder(folder: Path) -> None:
-    """Make the lock folder root-only if it is missing; refuse one others may write."""
-    with contextlib.suppress(FileExistsError):
-        folder.mkdir(mode=0o700, parents=True)
-    st = folder.lstat()
+def folder_problem(st: os.stat_result) -> str:
+    """What is wrong with a lock folder, as ``lstat`` gives it ("" when nothing):
+    not a folder, someone else may write it (sticky or not), another user's."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink; links are not used"
     if not stat.S_ISDIR(st.st_mode):
-        raise GpuLockError(f"gpu_lock folder {folder} is not a folder")
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise GpuLockError(f"gpu_lock folder {folder} is writable by others")
+        return "is not a folder"
+    if st.st_mode & 0o022:
+        mode = f"{stat.S_IMODE(st.st_mode):04o}"
+        return (
+            f"may be written by others (mode {mode}): anyone could make a GPU's lock "
+            "file there and keep the GPU"
+        )
+    if st.st_uid not in (0, os.geteuid()):
+        return f"belongs to uid {st.st_uid}, neither root nor the broker's user"
+    return ""
+
+
+def _folder(folder: Path, gid: int | None) -> None:
+    """Make the lock folder if it is missing (0700; with a group 0750, that group's,
+    so that its members reach the files); refuse one someone else may write."""
+    try:
+        folder.mkdir(mode=FOLDER_MODE if gid is None else FOLDER_MODE_GROUP, parents=True)
+    except FileExistsError:
+        pass
+    else:
+        if gid is not None:
+            os.chown(folder, -1, gid, follow_symlinks=False)
+            folder.chmod(FOLDER_MODE_GROUP)  # the umask may have taken bits away
+    problem = folder_problem(folder.lstat())
+    if problem:
+        raise GpuLockError(f"gpu_lock folder {folder} {problem}")
 
 
 def open_lock(template: LockTemplate, uuid: str) -> int:
-    """Open (create, mode 0644) GPU ``uuid``'s lock file, never following a link."""
-    _folder(template.folder)
+    """Open (create) GPU ``uuid``'s lock file, never following a link. A file of the
+    broker's user is given mode :data:`LOCK_MODE` and the template's group; one of
+    another user (neither root nor this process's) is refused."""
+    gid = template.gid()
+    _folder(template.folder, gid)
     path = template.path(uuid)
     try:
-        fd = os.open(path, _O_LOCK, 0o644)
+        fd = os.open(path, _O_LOCK, LOCK_MODE)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.EMLINK):
             raise GpuLockError(f"{path} is a symlink; links are not followed") from None
         raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise GpuLockError(f"{path} is not a regular file")
+        if st.st_uid not in (0, os.geteuid()):
+            raise GpuLockError(
+                f"{path} belongs to uid {st.st_uid}: remove it (the broker makes it again)"
+            )
+        if st.st_uid == os.geteuid() and st.st_nlink == 1:
+            # made by the broker before (perhaps 0644, by an older one): who may lock
+            if gid is not None and st.st_gid != gid:
+                os.fchown(fd, -1, gid)
+            if stat.S_IMODE(st.st_mode) != LOCK_MODE:
+                os.fchmod(fd, LOCK_MODE)
+    except BaseException:
         os.close(fd)
-        raise GpuLockError(f"{path} is not a regular file")
+        raise
     return fd
 
 

@@ -13,6 +13,16 @@ a sweep first notices, as a real driver tears a context down. Faults are
 injected through small seams: foreign memory, hangs, Xid codes, leaks and slow
 release.
 
+Every job on the device may write its state file (a sandboxed one too): it is
+no isolation boundary, and nothing in it is taken on trust. So the faults that
+say something about the device itself (hangs, Xid codes, the release delay) are
+not kept there but in a file of their own that jobs cannot write
+(:func:`faults_path_for`: beside the state's folder when that folder is shared,
+owned by the broker's user, read only when no one else may have written it).
+And the broker never waits on the state's lock for long: a job may hold it
+(:class:`SimProbe` waits :data:`PROBE_LOCK_WAIT_S` at most, then reads on from
+its last reading, and fails closed once that is :data:`PROBE_STALE_S` old).
+
 Readings list processes by their *host* pid, as NVML does: the pid in the PID
 namespace of the process that created the device (the broker, "the host").
 A job in a sandbox (bubblewrap, podman) has a PID namespace of its own, and
@@ -34,6 +44,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import reprlib
@@ -51,6 +62,8 @@ from gpuwarden import safefs
 from gpuwarden.core.model import GIB
 from gpuwarden.errors import GpuProbeError, SimOutOfMemoryError
 from gpuwarden.gpu.base import GpuReading, ProcessUsage
+
+log = logging.getLogger("gpuwarden.gpu.sim")
 
 #: the pid that memory held by processes gpuwarden did not start is attributed to
 FOREIGN_PID = 0
@@ -71,6 +84,44 @@ DEVICE_MODE = 0o666
 SHARED_DIR_MODE = 0o777
 #: the largest state file read
 _MAX_STATE_BYTES = 16 * 2**20
+#: the largest faults file read
+_MAX_FAULTS_BYTES = 1 << 20
+_FAULTS_VERSION = 1
+#: the faults file's mode: its owner writes it, everyone may read it (a broker
+#: that is not root reads one root made)
+FAULTS_MODE = 0o644
+
+#: how long the broker's probe waits for the device's lock before it reads on
+#: from its last reading (a job may hold the lock: it must not stall the loop)
+PROBE_LOCK_WAIT_S = 0.05
+#: after a wait that timed out, the probe does not try the lock again for this long
+PROBE_RETRY_S = 0.5
+#: the probe fails (VRAM admission pauses) once its last reading is this old
+PROBE_STALE_S = 5.0
+#: how long the broker waits for the lock when it opens the device at its start;
+#: then it makes a fresh lock file (a process that keeps the old one keeps nothing)
+CREATE_LOCK_WAIT_S = 5.0
+
+
+class SimLockBusyError(GpuProbeError):
+    """The simulated GPU's lock was held by another process for longer than the
+    caller would wait."""
+
+
+def faults_path_for(path: Path) -> Path:
+    """Where the faults of the simulated device whose state is ``path`` are kept:
+    in the folder above when the state's folder is one every uid may write (the
+    broker's ``simgpu/``, where jobs write the state), else beside the state. Both
+    are named ``<stem>-faults.json``: ``<state_dir>/simgpu-faults.json`` for the
+    broker's device."""
+    folder = path.parent
+    try:
+        shared = bool(folder.stat().st_mode & 0o002)
+    except OSError:
+        shared = False
+    if shared:
+        return folder.parent / f"{folder.name}-faults.json"
+    return path.with_name(f"{path.stem}-faults.json")
 
 
 @dataclass(frozen=True)
@@ -245,8 +296,6 @@ def _devices_for(path: Path, config: SimGpuConfig) -> list[dict[str, Any]]:
             "index": i,
             "name": config.name,
             "total_bytes": config.vram_bytes,
-            "hang": False,
-            "xids": [],
         }
         for i in range(config.count)
     ]
@@ -286,12 +335,18 @@ _ALLOCATION_KEYS: dict[str, Callable[[Any], bool]] = {
     "pidns": lambda v: v is None or _is_int(v, 1),
     "host_pid": lambda v: v is None or _is_int(v),
 }
-#: what each key of a device must hold (``xid_base`` may be missing)
+#: what each key of a device must hold
 _DEVICE_KEYS: dict[str, Callable[[Any], bool]] = {
     "uuid": lambda v: isinstance(v, str),
     "index": _is_int,
     "name": lambda v: isinstance(v, str),
     "total_bytes": _is_int,
+}
+#: the fault keys a device had in the state before faults had a file of their own:
+#: ignored there (a job may have written them) and dropped at the next create
+_OLD_FAULT_KEYS = ("hang", "xids", "xid_base")
+#: what each key of a device's faults must hold (in the faults file)
+_FAULT_KEYS: dict[str, Callable[[Any], bool]] = {
     "hang": lambda v: isinstance(v, bool),
     "xids": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
     "xid_base": _is_int,
@@ -318,10 +373,12 @@ def _check_state(state: dict[str, Any]) -> str | None:
         if not isinstance(dev, dict):
             return f"device {i} is not an object"
         for key, value in dev.items():
+            if key in _OLD_FAULT_KEYS:
+                continue
             check = _DEVICE_KEYS.get(key)
             if check is None or not check(value):
                 return f"device {i}: {reprlib.repr(key)} is {reprlib.repr(value)}"
-        if missing := sorted(set(_DEVICE_KEYS) - {"xid_base"} - set(dev)):
+        if missing := sorted(set(_DEVICE_KEYS) - set(dev)):
             return f"device {i} has no {', '.join(missing)}"
     for i, a in enumerate(state["allocations"]):
         if not isinstance(a, dict):
@@ -339,17 +396,71 @@ def _check_state(state: dict[str, Any]) -> str | None:
     return None
 
 
+def _check_faults(faults: Any) -> str | None:
+    """What is wrong with the shape of a faults file, or None."""
+    if not isinstance(faults, dict) or faults.get("version") != _FAULTS_VERSION:
+        return "it has an unknown format"
+    delay = faults.get("release_delay_s")
+    if delay is not None and (not _is_time(delay) or delay < 0):
+        return f"release_delay_s is {reprlib.repr(delay)}"
+    devices = faults.get("devices")
+    if not isinstance(devices, dict):
+        return "devices must be an object"
+    for uuid, dev in devices.items():
+        if not isinstance(dev, dict):
+            return f"device {reprlib.repr(uuid)} is not an object"
+        for key, value in dev.items():
+            check = _FAULT_KEYS.get(key)
+            if check is None or not check(value):
+                return f"device {reprlib.repr(uuid)}: {reprlib.repr(key)} is {reprlib.repr(value)}"
+    return None
+
+
+def _no_faults(release_delay_s: float | None = None) -> dict[str, Any]:
+    return {"version": _FAULTS_VERSION, "release_delay_s": release_delay_s, "devices": {}}
+
+
+def _flock(fd: int, timeout: float | None, shown: Path) -> None:
+    """``flock(LOCK_EX)`` on ``fd``: blocking (``timeout`` None), or tried again
+    and again for at most ``timeout`` seconds (:class:`SimLockBusyError`)."""
+    if timeout is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SimLockBusyError(
+                    f"the simulated GPU's lock {shown} is held by another process "
+                    f"(waited {timeout:g} s); a job on the simulated GPU may keep it"
+                ) from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.02)
+
+
 class SimDevice:
     """The shared state of the simulated GPUs, backed by a JSON file.
 
     Every method is one transaction: take the lock, read the file, change it,
-    replace it. Instances hold no state but the path, so any number of them, in
-    any number of processes, see the same devices.
+    replace it. Instances hold no state but the paths, so any number of them, in
+    any number of processes, see the same devices. The faults (hangs, Xid codes,
+    the release delay) are kept in ``faults_path`` (by default
+    :func:`faults_path_for`), a file jobs cannot write: its writer is whoever may
+    write that folder (the broker, a test, an operator), and it is read only when
+    its owner is this process's user or root and no one else may write it.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, faults_path: Path | None = None) -> None:
         self.path = path
         self.lock_path = path.with_name(path.name + ".lock")
+        self.faults_path = faults_path_for(path) if faults_path is None else faults_path
+        #: why the faults file was last not taken on trust ("" when it was): said once
+        self._faults_refused = ""
 
     # -- opening ---------------------------------------------------------------
 
@@ -369,14 +480,15 @@ class SimDevice:
         if shared_folder:
             path.parent.chmod(SHARED_DIR_MODE)
         device = cls(path)
-        with device._lock():
+        with device._taken_back():
             state: dict[str, Any] | None
             try:
                 state = device._load()
             except GpuProbeError:
                 state = None
             host = own_pidns()
-            if state is None or state.get("config") != _config_key(config):
+            reset = state is None or state.get("config") != _config_key(config)
+            if state is None or reset:
                 state = {
                     "version": _STATE_VERSION,
                     "config": _config_key(config),
@@ -387,9 +499,13 @@ class SimDevice:
                 }
             else:
                 state["release_delay_s"] = config.release_delay_s
+                for dev in state["devices"]:  # faults a job may have written there
+                    for key in _OLD_FAULT_KEYS:
+                        dev.pop(key, None)
                 _rehost(state, host)
             state["host_pidns"] = host
             device._save(state)
+        device._reset_faults(config.release_delay_s, keep=not reset)
         return device
 
     @classmethod
@@ -407,9 +523,18 @@ class SimDevice:
     # -- storage -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
+    def _lock(self, timeout: float | None = None) -> Iterator[None]:
+        """Hold the device's lock: waiting for it as long as it takes (``timeout``
+        None: a job's calls), or at most ``timeout`` seconds (the broker's: then
+        :class:`SimLockBusyError`). Every job may write the folder and the lock
+        file, so what is there is checked, and an error opening it is a probe error."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        fd = os.open(self.lock_path, flags, DEVICE_MODE)  # a link there: ELOOP
+        try:
+            fd = os.open(self.lock_path, flags, DEVICE_MODE)  # a link there: ELOOP
+        except OSError as exc:
+            raise GpuProbeError(
+                f"the simulated GPU's lock {self.lock_path} cannot be opened: {exc.strerror or exc}"
+            ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -418,10 +543,37 @@ class SimDevice:
             if st.st_uid == os.geteuid() and st.st_nlink == 1 and st.st_mode & 0o777 != DEVICE_MODE:
                 with contextlib.suppress(OSError):
                     os.fchmod(fd, DEVICE_MODE)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _flock(fd, timeout, self.lock_path)
             yield
         finally:
             os.close(fd)  # closing the descriptor drops the lock
+
+    @contextlib.contextmanager
+    def _taken_back(self) -> Iterator[None]:
+        """The lock, for the broker opening the device at its start: waited for
+        :data:`CREATE_LOCK_WAIT_S` at most, then a fresh lock file is put in the
+        old one's place (renamed over it) and taken: whoever keeps the old one (a
+        job left over, or one that means to stall the broker) keeps nothing."""
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self._lock(CREATE_LOCK_WAIT_S))
+            except SimLockBusyError as exc:
+                log.warning("%s: taking the simulated GPU back with a fresh lock file", exc)
+                self._fresh_lock_file()
+                held.enter_context(self._lock(CREATE_LOCK_WAIT_S))
+            yield
+
+    def _fresh_lock_file(self) -> None:
+        """Put a new, empty lock file in the old one's place (renamed over it)."""
+        fd, tmp = tempfile.mkstemp(prefix=self.lock_path.name + ".", dir=self.lock_path.parent)
+        try:
+            os.fchmod(fd, DEVICE_MODE)
+            os.close(fd)
+            Path(tmp).replace(self.lock_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                Path(tmp).unlink()
+            raise
 
     def _load(self) -> dict[str, Any]:
         try:
@@ -446,16 +598,128 @@ class SimDevice:
         return state
 
     def _save(self, state: dict[str, Any]) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        try:
+            fd, tmp = tempfile.mkstemp(
+                prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent
+            )
+        except OSError as exc:
+            raise GpuProbeError(
+                f"the simulated GPU's state cannot be written in {self.path.parent}: "
+                f"{exc.strerror or exc}"
+            ) from None
         try:
             os.fchmod(fd, DEVICE_MODE)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=1, sort_keys=True)
             Path(tmp).replace(self.path)
-        except BaseException:
+        except BaseException as exc:
             with contextlib.suppress(OSError):
                 Path(tmp).unlink()
+            if isinstance(exc, OSError):
+                raise GpuProbeError(
+                    f"the simulated GPU's state {self.path} cannot be written: "
+                    f"{exc.strerror or exc}"
+                ) from None
             raise
+
+    # -- the faults file (jobs cannot write it) ----------------------------------------
+
+    def _read_faults(self) -> dict[str, Any]:
+        """The faults as the faults file says, or none: when it is missing, and when
+        it is not taken on trust (a link, not a regular file, a hard link, owned by
+        another user than this one or root, writable by others, in a folder others
+        may write without the sticky bit, malformed; said once in the log)."""
+        try:
+            folder = self.faults_path.parent.stat()
+            fd = safefs.open_file(self.faults_path)
+        except FileNotFoundError:
+            self._faults_refused = ""
+            return _no_faults()
+        except (OSError, safefs.UnsafePathError) as exc:
+            return self._refuse_faults(str(exc))
+        try:
+            st = os.fstat(fd)
+            why = ""
+            if st.st_uid not in (0, os.geteuid()):
+                why = f"it belongs to uid {st.st_uid}"
+            elif st.st_mode & 0o022:
+                why = f"others may write it (mode {stat.S_IMODE(st.st_mode):04o})"
+            elif st.st_nlink != 1:
+                why = f"it has {st.st_nlink} hard links"
+            elif folder.st_mode & 0o002 and not folder.st_mode & stat.S_ISVTX:
+                why = "every user may write its folder"
+            if why:
+                return self._refuse_faults(why)
+            raw = b""
+            while len(raw) <= _MAX_FAULTS_BYTES and (chunk := os.read(fd, 1 << 16)):
+                raw += chunk
+        except OSError as exc:
+            return self._refuse_faults(exc.strerror or str(exc))
+        finally:
+            os.close(fd)
+        if len(raw) > _MAX_FAULTS_BYTES:
+            return self._refuse_faults(f"it is larger than {_MAX_FAULTS_BYTES} bytes")
+        try:
+            faults = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._refuse_faults("it is not valid JSON")
+        if (wrong := _check_faults(faults)) is not None:
+            return self._refuse_faults(wrong)
+        self._faults_refused = ""
+        return dict(faults)
+
+    def _refuse_faults(self, why: str) -> dict[str, Any]:
+        if why != self._faults_refused:
+            log.warning(
+                "the simulated GPU's faults file %s is not used (%s): no fault is injected",
+                self.faults_path,
+                why,
+            )
+            self._faults_refused = why
+        return _no_faults()
+
+    @contextlib.contextmanager
+    def _faults_transaction(self) -> Iterator[dict[str, Any]]:
+        """Change the faults file: under its own lock (beside it, the writer's
+        alone, mode 0600), read, changed by the caller, replaced at once."""
+        lock = self.faults_path.with_name(self.faults_path.name + ".lock")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(lock, flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            faults = self._read_faults()
+            yield faults
+            data = json.dumps(faults, indent=1, sort_keys=True).encode()
+            safefs.write_file(self.faults_path, data, mode=FAULTS_MODE)
+        finally:
+            os.close(fd)
+
+    def _reset_faults(self, release_delay_s: float, *, keep: bool) -> None:
+        """At create: the release delay from the config, and the devices' faults
+        kept (``keep``: the devices were kept) or dropped. A folder this process
+        cannot write leaves the faults file as it is (said in the log)."""
+        try:
+            with self._faults_transaction() as faults:
+                if not keep:
+                    faults["devices"] = {}
+                faults["release_delay_s"] = float(release_delay_s)
+        except OSError as exc:
+            log.warning(
+                "the simulated GPU's faults file %s cannot be written: %s",
+                self.faults_path,
+                exc.strerror or exc,
+            )
+
+    def _release_delay(self, state: dict[str, Any], faults: dict[str, Any]) -> float:
+        """The faults file's release delay; the state's where that has none (a
+        reader that cannot see the faults file, a device made before it existed)."""
+        delay = faults.get("release_delay_s")
+        return float(state["release_delay_s"] if delay is None else delay)
+
+    @staticmethod
+    def _faults_of(faults: dict[str, Any], gpu_uuid: str) -> dict[str, Any]:
+        got = faults["devices"].get(gpu_uuid) or {}
+        return {"hang": False, "xids": [], "xid_base": 0, **got}
 
     @contextlib.contextmanager
     def _transaction(self, *, write: bool = True) -> Iterator[dict[str, Any]]:
@@ -472,13 +736,6 @@ class SimDevice:
                 return dict(dev)
         known = ", ".join(d["uuid"] for d in state["devices"]) or "none"
         raise GpuProbeError(f"no simulated GPU with UUID {gpu_uuid!r} (known: {known})")
-
-    @staticmethod
-    def _set_device(state: dict[str, Any], gpu_uuid: str, **changes: Any) -> None:
-        SimDevice._device(state, gpu_uuid)  # raises if unknown
-        for dev in state["devices"]:
-            if dev["uuid"] == gpu_uuid:
-                dev.update(changes)
 
     # -- memory -------------------------------------------------------------------
 
@@ -565,18 +822,18 @@ class SimDevice:
         the module docstring); a sandboxed owner that no process of the host
         is any more counts as gone.
         """
+        faults = self._read_faults()
         with self._lock():
             state = self._load()
-            if self._sweep(state, now):
+            if self._sweep(state, now, self._release_delay(state, faults)):
                 self._save(state)
 
     @staticmethod
-    def _sweep(state: dict[str, Any], now: float) -> bool:
+    def _sweep(state: dict[str, Any], now: float, delay: float) -> bool:
         """Find the host pids of sandboxed owners, notice owners gone, release
-        what is due. A sweep in the host's namespace judges every owner; one
-        run elsewhere (inside a sandbox) only the owners in its own namespace,
-        since it cannot see the others."""
-        delay = float(state["release_delay_s"])
+        what is due (``delay`` after they were noticed). A sweep in the host's
+        namespace judges every owner; one run elsewhere (inside a sandbox) only
+        the owners in its own namespace, since it cannot see the others."""
         host = state["host_pidns"]
         here = own_pidns()
         at_host = here == host
@@ -606,17 +863,21 @@ class SimDevice:
         state["allocations"] = keep
         return changed
 
-    def readings(self, now: float) -> list[GpuReading]:
-        """Sweep, then read every GPU: used memory and per-process usage.
+    def readings(self, now: float, *, lock_timeout: float | None = None) -> list[GpuReading]:
+        """Sweep, then read every GPU: used memory and per-process usage; the
+        faults (hangs, Xid codes) are the faults file's, never the state's.
 
-        Raises ``GpuProbeError`` if a GPU was set to hang.
+        Raises ``GpuProbeError`` if a GPU was set to hang, and
+        :class:`SimLockBusyError` when the lock was not had in ``lock_timeout``
+        seconds (None: waited for as long as it takes).
         """
-        with self._lock():
+        faults = self._read_faults()
+        with self._lock(lock_timeout):
             state = self._load()
-            if self._sweep(state, now):
+            if self._sweep(state, now, self._release_delay(state, faults)):
                 self._save(state)
         for dev in state["devices"]:
-            if dev["hang"]:
+            if self._faults_of(faults, dev["uuid"])["hang"]:
                 raise GpuProbeError(
                     f"GPU {dev['uuid']} (index {dev['index']}) stopped answering (simulated hang)"
                 )
@@ -624,7 +885,8 @@ class SimDevice:
         for dev in state["devices"]:
             on_gpu = [a for a in state["allocations"] if a["gpu"] == dev["uuid"]]
             by_pid = _by_host_pid(on_gpu)
-            extra = {"xid": str(dev["xids"][-1])} if dev["xids"] else {}
+            fault = self._faults_of(faults, dev["uuid"])
+            extra = {"xid": str(fault["xids"][-1])} if fault["xids"] else {}
             out.append(
                 GpuReading(
                     uuid=dev["uuid"],
@@ -636,9 +898,7 @@ class SimDevice:
                     driver="sim",
                     extra=extra,
                     xids=tuple(
-                        enumerate(
-                            (int(x) for x in dev["xids"]), start=int(dev.get("xid_base", 0)) + 1
-                        )
+                        enumerate((int(x) for x in fault["xids"]), start=int(fault["xid_base"]) + 1)
                     ),
                 )
             )
@@ -671,36 +931,48 @@ class SimDevice:
             state["allocations"] = keep
         return removed
 
+    # the faults below are kept in the faults file (:attr:`faults_path`), which
+    # only its folder's writers (the broker's user) may change: never a job
+
+    def _known(self, gpu_uuid: str) -> None:
+        """Raise ``GpuProbeError`` unless the device has a GPU ``gpu_uuid``."""
+        with self._transaction(write=False) as state:
+            self._device(state, gpu_uuid)
+
+    def _change_fault(self, gpu_uuid: str, change: Callable[[dict[str, Any]], None]) -> None:
+        self._known(gpu_uuid)
+        with self._faults_transaction() as faults:
+            dev = self._faults_of(faults, gpu_uuid)
+            change(dev)
+            faults["devices"][gpu_uuid] = dev
+
     def set_hang(self, gpu_uuid: str, hang: bool) -> None:
         """While set, reading the GPUs raises ``GpuProbeError`` (the GPU stopped answering)."""
-        with self._transaction() as state:
-            self._set_device(state, gpu_uuid, hang=hang)
+        self._change_fault(gpu_uuid, lambda dev: dev.update(hang=bool(hang)))
 
     def inject_xid(self, gpu_uuid: str, code: int) -> None:
         """Record a hardware fault; readings carry the latest as ``extra["xid"]``."""
-        with self._transaction() as state:
-            xids = [*self._device(state, gpu_uuid)["xids"], int(code)]
-            self._set_device(state, gpu_uuid, xids=xids)
+        self._change_fault(gpu_uuid, lambda dev: dev.update(xids=[*dev["xids"], int(code)]))
 
     def clear_xids(self, gpu_uuid: str) -> None:
         """Forget the GPU's recorded faults (an operator reset it). Event numbers
         keep counting up, so a reader never mistakes a new Xid for an old one."""
-        with self._transaction() as state:
-            dev = self._device(state, gpu_uuid)
-            base = int(dev.get("xid_base", 0)) + len(dev["xids"])
-            self._set_device(state, gpu_uuid, xids=[], xid_base=base)
+        self._change_fault(
+            gpu_uuid,
+            lambda dev: dev.update(xids=[], xid_base=int(dev["xid_base"]) + len(dev["xids"])),
+        )
 
     def xids(self, gpu_uuid: str) -> list[int]:
-        """Every Xid code injected on the GPU, oldest first."""
-        with self._transaction(write=False) as state:
-            return [int(x) for x in self._device(state, gpu_uuid)["xids"]]
+        """Every Xid code injected on the GPU, oldest first (as the faults file says)."""
+        self._known(gpu_uuid)
+        return [int(x) for x in self._faults_of(self._read_faults(), gpu_uuid)["xids"]]
 
     def set_release_delay(self, seconds: float) -> None:
         """Slow (or speed up) memory release for owners not yet noticed gone."""
         if seconds < 0:
             raise ValueError(f"release delay cannot be negative: {seconds}")
-        with self._transaction() as state:
-            state["release_delay_s"] = float(seconds)
+        with self._faults_transaction() as faults:
+            faults["release_delay_s"] = float(seconds)
 
 
 def _rehost(state: dict[str, Any], host: int | None) -> None:
@@ -784,9 +1056,39 @@ class SimProbe:
         self.clock = clock
         #: the shared state, also the seam for fault injection
         self.device = SimDevice.create(self.path, config, shared_folder=shared_folder)
+        #: the last reading and when it was had (``time.monotonic``)
+        self._last: list[GpuReading] | None = None
+        self._last_at = 0.0
+        #: no try for the lock before this (``time.monotonic``), after one timed out
+        self._retry_at = 0.0
+        #: why the last try for the lock failed
+        self._busy = ""
 
     def read(self) -> list[GpuReading]:
-        return self.device.readings(self.clock())
+        """The device now. A job may hold the device's lock: it is waited for
+        :data:`PROBE_LOCK_WAIT_S` at most, and not tried again for
+        :data:`PROBE_RETRY_S`; meanwhile the last reading is given, until it is
+        :data:`PROBE_STALE_S` old: then ``GpuProbeError`` (VRAM admission pauses)
+        until the lock is had again. The broker's loop never waits longer."""
+        mono = time.monotonic()
+        if mono < self._retry_at:
+            return self._stale(mono)
+        try:
+            readings = self.device.readings(self.clock(), lock_timeout=PROBE_LOCK_WAIT_S)
+        except SimLockBusyError as exc:
+            self._retry_at = mono + PROBE_RETRY_S
+            self._busy = exc.message
+            return self._stale(mono)
+        self._last, self._last_at, self._busy = readings, mono, ""
+        return readings
+
+    def _stale(self, mono: float) -> list[GpuReading]:
+        age = mono - self._last_at
+        if self._last is not None and age < PROBE_STALE_S:
+            return self._last
+        raise GpuProbeError(
+            f"the simulated GPU has not been read for {PROBE_STALE_S:g} s or more: {self._busy}"
+        )
 
     def job_env(self, gpu_uuid: str | None) -> dict[str, str]:
         return {"CUDA_VISIBLE_DEVICES": gpu_uuid or "", "GPUWARDEN_SIM_GPU": str(self.path)}

@@ -63,6 +63,11 @@ class GpuLocks:
         self._pids: dict[str, int] = {}
         self._next = 0.0
 
+    @classmethod
+    def of(cls, template: str, group: str, emit: Emit) -> GpuLocks:
+        """The locks of ``gpu_lock`` (``template``, "": off) and ``gpu_lock_group``."""
+        return cls(LockTemplate(template, group) if template else None, emit=emit)
+
     def refresh(self, uuids: Iterable[str], *, force: bool = False) -> bool:
         """Look at the GPUs' locks if :data:`LOOK_S` has passed since the last look
         (``force``: now). True when what the plan is told changed."""

@@ -55,7 +55,6 @@ from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
 from gpuwarden.eventlog import EventLog, NullLog
 from gpuwarden.gpu.base import GpuProbe
-from gpuwarden.gpu.lockfile import LockTemplate
 from gpuwarden.intake.queueroot import QueueRoot
 from gpuwarden.intake.service import QueueIntake
 from gpuwarden.launch.base import Launcher
@@ -194,8 +193,7 @@ class Broker:
         self.queue = QueueBook(self.store, self.registry, self._clock)
         self.vram = VramBook(self.settings.vram)
         #: the GPU lock files (``gpu_lock``): who outside the queue keeps a GPU
-        lock = self.settings.gpu_lock
-        self.locks = GpuLocks(LockTemplate(lock) if lock else None, emit=self.emit)
+        self.locks = GpuLocks.of(self.settings.gpu_lock, self.settings.gpu_lock_group, self.emit)
         #: the managed runtimes ([[runtimes]]): looked at by a poller thread
         self.runtimes = ManagedRuntimes(
             self.settings.runtimes,

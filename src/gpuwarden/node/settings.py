@@ -49,7 +49,8 @@ class RuntimeSpec:
     name: str
     kind: RuntimeKind
     url: str
-    token: str | None = None
+    #: the bearer token (never in a repr: a logged setting shows no secret)
+    token: str | None = field(default=None, repr=False)
     gpus: tuple[str, ...] = ()
     idle_grace_s: float = 300.0
     release_timeout_s: float = 15.0
@@ -93,6 +94,8 @@ class NodeSettings:
     ram_floor_bytes: int = 0
     #: the GPU lock file's path template (``gpu_lock``), "": off
     gpu_lock: str = ""
+    #: the group that may take the GPU locks (``gpu_lock_group``), "": the broker's
+    gpu_lock_group: str = ""
     #: where the service forwarders listen (``[cluster] service_address``)
     service_address: str = "127.0.0.1"
     #: what a routine stop does with running attempts (``[broker] on_stop``):

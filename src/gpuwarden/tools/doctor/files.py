@@ -10,7 +10,7 @@ from pathlib import Path
 from gpuwarden.config import Config
 from gpuwarden.core.launchrules import Runtime, image_is_pinned
 from gpuwarden.errors import GpuwardenError
-from gpuwarden.gpu.lockfile import LockTemplate
+from gpuwarden.gpu.lockfile import GpuLockError, LockTemplate, folder_problem
 from gpuwarden.intake.queueroot import SUBFOLDERS
 from gpuwarden.tools.doctor.base import (
     Check,
@@ -236,27 +236,55 @@ def check_image(host: Host) -> Check:
 
 
 def check_gpu_lock(host: Host) -> Check:
-    """``gpu_lock``: whether it is set, and that its folder is usable (a folder, not
-    a link, that no one else may write), as the broker and ``gpu lock`` need it."""
-    template = host.need_config().gpu_lock
+    """``gpu_lock``: whether it is set, that its folder is usable (a folder, not a
+    link, that no one else may write, sticky or not), as the broker and ``gpu
+    lock`` need it, and that ``gpu_lock_group`` is a group here."""
+    config = host.need_config()
+    template = config.gpu_lock
     if not template:
         return Check("gpu-lock", Status.OK, "off (gpu_lock is not set)")
-    folder = LockTemplate(template).folder
-    fix = f"make {folder} a folder of the broker's user, mode 0700 (or remove it: made at start)"
+    lock = LockTemplate(template, config.gpu_lock_group)
+    folder = lock.folder
+    mode_wanted = "0750, of gpu_lock_group" if lock.group else "0700"
+    fix = (
+        f"make {folder} a folder of the broker's user, mode {mode_wanted} "
+        "(or remove it: made at start)"
+    )
+    try:
+        gid = lock.gid()
+    except GpuLockError as exc:
+        return Check("gpu-lock", Status.FAIL, str(exc), "create the group, or fix gpu_lock_group")
+    who = (
+        f"the broker's user and group {lock.group} (gid {gid})"
+        if lock.group
+        else f"the broker's user and its group (gid {os.getegid()}); set gpu_lock_group"
+    )
     try:
         st = folder.lstat()
     except FileNotFoundError:
         return Check(
-            "gpu-lock", Status.OK, f"gpu_lock = {template}; {folder} is made root-only at start"
+            "gpu-lock",
+            Status.OK,
+            f"gpu_lock = {template}; {folder} is made at start (mode {mode_wanted}); "
+            f"who may lock: {who}",
         )
-    if stat.S_ISLNK(st.st_mode):
-        return Check("gpu-lock", Status.FAIL, f"{folder} is a symlink; links are not used", fix)
-    if not stat.S_ISDIR(st.st_mode):
-        return Check("gpu-lock", Status.FAIL, f"{folder} is not a folder", fix)
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        return Check("gpu-lock", Status.FAIL, f"{folder} is writable by others", fix)
+    problem = folder_problem(st)
+    if problem:
+        return Check("gpu-lock", Status.FAIL, f"{folder} {problem}", fix)
     if st.st_uid != os.geteuid():
         owner = f"{folder} belongs to uid {st.st_uid}, not to this user ({os.geteuid()})"
         return Check("gpu-lock", Status.WARN, owner, fix)
     mode = f"{stat.S_IMODE(st.st_mode):04o}"
-    return Check("gpu-lock", Status.OK, f"gpu_lock = {template}; {folder} is usable ({mode})")
+    if gid is not None and (st.st_gid != gid or not st.st_mode & 0o010):
+        return Check(
+            "gpu-lock",
+            Status.WARN,
+            f"{folder} ({mode}, gid {st.st_gid}) cannot be searched by group {lock.group}: "
+            "its members cannot reach the lock files",
+            fix,
+        )
+    return Check(
+        "gpu-lock",
+        Status.OK,
+        f"gpu_lock = {template}; {folder} is usable ({mode}); who may lock: {who}",
+    )
