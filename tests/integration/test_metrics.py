@@ -361,3 +361,19 @@ def test_gpu_utilisation_temperature_and_power_under_dcgm_names(tmp_path: Path) 
     b_series = [k for k in got if k[0].startswith("DCGM_FI_DEV_") and ("UUID", "GPU-b") in k[1]]
     assert sorted(k[0] for k in b_series) == ["DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_FB_USED"]
     store.close()
+
+
+def test_a_simulated_gpu_publishes_its_sensors_idle_then_busy(served: Served) -> None:
+    def util() -> float:
+        return next(v for (name, at), v in served.scrape().items()
+                    if name == "DCGM_FI_DEV_GPU_UTIL" and ("UUID", served.gpu) in at)  # fmt: skip
+
+    served.node.broker.tick()
+    assert util() == 0.0  # nothing held: idle
+    submit(served.node, gpu_job("busy", seconds=5))
+    run_until(served.node, lambda: state(served.node, "busy") is JobState.RUNNING)
+    run_until(served.node, lambda: util() > 0)  # its 2 GiB held: at work
+    status = served.node.broker.status()
+    [g] = [g for g in status.gpus if g.uuid == served.gpu]
+    assert g.sensors is not None and g.sensors.temp_c is not None and g.sensors.temp_c > 30
+    served.node.store.request_cancel("busy", now=time.time())

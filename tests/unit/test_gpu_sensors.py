@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 
+from gpuwarden.core.model import GIB
 from gpuwarden.gpu.base import GpuSensors
+from gpuwarden.gpu.sim import simulated_sensors
 from gpuwarden.node.status import BrokerStatus, GpuStatus
 
 
@@ -27,3 +29,12 @@ def test_the_text_says_what_the_gpu_reports() -> None:
     assert GpuSensors(87.4, 64.0, 312.5).text() == "util 87 %  64 °C  312 W"
     assert GpuSensors(None, 40.0, None).text() == "40 °C"
     assert GpuSensors().text() == ""
+
+
+def test_the_simulated_gpu_invents_plausible_values_from_what_it_holds() -> None:
+    idle = simulated_sensors(0, 80 * GIB, busy=False)
+    assert idle == GpuSensors(0.0, 30.0, 70.0)
+    half = simulated_sensors(40 * GIB, 80 * GIB, busy=True)
+    assert half.util_pct == 67.5 and half.temp_c == 63.8 and half.power_w == 495.2
+    full = simulated_sensors(24 * GIB, 24 * GIB, busy=True)
+    assert full == GpuSensors(100.0, 80.0, 300.0)

@@ -61,7 +61,7 @@ import psutil
 from gpuwarden import safefs
 from gpuwarden.core.model import GIB
 from gpuwarden.errors import GpuProbeError, SimOutOfMemoryError
-from gpuwarden.gpu.base import GpuReading, ProcessUsage
+from gpuwarden.gpu.base import GpuReading, GpuSensors, ProcessUsage
 
 log = logging.getLogger("gpuwarden.gpu.sim")
 
@@ -887,12 +887,14 @@ class SimDevice:
             by_pid = _by_host_pid(on_gpu)
             fault = self._faults_of(faults, dev["uuid"])
             extra = {"xid": str(fault["xids"][-1])} if fault["xids"] else {}
+            used = sum(a["nbytes"] for a in on_gpu)
             out.append(
                 GpuReading(
                     uuid=dev["uuid"],
                     name=dev["name"],
                     total_bytes=dev["total_bytes"],
-                    used_bytes=sum(a["nbytes"] for a in on_gpu),
+                    used_bytes=used,
+                    sensors=simulated_sensors(used, dev["total_bytes"], busy=bool(on_gpu)),
                     processes=tuple(ProcessUsage(p, n) for p, n in sorted(by_pid.items())),
                     index=dev["index"],
                     driver="sim",
@@ -1035,6 +1037,20 @@ def _oom_message(dev: dict[str, Any], nbytes: int, free: int, live: list[dict[st
         parts.append(holders)
     parts.append(f"(gpuwarden simulated GPU {dev['uuid']})")
     return " ".join(parts)
+
+
+def simulated_sensors(used: int, total: int, *, busy: bool) -> GpuSensors:
+    """Plausible utilisation, temperature and power for a simulated GPU, from what
+    it holds: idle 0 %, 30 °C and a tenth of its power; a GPU that holds memory
+    works harder the fuller it is, up to 100 %, 80 °C and its whole power (700 W
+    for 80 GiB or more, 450 W for 40 GiB or more, else 300 W)."""
+    util = min(100.0, 35.0 + 65.0 * used / total) if busy and total > 0 else 0.0
+    tdp = 700.0 if total >= 80 * GIB else 450.0 if total >= 40 * GIB else 300.0
+    return GpuSensors(
+        util_pct=round(util, 1),
+        temp_c=round(30.0 + util / 2, 1),
+        power_w=round(tdp * (0.1 + 0.9 * util / 100), 1),
+    )
 
 
 class SimProbe:
