@@ -383,7 +383,7 @@ class Config(_Section):
     commands: CommandSettings = CommandSettings()
     #: the managed runtimes (issue 15: registered, not yet driven by the broker)
     runtimes: list[RuntimeSettings] = Field(default_factory=list)
-    #: the GPU lock file's path template ("/run/gpuwarden/GPU-<uuid>.lock"), "": off
+    #: the GPU lock file's path template ("/run/gpuwarden/<uuid>.lock"), "": off
     gpu_lock: str = ""
     #: the group whose members may take a GPU's lock (lock files are 0660, this
     #: group's); "": the broker's own (root's)

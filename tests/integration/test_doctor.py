@@ -454,7 +454,7 @@ def test_gpu_lock_off_then_its_folder_checked(tmp_path: Path) -> None:
     _, _, checks = doctor_json(write_config(tmp_path, base))
     assert checks["gpu-lock"]["status"] == "OK" and "off" in checks["gpu-lock"]["detail"]
     folder = tmp_path / "locks"
-    cfg = write_config(tmp_path, base + f'gpu_lock = "{folder}/GPU-<uuid>.lock"')
+    cfg = write_config(tmp_path, base + f'gpu_lock = "{folder}/<uuid>.lock"')
     _, _, checks = doctor_json(cfg)
     assert checks["gpu-lock"]["status"] == "OK", checks["gpu-lock"]
     folder.mkdir(mode=0o700)
@@ -475,14 +475,14 @@ def test_gpu_lock_in_a_sticky_folder_or_of_an_unknown_group_fails(tmp_path: Path
     folder = tmp_path / "locks"
     folder.mkdir()
     folder.chmod(0o1777)
-    cfg = write_config(tmp_path, base + f'gpu_lock = "{folder}/GPU-<uuid>.lock"')
+    cfg = write_config(tmp_path, base + f'gpu_lock = "{folder}/<uuid>.lock"')
     _, _, checks = doctor_json(cfg)
     assert checks["gpu-lock"]["status"] == "FAIL", checks["gpu-lock"]
     assert "may be written by others" in checks["gpu-lock"]["detail"]
     folder.chmod(0o700)
     _, _, checks = doctor_json(cfg)
     assert checks["gpu-lock"]["status"] == "OK" and "who may lock" in checks["gpu-lock"]["detail"]
-    lock = f'gpu_lock = "{folder}/GPU-<uuid>.lock"\ngpu_lock_group = "no-such-group-here"'
+    lock = f'gpu_lock = "{folder}/<uuid>.lock"\ngpu_lock_group = "no-such-group-here"'
     _, _, checks = doctor_json(write_config(tmp_path, base + lock))
     check = checks["gpu-lock"]
     assert check["status"] == "FAIL" and "no such group" in check["detail"]

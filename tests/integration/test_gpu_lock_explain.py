@@ -53,7 +53,7 @@ def make_config(tmp_path: Path) -> Config:
             "state_dir": tmp_path / "state",
             "node_name": "locknode",
             "gpu": "sim",
-            "gpu_lock": f"{tmp_path}/locks/GPU-<uuid>.lock",
+            "gpu_lock": f"{tmp_path}/locks/<uuid>.lock",
             "allow_unsandboxed_containers": True,
             "module_paths": [REPO / "src" / "gpuwarden" / "modules", REPO / "tests" / "modules"],
             "sim_gpu": {"count": 1, "vram_gib": 24, "release_delay_s": 0},

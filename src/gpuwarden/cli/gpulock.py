@@ -68,7 +68,7 @@ def cmd_gpu_lock(args: argparse.Namespace) -> int:
     config = config_of(args)
     if not config.gpu_lock:
         raise UserError(
-            'this node has no gpu_lock: set gpu_lock = "/run/gpuwarden/GPU-<uuid>.lock" '
+            'this node has no gpu_lock: set gpu_lock = "/run/gpuwarden/<uuid>.lock" '
             "in its config (SPEC.md section 8)"
         )
     uuid = _gpu_uuid(args.gpu, config, mock_gpu=bool(args.mock_gpu))

@@ -1,6 +1,6 @@
 """The GPU lock file (``gpu_lock``): an ``flock`` that tools outside the queue honour.
 
-A node may name ``gpu_lock = "/run/gpuwarden/GPU-<uuid>.lock"``. A job that has
+A node may name ``gpu_lock = "/run/gpuwarden/<uuid>.lock"``. A job that has
 a GPU to itself holds ``flock(LOCK_EX)`` on that GPU's file for its run; a tool
 outside the queue (``gpuwarden gpu lock UUID -- CMD``, a notebook that takes the
 same lock) holds it while it uses the GPU. Who holds a lock is read from
