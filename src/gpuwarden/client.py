@@ -436,6 +436,15 @@ class Client:
         )
         return lease
 
+    def preview(self, type_name: str, *, vram_gib: float | None = None, priority: int = 0) -> Lines:
+        """What the broker (or a coordinator's nodes) would do with one more job of
+        ``type_name`` now: ``GET /v1/preview``. Submits nothing."""
+        params: dict[str, Any] = {"type": type_name, "priority": priority}
+        if vram_gib is not None:
+            params["vram_gib"] = vram_gib
+        lines: Lines = self.request_json("GET", "/v1/preview", params=params)["lines"]
+        return lines
+
     def explain(self, job_id: str) -> Lines:
         lines: Lines = self.request_json("GET", f"/v1/jobs/{_seg(job_id)}/explain")["lines"]
         return lines

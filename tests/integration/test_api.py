@@ -189,6 +189,7 @@ CASES = [
     Case("DELETE", "/v1/leases/{lease}", frozenset(READERS), 200),
     Case("GET", "/v1/status", frozenset(READERS), 200),
     Case("GET", "/v1/types", frozenset(READERS), 200),
+    Case("GET", "/v1/preview?type=echo.echo", frozenset(READERS), 200),
     Case("GET", "/v1/share", frozenset(READERS), 200),
     Case("GET", "/v1/health", frozenset(r.value for r in Role), 200),
     Case("POST", "/v1/tokens", frozenset({R}), 201, {"name": "new", "role": "submitter"}),
@@ -289,6 +290,7 @@ def test_matrix_table_matches_the_tested_one() -> None:
         "lease.end": READERS,
         "lease.pids": READERS,
         "types.read": READERS,
+        "job.preview": READERS,  # what would become of one more job (test_preview.py)
         "status.read": READERS,
         "share.read": READERS,  # a submitter sees its own row (test_fair_share.py)
         "audit.read": {R, OP},

@@ -82,6 +82,8 @@ MATRIX: dict[str, tuple[Scope | None, Scope | None, Scope | None, Scope | None, 
     "lease.end":     (ALL,  ALL,     OWN,      None, None),
     "lease.pids":    (ALL,  ALL,     OWN,      None, None),
     "types.read":    (ALL,  ALL,     ALL,      None, None),
+    # GET /v1/preview: what would become of one more job (counts, no other's ids)
+    "job.preview":   (ALL,  ALL,     OWN,      None, None),
     "status.read":   (ALL,  ALL,     ALL,      None, None),
     "share.read":    (ALL,  ALL,     OWN,      None, None),
     "audit.read":    (ALL,  ALL,     None,     None, None),

@@ -407,6 +407,13 @@ class Explanation(BaseModel):
     lines: list[str]
 
 
+class PreviewOut(BaseModel):
+    """``GET /v1/preview``: what would become of one more job of ``type``."""
+
+    type: str
+    lines: list[str]
+
+
 class TokenIn(_Request):
     name: Annotated[
         str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$", description="who holds it")

@@ -27,14 +27,14 @@ from gpuwarden.cli.common import (
 )
 from gpuwarden.client import Client
 from gpuwarden.cluster import report
-from gpuwarden.core.model import GIB, Attempt, Event, Job, Lane, LaunchMode, format_bytes
-from gpuwarden.core.policy import QueuedJob
+from gpuwarden.core.model import GIB, Attempt, Event, Job, Lane
 from gpuwarden.core.service import ServiceView
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import UserError, ValidationError
 from gpuwarden.node import explain, servicestate
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
+from gpuwarden.store.cluster import ClusterStore
 
 
 def _add_jobs(sub: Commands) -> None:
@@ -80,12 +80,14 @@ def _add_preview(sub: Commands) -> None:
         "preview",
         help="would a job of this type start now, where, or what would it wait for",
         description="Run the admission policy on what the broker last saw (or on the probe, "
-        "if no broker runs) with one more job in the queue. Submits nothing.",
+        "if no broker runs) with one more job in the queue; with --url, the API's broker, "
+        "or a coordinator's nodes. Submits nothing.",
         allow_abbrev=False,
     )
     sp.add_argument("type", help="job type, module.type")
     sp.add_argument("--vram-gib", type=float, help="footprint for this job (default: the type's)")
     sp.add_argument("--priority", type=int, default=0)
+    add_remote_options(sp)
     sp.set_defaults(func=cmd_preview)
 
 
@@ -402,59 +404,51 @@ def _explain_here(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_preview(args: argparse.Namespace) -> int:
+    if args.vram_gib is not None and not 0 < args.vram_gib <= 1_048_576:
+        raise ValidationError("--vram-gib must be more than 0 and at most 1048576")
+    lines = local_or_http(args, _preview_here, _preview_http)
+    for line in lines:
+        out.print(line, markup=False, highlight=False)
+    return 0
+
+
+def _preview_here(args: argparse.Namespace) -> list[str]:
     config = config_of(args)
     registry = Registry.load(config.module_paths, config.launch_rules)
     jobtype = registry.get(args.type)
     override = int(args.vram_gib * GIB) if args.vram_gib is not None else None
     if override is not None and jobtype.lane is not Lane.VRAM:
         raise ValidationError(f"{jobtype.name} runs on the cpu lane; --vram-gib does not apply")
-    if (refused := explain.refused_line(registry, jobtype)) is not None:
-        # what `submit` would answer, before any GPU's room matters
-        out.print(f"{jobtype.name} {refused}", markup=False)
-        return 0
+
+    def probe_view() -> explain.View:
+        probe = make_probe(config, mock_gpu=args.mock_gpu)
+        try:
+            reserve = int(config.vram.reserve_gib * GIB)
+            return explain.view_from_probe(probe, reserve, config.broker.cpu_slots)
+        finally:
+            probe.close()
+
     store = (
         checked_store(config, writes=False) if config.database or config.db_path.exists() else None
     )
     try:
-        status = explain.latest_status(store, time.time()) if store else None
-        if status is not None:
-            view = explain.view_from_status(status, config.broker.cpu_slots)
-            warm_types = frozenset(w.type for w in view.warm)
-            queued = (
-                explain.queued_entries(store, registry, warm_types, view.runtimes) if store else []
+        if isinstance(store, ClusterStore) and report.has_nodes(store):  # a coordinator's
+            return report.preview(
+                store, registry, jobtype, override=override, priority=args.priority, now=time.time()
             )
-        else:
-            probe = make_probe(config, mock_gpu=args.mock_gpu)
-            try:
-                reserve = int(config.vram.reserve_gib * GIB)
-                view = explain.view_from_probe(probe, reserve, config.broker.cpu_slots)
-            finally:
-                probe.close()
-            queued = explain.queued_entries(store, registry) if store else []
-        need = 0
-        if jobtype.lane is Lane.VRAM:
-            measured = store.footprints().get(jobtype.name) if store else None
-            need = max(override or jobtype.vram_bytes, measured.bytes if measured else 0)
-        me = QueuedJob(
-            id=explain.PREVIEW_ID,
-            type=jobtype.name,
-            lane=jobtype.lane,
-            vram_bytes=need,
+        return explain.preview(
+            store,
+            registry,
+            jobtype,
+            override=override,
             priority=args.priority,
-            seq=max((q.seq for q in queued), default=0) + 1,
-            coresident=jobtype.coresident or jobtype.runtime is not None,
-            serve=jobtype.launch is LaunchMode.SERVE,
-            warm=any(w.type == jobtype.name for w in view.warm),
-            runtime=explain.runtime_of(jobtype, view.runtimes),
-            model=jobtype.model or "",
+            cpu_slots=config.broker.cpu_slots,
+            probe_view=probe_view,
         )
-        decision = explain.decide(view, [*queued, me], me.id)
     finally:
         if store is not None:
             store.close()
-    if jobtype.lane is Lane.VRAM:
-        out.print(f"{jobtype.name}: footprint {format_bytes(need)}", markup=False)
-    out.print(f"{explain.describe(decision)}", markup=False)
-    out.print(explain.sandbox_line(registry, jobtype), markup=False)
-    out.print(f"(as seen by the {view.source}; {len(queued)} job(s) queued ahead or around it)")
-    return 0
+
+
+def _preview_http(args: argparse.Namespace, client: Client) -> list[str]:
+    return client.preview(args.type, vram_gib=args.vram_gib, priority=args.priority)

@@ -18,6 +18,7 @@ from gpuwarden.cluster.claimorder import fair_share_wait, owners_use
 from gpuwarden.cluster.nodeview import (
     Silence,
     Timing,
+    footprint_of,
     heard_s_ago,
     held_by,
     is_fresh,
@@ -29,11 +30,16 @@ from gpuwarden.cluster.nodeview import (
 )
 from gpuwarden.core import placement
 from gpuwarden.core.fairshare import DEFAULT_HALF_LIFE_S
-from gpuwarden.core.model import Job, Lane, format_bytes
+from gpuwarden.core.model import Job, JobType, Lane, format_bytes
 from gpuwarden.core.placement import NodeView, Offerable
 from gpuwarden.core.sources import reported_ability
 from gpuwarden.core.states import JobState
-from gpuwarden.node.explain import explain_job, latest_status, view_from_status
+from gpuwarden.node.explain import (
+    PREVIEW_ID,
+    explain_job,
+    latest_status,
+    view_from_status,
+)
 from gpuwarden.registry import Registry
 from gpuwarden.store.base import Store
 from gpuwarden.store.cluster import ClusterStore, Grant, Lease, NodeRecord, NodeState
@@ -317,6 +323,50 @@ def explain_placement(
         f"node {record.name} " + _why_not(record, view, off, views, leases, now=now, timing=timing)
         for record, view in zip(live, views, strict=True)
     ]
+
+
+def has_nodes(store: Store | None) -> bool:
+    """Whether ``store`` is a coordinator's: one with an enrolled node that is not
+    revoked (a one-host broker's store has the same tables, and no node)."""
+    return isinstance(store, ClusterStore) and any(
+        n.state is not NodeState.REVOKED for n in store.list_nodes()
+    )
+
+
+def preview(
+    store: ClusterStore,
+    registry: Registry,
+    jobtype: JobType,
+    *,
+    override: int | None,
+    priority: int,
+    now: float,
+) -> list[str]:
+    """``preview`` on a coordinator: what its nodes would do with one more job of
+    ``jobtype`` (``override``: its own footprint), node by node, as ``explain``
+    says of a queued job no node has taken yet (a coordinator's own launch rules
+    run nothing: each node's are in its answer). Submits nothing."""
+    job = Job(
+        id=PREVIEW_ID,
+        type=jobtype.name,
+        state=JobState.QUEUED,
+        priority=priority,
+        params={},
+        inputs=(),
+        outputs=(),
+        vram_bytes=override,
+        submitted_at=now,
+        updated_at=now,
+    )
+    footprints = {t: f.bytes for t, f in store.footprints().items()}
+    head = []
+    if jobtype.lane is Lane.VRAM:
+        need = footprint_of(registry, footprints, jobtype.name, override)
+        head.append(f"{jobtype.name}: footprint {format_bytes(need)}")
+    lines = explain_placement(store, registry, job, now)
+    if not lines:
+        lines = ["no node is enrolled with this coordinator: it would wait for one"]
+    return [*head, *lines, f"(as the coordinator sees its {len(store.list_nodes())} node(s))"]
 
 
 def explain_waiting(

@@ -394,3 +394,60 @@ def explain_job(
         lines += fair_share_lines(job, store, half_life_s)
     lines.append(f"(as seen by the {view.source})")
     return lines
+
+
+def preview(
+    store: Store | None,
+    registry: Registry,
+    jobtype: JobType,
+    *,
+    override: int | None,
+    priority: int,
+    cpu_slots: int,
+    probe_view: Callable[[], View] | None = None,
+) -> list[str]:
+    """What ``preview`` says of one more job of ``jobtype`` (``override``: its own
+    footprint): the broker's policy on what the broker last published to
+    ``store``; with no broker's status there, on ``probe_view()`` (the CLI on the
+    host reads the probe), or, without one (the API), that there is nothing to
+    preview against."""
+    if (refused := refused_line(registry, jobtype)) is not None:
+        return [f"{jobtype.name} {refused}"]  # what `submit` would answer
+    status = latest_status(store, time.time()) if store is not None else None
+    if status is not None:
+        view = view_from_status(status, cpu_slots)
+        warm_types = frozenset(w.type for w in view.warm)
+        queued = queued_entries(store, registry, warm_types, view.runtimes) if store else []
+    elif probe_view is not None:
+        view = probe_view()
+        queued = queued_entries(store, registry) if store is not None else []
+    else:
+        return [
+            f"{jobtype.name}: no broker has published its status here lately, so there is "
+            "nothing to preview it against (is `gpuwarden serve` running on this store?)"
+        ]
+    need = 0
+    if jobtype.lane is Lane.VRAM:
+        measured = store.footprints().get(jobtype.name) if store is not None else None
+        need = max(override or jobtype.vram_bytes, measured.bytes if measured else 0)
+    me = policy.QueuedJob(
+        id=PREVIEW_ID,
+        type=jobtype.name,
+        lane=jobtype.lane,
+        vram_bytes=need,
+        priority=priority,
+        seq=max((q.seq for q in queued), default=0) + 1,
+        coresident=jobtype.coresident or jobtype.runtime is not None,
+        serve=jobtype.launch is LaunchMode.SERVE,
+        warm=any(w.type == jobtype.name for w in view.warm),
+        runtime=runtime_of(jobtype, view.runtimes),
+        model=jobtype.model or "",
+    )
+    decision = decide(view, [*queued, me], me.id)
+    lines = [f"{jobtype.name}: footprint {format_bytes(need)}"] if jobtype.lane is Lane.VRAM else []
+    return [
+        *lines,
+        describe(decision),
+        sandbox_line(registry, jobtype),
+        f"(as seen by the {view.source}; {len(queued)} job(s) queued ahead or around it)",
+    ]

@@ -37,6 +37,7 @@ from gpuwarden.api.models import (
     JobDetail,
     JobIn,
     JobOut,
+    PreviewOut,
     PriorityIn,
     SubmitOut,
     WaitOut,
@@ -550,6 +551,43 @@ def explain_job(job_id: str, ctx: Ctx, who: Who, access: Access) -> Explanation:
         redactor = Redactor(ctx.store, who.token_id)
         lines = [hide_owners(redactor.text(line), who.token_id) for line in lines]
     return Explanation(job=job.id, lines=lines)
+
+
+@router.get("/v1/preview", response_model=PreviewOut, responses=_ERRORS)
+@action("job.preview")
+def preview_job(
+    *,
+    ctx: Ctx,
+    who: Who,
+    access: Access,
+    type: Annotated[str, Query(max_length=200, description="the job type, module.type")],
+    vram_gib: Annotated[float | None, Query(gt=0, le=1_048_576)] = None,
+    priority: Annotated[int, Query(ge=-(2**63), le=2**63 - 1)] = 0,
+) -> PreviewOut:
+    """What would become of one more job of ``type`` now (as `gpuwarden
+    preview`): the broker's policy on what it last published, or, on a
+    coordinator, what each node would do. Submits nothing."""
+    jobtype = ctx.registry.get(type)
+    override = math.ceil(vram_gib * GIB) if vram_gib is not None else None
+    if override is not None and jobtype.lane is not Lane.VRAM:
+        raise ValidationError(f"{jobtype.name} runs on the cpu lane; vram_gib does not apply")
+    if isinstance(ctx.store, ClusterStore) and report.has_nodes(ctx.store):  # a coordinator
+        lines = report.preview(
+            ctx.store, ctx.registry, jobtype, override=override, priority=priority, now=ctx.clock()
+        )
+    else:
+        lines = explain.preview(
+            ctx.store,
+            ctx.registry,
+            jobtype,
+            override=override,
+            priority=priority,
+            cpu_slots=ctx.config.broker.cpu_slots,
+        )
+    if access is Scope.OWN:  # wait reasons name other jobs: not another token's
+        redactor = Redactor(ctx.store, who.token_id)
+        lines = [hide_owners(redactor.text(line), who.token_id) for line in lines]
+    return PreviewOut(type=jobtype.name, lines=lines)
 
 
 @router.get("/v1/jobs/{job_id}/result", responses=_ERRORS)
