@@ -268,3 +268,19 @@ def test_leases_are_shown_beside_the_jobs() -> None:
     waiting = next(ln for ln in text.splitlines() if "lease-2" in ln)
     assert "local" in waiting and "queued" in waiting and "4.0" in waiting
     assert "holder" in text and "holder" not in _text(_snapshot(), 160)  # no leases: no table
+
+
+def test_a_submitters_view_names_no_other_job_and_never_says_none() -> None:
+    """Issue 31: over --url as a submitter the running job's id showed `None`. The
+    API hides another token's ids (null, a holder of `another job/1`)."""
+    doc = _status().to_json()
+    doc["running"][0]["job"] = None  # as GET /v1/status redacts it for a submitter
+    holding = doc["gpus"][0]["holdings"][0]
+    holding["job_id"], holding["holder"] = None, "another job/1"
+    hidden = BrokerStatus.from_json(doc)
+    assert hidden.running[0].job == ""
+    text = _text(_snapshot(nodes=(NodeSnapshot("vm", 7041, NOW - 0.4, hidden),)), 160)
+    assert "None" not in text
+    assert "1 another job 8.0" in text  # its holding: not taken for a warm server
+    [row] = [ln for ln in text.splitlines() if ln.startswith("another job  testmods.gpu")]
+    assert "1m30s" in row  # the running row: timed, its id not shown

@@ -220,6 +220,12 @@ def _holding_key(i: int) -> str:
     return _KEYS[i] if i < len(_KEYS) else "+"
 
 
+def _unnamed(holder: str, type_name: str) -> str:
+    """A holding without a job id: a warm server's, or (a job's holder is
+    ``ID/ATTEMPT``) a job whose id the viewer may not see."""
+    return "another job" if "/" in holder else f"warm {clean(type_name)}"
+
+
 def gpu_block(g: GpuStatus, width: int) -> list[Text]:
     """One GPU: a title line, the ledger bar (holdings by job and warm server,
     managed runtimes, foreign memory, the reserve), the device's own reading as a
@@ -242,7 +248,8 @@ def gpu_block(g: GpuStatus, width: int) -> list[Text]:
     for i, h in enumerate(view.holdings):
         key, style = _holding_key(i), _HOLD_STYLES[i % len(_HOLD_STYLES)]
         segs.append((key, style, h.bytes))
-        who = clean(h.job_id) if h.job_id else f"warm {clean(h.type)}"
+        # a submitter is shown no other token's job id: its holding is "another job"
+        who = clean(h.job_id) if h.job_id else _unnamed(h.holder, h.type)
         what = "" if not h.job_id else f" {clean(h.type)}"
         state = "" if h.state is HoldState.RUNNING else f" ({h.state.value})"
         legend.append(_swatch(key, style, f"{who}{what} {gib(h.bytes)}{state}"))
@@ -384,7 +391,7 @@ def running_table(snap: TopSnapshot, nodes: Sequence[NodeSnapshot], width: int) 
         }
         for r in n.status.running:
             t.add_row(
-                clean(r.job),
+                clean(r.job) if r.job else Text("another job", style="dim"),
                 clean(r.type),
                 *([clean(n.node), short_gpu(r.gpu or "cpu", width)] if wide else []),
                 _progress(r.started_at, expected.get(r.job, snap.expected_s.get(r.type)), now),

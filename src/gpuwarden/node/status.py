@@ -136,7 +136,7 @@ class RunningStatus:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunningStatus:
         return cls(
-            job=str(d["job"]),
+            job="" if d.get("job") is None else str(d["job"]),  # None: hidden from a submitter
             type=str(d.get("type", "")),
             attempt=int(d.get("attempt", 0)),
             gpu=d.get("gpu"),
