@@ -79,6 +79,7 @@ def test_the_document_has_the_keys_clients_read_in_their_order() -> None:
         "runtimes",
         "locked",
         "free_bytes",
+        "sensors",
     ]
     assert gpu["free_bytes"] == 24 * GIB - GIB - 14 * GIB
     assert list(doc["warm"][0]) == [
@@ -136,6 +137,7 @@ def test_the_report_counts_idle_warm_servers_as_room_and_takes_what_is_leased() 
     # a leased job not started yet takes from the GPU with the most room first
     [g0, g1] = gpu_reports(views, used={}, evictable=set(), waiting=25 * GIB)
     assert (g1.free_bytes, g0.free_bytes) == (0, free - 2 * GIB)
+    assert g0.waiting_bytes + g1.waiting_bytes == 25 * GIB  # what it takes, per GPU
     degraded = GpuView("G2", 24 * GIB, degraded="Xid 79")
     [g2] = gpu_reports((degraded,), used={}, evictable=set(), waiting=0)
     assert g2.free_bytes == 0 and g2.usable_bytes == 24 * GIB
@@ -150,6 +152,8 @@ def test_the_report_counts_idle_warm_servers_as_room_and_takes_what_is_leased() 
         "foreign_bytes",
         "reserve_bytes",
         "degraded",
+        "sensors",
+        "waiting_bytes",
     ]
 
 

@@ -211,7 +211,8 @@ def test_a_cluster_shows_each_node_with_its_gpus_and_heartbeat_age() -> None:
                 "total_bytes": 24 * GIB,
                 "used_bytes": 9 * GIB,
                 "ledger_bytes": 8 * GIB,
-                "free_bytes": 15 * GIB,
+                "free_bytes": 11 * GIB,
+                "waiting_bytes": 4 * GIB,  # a job leased here, not started yet
                 "degraded": "",
             }
         ],
@@ -236,6 +237,11 @@ def test_a_cluster_shows_each_node_with_its_gpus_and_heartbeat_age() -> None:
     assert "node gpu-3: offline: not heard from for 300 s" in flat
     assert "no broker is running" not in flat
     assert "waits for an enrolled node to take it" in flat
+    # issue 31: the leased job's room is its own, not others'; jobs run, not "none"
+    assert "leased, starting 4.0" in flat and "others+reserve 1.0" in flat
+    assert "running: none" not in flat
+    wide = " ".join(_text(_snapshot(nodes=(), cluster=(node, off)), 160).split())
+    assert "c-1 testmods.gpu gpu-2 cpu 1m01s" in wide
 
 
 def test_text_from_the_store_cannot_drive_the_terminal() -> None:

@@ -50,6 +50,8 @@ _FOREIGN = ("░", "red")
 _RESERVE = ("▓", "grey50")
 _FREE = ("·", "dim")
 _USED = ("█", "white")
+#: jobs leased to a node that have not started there yet (a coordinator's view)
+_LEASED = ("▚", "yellow")
 #: "ledger " / "device " before a bar, the brackets, and the figures after it
 _BAR_LABEL = 7
 _BAR_FIGURES = 20
@@ -396,6 +398,24 @@ def running_table(snap: TopSnapshot, nodes: Sequence[NodeSnapshot], width: int) 
                 *([clean(n.node), short_gpu(r.gpu or "cpu", width)] if wide else []),
                 _progress(r.started_at, expected.get(r.job, snap.expected_s.get(r.type)), now),
             )
+    for c in snap.cluster or ():  # a coordinator's nodes, as their agents reported
+        for r in c.get("running") or ():
+            job, type_name = r.get("job"), str(r.get("type") or "")
+            started = r.get("started_at")
+            t.add_row(
+                clean(job) if job else Text("another job", style="dim"),
+                clean(type_name),
+                *(
+                    [clean(c.get("node")), short_gpu(str(r.get("gpu") or "cpu"), width)]
+                    if wide
+                    else []
+                ),
+                _progress(
+                    float(started) if isinstance(started, int | float) else None,
+                    snap.expected_s.get(type_name),
+                    now,
+                ),
+            )
     return t if t.row_count else Text("running: none", style="dim")
 
 
@@ -527,8 +547,15 @@ def cluster_section(c: dict[str, Any], now: float, width: int) -> list[Renderabl
         if g.get("degraded"):
             title.append("  DEGRADED", style="bold red")
         title.truncate(width, overflow="ellipsis")
-        other = max(0, total - ledger - free)
-        bar = _bar("ledger", [("█", "cyan", ledger), (*_FOREIGN, other), (*_FREE, free)], total, bw)
+        # jobs leased there and not started yet: theirs, not "others"
+        waiting = int(g.get("waiting_bytes") or 0)
+        other = max(0, total - ledger - waiting - free)
+        bar = _bar(
+            "ledger",
+            [("█", "cyan", ledger), (*_LEASED, waiting), (*_FOREIGN, other), (*_FREE, free)],
+            total,
+            bw,
+        )
         bar.append(f" {gib(ledger)}/{gib(total)} GiB held")
         dev = _bar("device", [(*_USED, used)], total, bw)
         dev.append(f" {gib(used)} GiB used")
@@ -539,6 +566,7 @@ def cluster_section(c: dict[str, Any], now: float, width: int) -> list[Renderabl
             *pack(
                 [
                     _swatch("█", "cyan", f"gpuwarden {gib(ledger)}"),
+                    *([_swatch(*_LEASED, f"leased, starting {gib(waiting)}")] if waiting else []),
                     _swatch(*_FOREIGN, f"others+reserve {gib(other)}"),
                     _swatch(*_FREE, f"free {gib(free)}"),
                 ],

@@ -164,6 +164,8 @@ def _gpu_status(g: Mapping[str, Any]) -> dict[str, Any]:
         "used_bytes": _int(g.get("used_bytes")),
         "ledger_bytes": _int(g.get("ledger_bytes")),
         "free_bytes": _int(g.get("free_bytes")),
+        # what jobs leased to the node and not started yet will take here
+        "waiting_bytes": _int(g.get("waiting_bytes")) or 0,
         "degraded": str(g.get("degraded") or ""),
     }
 

@@ -62,11 +62,11 @@ class GpuStatus:
             "total_bytes": self.total_bytes,
             "used_bytes": self.used_bytes,
             "processes": [p.to_json() for p in self.processes],
-            "sensors": self.sensors.to_json() if self.sensors is not None else None,
         }
         if self.view is not None:
             out.update(self.view.to_json())
         out["free_bytes"] = self.free_bytes
+        out["sensors"] = self.sensors.to_json() if self.sensors is not None else None
         return out
 
     @classmethod
@@ -324,10 +324,11 @@ class GpuReport:
     reserve_bytes: int
     degraded: str
     sensors: GpuSensors | None = None
+    #: what jobs queued here and not started yet will take (counted out of ``free_bytes``)
+    waiting_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "sensors": self.sensors.to_json() if self.sensors is not None else None,
             "uuid": self.uuid,
             "name": self.name,
             "total_bytes": self.total_bytes,
@@ -338,6 +339,8 @@ class GpuReport:
             "foreign_bytes": self.foreign_bytes,
             "reserve_bytes": self.reserve_bytes,
             "degraded": self.degraded,
+            "sensors": self.sensors.to_json() if self.sensors is not None else None,
+            "waiting_bytes": self.waiting_bytes,
         }
 
 
@@ -359,9 +362,11 @@ def gpu_reports(
         usable = max(0, v.total_bytes - v.reserve_bytes)
         back = sum(h.bytes for h in v.holdings if h.holder in evictable)
         free[v.uuid] = 0 if v.degraded or v.locked else min(usable, v.free_bytes + back)
+    taken: dict[str, int] = {}
     for uuid in sorted(free, key=lambda u: -free[u]):
         take = min(waiting, free[uuid])
         free[uuid] -= take
+        taken[uuid] = take
         waiting -= take
     return [
         GpuReport(
@@ -376,6 +381,7 @@ def gpu_reports(
             reserve_bytes=v.reserve_bytes,
             degraded=v.degraded,
             sensors=(sensors or {}).get(v.uuid),
+            waiting_bytes=taken.get(v.uuid, 0),
         )
         for v in views
     ]
