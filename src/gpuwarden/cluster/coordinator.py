@@ -954,10 +954,16 @@ def drain(store: ClusterStore, name: str, *, now: float) -> NodeRecord:
 
 
 def revoke(
-    store: ClusterStore, registry: Registry | None, name: str, *, now: float
+    store: ClusterStore,
+    registry: Registry | None,
+    name: str,
+    *,
+    now: float,
+    why: str | None = None,
 ) -> dict[str, Any]:
     """Refuse the node's credential from now on; its leased jobs go back to the
-    queue, and its running attempts end as infrastructure failures."""
+    queue, and its running attempts end as infrastructure failures, with ``why``
+    as their reason (default: the node was revoked)."""
     record = store.get_node(name)
     if record is None:
         raise UnknownNode(f"no node named {name!r} (`gpuwarden node list`)")
@@ -966,7 +972,7 @@ def revoke(
     store.set_node_state(name, NodeState.REVOKED, now=now)
     requeued = interrupted = 0
     for lease in store.leases(name):
-        if _reclaim(store, registry, lease, now, f"its node {name} was revoked"):
+        if _reclaim(store, registry, lease, now, why or f"its node {name} was revoked"):
             interrupted += 1
         else:
             requeued += 1
