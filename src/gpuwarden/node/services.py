@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import re
 import secrets
 import selectors
 import socket
@@ -39,7 +40,14 @@ from typing import Any
 
 from gpuwarden.core.model import JobType
 from gpuwarden.core.service import Health, HealthCheck, ServiceState, overdue, parse_health
-from gpuwarden.core.serviceroute import STOPPED_KEEP_S, ServiceRoute
+from gpuwarden.core.serviceroute import (
+    NONCE_HEADER,
+    PROOF_HEADER,
+    PROOF_METHOD,
+    STOPPED_KEEP_S,
+    ServiceRoute,
+    route_proof,
+)
 from gpuwarden.launch import netns
 from gpuwarden.node.running import Emit, Mailbox, RunningAttempt, ServiceNote
 
@@ -56,6 +64,8 @@ HEAD_TIMEOUT_S = 10.0
 #: how long a connection to a service (or a health check) may take to be made
 CONNECT_TIMEOUT_S = 5.0
 _CHUNK = 65536
+#: a coordinator's nonce for a route proof
+_NONCE = re.compile(r"[0-9a-f]{32,128}")
 _FORBIDDEN = (
     b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: 38\r\n"
     b"Connection: close\r\n\r\nno route credential for this service\r\n"
@@ -76,6 +86,27 @@ def _split_head(head: bytes, credentials: tuple[str, ...]) -> tuple[bool, bytes]
             continue
         kept.append(line)
     return ok, b"\r\n".join(kept)
+
+
+def _proof(head: bytes, credentials: tuple[str, ...]) -> bytes:
+    """The forwarder's own answer to a coordinator's ``GPUWARDEN-PROOF`` request
+    (``core/serviceroute.py``): the proof for the credential the head presented,
+    never a request to the service."""
+    nonce = given = ""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        key = name.strip().lower()
+        if key == NONCE_HEADER.lower().encode():
+            nonce = value.strip().decode("latin-1")
+        elif key == ROUTE_HEADER.lower().encode():
+            given = value.strip().decode("latin-1")
+    held = [c for c in credentials if c and hmac.compare_digest(given.encode(), c.encode())]
+    if not held or not _NONCE.fullmatch(nonce):
+        return _FORBIDDEN
+    proof = route_proof(held[0], nonce)
+    return (
+        f"HTTP/1.1 204 No Content\r\n{PROOF_HEADER}: {proof}\r\nConnection: close\r\n\r\n"
+    ).encode()
 
 
 def _read_head(conn: socket.socket) -> tuple[bytes, bytes] | None:
@@ -200,6 +231,9 @@ class Forwarder:
             ok, head = _split_head(got[0], self.credentials) if got else (False, b"")
             if got is None or not ok:
                 conn.sendall(_FORBIDDEN)
+                return
+            if got[0].split(b" ", 1)[0] == PROOF_METHOD.encode():
+                conn.sendall(_proof(got[0], self.credentials))
                 return
             try:
                 upstream = self._connect()

@@ -49,7 +49,7 @@ from gpuwarden.cluster import coordinator as co
 from gpuwarden.cluster import invites, logcopy
 from gpuwarden.cluster.nodeview import Timing, node_view
 from gpuwarden.cluster.report import grant_json, node_json
-from gpuwarden.cluster.routes import without_routes
+from gpuwarden.cluster.routes import route_peer, without_routes
 from gpuwarden.cluster.sweeper import LogCopies, Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
@@ -374,19 +374,21 @@ def heartbeat(body: HeartbeatIn, request: Request, ctx: Ctx, who: Who) -> dict[s
             registry=ctx.registry,
             timing=t,
             inputs_here=_inputs_here,
-            peer=request.client.host if request.client is not None else None,
+            peer=route_peer(
+                request.client.host if request.client is not None else None, request.headers
+            ),
         )
     except co.UnknownNode as exc:
         raise HttpError(401, exc.message) from None
-    if answer["cancels"] or answer.get("jobs"):
-        audit_ok(
-            request,
-            {
-                "cancels": answer["cancels"],
-                "jobs": [j["id"] for j in answer.get("jobs", [])],
-                "preempts": [p["id"] for p in answer.get("preempts", [])],
-            },
-        )
+    if answer["cancels"] or answer.get("jobs") or answer.get("routes_refused"):
+        detail: dict[str, Any] = {
+            "cancels": answer["cancels"],
+            "jobs": [j["id"] for j in answer.get("jobs", [])],
+            "preempts": [p["id"] for p in answer.get("preempts", [])],
+        }
+        if answer.get("routes_refused"):
+            detail["routes_refused"] = answer["routes_refused"]
+        audit_ok(request, detail)
     return answer
 
 
