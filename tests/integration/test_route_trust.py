@@ -49,7 +49,11 @@ class Plain(http.server.ThreadingHTTPServer):
 
     def __init__(self, body: bytes) -> None:
         self.body = body
+        #: the headers of each request, and (``ports``) the client port it came from
         self.hits: list[dict[str, str]] = []
+        self.ports: list[int] = []
+        #: the bodies of the requests that had one
+        self.bodies: list[bytes] = []
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -57,10 +61,15 @@ class Plain(http.server.ThreadingHTTPServer):
 
             def do_GET(self) -> None:
                 outer.hits.append(dict(self.headers.items()))
+                outer.ports.append(self.client_address[1])
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(outer.body)))
                 self.end_headers()
                 self.wfile.write(outer.body)
+
+            def do_POST(self) -> None:
+                outer.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+                self.do_GET()
 
             def log_message(self, *_: Any) -> None:
                 return

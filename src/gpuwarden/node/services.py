@@ -6,10 +6,11 @@ service (loop-owned; a lock guards what other threads read): a health thread
 that checks it every ``health_every_s`` and posts a :class:`ServiceNote` (never
 on the loop's thread), and a :class:`Forwarder`, a TCP listener on the host's
 ``127.0.0.1`` that relays each connection that presents the service's route
-credential to the service, opened inside its sandbox's network namespace
-(:mod:`gpuwarden.launch.netns`). The in-process API reaches the services through
-:meth:`Services.routes` (``Broker.service_routes()``); an agent reports them to
-its coordinator at each heartbeat.
+credential to the service (the route header removed from every request head),
+opened inside its sandbox's network namespace (:mod:`gpuwarden.launch.netns`).
+The in-process API reaches the services through :meth:`Services.routes`
+(``Broker.service_routes()``); an agent reports them to its coordinator at each
+heartbeat.
 
 A forwarder listens on ``[cluster] service_address`` (127.0.0.1 unless set: the
 address the coordinator reaches the node at). Route credentials are short-lived:
@@ -49,6 +50,7 @@ from gpuwarden.core.serviceroute import (
     route_proof,
 )
 from gpuwarden.launch import netns
+from gpuwarden.node import requestheads
 from gpuwarden.node.running import Emit, Mailbox, RunningAttempt, ServiceNote
 
 log = logging.getLogger("gpuwarden.node.loop")
@@ -56,9 +58,10 @@ log = logging.getLogger("gpuwarden.node.loop")
 __all__ = ["STOPPED_KEEP_S", "Forwarder", "ServiceRoute", "Services", "check_once"]
 
 #: the header a connection to a forwarder presents first, with the route credential
-ROUTE_HEADER = "X-Gpuwarden-Route"
+#: (removed from every request head it relays: ``node/requestheads.py``)
+ROUTE_HEADER = requestheads.ROUTE_HEADER
 #: the most a connection's first request head may hold
-HEAD_MAX = 64 * 1024
+HEAD_MAX = requestheads.HEAD_MAX
 #: how long a connection has to send its first request head
 HEAD_TIMEOUT_S = 10.0
 #: how long a connection to a service (or a health check) may take to be made
@@ -72,20 +75,26 @@ _FORBIDDEN = (
 )
 
 
-def _split_head(head: bytes, credentials: tuple[str, ...]) -> tuple[bool, bytes]:
+def _presents(head: bytes, credentials: tuple[str, ...]) -> bool:
     """Whether ``head`` (a request head, up to its blank line) carries one of the
-    route ``credentials``, and the head without that header."""
-    lines = head.split(b"\r\n")
-    kept, ok = [lines[0]], False
+    route ``credentials``."""
     wanted = [c.encode() for c in credentials if c]
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if sep and name.strip().lower() == ROUTE_HEADER.lower().encode():
-            given = value.strip()
+    ok = False
+    for line in head.split(b"\r\n")[1:]:
+        if requestheads.route_header_line(line):
+            given = line.partition(b":")[2].strip()
             ok = ok or any([hmac.compare_digest(given, w) for w in wanted])
-            continue
-        kept.append(line)
-    return ok, b"\r\n".join(kept)
+    return ok
+
+
+def _bad_request(why: str) -> bytes:
+    body = f"not relayed: {why}\r\n".encode()
+    return (
+        b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n\r\n"
+        + body
+    )
 
 
 def _proof(head: bytes, credentials: tuple[str, ...]) -> bytes:
@@ -127,8 +136,11 @@ def _read_head(conn: socket.socket) -> tuple[bytes, bytes] | None:
     return data[:end], data[end + 4 :]
 
 
-def _relay(a: socket.socket, b: socket.socket) -> None:
-    """Copy bytes both ways until both directions are closed."""
+def _relay(
+    a: socket.socket, b: socket.socket, a_to_b: Callable[[bytes], bytes] | None = None
+) -> None:
+    """Copy bytes both ways until both directions are closed; what ``a`` sends
+    passes through ``a_to_b`` first (it may hold bytes back, or raise to end it all)."""
     a.setblocking(False)
     b.setblocking(False)
     peer = {a: b, b: a}
@@ -149,6 +161,10 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
                     with contextlib.suppress(OSError):
                         peer[src].shutdown(socket.SHUT_WR)
                     continue
+                if src is a and a_to_b is not None:
+                    data = a_to_b(data)
+                    if not data:
+                        continue
                 peer[src].setblocking(True)
                 peer[src].sendall(data)
                 peer[src].setblocking(False)
@@ -156,10 +172,13 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
 
 class Forwarder:
     """A TCP listener on ``address`` (an ephemeral port) that relays each
-    accepted connection to one service, byte for byte both ways, once its first
-    request head has presented the route credential, the current one or the one
-    before it (the header is stripped); one without it is answered ``403`` and
-    closed."""
+    accepted connection to one service once its first request head has presented
+    the route credential, the current one or the one before it; one without it is
+    answered ``403`` and closed. Every request head of the connection is read and
+    its route header removed (:class:`~gpuwarden.node.requestheads.RequestHeads`:
+    bodies, the answers and what follows a switch of protocols pass byte for
+    byte); a connection that cannot be framed so is closed. A coordinator's
+    ``GPUWARDEN-PROOF`` request is answered here (:func:`_proof`)."""
 
     def __init__(
         self,
@@ -228,12 +247,19 @@ class Forwarder:
         upstream: socket.socket | None = None
         try:
             got = _read_head(conn)
-            ok, head = _split_head(got[0], self.credentials) if got else (False, b"")
+            ok = _presents(got[0], self.credentials) if got else False
             if got is None or not ok:
                 conn.sendall(_FORBIDDEN)
                 return
             if got[0].split(b" ", 1)[0] == PROOF_METHOD.encode():
                 conn.sendall(_proof(got[0], self.credentials))
+                return
+            # every request of the connection is read, and its route header removed
+            heads = requestheads.RequestHeads()
+            try:
+                first = heads.feed(got[0] + b"\r\n\r\n" + got[1])
+            except requestheads.BadRequest as exc:
+                conn.sendall(_bad_request(str(exc)))
                 return
             try:
                 upstream = self._connect()
@@ -250,10 +276,10 @@ class Forwarder:
                 self._conns.add(upstream)
             upstream.settimeout(None)
             conn.settimeout(None)
-            upstream.sendall(head + b"\r\n\r\n" + got[1])
-            _relay(conn, upstream)
-        except OSError:
-            pass
+            upstream.sendall(first)
+            _relay(conn, upstream, heads.feed)
+        except (OSError, requestheads.BadRequest):
+            pass  # a connection that fails, or stops being HTTP, is closed
         finally:
             for s in (conn, upstream):
                 if s is not None:
