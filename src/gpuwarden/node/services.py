@@ -359,15 +359,19 @@ class Services:
         self._gone: dict[str, tuple[ServiceRoute, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def taken(self, name: str) -> str | None:
-        """Why a service named ``name`` may not start now (one of that name runs), or None."""
+    def taken(self, name: str, owner: str | None = None) -> str | None:
+        """Why a service named ``name`` may not start now (one of that name runs), or
+        None. The job that holds the name is named only when ``owner`` (the API token
+        of the job that asks) submitted it too: never another's job id."""
         with self._lock:
             other = next((s for s in self._by_job.values() if s.name == name), None)
         if other is None:
             return None
+        mine = owner is not None and other.run.job.owner == owner
+        holder = f"your job {other.run.job.id}" if mine else "another job"
         return (
-            f"a service named {name!r} already runs on this node (job {other.run.job.id}); "
-            "stop it first (`gpuwarden stop JOB`) or choose another name (--service)"
+            f"a service named {name!r} already runs on this node ({holder}); stop it "
+            "first (`gpuwarden stop JOB`) or choose another name (--service)"
         )
 
     def add(self, run: RunningAttempt, now: float) -> None:
