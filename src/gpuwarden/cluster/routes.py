@@ -66,8 +66,11 @@ CACHE_S = 1.0
 ROUTE_HEADER = "X-Gpuwarden-Route"
 #: how long the host's own addresses are kept before they are read again (seconds)
 OWN_ADDRESSES_S = 60.0
-#: how long a forwarder has to answer a route proof (seconds)
-PROOF_TIMEOUT_S = 2.0
+#: how long a forwarder has to answer a route proof (seconds: it is on this host)
+PROOF_TIMEOUT_S = 1.0
+#: the most routes one heartbeat has proven (each may take PROOF_TIMEOUT_S): more
+#: are refused for now, and proven at a later heartbeat
+PROOFS_PER_HEARTBEAT = 16
 #: how many proven (upstream, credential) pairs a process remembers
 PROVEN_MAX = 4096
 
@@ -189,11 +192,15 @@ class Proofs:
         self._lock = threading.Lock()
         self._proven: set[tuple[str, str]] = set()
 
-    def __call__(self, upstream: str, credential: str) -> str | None:
-        key = (upstream, credential)
+    def known(self, upstream: str, credential: str) -> bool:
+        """Whether this pair proved itself already (asking again costs nothing)."""
         with self._lock:
-            if key in self._proven:
-                return None
+            return (upstream, credential) in self._proven
+
+    def __call__(self, upstream: str, credential: str) -> str | None:
+        if self.known(upstream, credential):
+            return None
+        key = (upstream, credential)
         why = self.ask(upstream, credential)
         if why is None:
             with self._lock:
@@ -284,6 +291,21 @@ def record_routes(
     reported = reported_routes(report, now)
     jobs = {j.id: j for j in store.jobs_by_ids([r.job_id for r in reported])}
     kept, refused = [], []
+    asked = 0
+    ask = prove_at or proofs
+
+    def prove_some(upstream: str, credential: str) -> str | None:
+        nonlocal asked
+        if isinstance(ask, Proofs) and ask.known(upstream, credential):
+            return None
+        asked += 1
+        if asked > PROOFS_PER_HEARTBEAT:
+            return (
+                f"more than {PROOFS_PER_HEARTBEAT} routes of this host to prove in one "
+                "heartbeat: the others are proven at the next ones"
+            )
+        return ask(upstream, credential)
+
     for r in reported:
         job, lease = jobs.get(r.job_id), leases.get(r.job_id)
         if job is None or lease is None or not lease.live(now) or lease.node != node:
@@ -292,7 +314,7 @@ def record_routes(
             continue
         if r.state == STOPPED:  # only the job's end here makes a route stopped
             continue
-        why = route_refusal(r, peer, prove_at or proofs)
+        why = route_refusal(r, peer, prove_some)
         if why is not None:
             refused.append({"name": r.name, "job": r.job_id, "why": why})
             continue
