@@ -105,12 +105,17 @@ class Site:
     def job_id(self) -> str:
         return f"{self.alice[0]}-svc"
 
+    @property
+    def name(self) -> str:
+        """The service's name in URLs: a submitter's service names are its own."""
+        return f"{self.alice[0]}-{NAME}"
+
     def get(self, path: str, who: tuple[str, str]) -> httpx.Response:
         headers = {"Authorization": f"Bearer {who[1]}", "Accept": "application/json"}
         return httpx.get(self.broker.url + path, headers=headers, timeout=10)
 
     def ws_url(self) -> str:
-        return "ws" + self.broker.url.removeprefix("http") + f"/run/{NAME}/ws"
+        return "ws" + self.broker.url.removeprefix("http") + f"/run/{self.name}/ws"
 
     def store(self) -> SqliteStore:
         return SqliteStore(self.tmp / "state" / "gpuwarden.db")
@@ -160,7 +165,7 @@ def site(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Site]:
 
 def served(site: Site) -> dict[str, Any] | None:
     """The service's answer at ``/run/<name>/echo`` once it is healthy."""
-    r = site.get(f"/run/{NAME}/echo?x=1", site.alice)
+    r = site.get(f"/run/{site.name}/echo?x=1", site.alice)
     return r.json() if r.status_code == 200 else None
 
 
@@ -174,7 +179,7 @@ def ws_echo(site: Site) -> None:
 
 
 def outsider_gets_404(site: Site) -> None:
-    assert site.get(f"/run/{NAME}/echo", site.eve).status_code == 404
+    assert site.get(f"/run/{site.name}/echo", site.eve).status_code == 404
     headers = {"Authorization": f"Bearer {site.eve[1]}"}
     with pytest.raises(InvalidStatus) as caught, connect(site.ws_url(), additional_headers=headers):
         pass
@@ -226,7 +231,7 @@ def test_a_sandboxed_service_is_served_at_run_and_adopted_after_its_broker_is_ki
     poll(lambda: not marked(site.job_id), "its processes gone", timeout=30)
     if site.runtime == "podman":
         poll(lambda: not containers(site.job_id), "its container removed", timeout=30)
-    r = site.get(f"/run/{NAME}/echo", site.alice)
+    r = site.get(f"/run/{site.name}/echo", site.alice)
     assert r.status_code == 503 and r.json()["state"] == "stopped", r.text
 
 

@@ -68,6 +68,12 @@ class Site:
         self.bob = token(state, "bob")  # shared with
         self.eve = token(state, "eve")  # not shared with
 
+    @property
+    def name(self) -> str:
+        """The service's name in URLs: a submitter's service names are its own
+        (``<token id>-NAME``), as its job ids are."""
+        return f"{self.alice[0]}-{NAME}"
+
     def gw(self, *args: str, who: tuple[str, str]) -> str:
         r = run_env(*args, "--url", self.url, token=who[1])
         assert r.returncode == 0, r.stdout + r.stderr
@@ -110,13 +116,13 @@ def test_a_service_is_shown_starting_then_healthy_reached_over_http_and_websocke
     job_id = submit(site, delay_s=20)
     # starting: `show`, `jobs`, the API's JSON say so, with its URL path
     doc = poll(lambda: (d := site.job(job_id))["service_state"] == "starting" and d, "starting")
-    assert doc["state"] == "running" and doc["service_url_path"] == f"/run/{NAME}/"
+    assert doc["state"] == "running" and doc["service_url_path"] == f"/run/{site.name}/"
     shown = site.gw("show", job_id, who=site.alice)
-    assert "service: starting since" in shown and f"URL path /run/{NAME}/" in shown, shown
+    assert "service: starting since" in shown and f"URL path /run/{site.name}/" in shown, shown
     assert "last passed its health check never" in shown
     listed = site.gw("jobs", who=site.alice)
     assert "running (starting)" in listed, listed
-    r = site.get(f"/run/{NAME}/echo", site.alice, headers={"Accept": "application/json"})
+    r = site.get(f"/run/{site.name}/echo", site.alice, headers={"Accept": "application/json"})
     assert r.status_code == 503 and r.json()["state"] == "starting", r.text
     # healthy
     poll(lambda: site.job(job_id)["service_state"] == "healthy", "healthy", timeout=60)
@@ -125,17 +131,17 @@ def test_a_service_is_shown_starting_then_healthy_reached_over_http_and_websocke
     [row] = site.get("/v1/jobs", site.alice).json()
     assert row["service_state"] == "healthy" and row["service_last_ok"] is not None
     status = run("--config", site.config, "status")
-    assert re.search(rf"{NAME}\s.*healthy.*/run/{NAME}/", status.stdout), status.stdout
+    assert re.search(rf"{site.name}\s.*healthy.*/run/{site.name}/", status.stdout), status.stdout
     [node] = site.get("/v1/status", site.alice).json()["nodes"]
     assert [s["state"] for s in node["services"]] == ["healthy"]
     # alice (its owner) and bob (shared with) reach it with their bearer tokens
     for who in (site.alice, site.bob):
-        r = site.get(f"/run/{NAME}/echo?x=1", who)
+        r = site.get(f"/run/{site.name}/echo?x=1", who)
         assert r.status_code == 200, r.text
         assert r.json()["path"] == "/echo?x=1"
         assert "Authorization" not in r.json()["headers"]
     # a WebSocket echo both ways, text and bytes
-    ws_url = site.url.replace("http://", "ws://") + f"/run/{NAME}/ws"
+    ws_url = site.url.replace("http://", "ws://") + f"/run/{site.name}/ws"
     auth = {"Authorization": f"Bearer {site.alice[1]}"}
     with connect(ws_url, additional_headers=auth, proxy=None) as ws:
         ws.send("hello")
@@ -149,10 +155,10 @@ def test_a_service_is_shown_starting_then_healthy_reached_over_http_and_websocke
     assert done["reason"] == "stopped by alice" and done["service_state"] == "stopped"
     assert "done (stopped)" in site.gw("jobs", who=site.alice)
     # the URL answers the unavailable page, never a stale app, and says when it was seen
-    r = site.get(f"/run/{NAME}/echo", site.alice)
+    r = site.get(f"/run/{site.name}/echo", site.alice)
     assert r.status_code == 503, r.text
-    assert re.search(rf"{NAME} is unavailable, last seen \d+ s ago \(it is stopped\)", r.text)
-    assert "echo" not in r.text.replace(f"{NAME} is", "")
+    assert re.search(rf"{site.name} is unavailable, last seen \d+ s ago \(it is stopped\)", r.text)
+    assert "echo" not in r.text.replace(f"{site.name} is", "")
     assert r.headers["cache-control"] == "no-store"
     [node] = site.get("/v1/status", site.alice).json()["nodes"]
     assert [s["state"] for s in node["services"]] == ["stopped"]
@@ -169,14 +175,14 @@ def test_a_token_without_access_gets_the_unknown_names_404_and_a_browser_is_hand
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
     poll(lambda: site.job(job_id)["service_state"] == "healthy", "healthy")
-    assert site.get(f"/run/{NAME}/echo", site.alice).status_code == 200
+    assert site.get(f"/run/{site.name}/echo", site.alice).status_code == 200
     # eve: not the owner, not shared with; the same 404 as a name nobody has
-    theirs = site.get(f"/run/{NAME}/echo", site.eve)
+    theirs = site.get(f"/run/{site.name}/echo", site.eve)
     unknown = site.get("/run/nothing-here/echo", site.eve)
     assert theirs.status_code == unknown.status_code == 404
     assert theirs.content == unknown.content and "no such service here" in theirs.text
     with pytest.raises(Exception, match="404"):
-        ws_url = site.url.replace("http://", "ws://") + f"/run/{NAME}/ws"
+        ws_url = site.url.replace("http://", "ws://") + f"/run/{site.name}/ws"
         connect(ws_url, additional_headers={"Authorization": f"Bearer {site.eve[1]}"}, proxy=None)
     # eve's view of the status lists no service of alice's
     status = site.get("/v1/status", site.eve).json()
@@ -187,13 +193,15 @@ def test_a_token_without_access_gets_the_unknown_names_404_and_a_browser_is_hand
             site.url + "/v1/session", json={"token": site.alice[1]}, headers={"Origin": site.url}
         )
         assert r.status_code == 200, r.text
-        r = browser.get(site.url + f"/run/{NAME}/echo?b=1")
+        r = browser.get(site.url + f"/run/{site.name}/echo?b=1")
         assert r.status_code == 303, r.text
         handoff = r.headers["location"]
-        assert handoff.startswith(f"http://localhost:{site.port}/run/{NAME}/echo?b=1&gw_handoff=")
+        assert handoff.startswith(
+            f"http://localhost:{site.port}/run/{site.name}/echo?b=1&gw_handoff="
+        )
         r = browser.get(handoff)
         assert r.status_code == 303 and r.headers["set-cookie"].startswith("gw_run=")
-        r = browser.get(f"http://localhost:{site.port}/run/{NAME}/echo?b=1")
+        r = browser.get(f"http://localhost:{site.port}/run/{site.name}/echo?b=1")
         assert r.status_code == 200, r.text
         assert r.json()["path"] == "/echo?b=1"
         assert "Cookie" not in r.json()["headers"]  # neither gw_session nor gw_run reach it

@@ -88,8 +88,8 @@ def build(tmp: Path, **api: Any) -> Api:
     a = Api(
         tmp=tmp, config=config, store=store, client=make_client(store, config, clock), clock=clock
     )
-    for role in Role:
-        a.token(role.value, role)
+    for role in Role:  # an enroll token is bound to a node (refused otherwise)
+        a.token(role.value, role, **({"node": "n"} if role is Role.ENROLL else {}))
     a.token("submitter2", Role.SUBMITTER)
     return a
 

@@ -42,8 +42,8 @@ def build(tmp: Path, *, roles: list[str], runtime: str = "bubblewrap") -> Api:
     registry = Registry.load(config.module_paths, config.launch_rules)
     client = TestClient(create_app(store, registry, config, monotonic=clock))
     a = Api(tmp=tmp, config=config, store=store, client=client, clock=clock)
-    for role in Role:
-        a.token(role.value, role)
+    for role in Role:  # an enroll token is bound to a node (refused otherwise)
+        a.token(role.value, role, **({"node": "n"} if role is Role.ENROLL else {}))
     return a
 
 

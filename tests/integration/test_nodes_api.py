@@ -66,14 +66,14 @@ class Env:
     def post(self, path: str, who: str, body: Any = None) -> Any:
         return self.client.post(path, json=body if body is not None else {}, headers=self.h(who))
 
-    def invite(self, name: str) -> str:
-        r = self.post("/v1/nodes/invite", "owner", {"name": name})
+    def invite(self, name: str, *, replace: bool = False) -> str:
+        r = self.post("/v1/nodes/invite", "owner", {"name": name, "replace": replace})
         assert r.status_code == 201, r.text
         token: str = r.json()["token"]
         return token
 
-    def enrol(self, name: str, gib: float = 24) -> str:
-        self.tokens[f"enroll-{name}"] = self.invite(name)
+    def enrol(self, name: str, gib: float = 24, *, replace: bool = False) -> str:
+        self.tokens[f"enroll-{name}"] = self.invite(name, replace=replace)
         r = self.post("/v1/nodes/enroll", f"enroll-{name}", {"capabilities": {"gpus": []}})
         assert r.status_code == 201, r.text
         self.tokens[name] = r.json()["token"]
@@ -487,7 +487,7 @@ def test_revoke_refuses_the_node_at_once(env: Env) -> None:
 def test_an_old_credential_stops_working_when_the_node_enrols_again(env: Env) -> None:
     env.enrol("a")
     old = env.tokens["a"]
-    env.enrol("a")
+    env.enrol("a", replace=True)
     env.tokens["old"] = old
     r = env.post("/v1/node/heartbeat", "old", {"report": {}})
     assert r.status_code == 401

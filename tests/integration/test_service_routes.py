@@ -114,14 +114,14 @@ def test_heartbeat_keeps_the_routes_of_running_leased_services_only(
     assert s.service_routes() == []
     # a loopback address from a heartbeat that came from elsewhere is not taken
     loop = beat(entry(upstream="http://127.0.0.1:4000"), address="127.0.0.1")
-    assert (
-        record_routes(s, "n", loop, 5.0, leases={x.job_id: x for x in s.leases()}, peer="10.0.0.5")
-        == 0
+    leases = {x.job_id: x for x in s.leases()}
+    got = record_routes(s, "n", loop, 5.0, leases=leases, peer="10.0.0.5")
+    assert got.kept == 0 and "not on the address this heartbeat came from" in got.refused[0]["why"]
+    # from this host, only a forwarder that proves it holds the credential
+    proven = record_routes(
+        s, "n", loop, 5.0, leases=leases, peer="127.0.0.1", prove_at=lambda *_: None
     )
-    assert (
-        record_routes(s, "n", loop, 5.0, leases={x.job_id: x for x in s.leases()}, peer="127.0.0.1")
-        == 1
-    )
+    assert proven.kept == 1 and proven.refused == []
 
 
 def test_a_route_goes_with_its_job_and_is_unavailable_once_its_node_is_silent(

@@ -20,10 +20,13 @@ import secrets
 from dataclasses import dataclass
 from enum import StrEnum
 
+from gpuwarden.cluster import invites
+from gpuwarden.cluster.coordinator import NODE_NAME
 from gpuwarden.config import PriorityLimits
 from gpuwarden.core.model import Role
-from gpuwarden.errors import GpuwardenError, NotAllowedError
+from gpuwarden.errors import GpuwardenError, NotAllowedError, UserError
 from gpuwarden.store.base import AuditRow, Store, TokenRecord
+from gpuwarden.store.cluster import ClusterStore
 
 __all__ = [
     "MATRIX",
@@ -31,6 +34,8 @@ __all__ = [
     "PUBLIC",
     "SESSION_ROLES",
     "AuthFailed",
+    "Invite",
+    "NodeHeld",
     "Principal",
     "Role",
     "Scope",
@@ -38,6 +43,7 @@ __all__ = [
     "authenticate",
     "authenticate_session",
     "hash_secret",
+    "issue_invite",
     "issue_token",
     "needed_roles",
     "new_token",
@@ -284,9 +290,22 @@ def issue_token(
     now: float,
     expires_at: float | None = None,
     node: str | None = None,
+    replace: bool = False,
 ) -> tuple[TokenRecord, str]:
     """Make a token, store its hash and an audit row; return the record and the token
-    (the only time the secret exists outside the client)."""
+    (the only time the secret exists outside the client). An enroll token must be
+    bound to a node (:class:`UserError` otherwise: it could enrol nothing), and it
+    revokes that node's older enroll tokens (one live invite a node, the store's
+    ``create_token``); ``replace``: it may enrol a host in the place of a live node
+    of that name (``node invite NAME --replace``)."""
+    if role is Role.ENROLL and not node:
+        raise UserError(
+            "an enroll token must be bound to a node: give the node's name (`gpuwarden "
+            "token create NAME --role enroll --node NODE`), or make it with "
+            "`gpuwarden node invite NODE`"
+        )
+    if replace and role is not Role.ENROLL:
+        raise UserError("only an enroll token (an invite) may replace a node")
     token_id, secret, token = new_token()
     record = store.create_token(
         token_id=token_id,
@@ -297,18 +316,72 @@ def issue_token(
         created_by=by.token_id,
         expires_at=expires_at,
         node=node,
+        replace=replace,
     )
-    store.add_audit(
-        by.audit(
-            "token.create",
-            now=now,
-            target=token_id,
-            detail={"name": name, "role": role.value, "expires_at": expires_at, "node": node},
-        )
-    )
+    detail: dict[str, object] = {
+        "name": name,
+        "role": role.value,
+        "expires_at": expires_at,
+        "node": node,
+    }
+    if replace:
+        detail["replace"] = True
+    store.add_audit(by.audit("token.create", now=now, target=token_id, detail=detail))
     return record, token
 
 
 def local_principal(user: str) -> Principal:
     """The machine's owner at the CLI (direct store access)."""
     return Principal(token_id=LOCAL, name=user, role=Role.OWNER)
+
+
+class NodeHeld(UserError):
+    """An invite without ``replace`` for a node that is enrolled and not revoked (409)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Invite:
+    """An enrolment token made by :func:`issue_invite`."""
+
+    record: TokenRecord
+    token: str
+    #: the node's earlier invites, revoked by this one
+    superseded: list[str]
+    #: the live node this invite may replace (``replace``), else None
+    replaces: str | None
+
+
+def issue_invite(
+    store: ClusterStore, name: str, *, by: Principal, now: float, replace: bool = False
+) -> Invite:
+    """A one-time enrolment token for node ``name`` (`node invite NAME`), valid
+    :data:`INVITE_TTL_S`: the node's earlier invites stop working (one live invite
+    a node). Refused (:class:`NodeHeld`) while a node of that name is enrolled and
+    not revoked, unless ``replace``: then enrolling with it revokes that node's
+    credential and gives its jobs back to the queue (SPEC.md section 16,
+    "Enrolment")."""
+    if not NODE_NAME.fullmatch(name):
+        raise UserError(
+            f"node name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting "
+            "with a letter or digit"
+        )
+    live = invites.live_node(store, name, now)
+    if live is not None and not replace:
+        raise NodeHeld(invites.invite_refusal(live, now))
+    superseded = invites.open_invites(store, name)
+    record, token = issue_token(
+        store,
+        name=f"enroll {name}",
+        role=Role.ENROLL,
+        by=by,
+        now=now,
+        expires_at=now + INVITE_TTL_S,
+        node=name,
+        replace=replace,
+    )
+    return Invite(
+        record=record,
+        token=token,
+        superseded=superseded,
+        replaces=name if live is not None else None,
+    )

@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlsplit
 from rich.markup import escape
 from rich.table import Table
 
-from gpuwarden.api.auth import INVITE_TTL_S, issue_token
+from gpuwarden.api.auth import issue_invite
 from gpuwarden.app import coordinator_source_cache
 from gpuwarden.cli.common import (
     Commands,
@@ -48,7 +48,6 @@ from gpuwarden.cluster.queues import QueueWatcher
 from gpuwarden.cluster.routes import RouteBook
 from gpuwarden.config import DATABASE_URL_PREFIXES, Config
 from gpuwarden.core.launchrules import LaunchRules, Runtime
-from gpuwarden.core.model import Role
 from gpuwarden.errors import UserError
 from gpuwarden.eventlog import EventLog
 from gpuwarden.intake.queueroot import QueueRoot
@@ -169,6 +168,13 @@ def _add_node(sub: Commands) -> None:
         "invite", help="a one-time enrolment token for a new node (valid 15 minutes)"
     )
     ni.add_argument("name", help="the node's name (letters, digits, . _ -)")
+    ni.add_argument(
+        "--replace",
+        action="store_true",
+        help="enrol another host in the place of a node of that name that is enrolled and "
+        "not revoked: its credential is revoked and its jobs go back to the queue when the "
+        "new host enrols (audited); without it, an invite for such a node is refused",
+    )
     ni.add_argument("--json", action="store_true")
     add_remote_options(ni)
     ni.set_defaults(func=cmd_node_invite)
@@ -501,7 +507,9 @@ def cmd_node_invite(args: argparse.Namespace) -> int:
     got = local_or_http(
         args,
         _invite_here,
-        lambda a, client: client.request_json("POST", "/v1/nodes/invite", json={"name": a.name}),
+        lambda a, client: client.request_json(
+            "POST", "/v1/nodes/invite", json={"name": a.name, "replace": a.replace}
+        ),
     )
     if args.json:
         print(json.dumps(got))
@@ -514,36 +522,40 @@ def cmd_node_invite(args: argparse.Namespace) -> int:
         f"(or pipe it in with --enroll -, or set {ENROLL_ENV}; never put it on a command "
         "line: every user of the host can read that)" + (f"\n{escape(note)}" if note else "")
     )
+    if got.get("superseded"):
+        err.print(
+            f"the earlier invite(s) of {escape(str(got['node']))} no longer work: "
+            + escape(", ".join(str(t) for t in got["superseded"]))
+        )
+    if got.get("replaces"):
+        err.print(
+            f"[yellow]note:[/] node {escape(str(got['replaces']))} is enrolled now: when this "
+            "token is used, its credential is revoked, its agent stops, and its jobs go back "
+            "to the queue"
+        )
     print(got["token"])
     return 0
 
 
 def _invite_here(args: argparse.Namespace) -> dict[str, Any]:
-    if not co.NODE_NAME.fullmatch(args.name):
-        raise UserError(
-            f"node name {args.name!r}: use 1-64 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
     store = _cluster_store(args)
     try:
         now = time.time()
-        record, token = issue_token(
-            store,
-            name=f"enroll {args.name}",
-            role=Role.ENROLL,
-            by=local_actor(),
-            now=now,
-            expires_at=now + INVITE_TTL_S,
-            node=args.name,
-        )
-        _audit(store, "node.invite", args.name, {"token": record.id})
+        made = issue_invite(store, args.name, by=local_actor(), now=now, replace=args.replace)
+        detail: dict[str, Any] = {"token": made.record.id, "superseded": made.superseded}
+        if args.replace:
+            detail.update(replace=True, replaces=made.replaces)
+        _audit(store, "node.invite", args.name, detail)
     finally:
         store.close()
     return {
         "node": args.name,
-        "token": token,
-        "token_id": record.id,
-        "expires_at": now + INVITE_TTL_S,
+        "token": made.token,
+        "token_id": made.record.id,
+        "expires_at": made.record.expires_at,
+        "replace": args.replace,
+        "replaces": made.replaces,
+        "superseded": made.superseded,
     }
 
 

@@ -752,7 +752,8 @@ def heartbeat(
     running jobs to ask to checkpoint, and ``jobs``, the waiting jobs leased to the
     node for the room they make (each only when there is one). The routes of its
     running services are kept apart (:func:`gpuwarden.cluster.routes.record_routes`;
-    ``peer``: the address the heartbeat came from)."""
+    ``peer``: the address the heartbeat came from, None when not known); the ones
+    refused are in ``routes_refused`` (``{"name", "job", "why"}``)."""
     record = store.touch_node(node_name, without_routes(report), now)
     if record is None:
         raise UnknownNode(f"no node named {node_name!r}: enrol it again")
@@ -762,7 +763,7 @@ def heartbeat(
     timing = timing or Timing(lease_s=lease_s)
     renewed = store.renew_leases(node_name, timing.held_until(now, lease_s), now=now, job_ids=held)
     mine = {lease.job_id: lease for lease in store.leases(node_name)}
-    record_routes(store, node_name, report, now, leases=mine, peer=peer)
+    routes = record_routes(store, node_name, report, now, leases=mine, peer=peer)
     cancels: list[dict[str, Any]] = []
     stops: list[dict[str, Any]] = []
     for job_id in held:
@@ -800,6 +801,8 @@ def heartbeat(
         }
     if record.state is NodeState.DRAINING and (grant := store.open_grant(node_name)):
         answer["grant"] = grant.job_id  # a draining node claims for this job alone
+    if routes.refused:
+        answer["routes_refused"] = routes.refused
     if registry is not None:
         live = {i: lease for i, lease in mine.items() if lease.live(now) and i not in stopping}
         jobs = preempt(store, registry, record, live, now, timing=timing, inputs_here=inputs_here)
@@ -975,10 +978,16 @@ def drain(store: ClusterStore, name: str, *, now: float) -> NodeRecord:
 
 
 def revoke(
-    store: ClusterStore, registry: Registry | None, name: str, *, now: float
+    store: ClusterStore,
+    registry: Registry | None,
+    name: str,
+    *,
+    now: float,
+    why: str | None = None,
 ) -> dict[str, Any]:
     """Refuse the node's credential from now on; its leased jobs go back to the
-    queue, and its running attempts end as infrastructure failures."""
+    queue, and its running attempts end as infrastructure failures, with ``why``
+    as their reason (default: the node was revoked)."""
     record = store.get_node(name)
     if record is None:
         raise UnknownNode(f"no node named {name!r} (`gpuwarden node list`)")
@@ -987,7 +996,7 @@ def revoke(
     store.set_node_state(name, NodeState.REVOKED, now=now)
     requeued = interrupted = 0
     for lease in store.leases(name):
-        if _reclaim(store, registry, lease, now, f"its node {name} was revoked"):
+        if _reclaim(store, registry, lease, now, why or f"its node {name} was revoked"):
             interrupted += 1
         else:
             requeued += 1

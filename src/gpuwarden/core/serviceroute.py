@@ -9,6 +9,8 @@ page says)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import Final
 
@@ -29,6 +31,23 @@ STARTING_RETRY_S: Final = 2
 #: and by a coordinator: ``/run/<name>/`` answers "unavailable, last seen N s ago"
 #: to those who may reach it (not a 404), then the name is one nobody has
 STOPPED_KEEP_S: Final = 600.0
+
+#: a forwarder's proof that it holds a route's credential (SPEC.md section 16,
+#: "Services across hosts"): a coordinator asks it of a route that points at the
+#: coordinator's own host before it keeps the route. The request is
+#: ``GPUWARDEN-PROOF / HTTP/1.1`` with the route header and :data:`NONCE_HEADER`;
+#: the forwarder answers it itself (never its service), ``204`` with
+#: :data:`PROOF_HEADER`: :func:`route_proof` of the credential and the nonce. Any
+#: other server a route might name (another API on that host) answers otherwise.
+PROOF_METHOD: Final = "GPUWARDEN-PROOF"
+NONCE_HEADER: Final = "X-Gpuwarden-Nonce"
+PROOF_HEADER: Final = "X-Gpuwarden-Proof"
+
+
+def route_proof(credential: str, nonce: str) -> str:
+    """The answer a forwarder holding ``credential`` gives to ``nonce``."""
+    message = f"gpuwarden route proof {nonce}".encode()
+    return hmac.new(credential.encode(), message, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

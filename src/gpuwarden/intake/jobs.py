@@ -95,7 +95,7 @@ def prepare(registry: Registry, spec: JobSpec, *, owner: str | None = None) -> J
         raise ValidationError(f"job {spec.id}: {exc}") from None
     _check_gpus(spec, jobtype)
     _check_ram(spec, jobtype)
-    _check_service(spec, jobtype)
+    _check_service(spec, jobtype, owner)
     spec = _check_command(spec, jobtype)
     return replace(
         spec,
@@ -216,11 +216,19 @@ def _check_command(spec: JobSpec, jobtype: JobType) -> JobSpec:
     return replace(spec, command=replace(cmd, argv=argv, env=env, cwd=cwd))
 
 
-def _check_service(spec: JobSpec, jobtype: JobType) -> None:
+def _check_service(spec: JobSpec, jobtype: JobType, owner: str | None) -> None:
     """A job's ``service`` and ``share``: for a service type's job only, each
-    checked (the rules of a job id; token ids or role names)."""
+    checked (the rules of a job id; token ids or role names). A name that begins
+    as a submitter's (12 hex digits and '-') is that token's alone, as its job ids
+    are: a submitter's service names are ``<token id>-<name>``."""
     if spec.service is None and not spec.share:
         return
+    reserved = SUBMITTER_ID.match(spec.service or "")
+    if reserved is not None and reserved.group(1) != owner:
+        raise ValidationError(
+            f"job {spec.id}: service name {spec.service!r}: names that begin with 12 hex "
+            "digits and '-' belong to the API token with that id; choose another name"
+        )
     if jobtype.launch is not LaunchMode.SERVICE:
         raise ValidationError(
             f"job {spec.id}: service and share name and share a service, but {jobtype.name} "

@@ -650,7 +650,7 @@ class Broker:
         service = jobtype.launch is LaunchMode.SERVICE
         # a service runs sandboxed like a container type, with the same launcher
         launcher = self.launchers.get(LaunchMode.CONTAINER if service else jobtype.launch)
-        if service and (taken := self.services.taken(job.service_name)) is not None:
+        if service and (taken := self.services.taken(job.service_name, job.owner)) is not None:
             self.store.transition(job.id, JobState.FAILED, now=now, reason=f"refused: {taken}")
             return True
         if launcher is None:

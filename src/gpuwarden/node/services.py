@@ -6,10 +6,11 @@ service (loop-owned; a lock guards what other threads read): a health thread
 that checks it every ``health_every_s`` and posts a :class:`ServiceNote` (never
 on the loop's thread), and a :class:`Forwarder`, a TCP listener on the host's
 ``127.0.0.1`` that relays each connection that presents the service's route
-credential to the service, opened inside its sandbox's network namespace
-(:mod:`gpuwarden.launch.netns`). The in-process API reaches the services through
-:meth:`Services.routes` (``Broker.service_routes()``); an agent reports them to
-its coordinator at each heartbeat.
+credential to the service (the route header removed from every request head),
+opened inside its sandbox's network namespace (:mod:`gpuwarden.launch.netns`).
+The in-process API reaches the services through :meth:`Services.routes`
+(``Broker.service_routes()``); an agent reports them to its coordinator at each
+heartbeat.
 
 A forwarder listens on ``[cluster] service_address`` (127.0.0.1 unless set: the
 address the coordinator reaches the node at). Route credentials are short-lived:
@@ -29,6 +30,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import re
 import secrets
 import selectors
 import socket
@@ -39,8 +41,16 @@ from typing import Any
 
 from gpuwarden.core.model import JobType
 from gpuwarden.core.service import Health, HealthCheck, ServiceState, overdue, parse_health
-from gpuwarden.core.serviceroute import STOPPED_KEEP_S, ServiceRoute
+from gpuwarden.core.serviceroute import (
+    NONCE_HEADER,
+    PROOF_HEADER,
+    PROOF_METHOD,
+    STOPPED_KEEP_S,
+    ServiceRoute,
+    route_proof,
+)
 from gpuwarden.launch import netns
+from gpuwarden.node import requestheads
 from gpuwarden.node.running import Emit, Mailbox, RunningAttempt, ServiceNote
 
 log = logging.getLogger("gpuwarden.node.loop")
@@ -48,34 +58,64 @@ log = logging.getLogger("gpuwarden.node.loop")
 __all__ = ["STOPPED_KEEP_S", "Forwarder", "ServiceRoute", "Services", "check_once"]
 
 #: the header a connection to a forwarder presents first, with the route credential
-ROUTE_HEADER = "X-Gpuwarden-Route"
+#: (removed from every request head it relays: ``node/requestheads.py``)
+ROUTE_HEADER = requestheads.ROUTE_HEADER
 #: the most a connection's first request head may hold
-HEAD_MAX = 64 * 1024
+HEAD_MAX = requestheads.HEAD_MAX
 #: how long a connection has to send its first request head
 HEAD_TIMEOUT_S = 10.0
 #: how long a connection to a service (or a health check) may take to be made
 CONNECT_TIMEOUT_S = 5.0
 _CHUNK = 65536
+#: a coordinator's nonce for a route proof
+_NONCE = re.compile(r"[0-9a-f]{32,128}")
 _FORBIDDEN = (
     b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nContent-Length: 38\r\n"
     b"Connection: close\r\n\r\nno route credential for this service\r\n"
 )
 
 
-def _split_head(head: bytes, credentials: tuple[str, ...]) -> tuple[bool, bytes]:
+def _presents(head: bytes, credentials: tuple[str, ...]) -> bool:
     """Whether ``head`` (a request head, up to its blank line) carries one of the
-    route ``credentials``, and the head without that header."""
-    lines = head.split(b"\r\n")
-    kept, ok = [lines[0]], False
+    route ``credentials``."""
     wanted = [c.encode() for c in credentials if c]
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if sep and name.strip().lower() == ROUTE_HEADER.lower().encode():
-            given = value.strip()
+    ok = False
+    for line in head.split(b"\r\n")[1:]:
+        if requestheads.route_header_line(line):
+            given = line.partition(b":")[2].strip()
             ok = ok or any([hmac.compare_digest(given, w) for w in wanted])
-            continue
-        kept.append(line)
-    return ok, b"\r\n".join(kept)
+    return ok
+
+
+def _bad_request(why: str) -> bytes:
+    body = f"not relayed: {why}\r\n".encode()
+    return (
+        b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\nConnection: close\r\n\r\n"
+        + body
+    )
+
+
+def _proof(head: bytes, credentials: tuple[str, ...]) -> bytes:
+    """The forwarder's own answer to a coordinator's ``GPUWARDEN-PROOF`` request
+    (``core/serviceroute.py``): the proof for the credential the head presented,
+    never a request to the service."""
+    nonce = given = ""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        key = name.strip().lower()
+        if key == NONCE_HEADER.lower().encode():
+            nonce = value.strip().decode("latin-1")
+        elif key == ROUTE_HEADER.lower().encode():
+            given = value.strip().decode("latin-1")
+    held = [c for c in credentials if c and hmac.compare_digest(given.encode(), c.encode())]
+    if not held or not _NONCE.fullmatch(nonce):
+        return _FORBIDDEN
+    proof = route_proof(held[0], nonce)
+    return (
+        f"HTTP/1.1 204 No Content\r\n{PROOF_HEADER}: {proof}\r\nConnection: close\r\n\r\n"
+    ).encode()
 
 
 def _read_head(conn: socket.socket) -> tuple[bytes, bytes] | None:
@@ -96,8 +136,11 @@ def _read_head(conn: socket.socket) -> tuple[bytes, bytes] | None:
     return data[:end], data[end + 4 :]
 
 
-def _relay(a: socket.socket, b: socket.socket) -> None:
-    """Copy bytes both ways until both directions are closed."""
+def _relay(
+    a: socket.socket, b: socket.socket, a_to_b: Callable[[bytes], bytes] | None = None
+) -> None:
+    """Copy bytes both ways until both directions are closed; what ``a`` sends
+    passes through ``a_to_b`` first (it may hold bytes back, or raise to end it all)."""
     a.setblocking(False)
     b.setblocking(False)
     peer = {a: b, b: a}
@@ -118,6 +161,10 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
                     with contextlib.suppress(OSError):
                         peer[src].shutdown(socket.SHUT_WR)
                     continue
+                if src is a and a_to_b is not None:
+                    data = a_to_b(data)
+                    if not data:
+                        continue
                 peer[src].setblocking(True)
                 peer[src].sendall(data)
                 peer[src].setblocking(False)
@@ -125,10 +172,13 @@ def _relay(a: socket.socket, b: socket.socket) -> None:
 
 class Forwarder:
     """A TCP listener on ``address`` (an ephemeral port) that relays each
-    accepted connection to one service, byte for byte both ways, once its first
-    request head has presented the route credential, the current one or the one
-    before it (the header is stripped); one without it is answered ``403`` and
-    closed."""
+    accepted connection to one service once its first request head has presented
+    the route credential, the current one or the one before it; one without it is
+    answered ``403`` and closed. Every request head of the connection is read and
+    its route header removed (:class:`~gpuwarden.node.requestheads.RequestHeads`:
+    bodies, the answers and what follows a switch of protocols pass byte for
+    byte); a connection that cannot be framed so is closed. A coordinator's
+    ``GPUWARDEN-PROOF`` request is answered here (:func:`_proof`)."""
 
     def __init__(
         self,
@@ -197,9 +247,19 @@ class Forwarder:
         upstream: socket.socket | None = None
         try:
             got = _read_head(conn)
-            ok, head = _split_head(got[0], self.credentials) if got else (False, b"")
+            ok = _presents(got[0], self.credentials) if got else False
             if got is None or not ok:
                 conn.sendall(_FORBIDDEN)
+                return
+            if got[0].split(b" ", 1)[0] == PROOF_METHOD.encode():
+                conn.sendall(_proof(got[0], self.credentials))
+                return
+            # every request of the connection is read, and its route header removed
+            heads = requestheads.RequestHeads()
+            try:
+                first = heads.feed(got[0] + b"\r\n\r\n" + got[1])
+            except requestheads.BadRequest as exc:
+                conn.sendall(_bad_request(str(exc)))
                 return
             try:
                 upstream = self._connect()
@@ -216,10 +276,10 @@ class Forwarder:
                 self._conns.add(upstream)
             upstream.settimeout(None)
             conn.settimeout(None)
-            upstream.sendall(head + b"\r\n\r\n" + got[1])
-            _relay(conn, upstream)
-        except OSError:
-            pass
+            upstream.sendall(first)
+            _relay(conn, upstream, heads.feed)
+        except (OSError, requestheads.BadRequest):
+            pass  # a connection that fails, or stops being HTTP, is closed
         finally:
             for s in (conn, upstream):
                 if s is not None:
@@ -299,15 +359,19 @@ class Services:
         self._gone: dict[str, tuple[ServiceRoute, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def taken(self, name: str) -> str | None:
-        """Why a service named ``name`` may not start now (one of that name runs), or None."""
+    def taken(self, name: str, owner: str | None = None) -> str | None:
+        """Why a service named ``name`` may not start now (one of that name runs), or
+        None. The job that holds the name is named only when ``owner`` (the API token
+        of the job that asks) submitted it too: never another's job id."""
         with self._lock:
             other = next((s for s in self._by_job.values() if s.name == name), None)
         if other is None:
             return None
+        mine = owner is not None and other.run.job.owner == owner
+        holder = f"your job {other.run.job.id}" if mine else "another job"
         return (
-            f"a service named {name!r} already runs on this node (job {other.run.job.id}); "
-            "stop it first (`gpuwarden stop JOB`) or choose another name (--service)"
+            f"a service named {name!r} already runs on this node ({holder}); stop it "
+            "first (`gpuwarden stop JOB`) or choose another name (--service)"
         )
 
     def add(self, run: RunningAttempt, now: float) -> None:

@@ -177,6 +177,9 @@ class TokenRecord:
     expires_at: float | None = None
     revoked_at: float | None = None
     node: str | None = None  # the node a node or enroll token is bound to
+    #: an enroll token (``node invite NAME --replace``) that may enrol a host in the
+    #: place of a node of that name that is enrolled and not revoked
+    replace: bool = False
 
     def active(self, now: float) -> bool:
         return self.revoked_at is None and (self.expires_at is None or now < self.expires_at)
@@ -558,9 +561,13 @@ class Store(abc.ABC):
         created_by: str,
         expires_at: float | None = None,
         node: str | None = None,
+        replace: bool = False,
     ) -> TokenRecord:
         """Store a new token (its secret's hash only). Raise
-        :class:`DuplicateTokenError` if ``token_id`` exists (revoked ones too)."""
+        :class:`DuplicateTokenError` if ``token_id`` exists (revoked ones too). An
+        enroll token bound to a node revokes that node's other enroll tokens in the
+        same transaction: a node has one live invite, the newest. ``replace``: the
+        enroll token may enrol a host in the place of a live node of its name."""
 
     @abc.abstractmethod
     def get_token(self, token_id: str) -> TokenRecord | None:

@@ -140,6 +140,7 @@ def token(row: Row) -> TokenRecord:
         expires_at=row["expires_at"],
         revoked_at=row["revoked_at"],
         node=row["node"],
+        replace=bool(row["replace_node"]),
     )
 
 

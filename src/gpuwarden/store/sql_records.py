@@ -27,6 +27,9 @@ from gpuwarden.store.base import (
 )
 from gpuwarden.store.sql import C, SqlStore, duplicate_token
 
+#: how often an invite is tried when another invite of its node was made at once
+_INVITE_TRIES = 3
+
 
 class SqlRecordStore(SqlStore[C]):
     """:class:`SqlStore` with the records besides jobs."""
@@ -186,30 +189,43 @@ class SqlRecordStore(SqlStore[C]):
         created_by: str,
         expires_at: float | None = None,
         node: str | None = None,
+        replace: bool = False,
     ) -> TokenRecord:
-        try:
-            with self._write() as conn:
-                if self._run(conn, "get_token", {"id": token_id}).fetchone() is not None:
-                    raise duplicate_token(token_id)
-                row = self._returning(
-                    conn,
-                    "insert_token",
-                    {
-                        "id": token_id,
-                        "name": name,
-                        "role": Role(role).value,
-                        "secret_hash": secret_hash,
-                        "now": now,
-                        "created_by": created_by,
-                        "expires_at": expires_at,
-                        "node": node,
-                    },
-                    reread="get_token",
-                )
-                assert row is not None
-                return rows.token(row)
-        except self.unique_violation:  # created by another writer since the check
-            raise duplicate_token(token_id) from None
+        invite = Role(role) is Role.ENROLL and node is not None
+        for tries_left in range(_INVITE_TRIES - 1, -1, -1):
+            try:
+                with self._write() as conn:
+                    if self._run(conn, "get_token", {"id": token_id}).fetchone() is not None:
+                        raise duplicate_token(token_id)
+                    if invite:  # one live invite a node: the new one stands
+                        self._run(conn, "lock_invites", {"node": node})
+                        self._run(conn, "revoke_invites", {"node": node, "now": now})
+                    row = self._returning(
+                        conn,
+                        "insert_token",
+                        {
+                            "id": token_id,
+                            "name": name,
+                            "role": Role(role).value,
+                            "secret_hash": secret_hash,
+                            "now": now,
+                            "created_by": created_by,
+                            "expires_at": expires_at,
+                            "node": node,
+                            "replace_node": bool(replace),
+                        },
+                        reread="get_token",
+                    )
+                    assert row is not None
+                    return rows.token(row)
+            except self.unique_violation:
+                # created by another writer since the check: this id, or an invite
+                # of the same node that committed first (lock_invites keeps them
+                # apart; the unique index tokens_one_live_invite is the last guard):
+                # tried again, this one revokes it and stands
+                if not invite or tries_left == 0:
+                    raise duplicate_token(token_id) from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def get_token(self, token_id: str) -> TokenRecord | None:
         found = self._read("get_token", id=token_id)

@@ -49,6 +49,7 @@ from gpuwarden.core.command import CommandOptions, CommandSpec
 from gpuwarden.core.dependencies import DependencyError, parse_all
 from gpuwarden.core.fairshare import hide_owners
 from gpuwarden.core.model import GIB, Job, JobSpec, JobType, Lane, ParamType, gpu_count
+from gpuwarden.core.service import SERVICE_NAME
 from gpuwarden.core.sources import JobSource
 from gpuwarden.core.states import JobState
 from gpuwarden.errors import ValidationError
@@ -92,6 +93,29 @@ def visible_job(ctx: ApiContext, who: Principal, access: Scope, job_id: str) -> 
     if job is None:
         raise HttpError(404, f"no job with id {job_id!r} (GET /v1/jobs lists yours)")
     return job
+
+
+def _service_for(who: Principal, access: Scope, body: JobIn) -> str | None:
+    """The service name of a new job. A submitter's names are its own, as its job
+    ids are: ``<token id>-<the name it chose>`` (a name with that prefix already is
+    kept), so no submitter can take a name another's service needs, and a refusal
+    never names another's job. Without a name, the service is served under its job
+    id (already its own). Operators and owners choose freely, but not a name of
+    that form (``prepare``)."""
+    name = body.service
+    if name is None or access is not Scope.OWN:
+        return name
+    prefix = own_prefix(who)
+    if name.startswith(prefix):
+        return name
+    if not SERVICE_NAME.fullmatch(prefix + name):
+        room = 128 - len(prefix)
+        raise ValidationError(
+            f"service name {name!r}: a submitter's service names are kept as "
+            f"'{prefix}<name>', so the name may have at most {room} characters, "
+            "letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return prefix + name
 
 
 def _job_id_for(who: Principal, access: Scope, body: JobIn, type_name: str) -> str:
@@ -229,7 +253,7 @@ def _submit_in_batch(  # noqa: PLR0917 - as _submit
             est_s=body.est_s,
             gpus=body.gpus,
             ram=body.ram(),
-            service=body.service,
+            service=_service_for(who, access, body),
             share=tuple(body.share),
             source=source,
         ),

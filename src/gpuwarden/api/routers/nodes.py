@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from starlette.concurrency import run_in_threadpool
 
 from gpuwarden.api import files
-from gpuwarden.api.auth import INVITE_TTL_S, Principal, issue_token
+from gpuwarden.api.auth import NodeHeld, Principal, issue_invite, issue_token
 from gpuwarden.api.context import (
     ApiContext,
     action,
@@ -46,10 +46,10 @@ from gpuwarden.api.context import (
 from gpuwarden.api.errors import HttpError
 from gpuwarden.api.models import ErrorOut
 from gpuwarden.cluster import coordinator as co
-from gpuwarden.cluster import logcopy
+from gpuwarden.cluster import invites, logcopy
 from gpuwarden.cluster.nodeview import Timing, node_view
 from gpuwarden.cluster.report import grant_json, node_json
-from gpuwarden.cluster.routes import without_routes
+from gpuwarden.cluster.routes import route_peer, without_routes
 from gpuwarden.cluster.sweeper import LogCopies, Sweeper
 from gpuwarden.core.model import MIB, Role
 from gpuwarden.core.states import JobState
@@ -126,6 +126,12 @@ def _json_ok(value: Any, where: str, depth: int = 0) -> None:
 class InviteIn(_Body):
     name: Annotated[str, Field(min_length=1, max_length=64)] = Field(
         description="the node's name: 1-64 letters, digits, '.', '_', '-'"
+    )
+    replace: StrictBool = Field(
+        default=False,
+        description="the invite may enrol a host in the place of a node of that name that "
+        "is enrolled and not revoked (its credential is revoked then, its jobs go back to "
+        "the queue); without it, such an invite is refused (409)",
     )
 
 
@@ -301,7 +307,9 @@ def outputs_dir(ctx: ApiContext, job_id: str, attempt: int) -> Path:
 def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
     """A one-time enrolment token for node ``name``, valid 15 minutes: give it to
     `gpuwarden agent --enroll-file FILE` (or ``--enroll -``, or GPUWARDEN_ENROLL_TOKEN)
-    on that host, never on a command line. Shown once."""
+    on that host, never on a command line. Shown once. The node's earlier invites
+    stop working; 409 while a node of that name is enrolled and not revoked, unless
+    ``replace``."""
     set_target(request, body.name)
     if not co.NODE_NAME.fullmatch(body.name):
         raise HttpError(
@@ -310,22 +318,24 @@ def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, An
             "with a letter or digit",
         )
     now = ctx.clock()
-    record, token = issue_token(
-        cluster_store(ctx),
-        name=f"enroll {body.name}",
-        role=Role.ENROLL,
-        by=who,
-        now=now,
-        expires_at=now + INVITE_TTL_S,
-        node=body.name,
-    )
-    audit_ok(request, {"token": record.id}, target=body.name, status=201)
+    try:
+        made = issue_invite(cluster_store(ctx), body.name, by=who, now=now, replace=body.replace)
+    except NodeHeld as exc:
+        raise HttpError(409, exc.message) from None
+    detail: dict[str, Any] = {"token": made.record.id, "superseded": made.superseded}
+    if body.replace:
+        detail["replace"] = True
+        detail["replaces"] = made.replaces
+    audit_ok(request, detail, target=body.name, status=201)
     return {
         "node": body.name,
-        "token": token,
-        "token_id": record.id,
-        "expires_at": record.expires_at,
+        "token": made.token,
+        "token_id": made.record.id,
+        "expires_at": made.record.expires_at,
         "coordinator_url": coordinator_url(request),
+        "replace": body.replace,
+        "replaces": made.replaces,
+        "superseded": made.superseded,
     }
 
 
@@ -333,7 +343,10 @@ def invite(body: InviteIn, request: Request, ctx: Ctx, who: Who) -> dict[str, An
 @action("node.enroll")
 def enroll(body: EnrollIn, request: Request, ctx: Ctx, who: Who) -> dict[str, Any]:
     """Exchange an enrolment token for the node's credential (shown once); the
-    enrolment token cannot be used again."""
+    enrolment token cannot be used again. 409 (and the token is revoked) when a
+    node of that name is enrolled and not revoked and the invite was not made with
+    ``replace``; with it, that node's credential is revoked and its jobs go back
+    to the queue first."""
     store = cluster_store(ctx)
     token = store.get_token(who.token_id)
     if token is None or token.node is None:
@@ -341,11 +354,22 @@ def enroll(body: EnrollIn, request: Request, ctx: Ctx, who: Who) -> dict[str, An
     name = token.node
     set_target(request, name)
     now = ctx.clock()
+    live = invites.live_node(store, name, now)
+    if live is not None and not token.replace:
+        store.revoke_token(token.id, now=now)
+        raise HttpError(409, invites.enrol_refusal(live, now, token.id))
     if not store.revoke_token(token.id, now=now):
         raise HttpError(401, f"enrolment token {token.id} was used already")
+    replaced: dict[str, Any] | None = None
+    if live is not None:  # an invite made with replace: the live node goes first
+        replaced = co.revoke(store, ctx.registry, name, now=now, why=invites.replaced_reason(name))
+        replaced["credential"] = live.token_id
     record, credential = issue_token(store, name=name, role=Role.NODE, by=who, now=now, node=name)
     co.enroll(store, name, token_id=record.id, capabilities=body.capabilities, now=now)
-    audit_ok(request, {"token": record.id}, target=name, status=201)
+    detail: dict[str, Any] = {"token": record.id}
+    if replaced is not None:
+        detail["replaced"] = replaced
+    audit_ok(request, detail, target=name, status=201)
     c = ctx.config.cluster
     return {
         "node": name,
@@ -380,19 +404,21 @@ def heartbeat(body: HeartbeatIn, request: Request, ctx: Ctx, who: Who) -> dict[s
             registry=ctx.registry,
             timing=t,
             inputs_here=_inputs_here,
-            peer=request.client.host if request.client is not None else None,
+            peer=route_peer(
+                request.client.host if request.client is not None else None, request.headers
+            ),
         )
     except co.UnknownNode as exc:
         raise HttpError(401, exc.message) from None
-    if answer["cancels"] or answer.get("jobs"):
-        audit_ok(
-            request,
-            {
-                "cancels": answer["cancels"],
-                "jobs": [j["id"] for j in answer.get("jobs", [])],
-                "preempts": [p["id"] for p in answer.get("preempts", [])],
-            },
-        )
+    if answer["cancels"] or answer.get("jobs") or answer.get("routes_refused"):
+        detail: dict[str, Any] = {
+            "cancels": answer["cancels"],
+            "jobs": [j["id"] for j in answer.get("jobs", [])],
+            "preempts": [p["id"] for p in answer.get("preempts", [])],
+        }
+        if answer.get("routes_refused"):
+            detail["routes_refused"] = answer["routes_refused"]
+        audit_ok(request, detail)
     return answer
 
 

@@ -218,10 +218,21 @@ INSERT INTO idempotency (token_id, key, body_hash, job_ids, created_at)
 VALUES (%(token_id)s, %(key)s, %(body_hash)s, %(job_ids)s, %(now)s);
 
 -- name: insert_token
-INSERT INTO tokens (id, name, role, secret_hash, created_at, created_by, expires_at, node)
+INSERT INTO tokens (id, name, role, secret_hash, created_at, created_by, expires_at, node,
+                    replace_node)
 VALUES (%(id)s, %(name)s, %(role)s, %(secret_hash)s, %(now)s, %(created_by)s,
-        %(expires_at)s, %(node)s)
+        %(expires_at)s, %(node)s, %(replace_node)s)
 RETURNING *;
+
+-- name: lock_invites
+-- the invites of one node are made one at a time (with revoke_invites, one stays live)
+SELECT pg_advisory_xact_lock(hashtextextended('gpuwarden invites of ' || %(node)s, 0));
+
+-- name: revoke_invites
+-- a node's live enrolment tokens, before a new one is made (one live invite a node;
+-- the unique index tokens_one_live_invite holds it)
+UPDATE tokens SET revoked_at = %(now)s
+WHERE role = 'enroll' AND node = %(node)s AND revoked_at IS NULL;
 
 -- name: get_token
 SELECT * FROM tokens WHERE id = %(id)s;

@@ -203,8 +203,20 @@ INSERT INTO idempotency (token_id, key, body_hash, job_ids, created_at)
 VALUES (:token_id, :key, :body_hash, :job_ids, :now);
 
 -- name: insert_token
-INSERT INTO tokens (id, name, role, secret_hash, created_at, created_by, expires_at, node)
-VALUES (:id, :name, :role, :secret_hash, :now, :created_by, :expires_at, :node);
+INSERT INTO tokens (id, name, role, secret_hash, created_at, created_by, expires_at, node,
+                    replace_node)
+VALUES (:id, :name, :role, :secret_hash, :now, :created_by, :expires_at, :node,
+        :replace_node);
+
+-- name: lock_invites
+-- the invites of one node are made one at a time: a writer holds the database already
+SELECT 1;
+
+-- name: revoke_invites
+-- a node's live enrolment tokens, before a new one is made (one live invite a node;
+-- the unique index tokens_one_live_invite holds it)
+UPDATE tokens SET revoked_at = :now
+WHERE role = 'enroll' AND node = :node AND revoked_at IS NULL;
 
 -- name: get_token
 SELECT * FROM tokens WHERE id = :id;
