@@ -103,7 +103,11 @@ def test_a_job_past_its_ram_cap_is_killed_by_the_kernel(broker: Broker, tmp_path
 
 
 def test_a_job_waits_for_memavailable_and_explain_says_why(broker: Broker) -> None:
-    submit(broker, "testmods.sleep", "--id", "huge", "--ram-start-min-gib", "60000")
+    # more than this host ever has available (the kernel and this suite hold some),
+    # not more than it has in all: it may start some day, so it waits
+    total_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    asked = f"{total_gib * 0.995:.2f}"
+    submit(broker, "testmods.sleep", "--id", "huge", "--ram-start-min-gib", asked)
     reason = ""
 
     def waits() -> bool:
@@ -113,8 +117,15 @@ def test_a_job_waits_for_memavailable_and_explain_says_why(broker: Broker) -> No
         return "ram_start_min_gib" in r.stdout
 
     wait_for(waits, "explain to name host RAM")
-    assert "host RAM: " in reason and "the job needs 60000.00 GiB to start" in reason, reason
+    assert "host RAM: " in reason and f"the job needs {asked} GiB to start" in reason, reason
     assert state_of(broker, "huge")["state"] == "queued"
     r = run("--config", broker.config, "status", "--json")
     ram = json.loads(r.stdout)["nodes"][0]["ram"]
     assert ram["available_bytes"] > 0 and ram["node_floor_bytes"] == 0
+    assert ram["total_bytes"] == pytest.approx(total_gib * 2**30, rel=0.01)
+    # more than the host has in all: refused at submission, never queued
+    r = run("--config", broker.config, "submit", "testmods.sleep", "--id", "never",
+            "--ram-start-min-gib", "60000")  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "needs 60000.00 GiB of RAM available to start (ram_start_min_gib)" in r.stderr
+    assert "of RAM in all: ask for less" in r.stderr

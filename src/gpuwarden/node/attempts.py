@@ -17,6 +17,7 @@ build their jobs' environments here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -432,8 +433,10 @@ class Launching:
         )
         if sandbox is None:
             # its load scratch (GPUWARDEN_SCRATCH_DIR), made as a sandboxed one's is:
-            # a worker that caches there (speech.voxcpm2's HF_HOME) finds it
-            safefs.make_dir(log_dir / "scratch", owner=None)
+            # a worker that caches there (speech.voxcpm2's HF_HOME) finds it (a
+            # server adopted after a restart has it already)
+            with contextlib.suppress(FileExistsError):
+                safefs.make_dir(log_dir / "scratch", owner=None)
             return HostLauncher(), request
         return sandbox, self._sandboxed_server_request(request, gpu, socket_path, jobtype)
 
