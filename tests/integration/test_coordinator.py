@@ -768,7 +768,7 @@ def test_cluster_status_shows_each_node_and_its_first_problem(
     assert ok["gpus"] == [
         {
             "uuid": "GPU-0", "name": "sim", "total_bytes": 24 * GIB, "used_bytes": 3 * GIB,
-            "ledger_bytes": 4 * GIB, "free_bytes": 20 * GIB, "degraded": "",
+            "ledger_bytes": 4 * GIB, "free_bytes": 20 * GIB, "waiting_bytes": 0, "degraded": "",
         }
     ]  # fmt: skip
     assert ok["warm"] == [
