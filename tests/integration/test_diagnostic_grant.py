@@ -146,6 +146,31 @@ def test_drained_node_runs_only_the_granted_job_once(s: ClusterStore, registry: 
     assert any("never retried there" in line for line in rp.grant_lines(s, "b"))
 
 
+def test_a_diagnostic_waits_for_the_nodes_other_jobs_and_runs_alone(
+    s: ClusterStore, registry: Registry
+) -> None:
+    """Issue 31: a grant was taken while the node still ran a job, and the
+    diagnostic ran beside it. The node must have no other allocation."""
+    enrol(s, "n", 24)
+    s.submit([job("busy"), job("diag")], now=1.0)
+    [running] = claim(s, registry, "n", 1.5)[:1]
+    assert running["id"] == "busy"
+    assert co.start(s, "n", "busy", lease_id=running["lease_id"], gpu_uuid="GPU-0", now=1.6)
+    for p in claim(s, registry, "n", 1.7):  # anything else leased: given back at the drain
+        assert p["id"] == "diag"
+    drained(s, "n")
+    co.diagnostic(s, "n", "diag", by="owner", reason="after the fan swap", now=2.0)
+    assert claim(s, registry, "n", 3.0) == []  # "busy" still runs there: not beside it
+    assert any("alone, once the node's other jobs" in ln for ln in rp.grant_lines(s, "diag"))
+    got = co.finish(
+        s, registry, "n", "busy", lease_id=running["lease_id"], state=JobState.DONE,
+        outcome="succeeded", reason="", now=4.0,
+    )  # fmt: skip
+    assert got["state"] == "done"
+    [payload] = claim(s, registry, "n", 5.0)  # the node is empty now: it runs
+    assert payload["id"] == "diag"
+
+
 def test_cancel_revokes_and_the_job_never_starts(s: ClusterStore, registry: Registry) -> None:
     enrol(s, "n", 24)
     s.submit([job("c")], now=1.0)

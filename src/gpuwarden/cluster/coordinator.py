@@ -344,7 +344,9 @@ def _granted_claim(
     timing: Timing,
 ) -> list[dict[str, Any]]:
     """A draining node is offered nothing, but the job of its open diagnostic grant
-    when that job is queued, claimable and fits the node now."""
+    when that job is queued, claimable and fits the node now, and nothing else is
+    leased to the node: a diagnostic runs alone (the node has no other allocation),
+    once what the drain let finish has ended."""
     grant = store.open_grant(record.name)
     if grant is None:
         return []
@@ -361,9 +363,11 @@ def _granted_claim(
     off = offerable(job, registry, footprints)
     if off is None:
         return []
-    busy = store.live_lease_counts(now).get(record.name, 0)
+    busy = max(view.busy, store.live_lease_counts(now).get(record.name, 0))
+    if busy:  # its other jobs first: the diagnostic must not run beside them
+        return []
     # closed to all else, open to this one job (a draining agent claims only then)
-    view = dataclasses.replace(view, busy=max(view.busy, busy), accepting=True)
+    view = dataclasses.replace(view, busy=busy, accepting=True)
     if not placement.offers_for(view, [off], [], now=now, affinity_wait_s=timing.affinity_wait_s):
         return []
     lease_id = secrets.token_hex(8)

@@ -77,7 +77,10 @@ def grant_lines(store: ClusterStore, job_id: str) -> list[str]:
     out = []
     for g in store.grants_of_job(job_id):
         if g.open:
-            out.append(f"it has a diagnostic grant on node {g.node}: {g.reason}")
+            out.append(
+                f"it has a diagnostic grant on node {g.node}: {g.reason} (it runs there "
+                "alone, once the node's other jobs have ended)"
+            )
         elif g.used_at is not None:
             out.append(
                 f"it ran once on node {g.node} under a diagnostic grant (attempt {g.attempt}); "
